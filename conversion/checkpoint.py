@@ -1,0 +1,93 @@
+"""Converted checkpoints on disk: orbax params + `jaxdepth.json` (config, provenance) + tokenizer.
+
+A converted folder is written to a temporary sibling and renamed into place only when complete,
+so an interrupted conversion never leaves a half-written checkpoint that later looks valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from conversion.errors import ConversionError
+from jaxdepth.config import ModelConfig
+from jaxdepth.model import check_params
+
+MARKER = "jaxdepth.json"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class Converted:
+    """Params, config and tokenizer of one model, as produced by a converter."""
+
+    params: dict
+    config: ModelConfig
+    tokenizer: Optional[Any]
+    source: str
+
+
+def is_converted_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def save_converted(converted: Converted, out_dir: str, *, overwrite: bool = False) -> str:
+    """Write `converted` to `out_dir` atomically and return its absolute path."""
+    import orbax.checkpoint as ocp
+
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
+    check_params(converted.params, converted.config)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+    try:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.path.join(tmp, "params"), converted.params)
+        checkpointer.wait_until_finished()
+        if converted.tokenizer is not None:
+            converted.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(converted.params)})
+        meta = {"format": FORMAT_VERSION, "config": converted.config.to_dict(),
+                "source": converted.source, "dtypes": dtypes,
+                "has_tokenizer": converted.tokenizer is not None}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(meta, f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def restore_converted(path: str, *, load_tokenizer: bool = True) -> Converted:
+    """Read a folder written by `save_converted`."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        raise ConversionError(f"{path} is not a converted jaxdepth checkpoint (no {MARKER})")
+    with open(marker) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ConversionError(f"{marker}: format {meta.get('format')!r}, this jaxdepth reads {FORMAT_VERSION}")
+    config = ModelConfig.from_dict(meta["config"])
+    params = ocp.StandardCheckpointer().restore(os.path.join(path, "params"))
+    params = jax.tree.map(np.asarray, params)
+    check_params(params, config)
+    tokenizer = None
+    if load_tokenizer and meta.get("has_tokenizer"):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+    return Converted(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))

@@ -1,0 +1,151 @@
+"""Model configuration: a frozen, keyword-only description of a decoder-only transformer.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dictionary and refuses every
+architecture or config feature this project does not implement, naming the offending key:
+a silently ignored rope-scaling rule or sliding window would make every analysis wrong
+without any visible symptom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+class UnsupportedConfigError(ValueError):
+    """A checkpoint asks for an architecture or a config feature that is not implemented."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a pre-norm decoder (Qwen2 or Llama family).
+
+    `qkv_bias` distinguishes Qwen2 (biases on q/k/v projections) from Llama (none).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """Build a config from a Hugging Face `config.json` dict, refusing what is not handled."""
+        hf = dict(hf)
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"config key 'model_type' = {model_type!r} is not supported; supported: "
+                f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', "
+                "SmolLM2/Llama 3 are 'llama')")
+        _check_hf_features(hf)
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rope_theta=float(_rope_theta(hf)),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+        )
+
+
+# Keys that describe shapes/numerics read above, or carry no numerical meaning (bookkeeping,
+# generation defaults, dropout that is inactive at inference, init scales).
+_READ_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters",
+    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+}
+_INERT_KEYS = {
+    "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "attention_dropout", "output_hidden_states", "output_attentions", "return_dict",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+    "max_window_layers", "tokenizer_class", "_attn_implementation_autoset", "tf_legacy_loss",
+    "use_bfloat16",
+}
+
+
+def _check_hf_features(hf: Mapping[str, Any]) -> None:
+    """Raise on any config feature whose effect this implementation does not reproduce."""
+    def refuse(key, why):
+        raise UnsupportedConfigError(f"config key {key!r} = {hf[key]!r}: {why}")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "only 'silu' is implemented")
+    if hf.get("rope_scaling"):
+        refuse("rope_scaling", "rope scaling is not implemented")
+    params = hf.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default":
+        refuse("rope_parameters", "only rope_type 'default' is implemented")
+    extra_rope = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+    if extra_rope or params.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse("rope_parameters", "only full rotary with rope_type 'default' is implemented")
+    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        refuse("use_sliding_window", "sliding-window attention is not implemented")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        refuse("layer_types", "only 'full_attention' layers are implemented")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", "MLP biases are not implemented")
+    if hf.get("pretraining_tp", 1) != 1:
+        refuse("pretraining_tp", "tensor-parallel pretraining slices are not implemented")
+    if hf.get("quantization_config"):
+        refuse("quantization_config", "quantized HF checkpoints are not supported; use float weights")
+    handled_flags = {"hidden_act", "rope_scaling", "use_sliding_window", "sliding_window",
+                     "layer_types", "mlp_bias", "pretraining_tp", "quantization_config"}
+    for key in hf:
+        if key not in _READ_KEYS | _INERT_KEYS | handled_flags:
+            refuse(key, "this config key is not handled by jaxdepth; refusing to ignore it silently")
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        return params["rope_theta"]
+    if "rope_theta" in hf:
+        return hf["rope_theta"]
+    raise UnsupportedConfigError("config has neither 'rope_theta' nor rope_parameters['rope_theta']")

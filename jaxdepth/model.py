@@ -1,0 +1,234 @@
+"""The decoder forward pass: embed -> `lax.scan` over layers -> final norm -> unembed.
+
+Axis glossary (used in every shape annotation of the package)
+-------------------------------------------------------------
+batch     B   prompts in a batch, right-padded; `valid[b, t]` marks real tokens
+layer     L   decoder layers l = 0..L-1; residual boundaries h_0..h_L are L+1 ("boundary")
+seq       T   token positions
+embed     D   residual width (`hidden_size`)
+heads     H   query heads
+kv_heads  K   key/value heads; query head h reads kv head h // (H // K)
+head_dim  Dh  per-head width
+ffn       F   MLP width (`intermediate_size`)
+vocab     V   vocabulary
+
+Params are a plain nested dict of arrays (see `PARAM_SHAPES`); every per-layer weight is
+stacked on a leading layer axis, so the layer loop is a single `lax.scan`. Weights are stored
+`[in, out]` (`x @ W`). Pass params as an argument to jitted functions, never close over them:
+closed-over arrays become constants that XLA folds, and compile time explodes.
+
+Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight
+multiply, rotate-half rotary embedding with float32 angles, attention softmax in float32 with a
+finite mask value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxdepth.config import ModelConfig
+from jaxdepth.interventions import Interventions
+
+Params = dict[str, Any]
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The shape of every parameter, as a nested dict mirroring the params pytree."""
+    c = config
+    L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, D), "q": (L, D, q), "k": (L, D, kv), "v": (L, D, kv), "o": (L, q, D),
+        "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+    }
+    if c.qkv_bias:
+        layers.update({"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)})
+    shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, c.vocab_size)
+    return shapes
+
+
+def check_params(params: Params, config: ModelConfig) -> None:
+    """Raise if the params pytree does not have exactly the structure and shapes of `config`."""
+    expected = param_shapes(config)
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    if jax.tree.structure(expected, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.structure(
+            got, is_leaf=lambda x: isinstance(x, tuple)) or expected != got:
+        raise ValueError(f"params do not match the config.\nexpected: {expected}\ngot:      {got}")
+
+
+def random_params(config: ModelConfig, key: jax.Array, scale: float = 0.05) -> Params:
+    """Random params (normal weights, norm weights around 1) for tests and benchmarks."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        x = jax.random.normal(k, shape, jnp.float32)
+        out.append(1.0 + 0.1 * x if "norm" in path else scale * x)
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "*b D"]:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
+    """cos and sin of the rotate-half rotary embedding, computed in float32 as HF does."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N Dh"]:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention(p: Params, x: Float[Array, "B T D"], cos, sin, mask: Bool[Array, "B T T"],
+              config: ModelConfig) -> Float[Array, "B T D"]:
+    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights)."""
+    B, T, _ = x.shape
+    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
+    q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    if config.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    q = apply_rotary(q.reshape(B, T, H, Dh), cos, sin)
+    k = apply_rotary(k.reshape(B, T, K, Dh), cos, sin)
+    v = v.reshape(B, T, K, Dh)
+    # Group query heads by the kv head they read: head h = kv * G + g.
+    q = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (Dh ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, H * Dh)
+    return out @ p["o"]
+
+
+def mlp(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def attention_mask(valid: Bool[Array, "B T"]) -> Bool[Array, "B T T"]:
+    """Causal mask restricted to valid keys: query t sees keys s <= t with valid[s]."""
+    T = valid.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    return causal[None] & valid[:, None, :]
+
+
+# ----------------------------------------------------------------------------- the layer loop
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+    """What a tap sees of layer `index`: its input `h` (= h_l), sublayer outputs after the
+    keep-masks (`attn` = a_l, `mlp` = m_l) and its output `out` (= h_{l+1})."""
+
+    index: Int[Array, ""]
+    h: Float[Array, "B T D"]
+    attn: Float[Array, "B T D"]
+    mlp: Float[Array, "B T D"]
+    out: Float[Array, "B T D"]
+
+    @property
+    def delta(self) -> Float[Array, "B T D"]:
+        """The layer's contribution to the residual, h_{l+1} - h_l."""
+        return self.out - self.h
+
+
+Tap = Callable[[LayerRecord, Any], Any]
+
+
+def _keep(x, keep):
+    return x if keep is None else x * keep[..., None].astype(x.dtype)
+
+
+def _edit(h, boundary, iv: Interventions):
+    if iv.edit_boundary is None:
+        return h
+    hit = (iv.edit_boundary == boundary) & (iv.edit_mask > 0)
+    return jnp.where(hit[..., None], jnp.broadcast_to(iv.edit_value, h.shape).astype(h.dtype), h)
+
+
+def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
+               valid: Optional[Bool[Array, "B T"]] = None,
+               interventions: Optional[Interventions] = None,
+               tap: Optional[Tap] = None, tap_inputs: Any = None):
+    """Run every decoder layer on the residual `h0`, applying `interventions`.
+
+    `tap(record, x)` is called inside the scan for every layer with that layer's `LayerRecord`
+    and the layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its
+    results are stacked on a leading layer axis. Reduce inside the tap: that is what keeps
+    sweeps over all layers from holding `[L, B, T, D]` (or worse) per sweep member.
+
+    Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
+    """
+    B, T, _ = h0.shape
+    iv = interventions if interventions is not None else Interventions()
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    mask = attention_mask(valid)
+    cos, sin = rotary_tables(T, config.head_dim, config.rope_theta)
+    eps = config.rms_norm_eps
+
+    def layer(h, xs):
+        p, index, keep_layer, keep_attn, keep_mlp, tap_x = xs
+        h = _edit(h, index, iv)
+        a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config), keep_attn)
+        m = _keep(mlp(p, rms_norm(h + a, p["mlp_norm"], eps)), keep_mlp)
+        out = h + _keep(a + m, keep_layer)
+        tapped = None if tap is None else tap(LayerRecord(index=index, h=h, attn=a, mlp=m, out=out), tap_x)
+        return out, tapped
+
+    xs = (params["layers"], jnp.arange(config.num_layers), iv.keep_layer, iv.keep_attn,
+          iv.keep_mlp, tap_inputs)
+    h_last, taps = jax.lax.scan(layer, h0, xs)
+    return _edit(h_last, config.num_layers, iv), taps
+
+
+def embed(params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    return params["embed"][tokens]
+
+
+def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Float[Array, "*b V"]:
+    """Final RMSNorm then the LM head, as float32 logits (the logit lens applies it to any h_l)."""
+    x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
+            valid: Optional[Bool[Array, "B T"]] = None,
+            interventions: Optional[Interventions] = None) -> Float[Array, "B T V"]:
+    """Logits of the model on `tokens`, under `interventions` (none by default)."""
+    h, _ = run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions)
+    return unembed(params, h, config)
+
+
+def tap_residual(record: LayerRecord, _) -> Float[Array, "B T D"]:
+    """Tap returning each layer's input h_l."""
+    return record.h
+
+
+def residual_stream(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
+                    valid=None, interventions=None) -> Float[Array, "Lp1 B T D"]:
+    """All L+1 residual boundaries h_0..h_L, stacked on a leading axis."""
+    h_last, hs = run_layers(params, embed(params, tokens), config, valid=valid,
+                            interventions=interventions, tap=tap_residual)
+    return jnp.concatenate([hs, h_last[None]], axis=0)
