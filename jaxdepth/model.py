@@ -169,13 +169,16 @@ def _edit(h, boundary, iv: Interventions):
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
                valid: Optional[Bool[Array, "B T"]] = None,
                interventions: Optional[Interventions] = None,
-               tap: Optional[Tap] = None, tap_inputs: Any = None):
+               tap: Optional[Tap] = None, tap_inputs: Any = None, remat: bool = False):
     """Run every decoder layer on the residual `h0`, applying `interventions`.
 
     `tap(record, x)` is called inside the scan for every layer with that layer's `LayerRecord`
     and the layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its
     results are stacked on a leading layer axis. Reduce inside the tap: that is what keeps
     sweeps over all layers from holding `[L, B, T, D]` (or worse) per sweep member.
+
+    `remat=True` wraps the layer in `jax.checkpoint`, so a gradient through the stack keeps one
+    residual per layer instead of every intermediate activation.
 
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
@@ -197,7 +200,7 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
 
     xs = (params["layers"], jnp.arange(config.num_layers), iv.keep_layer, iv.keep_attn,
           iv.keep_mlp, tap_inputs)
-    h_last, taps = jax.lax.scan(layer, h0, xs)
+    h_last, taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, h0, xs)
     return _edit(h_last, config.num_layers, iv), taps
 
 

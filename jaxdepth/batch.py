@@ -1,0 +1,62 @@
+"""Prompts as arrays: right-padded token ids, a validity mask and where the answer starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """`tokens [B, T]` int32 right-padded, `valid [B, T]` bool, `answer_start [B]`: the position
+    of the first answer token (= the prompt length when a prompt has no answer part)."""
+
+    tokens: np.ndarray
+    valid: np.ndarray
+    answer_start: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.valid.sum(axis=1)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, index) -> "PromptBatch":
+        return PromptBatch(self.tokens[index], self.valid[index], self.answer_start[index])
+
+    def single(self, i: int, pad_to_multiple: int = 16) -> "PromptBatch":
+        """Prompt i alone, padded only to its own length rounded up to `pad_to_multiple`:
+        per-prompt sweeps then cost what the prompt costs, not what the longest one does, and
+        prompts of similar lengths still share a compiled computation."""
+        length = int(self.lengths[i])
+        T = min(-(-length // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
+        return PromptBatch(self.tokens[i:i + 1, :T], self.valid[i:i + 1, :T], self.answer_start[i:i + 1])
+
+    def answer_prediction_mask(self) -> np.ndarray:
+        """`[B, T]`: positions p whose output predicts an answer token, p+1 in the answer."""
+        pos = np.arange(self.tokens.shape[1])[None]
+        return (pos >= self.answer_start[:, None] - 1) & (pos <= self.lengths[:, None] - 2)
+
+
+def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Sequence[int]] = None,
+               *, pad_to_multiple: int = 16, pad_id: int = 0) -> PromptBatch:
+    """Right-pad token lists into a batch; the padded length is rounded up to `pad_to_multiple`
+    so prompts of similar lengths share one compiled computation."""
+    if not token_lists:
+        raise ValueError("no prompts")
+    lengths = [len(t) for t in token_lists]
+    if min(lengths) == 0:
+        raise ValueError("empty prompt")
+    T = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    tokens = np.full((len(token_lists), T), pad_id, np.int32)
+    valid = np.zeros((len(token_lists), T), bool)
+    for i, t in enumerate(token_lists):
+        tokens[i, :len(t)] = t
+        valid[i, :len(t)] = True
+    starts = np.asarray(lengths if answer_starts is None else answer_starts, np.int64)
+    if np.any(starts < 1) or np.any(starts > np.asarray(lengths)):
+        raise ValueError("answer_start must lie in 1..length (the answer needs a preceding position)")
+    return PromptBatch(tokens, valid, starts)

@@ -1,0 +1,151 @@
+"""Effects of skipping a layer (or one of its sublayers) on later layers and on the output
+(METHODS §3).
+
+For a skipped layer s and a split position t_s, layer s passes its input through unchanged at
+positions 1 <= p < t_s (position 0 is never skipped). We measure, at future positions
+p >= t_s, how much every layer j's contribution changes, `||Δ_j - Δ̄_j|| / ||Δ_j||`, and how
+much the output distribution moves, `||y_p - ȳ_p||_2`. All (s, t_s) pairs of a prompt are one
+vmapped computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from functools import partial
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdepth.batch import PromptBatch
+from jaxdepth.config import ModelConfig
+from jaxdepth.interventions import skip_layer
+from jaxdepth.model import LayerRecord, embed, run_layers, unembed
+from jaxdepth.results import SavedResult
+from jaxdepth.stats import masked_max, norm, relative_norm
+from jaxdepth.sweep import auto_chunk_size, sweep
+
+SUBLAYERS = ("layer", "attn", "mlp")
+MODES = ("future", "current")
+
+
+def sample_split_positions(lengths: Sequence[int], *, seed: int = 123, per_prompt: int = 4,
+                           start: int = 8, stride: int = 8, margin: int = 4) -> list[list[int]]:
+    """Per prompt, candidates `range(8, T-4, 8)` shuffled by one seeded generator for the whole
+    run (as the reference seeds Python's `random` once), the first `per_prompt` kept."""
+    rng = random.Random(seed)
+    chosen = []
+    for length in lengths:
+        candidates = list(range(start, int(length) - margin, stride))
+        rng.shuffle(candidates)
+        chosen.append(sorted(candidates[:per_prompt]))
+    return chosen
+
+
+def _tap_relative_change(measure):
+    def tap(r: LayerRecord, clean_delta):
+        change = relative_norm(clean_delta - r.delta, clean_delta)  # [1, T]
+        return masked_max(change, measure)
+    return tap
+
+
+@partial(jax.jit, static_argnames=("config", "sublayer", "chunk_size"))
+def skip_effects_of_prompt(params, tokens, valid, skipped_layers, skip_masks, measure_masks,
+                           config: ModelConfig, sublayer: str = "layer", chunk_size: Optional[int] = None):
+    """Effects of M skip interventions on one prompt (`tokens`, `valid`: `[1, T]`).
+
+    Member m skips `sublayer` of layer `skipped_layers[m]` where `skip_masks[m]` is 1 and
+    measures where `measure_masks[m]` (and `valid`) hold. Returns `(later [M, L], output [M])`;
+    `later[m, j]` is exactly 0 for j <= skipped_layers[m].
+    """
+    L = config.num_layers
+    h0 = embed(params, tokens)
+    h_clean, clean_deltas = run_layers(params, h0, config, valid=valid, tap=lambda r, _: r.delta)
+    clean_probs = jax.nn.softmax(unembed(params, h_clean, config), axis=-1)
+
+    def member(m):
+        layer, skip, measure = m
+        measure = measure[None] & valid
+        h, later = run_layers(params, h0, config, valid=valid,
+                              interventions=skip_layer(L, layer, skip, sublayer),
+                              tap=_tap_relative_change(measure), tap_inputs=clean_deltas)
+        later = jnp.where(jnp.arange(L) > layer, later[:, 0], 0.0)  # exact zeros by construction
+        probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
+        output = masked_max(norm(probs - clean_probs), measure)[0]
+        # The last layer feeds nothing but the output at its own positions, so skipping it
+        # where nothing is measured changes no measured output: exactly 0, not float noise.
+        output = jnp.where((layer == L - 1) & ~jnp.any(skip[None] * measure), 0.0, output)
+        return later, output
+
+    return sweep(member, (skipped_layers, skip_masks, measure_masks), chunk_size)
+
+
+@dataclasses.dataclass
+class LayerSkipResult(SavedResult):
+    """`later [L, L]`: effect of skipping layer s (row) on layer j's contribution (column);
+    `output [L]`: effect on the output probabilities. Max over positions, split positions and
+    prompts; per-prompt maxima and the split positions used are kept."""
+
+    later: np.ndarray
+    output: np.ndarray
+    later_per_prompt: np.ndarray
+    output_per_prompt: np.ndarray
+    split_positions: np.ndarray
+    settings: dict
+
+
+def _member_masks(length: int, T: int, splits: Sequence[int], mode: str):
+    pos = np.arange(T)
+    if mode == "current":
+        return [(pos >= 1) & (pos < length)], [pos < length]
+    return [(pos >= 1) & (pos < t) for t in splits], [(pos >= t) & (pos < length) for t in splits]
+
+
+def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str = "layer",
+               mode: str = "future", seed: int = 123, splits_per_prompt: int = 4,
+               chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
+               progress: bool = True, settings=None) -> LayerSkipResult:
+    """Layer-skip effects over a batch of prompts (one compiled sweep per prompt).
+
+    mode 'future' (default): skip before sampled split positions, measure after them.
+    mode 'current': skip every position but 0, measure every position.
+    """
+    if sublayer not in SUBLAYERS or mode not in MODES:
+        raise ValueError(f"sublayer must be one of {SUBLAYERS} and mode one of {MODES}")
+    L, T = config.num_layers, batch.tokens.shape[1]
+    lengths = batch.lengths
+    splits = sample_split_positions(lengths, seed=seed, per_prompt=splits_per_prompt)
+    n_splits = 1 if mode == "current" else splits_per_prompt
+    later_pp = np.zeros((len(batch), L, L), np.float32)
+    output_pp = np.zeros((len(batch), L), np.float32)
+    used = np.full((len(batch), splits_per_prompt), -1, np.int64)
+    for i in tqdm(range(len(batch)), desc=f"layer skip ({sublayer}, {mode})", disable=not progress):
+        if mode == "future" and not splits[i]:
+            continue  # prompt too short for any split position: it contributes nothing
+        one = batch.single(i)
+        Ti = one.tokens.shape[1]
+        skip, measure = _member_masks(int(lengths[i]), Ti, splits[i], mode)
+        # Pad to a fixed number of splits (repeating the first) so every prompt shares one
+        # compiled sweep; a repeated split changes no maximum.
+        skip += [skip[0]] * (n_splits - len(skip))
+        measure += [measure[0]] * (n_splits - len(measure))
+        layers = np.repeat(np.arange(L), n_splits)
+        chunk = chunk_size or auto_chunk_size(config, Ti, L * n_splits, memory_budget=memory_budget)
+        later, output = skip_effects_of_prompt(
+            params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
+            jnp.asarray(layers, jnp.int32), jnp.asarray(np.tile(skip, (L, 1)), jnp.float32),
+            jnp.asarray(np.tile(measure, (L, 1))), config, sublayer, chunk)
+        later_pp[i] = np.asarray(later).reshape(L, n_splits, L).max(axis=1)
+        output_pp[i] = np.asarray(output).reshape(L, n_splits).max(axis=1)
+        if mode == "future":
+            used[i, :len(splits[i])] = splits[i]
+    if mode == "future" and (used < 0).all():
+        raise ValueError("every prompt is too short for a split position (needs more than 12 tokens)")
+    return LayerSkipResult(
+        later=later_pp.max(axis=0), output=output_pp.max(axis=0), later_per_prompt=later_pp,
+        output_per_prompt=output_pp, split_positions=used,
+        settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "seed": seed,
+                  "splits_per_prompt": splits_per_prompt})

@@ -1,0 +1,71 @@
+"""Logit lens: how close is each layer's residual, read through the final norm and LM head,
+to the model's real output distribution (METHODS §2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdepth.batch import PromptBatch
+from jaxdepth.config import ModelConfig
+from jaxdepth.model import residual_stream, unembed
+from jaxdepth.results import SavedResult
+from jaxdepth.stats import prompt_mean, token_mean
+
+TOP_K = 5
+
+
+def lens_statistics(layer_logits, final_logp, final_top):
+    """KL(P_l || P) in nats and top-k overlap per position, from a layer's logits `[..., V]`,
+    the final log-probabilities `[..., V]` and the final top-k token ids `[..., k]`."""
+    logp_l = jax.nn.log_softmax(layer_logits.astype(jnp.float32), axis=-1)
+    kl = jnp.sum(jnp.exp(logp_l) * (logp_l - final_logp), axis=-1)
+    k = final_top.shape[-1]
+    top_l = jax.lax.top_k(layer_logits, k)[1]
+    overlap = jnp.sum(top_l[..., :, None] == final_top[..., None, :], axis=(-2, -1)) / k
+    return kl, overlap
+
+
+@partial(jax.jit, static_argnames="config")
+def lens_per_token(params, tokens, valid, config: ModelConfig):
+    """KL and top-5 overlap `[L, B, T]` each. Layers are read one at a time (`lax.map`), so only
+    one `[B, T, V]` logit tensor exists at once."""
+    hs = residual_stream(params, tokens, config, valid=valid)
+    final = unembed(params, hs[-1], config)
+    final_logp = jax.nn.log_softmax(final, axis=-1)
+    final_top = jax.lax.top_k(final, TOP_K)[1]
+    return jax.lax.map(lambda h: lens_statistics(unembed(params, h, config), final_logp, final_top), hs[:-1])
+
+
+@dataclasses.dataclass
+class LogitLensResult(SavedResult):
+    """Curves `[L]` for l = 0..L-1, aggregated as `settings['weighting']` says."""
+
+    kl: np.ndarray
+    overlap: np.ndarray
+    settings: dict
+
+
+def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
+               settings=None) -> LogitLensResult:
+    """KL(P_l || P) and top-5 overlap per layer; `weighting` is 'prompt' (mean over positions,
+    then over prompts: the default) or 'token' (mean over all tokens)."""
+    aggregate = {"prompt": prompt_mean, "token": token_mean}
+    if weighting not in aggregate:
+        raise ValueError(f"weighting must be 'prompt' or 'token', got {weighting!r}")
+    # One prompt at a time, trimmed to its own length: no compute or memory spent on padding,
+    # and `[T, V]` buffers small enough to stay in cache-friendly sizes.
+    L, T = config.num_layers, batch.tokens.shape[1]
+    kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
+    for i in range(len(batch)):
+        one = batch.single(i)
+        k, o = lens_per_token(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config)
+        Ti = one.tokens.shape[1]
+        kl[:, i, :Ti], overlap[:, i, :Ti] = np.asarray(k)[:, 0], np.asarray(o)[:, 0]
+    agg = aggregate[weighting]
+    return LogitLensResult(kl=agg(kl, batch.valid), overlap=agg(overlap, batch.valid),
+                           settings={**(settings or {}), "weighting": weighting})

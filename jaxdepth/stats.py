@@ -1,0 +1,40 @@
+"""Small numerical helpers shared by the analyses (float32, clamped denominators, masks)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+NORM_EPS = 1e-6  # METHODS: denominators of relative norms are clamped at 1e-6
+
+
+def norm(x, axis=-1):
+    x = x.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(x * x, axis=axis))
+
+
+def relative_norm(x, y):
+    """||x|| / max(||y||, 1e-6) over the last axis."""
+    return norm(x) / jnp.maximum(norm(y), NORM_EPS)
+
+
+def cosine(x, y):
+    """Cosine similarity over the last axis (0 where either vector is ~0)."""
+    x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+    return jnp.sum(x * y, axis=-1) / jnp.maximum(norm(x) * norm(y), NORM_EPS)
+
+
+def masked_max(x, mask, axis=-1):
+    """Max of x where mask is true; 0 where the mask is empty (effects are non-negative)."""
+    return jnp.max(jnp.where(mask, x, 0.0), axis=axis)
+
+
+def token_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Mean over every valid token of every prompt: `values [..., B, T]`, `valid [B, T]`."""
+    return np.sum(values * valid, axis=(-2, -1)) / np.sum(valid)
+
+
+def prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Mean over positions within each prompt, then over prompts."""
+    per_prompt = np.sum(values * valid, axis=-1) / np.sum(valid, axis=-1)
+    return per_prompt.mean(axis=-1)
