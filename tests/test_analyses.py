@@ -1,0 +1,296 @@
+"""Analyses on a tiny random model: vmapped sweeps against the same interventions run one at a
+time, chunked against unchunked, exact zeros, and statistics against direct numpy formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens
+from jaxdepth.batch import make_batch
+from jaxdepth.config import ModelConfig
+from jaxdepth.interventions import replace_residual, skip_layer
+from jaxdepth.model import forward, random_params, residual_stream, run_layers, embed
+
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CONFIG, jax.random.key(1), scale=0.2)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    return make_batch([rng.integers(0, 97, 30).tolist(), rng.integers(0, 97, 23).tolist()], [20, 15])
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@jax.jit
+def _probs(params, tokens, valid, interventions):
+    return jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=interventions), -1)
+
+
+@jax.jit
+def _deltas(params, tokens, valid, interventions):
+    return run_layers(params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions,
+                      tap=lambda r, _: r.delta)[1]
+
+
+def probs(params, tokens, valid, interventions=None):
+    """Output probabilities of one plain (not vmapped) forward."""
+    return np.asarray(_probs(params, tokens, valid, interventions))
+
+
+def deltas(params, tokens, valid, interventions=None):
+    """Every layer's contribution h_{l+1} - h_l of one plain forward, [L, B, T, D]."""
+    return np.asarray(_deltas(params, tokens, valid, interventions))
+
+
+# ----------------------------------------------------------------------------- §1
+
+def test_contributions_match_numpy(params, batch):
+    result = contributions.contributions(params, batch, CONFIG)
+    hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid)))
+    _, (a, m) = run_layers(params, embed(params, jnp.asarray(batch.tokens)), CONFIG,
+                           valid=jnp.asarray(batch.valid), tap=lambda r, _: (r.attn, r.mlp))
+    a, m, h = np.asarray(a, np.float64), np.asarray(m, np.float64), hs[:-1].astype(np.float64)
+    v = batch.valid
+    n = lambda x: np.linalg.norm(x, axis=-1)
+    cos = lambda x, y: np.sum(x * y, -1) / (n(x) * n(y))
+    mean = lambda x: (x * v).sum(axis=(1, 2)) / v.sum()
+    np.testing.assert_allclose(result.norm_attn, mean(n(a) / n(h)), rtol=1e-4)
+    np.testing.assert_allclose(result.norm_mlp, mean(n(m) / n(h + a)), rtol=1e-4)
+    np.testing.assert_allclose(result.norm_layer, mean(n(a + m) / n(h)), rtol=1e-4)
+    np.testing.assert_allclose(result.cos_attn, mean(cos(a, h)), atol=1e-5)
+    np.testing.assert_allclose(result.cos_mlp, mean(cos(m, h + a)), atol=1e-5)
+    np.testing.assert_allclose(result.cos_layer, mean(cos(a + m, h)), atol=1e-5)
+    # h_{l+1} - h_l is the layer contribution a_l + m_l
+    np.testing.assert_allclose(np.diff(hs, axis=0), a + m, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- §2
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_logit_lens_matches_numpy(params, batch):
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    hs = np.asarray(residual_stream(params, tokens, CONFIG, valid=valid), np.float64)
+    p = {k: np.asarray(v, np.float64) for k, v in params.items() if k != "layers"}
+
+    def lens_logits(h):
+        x = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + CONFIG.rms_norm_eps) * p["final_norm"]
+        return x @ p["lm_head"]
+
+    final = _log_softmax(lens_logits(hs[-1]))
+    top_final = np.argsort(-final, -1)[..., :5]
+    kl = np.zeros((CONFIG.num_layers,) + batch.tokens.shape)
+    overlap = np.zeros_like(kl)
+    for l in range(CONFIG.num_layers):
+        logp_l = _log_softmax(lens_logits(hs[l]))
+        kl[l] = np.sum(np.exp(logp_l) * (logp_l - final), -1)  # KL(P_l || P): layer first
+        top_l = np.argsort(-logp_l, -1)[..., :5]
+        overlap[l] = (top_l[..., :, None] == top_final[..., None, :]).sum((-2, -1)) / 5
+    v = batch.valid
+    prompt_weighted = ((kl * v).sum(-1) / v.sum(-1)).mean(-1)
+    token_weighted = (kl * v).sum((1, 2)) / v.sum()
+    result = logit_lens.logit_lens(params, batch, CONFIG)
+    np.testing.assert_allclose(result.kl, prompt_weighted, rtol=1e-4)
+    np.testing.assert_allclose(result.overlap, ((overlap * v).sum(-1) / v.sum(-1)).mean(-1), atol=1e-6)
+    np.testing.assert_allclose(logit_lens.logit_lens(params, batch, CONFIG, weighting="token").kl,
+                               token_weighted, rtol=1e-4)
+    assert not np.allclose(prompt_weighted, token_weighted)  # the two weightings really differ
+
+
+# ----------------------------------------------------------------------------- §3
+
+def _skip_reference(params, one, layer, split, sublayer):
+    """The same skip intervention through the plain forward, one at a time, numpy statistics."""
+    T = one.tokens.shape[1]
+    length = int(one.lengths[0])
+    pos = np.arange(T)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    iv = skip_layer(CONFIG.num_layers, layer, ((pos >= 1) & (pos < split)).astype(np.float32), sublayer)
+    d_clean, d_skip = deltas(params, tokens, valid), deltas(params, tokens, valid, iv)
+    ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
+    future = (pos >= split) & (pos < length)
+    later = ratio[:, 0, future].max(-1)
+    out = np.linalg.norm(probs(params, tokens, valid) - probs(params, tokens, valid, iv), axis=-1)[0, future].max()
+    return later, out
+
+
+@pytest.mark.parametrize("sublayer", ["layer", "attn", "mlp"])
+def test_layer_skip_sweep_equals_one_at_a_time(params, batch, sublayer):
+    result = layer_skip.layer_skip(params, batch, CONFIG, sublayer=sublayer, progress=False)
+    L = CONFIG.num_layers
+    for i in range(len(batch)):
+        splits = [t for t in result.split_positions[i] if t >= 0]
+        assert splits, "every test prompt is long enough for a split position"
+        ref_later = np.zeros((L, L))
+        ref_out = np.zeros(L)
+        for s in range(L):
+            for t in splits:
+                later, out = _skip_reference(params, batch.single(i), s, t, sublayer)
+                ref_later[s] = np.maximum(ref_later[s], np.where(np.arange(L) > s, later, 0))
+                ref_out[s] = max(ref_out[s], out)
+        np.testing.assert_allclose(result.later_per_prompt[i], ref_later, atol=2e-5)
+        np.testing.assert_allclose(result.output_per_prompt[i], ref_out, atol=2e-6)
+    np.testing.assert_array_equal(result.later, result.later_per_prompt.max(0))
+
+
+def test_layer_skip_exact_zeros_and_chunking(params, batch):
+    full = layer_skip.layer_skip(params, batch, CONFIG, progress=False)
+    chunked = layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=3)
+    lower = np.tril(np.ones((CONFIG.num_layers,) * 2, bool))
+    assert np.all(full.later[lower] == 0.0) and np.all(full.later_per_prompt[:, lower] == 0.0)
+    assert np.all(full.later[~lower] > 0)
+    assert full.output[-1] == 0.0  # the last layer, skipped before t_s, cannot reach p >= t_s
+    np.testing.assert_allclose(chunked.later, full.later, atol=1e-6)
+    np.testing.assert_allclose(chunked.output, full.output, atol=1e-7)
+
+
+def test_split_positions_follow_the_reference_sampling():
+    import random
+
+    rng = random.Random(123)
+    expected = []
+    for length in (30, 50, 12):
+        c = list(range(8, length - 4, 8))
+        rng.shuffle(c)
+        expected.append(sorted(c[:4]))
+    assert layer_skip.sample_split_positions([30, 50, 12], seed=123) == expected
+    assert expected[2] == []  # range(8, 8, 8) is empty: too short
+
+
+def test_current_mode_skips_all_but_position_zero(params, batch):
+    result = layer_skip.layer_skip(params, batch.select(slice(0, 1)), CONFIG, mode="current", progress=False)
+    one = batch.single(0)
+    pos = np.arange(one.tokens.shape[1])
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    iv = skip_layer(CONFIG.num_layers, 1, (pos >= 1).astype(np.float32))
+    out = np.linalg.norm(probs(params, tokens, valid) - probs(params, tokens, valid, iv), axis=-1)[0, :30].max()
+    np.testing.assert_allclose(result.output[1], out, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- §4
+
+def test_erasure_sweep_equals_one_at_a_time(params, batch):
+    baseline = erasure.mean_residuals(params, batch, CONFIG)
+    hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid)))
+    np.testing.assert_allclose(baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(),
+                               rtol=1e-5, atol=1e-6)
+    result = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False)
+    chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=7)
+    np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
+    i = 1
+    one = batch.single(i)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    clean = probs(params, tokens, valid)
+    answer = one.answer_prediction_mask()[0]
+    length = int(one.lengths[0])
+    for l in range(CONFIG.num_layers + 1):
+        for t in range(length):
+            iv = replace_residual(l, np.arange(one.tokens.shape[1]) == t, baseline[l])
+            diff = np.linalg.norm(probs(params, tokens, valid, iv) - clean, axis=-1)[0]
+            assert result.effects[i, l, t] == pytest.approx(diff[answer].max(), abs=2e-6)
+    # after the last answer-predicting position nothing can change: exact zeros
+    assert np.all(result.effects[i, :, length - 1:] == 0.0)
+    assert np.all(result.effects[0, :, int(batch.lengths[0]) - 1:] == 0.0)
+
+
+# ----------------------------------------------------------------------------- §5
+
+@jax.jit
+def _objective_arrays(params, tokens, valid, answer, layer, z):
+    T = tokens.shape[1]
+    iv = replace_residual(layer + 1, jnp.ones(T, jnp.float32), z)
+    p = jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=iv), -1)[0]
+    target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
+    return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))
+
+
+_objective_grad = jax.jit(jax.grad(_objective_arrays, argnums=5))
+
+
+def _objective(params, one, layer, z, grad=False):
+    """F: summed teacher-forced answer probabilities with h_{layer+1} set to z (or its gradient)."""
+    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(one.answer_prediction_mask()[0]),
+            layer, z)
+    return (_objective_grad if grad else _objective_arrays)(*args)
+
+
+def test_integrated_gradients_equal_one_at_a_time(params, batch):
+    steps = 6
+    result = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
+                                     progress=False)
+    chunked = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
+                                      progress=False, chunk_size=5)
+    np.testing.assert_allclose(chunked.attributions, result.attributions, rtol=1e-5, atol=1e-8)
+    one = batch.single(1)
+    hs = residual_stream(params, jnp.asarray(one.tokens), CONFIG, valid=jnp.asarray(one.valid))
+    alphas, weights = ig.quadrature("midpoint", steps)
+    for layer in range(CONFIG.num_layers):
+        x = hs[layer + 1]
+        v = one.valid[0][:, None]
+        b = (np.asarray(x[0]) * v).sum(0, keepdims=True) / v.sum()
+        grads = [_objective(params, one, layer, b + a * (x - b), grad=True) for a in alphas]
+        mean_grad = sum(w * g for w, g in zip(weights, grads))[0]
+        expected = np.sum((np.asarray(x[0]) - b) * np.asarray(mean_grad), -1) * one.valid[0]
+        np.testing.assert_allclose(result.attributions[0, layer, :len(expected)], expected, atol=1e-6)
+        f_b = _objective(params, one, layer, jnp.broadcast_to(b, x.shape))
+        assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
+    assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
+
+
+def test_ig_completeness_gap_shrinks_with_steps(params, batch):
+    gaps = [np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n,
+                                           progress=False).gap).max() for n in (2, 8, 32)]
+    assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0
+
+
+def test_ig_zero_where_the_output_cannot_depend(params, batch):
+    result = ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    last_prediction = int(batch.lengths[0]) - 2
+    # positions after the last answer prediction reach no measured output: exactly zero
+    assert np.all(result.attributions[0, :, last_prediction + 1:] == 0.0)
+    assert np.any(result.attributions[0, :, :last_prediction + 1] != 0.0)
+    # a model whose output ignores the residual (zero final norm): every layer's attribution is 0
+    dead = {**params, "final_norm": jnp.zeros_like(params["final_norm"])}
+    flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    assert np.all(flat.attributions == 0.0) and np.all(flat.gap == 0.0)
+
+
+def test_quadrature_rules_integrate_exactly():
+    for rule, steps in (("left", 4), ("midpoint", 4), ("gauss", 3)):
+        a, w = ig.quadrature(rule, steps)
+        assert np.isclose(w.sum(), 1.0)
+    a, w = ig.quadrature("left", 4)
+    np.testing.assert_array_equal(a, [0, 0.25, 0.5, 0.75])
+    a, w = ig.quadrature("gauss", 3)
+    assert np.isclose(np.sum(w * a ** 5), 1 / 6)  # exact for polynomials up to degree 5
+
+
+# ----------------------------------------------------------------------------- compilation
+
+def test_new_intervention_values_do_not_recompile(params, batch):
+    one = batch.single(0)
+    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid))
+    before = layer_skip.skip_effects_of_prompt._cache_size()
+    T = one.tokens.shape[1]
+    for t in (9, 17):
+        pos = np.arange(T)
+        layer_skip.skip_effects_of_prompt(*args, jnp.arange(4, dtype=jnp.int32),
+                                          jnp.asarray(np.tile((pos >= 1) & (pos < t), (4, 1)), jnp.float32),
+                                          jnp.asarray(np.tile(pos >= t, (4, 1))), CONFIG, "layer", None)
+    assert layer_skip.skip_effects_of_prompt._cache_size() == before + 1
