@@ -35,6 +35,17 @@ class PromptBatch:
         T = min(-(-length // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
         return PromptBatch(self.tokens[i:i + 1, :T], self.valid[i:i + 1, :T], self.answer_start[i:i + 1])
 
+    def answer_positions(self, i: int, pad_to_multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt i's answer-predicting positions, padded to a multiple of `pad_to_multiple`
+        (a static size for compilation) by repeating the last one; returns `(positions [A],
+        real [A] bool)`. Reading the output only there saves the LM head on question tokens."""
+        positions = np.nonzero(self.answer_prediction_mask()[i])[0]
+        if len(positions) == 0:
+            raise ValueError(f"prompt {i} has no answer token to measure")
+        A = -(-len(positions) // pad_to_multiple) * pad_to_multiple
+        real = np.arange(A) < len(positions)
+        return np.concatenate([positions, np.full(A - len(positions), positions[-1])]).astype(np.int32), real
+
     def answer_prediction_mask(self) -> np.ndarray:
         """`[B, T]`: positions p whose output predicts an answer token, p+1 in the answer."""
         pos = np.arange(self.tokens.shape[1])[None]

@@ -26,36 +26,84 @@ def _convert(args) -> int:
     return 0
 
 
+def _data_paths(specs, datasets) -> dict:
+    """`--data` entries: `NAME=PATH`, or a bare PATH when exactly one dataset is run."""
+    paths = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            if len(datasets) != 1:
+                raise ValueError("with several datasets, give --data as NAME=PATH")
+            name, path = datasets[0], spec
+        paths[name] = path
+    return paths
+
+
 def _run(args) -> int:
     from jaxdepth import effective_depth as ed
     from jaxdepth.loading import load
-    from jaxdepth.prompts import DATASETS, encode, load_prompts
-    from jaxdepth.study import StudySettings, run_study
+    from jaxdepth.prompts import DATASETS, DatasetError, encode, load_prompts
+    from jaxdepth.study import ANALYSES, StudySettings, run_study
 
     start = time.perf_counter()
+    analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
+    unknown = set(analyses) - set(ANALYSES)
+    if unknown:
+        raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
+    paths = _data_paths(args.data, args.dataset)
     model = load(args.model)
     if model.tokenizer is None:
-        raise SystemExit(f"error: the model from {args.model} has no tokenizer; prompts cannot be encoded")
+        raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
-    settings = StudySettings(num_prompts=args.prompts, seed=args.seed, ig_steps=args.ig_steps)
-    analyses = args.analyses.split(",") if args.analyses else None
+
+    def prompts_of(name, path, limit):
+        spec = DATASETS[name]
+        return encode(model.tokenizer, load_prompts(name, path, limit=None if spec.max_tokens else limit),
+                      max_tokens=spec.max_tokens, context=model.config.max_position_embeddings, limit=limit)
+
+    baseline = None
+    if "erasure" in analyses:
+        try:
+            baseline = prompts_of("gsm8k", args.baseline_data, 10)
+            baseline_name = f"gsm8k[:10] ({args.baseline_data or 'hub'})"
+        except DatasetError as e:
+            print(f"warning: erasure baseline falls back to each dataset's own prompts: {e}", file=sys.stderr)
+            baseline_name = "own prompts"
+    settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
+                             ig_steps=args.ig_steps)
+    summary = []
     for name in args.dataset:
-        path = args.data if len(args.dataset) == 1 else None
-        prompts = load_prompts(name, path, limit=None if DATASETS[name].max_tokens else args.prompts)
-        batch = encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
-                       context=model.config.max_position_embeddings, limit=args.prompts)
+        batch = prompts_of(name, paths.get(name), args.prompts)
         print(f"{name}: {len(batch)} prompts, {int(batch.valid.sum())} tokens")
-        kwargs = {} if analyses is None else {"analyses": analyses}
-        results = run_study(model, args.model, name, batch, args.out, settings=settings, **kwargs)
+        results = run_study(model, args.model, name, batch, args.out, analyses=analyses, settings=settings,
+                            baseline_batch=baseline)
+        line = [name]
         if "contributions" in results:
-            print(f"  cosine ED:  {ed.cosine_effective_depth(results['contributions'].mean_cosine)}")
+            line.append(f"cosine ED {ed.cosine_effective_depth(results['contributions'].mean_cosine)}")
         if "logit_lens" in results:
             lens = results["logit_lens"]
-            print(f"  KL ED:      {ed.kl_effective_depth(lens.kl)}")
-            print(f"  overlap ED: {ed.overlap_effective_depth(lens.overlap)}")
+            line.append(f"KL ED {ed.kl_effective_depth(lens.kl)}")
+            line.append(f"overlap ED {ed.overlap_effective_depth(lens.overlap)}")
         if "layer_skip" in results:
-            print(f"  depth score (layer skip): {ed.depth_score(results['layer_skip']['layer'].later):.2f}")
+            line.append(f"depth score {ed.depth_score(results['layer_skip']['layer'].later):.2f}")
+        if "integrated_gradients" in results:
+            gap = abs(results["integrated_gradients"].gap).max()
+            line.append(f"IG max |completeness gap| {gap:.2g}")
+        summary.append("  " + "; ".join(line))
+    if "erasure" in analyses:
+        print(f"erasure baseline: {baseline_name}")
+    print("\n".join(summary))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
+    return 0
+
+
+def _table(args) -> int:
+    from jaxdepth.table import collect, to_markdown, write_table
+
+    rows = collect(args.results)
+    print(to_markdown(rows), end="")
+    md, csv_path = write_table(rows, args.out)
+    print(f"wrote {md} and {csv_path}")
     return 0
 
 
@@ -72,15 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the analyses on a model and prompt set")
     run.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
-    run.add_argument("--dataset", nargs="+", default=["gsm8k"], choices=["gsm8k", "hellaswag", "aime24"])
-    run.add_argument("--data", help="local JSONL file for the dataset (default: the hub via `datasets`)")
+    run.add_argument("--dataset", nargs="+", default=["default"],
+                     choices=["default", "gsm8k", "hellaswag", "aime24"],
+                     help="default: short arithmetic prompts shipped with jaxdepth (no network needed)")
+    run.add_argument("--data", action="append", metavar="[NAME=]PATH",
+                     help="local JSONL file for a dataset (default: the hub via `datasets`)")
     run.add_argument("--prompts", type=int, default=10)
+    run.add_argument("--detail-prompts", type=int,
+                     help="prompts for erasure and integrated gradients, the per-position sweeps (default: all)")
+    run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (first 10 test prompts)")
     run.add_argument("--analyses", help="comma-separated subset of: contributions,logit_lens,"
                      "layer_skip,erasure,integrated_gradients (default: all)")
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--ig-steps", type=int, default=256)
     run.add_argument("--out", default="results")
     run.set_defaults(func=_run)
+
+    table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")
+    table.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")
+    table.add_argument("--out", default="effective_depth_table", help="output prefix for .md and .csv")
+    table.set_defaults(func=_table)
     return parser
 
 
@@ -88,7 +147,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

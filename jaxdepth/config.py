@@ -105,7 +105,7 @@ _INERT_KEYS = {
     "attention_dropout", "output_hidden_states", "output_attentions", "return_dict",
     "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
     "max_window_layers", "tokenizer_class", "_attn_implementation_autoset", "tf_legacy_loss",
-    "use_bfloat16",
+    "use_bfloat16", "is_llama_config", "transformers.js_config",
 }
 
 
@@ -133,10 +133,15 @@ def _check_hf_features(hf: Mapping[str, Any]) -> None:
         refuse("mlp_bias", "MLP biases are not implemented")
     if hf.get("pretraining_tp", 1) != 1:
         refuse("pretraining_tp", "tensor-parallel pretraining slices are not implemented")
+    if hf.get("use_mrope"):
+        refuse("use_mrope", "multimodal rotary embeddings (M-RoPE) are not implemented")
+    if hf.get("rope_interleaved"):
+        refuse("rope_interleaved", "interleaved rotary embeddings are not implemented (HF Llama/Qwen2 rotate halves)")
     if hf.get("quantization_config"):
         refuse("quantization_config", "quantized HF checkpoints are not supported; use float weights")
     handled_flags = {"hidden_act", "rope_scaling", "use_sliding_window", "sliding_window",
-                     "layer_types", "mlp_bias", "pretraining_tp", "quantization_config"}
+                     "layer_types", "mlp_bias", "pretraining_tp", "quantization_config",
+                     "use_mrope", "rope_interleaved"}
     for key in hf:
         if key not in _READ_KEYS | _INERT_KEYS | handled_flags:
             refuse(key, "this config key is not handled by jaxdepth; refusing to ignore it silently")

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from jaxdepth.batch import PromptBatch
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import replace_residual
-from jaxdepth.model import embed, residual_stream, run_layers, unembed
+from jaxdepth.model import residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
 from jaxdepth.stats import masked_max, norm
 from jaxdepth.sweep import auto_chunk_size, sweep
@@ -43,31 +43,31 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
 
 
 @partial(jax.jit, static_argnames=("config", "chunk_size"))
-def erasure_of_prompt(params, tokens, valid, answer_mask, baseline, config: ModelConfig,
+def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
                       chunk_size: Optional[int] = None):
-    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`, `answer_mask`:
-    `[1, T]`; `answer_mask` marks positions predicting answer tokens)."""
+    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
+    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
+
+    Boundaries run one after another (`lax.map`), the positions of a boundary as one chunked
+    sweep. An erasure at boundary l starts from the clean h_l: layers before l are not rerun.
+    """
     L, T = config.num_layers, tokens.shape[1]
-    h0 = embed(params, tokens)
-    h_clean, _ = run_layers(params, h0, config, valid=valid)
-    clean_probs = jax.nn.softmax(unembed(params, h_clean, config), axis=-1)
-    boundaries, positions = jnp.meshgrid(jnp.arange(L + 1), jnp.arange(T), indexing="ij")
+    hs = residual_stream(params, tokens, config, valid=valid)
+    answer_probs = lambda h: jax.nn.softmax(unembed(params, h[:, answer_positions], config), axis=-1)
+    clean = answer_probs(hs[-1])
+    pos = jnp.arange(T)
 
-    def member(m):
-        boundary, position = m
-        onehot = jnp.arange(T) == position
-        iv = replace_residual(boundary, onehot, baseline[boundary])
-        h, _ = run_layers(params, h0, config, valid=valid, interventions=iv)
-        probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
-        # Causality: an erasure at t changes no position before t, and at the last boundary
-        # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
-        pos = jnp.arange(T)
-        reach = jnp.where(boundary == L, pos == position, pos >= position)
-        affected = answer_mask & reach[None]
-        return masked_max(norm(probs - clean_probs), affected)[0]
+    def boundary_effects(boundary):
+        def member(position):
+            iv = replace_residual(boundary, pos == position, baseline[boundary])
+            h, _ = run_layers_from(params, hs[boundary], boundary, config, valid=valid, interventions=iv)
+            # Causality: an erasure at t changes no position before t, and at the last boundary
+            # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
+            reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
+            return masked_max(norm(answer_probs(h) - clean), reach[None])[0]
+        return sweep(member, pos, chunk_size)
 
-    effects = sweep(member, (boundaries.reshape(-1), positions.reshape(-1)), chunk_size)
-    return effects.reshape(L + 1, T)
+    return jax.lax.map(boundary_effects, jnp.arange(L + 1))
 
 
 @dataclasses.dataclass
@@ -93,9 +93,10 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     for i in tqdm(range(len(batch)), desc="residual erasure", disable=not progress):
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        chunk = chunk_size or auto_chunk_size(config, Ti, (L + 1) * Ti, memory_budget=memory_budget)
+        chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
+        positions, _ = one.answer_positions(0)
         effects[i, :, :Ti] = np.asarray(erasure_of_prompt(
-            params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-            jnp.asarray(one.answer_prediction_mask()), jnp.asarray(baseline), config, chunk))
+            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
+            jnp.asarray(baseline), config, chunk))
     return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
                          answer_start=batch.answer_start, settings=dict(settings or {}))

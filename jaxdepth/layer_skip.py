@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from jaxdepth.batch import PromptBatch
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import skip_layer
-from jaxdepth.model import LayerRecord, embed, run_layers, unembed
+from jaxdepth.model import LayerRecord, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
 from jaxdepth.stats import masked_max, norm, relative_norm
 from jaxdepth.sweep import auto_chunk_size, sweep
@@ -53,34 +53,38 @@ def _tap_relative_change(measure):
 
 
 @partial(jax.jit, static_argnames=("config", "sublayer", "chunk_size"))
-def skip_effects_of_prompt(params, tokens, valid, skipped_layers, skip_masks, measure_masks,
-                           config: ModelConfig, sublayer: str = "layer", chunk_size: Optional[int] = None):
-    """Effects of M skip interventions on one prompt (`tokens`, `valid`: `[1, T]`).
+def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
+                           sublayer: str = "layer", chunk_size: Optional[int] = None):
+    """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
+    (`tokens`, `valid`: `[1, T]`).
 
-    Member m skips `sublayer` of layer `skipped_layers[m]` where `skip_masks[m]` is 1 and
-    measures where `measure_masks[m]` (and `valid`) hold. Returns `(later [M, L], output [M])`;
-    `later[m, j]` is exactly 0 for j <= skipped_layers[m].
+    Member (s, k) skips layer s where `skip_masks[k]` is 1 and measures where
+    `measure_masks[k]` (and `valid`) hold. Returns `(later [L, K, L], output [L, K])`;
+    `later[s, k, j]` is exactly 0 for j <= s. Skipped layers run one after another
+    (`lax.map`), each starting from the clean h_s: the layers before s are not rerun.
     """
     L = config.num_layers
-    h0 = embed(params, tokens)
-    h_clean, clean_deltas = run_layers(params, h0, config, valid=valid, tap=lambda r, _: r.delta)
-    clean_probs = jax.nn.softmax(unembed(params, h_clean, config), axis=-1)
+    hs = residual_stream(params, tokens, config, valid=valid)
+    clean_deltas = hs[1:] - hs[:-1]
+    clean_probs = jax.nn.softmax(unembed(params, hs[-1], config), axis=-1)
 
-    def member(m):
-        layer, skip, measure = m
-        measure = measure[None] & valid
-        h, later = run_layers(params, h0, config, valid=valid,
-                              interventions=skip_layer(L, layer, skip, sublayer),
-                              tap=_tap_relative_change(measure), tap_inputs=clean_deltas)
-        later = jnp.where(jnp.arange(L) > layer, later[:, 0], 0.0)  # exact zeros by construction
-        probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
-        output = masked_max(norm(probs - clean_probs), measure)[0]
-        # The last layer feeds nothing but the output at its own positions, so skipping it
-        # where nothing is measured changes no measured output: exactly 0, not float noise.
-        output = jnp.where((layer == L - 1) & ~jnp.any(skip[None] * measure), 0.0, output)
-        return later, output
+    def effects_of_layer(layer):
+        def member(m):
+            skip, measure = m
+            measure = measure[None] & valid
+            h, later = run_layers_from(params, hs[layer], layer, config, valid=valid,
+                                       interventions=skip_layer(L, layer, skip, sublayer),
+                                       tap=_tap_relative_change(measure), tap_inputs=clean_deltas)
+            later = jnp.where(jnp.arange(L) > layer, later[:, 0], 0.0)  # exact zeros by construction
+            probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
+            output = masked_max(norm(probs - clean_probs), measure)[0]
+            # The last layer feeds nothing but the output at its own positions, so skipping it
+            # where nothing is measured changes no measured output: exactly 0, not float noise.
+            output = jnp.where((layer == L - 1) & ~jnp.any(skip[None] * measure), 0.0, output)
+            return later, output
+        return sweep(member, (skip_masks, measure_masks), chunk_size)
 
-    return sweep(member, (skipped_layers, skip_masks, measure_masks), chunk_size)
+    return jax.lax.map(effects_of_layer, jnp.arange(L))
 
 
 @dataclasses.dataclass
@@ -132,14 +136,12 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         # compiled sweep; a repeated split changes no maximum.
         skip += [skip[0]] * (n_splits - len(skip))
         measure += [measure[0]] * (n_splits - len(measure))
-        layers = np.repeat(np.arange(L), n_splits)
-        chunk = chunk_size or auto_chunk_size(config, Ti, L * n_splits, memory_budget=memory_budget)
+        chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output = skip_effects_of_prompt(
-            params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-            jnp.asarray(layers, jnp.int32), jnp.asarray(np.tile(skip, (L, 1)), jnp.float32),
-            jnp.asarray(np.tile(measure, (L, 1))), config, sublayer, chunk)
-        later_pp[i] = np.asarray(later).reshape(L, n_splits, L).max(axis=1)
-        output_pp[i] = np.asarray(output).reshape(L, n_splits).max(axis=1)
+            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(np.stack(skip), jnp.float32),
+            jnp.asarray(np.stack(measure)), config, sublayer, chunk)
+        later_pp[i] = np.asarray(later).max(axis=1)
+        output_pp[i] = np.asarray(output).max(axis=1)
         if mode == "future":
             used[i, :len(splits[i])] = splits[i]
     if mode == "future" and (used < 0).all():

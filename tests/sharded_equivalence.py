@@ -1,0 +1,59 @@
+"""Run by tests/test_sharding.py in a fresh interpreter with 8 host CPU devices: every
+analysis on a 4 (data) x 2 (model) mesh must equal the same analysis on one device."""
+
+import os
+import sys
+
+assert "xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", ""), "needs 8 host devices"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens  # noqa: E402
+from jaxdepth.batch import make_batch  # noqa: E402
+from jaxdepth.config import ModelConfig  # noqa: E402
+from jaxdepth.model import random_params  # noqa: E402
+from jaxdepth.sharding import make_mesh, shard_params  # noqa: E402
+
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                     max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=True)
+
+
+def run_all(params, batch):
+    baseline = erasure.mean_residuals(params, batch, CONFIG)
+    return {
+        "contributions": contributions.contributions(params, batch, CONFIG).cos_layer,
+        "lens_kl": logit_lens.logit_lens(params, batch, CONFIG).kl,
+        "skip_later": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).later,
+        "skip_output": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).output,
+        "erasure": erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=8).effects,
+        "ig": ig.integrated_gradients(params, batch, CONFIG, steps=4, progress=False, chunk_size=8).attributions,
+    }
+
+
+def main():
+    assert len(jax.devices()) == 8
+    params = random_params(CONFIG, 0, scale=0.2)
+    rng = np.random.default_rng(0)
+    batch = make_batch([rng.integers(0, 96, 26).tolist(), rng.integers(0, 96, 19).tolist()], [18, 12])
+    with jax.default_matmul_precision("highest"):
+        single = run_all(params, batch)
+        mesh = make_mesh(data=4, model=2)
+        sharded_params = shard_params(params, mesh)
+        assert sharded_params["layers"]["q"].sharding.spec[2] == "model"
+        with jax.set_mesh(mesh):
+            sharded = run_all(sharded_params, batch)
+    worst = 0.0
+    for name in single:
+        diff = float(np.max(np.abs(single[name] - sharded[name])))
+        scale = float(np.max(np.abs(single[name])))
+        print(f"{name}: max |single - sharded| = {diff:.3g} (max value {scale:.3g})")
+        if not np.allclose(single[name], sharded[name], rtol=1e-4, atol=1e-5):
+            worst = max(worst, diff)
+            print(f"MISMATCH in {name}")
+    sys.exit(1 if worst else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Parity with Hugging Face transformers (PyTorch, float32): the foundation of every analysis.
+
+jaxdepth runs at `jax.default_matmul_precision("highest")` in float32. Measured max abs logit
+differences are printed (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_VARIANTS, write_tiny_gguf
+from conversion.gguf_file import convert_gguf
+from conversion.hf import convert_hf_folder
+from jaxdepth.model import forward
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.parity
+
+TOL_TINY = 1e-4
+TOL_SMOLLM2 = 1e-3
+GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k_test_sample.jsonl")
+
+_forward = jax.jit(forward, static_argnames="config")
+
+
+def jax_logits(params, tokens, config, valid=None) -> np.ndarray:
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(_forward(params, jnp.asarray(tokens, jnp.int32), config,
+                                   valid=None if valid is None else jnp.asarray(valid)))
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+def converted(tiny):
+    c = convert_hf_folder(tiny.folder)
+    return jax.tree.map(jnp.asarray, c.params), c.config
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_tiny_model_logits_match_hf(tiny_model, variant):
+    tiny = tiny_model(variant)
+    params, config = converted(tiny)
+    assert config.rope_theta == 12345.0
+    assert config.num_kv_heads == TINY_VARIANTS[variant]["num_key_value_heads"]
+    assert config.tie_word_embeddings == TINY_VARIANTS[variant]["tie_word_embeddings"]
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 300))
+    ours = jax_logits(params, tokens, config)
+    ref = hf_logits(tiny.model, tokens)
+    diff = float(np.abs(ours - ref).max())
+    print(f"\n[parity] {variant}: T=300, max |logit diff| = {diff:.3e} (logit scale {np.abs(ref).max():.2f})")
+    assert ours.shape == ref.shape == (2, 300, config.vocab_size)
+    assert diff <= TOL_TINY
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_right_padded_batch_matches_each_prompt_alone(tiny_model, variant):
+    tiny = tiny_model(variant)
+    params, config = converted(tiny)
+    rng = np.random.default_rng(2)
+    lengths = (256, 180)
+    prompts = [rng.integers(0, config.vocab_size, size=n) for n in lengths]
+    T = max(lengths)
+    valid = np.zeros((2, T), bool)
+    tokens = np.zeros((2, T), np.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+        valid[b, :len(p)] = True
+    tokens[1, lengths[1]:] = rng.integers(0, config.vocab_size, size=T - lengths[1])
+    ours = jax_logits(params, tokens, config, valid)
+    diffs = []
+    for b, p in enumerate(prompts):
+        ref = hf_logits(tiny.model, p[None])[0]
+        diffs.append(float(np.abs(ours[b, :len(p)] - ref).max()))
+    print(f"\n[parity] {variant} padded batch {lengths}: max |logit diff| per row = "
+          + ", ".join(f"{d:.3e}" for d in diffs))
+    assert max(diffs) <= TOL_TINY
+    # What the padding holds must not matter at all to the valid positions.
+    other = tokens.copy()
+    other[1, lengths[1]:] = (other[1, lengths[1]:] + 7) % config.vocab_size
+    again = jax_logits(params, other, config, valid)
+    assert np.array_equal(again[1, :lengths[1]], ours[1, :lengths[1]])
+    assert np.array_equal(again[0], ours[0])
+
+
+def test_parity_is_sensitive(tiny_model):
+    """The tolerance is sharp: plausible conversion mistakes fail it by orders of magnitude."""
+    tiny = tiny_model("qwen2_gqa_untied")
+    params, config = converted(tiny)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, size=(1, 300))
+    ref = hf_logits(tiny.model, tokens)
+
+    def err(p, c):
+        return float(np.abs(jax_logits(p, tokens, c) - ref).max())
+
+    assert err(params, config) <= TOL_TINY
+    mistakes = {
+        "default rope_theta": (params, dataclasses.replace(config, rope_theta=10000.0)),
+        "q bias dropped": (_with_layer(params, "q_bias", jnp.zeros_like(params["layers"]["q_bias"])), config),
+        "norm weights ignored": (_with_layer(params, "attn_norm", jnp.ones_like(params["layers"]["attn_norm"])), config),
+        "kv heads swapped": (_with_layer(params, "k", _swap_kv_heads(params["layers"]["k"], config)), config),
+    }
+    for name, (p, c) in mistakes.items():
+        e = err(p, c)
+        print(f"\n[parity] sensitivity, {name}: max |logit diff| = {e:.3e}")
+        assert e > 100 * TOL_TINY, name
+
+
+def _with_layer(params, key, value):
+    return {**params, "layers": {**params["layers"], key: value}}
+
+
+def _swap_kv_heads(k, config):
+    L, D, _ = k.shape
+    k = k.reshape(L, D, config.num_kv_heads, config.head_dim)
+    return k[:, :, ::-1].reshape(L, D, -1)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa_untied", "llama_mha_tied"])
+def test_tiny_gguf_matches_transformers_gguf_loader(tiny_model, tmp_path, variant):
+    """A GGUF written like llama.cpp's converter: transformers' GGUF loader and jaxdepth's
+    converter must both recover the original model (checks the q/k row un-permutation)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny = tiny_model(variant)
+    path = write_tiny_gguf(tiny, str(tmp_path / "tiny.gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    c = convert_gguf(path, load_tokenizer=False)
+    tokens = np.random.default_rng(4).integers(0, c.config.vocab_size, size=(1, 256))
+    ours = jax_logits(jax.tree.map(jnp.asarray, c.params), tokens, c.config)
+    original = hf_logits(tiny.model, tokens)
+    via_hf_gguf = hf_logits(hf, tokens)
+    d_hf, d_orig = float(np.abs(ours - via_hf_gguf).max()), float(np.abs(ours - original).max())
+    print(f"\n[parity] {variant} via GGUF: max |logit diff| vs transformers' GGUF loader = {d_hf:.3e}, "
+          f"vs the original model = {d_orig:.3e}")
+    assert d_hf <= TOL_TINY and d_orig <= TOL_TINY
+
+
+# ----------------------------------------------------------------------------- real model
+
+def _gsm8k_text(tokenizer, min_tokens: int = 128) -> str:
+    with open(GSM8K) as f:
+        records = [json.loads(line) for line in f]
+    text = ""
+    for r in records:
+        text += r["question"] + "\n" + r["answer"] + "\n\n"
+        if len(tokenizer(text)["input_ids"]) >= min_tokens:
+            return text
+    raise AssertionError("GSM8K sample too short")
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_hf):
+    assert smollm2.tokenizer is not None
+    text = _gsm8k_text(smollm2.tokenizer)
+    ids = smollm2.encode(text)
+    assert ids.ndim == 1 and len(ids) >= 100
+    with jax.default_matmul_precision("highest"):
+        ours = smollm2.logits(ids[None])
+    ref = hf_logits(smollm2_hf, ids[None])
+    assert ours.shape == ref.shape == (1, len(ids), smollm2.config.vocab_size)
+    diff = float(np.abs(ours - ref).max())
+    agree = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+    print(f"\n[parity] SmolLM2-135M-Instruct Q4_1 GGUF, T={len(ids)}: max |logit diff| = {diff:.3e}, "
+          f"argmax agreement = {agree:.4f} (logit scale {np.abs(ref).max():.1f})")
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    assert diff <= TOL_SMOLLM2
+
+
+@pytest.mark.slow
+def test_smollm2_config_matches_transformers(smollm2, smollm2_hf):
+    hf = smollm2_hf.config
+    c = smollm2.config
+    assert c.model_type == "llama" and not c.qkv_bias
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+        hf.intermediate_size)
+    theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
+    assert c.rope_theta == pytest.approx(theta) == 100000.0
+    assert c.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+    assert c.tie_word_embeddings

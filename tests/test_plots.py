@@ -1,0 +1,247 @@
+"""Figures from real result objects of tiny random models: they render, save (PNG and PDF,
+atomically), carry labels, mark what they claim to mark, and refuse wrong inputs clearly."""
+
+import os
+
+import jax
+import matplotlib.image
+import numpy as np
+import pytest
+
+from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens, plots
+from jaxdepth.batch import make_batch
+from jaxdepth.config import ModelConfig
+from jaxdepth.effective_depth import kl_effective_depth, overlap_effective_depth
+from jaxdepth.model import random_params
+
+
+def _config(num_layers):
+    # Few distinct parameter shapes (no biases, tied embeddings, q/k/v/o all D x D): random_params
+    # compiles its sampling once per shape, seconds each on a busy CPU.
+    return ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                       num_layers=num_layers, num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4,
+                       rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=False)
+
+
+CONFIG = _config(4)
+SHALLOW = _config(3)  # a second model of another depth, for the relative-depth overlay
+
+
+class FakeTokenizer:
+    """The one method of a Hugging Face tokenizer the plots use."""
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"tok{i}" for i in ids]
+
+
+class DecodeOnlyTokenizer:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    return make_batch([rng.integers(0, 97, 30).tolist(), rng.integers(0, 97, 23).tolist()], [20, 15])
+
+
+@pytest.fixture(scope="module")
+def results(batch):
+    """One real result of every analysis (IG with few steps: only the picture is tested here)."""
+    params = random_params(CONFIG, 1, scale=0.2)
+    # The shallow model is the first layers of the deep one: a second random_params costs seconds.
+    shallow = {**params, "layers": jax.tree.map(lambda x: np.asarray(x)[:SHALLOW.num_layers], params["layers"])}
+    # A zero erasure baseline rather than mean_residuals: one compilation less, the same kind of picture.
+    zero_baseline = np.zeros((CONFIG.num_layers + 1, CONFIG.hidden_size), np.float32)
+    return {
+        "contributions": contributions.contributions(params, batch, CONFIG),
+        "logit_lens": logit_lens.logit_lens(params, batch, CONFIG),
+        # Two rows; one sublayer, so one compilation (the sublayer is a static argument).
+        "layer_skip": {name: layer_skip.layer_skip(params, prompts, CONFIG, progress=False)
+                       for name, prompts in (("both prompts", batch), ("prompt 1", batch.select(slice(1, 2))))},
+        "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline, progress=False),
+        "integrated_gradients": integrated_gradients.integrated_gradients(
+            params, batch.select(slice(0, 1)), CONFIG, steps=2, progress=False),
+        "shallow_contributions": contributions.contributions(shallow, batch, SHALLOW),
+        "shallow_logit_lens": logit_lens.logit_lens(shallow, batch, SHALLOW),
+    }
+
+
+# Every figure the module draws; the first RENDERED are saved and decoded, the rest (variants of
+# the same drawing code) only checked for labels, to keep the file fast.
+FIGURES = {
+    "contributions": lambda r: plots.contributions_figure(r["contributions"]),
+    "logit_lens": lambda r: plots.logit_lens_figure(r["logit_lens"]),
+    "layer_skip_rows": lambda r: plots.layer_skip_figure(r["layer_skip"]),
+    "erasure": lambda r: plots.erasure_figure(r["erasure"], 1, tokenizer=FakeTokenizer()),
+    "integrated_gradients": lambda r: plots.integrated_gradients_figure(r["integrated_gradients"], 0,
+                                                                        tokenizer=FakeTokenizer()),
+    "relative_lens": lambda r: plots.relative_depth_figure(
+        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}),
+    "relative_cosine": lambda r: plots.relative_depth_figure(
+        {"deep": r["contributions"], "shallow": r["shallow_contributions"]}),
+    "layer_skip_single": lambda r: plots.layer_skip_figure(r["layer_skip"]["prompt 1"]),
+    "erasure_positions": lambda r: plots.erasure_figure(r["erasure"], 0),
+    "relative_overlap": lambda r: plots.relative_depth_figure(
+        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}, "overlap"),
+}
+RENDERED = list(FIGURES)[:6]
+
+
+def _assert_labelled(fig):
+    assert fig.get_suptitle()
+    for ax in fig.axes:  # colorbars included: they carry their own label
+        assert ax.get_xlabel() or ax.get_ylabel(), ax
+    assert any(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes)
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_figure_is_labelled(results, name):
+    _assert_labelled(FIGURES[name](results))
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_figure_renders_and_saves(results, tmp_path, name):
+    import matplotlib.pyplot as plt
+
+    fig = FIGURES[name](results)
+    png, pdf = plots.save_figure(fig, tmp_path / "figs" / name, dpi=60)  # a low dpi: faster
+    assert (png, pdf) == (str(tmp_path / "figs" / f"{name}.png"), str(tmp_path / "figs" / f"{name}.pdf"))
+    for path in (png, pdf):
+        assert os.path.getsize(path) > 0
+    with open(pdf, "rb") as f:
+        assert f.read(5) == b"%PDF-"
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300
+    assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 10  # not one flat colour
+    assert sorted(os.listdir(tmp_path / "figs")) == [f"{name}.pdf", f"{name}.png"]  # no temp files left
+    assert plt.get_fignums() == []  # nothing registered with pyplot's global state
+
+
+def test_save_figure_default_dpi_and_extension(results, tmp_path):
+    fig = plots.logit_lens_figure(results["logit_lens"])
+    png, pdf = plots.save_figure(fig, str(tmp_path / "lens.png"))  # a given extension is not doubled
+    assert (png, pdf) == (str(tmp_path / "lens.png"), str(tmp_path / "lens.pdf"))
+    assert sorted(os.listdir(tmp_path)) == ["lens.pdf", "lens.png"]
+    width, height = fig.get_size_inches()
+    assert matplotlib.image.imread(png).shape[:2] == (round(height * 150), round(width * 150))
+
+
+def test_wrong_result_types_are_refused(results):
+    lens, contrib = results["logit_lens"], results["contributions"]
+    calls = [
+        lambda: plots.contributions_figure(lens),
+        lambda: plots.logit_lens_figure(contrib),
+        lambda: plots.layer_skip_figure(lens),
+        lambda: plots.layer_skip_figure({"layer": lens}),
+        lambda: plots.erasure_figure(results["integrated_gradients"]),
+        lambda: plots.integrated_gradients_figure(results["erasure"]),
+        lambda: plots.relative_depth_figure({"a": lens, "b": contrib}),
+        lambda: plots.relative_depth_figure({"a": results["erasure"]}),
+        lambda: plots.relative_depth_figure({"a": lens}, "mean_cosine"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(TypeError, match="needs a ContributionResult, got LogitLensResult"):
+        plots.contributions_figure(lens)
+    with pytest.raises(ValueError, match="at least one"):
+        plots.relative_depth_figure({})
+
+
+@pytest.mark.parametrize("prompt", [2, -1, 10])
+def test_prompt_index_out_of_range(results, prompt):
+    with pytest.raises(ValueError, match="out of range"):
+        plots.erasure_figure(results["erasure"], prompt)
+    with pytest.raises(ValueError, match="out of range"):
+        plots.integrated_gradients_figure(results["integrated_gradients"], prompt)
+
+
+def test_erasure_tick_labels_are_the_token_strings(results):
+    result = results["erasure"]
+    n = int(result.lengths[1])
+    ids = result.tokens[1, :n]
+    labels = lambda fig: [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels(plots.erasure_figure(result, 1, tokenizer=FakeTokenizer())) == [f"tok{i}" for i in ids]
+    assert labels(plots.erasure_figure(result, 1, tokenizer=DecodeOnlyTokenizer())) == [f"<{i}>" for i in ids]
+    assert labels(plots.erasure_figure(result, 1)) == [str(p) for p in range(n)]
+    # the heatmap holds exactly this prompt's effects, boundaries 0..L on the y axis
+    np.testing.assert_array_equal(plots.erasure_figure(result, 1).axes[0].images[0].get_array(),
+                                  result.effects[1, :, :n])
+
+
+def test_token_labels_escape_mathtext_and_newlines(results, tmp_path):
+    class Dollars:
+        def convert_ids_to_tokens(self, ids):
+            return ["$" if i % 2 else "a\nb" for i in ids]
+
+    fig = plots.erasure_figure(results["erasure"], 0, tokenizer=Dollars())
+    texts = {t.get_text() for t in fig.axes[0].get_xticklabels()}
+    assert texts <= {r"\$", "a\\nb"}
+    fig.canvas.draw()  # an unescaped odd number of '$' would fail here, as unbalanced mathtext
+
+
+def test_long_prompts_get_thinned_labels():
+    n, L = 150, 3
+    result = erasure.ErasureResult(effects=np.random.default_rng(0).random((1, L + 1, n), np.float32),
+                                   tokens=np.arange(n)[None] % 97, lengths=np.array([n]),
+                                   answer_start=np.array([100]), settings={})
+    ax = plots.erasure_figure(result, 0, tokenizer=FakeTokenizer()).axes[0]
+    ticks = ax.get_xticks()
+    assert 30 <= len(ticks) <= plots.MAX_TOKEN_LABELS
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"tok{int(t) % 97}" for t in ticks]
+    assert "every 3 tokens" in ax.get_xlabel()
+    answer_lines = [line for line in ax.lines if line.get_label() == "answer start"]
+    assert len(answer_lines) == 1 and answer_lines[0].get_xdata()[0] == 99.5
+
+
+def _vertical_line(ax, label_prefix):
+    lines = [line for line in ax.lines if line.get_label().startswith(label_prefix)]
+    assert len(lines) == 1, [line.get_label() for line in ax.lines]
+    x = lines[0].get_xdata()
+    assert x[0] == x[1]
+    return x[0]
+
+
+def test_logit_lens_marks_effective_depths_and_thresholds():
+    result = logit_lens.LogitLensResult(kl=np.linspace(10, 0, 8), overlap=np.linspace(0, 1, 8), settings={})
+    fig = plots.logit_lens_figure(result)
+    kl_ax, overlap_ax = fig.axes
+    assert _vertical_line(kl_ax, "KL ED") == kl_effective_depth(result.kl).layer == 4
+    assert _vertical_line(overlap_ax, "overlap ED") == overlap_effective_depth(result.overlap).layer == 3
+    assert kl_ax.get_title() == "KL ED: 4 (ratio 0.62)"
+    horizontal = lambda ax: {line.get_ydata()[0] for line in ax.lines if line.get_label().startswith(("0.5", "thr"))}
+    assert horizontal(kl_ax) == {5.0} and horizontal(overlap_ax) == {0.3}
+
+
+def test_contributions_mark_the_cosine_depth_only_when_found():
+    curves = dict(norm_attn=np.ones(6), norm_mlp=np.ones(6), norm_layer=np.ones(6), num_tokens=1, settings={})
+    crossing = np.array([0.2, -0.1, 0.1, -0.2, 0.3, 0.1])  # crossings after 1 and 3: the last one counts
+    fig = plots.contributions_figure(contributions.ContributionResult(
+        cos_attn=crossing, cos_mlp=crossing, cos_layer=crossing, **curves))
+    assert all(_vertical_line(ax, "cosine ED") == 3 for ax in fig.axes)
+    fig = plots.contributions_figure(contributions.ContributionResult(
+        cos_attn=np.ones(6), cos_mlp=np.ones(6), cos_layer=np.ones(6), **curves))
+    assert fig.axes[0].get_title() == "cosine ED: no crossing"
+    assert not any(line.get_label().startswith("cosine ED") for ax in fig.axes for line in ax.lines)
+
+
+def test_layer_skip_heatmap_orientation(results):
+    result = results["layer_skip"]["both prompts"]
+    fig = plots.layer_skip_figure(result)
+    heat = fig.axes[0]
+    assert (heat.get_xlabel(), heat.get_ylabel()) == ("measured layer j", "skipped layer s")
+    shown = heat.images[0].get_array()
+    upper = np.triu(np.ones_like(result.later, bool), k=1)
+    np.testing.assert_array_equal(shown[upper], result.later[upper])  # row s, column j
+    assert np.all(np.ma.getmaskarray(shown)[~upper])  # zero by construction: drawn as masked
+    np.testing.assert_array_equal([bar.get_width() for bar in fig.axes[1].patches], result.output)
+
+
+def test_relative_depth_axis(results):
+    fig = plots.relative_depth_figure({"deep": results["contributions"], "shallow": results["shallow_contributions"]})
+    curves = [line for line in fig.axes[0].lines if line.get_label().startswith(("deep", "shallow"))]
+    xs = {line.get_label(): line.get_xdata() for line in curves}
+    np.testing.assert_allclose(xs["deep (L=4)"], [0.25, 0.5, 0.75, 1.0])
+    np.testing.assert_allclose(xs["shallow (L=3)"], [1 / 3, 2 / 3, 1.0])
+    assert fig.axes[0].get_xlim()[0] == 0
