@@ -70,8 +70,25 @@ def save_converted(converted: Converted, out_dir: str, *, overwrite: bool = Fals
     return out_dir
 
 
-def restore_converted(path: str, *, load_tokenizer: bool = True) -> Converted:
-    """Read a folder written by `save_converted`."""
+def _sharded_target(config: ModelConfig, meta: dict, mesh):
+    from jaxdepth.model import param_shapes
+    from jaxdepth.sharding import param_shardings
+
+    if len(meta["dtypes"]) != 1:
+        raise ConversionError(f"sharded restore expects one parameter dtype, the checkpoint has {meta['dtypes']}")
+    dtype = np.dtype(meta["dtypes"][0]) if meta["dtypes"][0] != "bfloat16" else jax.numpy.bfloat16
+    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        abstract, param_shardings(abstract, mesh))
+
+
+def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> Converted:
+    """Read a folder written by `save_converted`.
+
+    With a `mesh`, every parameter is restored straight into its sharded layout
+    (`jaxdepth.sharding.PARTITION_RULES`): each device reads only its own shard, so a model
+    larger than any one device (or the host) can be loaded."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
@@ -83,8 +100,11 @@ def restore_converted(path: str, *, load_tokenizer: bool = True) -> Converted:
     if meta.get("format") != FORMAT_VERSION:
         raise ConversionError(f"{marker}: format {meta.get('format')!r}, this jaxdepth reads {FORMAT_VERSION}")
     config = ModelConfig.from_dict(meta["config"])
-    params = ocp.StandardCheckpointer().restore(os.path.join(path, "params"))
-    params = jax.tree.map(np.asarray, params)
+    if mesh is None:
+        params = jax.tree.map(np.asarray, ocp.StandardCheckpointer().restore(os.path.join(path, "params")))
+    else:
+        params = ocp.StandardCheckpointer().restore(os.path.join(path, "params"),
+                                                    _sharded_target(config, meta, mesh))
     check_params(params, config)
     tokenizer = None
     if load_tokenizer and meta.get("has_tokenizer"):

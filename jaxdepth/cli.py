@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
@@ -39,11 +41,28 @@ def _data_paths(specs, datasets) -> dict:
     return paths
 
 
+def _mesh(args):
+    """The device mesh of `--mesh DATAxMODEL` (after `--distributed` start-up), or None."""
+    from jaxdepth import sharding
+
+    if args.distributed:
+        sharding.initialize_distributed()
+    if not args.mesh:
+        return None
+    try:
+        data, model = (int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh must look like 4x2 (data x model), got {args.mesh!r}") from None
+    return sharding.make_mesh(data=data, model=model)
+
+
 def _run(args) -> int:
+    import jax
+
     from jaxdepth import effective_depth as ed
     from jaxdepth.loading import load
     from jaxdepth.prompts import DATASETS, DatasetError, encode, load_prompts
-    from jaxdepth.study import ANALYSES, StudySettings, run_study
+    from jaxdepth.study import ANALYSES, StudySettings, result_folder, run_study, write_figures
 
     start = time.perf_counter()
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
@@ -51,32 +70,42 @@ def _run(args) -> int:
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
     paths = _data_paths(args.data, args.dataset)
-    model = load(args.model)
-    if model.tokenizer is None:
-        raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
-
-    def prompts_of(name, path, limit):
-        spec = DATASETS[name]
-        return encode(model.tokenizer, load_prompts(name, path, limit=None if spec.max_tokens else limit),
-                      max_tokens=spec.max_tokens, context=model.config.max_position_embeddings, limit=limit)
-
-    baseline = None
+    # Read every prompt set before the model: a bad file should fail in a second, not after a load.
+    texts = {name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
+             for name in args.dataset}
+    baseline_texts, baseline_name = None, "own prompts"
     if "erasure" in analyses:
         try:
-            baseline = prompts_of("gsm8k", args.baseline_data, 10)
+            baseline_texts = load_prompts("gsm8k", args.baseline_data, limit=10)
             baseline_name = f"gsm8k[:10] ({args.baseline_data or 'hub'})"
         except DatasetError as e:
             print(f"warning: erasure baseline falls back to each dataset's own prompts: {e}", file=sys.stderr)
-            baseline_name = "own prompts"
+    mesh = _mesh(args)
+    model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
+    if model.tokenizer is None:
+        raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    # bf16 results are a different model for the cache, the folders and the table
+    model_name = args.model if args.dtype == "float32" else f"{args.model}-{args.dtype}"
+
+    def encoded(name, prompts, limit):
+        return encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
+                      context=model.config.max_position_embeddings, limit=limit)
+
+    baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, 10)
     settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
                              ig_steps=args.ig_steps)
     summary = []
     for name in args.dataset:
-        batch = prompts_of(name, paths.get(name), args.prompts)
+        batch = encoded(name, texts[name], args.prompts)
         print(f"{name}: {len(batch)} prompts, {int(batch.valid.sum())} tokens")
-        results = run_study(model, args.model, name, batch, args.out, analyses=analyses, settings=settings,
-                            baseline_batch=baseline)
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            results = run_study(model, model_name, name, batch, args.out, analyses=analyses, settings=settings,
+                                baseline_batch=baseline)
+        if not args.no_figures:
+            folder = result_folder(args.out, model_name, name)
+            write_figures(results, folder, model.tokenizer)
+            print(f"  figures in {os.path.join(folder, 'figures')}")
         line = [name]
         if "contributions" in results:
             line.append(f"cosine ED {ed.cosine_effective_depth(results['contributions'].mean_cosine)}")
@@ -93,6 +122,12 @@ def _run(args) -> int:
     if "erasure" in analyses:
         print(f"erasure baseline: {baseline_name}")
     print("\n".join(summary))
+    if "contributions" in analyses or "logit_lens" in analyses:
+        from jaxdepth.table import collect, to_markdown, write_table
+
+        rows = collect([args.out])
+        print(to_markdown(rows), end="")
+        write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
     return 0
 
@@ -134,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--ig-steps", type=int, default=256)
     run.add_argument("--out", default="results")
+    run.add_argument("--no-figures", action="store_true", help="save results only")
+    run.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 2x4 (default: one device)")
+    run.add_argument("--distributed", action="store_true",
+                     help="multi-host: call jax.distributed.initialize() first (TPU pods, multi-node GPU)")
+    run.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="bfloat16: weights and activations in bf16, statistics in float32")
     run.set_defaults(func=_run)
 
     table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")

@@ -6,8 +6,9 @@ teacher-forced probabilities when h_{l+1} is set to x:
 
     IG_l[t] = sum_c (x - b)[t, c] * sum_k w_k dF/dx(b + α_k (x - b))[t, c]
 
-All (layer, step) pairs are one vmapped `jax.grad`, chunked, with the layer body
-rematerialised. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says whether the number of
+All steps of a layer are one vmapped gradient, chunked; each starts at boundary l+1, so the
+layers before it are neither run nor differentiated, and the backward recomputes one layer at a
+time instead of storing its activations. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says whether the number of
 steps is enough.
 """
 
@@ -24,8 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxdepth.batch import PromptBatch
 from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import replace_residual
-from jaxdepth.model import embed, residual_stream, run_layers, unembed
+from jaxdepth.model import decoder_layer, layer_context, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
 from jaxdepth.sweep import auto_chunk_size, sweep
 
@@ -69,42 +69,69 @@ def ig_baseline(x, valid, kind: str):
     raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
 
 
-@partial(jax.jit, static_argnames=("config", "baseline", "chunk_size"))
-def ig_of_prompt(params, tokens, valid, answer_mask, alphas, weights, config: ModelConfig,
-                 baseline: str = "channel_mean", chunk_size: Optional[int] = None):
-    """IG for one prompt (`tokens`, `valid`, `answer_mask` `[1, T]`).
+def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None):
+    """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
+    start..L-1.
 
-    Returns `(attributions [L, T], f_input [], f_baseline [L])`.
+    The layers before `start` are neither run nor differentiated: the forward stores each
+    layer's input, and the backward walks the layers in reverse with one `jax.vjp` each
+    (recomputing that layer, as `jax.checkpoint` would). `start` may be traced but not batched.
     """
-    L, T = config.num_layers, tokens.shape[1]
-    h0 = embed(params, tokens)
-    targets = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    everywhere = jnp.ones((T,), jnp.float32)
+    L = config.num_layers
+    cos, sin, mask = layer_context(z, valid, config)
+    layer_at = lambda i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
+                                      params["layers"])
+    apply = lambda i, h: decoder_layer(layer_at(i), h, cos, sin, mask, config)[2]
 
-    def objective(z, layer):
-        h, _ = run_layers(params, h0, config, valid=valid, remat=True,
-                          interventions=replace_residual(layer + 1, everywhere, z))
-        probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
-        target_probs = jnp.take_along_axis(probs, targets[..., None], axis=-1)[..., 0]
-        return jnp.sum(jnp.where(answer_mask, target_probs, 0.0))
+    def forward_step(i, carry):
+        h, inputs = carry
+        return apply(i, h), inputs.at[i].set(h)
 
-    x = residual_stream(params, tokens, config, valid=valid)[1:, 0].astype(jnp.float32)  # [L, T, D]
-    b = jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x)
-    b = jnp.broadcast_to(b, x.shape)
-    grad = jax.grad(objective)
+    h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
+    value, grad = jax.value_and_grad(head)(h_last)
 
-    def member(m):
-        layer, alpha, weight = m
+    def backward_step(k, g):
+        i = L - 1 - k
+        _, pullback = jax.vjp(lambda h: apply(i, h), inputs[i])
+        return pullback(g)[0]
+
+    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+
+
+@partial(jax.jit, static_argnames=("config", "baseline", "chunk_size"))
+def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
+                 baseline: str = "channel_mean", chunk_size: Optional[int] = None):
+    """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
+    tokens where `answer_real`).
+
+    Layers run one after another (`lax.map`); the steps of a layer are one chunked sweep that
+    starts at boundary l+1. Returns `(attributions [L, T], f_input [], f_baseline [L])`.
+    """
+    L = config.num_layers
+    targets = tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
+
+    def objective(h_last):
+        probs = jax.nn.softmax(unembed(params, h_last[:, answer_positions], config), axis=-1)[0]
+        return jnp.sum(jnp.where(answer_real, probs[jnp.arange(len(answer_positions)), targets], 0.0))
+
+    hs = residual_stream(params, tokens, config, valid=valid)
+    x = hs[1:, 0].astype(jnp.float32)  # [L, T, D]: each layer's output
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
+
+    def layer_attributions(layer):
         xl, bl = x[layer], b[layer]
-        g = grad((bl + alpha * (xl - bl))[None], layer)[0]
-        return weight * jnp.sum((xl - bl) * g, axis=-1)  # [T]
 
-    layers = jnp.repeat(jnp.arange(L), alphas.shape[0])
-    steps = (layers, jnp.tile(alphas, L), jnp.tile(weights, L))
-    attributions = sweep(member, steps, chunk_size).reshape(L, alphas.shape[0], T).sum(axis=1)
-    f_input = objective(x[-1][None], L - 1)
-    f_baseline = jax.vmap(lambda bl, layer: objective(bl[None], layer))(b, jnp.arange(L))
-    return attributions * valid[0], f_input, f_baseline
+        def member(m):
+            alpha, weight = m
+            z = (bl + alpha * (xl - bl))[None].astype(hs.dtype)
+            _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid)
+            return weight * jnp.sum((xl - bl) * g[0].astype(jnp.float32), axis=-1)  # [T]
+
+        h_base, _ = run_layers_from(params, bl[None].astype(hs.dtype), layer + 1, config, valid=valid)
+        return sweep(member, (alphas, weights), chunk_size).sum(axis=0), objective(h_base)
+
+    attributions, f_baseline = jax.lax.map(layer_attributions, jnp.arange(L))
+    return attributions * valid[0], objective(hs[-1]), f_baseline
 
 
 @dataclasses.dataclass
@@ -137,9 +164,10 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     for i in tqdm(range(P), desc=f"integrated gradients ({steps} steps)", disable=not progress):
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        chunk = chunk_size or auto_chunk_size(config, Ti, L * steps, grad=True, memory_budget=memory_budget)
-        a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-                                 jnp.asarray(one.answer_prediction_mask()), jnp.asarray(alphas, jnp.float32),
+        chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
+        positions, real = one.answer_positions(0)
+        a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
+                                 jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
                                  jnp.asarray(weights, jnp.float32), config, baseline, chunk)
         attributions[i, :, :Ti], f_input[i], f_baseline[i] = np.asarray(a), np.asarray(fx), np.asarray(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)

@@ -67,6 +67,12 @@ class Model:
         valid = None if valid is None else jnp.asarray(valid, bool)
         return np.asarray(_jit_forward(self.params, jnp.asarray(tokens, jnp.int32), self.config, valid))
 
+    def astype(self, dtype) -> "Model":
+        """The same model with params cast to `dtype` (e.g. 'bfloat16': weights and activations
+        in bf16; norms, softmaxes, logits and every statistic stay float32)."""
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
+        return dataclasses.replace(self, params=params)
+
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` with the tokenizer's defaults (BOS only where the tokenizer adds one)."""
         if self.tokenizer is None:
@@ -127,13 +133,29 @@ def convert_source(source: str, *, dtype=np.float32) -> "Converted":
     return convert_hf(source, dtype=dtype)
 
 
-def load(source: str) -> Model:
-    """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name."""
+def load(source: str, *, dtype=None, mesh=None) -> Model:
+    """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name.
+
+    `dtype` (e.g. 'bfloat16') casts the params after loading; default: as stored (float32 for
+    GGUF and conversions, the checkpoint's own dtype for converted folders). With a `mesh`
+    (`jaxdepth.sharding.make_mesh`), params are placed on it as `PARTITION_RULES` says; a
+    converted folder is restored straight into that layout, shard by shard."""
+    from conversion.checkpoint import is_converted_dir, restore_converted
+
     source = os.fspath(source)
     if source in EMBEDDED:
         source = embedded_gguf_path(source)
     if source.endswith(".gguf") and os.path.isfile(source):
         source = _cached_conversion(source)
-    converted = convert_source(source)
-    return Model(params=jax.tree.map(jnp.asarray, converted.params), config=converted.config,
-                 tokenizer=converted.tokenizer, source=converted.source)
+    if mesh is not None and is_converted_dir(source):
+        converted = restore_converted(source, mesh=mesh)
+    else:
+        converted = convert_source(source)
+    model = Model(params=jax.tree.map(jnp.asarray, converted.params), config=converted.config,
+                  tokenizer=converted.tokenizer, source=converted.source)
+    model = model if dtype is None else model.astype(dtype)
+    if mesh is not None:
+        from jaxdepth.sharding import shard_params
+
+        model = dataclasses.replace(model, params=shard_params(model.params, mesh))
+    return model

@@ -176,7 +176,8 @@ def decoder_layer(p: Params, h: Float[Array, "B T D"], cos, sin, mask, config: M
     return a, m, h + _keep(a + m, keep_layer)
 
 
-def _layer_context(h, valid, config):
+def layer_context(h, valid, config):
+    """Rotary tables and the attention mask shared by every layer of a forward on `h`."""
     B, T, _ = h.shape
     valid = jnp.ones((B, T), bool) if valid is None else valid
     return (*rotary_tables(T, config.head_dim, config.rope_theta), attention_mask(valid))
@@ -199,7 +200,7 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
     iv = interventions if interventions is not None else Interventions()
-    cos, sin, mask = _layer_context(h0, valid, config)
+    cos, sin, mask = layer_context(h0, valid, config)
 
     def layer(h, xs):
         p, index, keep_layer, keep_attn, keep_mlp, tap_x = xs
@@ -228,7 +229,7 @@ def run_layers_from(params: Params, h_start: Float[Array, "B T D"], start, confi
     share `start`, and loop over starts outside the `vmap`. Forward only (no reverse-mode).
     """
     iv = interventions if interventions is not None else Interventions()
-    cos, sin, mask = _layer_context(h_start, valid, config)
+    cos, sin, mask = layer_context(h_start, valid, config)
     at = lambda tree, i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
     keeps = (iv.keep_layer, iv.keep_attn, iv.keep_mlp)
 

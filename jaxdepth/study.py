@@ -80,6 +80,10 @@ def run_analysis(name: str, model: Model, batch: PromptBatch, settings: StudySet
     raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
 
 
+def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
+    return os.path.join(out_dir, slug(model_name), slug(dataset))
+
+
 def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, out_dir: str, *,
               analyses: Sequence[str] = ANALYSES, settings: StudySettings = StudySettings(),
               baseline_batch: Optional[PromptBatch] = None, progress: bool = True,
@@ -88,7 +92,7 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     for name in analyses:
         if name not in ANALYSES:
             raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
-    folder = os.path.join(out_dir, slug(model_name), slug(dataset))
+    folder = result_folder(out_dir, model_name, dataset)
     identity = {"model": model_name, "dataset": dataset, **dataclasses.asdict(settings),
                 "prompt_tokens_sha": _batch_digest(batch),
                 "baseline_tokens_sha": None if baseline_batch is None else _batch_digest(baseline_batch)}
@@ -110,6 +114,29 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         log(f"{name}: {seconds:.1f} s -> {folder}")
         results[name] = result
     return results
+
+
+def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1) -> list[str]:
+    """The studies' figures for one (model, dataset) as PNG and PDF under `folder/figures`.
+    Heatmaps of erasure and integrated gradients are drawn for the first `detail_prompts`."""
+    from jaxdepth import plots
+
+    out = os.path.join(folder, "figures")
+    figures = {}
+    if "contributions" in results:
+        figures["contributions"] = plots.contributions_figure(results["contributions"])
+    if "logit_lens" in results:
+        figures["logit_lens"] = plots.logit_lens_figure(results["logit_lens"])
+    if "layer_skip" in results:
+        figures["layer_skip"] = plots.layer_skip_figure(results["layer_skip"])
+    for name, draw in (("erasure", plots.erasure_figure), ("integrated_gradients", plots.integrated_gradients_figure)):
+        if name in results:
+            for i in range(min(detail_prompts, len(results[name].lengths))):
+                figures[f"{name}_prompt{i}"] = draw(results[name], i, tokenizer=tokenizer)
+    paths = []
+    for name, fig in figures.items():
+        paths.extend(plots.save_figure(fig, os.path.join(out, name)))
+    return paths
 
 
 def _paths(folder, name, settings):

@@ -12,9 +12,27 @@ from jax.sharding import PartitionSpec as P
 from jaxdepth.config import ModelConfig
 from jaxdepth.sharding import DATA
 
-# Host/device memory a sweep may use for the activations of its members at once when no budget
-# is given; conservative so that a laptop CPU never swaps.
-DEFAULT_MEMORY_BUDGET = 2 * 1024**3
+# Share of the free device (or host, on CPU) memory a sweep's activations may take when no budget
+# is given: the rest is left to params, XLA's temporaries and whatever else runs.
+MEMORY_FRACTION = 0.25
+FALLBACK_MEMORY_BUDGET = 2 * 1024**3  # when the free memory cannot be read
+
+
+def available_memory_budget(fraction: float = MEMORY_FRACTION) -> int:
+    """`fraction` of the free memory of the first device: accelerator memory from the runtime's
+    statistics, host memory (MemAvailable) on CPU."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(fraction * int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return FALLBACK_MEMORY_BUDGET
 
 
 def sweep(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = None) -> Any:
@@ -77,7 +95,8 @@ def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, bytes
 
 def auto_chunk_size(config: ModelConfig, seq_len: int, n_members: int, *, grad: bool = False,
                     memory_budget: Optional[int] = None) -> int:
-    """The largest chunk of sweep members whose activations fit in `memory_budget` bytes."""
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    """The largest chunk of sweep members whose activations fit in `memory_budget` bytes
+    (default: `available_memory_budget()`, read when the sweep starts)."""
+    budget = available_memory_budget() if memory_budget is None else memory_budget
     per = member_bytes(config, seq_len, grad=grad)
     return int(np.clip(budget // per, 1, max(n_members, 1)))

@@ -15,10 +15,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-# Import the package before `conversion`: `import conversion` first currently fails with a
-# circular import (see test_conversion.py::test_conversion_package_imports_on_its_own). Importing
-# jaxdepth here keeps that one failure from breaking the collection of every other test.
-import jaxdepth  # noqa: F401
+# No test may reach for the network: without these, a hub lookup waits for its timeouts first.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # Tiny architectures covering what the converter and the forward must get right: Qwen2 (q/k/v
 # biases) tied and untied, grouped-query and multi-head attention, Llama (no biases) with a

@@ -1,0 +1,174 @@
+"""The command line end to end on a tiny random model with a real (tiny, trained) tokenizer:
+files produced, figures non-empty, table values equal to the saved results, resume after a
+killed run, and clear errors for bad input."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conversion.checkpoint import Converted, save_converted
+from jaxdepth import effective_depth as ed
+from jaxdepth.cli import main
+from jaxdepth.config import ModelConfig
+from jaxdepth.model import random_params
+from jaxdepth.prompts import load_prompts
+from jaxdepth.results import load_result
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+GSM8K = os.path.join(SHARED, "gsm8k_test_sample.jsonl")
+HELLASWAG = os.path.join(SHARED, "hellaswag_val_sample.jsonl")
+ANALYSES = ["contributions", "logit_lens", "layer_skip_layer", "layer_skip_attn", "layer_skip_mlp",
+            "erasure", "integrated_gradients"]
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [p.text for p in load_prompts("default")] + [p.text for p in load_prompts("hellaswag", HELLASWAG, 50)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def _save_tiny(folder, context):
+    tokenizer = _tiny_tokenizer()
+    config = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
+                         rms_norm_eps=1e-5, max_position_embeddings=context, tie_word_embeddings=True,
+                         qkv_bias=False)
+    return save_converted(Converted(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
+
+
+def _run_args(model, out, *extra, datasets=("default", "hellaswag")):
+    return ["run", "--model", model, "--dataset", *datasets, "--data", f"hellaswag={HELLASWAG}",
+            "--prompts", "2", "--detail-prompts", "1", "--ig-steps", "2", "--baseline-data", GSM8K,
+            "--out", str(out), *extra]
+
+
+def test_run_end_to_end(tiny, tmp_path, capsys):
+    assert main(_run_args(tiny, tmp_path)) == 0
+    printed = capsys.readouterr().out
+    for dataset in ("default", "hellaswag"):
+        folder = tmp_path / "model" / dataset
+        for name in ANALYSES:
+            assert (folder / f"{name}.npz").stat().st_size > 0
+        figures = sorted(p.name for p in (folder / "figures").iterdir())
+        for name in ("contributions", "logit_lens", "layer_skip", "erasure_prompt0", "integrated_gradients_prompt0"):
+            assert f"{name}.png" in figures and f"{name}.pdf" in figures
+        assert all((folder / "figures" / f).stat().st_size > 1000 for f in figures)
+        erasure = load_result(str(folder / "erasure.npz"))
+        assert erasure.effects.shape[0] == 1  # --detail-prompts 1
+        assert erasure.settings["identity"]["baseline_tokens_sha"] is not None
+    # the table holds exactly what the saved curves give
+    with open(tmp_path / "effective_depth_table.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["dataset"], r["method"]) for r in rows} == {(d, m) for d in ("default", "hellaswag")
+                                                           for m in ("cosine", "kl", "overlap")}
+    for r in rows:
+        folder = tmp_path / "model" / r["dataset"]
+        if r["method"] == "cosine":
+            depth = ed.cosine_effective_depth(load_result(str(folder / "contributions.npz")).mean_cosine)
+        else:
+            lens = load_result(str(folder / "logit_lens.npz"))
+            depth = (ed.kl_effective_depth(lens.kl) if r["method"] == "kl" else ed.overlap_effective_depth(lens.overlap))
+        assert r["ed"] == ("none" if depth.layer is None else str(depth.layer))
+        assert r["layers"] == "3"
+    md = (tmp_path / "effective_depth_table.md").read_text()
+    assert md in printed and "| model | dataset |" in md
+    # `jaxdepth table` on the same folder prints the same table
+    assert main(["table", str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again.md").read_text() == md
+
+
+def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
+    args = [sys.executable, "-m", "jaxdepth.cli", *_run_args(tiny, tmp_path, "--no-figures", datasets=["default"])]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "model" / "default" / "logit_lens.npz"
+    deadline = time.time() + 300
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert first.exists(), "the run did not get as far as the logit lens"
+    folder = tmp_path / "model" / "default"
+    done = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix == ".npz"}
+    for name in done:
+        load_result(str(folder / name))  # every file that exists is complete
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name, mtime in done.items():
+        assert (folder / name).stat().st_mtime_ns == mtime, f"{name} was recomputed"
+        assert f"{name.split('.')[0].replace('_layer', '').replace('_attn', '').replace('_mlp', '')}: reusing" in out.stdout
+    assert all((folder / f"{name}.npz").exists() for name in ANALYSES)
+    # a changed setting is not confused with the cached results
+    again = subprocess.run([*args, "--seed", "7", "--analyses", "contributions"], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0 and "contributions: reusing" not in again.stdout
+
+
+def test_dataset_rows_are_formatted_exactly():
+    gsm = load_prompts("gsm8k", GSM8K, limit=1)[0]
+    assert gsm.question == (
+        "Given the following problem, reason and give a final answer to the problem.\n"
+        "Problem: Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes "
+        "muffins for her friends every day with four. She sells the remainder at the farmers' market daily for "
+        "$2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?\n"
+        "Your response should end with \"The final answer is [answer]\" where [answer] is the response to the "
+        "problem.\n\n")
+    assert gsm.answer == ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+                          "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n"
+                          "The final answer is 18")
+    rows = load_prompts("hellaswag", HELLASWAG)
+    import json
+    raw = [json.loads(line) for line in open(HELLASWAG)]
+    for prompt, row in zip(rows, raw):
+        sep = "" if row["ending"].startswith(",") else " "
+        assert prompt.text == row["ctx"] + sep + row["ending"] and prompt.question == row["ctx"]
+    from jaxdepth.prompts import format_hellaswag
+    assert format_hellaswag({"ctx": "He stops", "ending": ", then runs."}).text == "He stops, then runs."
+    assert format_hellaswag({"ctx": "He stops", "ending": "and runs."}).text == "He stops and runs."
+    aime = load_prompts("aime24", os.path.join(SHARED, "aime24_sample.jsonl"))[0]
+    raw = json.loads(open(os.path.join(SHARED, "aime24_sample.jsonl")).readline())
+    assert aime.question.endswith("should end with \"\\boxed{[answer]}\" where [answer] is the response to "
+                                  "the problem.\n\n\n")
+    assert aime.answer == raw["solution"] and raw["problem"] in aime.question
+
+
+def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
+    assert main(["run", "--model", tiny, "--dataset", "gsm8k", "--data", str(tmp_path / "missing.jsonl"),
+                 "--out", str(tmp_path)]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q?", "answer": "no final answer here"}\n')
+    assert main(["run", "--model", tiny, "--dataset", "gsm8k", "--data", str(bad), "--out", str(tmp_path)]) == 2
+    assert "row 1 is malformed" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": \n')
+    assert main(["run", "--model", tiny, "--dataset", "gsm8k", "--data", str(broken), "--out", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["run", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    assert "neither an existing folder" in capsys.readouterr().err
+    assert main(["run", "--model", tiny, "--analyses", "contributions,bogus", "--out", str(tmp_path)]) == 2
+    assert "unknown analyses" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
+    short = _save_tiny(str(tmp_path / "short"), context=64)
+    assert main(["run", "--model", short, "--dataset", "gsm8k", "--data", GSM8K, "--prompts", "1",
+                 "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
+    assert "exceeds the model's context of 64" in capsys.readouterr().err
