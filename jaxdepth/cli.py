@@ -93,8 +93,11 @@ def _run(args) -> int:
                       context=model.config.max_position_embeddings, limit=limit)
 
     baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, 10)
+    sublayers = tuple(args.skip_sublayers.split(","))
+    if not set(sublayers) <= {"layer", "attn", "mlp"}:
+        raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
     settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
-                             ig_steps=args.ig_steps)
+                             ig_steps=args.ig_steps, skip_sublayers=sublayers)
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
@@ -167,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--analyses", help="comma-separated subset of: contributions,logit_lens,"
                      "layer_skip,erasure,integrated_gradients (default: all)")
     run.add_argument("--seed", type=int, default=123)
+    run.add_argument("--skip-sublayers", default="layer,attn,mlp",
+                     help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
     run.add_argument("--ig-steps", type=int, default=256)
     run.add_argument("--out", default="results")
     run.add_argument("--no-figures", action="store_true", help="save results only")

@@ -93,11 +93,12 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         if name not in ANALYSES:
             raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
     folder = result_folder(out_dir, model_name, dataset)
-    identity = {"model": model_name, "dataset": dataset, **dataclasses.asdict(settings),
-                "prompt_tokens_sha": _batch_digest(batch),
-                "baseline_tokens_sha": None if baseline_batch is None else _batch_digest(baseline_batch)}
+    common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
+              "prompt_tokens_sha": _batch_digest(batch)}
+    baseline_sha = None if baseline_batch is None else _batch_digest(baseline_batch)
     results = {}
     for name in analyses:
+        identity = {**common, **_relevant_settings(name, settings, baseline_sha)}
         paths = _paths(folder, name, settings)
         cached = [_load_matching(path, identity) for path in paths.values()]
         if all(r is not None for r in cached):
@@ -137,6 +138,20 @@ def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts:
     for name, fig in figures.items():
         paths.extend(plots.save_figure(fig, os.path.join(out, name)))
     return paths
+
+
+def _relevant_settings(name: str, settings: StudySettings, baseline_sha) -> dict:
+    """The settings that change analysis `name`'s result: a cached result is reused when these
+    match, so changing, say, the IG steps never invalidates the logit lens."""
+    detail = {"detail_prompts": settings.detail_prompts}
+    return {
+        "contributions": {},
+        "logit_lens": {"lens_weighting": settings.lens_weighting},
+        "layer_skip": {"seed": settings.seed},
+        "erasure": {**detail, "baseline_tokens_sha": baseline_sha},
+        "integrated_gradients": {**detail, "ig_steps": settings.ig_steps, "ig_rule": settings.ig_rule,
+                                 "ig_baseline": settings.ig_baseline},
+    }[name]
 
 
 def _paths(folder, name, settings):

@@ -115,10 +115,11 @@ def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
         assert (folder / name).stat().st_mtime_ns == mtime, f"{name} was recomputed"
         assert f"{name.split('.')[0].replace('_layer', '').replace('_attn', '').replace('_mlp', '')}: reusing" in out.stdout
     assert all((folder / f"{name}.npz").exists() for name in ANALYSES)
-    # a changed setting is not confused with the cached results
-    again = subprocess.run([*args, "--seed", "7", "--analyses", "contributions"], capture_output=True, text=True,
-                           timeout=600)
-    assert again.returncode == 0 and "contributions: reusing" not in again.stdout
+    # a changed setting is not confused with the cached results, and leaves the others alone
+    again = subprocess.run([*args, "--seed", "7", "--analyses", "contributions,layer_skip", "--skip-sublayers",
+                            "layer"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "contributions: reusing" in again.stdout and "layer_skip: reusing" not in again.stdout
 
 
 def test_dataset_rows_are_formatted_exactly():
