@@ -112,14 +112,15 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
                mode: str = "future", seed: int = 123, splits_per_prompt: int = 4,
                chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                progress: bool = True, settings=None) -> LayerSkipResult:
-    """Layer-skip effects over a batch of prompts (one compiled sweep per prompt).
+    """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
+    prompts of the same padded length.
 
     mode 'future' (default): skip before sampled split positions, measure after them.
     mode 'current': skip every position but 0, measure every position.
     """
     if sublayer not in SUBLAYERS or mode not in MODES:
         raise ValueError(f"sublayer must be one of {SUBLAYERS} and mode one of {MODES}")
-    L, T = config.num_layers, batch.tokens.shape[1]
+    L = config.num_layers
     lengths = batch.lengths
     splits = sample_split_positions(lengths, seed=seed, per_prompt=splits_per_prompt)
     n_splits = 1 if mode == "current" else splits_per_prompt

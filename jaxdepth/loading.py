@@ -133,6 +133,13 @@ def convert_source(source: str, *, dtype=np.float32) -> "Converted":
     return convert_hf(source, dtype=dtype)
 
 
+def _check_finite_params(params, source: str) -> None:
+    """A NaN or infinite weight makes every analysis meaningless: say which one, up front."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not bool(jnp.all(jnp.isfinite(x))):
+            raise ValueError(f"{source}: parameter {jax.tree_util.keystr(path)} contains NaN or infinite values")
+
+
 def load(source: str, *, dtype=None, mesh=None) -> Model:
     """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name.
 
@@ -151,6 +158,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
         converted = restore_converted(source, mesh=mesh)
     else:
         converted = convert_source(source)
+    _check_finite_params(converted.params, converted.source)
     model = Model(params=jax.tree.map(jnp.asarray, converted.params), config=converted.config,
                   tokenizer=converted.tokenizer, source=converted.source)
     model = model if dtype is None else model.astype(dtype)

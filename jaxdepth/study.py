@@ -110,6 +110,7 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         seconds = time.perf_counter() - start
         parts = result if isinstance(result, dict) else {None: result}
         for key, part in parts.items():
+            _check_finite(name, part)
             part.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
             part.save(paths[key])
         log(f"{name}: {seconds:.1f} s -> {folder}")
@@ -138,6 +139,15 @@ def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts:
     for name, fig in figures.items():
         paths.extend(plots.save_figure(fig, os.path.join(out, name)))
     return paths
+
+
+def _check_finite(name: str, result) -> None:
+    """Refuse to save a result holding NaN or infinity: it would poison every table and figure."""
+    for field in dataclasses.fields(result):
+        value = getattr(result, field.name)
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise ValueError(f"{name}: {field.name} contains NaN or infinite values (check the model's "
+                             "weights, its dtype, and the prompts); nothing was saved")
 
 
 def _relevant_settings(name: str, settings: StudySettings, baseline_sha) -> dict:

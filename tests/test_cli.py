@@ -173,3 +173,15 @@ def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
     assert main(["run", "--model", short, "--dataset", "gsm8k", "--data", GSM8K, "--prompts", "1",
                  "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
     assert "exceeds the model's context of 64" in capsys.readouterr().err
+
+
+def test_nan_weights_are_refused(tmp_path):
+    import jaxdepth
+    from conversion.checkpoint import restore_converted
+
+    folder = _save_tiny(str(tmp_path / "ok"), context=128)
+    converted = restore_converted(folder)
+    converted.params["layers"]["up"][1, 3, 5] = np.nan
+    bad = save_converted(converted, str(tmp_path / "nan"))
+    with pytest.raises(ValueError, match=r"\['layers'\]\['up'\] contains NaN"):
+        jaxdepth.load(bad)
