@@ -15,6 +15,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+import jaxdepth
+
 # No test may reach for the network: without these, a hub lookup waits for its timeouts first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
