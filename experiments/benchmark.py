@@ -1,0 +1,603 @@
+"""Benchmark: jaxdepth against the reference approach (PyTorch + Hugging Face hooks, batch 1, one
+forward pass per intervention; `experiments/reference_torch.py`) on the same model, the same
+prompts and the same machine, in one run.
+
+For every analysis it reports the jaxdepth wall time (each analysis is called twice: the first
+call compiles and runs, the second only runs), the reference wall time, their ratio, the model
+FLOPs of the workload and the FLOP/s jaxdepth achieves against a matmul peak measured in the
+same run, and how far the two implementations' results are apart. Model loading is excluded
+from every time.
+
+The full workload of the studies (10 GSM8K prompts, erasure over every boundary and position,
+IG at 256 steps over every layer) takes hours on a small CPU for either implementation, so the
+expensive analyses have their own prompt counts and prompt-length caps; the printed workload
+says exactly what ran. Example (the default workload, ~20 min on 2 CPU cores):
+
+    JAXDEPTH_CACHE=/tmp/jdcache python experiments/benchmark.py
+
+and a quick check that everything runs and agrees:
+
+    python experiments/benchmark.py --prompts 2 --max-tokens 64 --ig-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ANALYSES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
+ALIASES = {"contrib": "contributions", "cosine": "contributions", "lens": "logit_lens", "skip": "layer_skip",
+           "ig": "integrated_gradients"}
+DEFAULT_DATA = "/work/shared/data/gsm8k_test_sample.jsonl"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="embedded jaxdepth model (its GGUF is read by both)")
+    p.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
+    p.add_argument("--analyses", default=",".join(ANALYSES),
+                   help="comma-separated subset of " + ", ".join(ANALYSES))
+    p.add_argument("--prompts", type=int, default=10, help="prompts for contributions and logit lens")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="truncate every prompt to this many tokens (default: full length); the "
+                        "per-analysis caps below apply on top of it")
+    p.add_argument("--skip-prompts", type=int, default=2, help="prompts for layer skip")
+    p.add_argument("--skip-max-tokens", type=int, default=64, help="token cap for layer skip")
+    p.add_argument("--erasure-prompts", type=int, default=1, help="prompts for residual erasure")
+    p.add_argument("--erasure-max-tokens", type=int, default=32, help="token cap for residual erasure")
+    p.add_argument("--ig-prompts", type=int, default=1, help="prompts for integrated gradients")
+    p.add_argument("--ig-max-tokens", type=int, default=16, help="token cap for integrated gradients")
+    p.add_argument("--ig-steps", type=int, default=16,
+                   help="integrated-gradients steps (left Riemann). The studies use 256; at 30 layers "
+                        "that is 7,680 forward+backward passes per prompt, about an hour on 2 CPU cores "
+                        "for jaxdepth alone, so the default runs 16 and the full-workload table "
+                        "extrapolates (both implementations cost exactly linear in steps)")
+    p.add_argument("--baseline-prompts", type=int, default=10,
+                   help="erasure baseline: mean residuals over the first N prompts of --data (full length)")
+    p.add_argument("--seed", type=int, default=123, help="split-position seed (layer skip)")
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                   help="torch intra-op threads for the reference (default: every core, as jax uses)")
+    p.add_argument("--no-reference", action="store_true", help="time jaxdepth only (no agreement check)")
+    p.add_argument("--out", default="results/benchmark.json", help="JSON copy of the tables")
+    args = p.parse_args(argv)
+    names = [ALIASES.get(a.strip(), a.strip()) for a in args.analyses.replace(" ", ",").split(",") if a.strip()]
+    unknown = sorted(set(names) - set(ANALYSES))
+    if unknown:
+        p.error(f"unknown analyses {unknown}; known: {', '.join(ANALYSES)}")
+    args.analyses = [a for a in ANALYSES if a in names]
+    return args
+
+
+# ----------------------------------------------------------------------------- workload
+
+@dataclasses.dataclass
+class Workload:
+    """One analysis' prompts: the jaxdepth batch and the same prompts as plain token lists."""
+
+    name: str
+    batch: object  # jaxdepth PromptBatch
+    token_lists: list
+    answer_starts: list
+    answer_replaced: int  # prompts whose answer was cut off by the cap (see `truncate`)
+    cap: Optional[int]
+
+    @property
+    def lengths(self):
+        return [len(t) for t in self.token_lists]
+
+    def describe(self) -> str:
+        s = f"{len(self.token_lists)} prompt(s), lengths {self.lengths}"
+        if self.cap:
+            s += f" (cap {self.cap} tokens)"
+        if self.answer_replaced:
+            s += (f"; {self.answer_replaced} answer(s) cut off by the cap: their last quarter of tokens "
+                  "stands in as the answer")
+        return s
+
+
+def truncate(full, indices, cap: Optional[int], pad_id: int, name: str) -> Workload:
+    """Prompts `indices` of `full`, cut to their first `cap` tokens. A cut that removes every
+    answer-predicting position (the answer starts at token >= cap - 1) would leave erasure and IG
+    nothing to measure: the last quarter of the cut prompt then stands in as its answer. Both
+    implementations receive exactly the same tokens and answer starts."""
+    from jaxdepth.batch import make_batch
+
+    token_lists, starts, replaced = [], [], 0
+    for i in indices:
+        n = int(full.lengths[i])
+        tokens = [int(t) for t in full.tokens[i, :n]]
+        start = int(full.answer_start[i])
+        if cap is not None and n > cap:
+            tokens, n = tokens[:cap], cap
+        if start > n - 1:
+            start = n - max(1, n // 4)
+            replaced += 1
+        token_lists.append(tokens)
+        starts.append(start)
+    batch = make_batch(token_lists, starts, pad_to_multiple=16, pad_id=pad_id)
+    return Workload(name, batch, token_lists, starts, replaced, cap)
+
+
+def combine_caps(*caps):
+    caps = [c for c in caps if c]
+    return min(caps) if caps else None
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def forward_flops(c, T: int, lm_head: bool = True) -> float:
+    """Model FLOPs of one forward pass over T tokens: 2 x matmul params per token (q, k, v, o,
+    gate, up, down; the LM head if asked) plus attention scores and values (4 T^2 H Dh per
+    layer, the full square as both implementations compute it)."""
+    layer_params = (c.hidden_size * c.num_heads * c.head_dim + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+                    + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    f = 2.0 * T * c.num_layers * layer_params + 4.0 * c.num_layers * T * T * c.num_heads * c.head_dim
+    if lm_head:
+        f += 2.0 * T * c.hidden_size * c.vocab_size
+    return f
+
+
+def lm_head_flops(c, T: int) -> float:
+    return 2.0 * T * c.hidden_size * c.vocab_size
+
+
+def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
+    """Model FLOPs of an analysis' workload as the reference approach runs it (one pass per
+    intervention, each prompt at its own length; a forward+backward counts 3 forwards)."""
+    L = c.num_layers
+    total = 0.0
+    for i, T in enumerate(lengths):
+        f = forward_flops(c, T)
+        if name == "contributions":
+            total += forward_flops(c, T, lm_head=False)  # the statistics need no LM head
+        elif name == "logit_lens":
+            total += f + L * lm_head_flops(c, T)
+        elif name == "layer_skip":
+            total += (1 + L * len(splits[i])) * f
+        elif name == "erasure":
+            total += (1 + (L + 1) * T) * f
+        elif name == "integrated_gradients":
+            total += 3 * L * steps * f + (L + 1) * f  # the sweep, plus F(x) and the L values F(b)
+    return total
+
+
+# ----------------------------------------------------------------------------- peak
+
+def matmul_peak(config=None, repeats: int = 7):
+    """Best float32 matmul FLOP/s of jnp.dot (and of torch.mm, for the reference) on this machine:
+    square 2048 and 4096 matmuls, and the model's own MLP shape at 8192 tokens
+    ([8192, D] x [D, F], what a sweep of many members multiplies)."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = {"2048": (2048, 2048, 2048), "4096": (4096, 4096, 4096)}
+    if config is not None:
+        shapes["mlp"] = (8192, config.hidden_size, config.intermediate_size)
+    out = {}
+    dot = jax.jit(jnp.dot)
+    for name, (m, k, n) in shapes.items():
+        a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
+        b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
+        dot(a, b).block_until_ready()
+        best = min(_timed(lambda: dot(a, b).block_until_ready()) for _ in range(repeats))
+        out[f"jax_{name}"] = 2 * m * k * n / best
+    try:
+        import torch
+
+        for name, (m, k, n) in shapes.items():
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            torch.mm(a, b)
+            best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+            out[f"torch_{name}"] = 2 * m * k * n / best
+    except ImportError:
+        pass
+    return out
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- jaxdepth side
+
+def run_jaxdepth(name: str, model, w: Workload, args, baseline):
+    from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens
+
+    p, c, b = model.params, model.config, w.batch
+    if name == "contributions":
+        return contributions.contributions(p, b, c)
+    if name == "logit_lens":
+        return logit_lens.logit_lens(p, b, c)
+    if name == "layer_skip":
+        return layer_skip.layer_skip(p, b, c, sublayer="layer", seed=args.seed, progress=False)
+    if name == "erasure":
+        return erasure.residual_erasure(p, b, c, baseline, progress=False)
+    if name == "integrated_gradients":
+        return integrated_gradients.integrated_gradients(p, b, c, steps=args.ig_steps, progress=False)
+    raise ValueError(name)
+
+
+def run_reference(name: str, ref, w: Workload, args, baseline, splits):
+    if name == "contributions":
+        return ref.contributions(w.token_lists)
+    if name == "logit_lens":
+        return ref.logit_lens(w.token_lists)
+    if name == "layer_skip":
+        return ref.layer_skip(w.token_lists, splits)
+    if name == "erasure":
+        return ref.erasure(w.token_lists, w.answer_starts, baseline)
+    if name == "integrated_gradients":
+        return ref.integrated_gradients(w.token_lists, w.answer_starts, args.ig_steps)
+    raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------- agreement
+
+def _diff_row(analysis, quantity, ours, theirs, tol_rel=1e-3, exact=False):
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    if ours.shape != theirs.shape:
+        return dict(analysis=analysis, quantity=quantity, max_abs_diff=None, scale=None, ok=False,
+                    note=f"shape mismatch {ours.shape} vs {theirs.shape}")
+    diff = float(np.max(np.abs(ours - theirs))) if ours.size else 0.0
+    scale = float(np.max(np.abs(theirs))) if theirs.size else 0.0
+    ok = diff == 0 if exact else diff <= tol_rel * max(scale, 1e-12) + 1e-7
+    return dict(analysis=analysis, quantity=quantity, max_abs_diff=diff, scale=scale, ok=bool(ok),
+                note="must be equal" if exact else f"tol {tol_rel:g} x scale")
+
+
+def _value_row(analysis, quantity, ours, theirs, ok=None, note=""):
+    ok = bool(ours == theirs) if ok is None else bool(ok)
+    return dict(analysis=analysis, quantity=quantity, jaxdepth=ours, reference=theirs, ok=ok, note=note)
+
+
+def _ed_row(analysis, quantity, ours, theirs, our_curve, their_curve):
+    """Effective depth read by jaxdepth's rule on its curve and by the reference rule on the
+    reference curve (-1 = no layer qualifies); on a mismatch, the curves at the layers involved."""
+    ours = -1 if ours is None else int(ours)
+    note = ""
+    if ours != theirs:
+        at = sorted({l for l in (ours, theirs) if l >= 0})
+        note = "curves there: " + ", ".join(
+            f"l={l}: jax {float(np.asarray(our_curve)[l]):.9g} ({np.asarray(our_curve).dtype}), "
+            f"ref {float(np.asarray(their_curve)[l]):.9g} ({np.asarray(their_curve).dtype})" for l in at)
+    return _value_row(analysis, quantity, ours, theirs, note=note)
+
+
+def agreement(name, jres, rres, w: Workload, config) -> list:
+    from jaxdepth import effective_depth as ed
+
+    import reference_torch as rt
+
+    rows = []
+    L = config.num_layers
+    if name == "contributions":
+        for stat in ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer"):
+            rows.append(_diff_row(name, f"curve {stat} [L]", getattr(jres, stat), rres["curves"][stat]))
+        mean_cos = sum(rres["curves"][k] for k in ("cos_attn", "cos_mlp", "cos_layer")) / 3
+        ours = ed.cosine_effective_depth(jres.mean_cosine).layer
+        rows.append(_ed_row(name, "cosine ED", ours, rt.ed_cosine(mean_cos), jres.mean_cosine, mean_cos))
+    elif name == "logit_lens":
+        rows.append(_diff_row(name, "KL(P_l||P) [L]", jres.kl, rres["kl"]))
+        rows.append(_diff_row(name, "top-5 overlap [L]", jres.overlap, rres["overlap"]))
+        kl_ed, ov_ed = ed.kl_effective_depth(jres.kl).layer, ed.overlap_effective_depth(jres.overlap).layer
+        rows.append(_ed_row(name, "KL ED", kl_ed, rt.ed_kl(rres["kl"]), jres.kl, rres["kl"]))
+        rows.append(_ed_row(name, "overlap ED", ov_ed, rt.ed_overlap(rres["overlap"]), jres.overlap,
+                            rres["overlap"]))
+    elif name == "layer_skip":
+        rows.append(_diff_row(name, "D[s,j] later [L,L]", jres.later, rres["later"]))
+        rows.append(_diff_row(name, "output L2 [L]", jres.output, rres["output"]))
+        rows.append(_diff_row(name, "D per prompt [P,L,L]", jres.later_per_prompt, rres["later_per_prompt"]))
+        low = np.tril(np.ones((L, L), bool))
+        rows.append(_diff_row(name, "D[s,j<=s] (both exact 0)", np.asarray(jres.later)[low],
+                              np.asarray(rres["later"])[low], exact=True))
+        rows.append(_value_row(name, "depth score", round(ed.depth_score(jres.later), 4),
+                               round(rt.depth_score(rres["later"]), 4),
+                               ok=abs(ed.depth_score(jres.later) - rt.depth_score(rres["later"])) < 1e-3))
+    elif name == "erasure":
+        ours = [np.asarray(jres.effects)[i, :, :n] for i, n in enumerate(w.lengths)]
+        rows.append(_diff_row(name, "effects [P,L+1,T]", np.concatenate(ours, axis=1), np.concatenate(rres, axis=1)))
+        for i, n in enumerate(w.lengths):  # positions after the last answer prediction: exactly 0
+            tail = slice(n - 1, n)
+            rows.append(_diff_row(name, f"prompt {i}: erasing t=T-1 (both exact 0)",
+                                  ours[i][:, tail], rres[i][:, tail], exact=True))
+    elif name == "integrated_gradients":
+        ours = np.concatenate([np.asarray(jres.attributions)[i, :, :n] for i, n in enumerate(w.lengths)], axis=1)
+        rows.append(_diff_row(name, "attributions [P,L,T]", ours, np.concatenate(rres["attributions"], axis=1),
+                              tol_rel=3e-3))
+        rows.append(_diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"]))
+        rows.append(_diff_row(name, "F(b) [P,L]", jres.f_baseline, np.stack(rres["f_baseline"])))
+        rows.append(_diff_row(name, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2))
+    return rows
+
+
+# ----------------------------------------------------------------------------- tables
+
+def fmt_s(x):
+    return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def fmt_flops(x):
+    return "-" if x is None else f"{x / 1e9:.1f}G"
+
+
+def _contended(row, cores) -> bool:
+    """True when the load average says other processes competed during this row's timings."""
+    loads = [row["load_after_jax"], row["load_after_ref"]]
+    return any(x is not None and x > 1.25 * cores for x in loads)
+
+
+def print_tables(report):
+    peak = report["peak_flops"]
+    print("\n" + "=" * 112)
+    torch_peak = f", torch {peak['torch'] / 1e9:.1f} GFLOP/s" if peak.get("torch") else ""
+    print(f"jaxdepth vs reference (PyTorch + HF hooks, batch 1)  |  {report['machine']['cpu']}, "
+          f"{report['machine']['cores']} cores  |  matmul peak: jax {peak['jax'] / 1e9:.1f} GFLOP/s{torch_peak}")
+    print("-" * 112)
+    head = (f"{'analysis':<22}{'jax 1st':>9}{'jax run':>9}{'compile':>9}{'ref':>9}{'ref/jax':>9}"
+            f"{'model FLOPs':>13}{'jax FLOP/s':>12}{'% peak':>8}{'ref FLOP/s':>12}{'load j/r':>11}")
+    print(head)
+    for r in report["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        pct = "-" if r["jax_flops_per_s"] is None else f"{100 * r['jax_flops_per_s'] / peak['jax']:.1f}"
+        print(f"{r['analysis']:<22}{fmt_s(r['jax_first_s']):>9}{fmt_s(r['jax_run_s']):>9}"
+              f"{fmt_s(r['jax_compile_s']):>9}{fmt_s(r['ref_s']):>9}{ratio:>9}"
+              f"{r['model_flops'] / 1e12:>12.2f}T{fmt_flops(r['jax_flops_per_s']):>12}{pct:>8}"
+              f"{fmt_flops(r['ref_flops_per_s']):>12}"
+              f"{r['load_after_jax']:>6.1f}/{'-' if r['load_after_ref'] is None else format(r['load_after_ref'], '.1f'):<4}"
+              f"{'  *' if _contended(r, report['machine']['cores']) else ''}")
+    t = report["totals"]
+    ratio = "-" if t["ratio"] is None else f"{t['ratio']:.1f}x"
+    print(f"{'TOTAL':<22}{fmt_s(t['jax_first_s']):>9}{fmt_s(t['jax_run_s']):>9}{fmt_s(t['jax_compile_s']):>9}"
+          f"{fmt_s(t['ref_s']):>9}{ratio:>9}{t['model_flops'] / 1e12:>12.2f}T")
+    print("jax 1st = first call (compile + run); jax run = second call; compile = 1st - run; ref = reference; "
+          "FLOP/s = model FLOPs / run time;\nload j/r = 1-min load average after the jaxdepth / reference "
+          f"timing (this benchmark alone makes ~{report['machine']['cores']}; more = other processes competed)")
+    if any(_contended(r, report["machine"]["cores"]) for r in report["rows"]):
+        print("  * = timed while other processes competed for the CPU (load > 1.25 x cores): those times are "
+              "inflated, the reference's\n    multi-threaded torch most (its OpenMP barriers stall when a "
+              "thread is descheduled); rerun on a quiet machine")
+    if report["agreement"]:
+        print("-" * 112)
+        print(f"{'agreement':<22}{'quantity':<38}{'max |diff|':>14}{'scale':>12}  result")
+        for a in report["agreement"]:
+            if "max_abs_diff" in a:
+                d = "-" if a["max_abs_diff"] is None else f"{a['max_abs_diff']:.3e}"
+                s = "-" if a["scale"] is None else f"{a['scale']:.3g}"
+                print(f"{a['analysis']:<22}{a['quantity']:<38}{d:>14}{s:>12}  "
+                      f"{'ok' if a['ok'] else 'DISAGREE'} ({a['note']})")
+            else:
+                print(f"{a['analysis']:<22}{a['quantity']:<38}{'jax ' + str(a['jaxdepth']):>14}"
+                      f"{'ref ' + str(a['reference']):>12}  {'ok' if a['ok'] else 'DISAGREE'} {a['note']}")
+    est = report["study_workload_estimate"]
+    print("-" * 112)
+    print("FULL STUDY WORKLOAD, extrapolated (model FLOPs / the FLOP/s measured above; rough: efficiency "
+          "changes with prompt length):")
+    print("  " + est["description"])
+    print(f"{'analysis':<22}{'model FLOPs':>13}{'jaxdepth':>12}{'reference':>12}")
+    for r in est["rows"]:
+        ref = "-" if r["ref_s"] is None else f"{r['ref_s'] / 3600:.2f} h"
+        print(f"{r['analysis']:<22}{r['model_flops'] / 1e12:>12.1f}T{r['jax_s'] / 3600:>10.2f} h{ref:>12}")
+    print("=" * 112)
+
+
+def write_json_atomic(path, obj):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".benchmark-", suffix=".json.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=_json_default)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.bool_):
+        return bool(x)
+    raise TypeError(type(x))
+
+
+# ----------------------------------------------------------------------------- main
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    wall_start = time.perf_counter()
+    load_before = os.getloadavg()
+
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    import jax
+
+    import jaxdepth
+    from jaxdepth.erasure import mean_residuals
+    from jaxdepth.layer_skip import sample_split_positions
+    from jaxdepth.loading import embedded_gguf_path
+    from jaxdepth.prompts import encode, load_prompts
+
+    log(f"jax {jax.__version__} on {jax.devices()}, torch {torch.__version__} with {torch.get_num_threads()} "
+        f"threads, {os.cpu_count()} cores; load average before: {load_before[0]:.2f}")
+    if load_before[0] > 0.5 * os.cpu_count():
+        log("WARNING: the machine is busy (load average above half the cores): other processes compete "
+            "for the CPU and every time below is inflated by them")
+
+    start = time.perf_counter()
+    model = jaxdepth.load(args.model)
+    c = model.config
+    jax_load_s = time.perf_counter() - start
+    log(f"jaxdepth loaded {args.model} in {jax_load_s:.1f} s (excluded): L={c.num_layers}, D={c.hidden_size}, "
+        f"H={c.num_heads}/{c.num_kv_heads}, F={c.intermediate_size}, V={c.vocab_size}")
+
+    # ---- prompts: one encoding, then per-analysis subsets and caps
+    counts = {"contributions": args.prompts, "logit_lens": args.prompts, "layer_skip": args.skip_prompts,
+              "erasure": args.erasure_prompts, "integrated_gradients": args.ig_prompts}
+    caps = {"contributions": args.max_tokens, "logit_lens": args.max_tokens,
+            "layer_skip": combine_caps(args.max_tokens, args.skip_max_tokens),
+            "erasure": combine_caps(args.max_tokens, args.erasure_max_tokens),
+            "integrated_gradients": combine_caps(args.max_tokens, args.ig_max_tokens)}
+    need = max([counts[a] for a in args.analyses] + [10, args.baseline_prompts if "erasure" in args.analyses else 0])
+    prompts = load_prompts("gsm8k", args.data, limit=need)
+    full = encode(model.tokenizer, prompts)
+    pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    workloads = {a: truncate(full, range(min(counts[a], len(full))), caps[a], pad_id, a) for a in args.analyses}
+    splits = {}
+    if "layer_skip" in workloads:
+        splits = sample_split_positions(workloads["layer_skip"].lengths, seed=args.seed)
+    baseline, baseline_s = None, None
+    if "erasure" in workloads:
+        start = time.perf_counter()
+        baseline = mean_residuals(model.params, full.select(slice(0, args.baseline_prompts)), c)
+        baseline_s = time.perf_counter() - start
+        log(f"erasure baseline: mean residuals over the first {min(args.baseline_prompts, len(full))} prompts "
+            f"(full length) by jaxdepth.erasure.mean_residuals in {baseline_s:.1f} s (excluded; both use it)")
+
+    print("\nWORKLOAD (GSM8K test prompts from " + args.data + ")")
+    flops = {}
+    for a, w in workloads.items():
+        flops[a] = workload_flops(a, c, w.lengths, splits=splits if a == "layer_skip" else None,
+                                  steps=args.ig_steps)
+        extra = ""
+        if a == "layer_skip":
+            n = sum(len(s) for s in splits)
+            extra = f"; split positions {splits}; {n * c.num_layers} skip passes + {len(splits)} clean"
+        elif a == "erasure":
+            extra = f"; {(c.num_layers + 1) * sum(w.lengths)} erasure passes (every boundary 0..L x position)"
+        elif a == "integrated_gradients":
+            extra = (f"; {args.ig_steps} steps x {c.num_layers} layers = "
+                     f"{args.ig_steps * c.num_layers * len(w.lengths)} forward+backward passes")
+        print(f"  {a:<22}{w.describe()}{extra}; {flops[a] / 1e12:.2f} TFLOP")
+    sys.stdout.flush()
+
+    # ---- matmul peak (again at the end: the best of both counts)
+    peaks_before = matmul_peak(c)
+    log("matmul peak (best of 7, float32): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks_before.items()))
+
+    # ---- jaxdepth: every analysis twice
+    jax_times, jax_results, loads = {}, {}, {}
+    for a in args.analyses:
+        first = _timed(lambda: run_jaxdepth(a, model, workloads[a], args, baseline))
+        t0 = time.perf_counter()
+        jax_results[a] = run_jaxdepth(a, model, workloads[a], args, baseline)
+        second = time.perf_counter() - t0
+        jax_times[a] = (first, second)
+        loads[("jax", a)] = os.getloadavg()[0]
+        log(f"jaxdepth {a}: first call {first:.2f} s, second call {second:.2f} s "
+            f"({flops[a] / second / 1e9:.1f} GFLOP/s)")
+
+    # ---- reference
+    ref_times, ref_results, ref_load_s, ref_passes = {}, {}, None, {}
+    if not args.no_reference:
+        from reference_torch import Reference, load_hf_model
+
+        start = time.perf_counter()
+        hf = load_hf_model(embedded_gguf_path(args.model) if args.model in ("smollm2",) else args.model)
+        ref_load_s = time.perf_counter() - start
+        log(f"reference: transformers loaded the GGUF in {ref_load_s:.1f} s (excluded), "
+            f"attention {hf.config._attn_implementation}")
+        ref = Reference(hf)
+        for a in args.analyses:
+            f0, b0 = ref.forwards, ref.backwards
+            t0 = time.perf_counter()
+            ref_results[a] = run_reference(a, ref, workloads[a], args, baseline, splits)
+            ref_times[a] = time.perf_counter() - t0
+            ref_passes[a] = (ref.forwards - f0, ref.backwards - b0)
+            loads[("ref", a)] = os.getloadavg()[0]
+            log(f"reference {a}: {ref_times[a]:.2f} s, {ref_passes[a][0]} forwards, {ref_passes[a][1]} backwards "
+                f"({flops[a] / ref_times[a] / 1e9:.1f} GFLOP/s)")
+
+    peaks_after = matmul_peak(c)
+    log("matmul peak again (best of 7, float32): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks_after.items()))
+    peaks = {k: max(peaks_before[k], peaks_after.get(k, 0)) for k in peaks_before}
+    peak = {"jax": max(v for k, v in peaks.items() if k.startswith("jax")),
+            "torch": max((v for k, v in peaks.items() if k.startswith("torch")), default=None),
+            "before": peaks_before, "after": peaks_after}
+
+    # ---- report
+    rows, agree = [], []
+    for a in args.analyses:
+        first, second = jax_times[a]
+        r = ref_times.get(a)
+        rows.append(dict(analysis=a, workload=workloads[a].describe(), prompts=len(workloads[a].lengths),
+                         lengths=workloads[a].lengths, jax_first_s=first, jax_run_s=second,
+                         jax_compile_s=max(first - second, 0.0), ref_s=r,
+                         ratio=None if r is None else r / second, model_flops=flops[a],
+                         jax_flops_per_s=flops[a] / second, jax_fraction_of_peak=flops[a] / second / peak["jax"],
+                         ref_flops_per_s=None if r is None else flops[a] / r,
+                         ref_forwards=ref_passes.get(a, (None, None))[0],
+                         ref_backwards=ref_passes.get(a, (None, None))[1],
+                         load_after_jax=loads[("jax", a)], load_after_ref=loads.get(("ref", a))))
+        if a in ref_results:
+            agree.extend(agreement(a, jax_results[a], ref_results[a], workloads[a], c))
+    tot = lambda k: sum(r[k] for r in rows) if all(r[k] is not None for r in rows) else None  # noqa: E731
+    totals = dict(jax_first_s=tot("jax_first_s"), jax_run_s=tot("jax_run_s"), jax_compile_s=tot("jax_compile_s"),
+                  ref_s=tot("ref_s"), model_flops=tot("model_flops"))
+    totals["ratio"] = None if totals["ref_s"] is None else totals["ref_s"] / totals["jax_run_s"]
+    # The full study workload, extrapolated from the FLOP/s measured above.
+    study_lengths = [int(n) for n in full.lengths[:10]]  # the studies: 10 prompts, full length
+    study_splits = sample_split_positions(study_lengths, seed=args.seed)
+    study = []
+    for r in rows:
+        f = workload_flops(r["analysis"], c, study_lengths, splits=study_splits, steps=256)
+        study.append(dict(analysis=r["analysis"], model_flops=f, jax_s=f / r["jax_flops_per_s"],
+                          ref_s=None if r["ref_flops_per_s"] is None else f / r["ref_flops_per_s"]))
+    load_after = os.getloadavg()
+    report = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv), args=vars(args),
+        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                     load_average_before=load_before, load_average_after=load_after,
+                     jax=jax.__version__, torch=torch.__version__, jax_devices=[str(d) for d in jax.devices()],
+                     torch_threads=torch.get_num_threads()),
+        model=dict(source=args.model, config=c.to_dict()), split_positions=splits,
+        excluded_s=dict(jax_load=jax_load_s, ref_load=ref_load_s, erasure_baseline=baseline_s),
+        peak_flops=peak, rows=rows, totals=totals, agreement=agree, study_workload_estimate=dict(
+            description=f"{len(study_lengths)} prompts at full length (lengths {study_lengths}), layer skip with "
+                        "4 split positions each, erasure at every boundary x position, IG 256 steps x every layer",
+            rows=study),
+        all_agree=all(a["ok"] for a in agree) if agree else None,
+        benchmark_wall_s=time.perf_counter() - wall_start)
+    print_tables(report)
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; benchmark wall time "
+          f"{report['benchmark_wall_s']:.0f} s (incl. loading)")
+    if agree and not report["all_agree"]:
+        print("WARNING: the implementations DISAGREE on: " +
+              "; ".join(f"{a['analysis']} {a['quantity']}" for a in agree if not a["ok"]))
+    write_json_atomic(args.out, report)
+    print(f"wrote {args.out}")
+    return 0 if (not agree or report["all_agree"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
