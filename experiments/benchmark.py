@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=123, help="split-position seed (layer skip)")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count(),
                    help="torch intra-op threads for the reference (default: every core, as jax uses)")
+    p.add_argument("--wait-quiet", type=float, default=0.0,
+                   help="before each timed call, wait up to this many seconds for other processes to "
+                        "leave the CPU (under 0.2 cores busy over 3 s); 0 = do not wait. The CPU time "
+                        "other processes take during each timing is reported either way")
     p.add_argument("--no-reference", action="store_true", help="time jaxdepth only (no agreement check)")
     p.add_argument("--out", default="results/benchmark.json", help="JSON copy of the tables")
     args = p.parse_args(argv)
@@ -209,6 +213,48 @@ def matmul_peak(config=None, repeats: int = 7):
     return out
 
 
+class CpuMeter:
+    """CPU time used by *other* processes while a timing runs: the machine's busy time
+    (/proc/stat) minus this process' own (os.times), in cores (CPU-seconds per wall second).
+    A contended timing is not a measurement of either implementation."""
+
+    HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    @staticmethod
+    def _busy():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except OSError:
+            return None
+        return (sum(v) - v[3] - v[4]) / CpuMeter.HZ  # all but idle and iowait
+
+    def __enter__(self):
+        self.busy0, t = self._busy(), os.times()
+        self.own0, self.wall0 = t.user + t.system, time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        busy1, t = self._busy(), os.times()
+        self.wall = time.perf_counter() - self.wall0
+        own = t.user + t.system - self.own0
+        self.others = None if busy1 is None else max(busy1 - self.busy0 - own, 0.0) / max(self.wall, 1e-9)
+        return False
+
+
+def wait_quiet(timeout: float, threshold: float = 0.2, window: float = 3.0) -> Optional[float]:
+    """Wait (up to `timeout` s) until other processes use under `threshold` cores over `window` s;
+    returns the seconds waited, or None when it timed out."""
+    start = time.perf_counter()
+    while True:
+        with CpuMeter() as m:
+            time.sleep(window)
+        if m.others is None or m.others < threshold:
+            return time.perf_counter() - start
+        if time.perf_counter() - start > timeout:
+            return None
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -337,10 +383,16 @@ def fmt_flops(x):
     return "-" if x is None else f"{x / 1e9:.1f}G"
 
 
-def _contended(row, cores) -> bool:
-    """True when the load average says other processes competed during this row's timings."""
-    loads = [row["load_after_jax"], row["load_after_ref"]]
-    return any(x is not None and x > 1.25 * cores for x in loads)
+CONTENDED_CORES = 0.25
+
+
+def _fmt_cores(x) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
+def _contended(row, cores=None) -> bool:
+    """True when other processes took a noticeable share of the CPU during this row's timings."""
+    return any(x is not None and x > CONTENDED_CORES for x in (row["others_cores_jax"], row["others_cores_ref"]))
 
 
 def print_tables(report):
@@ -351,7 +403,7 @@ def print_tables(report):
           f"{report['machine']['cores']} cores  |  matmul peak: jax {peak['jax'] / 1e9:.1f} GFLOP/s{torch_peak}")
     print("-" * 112)
     head = (f"{'analysis':<22}{'jax 1st':>9}{'jax run':>9}{'compile':>9}{'ref':>9}{'ref/jax':>9}"
-            f"{'model FLOPs':>13}{'jax FLOP/s':>12}{'% peak':>8}{'ref FLOP/s':>12}{'load j/r':>11}")
+            f"{'model FLOPs':>13}{'jax FLOP/s':>12}{'% peak':>8}{'ref FLOP/s':>12}{'others j/r':>12}")
     print(head)
     for r in report["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
@@ -360,17 +412,17 @@ def print_tables(report):
               f"{fmt_s(r['jax_compile_s']):>9}{fmt_s(r['ref_s']):>9}{ratio:>9}"
               f"{r['model_flops'] / 1e12:>12.2f}T{fmt_flops(r['jax_flops_per_s']):>12}{pct:>8}"
               f"{fmt_flops(r['ref_flops_per_s']):>12}"
-              f"{r['load_after_jax']:>6.1f}/{'-' if r['load_after_ref'] is None else format(r['load_after_ref'], '.1f'):<4}"
+              f"{_fmt_cores(r['others_cores_jax']):>7}/{'-' if r['ref_s'] is None else _fmt_cores(r['others_cores_ref']):<4}"
               f"{'  *' if _contended(r, report['machine']['cores']) else ''}")
     t = report["totals"]
     ratio = "-" if t["ratio"] is None else f"{t['ratio']:.1f}x"
     print(f"{'TOTAL':<22}{fmt_s(t['jax_first_s']):>9}{fmt_s(t['jax_run_s']):>9}{fmt_s(t['jax_compile_s']):>9}"
           f"{fmt_s(t['ref_s']):>9}{ratio:>9}{t['model_flops'] / 1e12:>12.2f}T")
     print("jax 1st = first call (compile + run); jax run = second call; compile = 1st - run; ref = reference; "
-          "FLOP/s = model FLOPs / run time;\nload j/r = 1-min load average after the jaxdepth / reference "
-          f"timing (this benchmark alone makes ~{report['machine']['cores']}; more = other processes competed)")
+          "FLOP/s = model FLOPs / run time;\nothers j/r = CPU cores other processes used during the jaxdepth / "
+          f"reference timing (of {report['machine']['cores']}; the worse of jaxdepth's two calls)")
     if any(_contended(r, report["machine"]["cores"]) for r in report["rows"]):
-        print("  * = timed while other processes competed for the CPU (load > 1.25 x cores): those times are "
+        print(f"  * = timed while other processes took > {CONTENDED_CORES} cores: those times are "
               "inflated, the reference's\n    multi-threaded torch most (its OpenMP barriers stall when a "
               "thread is descheduled); rerun on a quiet machine")
     if report["agreement"]:
@@ -501,21 +553,34 @@ def main(argv=None) -> int:
         print(f"  {a:<22}{w.describe()}{extra}; {flops[a] / 1e12:.2f} TFLOP")
     sys.stdout.flush()
 
+    def gate(what):
+        if args.wait_quiet > 0:
+            waited = wait_quiet(args.wait_quiet)
+            if waited is None:
+                log(f"  the CPU did not become quiet within {args.wait_quiet:.0f} s; timing {what} anyway")
+            elif waited > 5:
+                log(f"  waited {waited:.0f} s for other processes to leave the CPU before {what}")
+
     # ---- matmul peak (again at the end: the best of both counts)
+    gate("the matmul peak")
     peaks_before = matmul_peak(c)
     log("matmul peak (best of 7, float32): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks_before.items()))
 
     # ---- jaxdepth: every analysis twice
-    jax_times, jax_results, loads = {}, {}, {}
+    jax_times, jax_results, others = {}, {}, {}
     for a in args.analyses:
-        first = _timed(lambda: run_jaxdepth(a, model, workloads[a], args, baseline))
-        t0 = time.perf_counter()
-        jax_results[a] = run_jaxdepth(a, model, workloads[a], args, baseline)
-        second = time.perf_counter() - t0
+        gate(f"jaxdepth {a} (first call)")
+        with CpuMeter() as m1:
+            run_jaxdepth(a, model, workloads[a], args, baseline)
+        gate(f"jaxdepth {a} (second call)")
+        with CpuMeter() as m2:
+            jax_results[a] = run_jaxdepth(a, model, workloads[a], args, baseline)
+        first, second = m1.wall, m2.wall
         jax_times[a] = (first, second)
-        loads[("jax", a)] = os.getloadavg()[0]
+        others[("jax", a)] = None if m2.others is None else max(m1.others, m2.others)
         log(f"jaxdepth {a}: first call {first:.2f} s, second call {second:.2f} s "
-            f"({flops[a] / second / 1e9:.1f} GFLOP/s)")
+            f"({flops[a] / second / 1e9:.1f} GFLOP/s); other processes used {_fmt_cores(m1.others)} / "
+            f"{_fmt_cores(m2.others)} cores meanwhile")
 
     # ---- reference
     ref_times, ref_results, ref_load_s, ref_passes = {}, {}, None, {}
@@ -530,14 +595,17 @@ def main(argv=None) -> int:
         ref = Reference(hf)
         for a in args.analyses:
             f0, b0 = ref.forwards, ref.backwards
-            t0 = time.perf_counter()
-            ref_results[a] = run_reference(a, ref, workloads[a], args, baseline, splits)
-            ref_times[a] = time.perf_counter() - t0
+            gate(f"reference {a}")
+            with CpuMeter() as m:
+                ref_results[a] = run_reference(a, ref, workloads[a], args, baseline, splits)
+            ref_times[a] = m.wall
             ref_passes[a] = (ref.forwards - f0, ref.backwards - b0)
-            loads[("ref", a)] = os.getloadavg()[0]
+            others[("ref", a)] = m.others
             log(f"reference {a}: {ref_times[a]:.2f} s, {ref_passes[a][0]} forwards, {ref_passes[a][1]} backwards "
-                f"({flops[a] / ref_times[a] / 1e9:.1f} GFLOP/s)")
+                f"({flops[a] / ref_times[a] / 1e9:.1f} GFLOP/s); other processes used {_fmt_cores(m.others)} "
+                "cores meanwhile")
 
+    gate("the matmul peak")
     peaks_after = matmul_peak(c)
     log("matmul peak again (best of 7, float32): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks_after.items()))
     peaks = {k: max(peaks_before[k], peaks_after.get(k, 0)) for k in peaks_before}
@@ -558,7 +626,7 @@ def main(argv=None) -> int:
                          ref_flops_per_s=None if r is None else flops[a] / r,
                          ref_forwards=ref_passes.get(a, (None, None))[0],
                          ref_backwards=ref_passes.get(a, (None, None))[1],
-                         load_after_jax=loads[("jax", a)], load_after_ref=loads.get(("ref", a))))
+                         others_cores_jax=others[("jax", a)], others_cores_ref=others.get(("ref", a))))
         if a in ref_results:
             agree.extend(agreement(a, jax_results[a], ref_results[a], workloads[a], c))
     tot = lambda k: sum(r[k] for r in rows) if all(r[k] is not None for r in rows) else None  # noqa: E731
