@@ -40,7 +40,8 @@ sys.path.insert(0, HERE)
 ANALYSES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
 ALIASES = {"contrib": "contributions", "cosine": "contributions", "lens": "logit_lens", "skip": "layer_skip",
            "ig": "integrated_gradients"}
-DEFAULT_DATA = "/work/shared/data/gsm8k_test_sample.jsonl"
+# The shared data samples live beside the checkout (`../shared/data/`, see DESIGN.md).
+DEFAULT_DATA = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl"))
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -48,7 +49,9 @@ DEFAULT_DATA = "/work/shared/data/gsm8k_test_sample.jsonl"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="embedded jaxdepth model (its GGUF is read by both)")
+    p.add_argument("--model", default="smollm2",
+                   help="an embedded jaxdepth model name or a .gguf file: jaxdepth converts it, transformers "
+                        "reads the same file with its GGUF loader")
     p.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
     p.add_argument("--analyses", default=",".join(ANALYSES),
                    help="comma-separated subset of " + ", ".join(ANALYSES))
@@ -588,7 +591,7 @@ def main(argv=None) -> int:
         from reference_torch import Reference, load_hf_model
 
         start = time.perf_counter()
-        hf = load_hf_model(embedded_gguf_path(args.model) if args.model in ("smollm2",) else args.model)
+        hf = load_hf_model(embedded_gguf_path(args.model) if not args.model.endswith(".gguf") else args.model)
         ref_load_s = time.perf_counter() - start
         log(f"reference: transformers loaded the GGUF in {ref_load_s:.1f} s (excluded), "
             f"attention {hf.config._attn_implementation}")
