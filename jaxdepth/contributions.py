@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.batch import PromptBatch
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import LayerRecord, embed, run_layers
 from jaxdepth.results import SavedResult
@@ -28,7 +29,7 @@ def _tap_contributions(r: LayerRecord, _):
     ], axis=-1)
 
 
-@partial(jax.jit, static_argnames="config")
+@partial(jit, static_argnames="config")
 def contribution_stats(params, tokens, valid, config: ModelConfig):
     """Per-token statistics `[L, B, T, 6]` in the order of `STATISTICS`, computed inside the scan."""
     _, stats = run_layers(params, embed(params, tokens), config, valid=valid, tap=_tap_contributions)

@@ -1,9 +1,10 @@
 """Residual erasure (METHODS §4): replace one residual vector h_l[t] by a baseline mean and
 measure how much the predictions of the answer tokens move.
 
-All (boundary, position) erasures of a prompt are one vmapped computation. Erasing position t
+All (boundary, position) erasures of a prompt are one compiled computation. Erasing position t
 cannot change any position before t (causal attention), so only positions p >= t are
-measured: an erasure after the last answer prediction is exactly 0, not float noise.
+measured: an erasure after the last answer prediction is exactly 0, not float noise. The same
+fact saves work: an erasure runs only the positions from its block's first one on.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.batch import PromptBatch
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import replace_residual
-from jaxdepth.model import residual_stream, run_layers_from, unembed
+from jaxdepth.model import clean_key_values, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
 from jaxdepth.stats import masked_max, norm
 from jaxdepth.sweep import auto_chunk_size, sweep
 
 
-@partial(jax.jit, static_argnames="config")
+@partial(jit, static_argnames="config")
 def _residual_sums(params, tokens, valid, config: ModelConfig):
     hs = residual_stream(params, tokens, config, valid=valid).astype(jnp.float32)
     return jnp.sum(hs * valid[None, :, :, None], axis=(1, 2))
@@ -42,32 +44,56 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
     return (total / batch.valid.sum()).astype(np.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "chunk_size"))
+# Erasure positions are split into this many blocks; each block runs only the positions from its
+# first one on (see `erasure_of_prompt`). Work falls to (blocks + 1) / (2 * blocks) of running
+# every position (0.625 at 4); each block is one more shape to compile.
+PREFIX_BLOCKS = 4
+
+
+def position_blocks(T: int, blocks: int) -> list[tuple[int, int]]:
+    """`blocks` contiguous `(first, stop)` ranges of near-equal size covering positions 0..T-1."""
+    edges = sorted({round(k * T / max(blocks, 1)) for k in range(max(blocks, 1) + 1)})
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@partial(jit, static_argnames=("config", "chunk_size", "blocks"))
 def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
-                      chunk_size: Optional[int] = None):
+                      chunk_size: Optional[int] = None, blocks: int = PREFIX_BLOCKS):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
     `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
 
-    Boundaries run one after another (`lax.map`), the positions of a boundary as one chunked
-    sweep. An erasure at boundary l starts from the clean h_l: layers before l are not rerun.
+    Two kinds of work are never done. An erasure at boundary l starts from the clean h_l, so
+    layers before l are not rerun. And erasing position t changes no position before t, so the
+    positions are split into `blocks` ranges and an erasure in the range starting at `first`
+    runs positions `first..T-1` only, reading the clean keys and values of the positions before
+    `first`. Within a range, boundaries run one after another (`lax.map`) and positions as one
+    chunked sweep.
     """
     L, T = config.num_layers, tokens.shape[1]
     hs = residual_stream(params, tokens, config, valid=valid)
-    answer_probs = lambda h: jax.nn.softmax(unembed(params, h[:, answer_positions], config), axis=-1)
-    clean = answer_probs(hs[-1])
-    pos = jnp.arange(T)
+    keys, values = clean_key_values(params, hs, config, valid=valid)
+    clean = jax.nn.softmax(unembed(params, hs[-1][:, answer_positions], config), axis=-1)
 
-    def boundary_effects(boundary):
-        def member(position):
-            iv = replace_residual(boundary, pos == position, baseline[boundary])
-            h, _ = run_layers_from(params, hs[boundary], boundary, config, valid=valid, interventions=iv)
-            # Causality: an erasure at t changes no position before t, and at the last boundary
-            # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
-            reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-            return masked_max(norm(answer_probs(h) - clean), reach[None])[0]
-        return sweep(member, pos, chunk_size)
+    def effects_of_block(first: int, stop: int):
+        prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
+        rows = jnp.arange(first, T)  # the positions the suffix run computes
+        read = jnp.maximum(answer_positions - first, 0)  # answer positions, as suffix rows
 
-    return jax.lax.map(boundary_effects, jnp.arange(L + 1))
+        def boundary_effects(boundary):
+            def member(position):
+                iv = replace_residual(boundary, rows == position, baseline[boundary])
+                h, _ = run_layers_from(params, hs[boundary][:, first:], boundary, config, valid=valid,
+                                       interventions=iv, prefix=prefix)
+                probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
+                # Causality: an erasure at t changes no position before t, and at the last boundary
+                # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
+                reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
+                return masked_max(norm(probs - clean), reach[None])[0]
+            return sweep(member, jnp.arange(first, stop), chunk_size)
+
+        return jax.lax.map(boundary_effects, jnp.arange(L + 1))
+
+    return jnp.concatenate([effects_of_block(*b) for b in position_blocks(T, blocks)], axis=1)
 
 
 @dataclasses.dataclass

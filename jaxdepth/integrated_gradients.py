@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.batch import PromptBatch
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import decoder_layer, layer_context, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
@@ -98,7 +99,7 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
 
 
-@partial(jax.jit, static_argnames=("config", "baseline", "chunk_size"))
+@partial(jit, static_argnames=("config", "baseline", "chunk_size"))
 def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
                  baseline: str = "channel_mean", chunk_size: Optional[int] = None):
     """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.batch import PromptBatch
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import skip_layer
 from jaxdepth.model import LayerRecord, residual_stream, run_layers_from, unembed
@@ -52,7 +53,7 @@ def _tap_relative_change(measure):
     return tap
 
 
-@partial(jax.jit, static_argnames=("config", "sublayer", "chunk_size"))
+@partial(jit, static_argnames=("config", "sublayer", "chunk_size"))
 def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
                            sublayer: str = "layer", chunk_size: Optional[int] = None):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conversion.errors import ConversionError
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import Params, forward
 
@@ -89,7 +90,7 @@ def check_tokens(tokens: np.ndarray, config: ModelConfig) -> None:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
 
-@partial(jax.jit, static_argnames="config")
+@partial(jit, static_argnames="config")
 def _jit_forward(params, tokens, config, valid):
     return forward(params, tokens, config, valid=valid)
 

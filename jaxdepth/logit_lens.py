@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.batch import PromptBatch
+from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import residual_stream, unembed
 from jaxdepth.results import SavedResult
@@ -30,7 +31,7 @@ def lens_statistics(layer_logits, final_logp, final_top):
     return kl, overlap
 
 
-@partial(jax.jit, static_argnames="config")
+@partial(jit, static_argnames="config")
 def lens_per_token(params, tokens, valid, config: ModelConfig):
     """KL and top-5 overlap `[L, B, T]` each. Layers are read one at a time (`lax.map`), so only
     one `[B, T, V]` logit tensor exists at once."""

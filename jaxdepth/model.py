@@ -100,24 +100,39 @@ def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N D
     return x * cos + rotated * sin
 
 
-def attention(p: Params, x: Float[Array, "B T D"], cos, sin, mask: Bool[Array, "B T T"],
-              config: ModelConfig) -> Float[Array, "B T D"]:
-    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights)."""
+def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
+    """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
     B, T, _ = x.shape
-    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
-    q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    K, Dh = config.num_kv_heads, config.head_dim
+    k, v = x @ p["k"], x @ p["v"]
     if config.qkv_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    q = apply_rotary(q.reshape(B, T, H, Dh), cos, sin)
-    k = apply_rotary(k.reshape(B, T, K, Dh), cos, sin)
-    v = v.reshape(B, T, K, Dh)
+        k, v = k + p["k_bias"], v + p["v_bias"]
+    return apply_rotary(k.reshape(B, T, K, Dh), cos, sin), v.reshape(B, T, K, Dh)
+
+
+def attention(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
+              config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None) -> Float[Array, "B S D"]:
+    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights).
+
+    `prefix = (keys, values)`, each `[B, P, K, Dh]`, are the keys and values of P positions
+    before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
+    """
+    B, S, _ = x.shape
+    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
+    q = x @ p["q"]
+    if config.qkv_bias:
+        q = q + p["q_bias"]
+    q = apply_rotary(q.reshape(B, S, H, Dh), cos, sin)
+    k, v = key_values(p, x, cos, sin, config)
+    if prefix is not None:
+        k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
     # Group query heads by the kv head they read: head h = kv * G + g.
-    q = q.reshape(B, T, K, H // K, Dh)
+    q = q.reshape(B, S, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, T, H * Dh)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H * Dh)
     return out @ p["o"]
 
 
@@ -125,10 +140,11 @@ def mlp(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
 
 
-def attention_mask(valid: Bool[Array, "B T"]) -> Bool[Array, "B T T"]:
-    """Causal mask restricted to valid keys: query t sees keys s <= t with valid[s]."""
+def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B S T"]:
+    """Causal mask restricted to valid keys: the query at position t sees keys s <= t with
+    valid[s]. The queries are positions `offset..T-1` (all of them by default)."""
     T = valid.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    causal = jnp.arange(T)[None, :] <= jnp.arange(offset, T)[:, None]
     return causal[None] & valid[:, None, :]
 
 
@@ -167,20 +183,32 @@ def _edit(h, boundary, iv: Interventions):
 
 
 def decoder_layer(p: Params, h: Float[Array, "B T D"], cos, sin, mask, config: ModelConfig, *,
-                  keep_layer=None, keep_attn=None, keep_mlp=None):
+                  keep_layer=None, keep_attn=None, keep_mlp=None, prefix=None):
     """One pre-norm layer (`p` holds its weights): returns `(a, m, out)` with the keep-masks
-    applied: `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + keep_layer * (a + m)`."""
+    applied: `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + keep_layer * (a + m)`.
+    `prefix`: the keys and values of earlier positions, as in `attention`."""
     eps = config.rms_norm_eps
-    a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config), keep_attn)
+    a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix), keep_attn)
     m = _keep(mlp(p, rms_norm(h + a, p["mlp_norm"], eps)), keep_mlp)
     return a, m, h + _keep(a + m, keep_layer)
 
 
-def layer_context(h, valid, config):
-    """Rotary tables and the attention mask shared by every layer of a forward on `h`."""
-    B, T, _ = h.shape
+def layer_context(h, valid, config, offset: int = 0):
+    """Rotary tables and the attention mask shared by every layer of a forward on `h`, whose
+    rows are positions `offset, offset+1, ...` of the prompt (`valid` covers all of them)."""
+    B, S, _ = h.shape
+    T = offset + S
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    return (*rotary_tables(T, config.head_dim, config.rope_theta), attention_mask(valid))
+    cos, sin = rotary_tables(T, config.head_dim, config.rope_theta)
+    return cos[offset:], sin[offset:], attention_mask(valid, offset)
+
+
+def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
+    """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
+    the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
+    cos, sin, _ = layer_context(hs[0], valid, config)
+    kv = lambda p, h: key_values(p, rms_norm(h, p["attn_norm"], config.rms_norm_eps), cos, sin, config)
+    return jax.vmap(kv)(params["layers"], hs[:-1])
 
 
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
@@ -216,10 +244,11 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
     return _edit(h_last, config.num_layers, iv), taps
 
 
-def run_layers_from(params: Params, h_start: Float[Array, "B T D"], start, config: ModelConfig, *,
+def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, config: ModelConfig, *,
                     valid: Optional[Bool[Array, "B T"]] = None,
                     interventions: Optional[Interventions] = None,
-                    tap: Optional[Tap] = None, tap_inputs: Any = None):
+                    tap: Optional[Tap] = None, tap_inputs: Any = None,
+                    prefix: Optional[tuple[Array, Array]] = None):
     """`run_layers` from boundary `start` on: `h_start` is h_start, layers start..L-1 run.
 
     The layers before `start` are not computed at all, which is the saving when an
@@ -227,9 +256,16 @@ def run_layers_from(params: Params, h_start: Float[Array, "B T D"], start, confi
     the layers not run are zeros. `start` may be traced but must not be batched (under `vmap`
     a batched trip count would run every member for the longest one): sweep over members that
     share `start`, and loop over starts outside the `vmap`. Forward only (no reverse-mode).
+
+    `prefix = (keys, values)`, `[L, B, P, K, Dh]` each (a slice of `clean_key_values`), runs
+    only a suffix: `h_start` holds positions P..T-1, and the first P positions enter every
+    layer only through these keys and values. That is exact when the intervention changes
+    nothing before position P (causal attention), and it saves the prefix's queries, MLPs and
+    outputs. `valid` then covers all T positions; intervention masks cover the S suffix rows.
     """
     iv = interventions if interventions is not None else Interventions()
-    cos, sin, mask = layer_context(h_start, valid, config)
+    offset = 0 if prefix is None else prefix[0].shape[2]
+    cos, sin, mask = layer_context(h_start, valid, config, offset)
     at = lambda tree, i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
     keeps = (iv.keep_layer, iv.keep_attn, iv.keep_mlp)
 
@@ -237,7 +273,8 @@ def run_layers_from(params: Params, h_start: Float[Array, "B T D"], start, confi
         h = _edit(h, i, iv)
         keep_layer, keep_attn, keep_mlp = at(keeps, i)
         a, m, out = decoder_layer(at(params["layers"], i), h, cos, sin, mask, config, keep_layer=keep_layer,
-                                  keep_attn=keep_attn, keep_mlp=keep_mlp)
+                                  keep_attn=keep_attn, keep_mlp=keep_mlp,
+                                  prefix=None if prefix is None else at(prefix, i))
         return LayerRecord(index=i, h=h, attn=a, mlp=m, out=out)
 
     if tap is None:

@@ -19,9 +19,9 @@ import pytest
 
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import Interventions, replace_residual, skip_layer
-from jaxdepth.model import (LayerRecord, attention, attention_mask, embed, forward, mlp,
-                            random_params, residual_stream, rms_norm, rotary_tables, run_layers,
-                            unembed)
+from jaxdepth.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
+                            mlp, random_params, residual_stream, rms_norm, rotary_tables, run_layers,
+                            run_layers_from, unembed)
 
 TOL = 1e-5
 B, T = 2, 12
@@ -309,6 +309,31 @@ def test_vmap_over_layers_and_boundaries_with_traced_indices(setup_one):
         assert_close(skips[s], reference(params, tokens, config, zero_mlp=[(s, P_PER_ROW)])[0], f"mlp {s}")
     for b in range(L + 1):
         assert_close(edits[b], reference(params, tokens, config, writes=[(b, P_SHARED, value)])[0], f"h_{b}")
+
+
+@pytest.mark.parametrize("start", [0, 2])
+@pytest.mark.parametrize("prefix_len", [1, 5, 9])
+def test_suffix_run_with_clean_prefix_keys_equals_the_full_forward(setup, start, prefix_len):
+    """Writing h_start at positions >= P changes nothing before P, so running only rows P..T-1
+    from boundary `start`, with the clean keys and values of positions < P, gives the full
+    forward's logits at those rows."""
+    params, tokens, config = setup
+    value = jax.random.normal(jax.random.key(12), (B, T, config.hidden_size))
+    where = P_SHARED * (np.arange(T) >= prefix_len)
+    expected, hs, _ = reference(params, tokens, config, writes=[(start, where, value)])
+    clean_hs = residual_stream(params, tokens, config)
+    keys, values = clean_key_values(params, clean_hs, config)
+
+    @jax.jit
+    def suffix_logits(h_start, keys, values, where, value):
+        h, _ = run_layers_from(params, h_start, start, config, prefix=(keys, values),
+                               interventions=replace_residual(start, where, value))
+        return unembed(params, h, config)
+
+    got = suffix_logits(clean_hs[start][:, prefix_len:], keys[:, :, :prefix_len], values[:, :, :prefix_len],
+                        where[prefix_len:], value[:, prefix_len:])
+    assert_close(got, expected[:, prefix_len:], f"suffix from {prefix_len} at boundary {start}")
+    assert_moved(got, jit_forward(params, tokens, config)[:, prefix_len:], "suffix write")
 
 
 def _loss(logits):

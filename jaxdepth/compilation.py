@@ -1,0 +1,61 @@
+"""`jit`: `jax.jit` with the XLA options the analyses need to run fast on CPU.
+
+XLA:CPU hands parts of a program to the YNNPACK library. Its matrix multiplications are the
+fastest XLA:CPU has, but by default it also takes over reductions and element-wise work, and
+there it loses: a reduction of a product (`sum(x * y)`: every norm, cosine and KL sum here)
+becomes a batched vector dot, and a reduction is fused into the matmul that feeds it. Keeping
+YNNPACK to matrix multiplications made the logit lens 1.6x and the whole benchmark suite 1.35x
+faster on a 2-core x86 CPU (`experiments/benchmark.py`). Other backends ignore CPU options.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+@functools.cache
+def compiler_options() -> dict[str, Any]:
+    """`CPU_COMPILER_OPTIONS` when the default backend is a CPU whose XLA knows them, else none.
+
+    Read at the first compilation, not at import: the backend must not start before
+    `jax.distributed.initialize` has had its chance."""
+    if jax.default_backend() != "cpu":
+        return {}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(1.0).compile()
+    except Exception:  # an XLA without this (experimental) option: compile with its defaults
+        return {}
+    return dict(CPU_COMPILER_OPTIONS)
+
+
+class _Jitted:
+    """A function jitted at its first use, once the backend (and so the options) is known.
+    Behaves as the `jax.jit` object it wraps (`lower`, `_cache_size`, ...)."""
+
+    def __init__(self, fun: Callable, jit_kwargs: dict[str, Any]):
+        functools.update_wrapper(self, fun)
+        self._fun, self._jit_kwargs, self._jitted = fun, jit_kwargs, None
+
+    def _compiled(self):
+        if self._jitted is None:
+            self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._jit_kwargs)
+        return self._jitted
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled(), name)
+
+
+def jit(fun: Callable | None = None, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` compiled with `compiler_options()`; usable as
+    `@jit`, `@jit(static_argnames=...)` or `partial(jit, static_argnames=...)`."""
+    if fun is None:
+        return functools.partial(jit, **jit_kwargs)
+    return _Jitted(fun, jit_kwargs)
