@@ -104,7 +104,7 @@ def main():
 
     plain, t_plain = timed(lambda: plain_erasure(p, tokens, valid, answer_mask, baseline, c, args.chunk))
     print(f"erasure, plain: {t_plain:7.1f} s")
-    for blocks in (1, erasure.PREFIX_BLOCKS):
+    for blocks in (1, erasure.default_blocks(tokens.shape[1])):
         ours, t_ours = timed(lambda: erasure.erasure_of_prompt(p, tokens, valid, jnp.asarray(positions), baseline,
                                                                c, args.chunk, blocks))
         what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position blocks)"

@@ -35,10 +35,12 @@ class PromptBatch:
         T = min(-(-length // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
         return PromptBatch(self.tokens[i:i + 1, :T], self.valid[i:i + 1, :T], self.answer_start[i:i + 1])
 
-    def answer_positions(self, i: int, pad_to_multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    def answer_positions(self, i: int, pad_to_multiple: int = 4) -> tuple[np.ndarray, np.ndarray]:
         """Prompt i's answer-predicting positions, padded to a multiple of `pad_to_multiple`
         (a static size for compilation) by repeating the last one; returns `(positions [A],
-        real [A] bool)`. Reading the output only there saves the LM head on question tokens."""
+        real [A] bool)`. Reading the output only there saves the LM head on question tokens.
+        The padding is small because each padded position costs a full LM head per sweep
+        member; prompts rarely share a compiled sweep anyway (their lengths differ)."""
         positions = np.nonzero(self.answer_prediction_mask()[i])[0]
         if len(positions) == 0:
             raise ValueError(f"prompt {i} has no answer token to measure")

@@ -44,10 +44,17 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
     return (total / batch.valid.sum()).astype(np.float32)
 
 
-# Erasure positions are split into this many blocks; each block runs only the positions from its
-# first one on (see `erasure_of_prompt`). Work falls to (blocks + 1) / (2 * blocks) of running
-# every position (0.625 at 4); each block is one more shape to compile.
-PREFIX_BLOCKS = 4
+# Erasure positions are split into up to this many blocks of at least MIN_BLOCK positions; each
+# block runs only the positions from its first one on (see `erasure_of_prompt`). Work falls to
+# (blocks + 1) / (2 * blocks) of running every position (0.625 at 4 blocks, 0.5625 at 8); each
+# block is one more shape to compile, which only short prompts notice.
+PREFIX_BLOCKS = 8
+MIN_BLOCK = 8
+
+
+def default_blocks(T: int) -> int:
+    """How many position blocks `erasure_of_prompt` uses for a prompt of T (padded) positions."""
+    return max(1, min(PREFIX_BLOCKS, T // MIN_BLOCK))
 
 
 def position_blocks(T: int, blocks: int) -> list[tuple[int, int]]:
@@ -58,13 +65,14 @@ def position_blocks(T: int, blocks: int) -> list[tuple[int, int]]:
 
 @partial(jit, static_argnames=("config", "chunk_size", "blocks"))
 def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
-                      chunk_size: Optional[int] = None, blocks: int = PREFIX_BLOCKS):
+                      chunk_size: Optional[int] = None, blocks: Optional[int] = None):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
     `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
 
     Two kinds of work are never done. An erasure at boundary l starts from the clean h_l, so
     layers before l are not rerun. And erasing position t changes no position before t, so the
-    positions are split into `blocks` ranges and an erasure in the range starting at `first`
+    positions are split into `blocks` ranges (default `default_blocks(T)`; 1 turns the saving
+    off) and an erasure in the range starting at `first`
     runs positions `first..T-1` only, reading the clean keys and values of the positions before
     `first`. Within a range, boundaries run one after another (`lax.map`) and positions as one
     chunked sweep.
@@ -93,6 +101,7 @@ def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config:
 
         return jax.lax.map(boundary_effects, jnp.arange(L + 1))
 
+    blocks = default_blocks(T) if blocks is None else blocks
     return jnp.concatenate([effects_of_block(*b) for b in position_blocks(T, blocks)], axis=1)
 
 
@@ -110,8 +119,9 @@ class ErasureResult(SavedResult):
 
 def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
                      chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                     progress: bool = True, settings=None) -> ErasureResult:
-    """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline."""
+                     blocks: Optional[int] = None, progress: bool = True, settings=None) -> ErasureResult:
+    """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
+    position blocks of `erasure_of_prompt`; the result does not depend on it)."""
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
@@ -123,6 +133,6 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
         positions, _ = one.answer_positions(0)
         effects[i, :, :Ti] = np.asarray(erasure_of_prompt(
             params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-            jnp.asarray(baseline), config, chunk))
+            jnp.asarray(baseline), config, chunk, blocks))
     return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
                          answer_start=batch.answer_start, settings=dict(settings or {}))

@@ -1,5 +1,9 @@
 """Effective-depth rules on hand-made curves, and result files round-tripping."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -61,3 +65,16 @@ def test_result_round_trip(tmp_path):
     with pytest.raises(TypeError):
         from jaxdepth.contributions import ContributionResult
         ContributionResult.load(path)
+
+
+def test_save_removes_temporaries_of_killed_writers_only(tmp_path):
+    """A writer killed mid-write leaves `.tmp-<pid>-*.npz`; the next save in that folder deletes
+    it, but never the temporary of a process that is still running (it may be writing)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".tmp-{dead.pid}-abc.npz"
+    live = tmp_path / f".tmp-{os.getpid()}-def.npz"
+    stale.write_bytes(b"half a file")
+    live.write_bytes(b"being written")
+    LogitLensResult(kl=np.zeros(2), overlap=np.zeros(2), settings={}).save(tmp_path / "lens.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["lens.npz", live.name])
