@@ -1,7 +1,8 @@
 """Residual erasure (METHODS §4): replace one residual vector h_l[t] by a baseline mean and
 measure how much the predictions of the answer tokens move.
 
-All (boundary, position) erasures of a prompt are one compiled computation. Erasing position t
+The (boundary, position) erasures of a prompt run as one compiled sweep per block of positions
+(`erasure_of_block`), every boundary and position of the block at once. Erasing position t
 cannot change any position before t (causal attention), so only positions p >= t are
 measured: an erasure after the last answer prediction is exactly 0, not float noise. The same
 fact saves work: an erasure runs only the positions from its block's first one on.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,46 +64,69 @@ def position_blocks(T: int, blocks: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-@partial(jit, static_argnames=("config", "chunk_size", "blocks"))
-def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
-                      chunk_size: Optional[int] = None, blocks: Optional[int] = None):
-    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
-    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
-
-    Two kinds of work are never done. An erasure at boundary l starts from the clean h_l, so
-    layers before l are not rerun. And erasing position t changes no position before t, so the
-    positions are split into `blocks` ranges (default `default_blocks(T)`; 1 turns the saving
-    off) and an erasure in the range starting at `first`
-    runs positions `first..T-1` only, reading the clean keys and values of the positions before
-    `first`. Within a range, boundaries run one after another (`lax.map`) and positions as one
-    chunked sweep.
-    """
-    L, T = config.num_layers, tokens.shape[1]
+@partial(jit, static_argnames="config")
+def clean_run(params, tokens, valid, answer_positions, config: ModelConfig):
+    """What every erasure of a prompt starts from: the clean residual stream `[L+1, 1, T, D]`,
+    every layer's keys and values, and the clean answer distributions `[1, A, V]`."""
     hs = residual_stream(params, tokens, config, valid=valid)
     keys, values = clean_key_values(params, hs, config, valid=valid)
     clean = jax.nn.softmax(unembed(params, hs[-1][:, answer_positions], config), axis=-1)
+    return hs, keys, values, clean
 
-    def effects_of_block(first: int, stop: int):
-        prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
-        rows = jnp.arange(first, T)  # the positions the suffix run computes
-        read = jnp.maximum(answer_positions - first, 0)  # answer positions, as suffix rows
 
-        def boundary_effects(boundary):
-            def member(position):
-                iv = replace_residual(boundary, rows == position, baseline[boundary])
-                h, _ = run_layers_from(params, hs[boundary][:, first:], boundary, config, valid=valid,
-                                       interventions=iv, prefix=prefix)
-                probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
-                # Causality: an erasure at t changes no position before t, and at the last boundary
-                # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
-                reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-                return masked_max(norm(probs - clean), reach[None])[0]
-            return sweep(member, jnp.arange(first, stop), chunk_size)
+@partial(jit, static_argnames=("config", "first", "stop", "chunk_size"))
+def erasure_of_block(params, clean_state, valid, answer_positions, baseline, config: ModelConfig,
+                     first: int, stop: int, chunk_size: Optional[int] = None):
+    """`[L+1, stop - first]` effects of erasing h_l[t] for every boundary l and every position
+    `first <= t < stop`, from `clean_state = clean_run(...)`.
 
-        return jax.lax.map(boundary_effects, jnp.arange(L + 1))
+    Each erasure runs positions `first..T-1` only, reading the clean keys and values of the
+    positions before `first` (they cannot change), and starts at its boundary l (the layers
+    before l are not rerun). Boundaries run one after another (`lax.map`), the positions of a
+    boundary as one chunked sweep.
+    """
+    hs, keys, values, clean = clean_state
+    L, T = config.num_layers, hs.shape[2]
+    prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
+    rows = jnp.arange(first, T)  # the positions the suffix run computes
+    read = jnp.maximum(answer_positions - first, 0)  # answer positions, as suffix rows
 
-    blocks = default_blocks(T) if blocks is None else blocks
-    return jnp.concatenate([effects_of_block(*b) for b in position_blocks(T, blocks)], axis=1)
+    def boundary_effects(boundary):
+        def member(position):
+            iv = replace_residual(boundary, rows == position, baseline[boundary])
+            h, _ = run_layers_from(params, hs[boundary][:, first:], boundary, config, valid=valid,
+                                   interventions=iv, prefix=prefix)
+            probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
+            # Causality: an erasure at t changes no position before t, and at the last boundary
+            # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
+            reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
+            return masked_max(norm(probs - clean), reach[None])[0]
+        return sweep(member, jnp.arange(first, stop), chunk_size)
+
+    return jax.lax.map(boundary_effects, jnp.arange(L + 1))
+
+
+def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
+                      chunk_size: Optional[int] = None, blocks: Optional[int] = None,
+                      on_block: Optional[Callable[[], None]] = None):
+    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
+    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
+
+    Erasing position t changes no position before t, so the positions are split into `blocks`
+    ranges (default `default_blocks(T)`; 1 turns the saving off), each one compiled
+    computation (`erasure_of_block`) that runs only the positions from the range's first one
+    on. `on_block()` is called after each range (progress).
+    """
+    T = tokens.shape[1]
+    state = clean_run(params, tokens, valid, answer_positions, config)
+    parts = []
+    for first, stop in position_blocks(T, default_blocks(T) if blocks is None else blocks):
+        parts.append(erasure_of_block(params, state, valid, answer_positions, baseline, config, first, stop,
+                                      chunk_size))
+        if on_block is not None:
+            jax.block_until_ready(parts[-1])
+            on_block()
+    return jnp.concatenate(parts, axis=1)
 
 
 @dataclasses.dataclass
@@ -126,13 +150,16 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
-    for i in tqdm(range(len(batch)), desc="residual erasure", disable=not progress):
-        one = batch.single(i)
-        Ti = one.tokens.shape[1]
-        chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-        positions, _ = one.answer_positions(0)
-        effects[i, :, :Ti] = np.asarray(erasure_of_prompt(
-            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-            jnp.asarray(baseline), config, chunk, blocks))
+    Ts = [batch.single(i).tokens.shape[1] for i in range(len(batch))]
+    total = sum(len(position_blocks(Ti, default_blocks(Ti) if blocks is None else blocks)) for Ti in Ts)
+    with tqdm(total=total, desc="residual erasure (position blocks)", disable=not progress) as bar:
+        for i in range(len(batch)):
+            one = batch.single(i)
+            Ti = one.tokens.shape[1]
+            chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
+            positions, _ = one.answer_positions(0)
+            effects[i, :, :Ti] = np.asarray(erasure_of_prompt(
+                params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
+                jnp.asarray(baseline), config, chunk, blocks, on_block=bar.update))
     return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
                          answer_start=batch.answer_start, settings=dict(settings or {}))

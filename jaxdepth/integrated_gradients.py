@@ -8,7 +8,8 @@ teacher-forced probabilities when h_{l+1} is set to x:
 
 All steps of a layer are one vmapped gradient, chunked; each starts at boundary l+1, so the
 layers before it are neither run nor differentiated, and the backward recomputes one layer at a
-time instead of storing its activations. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says whether the number of
+time instead of storing its activations. Every layer of a prompt reuses one compiled
+computation. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says whether the number of
 steps is enough.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -99,40 +100,68 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
 
 
-@partial(jit, static_argnames=("config", "baseline", "chunk_size"))
-def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
-                 baseline: str = "channel_mean", chunk_size: Optional[int] = None):
-    """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
-    tokens where `answer_real`).
-
-    Layers run one after another (`lax.map`); the steps of a layer are one chunked sweep that
-    starts at boundary l+1. Returns `(attributions [L, T], f_input [], f_baseline [L])`.
-    """
-    L = config.num_layers
+def _objective(params, tokens, answer_positions, answer_real, config: ModelConfig):
+    """F(h_L): the summed teacher-forced probabilities of the answer tokens."""
     targets = tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
 
     def objective(h_last):
         probs = jax.nn.softmax(unembed(params, h_last[:, answer_positions], config), axis=-1)[0]
         return jnp.sum(jnp.where(answer_real, probs[jnp.arange(len(answer_positions)), targets], 0.0))
 
+    return objective
+
+
+@partial(jit, static_argnames=("config", "baseline"))
+def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: ModelConfig,
+              baseline: str = "channel_mean"):
+    """Each layer's output x `[L, T, D]` (float32), its baseline b (broadcast to x), and F(x)."""
     hs = residual_stream(params, tokens, config, valid=valid)
-    x = hs[1:, 0].astype(jnp.float32)  # [L, T, D]: each layer's output
+    x = hs[1:, 0].astype(jnp.float32)
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
+    return x, b, _objective(params, tokens, answer_positions, answer_real, config)(hs[-1])
 
-    def layer_attributions(layer):
-        xl, bl = x[layer], b[layer]
 
-        def member(m):
-            alpha, weight = m
-            z = (bl + alpha * (xl - bl))[None].astype(hs.dtype)
-            _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid)
-            return weight * jnp.sum((xl - bl) * g[0].astype(jnp.float32), axis=-1)  # [T]
+@partial(jit, static_argnames=("config", "chunk_size"))
+def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, weights, layer, x, b,
+                config: ModelConfig, chunk_size: Optional[int] = None):
+    """IG of one layer (`x`, `b`: its output and baseline, `[T, D]`): `(attributions [T], F(b))`.
 
-        h_base, _ = run_layers_from(params, bl[None].astype(hs.dtype), layer + 1, config, valid=valid)
-        return sweep(member, (alphas, weights), chunk_size).sum(axis=0), objective(h_base)
+    The steps are one chunked sweep of gradients that start at boundary layer+1. `layer` is
+    traced, so every layer of a prompt reuses one compiled computation.
+    """
+    objective = _objective(params, tokens, answer_positions, answer_real, config)
+    dtype = params["embed"].dtype
 
-    attributions, f_baseline = jax.lax.map(layer_attributions, jnp.arange(L))
-    return attributions * valid[0], objective(hs[-1]), f_baseline
+    def member(m):
+        alpha, weight = m
+        z = (b + alpha * (x - b))[None].astype(dtype)
+        _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid)
+        return weight * jnp.sum((x - b) * g[0].astype(jnp.float32), axis=-1)  # [T]
+
+    h_base, _ = run_layers_from(params, b[None].astype(dtype), layer + 1, config, valid=valid)
+    return sweep(member, (alphas, weights), chunk_size).sum(axis=0) * valid[0], objective(h_base)
+
+
+def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
+                 baseline: str = "channel_mean", chunk_size: Optional[int] = None,
+                 on_layer: Optional[Callable[[], None]] = None):
+    """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
+    tokens where `answer_real`): `(attributions [L, T], f_input [], f_baseline [L])`.
+
+    Layers run one after another (`ig_of_layer`, one compiled computation for all of them);
+    `on_layer()` is called after each (progress).
+    """
+    args = (params, tokens, valid, answer_positions, answer_real)
+    x, b, f_input = ig_inputs(*args, config, baseline)
+    attributions, f_baseline = [], []
+    for layer in range(config.num_layers):
+        a, fb = ig_of_layer(*args, alphas, weights, jnp.int32(layer), x[layer], b[layer], config, chunk_size)
+        attributions.append(a)
+        f_baseline.append(fb)
+        if on_layer is not None:
+            jax.block_until_ready(a)
+            on_layer()
+    return jnp.stack(attributions), f_input, jnp.stack(f_baseline)
 
 
 @dataclasses.dataclass
@@ -162,15 +191,17 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     P = len(batch)
     attributions = np.zeros((P, L, T), np.float32)
     f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
-    for i in tqdm(range(P), desc=f"integrated gradients ({steps} steps)", disable=not progress):
-        one = batch.single(i)
-        Ti = one.tokens.shape[1]
-        chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
-        positions, real = one.answer_positions(0)
-        a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                                 jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
-                                 jnp.asarray(weights, jnp.float32), config, baseline, chunk)
-        attributions[i, :, :Ti], f_input[i], f_baseline[i] = np.asarray(a), np.asarray(fx), np.asarray(fb)
+    with tqdm(total=P * L, desc=f"integrated gradients ({steps} steps, layers)", disable=not progress) as bar:
+        for i in range(P):
+            one = batch.single(i)
+            Ti = one.tokens.shape[1]
+            chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
+            positions, real = one.answer_positions(0)
+            a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
+                                     jnp.asarray(positions), jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
+                                     jnp.asarray(weights, jnp.float32), config, baseline, chunk,
+                                     on_layer=bar.update)
+            attributions[i, :, :Ti], f_input[i], f_baseline[i] = np.asarray(a), np.asarray(fx), np.asarray(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
     return IntegratedGradientsResult(
         attributions=attributions, gap=gap, f_input=f_input, f_baseline=f_baseline,
