@@ -193,9 +193,10 @@ def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float
     """Matmul FLOPs jaxdepth actually executes for an analysis: each prompt at its padded length,
     interventions starting at their boundary, erasures on their position block's suffix, the LM
     head only where it is read, and IG's backward recomputing each layer (3 layer passes per
-    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What `% peak` is computed from; `workload_flops` is the work as the reference
-    formulation defines it, which makes the ratios comparable."""
-    from jaxdepth.erasure import default_blocks, position_blocks
+    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
+    `% peak` is computed from; `workload_flops` is the work as the reference formulation
+    defines it, which makes the ratios comparable."""
+    from jaxdepth.erasure import position_blocks
 
     L, total = c.num_layers, 0.0
     for i in range(len(batch)):
@@ -214,7 +215,7 @@ def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float
         elif name == "erasure":
             kv = 2 * T * L * 2 * c.hidden_size * c.num_kv_heads * c.head_dim
             total += clean + kv + lm_head_flops(c, A)
-            for first, stop in position_blocks(T, default_blocks(T)):
+            for first, stop in position_blocks(T):
                 total += (stop - first) * sum(layer_flops(c, T - first, T, L - l) + lm_head_flops(c, A)
                                               for l in range(L + 1))
         elif name == "integrated_gradients":

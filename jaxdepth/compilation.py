@@ -50,6 +50,8 @@ class _Jitted:
         return self._compiled()(*args, **kwargs)
 
     def __getattr__(self, name):
+        if name in ("_fun", "_jit_kwargs", "_jitted"):  # not set yet (e.g. while copying)
+            raise AttributeError(name)
         return getattr(self._compiled(), name)
 
 

@@ -58,9 +58,11 @@ def default_blocks(T: int) -> int:
     return max(1, min(PREFIX_BLOCKS, T // MIN_BLOCK))
 
 
-def position_blocks(T: int, blocks: int) -> list[tuple[int, int]]:
-    """`blocks` contiguous `(first, stop)` ranges of near-equal size covering positions 0..T-1."""
-    edges = sorted({round(k * T / max(blocks, 1)) for k in range(max(blocks, 1) + 1)})
+def position_blocks(T: int, blocks: Optional[int] = None) -> list[tuple[int, int]]:
+    """`blocks` (default `default_blocks(T)`) contiguous `(first, stop)` ranges of near-equal
+    size covering positions 0..T-1."""
+    blocks = max(default_blocks(T) if blocks is None else blocks, 1)
+    edges = sorted({round(k * T / blocks) for k in range(blocks + 1)})
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -120,7 +122,7 @@ def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config:
     T = tokens.shape[1]
     state = clean_run(params, tokens, valid, answer_positions, config)
     parts = []
-    for first, stop in position_blocks(T, default_blocks(T) if blocks is None else blocks):
+    for first, stop in position_blocks(T, blocks):
         parts.append(erasure_of_block(params, state, valid, answer_positions, baseline, config, first, stop,
                                       chunk_size))
         if on_block is not None:
@@ -150,8 +152,7 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
-    Ts = [batch.single(i).tokens.shape[1] for i in range(len(batch))]
-    total = sum(len(position_blocks(Ti, default_blocks(Ti) if blocks is None else blocks)) for Ti in Ts)
+    total = sum(len(position_blocks(batch.single(i).tokens.shape[1], blocks)) for i in range(len(batch)))
     with tqdm(total=total, desc="residual erasure (position blocks)", disable=not progress) as bar:
         for i in range(len(batch)):
             one = batch.single(i)
