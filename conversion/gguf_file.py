@@ -75,7 +75,7 @@ def gguf_config(reader) -> ModelConfig:
 
 
 def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> Converted:
-    """Convert a GGUF file; the tokenizer is rebuilt from its metadata by transformers."""
+    """Convert a GGUF file; the tokenizer is rebuilt from its metadata (no torch needed)."""
     import gguf
 
     if not os.path.isfile(path):
@@ -99,8 +99,7 @@ def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) ->
     params = assemble_params(config, by_name, get, GGUF_NAMES, dtype=dtype)
     tokenizer = None
     if load_tokenizer:
-        from transformers import AutoTokenizer
+        from conversion.gguf_tokenizer import gguf_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                  gguf_file=os.path.basename(path))
+        tokenizer = gguf_tokenizer(reader)
     return Converted(params=params, config=config, tokenizer=tokenizer, source=os.path.abspath(path))

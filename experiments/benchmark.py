@@ -539,7 +539,16 @@ def main(argv=None) -> int:
     wall_start = time.perf_counter()
     load_before = os.getloadavg()
 
-    import torch
+    from jaxdepth.optional import MissingDependencyError, require
+
+    try:
+        torch = require("torch", purpose="the benchmark's PyTorch reference",
+                        install="pip install torch==2.13.0 accelerate (the CPU build; or the README's test set-up)")
+        require("accelerate", purpose="transformers' GGUF loader (the reference model)",
+                install="pip install torch==2.13.0 accelerate")
+    except MissingDependencyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     torch.set_num_threads(args.torch_threads)
     import jax

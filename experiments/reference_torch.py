@@ -27,7 +27,11 @@ import os
 from typing import Sequence
 
 import numpy as np
-import torch
+
+from jaxdepth.optional import require
+
+torch = require("torch", purpose="the PyTorch reference (experiments/reference_torch.py)",
+                install="pip install torch==2.13.0 accelerate (the CPU build; or the README's test set-up)")
 
 NORM_EPS = 1e-6
 TOP_K = 5

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from jaxdepth.optional import MissingDependencyError
+
 
 def _convert(args) -> int:
     import numpy as np
@@ -39,6 +41,34 @@ def _data_paths(specs, datasets) -> dict:
             name, path = datasets[0], spec
         paths[name] = path
     return paths
+
+
+BASELINE_PROMPTS = 10  # METHODS §4: the mean residual of the first 10 GSM8K test prompts
+
+
+def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
+    """The prompts whose mean residual is the erasure baseline, and a sentence saying which.
+
+    The studies use the first 10 GSM8K test prompts. Without `--baseline-data`, take them from
+    what this run can read without a network: the run's own GSM8K prompts (`--data gsm8k=...` or
+    the hub), else the embedded default prompts (GSM8K's format, shipped with jaxdepth), else the
+    hub; when none is readable, each dataset's own prompts (None), with a warning."""
+    from jaxdepth.prompts import DatasetError, load_prompts
+
+    if baseline_data is not None:
+        return load_prompts("gsm8k", baseline_data, BASELINE_PROMPTS), f"gsm8k[:10] from {baseline_data}"
+    if "gsm8k" in datasets:
+        source = paths.get("gsm8k")
+        return (load_prompts("gsm8k", source, BASELINE_PROMPTS),
+                f"gsm8k[:10] from {source or 'the hub'} (the run's own GSM8K prompts)")
+    if "default" in datasets:
+        return (load_prompts("default", None, BASELINE_PROMPTS),
+                "default[:10] (the embedded prompts, offline; the studies use GSM8K test[:10]: --baseline-data)")
+    try:
+        return load_prompts("gsm8k", None, BASELINE_PROMPTS), "gsm8k[:10] from the hub"
+    except DatasetError as e:
+        print(f"warning: erasure baseline falls back to each dataset's own prompts: {e}", file=sys.stderr)
+        return None, "each dataset's own first prompts (GSM8K unavailable offline; pass --baseline-data)"
 
 
 def _mesh(args):
@@ -73,13 +103,8 @@ def _run(args) -> int:
     # Read every prompt set before the model: a bad file should fail in a second, not after a load.
     texts = {name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
              for name in args.dataset}
-    baseline_texts, baseline_name = None, "own prompts"
-    if "erasure" in analyses:
-        try:
-            baseline_texts = load_prompts("gsm8k", args.baseline_data, limit=10)
-            baseline_name = f"gsm8k[:10] ({args.baseline_data or 'hub'})"
-        except DatasetError as e:
-            print(f"warning: erasure baseline falls back to each dataset's own prompts: {e}", file=sys.stderr)
+    baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
+                                     if "erasure" in analyses else (None, None))
     mesh = _mesh(args)
     model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
     if model.tokenizer is None:
@@ -92,7 +117,7 @@ def _run(args) -> int:
         return encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
                       context=model.config.max_position_embeddings, limit=limit)
 
-    baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, 10)
+    baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, BASELINE_PROMPTS)
     sublayers = tuple(args.skip_sublayers.split(","))
     if not set(sublayers) <= {"layer", "attn", "mlp"}:
         raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
@@ -104,7 +129,7 @@ def _run(args) -> int:
         print(f"{name}: {len(batch)} prompts, {int(batch.valid.sum())} tokens")
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             results = run_study(model, model_name, name, batch, args.out, analyses=analyses, settings=settings,
-                                baseline_batch=baseline)
+                                baseline_batch=baseline, baseline_name=baseline_name)
         if not args.no_figures:
             folder = result_folder(args.out, model_name, name)
             write_figures(results, folder, model.tokenizer)
@@ -116,13 +141,13 @@ def _run(args) -> int:
             lens = results["logit_lens"]
             line.append(f"KL ED {ed.kl_effective_depth(lens.kl)}")
             line.append(f"overlap ED {ed.overlap_effective_depth(lens.overlap)}")
-        if "layer_skip" in results:
-            line.append(f"depth score {ed.depth_score(results['layer_skip']['layer'].later):.2f}")
+        for sublayer, skip in results.get("layer_skip", {}).items():
+            line.append(f"depth score ({sublayer} skipped) {ed.depth_score(skip.later):.2f}")
         if "integrated_gradients" in results:
             gap = abs(results["integrated_gradients"].gap).max()
             line.append(f"IG max |completeness gap| {gap:.2g}")
         summary.append("  " + "; ".join(line))
-    if "erasure" in analyses:
+    if baseline_name is not None:
         print(f"erasure baseline: {baseline_name}")
     print("\n".join(summary))
     if "contributions" in analyses or "logit_lens" in analyses:
@@ -166,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts", type=int, default=10)
     run.add_argument("--detail-prompts", type=int,
                      help="prompts for erasure and integrated gradients, the per-position sweeps (default: all)")
-    run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (first 10 test prompts)")
+    run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
+                     "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub")
     run.add_argument("--analyses", help="comma-separated subset of: contributions,logit_lens,"
                      "layer_skip,erasure,integrated_gradients (default: all)")
     run.add_argument("--seed", type=int, default=123)
@@ -190,10 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # jaxdepth never needs torch: transformers' advice that it is missing is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, MissingDependencyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

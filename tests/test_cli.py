@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import shared_data_path
 from conversion.checkpoint import Converted, save_converted
 from jaxdepth import effective_depth as ed
 from jaxdepth.cli import main
@@ -20,9 +21,6 @@ from jaxdepth.model import random_params
 from jaxdepth.prompts import load_prompts
 from jaxdepth.results import load_result
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-GSM8K = os.path.join(SHARED, "gsm8k_test_sample.jsonl")
-HELLASWAG = os.path.join(SHARED, "hellaswag_val_sample.jsonl")
 ANALYSES = ["contributions", "logit_lens", "layer_skip_layer", "layer_skip_attn", "layer_skip_mlp",
             "erasure", "integrated_gradients"]
 
@@ -31,7 +29,11 @@ def _tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [p.text for p in load_prompts("default")] + [p.text for p in load_prompts("hellaswag", HELLASWAG, 50)]
+    # The embedded prompts and some plain English: no file from outside the repository.
+    texts = [p.text for p in load_prompts("default")] + [
+        "A man is standing in a kitchen. He picks up a knife and starts cutting vegetables, then",
+        "She walks the dog along the river, stops at the bridge, and looks at the water.",
+        "The children are playing football in the park while their parents watch from a bench."] * 4
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -54,15 +56,18 @@ def tiny(tmp_path_factory):
     return _save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
 
 
-def _run_args(model, out, *extra, datasets=("default", "hellaswag")):
-    return ["run", "--model", model, "--dataset", *datasets, "--data", f"hellaswag={HELLASWAG}",
-            "--prompts", "2", "--detail-prompts", "1", "--ig-steps", "2", "--baseline-data", GSM8K,
-            "--out", str(out), *extra]
+def _run_args(model, out, *extra, datasets=("default",), data=()):
+    return ["run", "--model", model, "--dataset", *datasets, *(a for d in data for a in ("--data", d)),
+            "--prompts", "2", "--detail-prompts", "1", "--ig-steps", "2", "--out", str(out), *extra]
 
 
 def test_run_end_to_end(tiny, tmp_path, capsys):
-    assert main(_run_args(tiny, tmp_path)) == 0
+    hellaswag = shared_data_path("hellaswag_val_sample.jsonl")
+    gsm8k = shared_data_path("gsm8k_test_sample.jsonl")
+    assert main(_run_args(tiny, tmp_path, "--baseline-data", gsm8k, datasets=("default", "hellaswag"),
+                          data=[f"hellaswag={hellaswag}"])) == 0
     printed = capsys.readouterr().out
+    assert f"erasure baseline: gsm8k[:10] from {gsm8k}" in printed
     for dataset in ("default", "hellaswag"):
         folder = tmp_path / "model" / dataset
         for name in ANALYSES:
@@ -74,6 +79,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
         erasure = load_result(str(folder / "erasure.npz"))
         assert erasure.effects.shape[0] == 1  # --detail-prompts 1
         assert erasure.settings["identity"]["baseline_tokens_sha"] is not None
+        assert erasure.settings["baseline"] == f"gsm8k[:10] from {gsm8k}"
     # the table holds exactly what the saved curves give
     with open(tmp_path / "effective_depth_table.csv") as f:
         rows = list(csv.DictReader(f))
@@ -122,7 +128,9 @@ def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
     assert "contributions: reusing" in again.stdout and "layer_skip: reusing" not in again.stdout
 
 
-def test_dataset_rows_are_formatted_exactly():
+def test_dataset_rows_are_formatted_exactly(shared_data):
+    GSM8K, HELLASWAG = shared_data("gsm8k_test_sample.jsonl"), shared_data("hellaswag_val_sample.jsonl")
+    AIME = shared_data("aime24_sample.jsonl")
     gsm = load_prompts("gsm8k", GSM8K, limit=1)[0]
     assert gsm.question == (
         "Given the following problem, reason and give a final answer to the problem.\n"
@@ -143,8 +151,8 @@ def test_dataset_rows_are_formatted_exactly():
     from jaxdepth.prompts import format_hellaswag
     assert format_hellaswag({"ctx": "He stops", "ending": ", then runs."}).text == "He stops, then runs."
     assert format_hellaswag({"ctx": "He stops", "ending": "and runs."}).text == "He stops and runs."
-    aime = load_prompts("aime24", os.path.join(SHARED, "aime24_sample.jsonl"))[0]
-    raw = json.loads(open(os.path.join(SHARED, "aime24_sample.jsonl")).readline())
+    aime = load_prompts("aime24", AIME)[0]
+    raw = json.loads(open(AIME).readline())
     assert aime.question.endswith("should end with \"\\boxed{[answer]}\" where [answer] is the response to "
                                   "the problem.\n\n\n")
     assert aime.answer == raw["solution"] and raw["problem"] in aime.question
@@ -170,7 +178,7 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
 
 def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
     short = _save_tiny(str(tmp_path / "short"), context=64)
-    assert main(["run", "--model", short, "--dataset", "gsm8k", "--data", GSM8K, "--prompts", "1",
+    assert main(["run", "--model", short, "--dataset", "default", "--prompts", "1",
                  "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
     assert "exceeds the model's context of 64" in capsys.readouterr().err
 
@@ -185,3 +193,43 @@ def test_nan_weights_are_refused(tmp_path):
     bad = save_converted(converted, str(tmp_path / "nan"))
     with pytest.raises(ValueError, match=r"\['layers'\]\['up'\] contains NaN"):
         jaxdepth.load(bad)
+
+
+def test_every_skip_sublayer_subset_runs_through_the_cli(tiny, tmp_path, capsys):
+    from itertools import combinations
+
+    for k in (1, 2, 3):
+        for subset in combinations(("layer", "attn", "mlp"), k):
+            assert main(["run", "--model", tiny, "--dataset", "default", "--prompts", "1", "--analyses",
+                         "layer_skip", "--skip-sublayers", ",".join(subset), "--no-figures",
+                         "--out", str(tmp_path)]) == 0, subset
+            printed = capsys.readouterr().out
+            for sublayer in ("layer", "attn", "mlp"):
+                expected = sublayer in subset
+                assert (f"depth score ({sublayer} skipped)" in printed) == expected, (subset, printed)
+    assert main(["run", "--model", tiny, "--skip-sublayers", "attn,heads", "--out", str(tmp_path)]) == 2
+    assert "--skip-sublayers takes layer, attn, mlp" in capsys.readouterr().err
+
+
+def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, capsys, shared_data):
+    from jaxdepth.cli import BASELINE_PROMPTS, erasure_baseline_prompts
+
+    gsm8k = shared_data("gsm8k_test_sample.jsonl")
+    prompts, name = erasure_baseline_prompts(None, ["default"], {})
+    assert prompts == load_prompts("default")[:BASELINE_PROMPTS] and name.startswith("default[:10] (the embedded")
+    prompts, name = erasure_baseline_prompts(None, ["hellaswag", "gsm8k"], {"gsm8k": gsm8k})
+    assert prompts == load_prompts("gsm8k", gsm8k, 10) and name.startswith(f"gsm8k[:10] from {gsm8k}")
+    prompts, name = erasure_baseline_prompts(gsm8k, ["default"], {})
+    assert prompts == load_prompts("gsm8k", gsm8k, 10) and name == f"gsm8k[:10] from {gsm8k}"
+    # offline (conftest sets HF_DATASETS_OFFLINE) and nothing in GSM8K's format: each dataset's own prompts
+    prompts, name = erasure_baseline_prompts(None, ["hellaswag"], {})
+    assert prompts is None and name.startswith("each dataset's own")
+    assert "warning: erasure baseline falls back" in capsys.readouterr().err
+
+    # the main command's case, through the CLI: said in the output and in the saved settings
+    assert main(["run", "--model", tiny, "--prompts", "1", "--analyses", "erasure", "--no-figures",
+                 "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "erasure baseline: default[:10] (the embedded prompts, offline" in printed
+    saved = load_result(str(tmp_path / "model" / "default" / "erasure.npz"))
+    assert saved.settings["baseline"].startswith("default[:10] (the embedded prompts")

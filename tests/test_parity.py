@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_VARIANTS, write_tiny_gguf
+from conftest import TINY_VARIANTS, shared_data_path, write_tiny_gguf
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
 from jaxdepth.model import forward
@@ -26,7 +26,6 @@ pytestmark = pytest.mark.parity
 
 TOL_TINY = 1e-4
 TOL_SMOLLM2 = 1e-3
-GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k_test_sample.jsonl")
 
 _forward = jax.jit(forward, static_argnames="config")
 
@@ -150,7 +149,7 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tiny_model, tmp_path, varian
 # ----------------------------------------------------------------------------- real model
 
 def _gsm8k_text(tokenizer, min_tokens: int = 128) -> str:
-    with open(GSM8K) as f:
+    with open(shared_data_path("gsm8k_test_sample.jsonl")) as f:
         records = [json.loads(line) for line in f]
     text = ""
     for r in records:

@@ -1,6 +1,7 @@
 """Figures from real result objects of tiny random models: they render, save (PNG and PDF,
 atomically), carry labels, mark what they claim to mark, and refuse wrong inputs clearly."""
 
+import dataclasses
 import os
 
 import jax
@@ -170,15 +171,77 @@ def test_erasure_tick_labels_are_the_token_strings(results):
                                   result.effects[1, :, :n])
 
 
-def test_token_labels_escape_mathtext_and_newlines(results, tmp_path):
+def test_token_labels_escape_mathtext_and_show_whitespace(results, tmp_path):
     class Dollars:
-        def convert_ids_to_tokens(self, ids):
-            return ["$" if i % 2 else "a\nb" for i in ids]
+        def decode(self, ids):
+            return "".join("$" if i % 2 else " a\nb\t" for i in ids)
 
     fig = plots.erasure_figure(results["erasure"], 0, tokenizer=Dollars())
     texts = {t.get_text() for t in fig.axes[0].get_xticklabels()}
-    assert texts <= {r"\$", "a\\nb"}
+    assert texts <= {r"\$", "\u2423a\u21b5b\u21e5"}
     fig.canvas.draw()  # an unescaped odd number of '$' would fail here, as unbalanced mathtext
+
+
+def _byte_level_tokenizer():
+    """A real byte-level BPE tokenizer (GPT-2 / SmolLM2 / Qwen style), trained on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["the cat sat on the mat\nthe end", "Janet\u2019s ducks lay 16 eggs per day.\n"] * 5
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def test_token_labels_are_decoded_text_not_byte_level_symbols():
+    tok = _byte_level_tokenizer()
+    text = "the cat\nsat on the mat"
+    ids = tok.encode(text).ids
+    assert any("\u0120" in tok.id_to_token(i) or "\u010a" in tok.id_to_token(i) for i in ids)  # Ġ / Ċ inside
+
+    class Adapter:  # the transformers tokenizer interface: decode a list of ids
+        def decode(self, ids):
+            return tok.decode(ids)
+
+    labels = plots._token_labels(ids, Adapter())
+    assert not any(c in "".join(labels) for c in "\u0120\u010a")
+    assert "".join(labels) == text.replace(" ", "\u2423").replace("\n", "\u21b5")
+    assert "\u2423cat" in labels or "\u2423c" in labels
+
+
+def test_robust_limit_clips_only_a_dominant_cell():
+    rng = np.random.default_rng(0)
+    values = rng.random((8, 50))
+    assert plots.robust_limit(values) == (values.max(), False)
+    values[0, 0] = 1e3  # one cell dwarfs the rest: the scale follows the percentile
+    limit, clipped = plots.robust_limit(values, 99)
+    assert clipped and limit == np.percentile(np.abs(values), 99) and limit < 1.0
+    assert plots.robust_limit(-values, 99)[0] == limit  # magnitudes: the same for negative cells
+    assert plots.robust_limit(np.zeros((3, 3))) == (1.0, False)
+
+
+def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
+    ig = results["integrated_gradients"]
+    values = ig.attributions.copy()
+    values[0, :, 0] = 1e3 * np.abs(values).max()  # IG at the first token, as on real models
+    big = dataclasses.replace(ig, attributions=values)
+    fig = plots.integrated_gradients_figure(big, 0)
+    vmin, vmax = fig.axes[0].images[0].get_clim()
+    n = int(ig.lengths[0])
+    assert vmax == -vmin == plots.robust_limit(values[0, :, :n])[0] < np.abs(values[0, :, :n]).max()
+    assert "clipped at the 95th percentile" in fig.axes[1].get_ylabel()
+    plain = plots.integrated_gradients_figure(ig, 0)
+    assert "clipped" not in plain.axes[1].get_ylabel()
+
+    L = 24
+    later = np.triu(np.random.default_rng(1).random((L, L)), k=1)
+    later[0, 1:] = 1e3  # skipping layer 0 changes every later layer: one dominant row
+    skip = layer_skip.LayerSkipResult(later=later, output=np.ones(L), later_per_prompt=later[None],
+                                      output_per_prompt=np.ones((1, L)), split_positions=np.zeros((1, 4)), settings={})
+    fig = plots.layer_skip_figure(skip)
+    assert fig.axes[0].images[0].get_clim()[1] < 1.0
+    assert "clipped at the 90th percentile" in fig.axes[-1].get_xlabel()
 
 
 def test_long_prompts_get_thinned_labels():
