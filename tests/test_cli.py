@@ -177,10 +177,10 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
 
 
 def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
-    short = _save_tiny(str(tmp_path / "short"), context=64)
+    short = _save_tiny(str(tmp_path / "short"), context=16)
     assert main(["run", "--model", short, "--dataset", "default", "--prompts", "1",
                  "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
-    assert "exceeds the model's context of 64" in capsys.readouterr().err
+    assert "exceeds the model's context of 16" in capsys.readouterr().err
 
 
 def test_nan_weights_are_refused(tmp_path):
