@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -500,20 +499,10 @@ def print_tables(report):
 
 
 def write_json_atomic(path, obj):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".benchmark-", suffix=".json.tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=_json_default)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from jaxdepth.atomic import atomic_write
+
+    with atomic_write(path, "w") as f:
+        json.dump(obj, f, indent=2, default=_json_default)
 
 
 def _json_default(x):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 import os
-import uuid
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import matplotlib
@@ -20,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
+from jaxdepth.atomic import atomic_write
 from jaxdepth.contributions import ContributionResult
 from jaxdepth.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
                                       kl_effective_depth, overlap_effective_depth)
@@ -390,20 +390,9 @@ def save_figure(fig: Figure, path_without_extension: str, *, dpi: int = DPI) -> 
     base = os.fspath(path_without_extension)
     if os.path.splitext(base)[1].lower() in (".png", ".pdf"):
         base = os.path.splitext(base)[0]
-    folder = os.path.dirname(os.path.abspath(base))
-    os.makedirs(folder, exist_ok=True)
     paths = []
     for fmt in ("png", "pdf"):
-        path = f"{base}.{fmt}"
-        # Not mkstemp: its files are private (0600), a figure should get the usual umask mode.
-        tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}.{fmt}")
-        try:
-            with open(tmp, "xb") as f:
-                fig.savefig(f, format=fmt, dpi=dpi)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        paths.append(path)
+        with atomic_write(f"{base}.{fmt}") as f:
+            fig.savefig(f, format=fmt, dpi=dpi)
+        paths.append(f"{base}.{fmt}")
     return paths[0], paths[1]

@@ -9,41 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
+from jaxdepth.atomic import atomic_write
+
 _REGISTRY: dict[str, type] = {}
-TEMP_PREFIX = ".tmp-"  # + the writer's process id + "-": what a killed writer leaves behind
-
-
-def remove_stale_temporaries(folder: str) -> list[str]:
-    """Delete the temporary files of writers that no longer run (killed mid-write) in `folder`;
-    returns their names. Files of running processes, this one included, are left alone."""
-    removed = []
-    for name in os.listdir(folder):
-        if not (name.startswith(TEMP_PREFIX) and name.endswith(".npz")):
-            continue
-        pid = name[len(TEMP_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            try:
-                os.remove(os.path.join(folder, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone, or not a process id at all
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class SavedResult:
@@ -63,22 +35,8 @@ class SavedResult:
             else:
                 meta[field.name] = value
         arrays["__meta__"] = np.frombuffer(json.dumps(meta, default=_jsonable).encode(), np.uint8)
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        remove_stale_temporaries(folder)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=".npz", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are ordinary files
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with atomic_write(path) as f:
+            np.savez(f, **arrays)
         return path
 
     @classmethod

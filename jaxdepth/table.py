@@ -9,6 +9,7 @@ import os
 from typing import Iterable
 
 from jaxdepth import effective_depth as ed
+from jaxdepth.atomic import atomic_write
 from jaxdepth.results import load_result
 
 METHODS = ("cosine", "kl", "overlap")
@@ -80,10 +81,7 @@ def write_table(rows: list[dict], out_prefix: str) -> tuple[str, str]:
     paths = []
     for ext, text in ((".md", to_markdown(rows)), (".csv", to_csv(rows))):
         path = out_prefix + ext
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with atomic_write(path, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
         paths.append(path)
     return paths[0], paths[1]

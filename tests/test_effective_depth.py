@@ -78,3 +78,19 @@ def test_save_removes_temporaries_of_killed_writers_only(tmp_path):
     live.write_bytes(b"being written")
     LogitLensResult(kl=np.zeros(2), overlap=np.zeros(2), settings={}).save(tmp_path / "lens.npz")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["lens.npz", live.name])
+
+
+def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):
+    from jaxdepth.atomic import atomic_write
+
+    path = tmp_path / "table.md"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_write(str(path), "w") as f:
+            f.write("half of the new")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["table.md"]
+    with atomic_write(str(path), "w") as f:
+        f.write("new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["table.md"]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # the usual umask mode, not mkstemp's
