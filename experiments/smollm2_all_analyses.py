@@ -11,10 +11,10 @@ import argparse
 import os
 import time
 
-from jaxdepth import effective_depth as ed
 from jaxdepth.loading import load
 from jaxdepth.prompts import encode, load_prompts
-from jaxdepth.study import ANALYSES, StudySettings, run_analysis
+from jaxdepth.registry import ANALYSES
+from jaxdepth.study import StudySettings, run_analysis
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl")
@@ -47,19 +47,8 @@ def main():
             start = time.perf_counter()
             run_analysis(name, model, batch, settings, progress=False)
             times[name].append(time.perf_counter() - start)
-        if name == "contributions":
-            print(f"cosine ED:  {ed.cosine_effective_depth(result.mean_cosine)}")
-        elif name == "logit_lens":
-            print(f"KL ED:      {ed.kl_effective_depth(result.kl)}")
-            print(f"overlap ED: {ed.overlap_effective_depth(result.overlap)}")
-        elif name == "layer_skip":
-            for sub, r in result.items():
-                print(f"depth score ({sub} skipped): {ed.depth_score(r.later):.2f}")
-        elif name == "erasure":
-            print(f"erasure: max effect {result.effects.max():.3f}")
-        elif name == "integrated_gradients":
-            print(f"IG: max |completeness gap| {abs(result.gap).max():.3g} "
-                  f"(F(x) = {result.f_input.max():.3f})")
+        for phrase in ANALYSES[name].summary(result):
+            print(f"  {phrase}")
     print("\nwall time per analysis (s): " + ("first call / warm call" if args.warm else "first call"))
     for name, t in times.items():
         print(f"  {name:22s} " + " / ".join(f"{x:7.1f}" for x in t))

@@ -89,10 +89,10 @@ def _mesh(args):
 def _run(args) -> int:
     import jax
 
-    from jaxdepth import effective_depth as ed
     from jaxdepth.loading import load
-    from jaxdepth.prompts import DATASETS, DatasetError, encode, load_prompts
-    from jaxdepth.study import ANALYSES, StudySettings, result_folder, run_study, write_figures
+    from jaxdepth.prompts import DATASETS, encode, load_prompts
+    from jaxdepth.registry import ANALYSES
+    from jaxdepth.study import StudySettings, result_folder, run_study, write_figures
 
     start = time.perf_counter()
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
@@ -104,7 +104,7 @@ def _run(args) -> int:
     texts = {name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
              for name in args.dataset}
     baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
-                                     if "erasure" in analyses else (None, None))
+                                     if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
     mesh = _mesh(args)
     model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
     if model.tokenizer is None:
@@ -134,23 +134,12 @@ def _run(args) -> int:
             folder = result_folder(args.out, model_name, name)
             write_figures(results, folder, model.tokenizer)
             print(f"  figures in {os.path.join(folder, 'figures')}")
-        line = [name]
-        if "contributions" in results:
-            line.append(f"cosine ED {ed.cosine_effective_depth(results['contributions'].mean_cosine)}")
-        if "logit_lens" in results:
-            lens = results["logit_lens"]
-            line.append(f"KL ED {ed.kl_effective_depth(lens.kl)}")
-            line.append(f"overlap ED {ed.overlap_effective_depth(lens.overlap)}")
-        for sublayer, skip in results.get("layer_skip", {}).items():
-            line.append(f"depth score ({sublayer} skipped) {ed.depth_score(skip.later):.2f}")
-        if "integrated_gradients" in results:
-            gap = abs(results["integrated_gradients"].gap).max()
-            line.append(f"IG max |completeness gap| {gap:.2g}")
+        line = [name] + [phrase for a, result in results.items() for phrase in ANALYSES[a].summary(result)]
         summary.append("  " + "; ".join(line))
     if baseline_name is not None:
         print(f"erasure baseline: {baseline_name}")
     print("\n".join(summary))
-    if "contributions" in analyses or "logit_lens" in analyses:
+    if any(ANALYSES[a].feeds_table for a in analyses):
         from jaxdepth.table import collect, to_markdown, write_table
 
         rows = collect([args.out])
@@ -168,6 +157,12 @@ def _table(args) -> int:
     md, csv_path = write_table(rows, args.out)
     print(f"wrote {md} and {csv_path}")
     return 0
+
+
+def _analysis_names() -> list[str]:
+    from jaxdepth.registry import ANALYSES
+
+    return list(ANALYSES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts for erasure and integrated gradients, the per-position sweeps (default: all)")
     run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
                      "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub")
-    run.add_argument("--analyses", help="comma-separated subset of: contributions,logit_lens,"
-                     "layer_skip,erasure,integrated_gradients (default: all)")
+    run.add_argument("--analyses", help="comma-separated subset of the registered analyses: "
+                     f"{','.join(_analysis_names())} (default: all)")
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")

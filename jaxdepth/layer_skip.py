@@ -153,3 +153,47 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         output_per_prompt=output_pp, split_positions=used,
         settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "seed": seed,
                   "splits_per_prompt": splits_per_prompt})
+
+
+@dataclasses.dataclass
+class LayerSkipBySublayer(SavedResult):
+    """Layer skip of several sublayers in one result: every array of `LayerSkipResult` with a
+    leading sublayer axis, in the order of `sublayers` ('layer', 'attn', 'mlp'). The split
+    positions are drawn once per run (same seed), so they are shared by every sublayer."""
+
+    sublayers: list
+    later: np.ndarray  # [S, L, L]
+    output: np.ndarray  # [S, L]
+    later_per_prompt: np.ndarray  # [S, N, L, L]
+    output_per_prompt: np.ndarray  # [S, N, L]
+    split_positions: np.ndarray  # [N, splits]
+    settings: dict
+
+    def part(self, sublayer: str) -> LayerSkipResult:
+        """The `LayerSkipResult` of one sublayer."""
+        if sublayer not in self.sublayers:
+            raise KeyError(f"no layer-skip result for sublayer {sublayer!r}; this one has {self.sublayers}")
+        i = list(self.sublayers).index(sublayer)
+        return LayerSkipResult(later=self.later[i], output=self.output[i], later_per_prompt=self.later_per_prompt[i],
+                               output_per_prompt=self.output_per_prompt[i], split_positions=self.split_positions,
+                               settings={**self.settings, "sublayer": sublayer})
+
+    def parts(self) -> dict[str, LayerSkipResult]:
+        """`{sublayer: LayerSkipResult}` in order (what `plots.layer_skip_figure` draws as rows)."""
+        return {s: self.part(s) for s in self.sublayers}
+
+
+def layer_skip_sublayers(params, batch: PromptBatch, config: ModelConfig, *,
+                         sublayers: Sequence[str] = SUBLAYERS, settings=None, **kwargs) -> LayerSkipBySublayer:
+    """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
+    arguments as `layer_skip`)."""
+    sublayers = list(sublayers)
+    if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
+        raise ValueError(f"sublayers must be distinct names among {SUBLAYERS}, got {sublayers}")
+    parts = [layer_skip(params, batch, config, sublayer=s, **kwargs) for s in sublayers]
+    stack = lambda name: np.stack([getattr(p, name) for p in parts])
+    common = {k: v for k, v in parts[0].settings.items() if k != "sublayer"}
+    return LayerSkipBySublayer(sublayers=sublayers, later=stack("later"), output=stack("output"),
+                               later_per_prompt=stack("later_per_prompt"), output_per_prompt=stack("output_per_prompt"),
+                               split_positions=parts[0].split_positions,
+                               settings={**(settings or {}), **common, "sublayers": sublayers})

@@ -47,17 +47,11 @@ class SavedResult:
         return result
 
 
-# Modules defining result types: imported before loading, since a type registers itself only
-# when its module is imported.
-_RESULT_MODULES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
-
-
 def load_result(path: str) -> Any:
-    """Load any result written by `SavedResult.save`, as its own type."""
-    import importlib
+    """Load any result written by `SavedResult.save`, as its own type (any type defined in a
+    module imported by now; the registered analyses' modules are imported here)."""
+    import jaxdepth.registry  # noqa: F401  (a result type registers itself when its module is imported)
 
-    for module in _RESULT_MODULES:
-        importlib.import_module(f"jaxdepth.{module}")
     with np.load(path) as data:
         meta = json.loads(data["__meta__"].tobytes().decode())
         arrays = {k: data[k] for k in data.files if k != "__meta__"}

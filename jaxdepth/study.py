@@ -18,10 +18,8 @@ import numpy as np
 
 from jaxdepth.batch import PromptBatch
 from jaxdepth.loading import Model
+from jaxdepth.registry import ANALYSES, RunInputs, analysis
 from jaxdepth.results import load_result
-
-ANALYSES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudySettings:
@@ -55,29 +53,13 @@ def slug(text: str) -> str:
 
 def run_analysis(name: str, model: Model, batch: PromptBatch, settings: StudySettings,
                  baseline_batch: Optional[PromptBatch] = None, progress: bool = True):
-    """Run one analysis by name; returns its result object (or a dict of them for layer skip)."""
-    from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens
-
-    p, c = model.params, model.config
-    if name in ("erasure", "integrated_gradients") and settings.detail_prompts is not None:
+    """Run the registered analysis `name` (`jaxdepth.registry`) and return its result; a
+    per-position sweep (erasure, IG) runs on the first `settings.detail_prompts` prompts only."""
+    entry = analysis(name)
+    if entry.detail and settings.detail_prompts is not None:
         batch = batch.select(slice(0, settings.detail_prompts))
-    if name == "contributions":
-        return contributions.contributions(p, batch, c)
-    if name == "logit_lens":
-        return logit_lens.logit_lens(p, batch, c, weighting=settings.lens_weighting)
-    if name == "layer_skip":
-        return {sub: layer_skip.layer_skip(p, batch, c, sublayer=sub, seed=settings.seed,
-                                           memory_budget=settings.memory_budget, progress=progress)
-                for sub in settings.skip_sublayers}
-    if name == "erasure":
-        baseline = erasure.mean_residuals(p, baseline_batch if baseline_batch is not None else batch, c)
-        return erasure.residual_erasure(p, batch, c, baseline, memory_budget=settings.memory_budget,
-                                        progress=progress)
-    if name == "integrated_gradients":
-        return integrated_gradients.integrated_gradients(
-            p, batch, c, steps=settings.ig_steps, rule=settings.ig_rule, baseline=settings.ig_baseline,
-            memory_budget=settings.memory_budget, progress=progress)
-    raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
+    return entry.run(RunInputs(model=model, batch=batch, settings=settings, baseline_batch=baseline_batch,
+                               progress=progress))
 
 
 def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
@@ -85,64 +67,52 @@ def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
 
 
 def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, out_dir: str, *,
-              analyses: Sequence[str] = ANALYSES, settings: StudySettings = StudySettings(),
+              analyses: Optional[Sequence[str]] = None, settings: StudySettings = StudySettings(),
               baseline_batch: Optional[PromptBatch] = None, baseline_name: Optional[str] = None,
               progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
 
     `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
-    dataset's own prompts); `baseline_name` says which, in the erasure result's settings."""
-    for name in analyses:
-        if name not in ANALYSES:
-            raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
+    dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
+    `analyses` None: every registered analysis."""
+    entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     folder = result_folder(out_dir, model_name, dataset)
     common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
               "prompt_tokens_sha": _batch_digest(batch)}
     baseline_sha = None if baseline_batch is None else _batch_digest(baseline_batch)
     results = {}
-    for name in analyses:
-        identity = {**common, **_relevant_settings(name, settings, baseline_sha)}
-        paths = _paths(folder, name, settings)
-        cached = [_load_matching(path, identity) for path in paths.values()]
-        if all(r is not None for r in cached):
-            log(f"{name}: reusing {folder}")
-            results[name] = dict(zip(paths, cached)) if name == "layer_skip" else cached[0]
+    for entry in entries:
+        identity = {**common, **entry.identity(settings)}
+        if entry.uses_baseline:
+            identity["baseline_tokens_sha"] = baseline_sha
+        path = os.path.join(folder, f"{entry.name}.npz")
+        cached = _load_matching(path, identity, entry.result_type)
+        if cached is not None:
+            log(f"{entry.name}: reusing {folder}")
+            results[entry.name] = cached
             continue
         start = time.perf_counter()
-        result = run_analysis(name, model, batch, settings, baseline_batch, progress)
+        result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
         seconds = time.perf_counter() - start
-        parts = result if isinstance(result, dict) else {None: result}
-        for key, part in parts.items():
-            _check_finite(name, part)
-            part.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
-            if name == "erasure":
-                part.settings["baseline"] = baseline_name or "the dataset's own prompts"
-            part.save(paths[key])
-        log(f"{name}: {seconds:.1f} s -> {folder}")
-        results[name] = result
+        _check_finite(entry.name, result)
+        result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+        if entry.uses_baseline:
+            result.settings["baseline"] = baseline_name or "the dataset's own prompts"
+        result.save(path)
+        log(f"{entry.name}: {seconds:.1f} s -> {folder}")
+        results[entry.name] = result
     return results
 
 
 def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1) -> list[str]:
-    """The studies' figures for one (model, dataset) as PNG and PDF under `folder/figures`.
-    Heatmaps of erasure and integrated gradients are drawn for the first `detail_prompts`."""
+    """Every registered figure of `results` (analysis name -> result) as PNG and PDF under
+    `folder/figures`; the per-prompt heatmaps (erasure, IG) for the first `detail_prompts`."""
     from jaxdepth import plots
 
-    out = os.path.join(folder, "figures")
-    figures = {}
-    if "contributions" in results:
-        figures["contributions"] = plots.contributions_figure(results["contributions"])
-    if "logit_lens" in results:
-        figures["logit_lens"] = plots.logit_lens_figure(results["logit_lens"])
-    if "layer_skip" in results:
-        figures["layer_skip"] = plots.layer_skip_figure(results["layer_skip"])
-    for name, draw in (("erasure", plots.erasure_figure), ("integrated_gradients", plots.integrated_gradients_figure)):
-        if name in results:
-            for i in range(min(detail_prompts, len(results[name].lengths))):
-                figures[f"{name}_prompt{i}"] = draw(results[name], i, tokenizer=tokenizer)
     paths = []
-    for name, fig in figures.items():
-        paths.extend(plots.save_figure(fig, os.path.join(out, name)))
+    for name, result in results.items():
+        for key, fig in analysis(name).figures(result, tokenizer, detail_prompts).items():
+            paths.extend(plots.save_figure(fig, os.path.join(folder, "figures", f"{name}_{key}" if key else name)))
     return paths
 
 
@@ -155,34 +125,16 @@ def _check_finite(name: str, result) -> None:
                              "weights, its dtype, and the prompts); nothing was saved")
 
 
-def _relevant_settings(name: str, settings: StudySettings, baseline_sha) -> dict:
-    """The settings that change analysis `name`'s result: a cached result is reused when these
-    match, so changing, say, the IG steps never invalidates the logit lens."""
-    detail = {"detail_prompts": settings.detail_prompts}
-    return {
-        "contributions": {},
-        "logit_lens": {"lens_weighting": settings.lens_weighting},
-        "layer_skip": {"seed": settings.seed},
-        "erasure": {**detail, "baseline_tokens_sha": baseline_sha},
-        "integrated_gradients": {**detail, "ig_steps": settings.ig_steps, "ig_rule": settings.ig_rule,
-                                 "ig_baseline": settings.ig_baseline},
-    }[name]
-
-
-def _paths(folder, name, settings):
-    if name == "layer_skip":
-        return {sub: os.path.join(folder, f"layer_skip_{sub}.npz") for sub in settings.skip_sublayers}
-    return {None: os.path.join(folder, f"{name}.npz")}
-
-
-def _load_matching(path, identity):
+def _load_matching(path, identity, result_type):
     if not os.path.isfile(path):
         return None
     try:
         result = load_result(path)
     except Exception:
         return None  # unreadable (e.g. from an older version): recompute
-    return result if result.settings.get("identity") == _roundtrip(identity) else None
+    if not isinstance(result, result_type) or result.settings.get("identity") != _roundtrip(identity):
+        return None
+    return result
 
 
 def _roundtrip(d):

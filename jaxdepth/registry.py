@@ -1,0 +1,128 @@
+"""The analyses of the suite, each declared once: its name, its result type, the settings that
+enter its cache identity, how it runs, its figures and its one-line summary.
+
+The study runner, the CLI, result loading and the summary iterate `ANALYSES`; nothing else keys
+on analysis names. A new analysis is one `register(Analysis(...))` call: it then runs from
+`jaxdepth run --analyses NAME`, is cached and resumed like the others, and draws its figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunInputs:
+    """What an analysis runs on: the loaded model, the prompts (already cut to the detail prompts
+    for a `detail` analysis), the study settings, the erasure baseline prompts (None: the prompts
+    themselves) and whether to show progress bars."""
+
+    model: Any  # jaxdepth.loading.Model
+    batch: Any  # jaxdepth.batch.PromptBatch
+    settings: Any  # jaxdepth.study.StudySettings
+    baseline_batch: Optional[Any] = None
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Analysis:
+    """One analysis of the suite.
+
+    identity: settings -> the settings that change this analysis's result (a cached result is
+        reused when these, the model, the prompts and the dataset match).
+    run: `RunInputs` -> the result (a `jaxdepth.results.SavedResult`).
+    figures: (result, tokenizer, detail_prompts) -> `{figure name: matplotlib Figure}`.
+    summary: result -> short phrases for the one-line summary of a run.
+    detail: runs on the first `detail_prompts` prompts only (the per-position sweeps).
+    uses_baseline: reads the erasure baseline (its prompts enter the cache identity).
+    feeds_table: its results enter the effective-depth table.
+    """
+
+    name: str
+    result_type: type
+    identity: Callable[[Any], dict]
+    run: Callable[[RunInputs], Any]
+    figures: Callable[[Any, Any, int], dict]
+    summary: Callable[[Any], list]
+    detail: bool = False
+    uses_baseline: bool = False
+    feeds_table: bool = False
+
+
+ANALYSES: dict[str, Analysis] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add `analysis` to the suite (a name already taken is an error, not a silent override)."""
+    if analysis.name in ANALYSES:
+        raise ValueError(f"an analysis named {analysis.name!r} is already registered")
+    ANALYSES[analysis.name] = analysis
+    return analysis
+
+
+def analysis(name: str) -> Analysis:
+    """The registered analysis `name`, or a ValueError listing the known ones."""
+    if name not in ANALYSES:
+        raise ValueError(f"unknown analysis {name!r}; known: {', '.join(ANALYSES)}")
+    return ANALYSES[name]
+
+
+# ----------------------------------------------------------------------------- the built-in suite
+
+def _register_builtins():
+    from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens, plots
+    from jaxdepth import effective_depth as ed
+
+    def per_prompt_figures(draw):
+        def figures(result, tokenizer, detail_prompts):
+            count = min(detail_prompts, len(result.lengths))
+            return {f"prompt{i}": draw(result, i, tokenizer=tokenizer) for i in range(count)}
+        return figures
+
+    register(Analysis(
+        name="contributions", result_type=contributions.ContributionResult, identity=lambda s: {},
+        run=lambda x: contributions.contributions(x.model.params, x.batch, x.model.config),
+        figures=lambda r, tokenizer, n: {"": plots.contributions_figure(r)},
+        summary=lambda r: [f"cosine ED {ed.cosine_effective_depth(r.mean_cosine)}"],
+        feeds_table=True))
+    register(Analysis(
+        name="logit_lens", result_type=logit_lens.LogitLensResult,
+        identity=lambda s: {"lens_weighting": s.lens_weighting},
+        run=lambda x: logit_lens.logit_lens(x.model.params, x.batch, x.model.config,
+                                            weighting=x.settings.lens_weighting),
+        figures=lambda r, tokenizer, n: {"": plots.logit_lens_figure(r)},
+        summary=lambda r: [f"KL ED {ed.kl_effective_depth(r.kl)}", f"overlap ED {ed.overlap_effective_depth(r.overlap)}"],
+        feeds_table=True))
+    register(Analysis(
+        name="layer_skip", result_type=layer_skip.LayerSkipBySublayer,
+        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers)},
+        run=lambda x: layer_skip.layer_skip_sublayers(
+            x.model.params, x.batch, x.model.config, sublayers=x.settings.skip_sublayers, seed=x.settings.seed,
+            memory_budget=x.settings.memory_budget, progress=x.progress),
+        figures=lambda r, tokenizer, n: {"": plots.layer_skip_figure(r.parts())},
+        summary=lambda r: [f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}"
+                           for s, part in r.parts().items()]))
+
+    def run_erasure(x):
+        p, c = x.model.params, x.model.config
+        baseline = erasure.mean_residuals(p, x.baseline_batch if x.baseline_batch is not None else x.batch, c)
+        return erasure.residual_erasure(p, x.batch, c, baseline, memory_budget=x.settings.memory_budget,
+                                        progress=x.progress)
+
+    register(Analysis(
+        name="erasure", result_type=erasure.ErasureResult, identity=lambda s: {"detail_prompts": s.detail_prompts},
+        run=run_erasure, figures=per_prompt_figures(plots.erasure_figure),
+        summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"], detail=True, uses_baseline=True))
+    register(Analysis(
+        name="integrated_gradients", result_type=integrated_gradients.IntegratedGradientsResult,
+        identity=lambda s: {"detail_prompts": s.detail_prompts, "ig_steps": s.ig_steps, "ig_rule": s.ig_rule,
+                            "ig_baseline": s.ig_baseline},
+        run=lambda x: integrated_gradients.integrated_gradients(
+            x.model.params, x.batch, x.model.config, steps=x.settings.ig_steps, rule=x.settings.ig_rule,
+            baseline=x.settings.ig_baseline, memory_budget=x.settings.memory_budget, progress=x.progress),
+        figures=per_prompt_figures(plots.integrated_gradients_figure),
+        summary=lambda r: [f"IG max |completeness gap| {abs(r.gap).max():.2g}"], detail=True))
+
+
+_register_builtins()
