@@ -6,6 +6,6 @@
 """
 
 from conversion.errors import ConversionError
-from conversion.checkpoint import Converted, save_converted, restore_converted, is_converted_dir
+from conversion.checkpoint import save_converted, restore_converted, is_converted_dir
 
-__all__ = ["ConversionError", "Converted", "save_converted", "restore_converted", "is_converted_dir"]
+__all__ = ["ConversionError", "save_converted", "restore_converted", "is_converted_dir"]

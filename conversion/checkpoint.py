@@ -6,39 +6,28 @@ so an interrupted conversion never leaves a half-written checkpoint that later l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from conversion.errors import ConversionError
 from jaxdepth.config import ModelConfig
+from jaxdepth.loaded import Model
 from jaxdepth.model import check_params
 
 MARKER = "jaxdepth.json"
 FORMAT_VERSION = 1
 
 
-@dataclasses.dataclass
-class Converted:
-    """Params, config and tokenizer of one model, as produced by a converter."""
-
-    params: dict
-    config: ModelConfig
-    tokenizer: Optional[Any]
-    source: str
-
-
 def is_converted_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def save_converted(converted: Converted, out_dir: str, *, overwrite: bool = False) -> str:
+def save_converted(converted: Model, out_dir: str, *, overwrite: bool = False) -> str:
     """Write `converted` to `out_dir` atomically and return its absolute path."""
     import orbax.checkpoint as ocp
 
@@ -83,7 +72,7 @@ def _sharded_target(config: ModelConfig, meta: dict, mesh):
                         abstract, param_shardings(abstract, mesh))
 
 
-def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> Converted:
+def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> Model:
     """Read a folder written by `save_converted`.
 
     With a `mesh`, every parameter is restored straight into its sharded layout
@@ -110,4 +99,4 @@ def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> C
     if load_tokenizer and meta.get("has_tokenizer"):
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
-    return Converted(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))
+    return Model(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))

