@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from jaxdepth.batch import PromptBatch
 from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
-from jaxdepth.model import decoder_layer, layer_context, residual_stream, run_layers_from, unembed
+from jaxdepth.model import layer_context, layer_params, layer_step, residual_stream, run_layers_from, unembed
+from jaxdepth.sites import apply_at, as_interventions
 from jaxdepth.results import SavedResult
 from jaxdepth.sweep import auto_chunk_size, sweep
 
@@ -71,26 +72,26 @@ def ig_baseline(x, valid, kind: str):
     raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
 
 
-def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None):
+def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None, interventions=None):
     """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
-    start..L-1.
+    start..L-1 (`layer_step`, with `interventions` at their sites, as every driver).
 
     The layers before `start` are neither run nor differentiated: the forward stores each
     layer's input, and the backward walks the layers in reverse with one `jax.vjp` each
     (recomputing that layer, as `jax.checkpoint` would). `start` may be traced but not batched.
     """
     L = config.num_layers
-    cos, sin, mask = layer_context(z, valid, config)
-    layer_at = lambda i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
-                                      params["layers"])
-    apply = lambda i, h: decoder_layer(layer_at(i), h, cos, sin, mask, config)[2]
+    ivs = as_interventions(interventions)
+    context = layer_context(z, valid, config)
+    apply = lambda i, h: layer_step(layer_params(params, i), h, i, context, config, ivs).out
 
     def forward_step(i, carry):
         h, inputs = carry
         return apply(i, h), inputs.at[i].set(h)
 
     h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
-    value, grad = jax.value_and_grad(head)(h_last)
+    # Interventions at boundary L (resid_pre of index L) sit between the last layer and the head.
+    value, grad = jax.value_and_grad(lambda h: head(apply_at("resid_pre", h, L, ivs)))(h_last)
 
     def backward_step(k, g):
         i = L - 1 - k
@@ -113,9 +114,10 @@ def _objective(params, tokens, answer_positions, answer_real, config: ModelConfi
 
 @partial(jit, static_argnames=("config", "baseline"))
 def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: ModelConfig,
-              baseline: str = "channel_mean"):
-    """Each layer's output x `[L, T, D]` (float32), its baseline b (broadcast to x), and F(x)."""
-    hs = residual_stream(params, tokens, config, valid=valid)
+              baseline: str = "channel_mean", interventions=None):
+    """Each layer's output x `[L, T, D]` (float32), its baseline b (broadcast to x), and F(x),
+    all under `interventions`."""
+    hs = residual_stream(params, tokens, config, valid=valid, interventions=interventions)
     x = hs[1:, 0].astype(jnp.float32)
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
     return x, b, _objective(params, tokens, answer_positions, answer_real, config)(hs[-1])
@@ -123,11 +125,12 @@ def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: Mode
 
 @partial(jit, static_argnames=("config", "chunk_size"))
 def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, weights, layer, x, b,
-                config: ModelConfig, chunk_size: Optional[int] = None):
+                config: ModelConfig, chunk_size: Optional[int] = None, interventions=None):
     """IG of one layer (`x`, `b`: its output and baseline, `[T, D]`): `(attributions [T], F(b))`.
 
-    The steps are one chunked sweep of gradients that start at boundary layer+1. `layer` is
-    traced, so every layer of a prompt reuses one compiled computation.
+    The steps are one chunked sweep of gradients that start at boundary layer+1, through the
+    later layers under `interventions`. `layer` is traced, so every layer of a prompt reuses
+    one compiled computation.
     """
     objective = _objective(params, tokens, answer_positions, answer_real, config)
     dtype = params["embed"].dtype
@@ -135,27 +138,32 @@ def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, we
     def member(m):
         alpha, weight = m
         z = (b + alpha * (x - b))[None].astype(dtype)
-        _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid)
+        _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid,
+                                     interventions=interventions)
         return weight * jnp.sum((x - b) * g[0].astype(jnp.float32), axis=-1)  # [T]
 
-    h_base, _ = run_layers_from(params, b[None].astype(dtype), layer + 1, config, valid=valid)
+    h_base, _ = run_layers_from(params, b[None].astype(dtype), layer + 1, config, valid=valid,
+                                interventions=interventions)
     return sweep(member, (alphas, weights), chunk_size).sum(axis=0) * valid[0], objective(h_base)
 
 
 def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
                  baseline: str = "channel_mean", chunk_size: Optional[int] = None,
-                 on_layer: Optional[Callable[[], None]] = None):
+                 on_layer: Optional[Callable[[], None]] = None, interventions=None):
     """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
     tokens where `answer_real`): `(attributions [L, T], f_input [], f_baseline [L])`.
 
     Layers run one after another (`ig_of_layer`, one compiled computation for all of them);
-    `on_layer()` is called after each (progress).
+    `on_layer()` is called after each (progress). `interventions` (`jaxdepth.sites`) act on
+    the whole forward, before and after the attributed layer: IG of a model with, say, an
+    earlier layer skipped.
     """
     args = (params, tokens, valid, answer_positions, answer_real)
-    x, b, f_input = ig_inputs(*args, config, baseline)
+    x, b, f_input = ig_inputs(*args, config, baseline, interventions)
     attributions, f_baseline = [], []
     for layer in range(config.num_layers):
-        a, fb = ig_of_layer(*args, alphas, weights, jnp.int32(layer), x[layer], b[layer], config, chunk_size)
+        a, fb = ig_of_layer(*args, alphas, weights, jnp.int32(layer), x[layer], b[layer], config, chunk_size,
+                            interventions)
         attributions.append(a)
         f_baseline.append(fb)
         if on_layer is not None:
@@ -182,8 +190,10 @@ class IntegratedGradientsResult(SavedResult):
 def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, steps: int = 256,
                          rule: str = "left", baseline: str = "channel_mean",
                          chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                         progress: bool = True, settings=None) -> IntegratedGradientsResult:
-    """Integrated gradients per layer and token for every prompt of `batch`."""
+                         progress: bool = True, settings=None, interventions=None) -> IntegratedGradientsResult:
+    """Integrated gradients per layer and token for every prompt of `batch`, optionally under
+    `interventions` (see `ig_of_prompt`; each prompt runs at its own padded length,
+    `batch.single(i)`, so position masks in them must have that length)."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     alphas, weights = quadrature(rule, steps)
@@ -200,7 +210,7 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
             a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
                                      jnp.asarray(positions), jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
                                      jnp.asarray(weights, jnp.float32), config, baseline, chunk,
-                                     on_layer=bar.update)
+                                     on_layer=bar.update, interventions=interventions)
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = np.asarray(a), np.asarray(fx), np.asarray(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
     return IntegratedGradientsResult(

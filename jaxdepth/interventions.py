@@ -1,6 +1,9 @@
-"""Interventions on the forward pass, expressed as data.
+"""The studies' interventions as one bundle of arrays: skipping layers or sublayers at chosen
+positions, and replacing the residual at one boundary.
 
-Every intervention is an array inside a pytree, never Python control flow, so that a new
+`Interventions` is a convenience over the general mechanism of `jaxdepth.sites` (any function
+at any named site): `site_interventions()` turns it into site interventions, which is all the
+layer step sees. Every intervention is an array inside a pytree, never Python control flow, so that a new
 intervention *value* reuses the compiled computation and a stack of interventions can be
 `vmap`ped. A field left as `None` is absent from the computation altogether (that changes the
 traced structure, not a value, and compiles once per structure).
@@ -17,6 +20,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from jaxdepth import sites
 
 
 @jax.tree_util.register_dataclass
@@ -41,6 +46,16 @@ class Interventions:
     edit_boundary: Optional[Int[Array, ""]] = None
     edit_mask: Optional[Float[Array, "*bt"]] = None
     edit_value: Optional[Float[Array, "*btd"]] = None
+
+    def site_interventions(self) -> tuple[sites.Intervention, ...]:
+        """The same interventions at their sites: the keep-masks multiply `delta`, `attn_out`
+        and `mlp_out`; the edit replaces `resid_pre` of layer `edit_boundary` (the final
+        residual when it is L)."""
+        out = [sites.keep(site, mask) for site, mask in (("delta", self.keep_layer), ("attn_out", self.keep_attn),
+                                                         ("mlp_out", self.keep_mlp)) if mask is not None]
+        if self.edit_boundary is not None:
+            out.append(sites.replace("resid_pre", self.edit_boundary, self.edit_mask, self.edit_value))
+        return tuple(out)
 
     def __post_init__(self):
         edit_fields = (self.edit_boundary, self.edit_mask, self.edit_value)

@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import Interventions
+from jaxdepth.sites import Intervention, InterventionsLike, apply_at, as_interventions, keep
 
 Params = dict[str, Any]
 
@@ -110,9 +110,11 @@ def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfi
     return apply_rotary(k.reshape(B, T, K, Dh), cos, sin), v.reshape(B, T, K, Dh)
 
 
-def attention(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
-              config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None) -> Float[Array, "B S D"]:
-    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights).
+def attention_heads(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
+                    config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None):
+    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights), up to
+    the heads' outputs: `(q [B,S,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], probs [B,H,S,T],
+    heads [B,S,H,Dh])`, keys and values including the prefix.
 
     `prefix = (keys, values)`, each `[B, P, K, Dh]`, are the keys and values of P positions
     before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
@@ -127,17 +129,28 @@ def attention(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
     # Group query heads by the kv head they read: head h = kv * G + g.
-    q = q.reshape(B, S, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    grouped = q.reshape(B, S, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H * Dh)
-    return out @ p["o"]
+    heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
+    return q, k, v, weights.reshape(B, H, S, -1), heads
+
+
+def attention(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
+              config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None) -> Float[Array, "B S D"]:
+    """The attention output a (after o_proj) of one layer; `prefix` as in `attention_heads`."""
+    heads = attention_heads(p, x, cos, sin, mask, config, prefix)[-1]
+    return heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
+
+
+def mlp_hidden(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
+    return jax.nn.silu(x @ p["gate"]) * (x @ p["up"])
 
 
 def mlp(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    return mlp_hidden(p, x) @ p["down"]
 
 
 def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B S T"]:
@@ -153,44 +166,70 @@ def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerRecord:
-    """What a tap sees of layer `index`: its input `h` (= h_l), sublayer outputs after the
-    keep-masks (`attn` = a_l, `mlp` = m_l) and its output `out` (= h_{l+1})."""
+    """What a tap sees of layer `index`, every site after its interventions (`jaxdepth.sites`):
+    its input `h` (= h_l, site `resid_pre`), the queries `q` `[B,S,H,Dh]`, keys and values `k`,
+    `v` `[B,T,K,Dh]` (rotated; with a prefix, T = P + S), attention probabilities `attn_probs`
+    `[B,H,S,T]`, the heads' outputs `head_out` `[B,S,H,Dh]`, the sublayer outputs `attn` (= a_l)
+    and `mlp` (= m_l), the MLP's `mlp_hidden` `[B,S,F]`, and its output `out` (= h_{l+1}).
+    Only what a tap reads is kept: XLA drops the rest."""
 
     index: Int[Array, ""]
     h: Float[Array, "B T D"]
     attn: Float[Array, "B T D"]
     mlp: Float[Array, "B T D"]
     out: Float[Array, "B T D"]
+    q: Optional[Array] = None
+    k: Optional[Array] = None
+    v: Optional[Array] = None
+    attn_probs: Optional[Array] = None
+    head_out: Optional[Array] = None
+    mlp_hidden: Optional[Array] = None
 
     @property
     def delta(self) -> Float[Array, "B T D"]:
         """The layer's contribution to the residual, h_{l+1} - h_l."""
         return self.out - self.h
 
+    # The site names of `jaxdepth.sites`, for taps written with them.
+    resid_pre = property(lambda self: self.h)
+    attn_out = property(lambda self: self.attn)
+    mlp_out = property(lambda self: self.mlp)
+    resid_post = property(lambda self: self.out)
+
 
 Tap = Callable[[LayerRecord, Any], Any]
 
 
-def _keep(x, keep):
-    return x if keep is None else x * keep[..., None].astype(x.dtype)
+def layer_step(p: Params, h: Float[Array, "B S D"], index, context, config: ModelConfig,
+               interventions: tuple[Intervention, ...] = (), prefix=None) -> LayerRecord:
+    """One pre-norm decoder layer (`p` holds its weights) with every intervention at its site:
+    `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + a + m`. The one layer body of every
+    driver (the scanned stack, suffix runs, the gradient path).
 
-
-def _edit(h, boundary, iv: Interventions):
-    if iv.edit_boundary is None:
-        return h
-    hit = (iv.edit_boundary == boundary) & (iv.edit_mask > 0)
-    return jnp.where(hit[..., None], jnp.broadcast_to(iv.edit_value, h.shape).astype(h.dtype), h)
+    `context = (cos, sin, mask)` from `layer_context`; `index` the (traced) layer index;
+    `prefix` the keys and values of earlier positions, as in `attention_heads`."""
+    eps = config.rms_norm_eps
+    cos, sin, mask = context
+    at = lambda site, value: apply_at(site, value, index, interventions)
+    h = at("resid_pre", h)
+    q, k, v, probs, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix)
+    heads = at("head_out", heads)
+    a = at("attn_out", heads.reshape(heads.shape[:2] + (-1,)) @ p["o"])
+    hidden = at("mlp_hidden", mlp_hidden(p, rms_norm(h + a, p["mlp_norm"], eps)))
+    m = at("mlp_out", hidden @ p["down"])
+    out = at("resid_post", h + at("delta", a + m))
+    return LayerRecord(index=index, h=h, attn=a, mlp=m, out=out, q=q, k=k, v=v, attn_probs=probs,
+                       head_out=heads, mlp_hidden=hidden)
 
 
 def decoder_layer(p: Params, h: Float[Array, "B T D"], cos, sin, mask, config: ModelConfig, *,
                   keep_layer=None, keep_attn=None, keep_mlp=None, prefix=None):
-    """One pre-norm layer (`p` holds its weights): returns `(a, m, out)` with the keep-masks
-    applied: `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + keep_layer * (a + m)`.
-    `prefix`: the keys and values of earlier positions, as in `attention`."""
-    eps = config.rms_norm_eps
-    a = _keep(attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix), keep_attn)
-    m = _keep(mlp(p, rms_norm(h + a, p["mlp_norm"], eps)), keep_mlp)
-    return a, m, h + _keep(a + m, keep_layer)
+    """One layer with keep-masks of this layer (`[T]` / `[B, T]`, or None): `(a, m, out)`.
+    A shorthand over `layer_step` for code that skips sublayers by hand."""
+    masks = {"delta": keep_layer, "attn_out": keep_attn, "mlp_out": keep_mlp}
+    ivs = tuple(keep(site, mask[None]) for site, mask in masks.items() if mask is not None)
+    r = layer_step(p, h, 0, (cos, sin, mask), config, ivs, prefix)
+    return r.attn, r.mlp, r.out
 
 
 def layer_context(h, valid, config, offset: int = 0):
@@ -211,11 +250,18 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
     return jax.vmap(kv)(params["layers"], hs[:-1])
 
 
+def _final_residual(h_last, config: ModelConfig, interventions):
+    """Boundary L, the final norm's input: `resid_pre` interventions with layer index L act here."""
+    return apply_at("resid_pre", h_last, config.num_layers, interventions)
+
+
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
                valid: Optional[Bool[Array, "B T"]] = None,
-               interventions: Optional[Interventions] = None,
+               interventions: InterventionsLike = None,
                tap: Optional[Tap] = None, tap_inputs: Any = None, remat: bool = False):
-    """Run every decoder layer on the residual `h0`, applying `interventions`.
+    """Run every decoder layer on the residual `h0` (one `lax.scan` over `layer_step`),
+    applying `interventions`: an `Interventions` bundle, a site `Intervention`
+    (`jaxdepth.sites`), or a sequence of them.
 
     `tap(record, x)` is called inside the scan for every layer with that layer's `LayerRecord`
     and the layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its
@@ -227,26 +273,22 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
 
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
-    iv = interventions if interventions is not None else Interventions()
-    cos, sin, mask = layer_context(h0, valid, config)
+    ivs = as_interventions(interventions)
+    context = layer_context(h0, valid, config)
 
     def layer(h, xs):
-        p, index, keep_layer, keep_attn, keep_mlp, tap_x = xs
-        h = _edit(h, index, iv)
-        a, m, out = decoder_layer(p, h, cos, sin, mask, config, keep_layer=keep_layer,
-                                  keep_attn=keep_attn, keep_mlp=keep_mlp)
-        tapped = None if tap is None else tap(LayerRecord(index=index, h=h, attn=a, mlp=m, out=out), tap_x)
-        return out, tapped
+        p, index, tap_x = xs
+        record = layer_step(p, h, index, context, config, ivs)
+        return record.out, None if tap is None else tap(record, tap_x)
 
-    xs = (params["layers"], jnp.arange(config.num_layers), iv.keep_layer, iv.keep_attn,
-          iv.keep_mlp, tap_inputs)
+    xs = (params["layers"], jnp.arange(config.num_layers), tap_inputs)
     h_last, taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, h0, xs)
-    return _edit(h_last, config.num_layers, iv), taps
+    return _final_residual(h_last, config, ivs), taps
 
 
 def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, config: ModelConfig, *,
                     valid: Optional[Bool[Array, "B T"]] = None,
-                    interventions: Optional[Interventions] = None,
+                    interventions: InterventionsLike = None,
                     tap: Optional[Tap] = None, tap_inputs: Any = None,
                     prefix: Optional[tuple[Array, Array]] = None):
     """`run_layers` from boundary `start` on: `h_start` is h_start, layers start..L-1 run.
@@ -263,26 +305,20 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
     nothing before position P (causal attention), and it saves the prefix's queries, MLPs and
     outputs. `valid` then covers all T positions; intervention masks cover the S suffix rows.
     """
-    iv = interventions if interventions is not None else Interventions()
+    ivs = as_interventions(interventions)
     offset = 0 if prefix is None else prefix[0].shape[2]
-    cos, sin, mask = layer_context(h_start, valid, config, offset)
-    at = lambda tree, i: jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
-    keeps = (iv.keep_layer, iv.keep_attn, iv.keep_mlp)
+    context = layer_context(h_start, valid, config, offset)
 
     def record(i, h):
-        h = _edit(h, i, iv)
-        keep_layer, keep_attn, keep_mlp = at(keeps, i)
-        a, m, out = decoder_layer(at(params["layers"], i), h, cos, sin, mask, config, keep_layer=keep_layer,
-                                  keep_attn=keep_attn, keep_mlp=keep_mlp,
-                                  prefix=None if prefix is None else at(prefix, i))
-        return LayerRecord(index=i, h=h, attn=a, mlp=m, out=out)
+        return layer_step(layer_params(params, i), h, i, context, config, ivs,
+                          None if prefix is None else _index(prefix, i))
 
     if tap is None:
         h_last = jax.lax.fori_loop(start, config.num_layers, lambda i, h: record(i, h).out, h_start)
-        return _edit(h_last, config.num_layers, iv), None
+        return _final_residual(h_last, config, ivs), None
 
     def tapped(i, r):
-        return tap(r, None if tap_inputs is None else at(tap_inputs, i))
+        return tap(r, None if tap_inputs is None else _index(tap_inputs, i))
 
     shapes = jax.eval_shape(lambda h: tapped(0, record(0, h)), h_start)
     buffers = jax.tree.map(lambda s: jnp.zeros((config.num_layers,) + s.shape, s.dtype), shapes)
@@ -293,7 +329,17 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
         return r.out, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
 
     h_last, taps = jax.lax.fori_loop(start, config.num_layers, body, (h_start, buffers))
-    return _edit(h_last, config.num_layers, iv), taps
+    return _final_residual(h_last, config, ivs), taps
+
+
+def _index(tree, i):
+    """Row `i` (traced) of every leaf's leading axis."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
+
+
+def layer_params(params: Params, i) -> Params:
+    """The weights of layer `i` (traced or not) from the layer-stacked params."""
+    return _index(params["layers"], i)
 
 
 def embed(params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -310,7 +356,7 @@ def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Flo
 
 def forward(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
             valid: Optional[Bool[Array, "B T"]] = None,
-            interventions: Optional[Interventions] = None) -> Float[Array, "B T V"]:
+            interventions: InterventionsLike = None) -> Float[Array, "B T V"]:
     """Logits of the model on `tokens`, under `interventions` (none by default)."""
     h, _ = run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions)
     return unembed(params, h, config)

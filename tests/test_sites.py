@@ -1,0 +1,220 @@
+"""Open intervention sites: a user-defined intervention, head ablation, steering, activation
+patching and taps of every site equal an unscanned hand-written reference; stacks vmap; new
+values never recompile; integrated gradients run under interventions."""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdepth import sites
+from jaxdepth.config import ModelConfig
+from jaxdepth.integrated_gradients import ig_of_prompt, quadrature
+from jaxdepth.interventions import skip_layer
+from jaxdepth.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
+                            residual_stream, rms_norm, rotary_tables, run_layers, unembed)
+
+TOL = 1e-5
+B, T = 2, 10
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+L, H, Dh = CONFIG.num_layers, CONFIG.num_heads, CONFIG.head_dim
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+    params = random_params(CONFIG, 3, scale=0.2)
+    rng = np.random.default_rng(1)
+    clean = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (B, T)), jnp.int32)
+    corrupted = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (B, T)), jnp.int32)
+    return params, clean, corrupted
+
+
+@partial(jax.jit, static_argnames="edits")
+def reference(params, tokens, edits=()):
+    """Plain unscanned forward; `edits` maps (layer, site) -> a function of the value (hashable
+    tuple of pairs), applied where the layer computes that site."""
+    edits = dict(edits)
+    eps = CONFIG.rms_norm_eps
+    cos, sin = rotary_tables(T, Dh, CONFIG.rope_theta)
+    mask = attention_mask(jnp.ones((B, T), bool))
+    h = embed(params, tokens)
+    for l in range(L):
+        p = {name: w[l] for name, w in params["layers"].items()}
+        edit = lambda site, v: edits[(l, site)](v) if (l, site) in edits else v
+        h = edit("resid_pre", h)
+        heads = edit("head_out", attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)[-1])
+        a = edit("attn_out", heads.reshape(B, T, H * Dh) @ p["o"])
+        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(h + a, p["mlp_norm"], eps)))
+        m = edit("mlp_out", hidden @ p["down"])
+        h = edit("resid_post", h + edit("delta", a + m))
+    return unembed(params, h, CONFIG)
+
+
+@partial(jax.jit, static_argnames=())
+def run(params, tokens, interventions):
+    return forward(params, tokens, CONFIG, interventions=interventions)
+
+
+def assert_close(actual, expected, what=""):
+    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3e} > {TOL}"
+
+
+def assert_moved(actual, clean, what=""):
+    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(clean))))
+    assert diff > 100 * TOL, f"{what}: the intervention barely changed the logits ({diff:.3e})"
+
+
+# A kind of intervention the package does not have, written as a user would: scale the MLP's
+# hidden activations of one layer by a factor (both in `data`).
+def scale_hidden(value, layer, data):
+    return value * jnp.where(layer == data["layer"], data["factor"], 1.0)
+
+
+def test_user_defined_intervention_equals_the_reference():
+    params, tokens, _ = _setup()
+    iv = sites.Intervention("mlp_hidden", scale_hidden, {"layer": jnp.int32(1), "factor": jnp.float32(-2.0)})
+    ours = run(params, tokens, iv)
+    assert_close(ours, reference(params, tokens, (((1, "mlp_hidden"), lambda v: -2.0 * v),)), "scaled hidden")
+    assert_moved(ours, reference(params, tokens), "scaled hidden")
+
+
+def test_a_stack_vmaps_and_new_values_never_recompile():
+    params, tokens, _ = _setup()
+    traces = []
+
+    @jax.jit
+    def counted(params, tokens, iv):
+        traces.append(1)  # runs only while tracing
+        return forward(params, tokens, CONFIG, interventions=iv)
+
+    members = [(layer, factor) for layer in range(L) for factor in (0.0, 3.0)]
+    for layer, factor in members:
+        counted(params, tokens, sites.Intervention("mlp_hidden", scale_hidden,
+                                                   {"layer": jnp.int32(layer), "factor": jnp.float32(factor)}))
+    assert len(traces) == 1, f"traced {len(traces)} times for {len(members)} intervention values"
+    stack = sites.Intervention("mlp_hidden", scale_hidden, {"layer": jnp.array([m[0] for m in members], jnp.int32),
+                                                            "factor": jnp.array([m[1] for m in members], jnp.float32)})
+    batched = jax.jit(jax.vmap(lambda iv: forward(params, tokens, CONFIG, interventions=iv)))(stack)
+    for i, (layer, factor) in enumerate(members):
+        one = reference(params, tokens, (((layer, "mlp_hidden"), lambda v, f=factor: f * v),))
+        assert_close(batched[i], one, f"member {i}")
+
+
+def test_head_ablation_equals_zeroing_that_head():
+    params, tokens, _ = _setup()
+    heads = np.zeros((L, H), np.float32)
+    heads[2, 1] = heads[0, 3] = 1.0
+    ours = run(params, tokens, sites.ablate_heads(heads, head_dim=Dh))
+    zero = lambda h: lambda v: v.at[:, :, h].set(0.0)
+    expected = reference(params, tokens, (((0, "head_out"), zero(3)), ((2, "head_out"), zero(1))))
+    assert_close(ours, expected, "zero ablation")
+    assert_moved(ours, reference(params, tokens), "zero ablation")
+    means = jax.random.normal(jax.random.key(0), (L, H, Dh))
+    ours = run(params, tokens, sites.ablate_heads(heads, means))
+    mean = lambda l, h: lambda v: v.at[:, :, h].set(means[l, h])
+    assert_close(ours, reference(params, tokens, (((0, "head_out"), mean(0, 3)), ((2, "head_out"), mean(2, 1)))),
+                 "mean ablation")
+
+
+def test_several_layers_and_sites_in_one_forward():
+    params, tokens, _ = _setup()
+    vector = jax.random.normal(jax.random.key(1), (CONFIG.hidden_size,))
+    positions = np.zeros(T, np.float32)
+    positions[[2, 5]] = 1.0
+    ivs = [sites.add("resid_pre", 0, vector, positions), sites.add("resid_pre", 2, -vector, positions),
+           sites.keep("attn_out", np.stack([np.ones(T), 1 - positions, np.ones(T)]).astype(np.float32))]
+    steer = lambda s: lambda v: v + s * positions[None, :, None] * vector
+    expected = reference(params, tokens, (((0, "resid_pre"), steer(1.0)), ((2, "resid_pre"), steer(-1.0)),
+                                          ((1, "attn_out"), lambda v: v * (1 - positions)[None, :, None])))
+    assert_close(run(params, tokens, ivs), expected, "two boundaries and a sublayer")
+
+
+def test_activation_patching_of_every_layer_and_head_in_one_vmapped_call():
+    params, clean, corrupted = _setup()
+    _, cached = run_layers(params, embed(params, corrupted), CONFIG, tap=lambda r, _: r.head_out)
+    assert cached.shape == (L, B, T, H, Dh)
+    pairs = [(l, h) for l in range(L) for h in range(H)]
+    where = np.zeros((len(pairs), L, 1, 1, H, 1), bool)
+    for i, (l, h) in enumerate(pairs):
+        where[i, l, :, :, h] = True
+    patched = jax.jit(jax.vmap(lambda w: forward(params, clean, CONFIG,
+                                                 interventions=sites.patch("head_out", cached, w))))(where)
+    for i, (l, h) in enumerate(pairs):
+        expected = reference(params, clean, (((l, "head_out"), lambda v, l=l, h=h: v.at[:, :, h].set(cached[l, :, :, h])),))
+        assert_close(patched[i], expected, f"patched layer {l} head {h}")
+    assert_moved(patched[0], reference(params, clean), "patching")
+
+
+def test_taps_read_every_site():
+    params, tokens, _ = _setup()
+    _, t = run_layers(params, embed(params, tokens), CONFIG, tap=lambda r, _: {
+        "q": r.q, "k": r.k, "v": r.v, "probs": r.attn_probs, "heads": r.head_out, "hidden": r.mlp_hidden,
+        "mlp_out": r.mlp_out, "attn_out": r.attn_out, "pre": r.resid_pre, "post": r.resid_post})
+    assert t["q"].shape == (L, B, T, H, Dh) and t["k"].shape == t["v"].shape == (L, B, T, CONFIG.num_kv_heads, Dh)
+    probs = np.asarray(t["probs"])
+    assert probs.shape == (L, B, H, T, T)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+    assert np.all(probs[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)  # causal: exact zeros
+    # The pieces recompose the sublayer outputs and the residual update.
+    for l in range(L):
+        p = {name: w[l] for name, w in params["layers"].items()}
+        assert_close(t["hidden"][l] @ p["down"], t["mlp_out"][l], f"mlp_hidden of layer {l}")
+        assert_close(t["heads"][l].reshape(B, T, -1) @ p["o"], t["attn_out"][l], f"head_out of layer {l}")
+        # a head's output is its attention over the values of its kv head
+        group = H // CONFIG.num_kv_heads
+        for h in range(H):
+            assert_close(jnp.einsum("bts,bsd->btd", t["probs"][l, :, h], t["v"][l, :, :, h // group]),
+                         t["heads"][l, :, :, h], f"layer {l} head {h}")
+    assert_close(t["post"], t["pre"] + t["attn_out"] + t["mlp_out"], "resid_post")
+
+
+def test_integrated_gradients_under_an_intervention_equal_a_hand_computation():
+    """IG of layer l while layer s < l is skipped everywhere, against jax.grad of the full
+    forward with the same skip and h_{l+1} written by hand."""
+    params, tokens, _ = _setup()
+    tokens, valid = tokens[:1], jnp.ones((1, T), bool)
+    s, l, steps = 0, 1, 4
+    skip = skip_layer(L, s, np.r_[0.0, np.ones(T - 1)].astype(np.float32))
+    answer_positions, answer_real = jnp.arange(5, T - 1), jnp.ones(T - 6, bool)
+    alphas, weights = quadrature("left", steps)
+    ours, f_x, f_b = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
+                                  jnp.asarray(weights, jnp.float32), CONFIG, interventions=skip)
+
+    targets = tokens[0, answer_positions + 1]
+
+    def F(x):  # the objective with h_{l+1} = x, layer s skipped
+        def write(value, layer, data):
+            return jnp.where(layer == l + 1, data, value)
+        logits = forward(params, tokens, CONFIG, interventions=[skip, sites.Intervention("resid_pre", write, x[None])])
+        probs = jax.nn.softmax(logits[0, answer_positions], axis=-1)
+        return jnp.sum(probs[jnp.arange(len(answer_positions)), targets])
+
+    x = residual_stream(params, tokens, CONFIG, interventions=skip)[l + 1, 0]
+    b = jnp.broadcast_to(x.mean(axis=0, keepdims=True), x.shape)
+    grads = [jax.grad(F)(b + a * (x - b)) for a in alphas]
+    expected = sum(w * jnp.sum((x - b) * g, axis=-1) for w, g in zip(weights, grads))
+    assert_close(ours[l], expected, "IG of layer l under the skip")
+    assert_close(f_x, F(x), "F(x)")
+    assert_close(f_b[l], F(b), "F(b)")
+    clean, _, _ = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
+                               jnp.asarray(weights, jnp.float32), CONFIG)
+    assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 100 * TOL, "the skip did not change the attributions"
+
+
+def test_unknown_site_is_refused():
+    with pytest.raises(ValueError, match="unknown intervention site 'mlp_in'"):
+        sites.Intervention("mlp_in", scale_hidden, {})
