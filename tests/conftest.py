@@ -43,6 +43,19 @@ def shared_data() -> Callable[[str], str]:
     return shared_data_path
 
 
+def assert_close(actual, expected, what: str = "", tol: float = 1e-5):
+    """Max |actual - expected| <= tol, with the difference in the message."""
+    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
+    assert diff <= tol, f"{what}: max abs diff {diff:.3e} > {tol}"
+
+
+def assert_moved(actual, clean, what: str = "", tol: float = 1e-5):
+    """An intervention that cannot change the output would make its test vacuous: the change
+    must exceed 100 x the tolerance the test checks equality with."""
+    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(clean))))
+    assert diff > 100 * tol, f"{what}: the intervention barely changed the logits ({diff:.3e})"
+
+
 # Tiny architectures covering what the converter and the forward must get right: Qwen2 (q/k/v
 # biases) tied and untied, grouped-query and multi-head attention, Llama (no biases) with a
 # non-default RMSNorm epsilon. Every variant has a non-default rope_theta.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_close, assert_moved
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import Interventions, replace_residual, skip_layer
 from jaxdepth.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
@@ -137,17 +138,6 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
     h = boundary(h, L)
     hs.append(h)
     return unembed(params, h, config), hs, sub
-
-
-def assert_close(actual, expected, what=""):
-    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
-    assert diff <= TOL, f"{what}: max abs diff {diff:.3e} > {TOL}"
-
-
-def assert_moved(actual, clean, what=""):
-    """An intervention that cannot change the output would make its test vacuous."""
-    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(clean))))
-    assert diff > 100 * TOL, f"{what}: the intervention barely changed the logits ({diff:.3e})"
 
 
 # ----------------------------------------------------------------------------- tests

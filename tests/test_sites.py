@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_close, assert_moved
 from jaxdepth import sites
 from jaxdepth.config import ModelConfig
 from jaxdepth.integrated_gradients import ig_of_prompt, quadrature
@@ -66,16 +67,6 @@ def reference(params, tokens, edits=()):
 @partial(jax.jit, static_argnames=())
 def run(params, tokens, interventions):
     return forward(params, tokens, CONFIG, interventions=interventions)
-
-
-def assert_close(actual, expected, what=""):
-    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
-    assert diff <= TOL, f"{what}: max abs diff {diff:.3e} > {TOL}"
-
-
-def assert_moved(actual, clean, what=""):
-    diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(clean))))
-    assert diff > 100 * TOL, f"{what}: the intervention barely changed the logits ({diff:.3e})"
 
 
 # A kind of intervention the package does not have, written as a user would: scale the MLP's
