@@ -142,7 +142,7 @@ def _run(args) -> int:
     if any(ANALYSES[a].feeds_table for a in analyses):
         from jaxdepth.table import collect, to_markdown, write_table
 
-        rows = collect([args.out])
+        rows = collect([args.out], resamples=args.bootstrap)
         print(to_markdown(rows), end="")
         write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
@@ -152,7 +152,7 @@ def _run(args) -> int:
 def _table(args) -> int:
     from jaxdepth.table import collect, to_markdown, write_table
 
-    rows = collect(args.results)
+    rows = collect(args.results, resamples=args.bootstrap)
     print(to_markdown(rows), end="")
     md, csv_path = write_table(rows, args.out)
     print(f"wrote {md} and {csv_path}")
@@ -163,6 +163,12 @@ def _analysis_names() -> list[str]:
     from jaxdepth.registry import ANALYSES
 
     return list(ANALYSES)
+
+
+def _bootstrap_argument(parser):
+    parser.add_argument("--bootstrap", type=int, default=1000, metavar="N",
+                        help="bootstrap resamples of the prompts for the effective depths' 95%% intervals in the "
+                             "table (seeded; default 1000; 0: bare integers, no intervals)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
     run.add_argument("--ig-steps", type=int, default=256)
     run.add_argument("--out", default="results")
+    _bootstrap_argument(run)
     run.add_argument("--no-figures", action="store_true", help="save results only")
     run.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 2x4 (default: one device)")
     run.add_argument("--distributed", action="store_true",
@@ -206,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")
     table.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")
     table.add_argument("--out", default="effective_depth_table", help="output prefix for .md and .csv")
+    _bootstrap_argument(table)
     table.set_defaults(func=_table)
     return parser
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import LayerRecord, embed, run_layers
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import cosine, relative_norm, token_mean
+from jaxdepth.stats import cosine, per_prompt_mean, relative_norm, token_mean
 
 # Order of the statistics on the last axis of `per_token`.
 STATISTICS = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
@@ -38,7 +39,13 @@ def contribution_stats(params, tokens, valid, config: ModelConfig):
 
 @dataclasses.dataclass
 class ContributionResult(SavedResult):
-    """Per-layer curves `[L]`: the mean over every valid token of every prompt."""
+    """Per-layer curves `[L]`: the mean over every valid token of every prompt.
+
+    `<statistic>_per_prompt [N, L]` hold each prompt's mean over its own valid tokens and
+    `tokens_per_prompt [N]` its number of valid tokens, so the curves are the token-weighted
+    mean of the per-prompt curves (what a bootstrap over prompts re-aggregates). Results saved
+    before per-prompt curves existed load with them None.
+    """
 
     norm_attn: np.ndarray
     norm_mlp: np.ndarray
@@ -48,15 +55,30 @@ class ContributionResult(SavedResult):
     cos_layer: np.ndarray
     num_tokens: int
     settings: dict
+    norm_attn_per_prompt: Optional[np.ndarray] = None
+    norm_mlp_per_prompt: Optional[np.ndarray] = None
+    norm_layer_per_prompt: Optional[np.ndarray] = None
+    cos_attn_per_prompt: Optional[np.ndarray] = None
+    cos_mlp_per_prompt: Optional[np.ndarray] = None
+    cos_layer_per_prompt: Optional[np.ndarray] = None
+    tokens_per_prompt: Optional[np.ndarray] = None
 
     @property
     def mean_cosine(self) -> np.ndarray:
         """The average of the three cosine curves (what cosine effective depth reads)."""
         return (self.cos_attn + self.cos_mlp + self.cos_layer) / 3
 
+    @property
+    def mean_cosine_per_prompt(self) -> Optional[np.ndarray]:
+        """`[N, L]`: each prompt's average of its three cosine curves; None without per-prompt curves."""
+        if self.cos_layer_per_prompt is None:
+            return None
+        return (self.cos_attn_per_prompt + self.cos_mlp_per_prompt + self.cos_layer_per_prompt) / 3
+
 
 def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None) -> ContributionResult:
-    """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer."""
+    """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer, over all
+    prompts and per prompt."""
     # One prompt at a time, trimmed to its own length bucket: a padded batch would spend a third
     # of its work on padding when prompt lengths differ as much as GSM8K's.
     L, T = config.num_layers, batch.tokens.shape[1]
@@ -66,6 +88,11 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
         Ti = one.tokens.shape[1]
         stats[:, i, :Ti] = np.asarray(contribution_stats(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
                                                          config))[:, 0]
-    curves = token_mean(np.moveaxis(stats, -1, 0), batch.valid)  # [6, L]
+    values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
+    curves = token_mean(values, batch.valid)  # [6, L]
+    # Per-prompt means from the same per-token statistics (no second pass through the model).
+    per_prompt = np.swapaxes(per_prompt_mean(values, batch.valid), -1, -2)  # [6, N, L]
     return ContributionResult(**dict(zip(STATISTICS, curves)), num_tokens=int(batch.valid.sum()),
-                              settings=dict(settings or {}))
+                              settings=dict(settings or {}),
+                              **{f"{name}_per_prompt": c for name, c in zip(STATISTICS, per_prompt)},
+                              tokens_per_prompt=batch.lengths.astype(np.int64))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
 from jaxdepth.model import residual_stream, unembed
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import prompt_mean, token_mean
+from jaxdepth.stats import per_prompt_mean, prompt_mean, token_mean
 
 TOP_K = 5
 
@@ -44,17 +45,27 @@ def lens_per_token(params, tokens, valid, config: ModelConfig):
 
 @dataclasses.dataclass
 class LogitLensResult(SavedResult):
-    """Curves `[L]` for l = 0..L-1, aggregated as `settings['weighting']` says."""
+    """Curves `[L]` for l = 0..L-1, aggregated as `settings['weighting']` says.
+
+    `kl_per_prompt` and `overlap_per_prompt [N, L]` hold each prompt's mean over its own valid
+    positions and `tokens_per_prompt [N]` its number of valid positions: the curves are their
+    plain mean over prompts ('prompt' weighting) or their token-count-weighted mean ('token').
+    Results saved before per-prompt curves existed load with them None.
+    """
 
     kl: np.ndarray
     overlap: np.ndarray
     settings: dict
+    kl_per_prompt: Optional[np.ndarray] = None
+    overlap_per_prompt: Optional[np.ndarray] = None
+    tokens_per_prompt: Optional[np.ndarray] = None
 
 
 def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
                settings=None) -> LogitLensResult:
     """KL(P_l || P) and top-5 overlap per layer; `weighting` is 'prompt' (mean over positions,
-    then over prompts: the default) or 'token' (mean over all tokens)."""
+    then over prompts: the default) or 'token' (mean over all tokens). Per-prompt curves are
+    kept whichever the weighting."""
     aggregate = {"prompt": prompt_mean, "token": token_mean}
     if weighting not in aggregate:
         raise ValueError(f"weighting must be 'prompt' or 'token', got {weighting!r}")
@@ -68,5 +79,9 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
         Ti = one.tokens.shape[1]
         kl[:, i, :Ti], overlap[:, i, :Ti] = np.asarray(k)[:, 0], np.asarray(o)[:, 0]
     agg = aggregate[weighting]
+    # Per-prompt means from the same per-position statistics (no second pass through the model).
+    per_prompt = lambda x: per_prompt_mean(x, batch.valid).T  # [N, L]
     return LogitLensResult(kl=agg(kl, batch.valid), overlap=agg(overlap, batch.valid),
-                           settings={**(settings or {}), "weighting": weighting})
+                           settings={**(settings or {}), "weighting": weighting},
+                           kl_per_prompt=per_prompt(kl), overlap_per_prompt=per_prompt(overlap),
+                           tokens_per_prompt=batch.lengths.astype(np.int64))

@@ -16,6 +16,7 @@ import matplotlib
 import numpy as np
 from matplotlib import patheffects
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection
 from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
@@ -27,6 +28,8 @@ from jaxdepth.erasure import ErasureResult
 from jaxdepth.integrated_gradients import IntegratedGradientsResult
 from jaxdepth.layer_skip import LayerSkipResult
 from jaxdepth.logit_lens import LogitLensResult
+from jaxdepth.uncertainty import (DEFAULT_RESAMPLES, DEFAULT_SEED, CurveBand, DepthInterval, curve_bands,
+                                  effective_depth_intervals, has_per_prompt)
 
 DPI = 150
 MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th
@@ -68,10 +71,43 @@ def _depth(rule: Callable[..., EffectiveDepth], curve, *args) -> Optional[Effect
         return None
 
 
-def _depth_text(name: str, ed: Optional[EffectiveDepth]) -> str:
+def _depth_text(name: str, ed: Optional[EffectiveDepth], interval: Optional[DepthInterval] = None) -> str:
     if ed is None:
         return f"{name} ED: n/a"
-    return f"{name} ED: {ed.layer} (ratio {ed.ratio:.2f})" if ed.found else f"{name} ED: no crossing"
+    bounds = "" if interval is None else " [{}, {}]".format(*("none" if b is None else b
+                                                             for b in (interval.low, interval.high)))
+    return f"{name} ED: {ed.layer}{bounds} (ratio {ed.ratio:.2f})" if ed.found else f"{name} ED: no crossing{bounds}"
+
+
+def _bootstrap(result, resamples: int, seed: int, **thresholds):
+    """`(bands, intervals)` of a result with per-prompt curves when `resamples > 0`, else empty
+    dicts; empty too where a resampled curve is undefined (NaN): the figure is drawn anyway."""
+    if resamples <= 0 or not has_per_prompt(result):
+        return {}, {}
+    try:
+        return (curve_bands(result, resamples=resamples, seed=seed),
+                effective_depth_intervals(result, resamples=resamples, seed=seed, **thresholds))
+    except ValueError:
+        return {}, {}
+
+
+def _draw_band(ax, layers, band: Optional[CurveBand], color: str, label: bool = True):
+    """The bootstrap band of an aggregate curve, shaded; labelled once per panel."""
+    if band is not None:
+        ax.fill_between(layers, band.low, band.high, color=color, alpha=0.2, linewidth=0,
+                        label=f"{band.level:.0%} bootstrap band ({band.resamples} resamples)" if label else None)
+
+
+def _draw_per_prompt(ax, layers, per_prompt: Optional[np.ndarray], color: str):
+    """Each prompt's own curve, faint (fainter the more prompts), under the aggregate: the spread
+    that the mean curve hides. One collection, so a thousand prompts stay cheap to draw."""
+    if per_prompt is None:
+        return
+    segments = [np.column_stack([layers, c]) for c in np.asarray(per_prompt)]
+    ax.add_collection(LineCollection(segments, colors=color, linewidths=0.7, zorder=1,
+                                     alpha=float(np.clip(3.0 / len(segments), 0.08, 0.35)),
+                                     label=f"per prompt (N={len(segments)})"))
+    ax.autoscale_view()
 
 
 def _mark_depth(ax, ed: Optional[EffectiveDepth], label: str, color: str = "C3"):
@@ -180,26 +216,33 @@ def _token_heatmap(values: np.ndarray, labels: Sequence[str], *, row_label: str,
 
 # ----------------------------------------------------------------------------- figures
 
-def contributions_figure(result: ContributionResult, *, title: Optional[str] = None) -> Figure:
+def contributions_figure(result: ContributionResult, *, title: Optional[str] = None,
+                         resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Figure:
     """Cosine of the attention, MLP and layer outputs with the residual (and their mean, which the
     cosine effective depth reads) and their relative norms, per layer; the cosine ED is a vertical
-    line in both panels."""
+    line in both panels. Where the result has per-prompt curves, each prompt's mean cosine is a
+    faint line and, with `resamples > 0`, a shaded 95% bootstrap band over prompts (`seed` as in
+    `uncertainty`) surrounds the mean cosine and the norms, and the title gives the ED's interval."""
     _expect(result, ContributionResult, "contributions_figure")
     L = len(result.cos_layer)
     layers = np.arange(L)
     ed = _depth(cosine_effective_depth, result.mean_cosine)
+    bands, intervals = _bootstrap(result, resamples, seed)
     fig = _new_figure(11, 4.2)
     cos_ax, norm_ax = fig.subplots(1, 2, sharex=True)
-    for name in ("attn", "mlp", "layer"):
+    _draw_per_prompt(cos_ax, layers, result.mean_cosine_per_prompt, "0.5")
+    for i, name in enumerate(("attn", "mlp", "layer")):
         cos_ax.plot(layers, getattr(result, f"cos_{name}"), marker=".", label=name)
         norm_ax.plot(layers, getattr(result, f"norm_{name}"), marker=".", label=name)
+        _draw_band(norm_ax, layers, bands.get(f"norm_{name}"), f"C{i}", label=i == 0)
     cos_ax.plot(layers, result.mean_cosine, color="k", linestyle="--", label="mean")
+    _draw_band(cos_ax, layers, bands.get("mean_cosine"), "k")
     cos_ax.axhline(0, color="grey", linewidth=0.8)
     for ax in (cos_ax, norm_ax):
         _mark_depth(ax, ed, "cosine ED")
         _layer_axis(ax, L)
         ax.legend(fontsize=8)
-    cos_ax.set(ylabel="cosine with the residual", title=_depth_text("cosine", ed))
+    cos_ax.set(ylabel="cosine with the residual", title=_depth_text("cosine", ed, intervals.get("cosine")))
     norm_ax.set(ylabel="||contribution|| / ||residual||", title="relative norm")
     # The first layers' norms are often tens of times the rest: a log axis keeps both readable.
     norms = np.stack([result.norm_attn, result.norm_mlp, result.norm_layer])
@@ -210,26 +253,36 @@ def contributions_figure(result: ContributionResult, *, title: Optional[str] = N
 
 
 def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, overlap_threshold: float = 0.3,
-                      title: Optional[str] = None) -> Figure:
+                      title: Optional[str] = None, resamples: int = DEFAULT_RESAMPLES,
+                      seed: int = DEFAULT_SEED) -> Figure:
     """KL(P_l || P) and top-5 overlap with the final output per layer, with the thresholds of the
-    KL and overlap effective depths (horizontal) and the depths themselves (vertical)."""
+    KL and overlap effective depths (horizontal) and the depths themselves (vertical). Where the
+    result has per-prompt curves, each prompt's curves are faint lines and, with `resamples > 0`,
+    a shaded 95% bootstrap band over prompts (`seed` as in `uncertainty`) surrounds each curve,
+    and the titles give the EDs' intervals."""
     _expect(result, LogitLensResult, "logit_lens_figure")
     L = len(result.kl)
     layers = np.arange(L)
     kl_ed = _depth(kl_effective_depth, result.kl, kl_fraction)
     overlap_ed = _depth(overlap_effective_depth, result.overlap, overlap_threshold)
+    bands, intervals = _bootstrap(result, resamples, seed, kl_fraction=kl_fraction,
+                                  overlap_threshold=overlap_threshold)
     fig = _new_figure(11, 4.2)
     kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
+    _draw_per_prompt(kl_ax, layers, result.kl_per_prompt, "C0")
+    _draw_per_prompt(overlap_ax, layers, result.overlap_per_prompt, "C1")
     kl_ax.plot(layers, result.kl, marker=".", color="C0", label="KL")
+    _draw_band(kl_ax, layers, bands.get("kl"), "C0")
     kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color="grey", linestyle="--",
                   label=f"{kl_fraction:g} x max KL")
     _mark_depth(kl_ax, kl_ed, "KL ED")
     overlap_ax.plot(layers, result.overlap, marker=".", color="C1", label="top-5 overlap")
+    _draw_band(overlap_ax, layers, bands.get("overlap"), "C1")
     overlap_ax.axhline(overlap_threshold, color="grey", linestyle="--", label=f"threshold {overlap_threshold:g}")
     _mark_depth(overlap_ax, overlap_ed, "overlap ED")
     overlap_ax.set_ylim(-0.02, 1.02)
-    kl_ax.set(ylabel=_KL_LABEL, title=_depth_text("KL", kl_ed))
-    overlap_ax.set(ylabel="top-5 overlap with P", title=_depth_text("overlap", overlap_ed))
+    kl_ax.set(ylabel=_KL_LABEL, title=_depth_text("KL", kl_ed, intervals.get("kl")))
+    overlap_ax.set(ylabel="top-5 overlap with P", title=_depth_text("overlap", overlap_ed, intervals.get("overlap")))
     for ax in (kl_ax, overlap_ax):
         _layer_axis(ax, L)
         ax.legend(fontsize=8)

@@ -16,6 +16,9 @@ import numpy as np
 from jaxdepth.atomic import atomic_write
 
 _REGISTRY: dict[str, type] = {}
+# Part of every study result's cache identity: bumped when result types gain fields, so a rerun
+# recomputes results saved without them (per-prompt curves, since 2) instead of reusing them.
+RESULT_FORMAT = 2
 
 
 class SavedResult:

@@ -34,7 +34,11 @@ def token_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return np.sum(values * valid, axis=(-2, -1)) / np.sum(valid)
 
 
+def per_prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Mean over each prompt's valid positions: `values [..., B, T]` -> `[..., B]`."""
+    return np.sum(values * valid, axis=-1) / np.sum(valid, axis=-1)
+
+
 def prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """Mean over positions within each prompt, then over prompts."""
-    per_prompt = np.sum(values * valid, axis=-1) / np.sum(valid, axis=-1)
-    return per_prompt.mean(axis=-1)
+    return per_prompt_mean(values, valid).mean(axis=-1)

@@ -19,7 +19,7 @@ import numpy as np
 from jaxdepth.batch import PromptBatch
 from jaxdepth.loading import Model
 from jaxdepth.registry import ANALYSES, RunInputs, analysis
-from jaxdepth.results import load_result
+from jaxdepth.results import RESULT_FORMAT, load_result
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudySettings:
@@ -78,7 +78,7 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     folder = result_folder(out_dir, model_name, dataset)
     common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
-              "prompt_tokens_sha": _batch_digest(batch)}
+              "prompt_tokens_sha": _batch_digest(batch), "result_format": RESULT_FORMAT}
     baseline_sha = None if baseline_batch is None else _batch_digest(baseline_batch)
     results = {}
     for entry in entries:

@@ -1,5 +1,6 @@
 """Table 1 of the second study from saved results: effective depth and ratio by method x
-dataset x model. Nothing is recomputed: the curves are read from the result files."""
+dataset x model, with a bootstrap interval over prompts where the results carry per-prompt
+curves. Nothing is recomputed on the model: the curves are read from the result files."""
 
 from __future__ import annotations
 
@@ -9,15 +10,29 @@ import os
 from typing import Iterable
 
 from jaxdepth import effective_depth as ed
+from jaxdepth import uncertainty
 from jaxdepth.atomic import atomic_write
 from jaxdepth.results import load_result
 
 METHODS = ("cosine", "kl", "overlap")
+COLUMNS = ("model", "dataset", "method", "layers", "ed", "ratio", "ed_low", "ed_high")
+PER_PROMPT_COLUMNS = ("model", "dataset", "method", "prompt", "ed")
+PER_PROMPT_SUFFIX = "_per_prompt.csv"  # `write_table` writes `<out_prefix>_per_prompt.csv`
+LEVEL = uncertainty.DEFAULT_LEVEL
 
 
-def collect(roots: Iterable[str]) -> list[dict]:
+def collect(roots: Iterable[str], *, resamples: int = uncertainty.DEFAULT_RESAMPLES,
+            seed: int = uncertainty.DEFAULT_SEED) -> list[dict]:
     """One row per (model, dataset, method) for every `<model>/<dataset>/` folder under `roots`
-    (a root may also be a model folder or a dataset folder itself)."""
+    (a root may also be a model folder or a dataset folder itself).
+
+    Where a result carries per-prompt curves and `resamples > 0`, the row also holds the 95%
+    bootstrap interval over prompts (`ed_low`, `ed_high`; `resamples` and `seed` as in
+    `uncertainty.effective_depth_intervals`); `resamples=0`, or a result saved without
+    per-prompt curves, leaves the row without one (`resamples` 0). `per_prompt` holds each
+    prompt's own effective depth where the curves allow (else None)."""
+    if resamples < 0:
+        raise ValueError(f"resamples must be >= 0 (0: no bootstrap), got {resamples}")
     rows = []
     for root in roots:
         if not os.path.isdir(root):
@@ -27,61 +42,112 @@ def collect(roots: Iterable[str]) -> list[dict]:
             if "contributions.npz" not in files and "logit_lens.npz" not in files:
                 continue
             found = True
-            rows.extend(_rows_for(folder, files))
+            rows.extend(_rows_for(folder, files, resamples, seed))
         if not found:
             raise FileNotFoundError(f"no contributions.npz or logit_lens.npz under {root}")
     return rows
 
 
-def _rows_for(folder: str, files) -> list[dict]:
-    depths, identity = {}, {}
-    if "contributions.npz" in files:
-        r = load_result(os.path.join(folder, "contributions.npz"))
-        depths["cosine"] = ed.cosine_effective_depth(r.mean_cosine)
-        identity = r.settings.get("identity", {})
-    if "logit_lens.npz" in files:
-        r = load_result(os.path.join(folder, "logit_lens.npz"))
-        depths["kl"] = ed.kl_effective_depth(r.kl)
-        depths["overlap"] = ed.overlap_effective_depth(r.overlap)
+def _rows_for(folder: str, files, resamples: int, seed: int) -> list[dict]:
+    depths, intervals, per_prompt, identity = {}, {}, {}, {}
+    for name in ("contributions.npz", "logit_lens.npz"):
+        if name not in files:
+            continue
+        r = load_result(os.path.join(folder, name))
+        if name == "contributions.npz":
+            depths["cosine"] = ed.cosine_effective_depth(r.mean_cosine)
+        else:
+            depths["kl"] = ed.kl_effective_depth(r.kl)
+            depths["overlap"] = ed.overlap_effective_depth(r.overlap)
+        if uncertainty.has_per_prompt(r):
+            per_prompt.update(uncertainty.per_prompt_depths(r))
+            if resamples > 0:
+                intervals.update(uncertainty.effective_depth_intervals(r, resamples=resamples, seed=seed, level=LEVEL))
         identity = identity or r.settings.get("identity", {})
     model = identity.get("model", os.path.basename(os.path.dirname(folder)))
     dataset = identity.get("dataset", os.path.basename(folder))
-    return [{"model": model, "dataset": dataset, "method": m, "layers": d.num_layers,
-             "ed": d.layer, "ratio": None if d.ratio is None else round(d.ratio, 4)}
-            for m, d in depths.items()]
+    rows = []
+    for m, d in depths.items():
+        interval = intervals.get(m)
+        rows.append({"model": model, "dataset": dataset, "method": m, "layers": d.num_layers,
+                     "ed": d.layer, "ratio": None if d.ratio is None else round(d.ratio, 4),
+                     "ed_low": None if interval is None else interval.low,
+                     "ed_high": None if interval is None else interval.high,
+                     "resamples": 0 if interval is None else interval.resamples,
+                     "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]]})
+    return rows
 
 
-def to_csv(rows: list[dict]) -> str:
+def per_prompt_rows(roots: Iterable[str]) -> list[dict]:
+    """One row per (model, dataset, method, prompt): each prompt's own effective depth (None
+    where its curve does not cross), for results that carry per-prompt curves."""
+    return _per_prompt_rows(collect(roots, resamples=0))
+
+
+def _per_prompt_rows(rows: list[dict]) -> list[dict]:
+    return [{"model": r["model"], "dataset": r["dataset"], "method": r["method"], "prompt": i, "ed": layer}
+            for r in rows if r.get("per_prompt") is not None for i, layer in enumerate(r["per_prompt"])]
+
+
+def _csv(rows: list[dict], columns) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=["model", "dataset", "method", "layers", "ed", "ratio"])
+    writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: ("none" if v is None else v) for k, v in row.items()})
     return out.getvalue()
 
 
+def to_csv(rows: list[dict]) -> str:
+    """The rows as CSV; `ed_low` and `ed_high` are empty where no interval was computed and
+    'none' where a bound falls on resamples with no crossing."""
+    bare = lambda r: not r.get("resamples")
+    return _csv([{**r, "ed_low": "", "ed_high": ""} if bare(r) else r for r in rows], COLUMNS)
+
+
+def per_prompt_csv(rows: list[dict]) -> str:
+    """Rows of `per_prompt_rows` as CSV ('none' where a prompt's curve does not cross)."""
+    return _csv(rows, PER_PROMPT_COLUMNS)
+
+
+def _cell(r) -> str:
+    if r is None:
+        return "-"
+    text = "none" if r["ed"] is None else str(r["ed"])
+    if r.get("resamples"):
+        bound = lambda b: "none" if b is None else str(b)
+        text += f" [{bound(r['ed_low'])}, {bound(r['ed_high'])}]"
+    return text if r["ed"] is None else f"{text} ({r['ratio']:.2f})"
+
+
 def to_markdown(rows: list[dict]) -> str:
-    """Rows (model, dataset), columns 'ED (ratio)' per method; 'none' where nothing crosses."""
+    """Rows (model, dataset), columns 'ED (ratio)' per method; 'none' where nothing crosses.
+    Rows with a bootstrap interval read 'ED [low, high] (ratio)', the interval at 95% over
+    prompts, and a note below the table says how it was drawn."""
     cells = {(r["model"], r["dataset"], r["method"]): r for r in rows}
     keys = sorted({(r["model"], r["dataset"]) for r in rows})
-    lines = ["| model | dataset | L | cosine ED (ratio) | KL ED (ratio) | overlap ED (ratio) |",
+    resamples = max((r.get("resamples", 0) for r in rows), default=0)
+    what = f"ED [{LEVEL:.0%}] (ratio)" if resamples else "ED (ratio)"
+    lines = [f"| model | dataset | L | cosine {what} | KL {what} | overlap {what} |",
              "|---|---|---|---|---|---|"]
     for model, dataset in keys:
         layers = next(r["layers"] for r in rows if (r["model"], r["dataset"]) == (model, dataset))
-        entries = []
-        for method in METHODS:
-            r = cells.get((model, dataset, method))
-            entries.append("-" if r is None else "none" if r["ed"] is None else f"{r['ed']} ({r['ratio']:.2f})")
+        entries = [_cell(cells.get((model, dataset, method))) for method in METHODS]
         lines.append(f"| {model} | {dataset} | {layers} | " + " | ".join(entries) + " |")
+    if resamples:
+        lines += ["", f"[low, high]: {LEVEL:.0%} percentile interval of the effective depth over "
+                      f"{resamples} bootstrap resamples of the prompts; 'none': no layer qualifies."]
     return "\n".join(lines) + "\n"
 
 
 def write_table(rows: list[dict], out_prefix: str) -> tuple[str, str]:
-    """Write `<out_prefix>.md` and `<out_prefix>.csv` atomically; return their paths."""
-    paths = []
-    for ext, text in ((".md", to_markdown(rows)), (".csv", to_csv(rows))):
-        path = out_prefix + ext
+    """Write `<out_prefix>.md` and `<out_prefix>.csv` atomically and return their paths; where
+    the rows carry per-prompt effective depths, also `<out_prefix>_per_prompt.csv`
+    (`PER_PROMPT_SUFFIX`)."""
+    files = [(out_prefix + ".md", to_markdown(rows)), (out_prefix + ".csv", to_csv(rows))]
+    if any(r.get("per_prompt") is not None for r in rows):
+        files.append((out_prefix + PER_PROMPT_SUFFIX, per_prompt_csv(_per_prompt_rows(rows))))
+    for path, text in files:
         with atomic_write(path, "w") as f:
             f.write(text)
-        paths.append(path)
-    return paths[0], paths[1]
+    return files[0][0], files[1][0]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens
+from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
 from jaxdepth.batch import make_batch
 from jaxdepth.config import ModelConfig
 from jaxdepth.interventions import replace_residual, skip_layer
@@ -73,6 +73,12 @@ def test_contributions_match_numpy(params, batch):
     np.testing.assert_allclose(result.cos_attn, mean(cos(a, h)), atol=1e-5)
     np.testing.assert_allclose(result.cos_mlp, mean(cos(m, h + a)), atol=1e-5)
     np.testing.assert_allclose(result.cos_layer, mean(cos(a + m, h)), atol=1e-5)
+    # per prompt: the mean over that prompt's own valid tokens, [N, L]
+    per_prompt = lambda x: ((x * v).sum(axis=2) / v.sum(axis=1)).T
+    np.testing.assert_allclose(result.norm_mlp_per_prompt, per_prompt(n(m) / n(h + a)), rtol=1e-4)
+    np.testing.assert_allclose(result.cos_attn_per_prompt, per_prompt(cos(a, h)), atol=1e-5)
+    np.testing.assert_allclose(result.cos_layer_per_prompt, per_prompt(cos(a + m, h)), atol=1e-5)
+    np.testing.assert_array_equal(result.tokens_per_prompt, v.sum(axis=1))
     # h_{l+1} - h_l is the layer contribution a_l + m_l
     np.testing.assert_allclose(np.diff(hs, axis=0), a + m, atol=1e-5)
 
@@ -111,6 +117,40 @@ def test_logit_lens_matches_numpy(params, batch):
     np.testing.assert_allclose(logit_lens.logit_lens(params, batch, CONFIG, weighting="token").kl,
                                token_weighted, rtol=1e-4)
     assert not np.allclose(prompt_weighted, token_weighted)  # the two weightings really differ
+    np.testing.assert_allclose(result.kl_per_prompt, ((kl * v).sum(-1) / v.sum(-1)).T, rtol=1e-4)
+    np.testing.assert_allclose(result.overlap_per_prompt, ((overlap * v).sum(-1) / v.sum(-1)).T, atol=1e-6)
+    np.testing.assert_array_equal(result.tokens_per_prompt, v.sum(-1))
+
+
+def test_per_prompt_curves_reaggregate_to_the_stored_curves(params, batch):
+    """The stored curves are what the per-prompt curves and token counts give when re-aggregated
+    as the bootstrap does: token-weighted for contributions, as the setting says for the lens
+    (token-weighted sums run over float32 per-token values: 1e-6; the prompt-weighted mean is the
+    same arithmetic, exactly)."""
+    # Ten prompts: numpy sums eight or more values pairwise, so a different summation order
+    # would show in the last bits.
+    rng = np.random.default_rng(1)
+    uneven = make_batch([rng.integers(0, 97, n).tolist() for n in (5, 40, 17, 9, 30, 12, 25, 33, 6, 20)])
+    for prompts in (batch, uneven):
+        result = contributions.contributions(params, prompts, CONFIG)
+        assert result.cos_layer_per_prompt.shape == (len(prompts), CONFIG.num_layers)
+        for name in contributions.STATISTICS:
+            np.testing.assert_allclose(
+                uncertainty.aggregate(getattr(result, f"{name}_per_prompt"), result.tokens_per_prompt, "token"),
+                getattr(result, name), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            uncertainty.aggregate(result.mean_cosine_per_prompt, result.tokens_per_prompt, "token"),
+            result.mean_cosine, rtol=1e-6, atol=1e-6)
+        lenses = {w: logit_lens.logit_lens(params, prompts, CONFIG, weighting=w) for w in ("prompt", "token")}
+        for name in ("kl", "overlap"):
+            per_prompt = getattr(lenses["prompt"], f"{name}_per_prompt")
+            # the per-prompt curves do not depend on the weighting, only their aggregation does
+            np.testing.assert_array_equal(getattr(lenses["token"], f"{name}_per_prompt"), per_prompt)
+            for layout in (per_prompt, np.ascontiguousarray(per_prompt), np.asfortranarray(per_prompt)):
+                np.testing.assert_array_equal(uncertainty.aggregate(layout, lenses["prompt"].tokens_per_prompt,
+                                                                    "prompt"), getattr(lenses["prompt"], name))
+            np.testing.assert_allclose(uncertainty.aggregate(per_prompt, lenses["token"].tokens_per_prompt, "token"),
+                                       getattr(lenses["token"], name), rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- §3

@@ -99,6 +99,15 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
     # `jaxdepth table` on the same folder prints the same table
     assert main(["table", str(tmp_path), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again.md").read_text() == md
+    # intervals by default, bare integers with --bootstrap 0; per-prompt depths beside the table
+    assert "cosine ED [95%] (ratio)" in md and "bootstrap resamples of the prompts" in md
+    assert main(["table", str(tmp_path), "--bootstrap", "0", "--out", str(tmp_path / "bare")]) == 0
+    bare = (tmp_path / "bare.md").read_text()
+    assert "[" not in bare and "| model | dataset | L | cosine ED (ratio) |" in bare
+    with open(tmp_path / "effective_depth_table_per_prompt.csv") as f:
+        per_prompt = list(csv.DictReader(f))
+    assert {(r["dataset"], r["method"], r["prompt"]) for r in per_prompt} == {
+        (d, m, str(i)) for d in ("default", "hellaswag") for m in ("cosine", "kl", "overlap") for i in range(2)}
 
 
 def test_killed_run_resumes_without_recomputing(tiny, tmp_path):

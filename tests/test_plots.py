@@ -308,3 +308,67 @@ def test_relative_depth_axis(results):
     np.testing.assert_allclose(xs["deep (L=4)"], [0.25, 0.5, 0.75, 1.0])
     np.testing.assert_allclose(xs["shallow (L=3)"], [1 / 3, 2 / 3, 1.0])
     assert fig.axes[0].get_xlim()[0] == 0
+
+
+def _bands(ax):
+    return [c for c in ax.collections if c.get_label().startswith("95% bootstrap band")]
+
+
+def _per_prompt_lines(ax):
+    return [c for c in ax.collections if c.get_label().startswith("per prompt")]
+
+
+def _band_limits(band, layers):
+    """(low, high) per layer of a filled band: its polygon's lowest and highest point at each x."""
+    vertices = band.get_paths()[0].vertices
+    return (np.array([vertices[vertices[:, 0] == x, 1].min() for x in layers]),
+            np.array([vertices[vertices[:, 0] == x, 1].max() for x in layers]))
+
+
+def test_bootstrap_bands_and_per_prompt_curves(results):
+    """With per-prompt curves, each aggregate curve the depth reads gets its 95% bootstrap band
+    (the percentiles of `uncertainty.curve_bands`, same seed) and each prompt a faint curve; the
+    titles give the interval. `resamples=0` drops the band and the interval, not the prompts."""
+    from jaxdepth import uncertainty
+
+    lens, contrib = results["logit_lens"], results["contributions"]
+    layers = np.arange(CONFIG.num_layers)
+    fig = plots.logit_lens_figure(lens, seed=3)
+    bands = uncertainty.curve_bands(lens, seed=3)
+    intervals = uncertainty.effective_depth_intervals(lens, seed=3)
+    for ax, name in zip(fig.axes, ("kl", "overlap")):
+        (band,) = _bands(ax)
+        low, high = _band_limits(band, layers)
+        np.testing.assert_allclose(low, bands[name].low, rtol=1e-12)
+        np.testing.assert_allclose(high, bands[name].high, rtol=1e-12)
+        assert np.all(low <= getattr(lens, name) + 1e-12) and np.any(high > low)
+        (lines,) = _per_prompt_lines(ax)
+        segments = lines.get_segments()
+        np.testing.assert_array_equal(np.stack([s[:, 1] for s in segments]), getattr(lens, f"{name}_per_prompt"))
+        d = intervals[name]
+        assert f" [{d.low}, {d.high}] " in ax.get_title()
+
+    fig = plots.contributions_figure(contrib)
+    cos_ax, norm_ax = fig.axes
+    (band,) = _bands(cos_ax)
+    low, high = _band_limits(band, layers)
+    np.testing.assert_allclose(low, uncertainty.curve_bands(contrib)["mean_cosine"].low, rtol=1e-12)
+    assert len(_per_prompt_lines(cos_ax)[0].get_segments()) == len(contrib.tokens_per_prompt)
+    assert len([c for c in norm_ax.collections if c.get_paths()]) == 3  # one band per norm curve
+
+    plain = plots.logit_lens_figure(lens, resamples=0)
+    assert not any(_bands(ax) for ax in plain.axes) and all(_per_prompt_lines(ax) for ax in plain.axes)
+    assert "[" not in plain.axes[0].get_title()
+
+
+def test_results_without_per_prompt_curves_draw_as_before(results):
+    lens = results["logit_lens"]
+    old = dataclasses.replace(lens, kl_per_prompt=None, overlap_per_prompt=None, tokens_per_prompt=None)
+    fig = plots.logit_lens_figure(old)
+    assert all(not ax.collections for ax in fig.axes)
+    assert fig.axes[0].get_title() == f"KL ED: {kl_effective_depth(lens.kl).layer} (ratio " \
+                                      f"{kl_effective_depth(lens.kl).ratio:.2f})"
+    contrib = results["contributions"]
+    old = dataclasses.replace(contrib, **{f"{n}_per_prompt": None for n in contributions.STATISTICS},
+                              tokens_per_prompt=None)
+    assert all(not ax.collections for ax in plots.contributions_figure(old).axes)
