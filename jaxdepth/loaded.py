@@ -7,6 +7,7 @@ analysis): host numpy arrays straight from a converter, device arrays after `jax
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 from typing import Any, Optional
 
@@ -21,12 +22,23 @@ from jaxdepth.model import Params, forward
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: params pytree, config, tokenizer (None if the source had none)."""
+    """A loaded model: params pytree, config, tokenizer (None if the source had none).
+
+    `module` is the same weights as a Flax NNX `jaxdepth.module.Decoder` (no copy): the object to
+    hand to NNX code; `params` is what the pure functions and analyses take."""
 
     params: Params
     config: ModelConfig
     tokenizer: Optional[Any]
     source: str
+
+    @functools.cached_property
+    def module(self):
+        """The decoder as an NNX module over these params (`nnx.split(model.module)[1]
+        .to_pure_dict()` is `model.params`, leaf for leaf the same arrays)."""
+        from jaxdepth.module import Decoder
+
+        return Decoder(self.params, self.config)
 
     def logits(self, token_ids, valid=None) -> np.ndarray:
         """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is given)."""
