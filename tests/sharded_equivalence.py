@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a fresh interpreter with 8 host CPU devices: every
-analysis on a 4 (data) x 2 (model) mesh must equal the same analysis on one device."""
+analysis, and site interventions of a kind defined here, on a 4 (data) x 2 (model) mesh must
+equal the same on one device."""
 
 import os
 import sys
@@ -9,10 +10,10 @@ assert "xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens  # noqa: E402
+from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, sites  # noqa: E402
 from jaxdepth.batch import make_batch  # noqa: E402
 from jaxdepth.config import ModelConfig  # noqa: E402
-from jaxdepth.model import random_params  # noqa: E402
+from jaxdepth.model import forward, random_params  # noqa: E402
 from jaxdepth.sharding import make_mesh, shard_params  # noqa: E402
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -20,9 +21,29 @@ CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermed
                      max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=True)
 
 
+def scale_hidden(value, layer, data):
+    """An intervention kind the package does not define: scale one layer's MLP hidden activations."""
+    return value * jax.numpy.where(layer == data["layer"], data["factor"], 1.0)
+
+
+@jax.jit
+def site_interventions(params, tokens):
+    """A vmapped stack of the user-defined kind (one member per layer) and a head ablation."""
+    layers = jax.numpy.arange(CONFIG.num_layers)
+    stack = sites.Intervention("mlp_hidden", scale_hidden, {"layer": layers, "factor": -1.5 + 0.0 * layers})
+    scaled = jax.vmap(lambda iv: forward(params, tokens, CONFIG, interventions=iv))(stack)
+    heads = np.zeros((CONFIG.num_layers, CONFIG.num_heads), np.float32)
+    heads[1, 2] = 1.0
+    ablated = forward(params, tokens, CONFIG, interventions=sites.ablate_heads(heads, head_dim=CONFIG.head_dim))
+    return scaled, ablated
+
+
 def run_all(params, batch):
     baseline = erasure.mean_residuals(params, batch, CONFIG)
+    scaled, ablated = site_interventions(params, jax.numpy.asarray(batch.tokens))
     return {
+        "user_intervention_stack": np.asarray(scaled),
+        "head_ablation": np.asarray(ablated),
         "contributions": contributions.contributions(params, batch, CONFIG).cos_layer,
         "lens_kl": logit_lens.logit_lens(params, batch, CONFIG).kl,
         "skip_later": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).later,
