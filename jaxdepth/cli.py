@@ -122,7 +122,7 @@ def _run(args) -> int:
     if not set(sublayers) <= {"layer", "attn", "mlp"}:
         raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
     settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
-                             ig_steps=args.ig_steps, skip_sublayers=sublayers)
+                             ig_steps=args.ig_steps, skip_sublayers=sublayers, skip_mode=args.skip_mode)
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
+    run.add_argument("--skip-mode", choices=["future", "current"], default="future",
+                     help="layer skip: 'future' skips before sampled split positions and measures after them "
+                          "(the first study's main analysis); 'current' skips every position but 0 and measures "
+                          "every position")
     run.add_argument("--ig-steps", type=int, default=256)
     run.add_argument("--out", default="results")
     _bootstrap_argument(run)

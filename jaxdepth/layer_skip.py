@@ -53,16 +53,20 @@ def _tap_relative_change(measure):
     return tap
 
 
-@partial(jit, static_argnames=("config", "sublayer", "chunk_size"))
+@partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
 def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
-                           sublayer: str = "layer", chunk_size: Optional[int] = None):
+                           sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future"):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
     (`tokens`, `valid`: `[1, T]`).
 
     Member (s, k) skips layer s where `skip_masks[k]` is 1 and measures where
-    `measure_masks[k]` (and `valid`) hold. Returns `(later [L, K, L], output [L, K])`;
-    `later[s, k, j]` is exactly 0 for j <= s. Skipped layers run one after another
-    (`lax.map`), each starting from the clean h_s: the layers before s are not rerun.
+    `measure_masks[k]` (and `valid`) hold. Returns `(later [L, K, L], output [L, K])`. What
+    causality makes exactly 0 is 0, not float noise: `later[s, k, j]` for j < s in both modes
+    (those layers see clean inputs), and j = s too in the 'future' mode, where layer s is
+    skipped only before the measured positions. In the 'current' mode the diagonal is measured:
+    the skipped layer's own contribution is what changed (1 for a whole-layer skip). Skipped
+    layers run one after another (`lax.map`), each starting from the clean h_s: the layers
+    before s are not rerun.
     """
     L = config.num_layers
     hs = residual_stream(params, tokens, config, valid=valid)
@@ -76,7 +80,8 @@ def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, con
             h, later = run_layers_from(params, hs[layer], layer, config, valid=valid,
                                        interventions=skip_layer(L, layer, skip, sublayer),
                                        tap=_tap_relative_change(measure), tap_inputs=clean_deltas)
-            later = jnp.where(jnp.arange(L) > layer, later[:, 0], 0.0)  # exact zeros by construction
+            first_changed = layer if mode == "current" else layer + 1
+            later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
             probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
             output = masked_max(norm(probs - clean_probs), measure)[0]
             # The last layer feeds nothing but the output at its own positions, so skipping it
@@ -141,7 +146,7 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output = skip_effects_of_prompt(
             params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(np.stack(skip), jnp.float32),
-            jnp.asarray(np.stack(measure)), config, sublayer, chunk)
+            jnp.asarray(np.stack(measure)), config, sublayer, chunk, mode)
         later_pp[i] = np.asarray(later).max(axis=1)
         output_pp[i] = np.asarray(output).max(axis=1)
         if mode == "future":

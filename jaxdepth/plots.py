@@ -295,8 +295,9 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
                       title: Optional[str] = None) -> Figure:
     """Effect of skipping layer s on every later layer's contribution (heatmap, s on the y axis,
     measured layer j on the x axis) and on the output (bars sharing the s axis), one row per
-    sublayer when given a dict `name -> LayerSkipResult`. Cells j <= s are zero by construction
-    and drawn grey; all heatmaps share one colour scale so sublayers compare directly."""
+    sublayer when given a dict `name -> LayerSkipResult`. Cells zero by construction (j <= s in
+    the 'future' mode, j < s in the 'current' mode, whose diagonal is measured) are drawn grey;
+    all heatmaps share one colour scale so sublayers compare directly."""
     if isinstance(results, LayerSkipResult):
         results = {results.settings.get("sublayer", "layer"): results}
     if not isinstance(results, Mapping):
@@ -310,7 +311,10 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     # One scale for every sublayer, read from the cells that are not zero by construction: a
     # single extreme cell (skipping layer 0 often changes everything) would otherwise leave the
     # rest of the matrix one colour.
-    shown = {name: np.where(np.triu(np.ones_like(r.later, bool), k=1), r.later, np.nan) for name, r in rows.items()}
+    # Grey: zero by causality (j <= s in the 'future' mode, j < s in the 'current' one).
+    first = lambda r: 0 if r.settings.get("mode") == "current" else 1
+    shown = {name: np.where(np.triu(np.ones_like(r.later, bool), k=first(r)), r.later, np.nan)
+             for name, r in rows.items()}
     measured = np.concatenate([m[np.isfinite(m)] for m in shown.values()])
     vmax, clipped = robust_limit(measured, LAYER_SKIP_PERCENTILE)
     top = float(measured.max()) if measured.size else 0.0

@@ -96,10 +96,10 @@ def _register_builtins():
         feeds_table=True))
     register(Analysis(
         name="layer_skip", result_type=layer_skip.LayerSkipBySublayer,
-        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers)},
+        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers), "skip_mode": s.skip_mode},
         run=lambda x: layer_skip.layer_skip_sublayers(
             x.model.params, x.batch, x.model.config, sublayers=x.settings.skip_sublayers, seed=x.settings.seed,
-            memory_budget=x.settings.memory_budget, progress=x.progress),
+            mode=x.settings.skip_mode, memory_budget=x.settings.memory_budget, progress=x.progress),
         figures=lambda r, tokenizer, n: {"": plots.layer_skip_figure(r.parts())},
         summary=lambda r: [f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}"
                            for s, part in r.parts().items()]))

@@ -30,6 +30,7 @@ class StudySettings:
     seed: int = 123
     lens_weighting: str = "prompt"
     skip_sublayers: tuple = ("layer", "attn", "mlp")
+    skip_mode: str = "future"  # layer skip: 'future' (METHODS §3) or 'current' effects
     ig_steps: int = 256
     ig_rule: str = "left"
     ig_baseline: str = "channel_mean"

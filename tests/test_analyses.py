@@ -213,6 +213,32 @@ def test_split_positions_follow_the_reference_sampling():
     assert expected[2] == []  # range(8, 8, 8) is empty: too short
 
 
+@pytest.mark.parametrize("sublayer", ["layer", "attn", "mlp"])
+def test_current_mode_equals_one_at_a_time_with_the_diagonal_measured(params, batch, sublayer):
+    """'current': skip every position but 0, measure every position. Only j < s is zero by
+    construction; the diagonal D[s, s] is the skipped layer's own change (1 for a whole layer)."""
+    result = layer_skip.layer_skip(params, batch, CONFIG, sublayer=sublayer, mode="current", progress=False)
+    L = CONFIG.num_layers
+    for i in range(len(batch)):
+        one = batch.single(i)
+        T, length = one.tokens.shape[1], int(one.lengths[0])
+        pos = np.arange(T)
+        tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+        ref = np.zeros((L, L))
+        for s in range(L):
+            iv = skip_layer(L, s, ((pos >= 1) & (pos < length)).astype(np.float32), sublayer)
+            d_clean, d_skip = deltas(params, tokens, valid), deltas(params, tokens, valid, iv)
+            ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
+            ref[s] = np.where(np.arange(L) >= s, ratio[:, 0, :length].max(-1), 0.0)
+        np.testing.assert_allclose(result.later_per_prompt[i], ref, atol=2e-5)
+    upper = np.triu(np.ones((L, L), bool))
+    assert np.all(result.later_per_prompt[:, ~upper] == 0.0)  # j < s: exactly zero
+    diagonal = np.diagonal(result.later, axis1=-2, axis2=-1)
+    assert np.all(diagonal > 0)
+    if sublayer == "layer":
+        np.testing.assert_allclose(diagonal, 1.0, atol=1e-6)
+
+
 def test_current_mode_skips_all_but_position_zero(params, batch):
     result = layer_skip.layer_skip(params, batch.select(slice(0, 1)), CONFIG, mode="current", progress=False)
     one = batch.single(0)

@@ -216,6 +216,13 @@ def test_every_skip_sublayer_subset_runs_through_the_cli(tiny, tmp_path, capsys)
             for sublayer in ("layer", "attn", "mlp"):
                 expected = sublayer in subset
                 assert (f"depth score ({sublayer} skipped)" in printed) == expected, (subset, printed)
+    # --skip-mode reaches the saved result and is part of its cache identity
+    assert main(["run", "--model", tiny, "--dataset", "default", "--prompts", "1", "--analyses", "layer_skip",
+                 "--skip-sublayers", "layer", "--skip-mode", "current", "--no-figures", "--out", str(tmp_path)]) == 0
+    assert "layer_skip: reusing" not in capsys.readouterr().out
+    saved = load_result(str(tmp_path / "model" / "default" / "layer_skip.npz"))
+    assert saved.settings["mode"] == "current" and saved.settings["identity"]["skip_mode"] == "current"
+    np.testing.assert_allclose(np.diagonal(saved.later[0]), 1.0, atol=1e-6)  # whole-layer skip, own change
     assert main(["run", "--model", tiny, "--skip-sublayers", "attn,heads", "--out", str(tmp_path)]) == 2
     assert "--skip-sublayers takes layer, attn, mlp" in capsys.readouterr().err
 

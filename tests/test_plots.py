@@ -372,3 +372,16 @@ def test_results_without_per_prompt_curves_draw_as_before(results):
     old = dataclasses.replace(contrib, **{f"{n}_per_prompt": None for n in contributions.STATISTICS},
                               tokens_per_prompt=None)
     assert all(not ax.collections for ax in plots.contributions_figure(old).axes)
+
+
+def test_current_mode_heatmap_draws_the_diagonal():
+    L = 5
+    later = np.triu(np.random.default_rng(2).random((L, L)) + 0.5)  # diagonal measured
+    result = layer_skip.LayerSkipResult(later=later, output=np.ones(L), later_per_prompt=later[None],
+                                        output_per_prompt=np.ones((1, L)), split_positions=np.full((1, 4), -1),
+                                        settings={"mode": "current"})
+    shown = plots.layer_skip_figure(result).axes[0].images[0].get_array()
+    np.testing.assert_array_equal(np.diagonal(shown), np.diagonal(later))
+    assert np.all(np.ma.getmaskarray(shown)[np.tril_indices(L, -1)])
+    future = plots.layer_skip_figure(dataclasses.replace(result, settings={"mode": "future"}))
+    assert np.all(np.ma.getmaskarray(future.axes[0].images[0].get_array())[np.diag_indices(L)])
