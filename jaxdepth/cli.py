@@ -51,7 +51,7 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
 
     The studies use the first 10 GSM8K test prompts. Without `--baseline-data`, take them from
     what this run can read without a network: the run's own GSM8K prompts (`--data gsm8k=...` or
-    the hub), else the embedded default prompts (GSM8K's format, shipped with jaxdepth), else the
+    the hub), else the embedded default prompts (GSM8K rows, shipped with jaxdepth), else the
     hub; when none is readable, each dataset's own prompts (None), with a warning."""
     from jaxdepth.prompts import DatasetError, load_prompts
 
