@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.config import ModelConfig
-from jaxdepth.sites import Intervention, InterventionsLike, apply_at, as_interventions, keep
+from jaxdepth.sites import Intervention, InterventionsLike, apply_at, as_interventions
 
 Params = dict[str, Any]
 
@@ -220,16 +220,6 @@ def layer_step(p: Params, h: Float[Array, "B S D"], index, context, config: Mode
     out = at("resid_post", h + at("delta", a + m))
     return LayerRecord(index=index, h=h, attn=a, mlp=m, out=out, q=q, k=k, v=v, attn_probs=probs,
                        head_out=heads, mlp_hidden=hidden)
-
-
-def decoder_layer(p: Params, h: Float[Array, "B T D"], cos, sin, mask, config: ModelConfig, *,
-                  keep_layer=None, keep_attn=None, keep_mlp=None, prefix=None):
-    """One layer with keep-masks of this layer (`[T]` / `[B, T]`, or None): `(a, m, out)`.
-    A shorthand over `layer_step` for code that skips sublayers by hand."""
-    masks = {"delta": keep_layer, "attn_out": keep_attn, "mlp_out": keep_mlp}
-    ivs = tuple(keep(site, mask[None]) for site, mask in masks.items() if mask is not None)
-    r = layer_step(p, h, 0, (cos, sin, mask), config, ivs, prefix)
-    return r.attn, r.mlp, r.out
 
 
 def layer_context(h, valid, config, offset: int = 0):
