@@ -1,5 +1,5 @@
-"""Converted checkpoints on disk: the NNX module's params saved with orbax + `jaxdepth.json`
-(config, provenance) + tokenizer.
+"""Converted checkpoints on disk: the params (the NNX module's state as a pure dict) saved with
+orbax + `jaxdepth.json` (config, provenance) + tokenizer.
 
 A converted folder is written to a temporary sibling and renamed into place only when complete,
 so an interrupted conversion never leaves a half-written checkpoint that later looks valid.
@@ -41,9 +41,9 @@ def save_converted(converted: Model, out_dir: str, *, overwrite: bool = False) -
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
     try:
         checkpointer = ocp.StandardCheckpointer()
-        # The NNX module's state, as its pure dict: the params pytree itself, so a restore gives
-        # exactly what the pure functions take (and what a sharded restore targets).
-        checkpointer.save(os.path.join(tmp, "params"), converted.module.params())
+        # The params pytree is the NNX module's state as a pure dict (`Decoder.params()`): a
+        # restore gives exactly what the pure functions take (and what a sharded restore targets).
+        checkpointer.save(os.path.join(tmp, "params"), converted.params)
         checkpointer.wait_until_finished()
         if converted.tokenizer is not None:
             converted.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))

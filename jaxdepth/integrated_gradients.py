@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from jaxdepth.batch import PromptBatch
 from jaxdepth.compilation import jit
 from jaxdepth.config import ModelConfig
-from jaxdepth.model import layer_context, layer_params, layer_step, residual_stream, run_layers_from, unembed
-from jaxdepth.sites import apply_at, as_interventions
+from jaxdepth.model import (final_residual, layer_context, layer_params, layer_step, residual_stream,
+                            run_layers_from, unembed)
+from jaxdepth.sites import as_interventions
 from jaxdepth.results import SavedResult
 from jaxdepth.sweep import auto_chunk_size, sweep
 
@@ -90,8 +91,8 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
         return apply(i, h), inputs.at[i].set(h)
 
     h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
-    # Interventions at boundary L (resid_pre of index L) sit between the last layer and the head.
-    value, grad = jax.value_and_grad(lambda h: head(apply_at("resid_pre", h, L, ivs)))(h_last)
+    # Interventions at boundary L sit between the last layer and the head.
+    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
 
     def backward_step(k, g):
         i = L - 1 - k

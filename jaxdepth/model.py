@@ -240,7 +240,7 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
     return jax.vmap(kv)(params["layers"], hs[:-1])
 
 
-def _final_residual(h_last, config: ModelConfig, interventions):
+def final_residual(h_last, config: ModelConfig, interventions):
     """Boundary L, the final norm's input: `resid_pre` interventions with layer index L act here."""
     return apply_at("resid_pre", h_last, config.num_layers, interventions)
 
@@ -273,7 +273,7 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
 
     xs = (params["layers"], jnp.arange(config.num_layers), tap_inputs)
     h_last, taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, h0, xs)
-    return _final_residual(h_last, config, ivs), taps
+    return final_residual(h_last, config, ivs), taps
 
 
 def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, config: ModelConfig, *,
@@ -305,7 +305,7 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
 
     if tap is None:
         h_last = jax.lax.fori_loop(start, config.num_layers, lambda i, h: record(i, h).out, h_start)
-        return _final_residual(h_last, config, ivs), None
+        return final_residual(h_last, config, ivs), None
 
     def tapped(i, r):
         return tap(r, None if tap_inputs is None else _index(tap_inputs, i))
@@ -319,7 +319,7 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
         return r.out, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
 
     h_last, taps = jax.lax.fori_loop(start, config.num_layers, body, (h_start, buffers))
-    return _final_residual(h_last, config, ivs), taps
+    return final_residual(h_last, config, ivs), taps
 
 
 def _index(tree, i):

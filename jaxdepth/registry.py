@@ -2,8 +2,9 @@
 enter its cache identity, how it runs, its figures and its one-line summary.
 
 The study runner, the CLI, result loading and the summary iterate `ANALYSES`; nothing else keys
-on analysis names. A new analysis is one `register(Analysis(...))` call: it then runs from
-`jaxdepth run --analyses NAME`, is cached and resumed like the others, and draws its figures.
+on analysis names. A new analysis is one `register(Analysis(...))` call: `study.run_study` then
+runs, caches and resumes it like the others and draws its figures (and `jaxdepth run
+--analyses NAME` does too, once the module registering it is imported).
 """
 
 from __future__ import annotations
