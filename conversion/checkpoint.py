@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.config import ModelConfig
+from jaxdepth.core.config import ModelConfig
 from jaxdepth.loaded import Model
-from jaxdepth.model import check_params
+from jaxdepth.core.model import check_params
 
 MARKER = "jaxdepth.json"
 FORMAT_VERSION = 1
@@ -63,8 +63,8 @@ def save_converted(converted: Model, out_dir: str, *, overwrite: bool = False) -
 
 
 def _sharded_target(config: ModelConfig, meta: dict, mesh):
-    from jaxdepth.model import param_shapes
-    from jaxdepth.sharding import param_shardings
+    from jaxdepth.core.model import param_shapes
+    from jaxdepth.core.sharding import param_shardings
 
     if len(meta["dtypes"]) != 1:
         raise ConversionError(f"sharded restore expects one parameter dtype, the checkpoint has {meta['dtypes']}")
@@ -79,7 +79,7 @@ def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> M
     """Read a folder written by `save_converted`.
 
     With a `mesh`, every parameter is restored straight into its sharded layout
-    (`jaxdepth.sharding.PARTITION_RULES`): each device reads only its own shard, so a model
+    (`jaxdepth.core.sharding.PARTITION_RULES`): each device reads only its own shard, so a model
     larger than any one device (or the host) can be loaded."""
     import orbax.checkpoint as ocp
 

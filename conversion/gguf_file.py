@@ -14,7 +14,7 @@ import numpy as np
 from conversion.errors import ConversionError
 from jaxdepth.loaded import Model
 from conversion.layout import GGUF_NAMES, assemble_params
-from jaxdepth.config import ModelConfig, UnsupportedConfigError
+from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 
 # Per-architecture metadata keys (after the "<arch>." prefix) read or known to be inert.
 _HANDLED_KEYS = {

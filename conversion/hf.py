@@ -11,7 +11,7 @@ from conversion.errors import ConversionError
 from jaxdepth.loaded import Model
 from conversion.layout import HF_NAMES, assemble_params
 from conversion.safetensors_io import read_safetensors
-from jaxdepth.config import ModelConfig
+from jaxdepth.core.config import ModelConfig
 
 # What a hub download fetches: config, weights and tokenizer, nothing else (no .bin/.pt copies).
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*",

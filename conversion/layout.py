@@ -12,8 +12,8 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import param_shapes
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import param_shapes
 
 # Params stored transposed relative to the source's [out, in] layout.
 _TRANSPOSED = {"q", "k", "v", "o", "gate", "up", "down", "lm_head"}

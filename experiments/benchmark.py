@@ -29,14 +29,13 @@ import os
 import platform
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ANALYSES = ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
 ALIASES = {"contrib": "contributions", "cosine": "contributions", "lens": "logit_lens", "skip": "layer_skip",
            "ig": "integrated_gradients"}
 # The shared data samples live beside the checkout (`../shared/data/`, see DESIGN.md).
@@ -52,6 +51,8 @@ def parse_args(argv=None):
                    help="an embedded jaxdepth model name or a .gguf file: jaxdepth converts it, transformers "
                         "reads the same file with its GGUF loader")
     p.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
+    from jaxdepth.registry import ANALYSES
+
     p.add_argument("--analyses", default=",".join(ANALYSES),
                    help="comma-separated subset of " + ", ".join(ANALYSES))
     p.add_argument("--prompts", type=int, default=10, help="prompts for contributions and logit lens")
@@ -85,6 +86,9 @@ def parse_args(argv=None):
     unknown = sorted(set(names) - set(ANALYSES))
     if unknown:
         p.error(f"unknown analyses {unknown}; known: {', '.join(ANALYSES)}")
+    missing = sorted(set(names) - set(CASES))
+    if missing:
+        p.error(f"no benchmark case for {missing} (a registered analysis needs one in CASES)")
     args.analyses = [a for a in ANALYSES if a in names]
     return args
 
@@ -121,7 +125,7 @@ def truncate(full, indices, cap: Optional[int], pad_id: int, name: str) -> Workl
     answer-predicting position (the answer starts at token >= cap - 1) would leave erasure and IG
     nothing to measure: the last quarter of the cut prompt then stands in as its answer. Both
     implementations receive exactly the same tokens and answer starts."""
-    from jaxdepth.batch import make_batch
+    from jaxdepth.core.batch import make_batch
 
     token_lists, starts, replaced = [], [], 0
     for i in indices:
@@ -162,68 +166,6 @@ def forward_flops(c, T: int, lm_head: bool = True) -> float:
 
 def lm_head_flops(c, T: int) -> float:
     return 2.0 * T * c.hidden_size * c.vocab_size
-
-
-def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
-    """Model FLOPs of an analysis' workload as the reference approach runs it (one pass per
-    intervention, each prompt at its own length; matmul FLOPs only)."""
-    L = c.num_layers
-    total = 0.0
-    for i, T in enumerate(lengths):
-        f = forward_flops(c, T)
-        if name == "contributions":
-            total += forward_flops(c, T, lm_head=False)  # the statistics need no LM head
-        elif name == "logit_lens":
-            total += f + L * lm_head_flops(c, T)
-        elif name == "layer_skip":
-            total += (1 + L * len(splits[i])) * f
-        elif name == "erasure":
-            total += (1 + (L + 1) * T) * f
-        elif name == "integrated_gradients":
-            # Per (layer, step): a full forward, then the backward to h_{l+1}. Weights need no
-            # gradient, so a backward costs about one forward of the layers it crosses. Plus F(x)
-            # and the L values F(b).
-            backward = sum(layer_flops(c, T, T, L - l - 1) + lm_head_flops(c, T) for l in range(L))
-            total += steps * (L * f + backward) + (L + 1) * f
-    return total
-
-
-def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float:
-    """Matmul FLOPs jaxdepth actually executes for an analysis: each prompt at its padded length,
-    interventions starting at their boundary, erasures on their position block's suffix, the LM
-    head only where it is read, and IG's backward recomputing each layer (3 layer passes per
-    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
-    `% peak` is computed from; `workload_flops` is the work as the reference formulation
-    defines it, which makes the ratios comparable."""
-    from jaxdepth.erasure import position_blocks
-
-    L, total = c.num_layers, 0.0
-    for i in range(len(batch)):
-        one = batch.single(i)
-        T = one.tokens.shape[1]
-        A = len(one.answer_positions(0)[0]) if name in ("erasure", "integrated_gradients") else 0
-        clean = layer_flops(c, T, T, L)
-        if name == "contributions":
-            total += clean
-        elif name == "logit_lens":
-            total += clean + (L + 1) * lm_head_flops(c, T)
-        elif name == "layer_skip":
-            if splits[i]:  # a prompt without split positions is not run; the others run 4 (padded)
-                total += clean + lm_head_flops(c, T) + 4 * sum(
-                    layer_flops(c, T, T, L - s) + lm_head_flops(c, T) for s in range(L))
-        elif name == "erasure":
-            kv = 2 * T * L * 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-            total += clean + kv + lm_head_flops(c, A)
-            for first, stop in position_blocks(T):
-                total += (stop - first) * sum(layer_flops(c, T - first, T, L - l) + lm_head_flops(c, A)
-                                              for l in range(L + 1))
-        elif name == "integrated_gradients":
-            total += clean + lm_head_flops(c, A)
-            for l in range(L):
-                # forward, then a backward that recomputes each layer (remat) before pulling back
-                rest = layer_flops(c, T, T, L - l - 1)
-                total += steps * (3 * rest + 2 * lm_head_flops(c, A)) + rest + lm_head_flops(c, A)
-    return total
 
 
 # ----------------------------------------------------------------------------- peak
@@ -307,39 +249,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------- jaxdepth side
-
-def run_jaxdepth(name: str, model, w: Workload, args, baseline):
-    from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens
-
-    p, c, b = model.params, model.config, w.batch
-    if name == "contributions":
-        return contributions.contributions(p, b, c)
-    if name == "logit_lens":
-        return logit_lens.logit_lens(p, b, c)
-    if name == "layer_skip":
-        return layer_skip.layer_skip(p, b, c, sublayer="layer", seed=args.seed, progress=False)
-    if name == "erasure":
-        return erasure.residual_erasure(p, b, c, baseline, progress=False)
-    if name == "integrated_gradients":
-        return integrated_gradients.integrated_gradients(p, b, c, steps=args.ig_steps, progress=False)
-    raise ValueError(name)
-
-
-def run_reference(name: str, ref, w: Workload, args, baseline, splits):
-    if name == "contributions":
-        return ref.contributions(w.token_lists)
-    if name == "logit_lens":
-        return ref.logit_lens(w.token_lists)
-    if name == "layer_skip":
-        return ref.layer_skip(w.token_lists, splits)
-    if name == "erasure":
-        return ref.erasure(w.token_lists, w.answer_starts, baseline)
-    if name == "integrated_gradients":
-        return ref.integrated_gradients(w.token_lists, w.answer_starts, args.ig_steps)
-    raise ValueError(name)
-
-
 # ----------------------------------------------------------------------------- agreement
 
 def _diff_row(analysis, quantity, ours, theirs, tol_rel=1e-3, exact=False):
@@ -372,51 +281,260 @@ def _ed_row(analysis, quantity, ours, theirs, our_curve, their_curve):
     return _value_row(analysis, quantity, ours, theirs, note=note)
 
 
-def agreement(name, jres, rres, w: Workload, config) -> list:
-    from jaxdepth import effective_depth as ed
+# ----------------------------------------------------------------------------- cases
+
+@dataclasses.dataclass
+class Bench:
+    """What every case reads: the loaded jaxdepth model, the arguments, the layer-skip split
+    positions per prompt and the erasure baseline (both computed once, shared by both sides)."""
+
+    model: object
+    args: argparse.Namespace
+    splits: list = dataclasses.field(default_factory=list)
+    baseline: object = None
+    excluded_s: dict = dataclasses.field(default_factory=dict)  # untimed preparation, by what it was
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """How the benchmark runs, counts and checks one registered analysis.
+
+    prompts, cap: args -> its prompt count and token cap.
+    jaxdepth: (bench, workload) -> jaxdepth's result.
+    reference: (reference, bench, workload) -> the reference's result.
+    model_flops: (config, T, splits of the prompt, steps) -> the work of one prompt of length T
+        as the reference formulation defines it (one pass per intervention).
+    executed_flops: (config, one-prompt batch, splits of the prompt, steps) -> the matmul FLOPs
+        jaxdepth executes for it.
+    agreement: (jaxdepth result, reference result, workload, config) -> agreement rows.
+    passes: (bench, workload) -> what the workload line adds about the passes it runs.
+    prepare: (bench, workload, every encoded prompt) -> None; computes, untimed, what both
+        sides share (the layer-skip split positions, the erasure baseline) into `bench`.
+    """
+
+    prompts: Callable
+    cap: Callable
+    jaxdepth: Callable
+    reference: Callable
+    model_flops: Callable
+    executed_flops: Callable
+    agreement: Callable
+    passes: Callable = lambda bench, w: ""
+    prepare: Callable = lambda bench, w, full: None
+
+
+def _settings(bench: Bench):
+    from jaxdepth.study import StudySettings
+
+    return StudySettings(seed=bench.args.seed, skip_sublayers=("layer",), ig_steps=bench.args.ig_steps)
+
+
+def _via_registry(name: str):
+    """jaxdepth's side of a case: the registered analysis, run as `jaxdepth run` runs it."""
+    def run(bench: Bench, w: Workload):
+        from jaxdepth.registry import RunInputs, analysis
+
+        return analysis(name).run(RunInputs(model=bench.model, batch=w.batch, settings=_settings(bench),
+                                            progress=False))
+    return run
+
+
+def _sample_splits(bench: Bench, w: Workload, full):
+    from jaxdepth.analyses.layer_skip import sample_split_positions
+
+    bench.splits = sample_split_positions(w.lengths, seed=bench.args.seed)
+
+
+def _erasure_baseline(bench: Bench, w: Workload, full):
+    from jaxdepth.analyses.erasure import mean_residuals
+
+    start = time.perf_counter()
+    bench.baseline = mean_residuals(bench.model.params, full.select(slice(0, bench.args.baseline_prompts)), bench.config)
+    bench.excluded_s["erasure_baseline"] = seconds = time.perf_counter() - start
+    log(f"erasure baseline: mean residuals over the first {min(bench.args.baseline_prompts, len(full))} prompts "
+        f"(full length) by jaxdepth.analyses.erasure.mean_residuals in {seconds:.1f} s (excluded; both use it)")
+
+
+def _erasure_jaxdepth(bench: Bench, w: Workload):
+    # Not through the registry: its run computes the baseline's mean residuals first, which the
+    # benchmark computes once outside the timings and hands to both sides.
+    from jaxdepth.analyses.erasure import residual_erasure
+
+    return residual_erasure(bench.model.params, w.batch, bench.config, bench.baseline, progress=False)
+
+
+def _ig_backward_flops(c, T):
+    # Per (layer, step) the reference runs a full forward, then the backward to h_{l+1}. Weights
+    # need no gradient, so a backward costs about one forward of the layers it crosses.
+    return sum(layer_flops(c, T, T, c.num_layers - l - 1) + lm_head_flops(c, T) for l in range(c.num_layers))
+
+
+def _answers(one) -> int:
+    return len(one.answer_positions(0)[0])
+
+
+def _erasure_executed(c, one, splits, steps):
+    from jaxdepth.analyses.erasure import position_blocks
+
+    L, T, A = c.num_layers, one.tokens.shape[1], _answers(one)
+    kv = 2 * T * L * 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    total = layer_flops(c, T, T, L) + kv + lm_head_flops(c, A)
+    for first, stop in position_blocks(T):
+        total += (stop - first) * sum(layer_flops(c, T - first, T, L - l) + lm_head_flops(c, A)
+                                      for l in range(L + 1))
+    return total
+
+
+def _ig_executed(c, one, splits, steps):
+    L, T, A = c.num_layers, one.tokens.shape[1], _answers(one)
+    total = layer_flops(c, T, T, L) + lm_head_flops(c, A)
+    for l in range(L):
+        # forward, then a backward that recomputes each layer (remat) before pulling back
+        rest = layer_flops(c, T, T, L - l - 1)
+        total += steps * (3 * rest + 2 * lm_head_flops(c, A)) + rest + lm_head_flops(c, A)
+    return total
+
+
+def _layer_skip_executed(c, one, splits, steps):
+    L, T = c.num_layers, one.tokens.shape[1]
+    if not splits:  # a prompt without split positions is not run; the others run 4 (padded)
+        return 0.0
+    return layer_flops(c, T, T, L) + lm_head_flops(c, T) + 4 * sum(
+        layer_flops(c, T, T, L - s) + lm_head_flops(c, T) for s in range(L))
+
+
+def _contributions_agreement(jres, rres, w, c):
+    from jaxdepth.analyses import effective_depth as ed
 
     import reference_torch as rt
 
-    rows = []
-    L = config.num_layers
-    if name == "contributions":
-        for stat in ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer"):
-            rows.append(_diff_row(name, f"curve {stat} [L]", getattr(jres, stat), rres["curves"][stat]))
-        mean_cos = sum(rres["curves"][k] for k in ("cos_attn", "cos_mlp", "cos_layer")) / 3
-        ours = ed.cosine_effective_depth(jres.mean_cosine).layer
-        rows.append(_ed_row(name, "cosine ED", ours, rt.ed_cosine(mean_cos), jres.mean_cosine, mean_cos))
-    elif name == "logit_lens":
-        rows.append(_diff_row(name, "KL(P_l||P) [L]", jres.kl, rres["kl"]))
-        rows.append(_diff_row(name, "top-5 overlap [L]", jres.overlap, rres["overlap"]))
-        kl_ed, ov_ed = ed.kl_effective_depth(jres.kl).layer, ed.overlap_effective_depth(jres.overlap).layer
-        rows.append(_ed_row(name, "KL ED", kl_ed, rt.ed_kl(rres["kl"]), jres.kl, rres["kl"]))
-        rows.append(_ed_row(name, "overlap ED", ov_ed, rt.ed_overlap(rres["overlap"]), jres.overlap,
-                            rres["overlap"]))
-    elif name == "layer_skip":
-        rows.append(_diff_row(name, "D[s,j] later [L,L]", jres.later, rres["later"]))
-        rows.append(_diff_row(name, "output L2 [L]", jres.output, rres["output"]))
-        rows.append(_diff_row(name, "D per prompt [P,L,L]", jres.later_per_prompt, rres["later_per_prompt"]))
-        low = np.tril(np.ones((L, L), bool))
-        rows.append(_diff_row(name, "D[s,j<=s] (both exact 0)", np.asarray(jres.later)[low],
-                              np.asarray(rres["later"])[low], exact=True))
-        rows.append(_value_row(name, "depth score", round(ed.depth_score(jres.later), 4),
-                               round(rt.depth_score(rres["later"]), 4),
-                               ok=abs(ed.depth_score(jres.later) - rt.depth_score(rres["later"])) < 1e-3))
-    elif name == "erasure":
-        ours = [np.asarray(jres.effects)[i, :, :n] for i, n in enumerate(w.lengths)]
-        rows.append(_diff_row(name, "effects [P,L+1,T]", np.concatenate(ours, axis=1), np.concatenate(rres, axis=1)))
-        for i, n in enumerate(w.lengths):  # positions after the last answer prediction: exactly 0
-            tail = slice(n - 1, n)
-            rows.append(_diff_row(name, f"prompt {i}: erasing t=T-1 (both exact 0)",
-                                  ours[i][:, tail], rres[i][:, tail], exact=True))
-    elif name == "integrated_gradients":
-        ours = np.concatenate([np.asarray(jres.attributions)[i, :, :n] for i, n in enumerate(w.lengths)], axis=1)
-        rows.append(_diff_row(name, "attributions [P,L,T]", ours, np.concatenate(rres["attributions"], axis=1),
-                              tol_rel=3e-3))
-        rows.append(_diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"]))
-        rows.append(_diff_row(name, "F(b) [P,L]", jres.f_baseline, np.stack(rres["f_baseline"])))
-        rows.append(_diff_row(name, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2))
+    name = "contributions"
+    rows = [_diff_row(name, f"curve {stat} [L]", getattr(jres, stat), rres["curves"][stat])
+            for stat in ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")]
+    mean_cos = sum(rres["curves"][k] for k in ("cos_attn", "cos_mlp", "cos_layer")) / 3
+    ours = ed.cosine_effective_depth(jres.mean_cosine).layer
+    rows.append(_ed_row(name, "cosine ED", ours, rt.ed_cosine(mean_cos), jres.mean_cosine, mean_cos))
     return rows
+
+
+def _logit_lens_agreement(jres, rres, w, c):
+    from jaxdepth.analyses import effective_depth as ed
+
+    import reference_torch as rt
+
+    name = "logit_lens"
+    kl_ed, ov_ed = ed.kl_effective_depth(jres.kl).layer, ed.overlap_effective_depth(jres.overlap).layer
+    return [_diff_row(name, "KL(P_l||P) [L]", jres.kl, rres["kl"]),
+            _diff_row(name, "top-5 overlap [L]", jres.overlap, rres["overlap"]),
+            _ed_row(name, "KL ED", kl_ed, rt.ed_kl(rres["kl"]), jres.kl, rres["kl"]),
+            _ed_row(name, "overlap ED", ov_ed, rt.ed_overlap(rres["overlap"]), jres.overlap, rres["overlap"])]
+
+
+def _layer_skip_agreement(jres, rres, w, c):
+    from jaxdepth.analyses import effective_depth as ed
+
+    import reference_torch as rt
+
+    name, jres, L = "layer_skip", jres.part("layer"), c.num_layers
+    low = np.tril(np.ones((L, L), bool))
+    ours, theirs = ed.depth_score(jres.later), rt.depth_score(rres["later"])
+    return [_diff_row(name, "D[s,j] later [L,L]", jres.later, rres["later"]),
+            _diff_row(name, "output L2 [L]", jres.output, rres["output"]),
+            _diff_row(name, "D per prompt [P,L,L]", jres.later_per_prompt, rres["later_per_prompt"]),
+            _diff_row(name, "D[s,j<=s] (both exact 0)", np.asarray(jres.later)[low], np.asarray(rres["later"])[low],
+                      exact=True),
+            _value_row(name, "depth score", round(ours, 4), round(theirs, 4), ok=abs(ours - theirs) < 1e-3)]
+
+
+def _erasure_agreement(jres, rres, w, c):
+    name = "erasure"
+    ours = [np.asarray(jres.effects)[i, :, :n] for i, n in enumerate(w.lengths)]
+    rows = [_diff_row(name, "effects [P,L+1,T]", np.concatenate(ours, axis=1), np.concatenate(rres, axis=1))]
+    for i, n in enumerate(w.lengths):  # positions after the last answer prediction: exactly 0
+        tail = slice(n - 1, n)
+        rows.append(_diff_row(name, f"prompt {i}: erasing t=T-1 (both exact 0)", ours[i][:, tail], rres[i][:, tail],
+                              exact=True))
+    return rows
+
+
+def _ig_agreement(jres, rres, w, c):
+    name = "integrated_gradients"
+    ours = np.concatenate([np.asarray(jres.attributions)[i, :, :n] for i, n in enumerate(w.lengths)], axis=1)
+    return [_diff_row(name, "attributions [P,L,T]", ours, np.concatenate(rres["attributions"], axis=1), tol_rel=3e-3),
+            _diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"]),
+            _diff_row(name, "F(b) [P,L]", jres.f_baseline, np.stack(rres["f_baseline"])),
+            _diff_row(name, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2)]
+
+
+# One case per registered analysis (`jaxdepth.registry.ANALYSES`); a test checks they match.
+CASES = {
+    "contributions": Case(
+        prompts=lambda a: a.prompts, cap=lambda a: a.max_tokens,
+        jaxdepth=_via_registry("contributions"),
+        reference=lambda ref, bench, w: ref.contributions(w.token_lists),
+        model_flops=lambda c, T, splits, steps: forward_flops(c, T, lm_head=False),  # no LM head needed
+        executed_flops=lambda c, one, splits, steps: layer_flops(c, one.tokens.shape[1], one.tokens.shape[1],
+                                                                 c.num_layers),
+        agreement=_contributions_agreement),
+    "logit_lens": Case(
+        prompts=lambda a: a.prompts, cap=lambda a: a.max_tokens,
+        jaxdepth=_via_registry("logit_lens"),
+        reference=lambda ref, bench, w: ref.logit_lens(w.token_lists),
+        model_flops=lambda c, T, splits, steps: forward_flops(c, T) + c.num_layers * lm_head_flops(c, T),
+        executed_flops=lambda c, one, splits, steps: (
+            layer_flops(c, one.tokens.shape[1], one.tokens.shape[1], c.num_layers)
+            + (c.num_layers + 1) * lm_head_flops(c, one.tokens.shape[1])),
+        agreement=_logit_lens_agreement),
+    "layer_skip": Case(
+        prompts=lambda a: a.skip_prompts, cap=lambda a: combine_caps(a.max_tokens, a.skip_max_tokens),
+        jaxdepth=_via_registry("layer_skip"),
+        reference=lambda ref, bench, w: ref.layer_skip(w.token_lists, bench.splits),
+        model_flops=lambda c, T, splits, steps: (1 + c.num_layers * len(splits)) * forward_flops(c, T),
+        executed_flops=_layer_skip_executed, agreement=_layer_skip_agreement, prepare=_sample_splits,
+        passes=lambda bench, w: (f"; split positions {bench.splits}; "
+                                 f"{sum(len(s) for s in bench.splits) * bench.config.num_layers} skip passes + "
+                                 f"{len(bench.splits)} clean")),
+    "erasure": Case(
+        prompts=lambda a: a.erasure_prompts, cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
+        jaxdepth=_erasure_jaxdepth,
+        reference=lambda ref, bench, w: ref.erasure(w.token_lists, w.answer_starts, bench.baseline),
+        model_flops=lambda c, T, splits, steps: (1 + (c.num_layers + 1) * T) * forward_flops(c, T),
+        executed_flops=_erasure_executed, agreement=_erasure_agreement, prepare=_erasure_baseline,
+        passes=lambda bench, w: (f"; {(bench.config.num_layers + 1) * sum(w.lengths)} erasure passes "
+                                 "(every boundary 0..L x position)")),
+    "integrated_gradients": Case(
+        prompts=lambda a: a.ig_prompts, cap=lambda a: combine_caps(a.max_tokens, a.ig_max_tokens),
+        jaxdepth=_via_registry("integrated_gradients"),
+        reference=lambda ref, bench, w: ref.integrated_gradients(w.token_lists, w.answer_starts, bench.args.ig_steps),
+        # per (layer, step) a forward and a backward; plus F(x) and the L values F(b)
+        model_flops=lambda c, T, splits, steps: (steps * (c.num_layers * forward_flops(c, T) + _ig_backward_flops(c, T))
+                                                 + (c.num_layers + 1) * forward_flops(c, T)),
+        executed_flops=_ig_executed, agreement=_ig_agreement,
+        passes=lambda bench, w: (f"; {bench.args.ig_steps} steps x {bench.config.num_layers} layers = "
+                                 f"{bench.args.ig_steps * bench.config.num_layers * len(w.lengths)} "
+                                 "forward+backward passes")),
+}
+
+
+def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
+    """Model FLOPs of an analysis' workload as the reference approach runs it (one pass per
+    intervention, each prompt at its own length; matmul FLOPs only)."""
+    return sum(CASES[name].model_flops(c, T, splits[i] if splits else [], steps) for i, T in enumerate(lengths))
+
+
+def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float:
+    """Matmul FLOPs jaxdepth actually executes for an analysis: each prompt at its padded length,
+    interventions starting at their boundary, erasures on their position block's suffix, the LM
+    head only where it is read, and IG's backward recomputing each layer (3 layer passes per
+    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
+    `% peak` is computed from; `workload_flops` is the work as the reference formulation
+    defines it, which makes the ratios comparable."""
+    return sum(CASES[name].executed_flops(c, batch.single(i), splits[i] if splits else [], steps)
+               for i in range(len(batch)))
 
 
 # ----------------------------------------------------------------------------- tables
@@ -543,8 +661,7 @@ def main(argv=None) -> int:
     import jax
 
     import jaxdepth
-    from jaxdepth.erasure import mean_residuals
-    from jaxdepth.layer_skip import sample_split_positions
+    from jaxdepth.analyses.layer_skip import sample_split_positions
     from jaxdepth.loading import embedded_gguf_path
     from jaxdepth.prompts import encode, load_prompts
 
@@ -562,46 +679,25 @@ def main(argv=None) -> int:
         f"H={c.num_heads}/{c.num_kv_heads}, F={c.intermediate_size}, V={c.vocab_size}")
 
     # ---- prompts: one encoding, then per-analysis subsets and caps
-    counts = {"contributions": args.prompts, "logit_lens": args.prompts, "layer_skip": args.skip_prompts,
-              "erasure": args.erasure_prompts, "integrated_gradients": args.ig_prompts}
-    caps = {"contributions": args.max_tokens, "logit_lens": args.max_tokens,
-            "layer_skip": combine_caps(args.max_tokens, args.skip_max_tokens),
-            "erasure": combine_caps(args.max_tokens, args.erasure_max_tokens),
-            "integrated_gradients": combine_caps(args.max_tokens, args.ig_max_tokens)}
-    need = max([counts[a] for a in args.analyses] + [10, args.baseline_prompts if "erasure" in args.analyses else 0])
+    cases = {a: CASES[a] for a in args.analyses}
+    counts = {a: case.prompts(args) for a, case in cases.items()}
+    need = max(list(counts.values()) + [10, args.baseline_prompts])
     prompts = load_prompts("gsm8k", args.data, limit=need)
     full = encode(model.tokenizer, prompts)
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    workloads = {a: truncate(full, range(min(counts[a], len(full))), caps[a], pad_id, a) for a in args.analyses}
-    splits = {}
-    if "layer_skip" in workloads:
-        splits = sample_split_positions(workloads["layer_skip"].lengths, seed=args.seed)
-    baseline, baseline_s = None, None
-    if "erasure" in workloads:
-        start = time.perf_counter()
-        baseline = mean_residuals(model.params, full.select(slice(0, args.baseline_prompts)), c)
-        baseline_s = time.perf_counter() - start
-        log(f"erasure baseline: mean residuals over the first {min(args.baseline_prompts, len(full))} prompts "
-            f"(full length) by jaxdepth.erasure.mean_residuals in {baseline_s:.1f} s (excluded; both use it)")
+    workloads = {a: truncate(full, range(min(counts[a], len(full))), case.cap(args), pad_id, a)
+                 for a, case in cases.items()}
+    bench = Bench(model, args)
+    for a, case in cases.items():
+        case.prepare(bench, workloads[a], full)
 
     print("\nWORKLOAD (GSM8K test prompts from " + args.data + ")")
     flops, executed = {}, {}
     for a, w in workloads.items():
-        flops[a] = workload_flops(a, c, w.lengths, splits=splits if a == "layer_skip" else None,
-                                  steps=args.ig_steps)
-        executed[a] = executed_flops(a, c, w.batch, splits=splits if a == "layer_skip" else None,
-                                     steps=args.ig_steps)
-        extra = ""
-        if a == "layer_skip":
-            n = sum(len(s) for s in splits)
-            extra = f"; split positions {splits}; {n * c.num_layers} skip passes + {len(splits)} clean"
-        elif a == "erasure":
-            extra = f"; {(c.num_layers + 1) * sum(w.lengths)} erasure passes (every boundary 0..L x position)"
-        elif a == "integrated_gradients":
-            extra = (f"; {args.ig_steps} steps x {c.num_layers} layers = "
-                     f"{args.ig_steps * c.num_layers * len(w.lengths)} forward+backward passes")
-        print(f"  {a:<22}{w.describe()}{extra}; {flops[a] / 1e12:.2f} TFLOP as the reference runs it, "
-              f"{executed[a] / 1e12:.2f} TFLOP executed by jaxdepth")
+        flops[a] = workload_flops(a, c, w.lengths, splits=bench.splits, steps=args.ig_steps)
+        executed[a] = executed_flops(a, c, w.batch, splits=bench.splits, steps=args.ig_steps)
+        print(f"  {a:<22}{w.describe()}{cases[a].passes(bench, w)}; {flops[a] / 1e12:.2f} TFLOP as the reference "
+              f"runs it, {executed[a] / 1e12:.2f} TFLOP executed by jaxdepth")
     sys.stdout.flush()
 
     def gate(what):
@@ -622,10 +718,10 @@ def main(argv=None) -> int:
     for a in args.analyses:
         gate(f"jaxdepth {a} (first call)")
         with CpuMeter() as m1:
-            run_jaxdepth(a, model, workloads[a], args, baseline)
+            cases[a].jaxdepth(bench, workloads[a])
         gate(f"jaxdepth {a} (second call)")
         with CpuMeter() as m2:
-            jax_results[a] = run_jaxdepth(a, model, workloads[a], args, baseline)
+            jax_results[a] = cases[a].jaxdepth(bench, workloads[a])
         first, second = m1.wall, m2.wall
         jax_times[a] = (first, second)
         others[("jax", a)] = None if m2.others is None else max(m1.others, m2.others)
@@ -648,7 +744,7 @@ def main(argv=None) -> int:
             f0, b0 = ref.forwards, ref.backwards
             gate(f"reference {a}")
             with CpuMeter() as m:
-                ref_results[a] = run_reference(a, ref, workloads[a], args, baseline, splits)
+                ref_results[a] = cases[a].reference(ref, bench, workloads[a])
             ref_times[a] = m.wall
             ref_passes[a] = (ref.forwards - f0, ref.backwards - b0)
             others[("ref", a)] = m.others
@@ -681,7 +777,7 @@ def main(argv=None) -> int:
                          ref_backwards=ref_passes.get(a, (None, None))[1],
                          others_cores_jax=others[("jax", a)], others_cores_ref=others.get(("ref", a))))
         if a in ref_results:
-            agree.extend(agreement(a, jax_results[a], ref_results[a], workloads[a], c))
+            agree.extend(cases[a].agreement(jax_results[a], ref_results[a], workloads[a], c))
     tot = lambda k: sum(r[k] for r in rows) if all(r[k] is not None for r in rows) else None  # noqa: E731
     totals = dict(jax_first_s=tot("jax_first_s"), jax_run_s=tot("jax_run_s"), jax_compile_s=tot("jax_compile_s"),
                   ref_s=tot("ref_s"), model_flops=tot("model_flops"))
@@ -706,8 +802,8 @@ def main(argv=None) -> int:
                      load_average_before=load_before, load_average_after=load_after,
                      jax=jax.__version__, torch=torch.__version__, jax_devices=[str(d) for d in jax.devices()],
                      torch_threads=torch.get_num_threads()),
-        model=dict(source=args.model, config=c.to_dict()), split_positions=splits,
-        excluded_s=dict(jax_load=jax_load_s, ref_load=ref_load_s, erasure_baseline=baseline_s),
+        model=dict(source=args.model, config=c.to_dict()), split_positions=bench.splits,
+        excluded_s=dict(jax_load=jax_load_s, ref_load=ref_load_s, **bench.excluded_s),
         peak_flops=peak, rows=rows, totals=totals, agreement=agree, study_workload_estimate=dict(
             description=f"{len(study_lengths)} prompts at full length (lengths {study_lengths}), layer skip with "
                         "4 split positions each, erasure at every boundary x position, IG 256 steps x every layer",

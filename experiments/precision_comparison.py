@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth import contributions, effective_depth as ed, logit_lens
+from jaxdepth.analyses import contributions, effective_depth as ed, logit_lens
 from jaxdepth.loading import load
-from jaxdepth.model import forward
+from jaxdepth.core.model import forward
 from jaxdepth.prompts import encode, load_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -269,7 +269,7 @@ class Reference:
 
 
 # ---------------------------------------------------------------------- effective depth (§6)
-# The reference rules, written out independently of jaxdepth.effective_depth; -1 = no layer
+# The reference rules, written out independently of jaxdepth.analyses.effective_depth; -1 = no layer
 # qualifies (the published code's convention for KL and overlap; it raises for cosine).
 
 def ed_cosine(mean_cos) -> int:

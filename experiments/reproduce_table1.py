@@ -21,7 +21,7 @@ from jaxdepth import plots
 from jaxdepth.loading import load
 from jaxdepth.prompts import DATASETS, encode, load_prompts
 from jaxdepth.results import load_result
-from jaxdepth.sharding import make_mesh
+from jaxdepth.core.sharding import make_mesh
 from jaxdepth.study import StudySettings, result_folder, run_study
 from jaxdepth.table import collect, to_markdown, write_table
 

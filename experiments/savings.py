@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth import erasure, integrated_gradients as ig
-from jaxdepth.batch import make_batch
-from jaxdepth.compilation import jit
-from jaxdepth.interventions import replace_residual
+from jaxdepth.analyses import erasure, integrated_gradients as ig
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.interventions import replace_residual
 from jaxdepth.loading import load
-from jaxdepth.model import embed, forward, residual_stream, run_layers, unembed
+from jaxdepth.core.model import embed, forward, residual_stream, run_layers, unembed
 from jaxdepth.prompts import encode, load_prompts
-from jaxdepth.stats import masked_max, norm
-from jaxdepth.sweep import sweep
+from jaxdepth.analyses.stats import masked_max, norm
+from jaxdepth.core.sweep import sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

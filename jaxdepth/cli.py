@@ -73,7 +73,7 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
 
 def _mesh(args):
     """The device mesh of `--mesh DATAxMODEL` (after `--distributed` start-up), or None."""
-    from jaxdepth import sharding
+    from jaxdepth.core import sharding
 
     if args.distributed:
         sharding.initialize_distributed()

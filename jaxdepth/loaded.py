@@ -1,6 +1,6 @@
 """`Model`: a loaded model, the one type every loader and converter returns.
 
-Its params are the plain pytree the pure functions take (`jaxdepth.model.forward` and every
+Its params are the plain pytree the pure functions take (`jaxdepth.core.model.forward` and every
 analysis): host numpy arrays straight from a converter, device arrays after `jaxdepth.load`.
 """
 
@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import Params, forward
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import Params, forward
 
 
 @dataclasses.dataclass
 class Model:
     """A loaded model: params pytree, config, tokenizer (None if the source had none).
 
-    `module` is the same weights as a Flax NNX `jaxdepth.module.Decoder` (no copy): the object to
+    `module` is the same weights as a Flax NNX `jaxdepth.core.module.Decoder` (no copy): the object to
     hand to NNX code; `params` is what the pure functions and analyses take."""
 
     params: Params
@@ -36,7 +36,7 @@ class Model:
     def module(self):
         """The decoder as an NNX module over these params (`nnx.split(model.module)[1]
         .to_pure_dict()` is `model.params`, leaf for leaf the same arrays)."""
-        from jaxdepth.module import Decoder
+        from jaxdepth.core.module import Decoder
 
         return Decoder(self.params, self.config)
 

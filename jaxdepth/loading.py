@@ -94,7 +94,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
 
     `dtype` (e.g. 'bfloat16') casts the params after loading; default: as stored (float32 for
     GGUF and conversions, the checkpoint's own dtype for converted folders). With a `mesh`
-    (`jaxdepth.sharding.make_mesh`), params are placed on it as `PARTITION_RULES` says; a
+    (`jaxdepth.core.sharding.make_mesh`), params are placed on it as `PARTITION_RULES` says; a
     converted folder is restored straight into that layout, shard by shard."""
     from conversion.checkpoint import is_converted_dir, restore_converted
 
@@ -111,7 +111,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     model = dataclasses.replace(converted, params=jax.tree.map(jnp.asarray, converted.params))
     model = model if dtype is None else model.astype(dtype)
     if mesh is not None:
-        from jaxdepth.sharding import shard_params
+        from jaxdepth.core.sharding import shard_params
 
         model = dataclasses.replace(model, params=shard_params(model.params, mesh))
     return model

@@ -21,15 +21,15 @@ from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
 from jaxdepth.atomic import atomic_write
-from jaxdepth.contributions import ContributionResult
-from jaxdepth.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
-                                      kl_effective_depth, overlap_effective_depth)
-from jaxdepth.erasure import ErasureResult
-from jaxdepth.integrated_gradients import IntegratedGradientsResult
-from jaxdepth.layer_skip import LayerSkipResult
-from jaxdepth.logit_lens import LogitLensResult
-from jaxdepth.uncertainty import (DEFAULT_RESAMPLES, DEFAULT_SEED, CurveBand, DepthInterval, curve_bands,
-                                  effective_depth_intervals, has_per_prompt)
+from jaxdepth.analyses.contributions import ContributionResult
+from jaxdepth.analyses.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
+                                               kl_effective_depth, overlap_effective_depth)
+from jaxdepth.analyses.erasure import ErasureResult
+from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
+from jaxdepth.analyses.layer_skip import LayerSkipResult
+from jaxdepth.analyses.logit_lens import LogitLensResult
+from jaxdepth.analyses.uncertainty import (DEFAULT_RESAMPLES, DEFAULT_SEED, CurveBand, DepthInterval,
+                                           curve_bands, effective_depth_intervals, has_per_prompt)
 
 DPI = 150
 MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th

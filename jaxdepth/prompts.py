@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.batch import PromptBatch, make_batch
+from jaxdepth.core.batch import PromptBatch, make_batch
 
 INSTRUCTION = ("Given the following problem, reason and give a final answer to the problem.\n"
                "Problem: {problem}\nYour response should end with \"{ending}\" where [answer] is the "

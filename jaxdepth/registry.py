@@ -20,7 +20,7 @@ class RunInputs:
     themselves) and whether to show progress bars."""
 
     model: Any  # jaxdepth.loading.Model
-    batch: Any  # jaxdepth.batch.PromptBatch
+    batch: Any  # jaxdepth.core.batch.PromptBatch
     settings: Any  # jaxdepth.study.StudySettings
     baseline_batch: Optional[Any] = None
     progress: bool = True
@@ -72,8 +72,9 @@ def analysis(name: str) -> Analysis:
 # ----------------------------------------------------------------------------- the built-in suite
 
 def _register_builtins():
-    from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens, plots
-    from jaxdepth import effective_depth as ed
+    from jaxdepth.analyses import contributions, erasure, integrated_gradients, layer_skip, logit_lens
+    from jaxdepth import plots
+    from jaxdepth.analyses import effective_depth as ed
 
     def per_prompt_figures(draw):
         def figures(result, tokenizer, detail_prompts):

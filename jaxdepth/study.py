@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.batch import PromptBatch
+from jaxdepth.core.batch import PromptBatch
 from jaxdepth.loading import Model
 from jaxdepth.registry import ANALYSES, RunInputs, analysis
 from jaxdepth.results import RESULT_FORMAT, load_result

@@ -9,8 +9,8 @@ import io
 import os
 from typing import Iterable
 
-from jaxdepth import effective_depth as ed
-from jaxdepth import uncertainty
+from jaxdepth.analyses import effective_depth as ed
+from jaxdepth.analyses import uncertainty
 from jaxdepth.atomic import atomic_write
 from jaxdepth.results import load_result
 

@@ -15,10 +15,10 @@ import pytest
 from conftest import shared_data_path
 from conversion.checkpoint import save_converted
 from jaxdepth.loaded import Model
-from jaxdepth import effective_depth as ed
+from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.cli import main
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import random_params
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import random_params
 from jaxdepth.prompts import load_prompts
 from jaxdepth.results import load_result
 

@@ -9,11 +9,12 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from jaxdepth import contributions, erasure, integrated_gradients, layer_skip, logit_lens, plots
-from jaxdepth.batch import make_batch
-from jaxdepth.config import ModelConfig
-from jaxdepth.effective_depth import kl_effective_depth, overlap_effective_depth
-from jaxdepth.model import random_params
+from jaxdepth.analyses import contributions, erasure, integrated_gradients, layer_skip, logit_lens
+from jaxdepth import plots
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
+from jaxdepth.core.model import random_params
 
 
 def _config(num_layers):
@@ -329,7 +330,7 @@ def test_bootstrap_bands_and_per_prompt_curves(results):
     """With per-prompt curves, each aggregate curve the depth reads gets its 95% bootstrap band
     (the percentiles of `uncertainty.curve_bands`, same seed) and each prompt a faint curve; the
     titles give the interval. `resamples=0` drops the band and the interval, not the prompts."""
-    from jaxdepth import uncertainty
+    from jaxdepth.analyses import uncertainty
 
     lens, contrib = results["logit_lens"], results["contributions"]
     layers = np.arange(CONFIG.num_layers)

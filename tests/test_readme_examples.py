@@ -28,8 +28,8 @@ def test_each_example_is_at_most_20_lines():
 
 @pytest.mark.slow
 def test_readme_examples_run_as_written(smollm2, capsys):
-    from jaxdepth import sites
-    from jaxdepth.model import embed, forward, run_layers
+    from jaxdepth.core import sites
+    from jaxdepth.core.model import embed, forward, run_layers
 
     namespace: dict = {}
     for block in _examples():  # in order, in one namespace, as a reader pastes them

@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxdepth import layer_skip
-from jaxdepth.batch import make_batch
-from jaxdepth.config import ModelConfig
+from jaxdepth.analyses import layer_skip
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.config import ModelConfig
 from jaxdepth.loading import Model
-from jaxdepth.model import random_params
+from jaxdepth.core.model import random_params
 from jaxdepth.registry import ANALYSES, Analysis, register
 from jaxdepth.results import SavedResult, load_result
 from jaxdepth.study import StudySettings, run_study, write_figures

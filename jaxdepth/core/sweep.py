@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxdepth.config import ModelConfig
-from jaxdepth.sharding import DATA
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.sharding import DATA
 
 # Share of the free device (or host, on CPU) memory a sweep's activations may take when no budget
 # is given: the rest is left to params, XLA's temporaries and whatever else runs.

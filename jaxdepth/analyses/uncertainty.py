@@ -18,8 +18,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth import effective_depth as ed
-from jaxdepth.effective_depth import EffectiveDepth
+from jaxdepth.analyses import effective_depth as ed
+from jaxdepth.analyses.effective_depth import EffectiveDepth
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_SEED = 0

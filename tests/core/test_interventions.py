@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, assert_moved
-from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import Interventions, replace_residual, skip_layer
-from jaxdepth.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
-                            mlp, random_params, residual_stream, rms_norm, rotary_tables, run_layers,
-                            run_layers_from, unembed)
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.interventions import Interventions, replace_residual, skip_layer
+from jaxdepth.core.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
+                                 mlp, random_params, residual_stream, rms_norm, rotary_tables, run_layers,
+                                 run_layers_from, unembed)
 
 TOL = 1e-5
 B, T = 2, 12

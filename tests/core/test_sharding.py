@@ -10,9 +10,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import param_shapes
-from jaxdepth.sharding import PARTITION_RULES, make_mesh, param_spec
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import param_shapes
+from jaxdepth.core.sharding import PARTITION_RULES, make_mesh, param_spec
 
 
 @pytest.mark.parametrize("qkv_bias,tied", [(True, True), (False, False)])

@@ -10,11 +10,12 @@ assert "xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, sites  # noqa: E402
-from jaxdepth.batch import make_batch  # noqa: E402
-from jaxdepth.config import ModelConfig  # noqa: E402
-from jaxdepth.model import forward, random_params  # noqa: E402
-from jaxdepth.sharding import make_mesh, shard_params  # noqa: E402
+from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens  # noqa: E402
+from jaxdepth.core import sites
+from jaxdepth.core.batch import make_batch  # noqa: E402
+from jaxdepth.core.config import ModelConfig  # noqa: E402
+from jaxdepth.core.model import forward, random_params  # noqa: E402
+from jaxdepth.core.sharding import make_mesh, shard_params  # noqa: E402
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,

@@ -22,7 +22,7 @@ from conversion.checkpoint import is_converted_dir, restore_converted, save_conv
 from conversion.errors import ConversionError
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
-from jaxdepth.config import UnsupportedConfigError
+from jaxdepth.core.config import UnsupportedConfigError
 from conftest import write_tiny_gguf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

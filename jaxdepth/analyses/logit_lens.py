@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.batch import PromptBatch
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import residual_stream, unembed
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import per_prompt_mean, prompt_mean, token_mean
+from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
 
 TOP_K = 5
 

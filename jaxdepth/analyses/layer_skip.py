@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.batch import PromptBatch
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import skip_layer
-from jaxdepth.model import LayerRecord, residual_stream, run_layers_from, unembed
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.interventions import skip_layer
+from jaxdepth.core.model import LayerRecord, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import masked_max, norm, relative_norm
-from jaxdepth.sweep import auto_chunk_size, sweep
+from jaxdepth.analyses.stats import masked_max, norm, relative_norm
+from jaxdepth.core.sweep import auto_chunk_size, sweep
 
 SUBLAYERS = ("layer", "attn", "mlp")
 MODES = ("future", "current")

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdepth import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
-from jaxdepth.batch import make_batch
-from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import replace_residual, skip_layer
-from jaxdepth.model import forward, random_params, residual_stream, run_layers, embed
+from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.interventions import replace_residual, skip_layer
+from jaxdepth.core.model import forward, random_params, residual_stream, run_layers, embed
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,

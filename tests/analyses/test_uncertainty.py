@@ -9,11 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from jaxdepth import table, uncertainty as u
-from jaxdepth.contributions import STATISTICS, ContributionResult
-from jaxdepth.effective_depth import depth_score, overlap_effective_depth
-from jaxdepth.layer_skip import LayerSkipResult
-from jaxdepth.logit_lens import LogitLensResult
+from jaxdepth import table
+from jaxdepth.analyses import uncertainty as u
+from jaxdepth.analyses.contributions import STATISTICS, ContributionResult
+from jaxdepth.analyses.effective_depth import depth_score, overlap_effective_depth
+from jaxdepth.analyses.layer_skip import LayerSkipResult
+from jaxdepth.analyses.logit_lens import LogitLensResult
 
 
 def lens_result(kl_per_prompt, overlap_per_prompt, counts=None, weighting="prompt"):
@@ -218,7 +219,7 @@ def test_depth_score_undefined_resamples_are_counted():
 
 
 def test_depth_score_of_several_sublayers_is_taken_one_at_a_time():
-    from jaxdepth.layer_skip import LayerSkipBySublayer
+    from jaxdepth.analyses.layer_skip import LayerSkipBySublayer
 
     L, N = 4, 5
     later = np.triu(np.random.default_rng(0).random((2, N, L, L)), k=1)

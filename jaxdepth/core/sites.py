@@ -1,7 +1,7 @@
 """Named intervention sites of a decoder layer, and interventions as data.
 
 Every layer exposes these sites, in the order the layer computes them (names as in
-TransformerLens, shapes in the glossary of `jaxdepth.model`):
+TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
 
     resid_pre   h_l, the layer's input                         [B, T, D]
     head_out    each attention head's output, before o_proj      [B, T, H, Dh]
@@ -12,7 +12,7 @@ TransformerLens, shapes in the glossary of `jaxdepth.model`):
     resid_post  h_{l+1}, the layer's output                      [B, T, D]
 
 `resid_pre` at layer index L (one past the last layer) is the final residual h_L, the input of
-the final norm: an intervention there edits boundary L. Taps (see `jaxdepth.model.LayerRecord`)
+the final norm: an intervention there edits boundary L. Taps (see `jaxdepth.core.model.LayerRecord`)
 also read the queries, keys, values and attention probabilities.
 
 An `Intervention` is a site name, a pure function `fn(value, layer, data) -> value` and `data`,
@@ -57,7 +57,7 @@ InterventionsLike = Union[None, Intervention, Iterable[Any]]
 
 def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ...]:
     """A flat tuple of `Intervention`s from None, one intervention, a bundle with a
-    `site_interventions()` method (`jaxdepth.interventions.Interventions`), or a (nested)
+    `site_interventions()` method (`jaxdepth.core.interventions.Interventions`), or a (nested)
     sequence of these."""
     if interventions is None:
         return ()

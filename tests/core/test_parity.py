@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_VARIANTS, shared_data_path, write_tiny_gguf
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
-from jaxdepth.model import forward
+from jaxdepth.core.model import forward
 
 torch = pytest.importorskip("torch")
 

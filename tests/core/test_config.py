@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxdepth.config import ModelConfig, UnsupportedConfigError
+from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 
 # A transformers-5 style Qwen2 config.json (as written by save_pretrained).
 QWEN2_V5 = {

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, assert_moved
-from jaxdepth import sites
-from jaxdepth.config import ModelConfig
-from jaxdepth.integrated_gradients import ig_of_prompt, quadrature
-from jaxdepth.interventions import skip_layer
-from jaxdepth.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
-                            residual_stream, rms_norm, rotary_tables, run_layers, unembed)
+from jaxdepth.core import sites
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.analyses.integrated_gradients import ig_of_prompt, quadrature
+from jaxdepth.core.interventions import skip_layer
+from jaxdepth.core.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
+                                 residual_stream, rms_norm, rotary_tables, run_layers, unembed)
 
 B, T = 2, 10
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,

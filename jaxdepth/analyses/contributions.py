@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.batch import PromptBatch
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import LayerRecord, embed, run_layers
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import LayerRecord, embed, run_layers
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import cosine, per_prompt_mean, relative_norm, token_mean
+from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
 
 # Order of the statistics on the last axis of `per_token`.
 STATISTICS = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")

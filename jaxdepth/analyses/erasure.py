@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.batch import PromptBatch
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.interventions import replace_residual
-from jaxdepth.model import clean_key_values, residual_stream, run_layers_from, unembed
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.interventions import replace_residual
+from jaxdepth.core.model import clean_key_values, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
-from jaxdepth.stats import masked_max, norm
-from jaxdepth.sweep import auto_chunk_size, sweep
+from jaxdepth.analyses.stats import masked_max, norm
+from jaxdepth.core.sweep import auto_chunk_size, sweep
 
 
 @partial(jit, static_argnames="config")

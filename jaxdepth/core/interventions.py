@@ -1,14 +1,14 @@
 """The studies' interventions as one bundle of arrays: skipping layers or sublayers at chosen
 positions, and replacing the residual at one boundary.
 
-`Interventions` is a convenience over the general mechanism of `jaxdepth.sites` (any function
+`Interventions` is a convenience over the general mechanism of `jaxdepth.core.sites` (any function
 at any named site): `site_interventions()` turns it into site interventions, which is all the
 layer step sees. Every intervention is an array inside a pytree, never Python control flow, so that a new
 intervention *value* reuses the compiled computation and a stack of interventions can be
 `vmap`ped. A field left as `None` is absent from the computation altogether (that changes the
 traced structure, not a value, and compiles once per structure).
 
-Shapes (glossary in `jaxdepth.model`): masks over positions are `[T]` (same for every prompt
+Shapes (glossary in `jaxdepth.core.model`): masks over positions are `[T]` (same for every prompt
 of the batch) or `[B, T]`; per-layer masks carry a leading layer axis, `[L, T]` or `[L, B, T]`.
 """
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxdepth import sites
+from jaxdepth.core import sites
 
 
 @jax.tree_util.register_dataclass

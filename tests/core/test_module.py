@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdepth import sites
-from jaxdepth.config import ModelConfig
+from jaxdepth.core import sites
+from jaxdepth.core.config import ModelConfig
 from jaxdepth.loaded import Model
-from jaxdepth.model import forward, random_params
-from jaxdepth.module import Decoder, abstract_decoder, partition_specs
-from jaxdepth.sharding import PARTITION_RULES
+from jaxdepth.core.model import forward, random_params
+from jaxdepth.core.module import Decoder, abstract_decoder, partition_specs
+from jaxdepth.core.sharding import PARTITION_RULES
 
 CONFIGS = {
     "qwen2_untied": ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64,

@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.batch import PromptBatch
-from jaxdepth.compilation import jit
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import (final_residual, layer_context, layer_params, layer_step, residual_stream,
-                            run_layers_from, unembed)
-from jaxdepth.sites import as_interventions
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import (final_residual, layer_context, layer_params, layer_step, residual_stream,
+                                 run_layers_from, unembed)
+from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
-from jaxdepth.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sweep import auto_chunk_size, sweep
 
 RULES = ("left", "midpoint", "gauss")
 BASELINES = ("channel_mean", "token_mean", "zero")
@@ -155,7 +155,7 @@ def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, w
     tokens where `answer_real`): `(attributions [L, T], f_input [], f_baseline [L])`.
 
     Layers run one after another (`ig_of_layer`, one compiled computation for all of them);
-    `on_layer()` is called after each (progress). `interventions` (`jaxdepth.sites`) act on
+    `on_layer()` is called after each (progress). `interventions` (`jaxdepth.core.sites`) act on
     the whole forward, before and after the attributed layer: IG of a model with, say, an
     earlier layer skipped.
     """

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxdepth.config import ModelConfig
-from jaxdepth.sites import Intervention, InterventionsLike, apply_at, as_interventions
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.sites import Intervention, InterventionsLike, apply_at, as_interventions
 
 Params = dict[str, Any]
 
@@ -166,7 +166,7 @@ def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerRecord:
-    """What a tap sees of layer `index`, every site after its interventions (`jaxdepth.sites`):
+    """What a tap sees of layer `index`, every site after its interventions (`jaxdepth.core.sites`):
     its input `h` (= h_l, site `resid_pre`), the queries `q` `[B,S,H,Dh]`, keys and values `k`,
     `v` `[B,T,K,Dh]` (rotated; with a prefix, T = P + S), attention probabilities `attn_probs`
     `[B,H,S,T]`, the heads' outputs `head_out` `[B,S,H,Dh]`, the sublayer outputs `attn` (= a_l)
@@ -190,7 +190,7 @@ class LayerRecord:
         """The layer's contribution to the residual, h_{l+1} - h_l."""
         return self.out - self.h
 
-    # The site names of `jaxdepth.sites`, for taps written with them.
+    # The site names of `jaxdepth.core.sites`, for taps written with them.
     resid_pre = property(lambda self: self.h)
     attn_out = property(lambda self: self.attn)
     mlp_out = property(lambda self: self.mlp)
@@ -251,7 +251,7 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
                tap: Optional[Tap] = None, tap_inputs: Any = None, remat: bool = False):
     """Run every decoder layer on the residual `h0` (one `lax.scan` over `layer_step`),
     applying `interventions`: an `Interventions` bundle, a site `Intervention`
-    (`jaxdepth.sites`), or a sequence of them.
+    (`jaxdepth.core.sites`), or a sequence of them.
 
     `tap(record, x)` is called inside the scan for every layer with that layer's `LayerRecord`
     and the layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its

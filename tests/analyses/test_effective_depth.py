@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdepth import effective_depth as ed
-from jaxdepth.logit_lens import LogitLensResult
+from jaxdepth.analyses import effective_depth as ed
+from jaxdepth.analyses.logit_lens import LogitLensResult
 from jaxdepth.results import load_result
 
 
@@ -63,14 +63,14 @@ def test_result_round_trip(tmp_path):
     np.testing.assert_array_equal(back.kl, r.kl)
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["lens.npz"]  # no temporary left
     with pytest.raises(TypeError):
-        from jaxdepth.contributions import ContributionResult
+        from jaxdepth.analyses.contributions import ContributionResult
         ContributionResult.load(path)
 
 
 def test_per_prompt_curves_round_trip_and_older_files_load_without_them(tmp_path):
     import json
 
-    from jaxdepth.contributions import STATISTICS, ContributionResult
+    from jaxdepth.analyses.contributions import STATISTICS, ContributionResult
 
     rng = np.random.default_rng(0)
     per_prompt = {f"{name}_per_prompt": rng.random((3, 5)) for name in STATISTICS}

@@ -1,9 +1,9 @@
 """The decoder as a Flax NNX module.
 
 `Decoder` holds the weights as `nnx.Param`s, per-layer weights stacked on a leading layer axis,
-each carrying its partition spec from `jaxdepth.sharding.PARTITION_RULES` (the one table) as
+each carrying its partition spec from `jaxdepth.core.sharding.PARTITION_RULES` (the one table) as
 `out_sharding` metadata. It computes nothing of its own: calling it runs the pure
-`jaxdepth.model.forward` on `params()`, and `nnx.split(decoder)` gives a state whose
+`jaxdepth.core.model.forward` on `params()`, and `nnx.split(decoder)` gives a state whose
 `to_pure_dict()` is exactly that params pytree, the same arrays, not copies. So the module is
 the object a user holds, and the pure, jitted functions the analyses call take its state: no
 NNX graph traversal inside any hot loop.
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxdepth.config import ModelConfig
-from jaxdepth.model import Params, check_params, forward
-from jaxdepth.sharding import PARTITION_RULES
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import Params, check_params, forward
+from jaxdepth.core.sharding import PARTITION_RULES
 
 
 def _param(name: str, value) -> nnx.Param:
     # eager_sharding=False: the spec is metadata for whoever places the params on a mesh
-    # (`jaxdepth.sharding`, a sharded orbax restore); creating the module never moves data.
+    # (`jaxdepth.core.sharding`, a sharded orbax restore); creating the module never moves data.
     return nnx.Param(value, out_sharding=PARTITION_RULES[name], eager_sharding=False)
 
 
@@ -46,7 +46,7 @@ class Decoder(nnx.Module):
         return nnx.state(self, nnx.Param).to_pure_dict()
 
     def __call__(self, tokens, *, valid=None, interventions=None):
-        """Logits `[B, T, V]`, exactly `jaxdepth.model.forward(self.params(), ...)` (jit the pure
+        """Logits `[B, T, V]`, exactly `jaxdepth.core.model.forward(self.params(), ...)` (jit the pure
         function, or `nnx.jit` this call, for speed)."""
         return forward(self.params(), tokens, self.config, valid=valid, interventions=interventions)
 
@@ -61,7 +61,7 @@ def abstract_decoder(config: ModelConfig, dtype) -> Decoder:
     of an orbax restore."""
     import jax
 
-    from jaxdepth.model import param_shapes
+    from jaxdepth.core.model import param_shapes
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                           is_leaf=lambda x: isinstance(x, tuple))

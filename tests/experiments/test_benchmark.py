@@ -1,0 +1,45 @@
+"""The benchmark on a tiny GGUF model: every registered analysis has a case, runs on both sides,
+and jaxdepth agrees with the PyTorch reference."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import write_tiny_gguf
+
+pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
+sys.path.insert(0, os.path.abspath(EXPERIMENTS))
+
+import benchmark  # noqa: E402
+
+from jaxdepth.registry import ANALYSES  # noqa: E402
+
+
+def test_every_registered_analysis_has_a_case():
+    assert set(benchmark.CASES) == set(ANALYSES)
+
+
+@pytest.mark.parity
+def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_path, capsys):
+    gguf_path = write_tiny_gguf(tiny_model("llama_gqa_untied"), str(tmp_path / "tiny.gguf"))
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [dict(question=f"a cat has {n} legs and a bat has two.", answer=f"it is {n} plus two\n#### {n + 2}")
+            for n in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "benchmark.json"
+    code = benchmark.main(["--model", gguf_path, "--data", str(data), "--prompts", "2", "--skip-prompts", "2",
+                           "--max-tokens", "40", "--ig-steps", "4", "--baseline-prompts", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    failed = [f"{a['analysis']} {a['quantity']}: {a.get('note')}" for a in report["agreement"] if not a["ok"]]
+    assert code == 0 and report["all_agree"], failed
+    assert [r["analysis"] for r in report["rows"]] == list(ANALYSES)
+    # Each side's timing, FLOP count and agreement rows are there for every analysis.
+    for row in report["rows"]:
+        assert row["jax_run_s"] > 0 and row["ref_s"] > 0 and row["model_flops"] > 0
+    assert {a["analysis"] for a in report["agreement"]} == set(ANALYSES)
+    assert "TOTAL" in capsys.readouterr().out
