@@ -1,9 +1,10 @@
-"""Benchmark: jaxdepth against the reference approach (PyTorch + Hugging Face hooks, batch 1, one
-forward pass per intervention; `experiments/reference_torch.py`) on the same model, the same
+"""Benchmark: jaxdepth against the reference approach (PyTorch + Hugging Face hooks, run the way
+the published code runs each analysis: batch 1 and one forward pass per intervention, integrated
+gradients in blocks of 16 steps; `experiments/reference_torch.py`) on the same model, the same
 prompts and the same machine, in one run.
 
-For every analysis it reports the jaxdepth wall time (each analysis is called twice: the first
-call compiles and runs, the second only runs), the reference wall time, their ratio, the model
+For every analysis it reports the jaxdepth wall time (the first call compiles and runs, the
+next `--repeat` calls only run: their median), the reference wall time (median of `--repeat`), their ratio, the model
 FLOPs of the workload and the FLOP/s jaxdepth achieves against a matmul peak measured in the
 same run, and how far the two implementations' results are apart. Model loading is excluded
 from every time.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from functools import partial
 import json
 import os
 import platform
@@ -35,6 +37,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+IG_BLOCK = 16  # reference_torch.IG_BLOCK (not imported here: that module needs torch)
 
 ALIASES = {"contrib": "contributions", "cosine": "contributions", "lens": "logit_lens", "skip": "layer_skip",
            "ig": "integrated_gradients"}
@@ -61,8 +64,10 @@ def parse_args(argv=None):
                         "per-analysis caps below apply on top of it")
     p.add_argument("--skip-prompts", type=int, default=2, help="prompts for layer skip")
     p.add_argument("--skip-max-tokens", type=int, default=64, help="token cap for layer skip")
-    p.add_argument("--erasure-prompts", type=int, default=1, help="prompts for residual erasure")
-    p.add_argument("--erasure-max-tokens", type=int, default=32, help="token cap for residual erasure")
+    p.add_argument("--erasure-prompts", type=int, default=1,
+                   help="prompts for residual erasure and attribution patching")
+    p.add_argument("--erasure-max-tokens", type=int, default=32,
+                   help="token cap for residual erasure and attribution patching")
     p.add_argument("--ig-prompts", type=int, default=1, help="prompts for integrated gradients")
     p.add_argument("--ig-max-tokens", type=int, default=16, help="token cap for integrated gradients")
     p.add_argument("--ig-steps", type=int, default=16,
@@ -79,9 +84,14 @@ def parse_args(argv=None):
                    help="before each timed call, wait up to this many seconds for other processes to "
                         "leave the CPU (under 0.2 cores busy over 3 s); 0 = do not wait. The CPU time "
                         "other processes take during each timing is reported either way")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed calls per analysis and side; the tables report their median (jaxdepth's first, "
+                        "compiling call is timed apart)")
     p.add_argument("--no-reference", action="store_true", help="time jaxdepth only (no agreement check)")
     p.add_argument("--out", default="results/benchmark.json", help="JSON copy of the tables")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     names = [ALIASES.get(a.strip(), a.strip()) for a in args.analyses.replace(" ", ",").split(",") if a.strip()]
     unknown = sorted(set(names) - set(ANALYSES))
     if unknown:
@@ -243,6 +253,27 @@ def wait_quiet(timeout: float, threshold: float = 0.2, window: float = 3.0) -> O
             return None
 
 
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_description() -> str:
+    """The CPU model and the vector extensions that matter for matmuls, e.g. 'AMD EPYC (avx2,
+    fma, avx512f)': speed ratios differ between CPUs, so every report names it."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return f"{model} ({', '.join(f for f in VECTOR_FLAGS if f in flags) or 'vector extensions unknown'})"
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -352,6 +383,8 @@ def _sample_splits(bench: Bench, w: Workload, full):
 def _erasure_baseline(bench: Bench, w: Workload, full):
     from jaxdepth.analyses.erasure import mean_residuals
 
+    if bench.baseline is not None:  # erasure and attribution patching share it
+        return
     start = time.perf_counter()
     bench.baseline = mean_residuals(bench.model.params, full.select(slice(0, bench.args.baseline_prompts)), bench.config)
     bench.excluded_s["erasure_baseline"] = seconds = time.perf_counter() - start
@@ -367,10 +400,26 @@ def _erasure_jaxdepth(bench: Bench, w: Workload):
     return residual_erasure(bench.model.params, w.batch, bench.config, bench.baseline, progress=False)
 
 
-def _ig_backward_flops(c, T):
-    # Per (layer, step) the reference runs a full forward, then the backward to h_{l+1}. Weights
-    # need no gradient, so a backward costs about one forward of the layers it crosses.
-    return sum(layer_flops(c, T, T, c.num_layers - l - 1) + lm_head_flops(c, T) for l in range(c.num_layers))
+def _attribution_jaxdepth(bench: Bench, w: Workload):
+    # Not through the registry, for the same reason as erasure: the baseline is shared, untimed.
+    from jaxdepth.analyses.attribution import attribution_patching
+
+    return attribution_patching(bench.model.params, w.batch, bench.config, bench.baseline, progress=False)
+
+
+def _attribution_executed(c, one, splits, steps):
+    # forward, then a backward that recomputes each layer (remat) before pulling back; the LM
+    # head only at the answer positions
+    L, T, A = c.num_layers, one.tokens.shape[1], _answers(one)
+    return 3 * layer_flops(c, T, T, L) + 2 * lm_head_flops(c, A)
+
+
+def _ig_model_flops(c, T, splits, steps):
+    # As the published code runs it: one clean forward; per layer l, F(b) and `steps` forward and
+    # backward passes of the layers after l and the head, in blocks of 16 steps. Weights need no
+    # gradient, so a backward costs about one forward of the layers it crosses.
+    suffix = lambda l: layer_flops(c, T, T, c.num_layers - l - 1) + lm_head_flops(c, T)  # noqa: E731
+    return forward_flops(c, T) + sum((2 * steps + 1) * suffix(l) for l in range(c.num_layers))
 
 
 def _answers(one) -> int:
@@ -470,6 +519,23 @@ def _ig_agreement(jres, rres, w, c):
             _diff_row(name, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2)]
 
 
+def _attribution_agreement(jres, rres, w, c, name="attribution_patching"):
+    cut = lambda x: np.concatenate([np.asarray(x)[i, :, :n] for i, n in enumerate(w.lengths)], axis=1)  # noqa: E731
+    return [_diff_row(name, "estimate [P,L+1,T]", cut(jres.patching), np.concatenate(rres["patching"], axis=1)),
+            _diff_row(name, "grad x act [P,L+1,T]", cut(jres.grad_x_act), np.concatenate(rres["grad_x_act"], axis=1)),
+            _diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"])]
+
+
+_ATTRIBUTION = Case(
+    prompts=lambda a: a.erasure_prompts, cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
+    jaxdepth=_attribution_jaxdepth,
+    reference=lambda ref, bench, w: ref.attribution_patching(w.token_lists, w.answer_starts, bench.baseline),
+    # one forward, one backward to the activations (about one forward again)
+    model_flops=lambda c, T, splits, steps: 2 * forward_flops(c, T),
+    executed_flops=_attribution_executed, agreement=_attribution_agreement, prepare=_erasure_baseline,
+    passes=lambda bench, w: f"; {len(w.lengths)} forward+backward pass(es), the erasure's prompts")
+
+
 # One case per registered analysis (`jaxdepth.registry.ANALYSES`); a test checks they match.
 CASES = {
     "contributions": Case(
@@ -510,13 +576,14 @@ CASES = {
         prompts=lambda a: a.ig_prompts, cap=lambda a: combine_caps(a.max_tokens, a.ig_max_tokens),
         jaxdepth=_via_registry("integrated_gradients"),
         reference=lambda ref, bench, w: ref.integrated_gradients(w.token_lists, w.answer_starts, bench.args.ig_steps),
-        # per (layer, step) a forward and a backward; plus F(x) and the L values F(b)
-        model_flops=lambda c, T, splits, steps: (steps * (c.num_layers * forward_flops(c, T) + _ig_backward_flops(c, T))
-                                                 + (c.num_layers + 1) * forward_flops(c, T)),
-        executed_flops=_ig_executed, agreement=_ig_agreement,
-        passes=lambda bench, w: (f"; {bench.args.ig_steps} steps x {bench.config.num_layers} layers = "
-                                 f"{bench.args.ig_steps * bench.config.num_layers * len(w.lengths)} "
+        model_flops=_ig_model_flops, executed_flops=_ig_executed, agreement=_ig_agreement,
+        passes=lambda bench, w: (f"; {bench.args.ig_steps} steps x {bench.config.num_layers} layers; the reference "
+                                 f"runs them in blocks of {IG_BLOCK} steps, "
+                                 f"{-(-bench.args.ig_steps // IG_BLOCK) * bench.config.num_layers * len(w.lengths)} "
                                  "forward+backward passes")),
+    "attribution_patching": _ATTRIBUTION,
+    # the same pass, registered as its own analysis
+    "grad_x_act": dataclasses.replace(_ATTRIBUTION, agreement=partial(_attribution_agreement, name="grad_x_act")),
 }
 
 
@@ -563,7 +630,7 @@ def print_tables(report):
     peak = report["peak_flops"]
     print("\n" + "=" * 112)
     torch_peak = f", torch {peak['torch'] / 1e9:.1f} GFLOP/s" if peak.get("torch") else ""
-    print(f"jaxdepth vs reference (PyTorch + HF hooks, batch 1)  |  {report['machine']['cpu']}, "
+    print(f"jaxdepth vs reference (PyTorch + HF hooks, as published)  |  {report['machine']['cpu']}, "
           f"{report['machine']['cores']} cores  |  matmul peak: jax {peak['jax'] / 1e9:.1f} GFLOP/s{torch_peak}")
     print("-" * 112)
     head = (f"{'analysis':<22}{'jax 1st':>9}{'jax run':>9}{'compile':>9}{'ref':>9}{'ref/jax':>9}"
@@ -582,10 +649,11 @@ def print_tables(report):
     ratio = "-" if t["ratio"] is None else f"{t['ratio']:.1f}x"
     print(f"{'TOTAL':<22}{fmt_s(t['jax_first_s']):>9}{fmt_s(t['jax_run_s']):>9}{fmt_s(t['jax_compile_s']):>9}"
           f"{fmt_s(t['ref_s']):>9}{ratio:>9}{t['model_flops'] / 1e12:>12.2f}T")
-    print("jax 1st = first call (compile + run); jax run = second call; compile = 1st - run; ref = reference; "
-          "model FLOPs = the work as the reference\nformulation runs it; executed = the matmul FLOPs jaxdepth "
-          "runs (it skips the rest); exec FLOP/s = executed / run time, % peak of the jax matmul peak;\nothers j/r = CPU cores other processes used during the jaxdepth / "
-          f"reference timing (of {report['machine']['cores']}; the worse of jaxdepth's two calls)")
+    print("jax 1st = first call (compile + run); jax run = later calls (median of --repeat); compile = 1st - run; "
+          "ref = reference (median of --repeat);\nmodel FLOPs = the work as the reference formulation runs it; "
+          "executed = the matmul FLOPs jaxdepth runs (it skips the rest);\nexec FLOP/s = executed / run time, "
+          "% peak of the jax matmul peak; others j/r = CPU cores other processes used during the\njaxdepth / "
+          f"reference timing (of {report['machine']['cores']}; the worst call)")
     if any(_contended(r, report["machine"]["cores"]) for r in report["rows"]):
         print(f"  * = timed while other processes took > {CONTENDED_CORES} cores: those times are "
               "inflated, the reference's\n    multi-threaded torch most (its OpenMP barriers stall when a "
@@ -713,21 +781,30 @@ def main(argv=None) -> int:
     peaks_before = matmul_peak(c)
     log("matmul peak (best of 7, float32): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks_before.items()))
 
-    # ---- jaxdepth: every analysis twice
+    def timed(what, fn):
+        """(result, median wall time, the most other processes used) of `args.repeat` calls."""
+        walls, busy, result = [], [], None
+        for _ in range(args.repeat):
+            gate(what)
+            with CpuMeter() as m:
+                result = fn()
+            walls.append(m.wall)
+            busy.append(m.others)
+        return result, float(np.median(walls)), None if None in busy else max(busy)
+
+    # ---- jaxdepth: every analysis once to compile, then `--repeat` timed calls
     jax_times, jax_results, others = {}, {}, {}
     for a in args.analyses:
         gate(f"jaxdepth {a} (first call)")
         with CpuMeter() as m1:
             cases[a].jaxdepth(bench, workloads[a])
-        gate(f"jaxdepth {a} (second call)")
-        with CpuMeter() as m2:
-            jax_results[a] = cases[a].jaxdepth(bench, workloads[a])
-        first, second = m1.wall, m2.wall
+        jax_results[a], second, busy = timed(f"jaxdepth {a}", lambda: cases[a].jaxdepth(bench, workloads[a]))
+        first = m1.wall
         jax_times[a] = (first, second)
-        others[("jax", a)] = None if m2.others is None else max(m1.others, m2.others)
-        log(f"jaxdepth {a}: first call {first:.2f} s, second call {second:.2f} s "
-            f"({executed[a] / second / 1e9:.1f} GFLOP/s executed); other processes used {_fmt_cores(m1.others)} / "
-            f"{_fmt_cores(m2.others)} cores meanwhile")
+        others[("jax", a)] = None if busy is None or m1.others is None else max(m1.others, busy)
+        log(f"jaxdepth {a}: first call {first:.2f} s, then {second:.2f} s (median of {args.repeat}; "
+            f"{executed[a] / second / 1e9:.1f} GFLOP/s executed); other processes used {_fmt_cores(m1.others)} / "
+            f"{_fmt_cores(busy)} cores meanwhile")
 
     # ---- reference
     ref_times, ref_results, ref_load_s, ref_passes = {}, {}, None, {}
@@ -742,15 +819,12 @@ def main(argv=None) -> int:
         ref = Reference(hf)
         for a in args.analyses:
             f0, b0 = ref.forwards, ref.backwards
-            gate(f"reference {a}")
-            with CpuMeter() as m:
-                ref_results[a] = cases[a].reference(ref, bench, workloads[a])
-            ref_times[a] = m.wall
-            ref_passes[a] = (ref.forwards - f0, ref.backwards - b0)
-            others[("ref", a)] = m.others
-            log(f"reference {a}: {ref_times[a]:.2f} s, {ref_passes[a][0]} forwards, {ref_passes[a][1]} backwards "
-                f"({flops[a] / ref_times[a] / 1e9:.1f} GFLOP/s); other processes used {_fmt_cores(m.others)} "
-                "cores meanwhile")
+            ref_results[a], ref_times[a], others[("ref", a)] = timed(
+                f"reference {a}", lambda: cases[a].reference(ref, bench, workloads[a]))
+            ref_passes[a] = ((ref.forwards - f0) // args.repeat, (ref.backwards - b0) // args.repeat)
+            log(f"reference {a}: {ref_times[a]:.2f} s (median of {args.repeat}), {ref_passes[a][0]} forwards, "
+                f"{ref_passes[a][1]} backwards ({flops[a] / ref_times[a] / 1e9:.1f} GFLOP/s); other processes used "
+                f"{_fmt_cores(others[('ref', a)])} cores meanwhile")
 
     gate("the matmul peak")
     peaks_after = matmul_peak(c)
@@ -798,7 +872,7 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     report = dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv), args=vars(args),
-        machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+        machine=dict(cpu=cpu_description(), cores=os.cpu_count(),
                      load_average_before=load_before, load_average_after=load_after,
                      jax=jax.__version__, torch=torch.__version__, jax_devices=[str(d) for d in jax.devices()],
                      torch_threads=torch.get_num_threads()),

@@ -14,8 +14,11 @@ analysis code), so that agreement between the two is evidence that both compute 
 - residual erasure (§4): per prompt, boundary l and position t, one forward with a pre-hook on
   layer l (l = 0: the embeddings, i.e. layer 0's input; l = L: the final norm's input) replacing
   h_l[t] by the baseline;
-- integrated gradients (§5): per prompt, layer and step, one forward + `torch.autograd.grad` with
-  layer l's output replaced by the interpolated input.
+- integrated gradients (§5), as the first study's published code batches it: per prompt and
+  layer l, the layers up to l run once; the interpolated outputs of layer l are stacked into
+  blocks of 16 steps (`IG_BLOCK`), and each block runs layers l+1.. and the head as one batch
+  forward and one backward (`integrated_gradients`). `integrated_gradients_batch1` is the
+  slower batch-1 form (one forward and backward per (layer, step)), kept for comparison.
 
 Token inputs are plain lists of ints (one prompt each, no padding: batch 1 needs none).
 """
@@ -35,6 +38,7 @@ torch = require("torch", purpose="the PyTorch reference (experiments/reference_t
 
 NORM_EPS = 1e-6
 TOP_K = 5
+IG_BLOCK = 16  # interpolation steps per forward and backward in the published code (BLOCK_SIZE)
 
 
 def load_hf_model(gguf_path: str):
@@ -218,10 +222,93 @@ class Reference:
             results.append(effects)
         return results
 
+    # ------------------------------------------------------------------ attribution patching
+    def attribution_patching(self, token_lists, answer_starts: Sequence[int], baseline: np.ndarray) -> dict:
+        """Per prompt: `patching [L+1, T]` = grad_l[t] . (b_l - h_l[t]) and `grad_x_act [L+1, T]`
+        = grad_l[t] . h_l[t] of F (the IG objective), and `f_input` = F(x): one forward
+        recording every boundary h_0..h_L, one backward to all of them."""
+        base = torch.as_tensor(np.asarray(baseline, np.float32))
+        modules = list(self.layers) + [self.final_norm]
+        out = {"patching": [], "grad_x_act": [], "f_input": []}
+        for tokens, start in zip(token_lists, answer_starts):
+            ids = _ids(tokens)
+            T = len(tokens)
+            predicting, targets = torch.arange(start - 1, T - 1), ids[0, start:T]
+            boundaries = [None] * (self.L + 1)
+
+            def keep(index):
+                def pre_hook(module, args):
+                    h = args[0]
+                    if index == 0:  # the first boundary becomes the leaf the gradient flows back to
+                        h = h.detach().requires_grad_(True)
+                    boundaries[index] = h
+                    return (h,) + tuple(args[1:])
+                return pre_hook
+
+            with torch.enable_grad(), hooks(*[m.register_forward_pre_hook(keep(i)) for i, m in enumerate(modules)]):
+                f = torch.softmax(self._logits(ids).logits[0].float(), -1)[predicting, targets].sum()
+                grads = torch.autograd.grad(f, boundaries)
+            self.backwards += 1
+            g = torch.stack([x[0] for x in grads]).float()  # [L+1, T, D]
+            h = torch.stack([x[0] for x in boundaries]).detach().float()
+            out["patching"].append(((base[:, None] - h) * g).sum(-1).numpy())
+            out["grad_x_act"].append((h * g).sum(-1).numpy())
+            out["f_input"].append(f.item())
+        return out
+
     # ------------------------------------------------------------------ §5
-    def integrated_gradients(self, token_lists, answer_starts: Sequence[int], steps: int) -> dict:
-        """Left-Riemann IG with the per-channel mean baseline. Per prompt: `attributions [L, T]`,
-        `f_input` = F(x), `f_baseline [L]` = F(b), completeness `gap [L]`."""
+    def _run_from(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits `[B, T, V]` of running layers start..L-1, the final norm and the LM head on the
+        boundary-`start` residuals `h [B, T, D]` (the layers before `start` are not run)."""
+        T = h.shape[1]
+        positions = torch.arange(T)[None]
+        rotary = self.model.model.rotary_emb(h, positions)
+        for layer in self.layers[start:]:
+            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            h = out[0] if isinstance(out, tuple) else out  # causal: sdpa with no mask
+        self.forwards += 1
+        return self.model.lm_head(self.final_norm(h))
+
+    def integrated_gradients(self, token_lists, answer_starts: Sequence[int], steps: int,
+                             block: int = IG_BLOCK) -> dict:
+        """Left-Riemann IG with the per-channel mean baseline, batched as the published code:
+        one forward and one backward per block of `block` steps, starting after layer l. Per
+        prompt: `attributions [L, T]`, `f_input` = F(x), `f_baseline [L]` = F(b), completeness
+        `gap [L]`."""
+        alphas = torch.arange(steps, dtype=torch.float32) / steps
+        out = {"attributions": [], "f_input": [], "f_baseline": [], "gap": []}
+        for tokens, start in zip(token_lists, answer_starts):
+            ids = _ids(tokens)
+            T = len(tokens)
+            predicting, targets = torch.arange(start - 1, T - 1), ids[0, start:T]
+
+            def objective(logits):  # [B, T, V] -> F per batch member [B]
+                return torch.softmax(logits.float(), -1)[:, predicting, targets].sum(-1)
+
+            hs: list = []
+            with torch.no_grad(), hooks(*self._boundary_recorders(hs)):
+                f_input = objective(self._logits(ids).logits).item()
+            attributions = np.zeros((self.L, T), np.float32)
+            f_baseline = np.zeros(self.L, np.float32)
+            for l in range(self.L):
+                x = hs[l + 1]  # [T, D], the output of layer l (the layers up to l ran once, above)
+                b = x.mean(dim=0, keepdim=True)
+                with torch.no_grad():
+                    f_baseline[l] = objective(self._run_from(b.expand_as(x)[None], l + 1)).item()
+                total = torch.zeros_like(x)
+                for first in range(0, steps, block):
+                    a = alphas[first:first + block][:, None, None]
+                    z = (b + a * (x - b)).requires_grad_(True)  # [block, T, D]
+                    (g,) = torch.autograd.grad(objective(self._run_from(z, l + 1)).sum(), z)
+                    self.backwards += 1
+                    total += g.sum(0)
+                attributions[l] = ((x - b) * total / steps).sum(-1).numpy()
+            _add_ig_prompt(out, attributions, f_input, f_baseline)
+        return out
+
+    def integrated_gradients_batch1(self, token_lists, answer_starts: Sequence[int], steps: int) -> dict:
+        """The same IG at batch 1: one full forward and one backward per (layer, step), layer
+        l's output replaced by a hook (slower than the published code; for comparison only)."""
         L = self.L
         alphas = [k / steps for k in range(steps)]
         out = {"attributions": [], "f_input": [], "f_baseline": [], "gap": []}
@@ -261,16 +348,21 @@ class Reference:
                         self.backwards += 1
                         total += g
                 attributions[l] = ((x - b) * total / steps).sum(-1).numpy()
-            out["attributions"].append(attributions)
-            out["f_input"].append(f_input)
-            out["f_baseline"].append(f_baseline)
-            out["gap"].append(attributions.sum(-1) - (f_input - f_baseline))
+            _add_ig_prompt(out, attributions, f_input, f_baseline)
         return out
 
 
 # ---------------------------------------------------------------------- effective depth (§6)
 # The reference rules, written out independently of jaxdepth.analyses.effective_depth; -1 = no layer
 # qualifies (the published code's convention for KL and overlap; it raises for cosine).
+
+def _add_ig_prompt(out: dict, attributions, f_input, f_baseline):
+    """Append one prompt's IG to `out`, with its completeness gap per layer."""
+    out["attributions"].append(attributions)
+    out["f_input"].append(f_input)
+    out["f_baseline"].append(f_baseline)
+    out["gap"].append(attributions.sum(-1) - (f_input - f_baseline))
+
 
 def ed_cosine(mean_cos) -> int:
     c = np.asarray(mean_cos)

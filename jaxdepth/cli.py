@@ -1,4 +1,5 @@
-"""The `jaxdepth` command: `convert` a checkpoint, `run` the analyses on a model."""
+"""The `jaxdepth` command: `convert` a checkpoint, `run` the analyses on a model, train and read a
+`tuned-lens`, and `table` saved results."""
 
 from __future__ import annotations
 
@@ -73,22 +74,30 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
 
 def _mesh(args):
     """The device mesh of `--mesh DATAxMODEL` (after `--distributed` start-up), or None."""
+    import jax
+
     from jaxdepth.core import sharding
 
     if args.distributed:
-        sharding.initialize_distributed()
+        sharding.initialize_distributed(**{k: v for k, v in (("coordinator_address", args.coordinator),
+                                                             ("num_processes", args.num_processes),
+                                                             ("process_id", args.process_id)) if v is not None})
     if not args.mesh:
         return None
     try:
         data, model = (int(x) for x in args.mesh.lower().split("x"))
     except ValueError:
         raise ValueError(f"--mesh must look like 4x2 (data x model), got {args.mesh!r}") from None
-    return sharding.make_mesh(data=data, model=model)
+    mesh = sharding.make_mesh(data=data, model=model)
+    print(f"mesh {data}x{model} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
+          f"processes; this is process {jax.process_index()}")
+    return mesh
 
 
 def _run(args) -> int:
     import jax
 
+    from jaxdepth.core.sharding import is_writer
     from jaxdepth.loading import load
     from jaxdepth.prompts import DATASETS, encode, load_prompts
     from jaxdepth.registry import ANALYSES
@@ -122,7 +131,8 @@ def _run(args) -> int:
     if not set(sublayers) <= {"layer", "attn", "mlp"}:
         raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
     settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
-                             ig_steps=args.ig_steps, skip_sublayers=sublayers, skip_mode=args.skip_mode)
+                             ig_steps=args.ig_steps, ig_target=args.ig_target, skip_sublayers=sublayers,
+                             skip_mode=args.skip_mode)
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
@@ -130,6 +140,8 @@ def _run(args) -> int:
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             results = run_study(model, model_name, name, batch, args.out, analyses=analyses, settings=settings,
                                 baseline_batch=baseline, baseline_name=baseline_name)
+        if not is_writer():  # multi-host: process 0 alone writes figures, the summary and the table
+            continue
         if not args.no_figures:
             folder = result_folder(args.out, model_name, name)
             write_figures(results, folder, model.tokenizer)
@@ -139,7 +151,7 @@ def _run(args) -> int:
     if baseline_name is not None:
         print(f"erasure baseline: {baseline_name}")
     print("\n".join(summary))
-    if any(ANALYSES[a].feeds_table for a in analyses):
+    if any(ANALYSES[a].feeds_table for a in analyses) and is_writer():
         from jaxdepth.table import collect, to_markdown, write_table
 
         rows = collect([args.out], resamples=args.bootstrap)
@@ -156,6 +168,39 @@ def _table(args) -> int:
     print(to_markdown(rows), end="")
     md, csv_path = write_table(rows, args.out)
     print(f"wrote {md} and {csv_path}")
+    return 0
+
+
+def _tuned_lens(args) -> int:
+    from jaxdepth.analyses.tuned_lens import LensTrainingSettings
+    from jaxdepth.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
+    from jaxdepth.loading import load
+    from jaxdepth.prompts import encode, load_prompts
+    from jaxdepth.study import slug
+
+    train_rows, eval_rows = parse_rows(args.train_rows), parse_rows(args.eval_rows)
+    prompts = load_prompts(args.dataset, args.data)
+    train, held_out = prompts[train_rows], prompts[eval_rows]
+    if not train or not held_out:
+        raise ValueError(f"{args.dataset} has {len(prompts)} rows: rows {args.train_rows} (training) and "
+                         f"{args.eval_rows} (evaluation) must both select some")
+    rows = lambda s: set(range(*s.indices(len(prompts))))  # noqa: E731
+    if rows(train_rows) & rows(eval_rows):
+        raise ValueError("the training and evaluation rows overlap: a lens must be read on prompts it never saw")
+    model = load(args.model)
+    context = model.config.max_position_embeddings
+    settings = LensTrainingSettings(steps=args.steps, tokens_per_step=args.tokens_per_step,
+                                    learning_rate=args.learning_rate, seed=args.seed)
+    out = os.path.join(args.out, slug(args.model), slug(args.dataset))
+    print(f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
+          f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}")
+    comparison = compare_lenses(model, encode(model.tokenizer, train, context=context),
+                                encode(model.tokenizer, held_out, context=context), settings,
+                                os.path.join(out, "lens"), weighting=args.weighting)
+    for path in save_comparison(comparison, out, figures=not args.no_figures, resamples=args.bootstrap):
+        print(f"wrote {path}")
+    print(comparison_markdown(comparison.results, resamples=args.bootstrap), end="")
+    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in comparison.seconds.items()))
     return 0
 
 
@@ -195,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
                      "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub")
     run.add_argument("--analyses", help="comma-separated subset of the registered analyses: "
-                     f"{','.join(_analysis_names())} (default: all)")
+                     f"{','.join(_analysis_names())} (default: all). attribution_patching and grad_x_act are "
+                     "first-order screening estimates (one backward pass per prompt): confirm what they find "
+                     "with the exact erasure")
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
@@ -204,15 +251,42 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the first study's main analysis); 'current' skips every position but 0 and measures "
                           "every position")
     run.add_argument("--ig-steps", type=int, default=256)
+    run.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
+                     help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
+                          "attention output a_l or its MLP output m_l")
     run.add_argument("--out", default="results")
     _bootstrap_argument(run)
     run.add_argument("--no-figures", action="store_true", help="save results only")
     run.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 2x4 (default: one device)")
     run.add_argument("--distributed", action="store_true",
-                     help="multi-host: call jax.distributed.initialize() first (TPU pods, multi-node GPU)")
+                     help="multi-host: call jax.distributed.initialize() first (TPU pods, multi-node GPU); every "
+                          "process runs the same command, process 0 alone writes")
+    run.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="with --distributed, where cluster auto-detection does not apply: process 0's address")
+    run.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
+    run.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
     run.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                      help="bfloat16: weights and activations in bf16, statistics in float32")
     run.set_defaults(func=_run)
+
+    lens = sub.add_parser("tuned-lens", help="train a tuned lens and read held-out prompts through it and the logit lens")
+    lens.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
+    lens.add_argument("--dataset", default="gsm8k", choices=["default", "gsm8k", "hellaswag", "aime24"])
+    lens.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")
+    lens.add_argument("--train-rows", default="10:250", help="rows to train on, START:STOP (default 10:250)")
+    lens.add_argument("--eval-rows", default="0:10", help="held-out rows to read, START:STOP (default 0:10)")
+    lens.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    lens.add_argument("--tokens-per-step", type=int, default=64,
+                      help="tokens drawn per step, all layers of each (default 64)")
+    lens.add_argument("--learning-rate", type=float, default=1e-3, help="Adam peak learning rate (default 1e-3)")
+    lens.add_argument("--seed", type=int, default=0, help="token-draw seed (default 0)")
+    lens.add_argument("--weighting", choices=["prompt", "token"], default="prompt",
+                      help="how the held-out curves average over prompts (as `run`)")
+    lens.add_argument("--out", default="results", help="the lens, both results, table and figure go under "
+                      "OUT/<model>/<dataset>/; a rerun resumes the training from its last checkpoint")
+    _bootstrap_argument(lens)
+    lens.add_argument("--no-figures", action="store_true")
+    lens.set_defaults(func=_tuned_lens)
 
     table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")
     table.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")

@@ -21,6 +21,7 @@ from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
 from jaxdepth.atomic import atomic_write
+from jaxdepth.analyses.attribution import AttributionResult
 from jaxdepth.analyses.contributions import ContributionResult
 from jaxdepth.analyses.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
                                                kl_effective_depth, overlap_effective_depth)
@@ -291,6 +292,42 @@ def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, over
     return fig
 
 
+def lens_comparison_figure(results: Mapping[str, LogitLensResult], *, kl_fraction: float = 0.5,
+                           overlap_threshold: float = 0.3, title: Optional[str] = None,
+                           resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Figure:
+    """Several readings of the same residual streams side by side (e.g. `{"logit lens": ...,
+    "tuned lens": ...}`): KL(P_l || P) and top-5 overlap per layer, one colour per lens, with
+    bootstrap bands, each lens's effective depths (vertical) and the thresholds (horizontal)."""
+    for result in results.values():
+        _expect(result, LogitLensResult, "lens_comparison_figure")
+    fig = _new_figure(11, 4.2)
+    kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
+    for k, (name, result) in enumerate(results.items()):
+        color, layers = f"C{k}", np.arange(len(result.kl))
+        bands, intervals = _bootstrap(result, resamples, seed, kl_fraction=kl_fraction,
+                                      overlap_threshold=overlap_threshold)
+        for ax, curve, method, rule, arg in ((kl_ax, result.kl, "kl", kl_effective_depth, kl_fraction),
+                                             (overlap_ax, result.overlap, "overlap", overlap_effective_depth,
+                                              overlap_threshold)):
+            ed = _depth(rule, curve, arg)
+            label = _depth_text(method if method == "overlap" else "KL", ed, intervals.get(method))
+            ax.plot(layers, curve, marker=".", color=color, label=f"{name}: {label}")
+            _draw_band(ax, layers, bands.get(method), color, label=False)
+            if ed is not None and ed.found:
+                ax.axvline(ed.layer, color=color, linestyle=":", linewidth=1.5)
+        kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color=color, linestyle="--", linewidth=0.8)
+    overlap_ax.axhline(overlap_threshold, color="grey", linestyle="--", label=f"threshold {overlap_threshold:g}")
+    overlap_ax.set_ylim(-0.02, 1.02)
+    kl_ax.set(ylabel=_KL_LABEL, title=f"KL (dashed: {kl_fraction:g} x each lens's max)")
+    overlap_ax.set(ylabel="top-5 overlap with P", title="top-5 overlap")
+    for ax in (kl_ax, overlap_ax):
+        _layer_axis(ax, len(next(iter(results.values())).kl))
+        ax.legend(fontsize=7)
+    first = next(iter(results.values()))
+    _title(fig, " vs ".join(results), title, first.settings)
+    return fig
+
+
 def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResult]], *,
                       title: Optional[str] = None) -> Figure:
     """Effect of skipping layer s on every later layer's contribution (heatmap, s on the y axis,
@@ -365,6 +402,10 @@ def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
     return fig
 
 
+_IG_ROWS = {"layer": r"layer l (output $h_{l+1}$)", "attn": r"layer l (attention output $a_l$)",
+            "mlp": r"layer l (MLP output $m_l$)"}
+
+
 def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,
                                 title: Optional[str] = None) -> Figure:
     """Integrated-gradients attribution of the answer probability to each token of each layer's
@@ -376,10 +417,32 @@ def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int =
     values = result.attributions[p, :, :n]
     steps = result.settings.get("steps")
     fig = _token_heatmap(values, _token_labels(result.tokens[p, :n], tokenizer),
-                         row_label=r"layer l (output $h_{l+1}$)", answer_start=int(result.answer_start[p]),
+                         row_label=_IG_ROWS[result.settings.get("target", "layer")],
+                         answer_start=int(result.answer_start[p]),
                          cmap="RdBu_r", symmetric=True, colorbar_label="attribution to F (answer probability)")
     _title(fig, f"Integrated gradients, prompt {p}" + (f", {steps} steps" if steps else "")
            + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}", title, result.settings)
+    return fig
+
+
+def attribution_patching_figure(result: AttributionResult, prompt: int = 0, *, tokenizer=None,
+                                title: Optional[str] = None, quantity: str = "patching") -> Figure:
+    """Attribution patching of one prompt: the first-order estimate of how erasing h_l[t]
+    (boundary l = 0..L, y; token t, x) changes F, the summed answer probability (diverging
+    colours centred at 0). A screening estimate: the exact erasure confirms it. `quantity`
+    'grad_x_act' draws gradient x activation instead."""
+    _expect(result, AttributionResult, "attribution_patching_figure")
+    what = {"patching": ("Attribution patching (first-order screening)", r"estimated change of F, $g \cdot (b - h)$"),
+            "grad_x_act": ("Gradient x activation", r"$g \cdot h$, gradient of F times $h_l[t]$")}
+    if quantity not in what:
+        raise ValueError(f"quantity must be one of {', '.join(what)}, got {quantity!r}")
+    name, label = what[quantity]
+    p = _prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    fig = _token_heatmap(getattr(result, quantity)[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
+                         row_label="boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
+                         cmap="RdBu_r", symmetric=True, colorbar_label=label)
+    _title(fig, f"{name}, prompt {p}: F(x) = {result.f_input[p]:.3g}", title, result.settings)
     return fig
 
 

@@ -10,6 +10,7 @@ runs, caches and resumes it like the others and draws its figures (and `jaxdepth
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Callable, Optional
 
 
@@ -72,7 +73,7 @@ def analysis(name: str) -> Analysis:
 # ----------------------------------------------------------------------------- the built-in suite
 
 def _register_builtins():
-    from jaxdepth.analyses import contributions, erasure, integrated_gradients, layer_skip, logit_lens
+    from jaxdepth.analyses import attribution, contributions, erasure, integrated_gradients, layer_skip, logit_lens
     from jaxdepth import plots
     from jaxdepth.analyses import effective_depth as ed
 
@@ -106,11 +107,13 @@ def _register_builtins():
         summary=lambda r: [f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}"
                            for s, part in r.parts().items()]))
 
+    def erasure_baseline(x):
+        batch = x.baseline_batch if x.baseline_batch is not None else x.batch
+        return erasure.mean_residuals(x.model.params, batch, x.model.config)
+
     def run_erasure(x):
-        p, c = x.model.params, x.model.config
-        baseline = erasure.mean_residuals(p, x.baseline_batch if x.baseline_batch is not None else x.batch, c)
-        return erasure.residual_erasure(p, x.batch, c, baseline, memory_budget=x.settings.memory_budget,
-                                        progress=x.progress)
+        return erasure.residual_erasure(x.model.params, x.batch, x.model.config, erasure_baseline(x),
+                                        memory_budget=x.settings.memory_budget, progress=x.progress)
 
     register(Analysis(
         name="erasure", result_type=erasure.ErasureResult, identity=lambda s: {"detail_prompts": s.detail_prompts},
@@ -119,12 +122,30 @@ def _register_builtins():
     register(Analysis(
         name="integrated_gradients", result_type=integrated_gradients.IntegratedGradientsResult,
         identity=lambda s: {"detail_prompts": s.detail_prompts, "ig_steps": s.ig_steps, "ig_rule": s.ig_rule,
-                            "ig_baseline": s.ig_baseline},
+                            "ig_baseline": s.ig_baseline, "ig_target": s.ig_target},
         run=lambda x: integrated_gradients.integrated_gradients(
             x.model.params, x.batch, x.model.config, steps=x.settings.ig_steps, rule=x.settings.ig_rule,
-            baseline=x.settings.ig_baseline, memory_budget=x.settings.memory_budget, progress=x.progress),
+            baseline=x.settings.ig_baseline, target=x.settings.ig_target, memory_budget=x.settings.memory_budget,
+            progress=x.progress),
         figures=per_prompt_figures(plots.integrated_gradients_figure),
         summary=lambda r: [f"IG max |completeness gap| {abs(r.gap).max():.2g}"], detail=True))
+    def run_attribution(x):
+        return attribution.attribution_patching(x.model.params, x.batch, x.model.config, erasure_baseline(x),
+                                                progress=x.progress)
 
+    # One forward and one backward pass per prompt give both; each is its own analysis so either
+    # can be asked for alone.
+    register(Analysis(
+        name="attribution_patching", result_type=attribution.AttributionResult,
+        identity=lambda s: {"detail_prompts": s.detail_prompts}, run=run_attribution,
+        figures=per_prompt_figures(plots.attribution_patching_figure),
+        summary=lambda r: [f"attribution patching (screening) max |estimate| {float(abs(r.patching).max()):.3g}"],
+        detail=True, uses_baseline=True))
+    register(Analysis(
+        name="grad_x_act", result_type=attribution.AttributionResult,
+        identity=lambda s: {"detail_prompts": s.detail_prompts}, run=run_attribution,
+        figures=per_prompt_figures(partial(plots.attribution_patching_figure, quantity="grad_x_act")),
+        summary=lambda r: [f"grad x act max |value| {float(abs(r.grad_x_act).max()):.3g}"],
+        detail=True, uses_baseline=True))
 
 _register_builtins()

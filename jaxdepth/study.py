@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.loading import Model
 from jaxdepth.registry import ANALYSES, RunInputs, analysis
 from jaxdepth.results import RESULT_FORMAT, load_result
@@ -34,6 +35,7 @@ class StudySettings:
     ig_steps: int = 256
     ig_rule: str = "left"
     ig_baseline: str = "channel_mean"
+    ig_target: str = "layer"  # IG with respect to each layer's output, or its 'attn' / 'mlp' output
     memory_budget: Optional[int] = None
 
 
@@ -72,6 +74,7 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
               baseline_batch: Optional[PromptBatch] = None, baseline_name: Optional[str] = None,
               progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
+    With several processes (multi-host), every process computes and only process 0 saves.
 
     `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
     dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
@@ -88,7 +91,9 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
             identity["baseline_tokens_sha"] = baseline_sha
         path = os.path.join(folder, f"{entry.name}.npz")
         cached = _load_matching(path, identity, entry.result_type)
-        if cached is not None:
+        # With several processes, process 0 (the one that writes) decides for all; the others
+        # hold None for a result only it had saved.
+        if writer_decides(cached is not None):
             log(f"{entry.name}: reusing {folder}")
             results[entry.name] = cached
             continue
@@ -99,7 +104,8 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
         if entry.uses_baseline:
             result.settings["baseline"] = baseline_name or "the dataset's own prompts"
-        result.save(path)
+        if is_writer():
+            result.save(path)
         log(f"{entry.name}: {seconds:.1f} s -> {folder}")
         results[entry.name] = result
     return results

@@ -43,6 +43,15 @@ def shared_data() -> Callable[[str], str]:
     return shared_data_path
 
 
+@pytest.fixture
+def highest_precision():
+    """Full float32 matmul precision for the test (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def assert_close(actual, expected, what: str = "", tol: float = 1e-5):
     """Max |actual - expected| <= tol, with the difference in the message."""
     diff = float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
@@ -75,6 +84,15 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                              num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5),
     "llama_mha_tied": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    # Llama 3.1's rope scaling with a short original context, so that the 300-token parity
+    # prompts reach far into the rescaled frequencies.
+    "llama31_rope_scaled": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Qwen3: q/k RMSNorm per head, and a head_dim that is not hidden_size / heads.
+    "qwen3_gqa": dict(arch="qwen3", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24, tie_word_embeddings=False),
 }
 
 TINY_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128,
@@ -108,6 +126,9 @@ def build_tiny_model(name: str, seed: int = 0):
     if arch == "qwen2":
         config = transformers.Qwen2Config(**kwargs)
         model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**kwargs)
+        model = transformers.Qwen3ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(attention_bias=False, **kwargs)
         model = transformers.LlamaForCausalLM(config)
@@ -259,3 +280,41 @@ def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ----------------------------------------------------------------------------- a checkpoint for the CLI
+
+def tiny_tokenizer():
+    """A small byte-level BPE tokenizer trained here (no file from outside the repository)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxdepth.prompts import load_prompts
+
+    # The embedded prompts and some plain English: no file from outside the repository.
+    texts = [p.text for p in load_prompts("default")] + [
+        "A man is standing in a kitchen. He picks up a knife and starts cutting vegetables, then",
+        "She walks the dog along the river, stops at the bridge, and looks at the water.",
+        "The children are playing football in the park while their parents watch from a bench."] * 4
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def save_tiny_checkpoint(folder, context):
+    """A converted checkpoint folder of a tiny random llama with a BPE tokenizer trained on the
+    embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests."""
+    from conversion.checkpoint import save_converted
+    from jaxdepth.core.config import ModelConfig
+    from jaxdepth.core.model import random_params
+    from jaxdepth.loaded import Model
+
+    tokenizer = tiny_tokenizer()
+    config = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
+                         rms_norm_eps=1e-5, max_position_embeddings=context, tie_word_embeddings=True,
+                         qkv_bias=False)
+    return save_converted(Model(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)

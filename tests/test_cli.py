@@ -12,48 +12,20 @@ import time
 import numpy as np
 import pytest
 
-from conftest import shared_data_path
+from conftest import save_tiny_checkpoint, shared_data_path
 from conversion.checkpoint import save_converted
-from jaxdepth.loaded import Model
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.cli import main
-from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import random_params
 from jaxdepth.prompts import load_prompts
+from jaxdepth.registry import ANALYSES as REGISTERED
 from jaxdepth.results import load_result
 
-ANALYSES = ["contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients"]
-
-
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    # The embedded prompts and some plain English: no file from outside the repository.
-    texts = [p.text for p in load_prompts("default")] + [
-        "A man is standing in a kitchen. He picks up a knife and starts cutting vegetables, then",
-        "She walks the dog along the river, stops at the bridge, and looks at the water.",
-        "The children are playing football in the park while their parents watch from a bench."] * 4
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
-
-
-def _save_tiny(folder, context):
-    tokenizer = _tiny_tokenizer()
-    config = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
-                         rms_norm_eps=1e-5, max_position_embeddings=context, tie_word_embeddings=True,
-                         qkv_bias=False)
-    return save_converted(Model(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)
+ANALYSES = list(REGISTERED)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return _save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
+    return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
 
 
 def _run_args(model, out, *extra, datasets=("default",), data=()):
@@ -73,7 +45,8 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
         for name in ANALYSES:
             assert (folder / f"{name}.npz").stat().st_size > 0
         figures = sorted(p.name for p in (folder / "figures").iterdir())
-        for name in ("contributions", "logit_lens", "layer_skip", "erasure_prompt0", "integrated_gradients_prompt0"):
+        for name in ("contributions", "logit_lens", "layer_skip", "erasure_prompt0", "integrated_gradients_prompt0",
+                     "attribution_patching_prompt0"):
             assert f"{name}.png" in figures and f"{name}.pdf" in figures
         assert all((folder / "figures" / f).stat().st_size > 1000 for f in figures)
         erasure = load_result(str(folder / "erasure.npz"))
@@ -186,7 +159,7 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
 
 
 def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
-    short = _save_tiny(str(tmp_path / "short"), context=16)
+    short = save_tiny_checkpoint(str(tmp_path / "short"), context=16)
     assert main(["run", "--model", short, "--dataset", "default", "--prompts", "1",
                  "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
     assert "exceeds the model's context of 16" in capsys.readouterr().err
@@ -196,7 +169,7 @@ def test_nan_weights_are_refused(tmp_path):
     import jaxdepth
     from conversion.checkpoint import restore_converted
 
-    folder = _save_tiny(str(tmp_path / "ok"), context=128)
+    folder = save_tiny_checkpoint(str(tmp_path / "ok"), context=128)
     converted = restore_converted(folder)
     converted.params["layers"]["up"][1, 3, 5] = np.nan
     bad = save_converted(converted, str(tmp_path / "nan"))
@@ -249,3 +222,26 @@ def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, c
     assert "erasure baseline: default[:10] (the embedded prompts, offline" in printed
     saved = load_result(str(tmp_path / "model" / "default" / "erasure.npz"))
     assert saved.settings["baseline"].startswith("default[:10] (the embedded prompts")
+
+
+def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
+    out = str(tmp_path / "lens_out")
+    args = ["tuned-lens", "--model", tiny, "--dataset", "default", "--train-rows", "3:12", "--eval-rows", "0:3",
+            "--steps", "6", "--tokens-per-step", "16", "--bootstrap", "50", "--out", out]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    folder = os.path.join(out, "model", "default")
+    for name in ("logit_lens.npz", "tuned_lens.npz", "lens_comparison.md", "lens_comparison.png", "lens/lens.json"):
+        assert os.path.exists(os.path.join(folder, name)), name
+    assert "| logit lens |" in first and "| tuned lens |" in first
+    logit, tuned = (load_result(os.path.join(folder, f"{n}.npz")) for n in ("logit_lens", "tuned_lens"))
+    assert (logit.settings["lens"], tuned.settings["lens"]) == ("logit", "tuned")
+    assert not np.array_equal(logit.kl, tuned.kl)  # the trained lens reads differently
+    # A rerun finds the finished training and reads the same lens again.
+    assert main(args) == 0
+    again = load_result(os.path.join(folder, "tuned_lens.npz"))
+    np.testing.assert_array_equal(again.kl, tuned.kl)
+    capsys.readouterr()
+    # Held-out rows that overlap the training rows are refused.
+    assert main([*args[:5], "--train-rows", "0:12"] + args[7:]) == 2
+    assert "overlap" in capsys.readouterr().err

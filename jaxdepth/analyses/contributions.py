@@ -14,6 +14,7 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import LayerRecord, embed, run_layers
+from jaxdepth.core.sharding import to_host
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
 
@@ -86,7 +87,7 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
     for i in range(len(batch)):
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        stats[:, i, :Ti] = np.asarray(contribution_stats(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
+        stats[:, i, :Ti] = to_host(contribution_stats(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
                                                          config))[:, 0]
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
     curves = token_mean(values, batch.valid)  # [6, L]

@@ -27,6 +27,7 @@ from jaxdepth.core.model import clean_key_values, residual_stream, run_layers_fr
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import masked_max, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sharding import to_host
 
 
 @partial(jit, static_argnames="config")
@@ -41,7 +42,7 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
     total = np.zeros((config.num_layers + 1, config.hidden_size), np.float64)
     for i in range(0, len(batch), batch_size):
         part = batch.select(slice(i, i + batch_size))
-        total += np.asarray(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config))
+        total += to_host(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config))
     return (total / batch.valid.sum()).astype(np.float32)
 
 
@@ -66,6 +67,25 @@ def position_blocks(T: int, blocks: Optional[int] = None) -> list[tuple[int, int
     return list(zip(edges[:-1], edges[1:]))
 
 
+def probability_shift(probs, clean, reach, answer):
+    """METHODS §4, the default effect: the largest ||P'_p - P_p||_2 over the answer-predicting
+    positions p the erasure can reach (`probs`, `clean`: `[1, A, V]`; `reach [A]`)."""
+    return masked_max(norm(probs - clean), reach[None])[0]
+
+
+def answer_probability_change(probs, clean, reach, answer):
+    """The change of the integrated-gradients objective F (the summed teacher-forced probability
+    of the answer tokens): `sum_p P'_p(target_p) - P_p(target_p)` over the real answer-predicting
+    positions p the erasure can reach. `answer = (targets [A], real [A])`."""
+    targets, real = answer
+    rows = jnp.arange(targets.shape[0])
+    change = probs[0, rows, targets] - clean[0, rows, targets]
+    return jnp.sum(jnp.where(real & reach, change, 0.0))
+
+
+EFFECTS = {"probability_shift": probability_shift, "answer_probability_change": answer_probability_change}
+
+
 @partial(jit, static_argnames="config")
 def clean_run(params, tokens, valid, answer_positions, config: ModelConfig):
     """What every erasure of a prompt starts from: the clean residual stream `[L+1, 1, T, D]`,
@@ -76,11 +96,14 @@ def clean_run(params, tokens, valid, answer_positions, config: ModelConfig):
     return hs, keys, values, clean
 
 
-@partial(jit, static_argnames=("config", "first", "stop", "chunk_size"))
+@partial(jit, static_argnames=("config", "first", "stop", "chunk_size", "effect"))
 def erasure_of_block(params, clean_state, valid, answer_positions, baseline, config: ModelConfig,
-                     first: int, stop: int, chunk_size: Optional[int] = None):
+                     first: int, stop: int, chunk_size: Optional[int] = None, effect=probability_shift,
+                     answer=None):
     """`[L+1, stop - first]` effects of erasing h_l[t] for every boundary l and every position
-    `first <= t < stop`, from `clean_state = clean_run(...)`.
+    `first <= t < stop`, from `clean_state = clean_run(...)`. `effect(probs, clean, reach,
+    answer)` turns the erased and clean answer distributions into the effect (see
+    `probability_shift`); `answer = (targets [A], real [A])` is what it may read.
 
     Each erasure runs positions `first..T-1` only, reading the clean keys and values of the
     positions before `first` (they cannot change), and starts at its boundary l (the layers
@@ -102,7 +125,7 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
             # Causality: an erasure at t changes no position before t, and at the last boundary
             # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
             reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-            return masked_max(norm(probs - clean), reach[None])[0]
+            return effect(probs, clean, reach, answer)
         return sweep(member, jnp.arange(first, stop), chunk_size)
 
     return jax.lax.map(boundary_effects, jnp.arange(L + 1))
@@ -110,9 +133,12 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
 
 def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
                       chunk_size: Optional[int] = None, blocks: Optional[int] = None,
-                      on_block: Optional[Callable[[], None]] = None):
+                      on_block: Optional[Callable[[], None]] = None, effect=probability_shift,
+                      answer_real=None):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
-    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed).
+    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed, the real
+    ones marked by `answer_real [A]`, default all), measured by `effect` (see
+    `erasure_of_block`).
 
     Erasing position t changes no position before t, so the positions are split into `blocks`
     ranges (default `default_blocks(T)`; 1 turns the saving off), each one compiled
@@ -121,10 +147,12 @@ def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config:
     """
     T = tokens.shape[1]
     state = clean_run(params, tokens, valid, answer_positions, config)
+    real = jnp.ones(answer_positions.shape, bool) if answer_real is None else jnp.asarray(answer_real, bool)
+    answer = (tokens[0, jnp.minimum(answer_positions + 1, T - 1)], real)
     parts = []
     for first, stop in position_blocks(T, blocks):
         parts.append(erasure_of_block(params, state, valid, answer_positions, baseline, config, first, stop,
-                                      chunk_size))
+                                      chunk_size, effect, answer))
         if on_block is not None:
             jax.block_until_ready(parts[-1])
             on_block()
@@ -145,9 +173,15 @@ class ErasureResult(SavedResult):
 
 def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
                      chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                     blocks: Optional[int] = None, progress: bool = True, settings=None) -> ErasureResult:
+                     blocks: Optional[int] = None, effect: str = "probability_shift", progress: bool = True,
+                     settings=None) -> ErasureResult:
     """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
-    position blocks of `erasure_of_prompt`; the result does not depend on it)."""
+    position blocks of `erasure_of_prompt`; the result does not depend on it). `effect` names
+    what is measured (`EFFECTS`): METHODS' 'probability_shift' (default) or
+    'answer_probability_change', the exact change of the integrated-gradients objective (what
+    `jaxdepth.analyses.attribution.attribution_patching` estimates)."""
+    if effect not in EFFECTS:
+        raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
@@ -158,9 +192,13 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
             one = batch.single(i)
             Ti = one.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-            positions, _ = one.answer_positions(0)
-            effects[i, :, :Ti] = np.asarray(erasure_of_prompt(
+            positions, real = one.answer_positions(0)
+            effects[i, :, :Ti] = to_host(erasure_of_prompt(
                 params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                jnp.asarray(baseline), config, chunk, blocks, on_block=bar.update))
+                jnp.asarray(baseline), config, chunk, blocks, on_block=bar.update, effect=EFFECTS[effect],
+                answer_real=jnp.asarray(real)))
+    settings = dict(settings or {})
+    if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
+        settings["effect"] = effect
     return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
-                         answer_start=batch.answer_start, settings=dict(settings or {}))
+                         answer_start=batch.answer_start, settings=settings)

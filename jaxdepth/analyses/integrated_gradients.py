@@ -1,10 +1,14 @@
 """Integrated gradients of the answer probability with respect to each layer's output
-(METHODS §5).
+(METHODS §5), or to its attention or MLP output (the first study's sublayer attributions).
 
-For layer l, x = h_{l+1} over the whole prompt and F(x) = sum over answer tokens of their
-teacher-forced probabilities when h_{l+1} is set to x:
+For layer l, x = h_{l+1} over the whole prompt (target 'layer'; a_l for 'attn', m_l for 'mlp')
+and F(x) = sum over answer tokens of their teacher-forced probabilities when x is set:
 
     IG_l[t] = sum_c (x - b)[t, c] * sum_k w_k dF/dx(b + α_k (x - b))[t, c]
+
+For a sublayer target, layer l is recomputed from its clean input with the sublayer's output
+set to the path point (the rest of layer l, e.g. the MLP reading h_l + a_l, follows it), then
+the later layers run as for the layer target.
 
 All steps of a layer are one vmapped gradient, chunked; each starts at boundary l+1, so the
 layers before it are neither run nor differentiated, and the backward recomputes one layer at a
@@ -27,14 +31,18 @@ from tqdm.auto import tqdm
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (final_residual, layer_context, layer_params, layer_step, residual_stream,
+from jaxdepth.core.model import (embed, final_residual, layer_context, layer_params, layer_step, run_layers,
                                  run_layers_from, unembed)
-from jaxdepth.core.sites import as_interventions
+from jaxdepth.core.sites import Intervention, as_interventions
 from jaxdepth.results import SavedResult
 from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sharding import to_host
 
 RULES = ("left", "midpoint", "gauss")
 BASELINES = ("channel_mean", "token_mean", "zero")
+# What a layer's attribution is taken with respect to: its output h_{l+1}, or the site of one
+# of its sublayers' outputs.
+TARGETS = {"layer": None, "attn": "attn_out", "mlp": "mlp_out"}
 
 
 def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,58 +121,93 @@ def _objective(params, tokens, answer_positions, answer_real, config: ModelConfi
     return objective
 
 
-@partial(jit, static_argnames=("config", "baseline"))
+def _tap_sublayers(record, _):
+    return record.out, record.attn, record.mlp
+
+
+@partial(jit, static_argnames=("config", "baseline", "target"))
 def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: ModelConfig,
-              baseline: str = "channel_mean", interventions=None):
-    """Each layer's output x `[L, T, D]` (float32), its baseline b (broadcast to x), and F(x),
-    all under `interventions`."""
-    hs = residual_stream(params, tokens, config, valid=valid, interventions=interventions)
-    x = hs[1:, 0].astype(jnp.float32)
+              baseline: str = "channel_mean", interventions=None, target: str = "layer"):
+    """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
+    its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
+    (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
+    h_last, (outs, attn, mlp) = run_layers(params, embed(params, tokens), config, valid=valid,
+                                           interventions=interventions, tap=_tap_sublayers)
+    inputs = jnp.concatenate([embed(params, tokens)[None], outs[:-1]], axis=0)[:, 0]
+    x = {"layer": outs, "attn": attn, "mlp": mlp}[target][:, 0].astype(jnp.float32)
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
-    return x, b, _objective(params, tokens, answer_positions, answer_real, config)(hs[-1])
+    return x, b, inputs, _objective(params, tokens, answer_positions, answer_real, config)(h_last)
 
 
-@partial(jit, static_argnames=("config", "chunk_size"))
+def _set_value(value, layer, data):
+    at, z = data
+    return jnp.where(layer == at, z.astype(value.dtype), value)
+
+
+def _entry(params, layer, h_in, valid, config: ModelConfig, target: str, interventions):
+    """z -> h_{layer+1}: the layer's output as a function of its target's value z `[1, T, D]`
+    (the identity for the 'layer' target)."""
+    if target == "layer":
+        return lambda z: z
+    ivs = as_interventions(interventions)
+    context = layer_context(h_in, valid, config)
+
+    def entry(z):
+        set_target = Intervention(TARGETS[target], _set_value, (layer, z))
+        return layer_step(layer_params(params, layer), h_in, layer, context, config, ivs + (set_target,)).out
+    return entry
+
+
+@partial(jit, static_argnames=("config", "chunk_size", "target"))
 def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, weights, layer, x, b,
-                config: ModelConfig, chunk_size: Optional[int] = None, interventions=None):
-    """IG of one layer (`x`, `b`: its output and baseline, `[T, D]`): `(attributions [T], F(b))`.
+                config: ModelConfig, chunk_size: Optional[int] = None, interventions=None,
+                target: str = "layer", h_in=None):
+    """IG of one layer (`x`, `b`: its target and baseline, `[T, D]`; `h_in [T, D]`: the layer's
+    input, read by sublayer targets): `(attributions [T], F(b))`.
 
     The steps are one chunked sweep of gradients that start at boundary layer+1, through the
-    later layers under `interventions`. `layer` is traced, so every layer of a prompt reuses
-    one compiled computation.
+    later layers under `interventions` (and, for a sublayer target, back through layer `layer`
+    recomputed with the target set). `layer` is traced, so every layer of a prompt reuses one
+    compiled computation.
     """
     objective = _objective(params, tokens, answer_positions, answer_real, config)
     dtype = params["embed"].dtype
+    entry = _entry(params, layer, None if h_in is None else h_in[None].astype(dtype), valid, config, target,
+                   interventions)
 
     def member(m):
         alpha, weight = m
         z = (b + alpha * (x - b))[None].astype(dtype)
-        _, g = suffix_value_and_grad(params, z, layer + 1, config, objective, valid=valid,
+        h_next, pullback = jax.vjp(entry, z)
+        _, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
                                      interventions=interventions)
+        g = pullback(g)[0]
         return weight * jnp.sum((x - b) * g[0].astype(jnp.float32), axis=-1)  # [T]
 
-    h_base, _ = run_layers_from(params, b[None].astype(dtype), layer + 1, config, valid=valid,
+    h_base, _ = run_layers_from(params, entry(b[None].astype(dtype)), layer + 1, config, valid=valid,
                                 interventions=interventions)
     return sweep(member, (alphas, weights), chunk_size).sum(axis=0) * valid[0], objective(h_base)
 
 
 def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
                  baseline: str = "channel_mean", chunk_size: Optional[int] = None,
-                 on_layer: Optional[Callable[[], None]] = None, interventions=None):
+                 on_layer: Optional[Callable[[], None]] = None, interventions=None, target: str = "layer"):
     """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
     tokens where `answer_real`): `(attributions [L, T], f_input [], f_baseline [L])`.
 
     Layers run one after another (`ig_of_layer`, one compiled computation for all of them);
     `on_layer()` is called after each (progress). `interventions` (`jaxdepth.core.sites`) act on
     the whole forward, before and after the attributed layer: IG of a model with, say, an
-    earlier layer skipped.
+    earlier layer skipped. `target`: 'layer' (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l).
     """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     args = (params, tokens, valid, answer_positions, answer_real)
-    x, b, f_input = ig_inputs(*args, config, baseline, interventions)
+    x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
     attributions, f_baseline = [], []
     for layer in range(config.num_layers):
         a, fb = ig_of_layer(*args, alphas, weights, jnp.int32(layer), x[layer], b[layer], config, chunk_size,
-                            interventions)
+                            interventions, target, None if target == "layer" else inputs[layer])
         attributions.append(a)
         f_baseline.append(fb)
         if on_layer is not None:
@@ -189,14 +232,17 @@ class IntegratedGradientsResult(SavedResult):
 
 
 def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, steps: int = 256,
-                         rule: str = "left", baseline: str = "channel_mean",
+                         rule: str = "left", baseline: str = "channel_mean", target: str = "layer",
                          chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                          progress: bool = True, settings=None, interventions=None) -> IntegratedGradientsResult:
-    """Integrated gradients per layer and token for every prompt of `batch`, optionally under
-    `interventions` (see `ig_of_prompt`; each prompt runs at its own padded length,
-    `batch.single(i)`, so position masks in them must have that length)."""
+    """Integrated gradients per layer and token for every prompt of `batch`, with respect to
+    each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
+    output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
+    its own padded length, `batch.single(i)`, so position masks in them must have that length)."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     alphas, weights = quadrature(rule, steps)
     L, T = config.num_layers, batch.tokens.shape[1]
     P = len(batch)
@@ -211,10 +257,11 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
             a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
                                      jnp.asarray(positions), jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
                                      jnp.asarray(weights, jnp.float32), config, baseline, chunk,
-                                     on_layer=bar.update, interventions=interventions)
-            attributions[i, :, :Ti], f_input[i], f_baseline[i] = np.asarray(a), np.asarray(fx), np.asarray(fb)
+                                     on_layer=bar.update, interventions=interventions, target=target)
+            attributions[i, :, :Ti], f_input[i], f_baseline[i] = to_host(a), to_host(fx), to_host(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
     return IntegratedGradientsResult(
         attributions=attributions, gap=gap, f_input=f_input, f_baseline=f_baseline,
         tokens=batch.tokens, lengths=batch.lengths, answer_start=batch.answer_start,
-        settings={**(settings or {}), "steps": steps, "rule": rule, "baseline": baseline})
+        settings={**(settings or {}), "steps": steps, "rule": rule, "baseline": baseline,
+                  **({} if target == "layer" else {"target": target})})

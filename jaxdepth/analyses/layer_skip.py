@@ -28,6 +28,7 @@ from jaxdepth.core.model import LayerRecord, residual_stream, run_layers_from, u
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import masked_max, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sharding import to_host
 
 SUBLAYERS = ("layer", "attn", "mlp")
 MODES = ("future", "current")
@@ -147,8 +148,8 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         later, output = skip_effects_of_prompt(
             params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(np.stack(skip), jnp.float32),
             jnp.asarray(np.stack(measure)), config, sublayer, chunk, mode)
-        later_pp[i] = np.asarray(later).max(axis=1)
-        output_pp[i] = np.asarray(output).max(axis=1)
+        later_pp[i] = to_host(later).max(axis=1)
+        output_pp[i] = to_host(output).max(axis=1)
         if mode == "future":
             used[i, :len(splits[i])] = splits[i]
     if mode == "future" and (used < 0).all():

@@ -15,8 +15,10 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import residual_stream, unembed
+from jaxdepth.core.sharding import to_host
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
+from jaxdepth.analyses.tuned_lens import translate
 
 TOP_K = 5
 
@@ -33,14 +35,18 @@ def lens_statistics(layer_logits, final_logp, final_top):
 
 
 @partial(jit, static_argnames="config")
-def lens_per_token(params, tokens, valid, config: ModelConfig):
+def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None):
     """KL and top-5 overlap `[L, B, T]` each. Layers are read one at a time (`lax.map`), so only
-    one `[B, T, V]` logit tensor exists at once."""
+    one `[B, T, V]` logit tensor exists at once. With `translators` (a tuned lens's), each h_l
+    goes through its layer's translator before the final norm and LM head."""
     hs = residual_stream(params, tokens, config, valid=valid)
     final = unembed(params, hs[-1], config)
     final_logp = jax.nn.log_softmax(final, axis=-1)
     final_top = jax.lax.top_k(final, TOP_K)[1]
-    return jax.lax.map(lambda h: lens_statistics(unembed(params, h, config), final_logp, final_top), hs[:-1])
+    if translators is None:
+        return jax.lax.map(lambda h: lens_statistics(unembed(params, h, config), final_logp, final_top), hs[:-1])
+    return jax.lax.map(lambda x: lens_statistics(unembed(params, translate(*x), config), final_logp, final_top),
+                       (hs[:-1], translators["weight"], translators["bias"]))
 
 
 @dataclasses.dataclass
@@ -62,10 +68,11 @@ class LogitLensResult(SavedResult):
 
 
 def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
-               settings=None) -> LogitLensResult:
+               translators=None, settings=None) -> LogitLensResult:
     """KL(P_l || P) and top-5 overlap per layer; `weighting` is 'prompt' (mean over positions,
     then over prompts: the default) or 'token' (mean over all tokens). Per-prompt curves are
-    kept whichever the weighting."""
+    kept whichever the weighting. With `translators` (`TunedLens.translators()`), the curves are
+    the tuned lens's (`settings['lens']` says which lens read them)."""
     aggregate = {"prompt": prompt_mean, "token": token_mean}
     if weighting not in aggregate:
         raise ValueError(f"weighting must be 'prompt' or 'token', got {weighting!r}")
@@ -75,13 +82,14 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
     kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
     for i in range(len(batch)):
         one = batch.single(i)
-        k, o = lens_per_token(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config)
+        k, o = lens_per_token(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config, translators)
         Ti = one.tokens.shape[1]
-        kl[:, i, :Ti], overlap[:, i, :Ti] = np.asarray(k)[:, 0], np.asarray(o)[:, 0]
+        kl[:, i, :Ti], overlap[:, i, :Ti] = to_host(k)[:, 0], to_host(o)[:, 0]
     agg = aggregate[weighting]
     # Per-prompt means from the same per-position statistics (no second pass through the model).
     per_prompt = lambda x: per_prompt_mean(x, batch.valid).T  # [N, L]
     return LogitLensResult(kl=agg(kl, batch.valid), overlap=agg(overlap, batch.valid),
-                           settings={**(settings or {}), "weighting": weighting},
+                           settings={**(settings or {}), "weighting": weighting,
+                                     "lens": "logit" if translators is None else "tuned"},
                            kl_per_prompt=per_prompt(kl), overlap_per_prompt=per_prompt(overlap),
                            tokens_per_prompt=batch.lengths.astype(np.int64))

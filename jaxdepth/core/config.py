@@ -12,7 +12,8 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+ROPE_TYPES = ("default", "llama3")
 
 
 class UnsupportedConfigError(ValueError):
@@ -21,9 +22,12 @@ class UnsupportedConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a pre-norm decoder (Qwen2 or Llama family).
+    """Shape and numerics of a pre-norm decoder (Qwen2, Qwen3 or Llama family).
 
-    `qkv_bias` distinguishes Qwen2 (biases on q/k/v projections) from Llama (none).
+    `qkv_bias` distinguishes Qwen2 (biases on q/k/v projections) from Llama (none); `qk_norm`
+    marks Qwen3 (an RMSNorm over each query and key head before the rotary embedding).
+    `rope_type` 'llama3' rescales the rotary frequencies as Llama 3.1 / 3.2 do (`rope_factor`,
+    the low and high frequency factors and the original context length).
     """
 
     model_type: str
@@ -39,6 +43,12 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 1.0
+    rope_original_max_position: int = 0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -50,6 +60,8 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_type not in ROPE_TYPES:
+            raise UnsupportedConfigError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,8 +81,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
                 f"config key 'model_type' = {model_type!r} is not supported; supported: "
-                f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', "
-                "SmolLM2/Llama 3 are 'llama')")
+                f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', Qwen3 is "
+                "'qwen3', SmolLM2/Llama 3 are 'llama')")
         _check_hf_features(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -89,6 +101,8 @@ class ModelConfig:
             max_position_embeddings=int(hf["max_position_embeddings"]),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            **_rope_scaling(hf),
         )
 
 
@@ -109,6 +123,29 @@ _INERT_KEYS = {
 }
 
 
+# The keys of a 'llama3' rope scaling, as HF names them, and the config fields they fill.
+_LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_position"}
+
+
+def _rope_spec(hf: Mapping[str, Any]) -> tuple[str, dict]:
+    """(the key holding the rope settings, those settings): `rope_parameters` (transformers 5)
+    or `rope_scaling` (older configs, with `rope_theta` at the top level)."""
+    if hf.get("rope_scaling"):
+        return "rope_scaling", dict(hf["rope_scaling"])
+    return "rope_parameters", dict(hf.get("rope_parameters") or {})
+
+
+def _rope_scaling(hf: Mapping[str, Any]) -> dict:
+    key, spec = _rope_spec(hf)
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type != "llama3":
+        return {}
+    return {"rope_type": "llama3", **{field: float(spec[name]) for name, field in _LLAMA3_ROPE.items()},
+            "rope_original_max_position": int(spec["original_max_position_embeddings"])}
+
+
 def _check_hf_features(hf: Mapping[str, Any]) -> None:
     """Raise on any config feature whose effect this implementation does not reproduce."""
     def refuse(key, why):
@@ -116,14 +153,16 @@ def _check_hf_features(hf: Mapping[str, Any]) -> None:
 
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "only 'silu' is implemented")
-    if hf.get("rope_scaling"):
-        refuse("rope_scaling", "rope scaling is not implemented")
-    params = hf.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default":
-        refuse("rope_parameters", "only rope_type 'default' is implemented")
-    extra_rope = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
-    if extra_rope or params.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse("rope_parameters", "only full rotary with rope_type 'default' is implemented")
+    key, params = _rope_spec(hf)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: {', '.join(ROPE_TYPES)})")
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"} | (set(_LLAMA3_ROPE) if rope_type == "llama3"
+                                                                             else set())
+    missing = set(_LLAMA3_ROPE) - set(params) if rope_type == "llama3" else set()
+    if set(params) - known or missing or params.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(key, "only full rotary embeddings of rope_type 'default', or 'llama3' with exactly "
+                    f"{', '.join(sorted(_LLAMA3_ROPE))}, are implemented")
     if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
         refuse("use_sliding_window", "sliding-window attention is not implemented")
     layer_types = hf.get("layer_types")

@@ -49,6 +49,8 @@ def param_shapes(config: ModelConfig) -> Params:
     }
     if c.qkv_bias:
         layers.update({"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)})
+    if c.qk_norm:
+        layers.update({"q_norm": (L, c.head_dim), "k_norm": (L, c.head_dim)})
     shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (D, c.vocab_size)
@@ -85,9 +87,26 @@ def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, "D"], eps: float) -> 
     return weight * x32.astype(x.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
+def rotary_frequencies(config: ModelConfig) -> Float[Array, "Dh/2"]:
+    """The rotary inverse frequencies, float32 as HF computes them; rope type 'llama3' divides
+    the low frequencies by `rope_factor` and blends the middle band smoothly (Llama 3.1 / 3.2)."""
+    Dh = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
+    if config.rope_type == "default":
+        return inv_freq
+    factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    context = config.rope_original_max_position
+    wavelength = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelength >= context / high) & (wavelength <= context / low)
+    return jnp.where(middle, blended, scaled)
+
+
+def rotary_tables(seq_len: int, config: ModelConfig) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
     """cos and sin of the rotate-half rotary embedding, computed in float32 as HF does."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = rotary_frequencies(config)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -107,7 +126,10 @@ def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfi
     k, v = x @ p["k"], x @ p["v"]
     if config.qkv_bias:
         k, v = k + p["k_bias"], v + p["v_bias"]
-    return apply_rotary(k.reshape(B, T, K, Dh), cos, sin), v.reshape(B, T, K, Dh)
+    k = k.reshape(B, T, K, Dh)
+    if config.qk_norm:  # Qwen3: each key head normalised before the rotation
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rotary(k, cos, sin), v.reshape(B, T, K, Dh)
 
 
 def attention_heads(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
@@ -124,7 +146,10 @@ def attention_heads(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Ar
     q = x @ p["q"]
     if config.qkv_bias:
         q = q + p["q_bias"]
-    q = apply_rotary(q.reshape(B, S, H, Dh), cos, sin)
+    q = q.reshape(B, S, H, Dh)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+    q = apply_rotary(q, cos, sin)
     k, v = key_values(p, x, cos, sin, config)
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
@@ -228,7 +253,7 @@ def layer_context(h, valid, config, offset: int = 0):
     B, S, _ = h.shape
     T = offset + S
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    cos, sin = rotary_tables(T, config.head_dim, config.rope_theta)
+    cos, sin = rotary_tables(T, config)
     return cos[offset:], sin[offset:], attention_mask(valid, offset)
 
 

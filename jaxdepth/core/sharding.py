@@ -27,6 +27,8 @@ PARTITION_RULES = {
     "lm_head": P(None, MODEL),        # [D, V]
     "final_norm": P(None),            # [D]
     "attn_norm": P(None, None),       # [L, D]
+    "q_norm": P(None, None),          # [L, Dh] (Qwen3)
+    "k_norm": P(None, None),
     "mlp_norm": P(None, None),
     "q": P(None, None, MODEL),        # [L, D, H*Dh]: heads split
     "k": P(None, None, MODEL),
@@ -83,6 +85,33 @@ def param_shardings(params_or_shapes, mesh: Mesh):
 def shard_params(params, mesh: Mesh):
     """Place params on the mesh as `PARTITION_RULES` says."""
     return jax.device_put(params, param_shardings(params, mesh))
+
+
+def to_host(x) -> np.ndarray:
+    """A computed array as numpy on this host, whatever its sharding. An array that spans
+    devices of other processes (multi-host) is gathered from them first, a collective: every
+    process must make the same call."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def is_writer() -> bool:
+    """Whether this process writes results, figures and tables: process 0 (of one or many)."""
+    return jax.process_index() == 0
+
+
+def writer_decides(flag: bool) -> bool:
+    """Process 0's `flag`, on every process (itself with one process): choices that decide which
+    computations run (reuse a cached result or compute it) must agree, or the processes'
+    collectives never meet."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
 
 def data_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

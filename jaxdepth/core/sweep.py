@@ -20,8 +20,18 @@ FALLBACK_MEMORY_BUDGET = 2 * 1024**3  # when the free memory cannot be read
 
 def available_memory_budget(fraction: float = MEMORY_FRACTION) -> int:
     """`fraction` of the free memory of the first device: accelerator memory from the runtime's
-    statistics, host memory (MemAvailable) on CPU."""
-    device = jax.devices()[0]
+    statistics, host memory (MemAvailable) on CPU. With several processes, the smallest of
+    theirs: every process must compile the same chunk sizes, or their collectives never meet."""
+    budget = _local_memory_budget(fraction)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+    return budget
+
+
+def _local_memory_budget(fraction: float) -> int:
+    device = jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))

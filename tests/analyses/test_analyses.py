@@ -1,12 +1,15 @@
 """Analyses on a tiny random model: vmapped sweeps against the same interventions run one at a
 time, chunked against unchunked, exact zeros, and statistics against direct numpy formulas."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
+from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual, skip_layer
@@ -28,10 +31,8 @@ def batch():
     return make_batch([rng.integers(0, 97, 30).tolist(), rng.integers(0, 97, 23).tolist()], [20, 15])
 
 
-@pytest.fixture(autouse=True)
-def highest_precision():
-    with jax.default_matmul_precision("highest"):
-        yield
+# Compare at full float32 matmul precision (as the references compute).
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 @jax.jit
@@ -320,6 +321,52 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
         f_b = _objective(params, one, layer, jnp.broadcast_to(b, x.shape))
         assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
+
+
+def _set_site(value, layer, data):
+    at, z = data
+    return jnp.where(layer == at, z, value)
+
+
+@partial(jax.jit, static_argnames="site")
+def _objective_at_site(params, tokens, valid, answer, layer, z, site):
+    """F with the value at `site` of `layer` set to z, by a plain forward."""
+    T = tokens.shape[1]
+    iv = sites.Intervention(site, _set_site, (layer, z))
+    p = jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=iv), -1)[0]
+    target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
+    return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))
+
+
+_objective_at_site_grad = jax.jit(jax.grad(_objective_at_site, argnums=5), static_argnames="site")
+
+
+@pytest.mark.parametrize("target,site", [("attn", "attn_out"), ("mlp", "mlp_out")])
+def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target, site):
+    steps = 5
+    result = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
+                                     target=target, progress=False)
+    assert result.settings["target"] == target
+    one = batch.single(1)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    answer = jnp.asarray(one.answer_prediction_mask()[0])
+    _, xs = run_layers(params, embed(params, tokens), CONFIG, valid=valid,
+                       tap=lambda r, _: r.attn if target == "attn" else r.mlp)
+    alphas, weights = ig.quadrature("midpoint", steps)
+    v = one.valid[0][:, None]
+    for layer in range(CONFIG.num_layers):
+        x = np.asarray(xs[layer])
+        b = (x[0] * v).sum(0, keepdims=True) / v.sum()
+        grads = [_objective_at_site_grad(params, tokens, valid, answer, layer, jnp.asarray(b + a * (x - b)), site)
+                 for a in alphas]
+        expected = np.sum((x[0] - b) * np.asarray(sum(w * g for w, g in zip(weights, grads))[0]), -1) * one.valid[0]
+        np.testing.assert_allclose(result.attributions[0, layer, :len(expected)], expected, atol=1e-6)
+        f_b = _objective_at_site(params, tokens, valid, answer, layer, jnp.broadcast_to(b, x.shape), site)
+        assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
+    # completeness: the gap shrinks with the steps, as for the layer target
+    gaps = [np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n, target=target,
+                                           progress=False).gap).max() for n in (2, 8, 32)]
+    assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0, gaps
 
 
 def test_ig_completeness_gap_shrinks_with_steps(params, batch):

@@ -56,6 +56,10 @@ SMOLLM2_135M = {
 }
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
 def with_changes(base, drop=(), **changes):
     d = copy.deepcopy(base)
     for key in drop:
@@ -134,6 +138,8 @@ def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
     ({"model_type": "gpt2"}, "model_type"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4, "beta_fast": 32}}, "rope_parameters"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_parameters"),
     ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
@@ -148,6 +154,23 @@ def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
 def test_unhandled_features_are_refused_by_name(changes, named):
     with pytest.raises(UnsupportedConfigError, match=named):
         ModelConfig.from_hf(with_changes(QWEN2_V5, **changes))
+
+
+def test_llama3_rope_scaling_from_rope_parameters_and_from_rope_scaling():
+    new = ModelConfig.from_hf(with_changes(QWEN2_V5, model_type="llama", rope_parameters={**LLAMA3_ROPE,
+                                                                                          "rope_theta": 5e5}))
+    old = ModelConfig.from_hf(with_changes(QWEN2_V5, model_type="llama", drop=["rope_parameters"], rope_theta=5e5,
+                                           rope_scaling=LLAMA3_ROPE))
+    assert new == old
+    assert (new.rope_type, new.rope_factor, new.rope_low_freq_factor, new.rope_high_freq_factor,
+            new.rope_original_max_position, new.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 8192, 5e5)
+    plain = ModelConfig.from_hf(QWEN2_V5)
+    assert plain.rope_type == "default" and not plain.qk_norm
+
+
+def test_qwen3_has_qk_norms_and_its_own_head_dim():
+    c = ModelConfig.from_hf(with_changes(QWEN2_V5, model_type="qwen3", head_dim=24, attention_bias=False))
+    assert c.qk_norm and c.head_dim == 24 and not c.qkv_bias
 
 
 def test_shape_constraints():

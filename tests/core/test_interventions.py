@@ -46,10 +46,8 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _highest_precision():
-    with jax.default_matmul_precision("highest"):
-        yield
+# Compare at full float32 matmul precision (as the references compute).
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +116,7 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
     # A Python loop (unrolled under jit, no scan); interventions by `where`, not by multiplying.
     L, eps = config.num_layers, config.rms_norm_eps
     mask = attention_mask(jnp.ones((B, T), bool))
-    cos, sin = rotary_tables(T, config.head_dim, config.rope_theta)
+    cos, sin = rotary_tables(T, config)
 
     def boundary(h, b):
         return jnp.where(write_mask[b][..., None], write_value[b], h) + bump[b]

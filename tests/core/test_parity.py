@@ -116,6 +116,26 @@ def test_parity_is_sensitive(tiny_model):
         assert e > 100 * TOL_TINY, name
 
 
+@pytest.mark.parametrize("variant,mistake", [("llama31_rope_scaled", "rope scaling ignored"),
+                                             ("qwen3_gqa", "q/k norms dropped")])
+def test_parity_is_sensitive_to_rope_scaling_and_qk_norms(tiny_model, variant, mistake):
+    tiny = tiny_model(variant)
+    params, config = converted(tiny)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, size=(1, 300))
+    ref = hf_logits(tiny.model, tokens)
+    if mistake == "rope scaling ignored":
+        assert config.rope_type == "llama3" and config.rope_original_max_position == 64
+        wrong_params, wrong_config = params, dataclasses.replace(config, rope_type="default")
+    else:
+        assert config.qk_norm and config.head_dim == 24
+        ones = {k: jnp.ones_like(params["layers"][k]) for k in ("q_norm", "k_norm")}
+        wrong_params, wrong_config = {**params, "layers": {**params["layers"], **ones}}, config
+    assert float(np.abs(jax_logits(params, tokens, config) - ref).max()) <= TOL_TINY
+    e = float(np.abs(jax_logits(wrong_params, tokens, wrong_config) - ref).max())
+    print(f"\n[parity] sensitivity, {variant} with {mistake}: max |logit diff| = {e:.3e}")
+    assert e > 100 * TOL_TINY
+
+
 def _with_layer(params, key, value):
     return {**params, "layers": {**params["layers"], key: value}}
 

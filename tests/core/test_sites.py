@@ -27,10 +27,8 @@ CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermed
 L, H, Dh = CONFIG.num_layers, CONFIG.num_heads, CONFIG.head_dim
 
 
-@pytest.fixture(autouse=True)
-def _highest_precision():
-    with jax.default_matmul_precision("highest"):
-        yield
+# Compare at full float32 matmul precision (as the references compute).
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +46,7 @@ def reference(params, tokens, edits=()):
     tuple of pairs), applied where the layer computes that site."""
     edits = dict(edits)
     eps = CONFIG.rms_norm_eps
-    cos, sin = rotary_tables(T, Dh, CONFIG.rope_theta)
+    cos, sin = rotary_tables(T, CONFIG)
     mask = attention_mask(jnp.ones((B, T), bool))
     h = embed(params, tokens)
     for l in range(L):

@@ -1,0 +1,162 @@
+"""Gradient attributions as functions: the gradient at every named site of every layer from one
+forward and one backward pass, gradient x activation, and attribution patching.
+
+`site_gradients` adds a zero "probe" at each requested site of every layer (an ordinary
+`jaxdepth.core.sites.Intervention`, appended after the caller's own) and differentiates the
+metric with respect to the probes: d metric / d probe_l is the gradient at that site of layer
+l, for all layers at once. The stack runs under `jax.checkpoint` per layer, so the backward
+keeps one residual per layer, not every activation.
+
+Attribution patching (Nanda 2023; Syed et al. 2023) is the first-order estimate of every
+residual erasure at once: replacing h_l[t] by a baseline b_l changes a scalar F by about
+`grad_l[t] . (b_l - h_l[t])`. It is a screening mode: one forward and one backward instead of
+(L+1) x T forwards, exact only where F is linear in h_l[t]. Confirm what it finds with the
+exact erasure (`jaxdepth.analyses.erasure.residual_erasure(..., effect=
+'answer_probability_change')` measures the same scalar).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import embed, run_layers, unembed
+from jaxdepth.core.sites import SITES, Intervention, as_interventions
+from jaxdepth.core.sharding import to_host
+from jaxdepth.results import SavedResult
+
+
+def site_shape(site: str, config: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
+    """The value's shape at `site` of one layer, for `batch` prompts of `length` positions."""
+    trailing = {"head_out": (config.num_heads, config.head_dim), "mlp_hidden": (config.intermediate_size,)}
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; sites: {', '.join(SITES)}")
+    return (batch, length) + trailing.get(site, (config.hidden_size,))
+
+
+def _probe(value, layer, probes):
+    return value + probes[layer].astype(value.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteGradients:
+    """What `site_gradients` returns: the metric's `value`, and per site the `gradients` and the
+    `activations` (the site's values in the same forward), each `[L, B, T, ...]` (`resid_pre`:
+    L+1 rows, the last one the final residual h_L). `taps`: the caller's tap, if any."""
+
+    value: jax.Array
+    gradients: dict
+    activations: dict
+    taps: object = None
+
+
+jax.tree_util.register_dataclass(SiteGradients, data_fields=["value", "gradients", "activations", "taps"],
+                                 meta_fields=[])
+
+
+def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites: Sequence[str] = ("resid_pre",), *,
+                   valid=None, interventions=None, tap=None, positions=None) -> SiteGradients:
+    """The gradient of the scalar `metric` with respect to the value at each of `sites` of every
+    layer, and those values, from one forward and one backward pass.
+
+    `metric(logits [B, T, V])` returns a scalar; with `tap` (as `run_layers` takes it),
+    `metric(logits, taps)`. With `positions` (`[A]`), the logits are computed at those positions
+    only, `[B, A, V]` (the LM head is the largest matmul of a small model: read only what the
+    metric needs). Gradients are taken after `interventions` act: at the value the model
+    really used. Call it inside `jax.jit` (the metric may close over traced arrays, e.g.
+    the answer tokens); `residual_attribution` is an example."""
+    B, T = tokens.shape
+    L = config.num_layers
+    zeros = {s: jnp.zeros((L + (s == "resid_pre"),) + site_shape(s, config, B, T), jnp.float32) for s in sites}
+    base = as_interventions(interventions)
+
+    def read(record, x):
+        return {s: getattr(record, s) for s in sites}, None if tap is None else tap(record, x)
+
+    def value(probes):
+        ivs = base + tuple(Intervention(s, _probe, probes[s]) for s in sites)
+        h, (values, taps) = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs,
+                                       tap=read, remat=True)
+        if "resid_pre" in values:  # boundary L, the final residual, after its interventions
+            values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
+        logits = unembed(params, h if positions is None else h[:, positions], config)
+        return (metric(logits) if tap is None else metric(logits, taps)), (values, taps)
+
+    (out, (values, taps)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
+    return SiteGradients(out, grads, values, taps)
+
+
+# ----------------------------------------------------------------------------- attribution patching
+
+def answer_probability(tokens, answer_positions, answer_real):
+    """F: the summed teacher-forced probability of the answer tokens of one prompt (`tokens
+    [1, T]`), the integrated-gradients objective of METHODS §5, as a function of the logits at
+    the answer positions (`[1, A, V]`: `site_gradients(..., positions=answer_positions)`)."""
+    targets = tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
+    rows = jnp.arange(answer_positions.shape[0])
+
+    def metric(logits):
+        probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
+        return jnp.sum(jnp.where(answer_real, probs[rows, targets], 0.0))
+
+    return metric
+
+
+@partial(jit, static_argnames="config")
+def residual_attribution(params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig):
+    """For one prompt (`tokens [1, T]`): F(x), gradient x activation `[L+1, T]`
+    (`grad_l[t] . h_l[t]`) and the attribution-patching estimate `[L+1, T]`
+    (`grad_l[t] . (b_l - h_l[t])`, the first-order change of F when h_l[t] is replaced by
+    `baseline[l]`, `[L+1, D]` as in erasure), at every boundary l = 0..L, from one forward and
+    one backward pass."""
+    g = site_gradients(params, tokens, config, answer_probability(tokens, answer_positions, answer_real),
+                       ("resid_pre",), valid=valid, positions=answer_positions)
+    grad, h = g.gradients["resid_pre"][:, 0], g.activations["resid_pre"][:, 0].astype(jnp.float32)
+    return (g.value, jnp.sum(grad * h, axis=-1),
+            jnp.sum(grad * (baseline[:, None, :].astype(jnp.float32) - h), axis=-1))
+
+
+@dataclasses.dataclass
+class AttributionResult(SavedResult):
+    """Per prompt `[P, L+1, T]` (0 beyond each prompt's length): `patching`, the
+    attribution-patching estimate of erasing h_l[t] (the first-order change of F, the summed
+    answer probability), and `grad_x_act`, gradient x activation; `f_input [P]` is F on the
+    clean prompt. A screening result: confirm with the exact erasure."""
+
+    patching: np.ndarray
+    grad_x_act: np.ndarray
+    f_input: np.ndarray
+    tokens: np.ndarray
+    lengths: np.ndarray
+    answer_start: np.ndarray
+    settings: dict
+
+
+def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
+                         progress: bool = True, settings=None) -> AttributionResult:
+    """Attribution patching and gradient x activation of every (boundary, position) of every
+    prompt of `batch`, one forward and one backward pass per prompt (a screening mode)."""
+    L, T = config.num_layers, batch.tokens.shape[1]
+    if baseline.shape != (L + 1, config.hidden_size):
+        raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
+    patching, gxa = np.zeros((len(batch), L + 1, T), np.float32), np.zeros((len(batch), L + 1, T), np.float32)
+    f_input = np.zeros(len(batch), np.float32)
+    for i in tqdm(range(len(batch)), desc="attribution patching (prompts)", disable=not progress):
+        one = batch.single(i)
+        Ti = one.tokens.shape[1]
+        positions, real = one.answer_positions(0)
+        f, g, p = residual_attribution(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
+                                       jnp.asarray(real), jnp.asarray(baseline), config)
+        # Padding positions come after every answer position: causality gives them zero gradient.
+        f_input[i], gxa[i, :, :Ti], patching[i, :, :Ti] = to_host(f), to_host(g), to_host(p)
+    return AttributionResult(patching=patching, grad_x_act=gxa, f_input=f_input, tokens=batch.tokens,
+                             lengths=batch.lengths, answer_start=batch.answer_start, settings=dict(settings or {}))

@@ -1,0 +1,226 @@
+"""Tuned lens (Belrose et al. 2023): the logit lens read through one learned affine translator
+per layer.
+
+The logit lens decodes h_l with the final norm and LM head, as if every layer already spoke the
+final layer's basis; early layers do not, which biases the KL and overlap effective depths. A
+tuned lens first maps h_l to `h_l + h_l W_l + b_l` (W_l, b_l start at zero, so an untrained lens
+IS the logit lens) and is trained to make the decoded distribution match the model's final one.
+
+- `TunedLens`: an NNX module holding the translators, stacked on a layer axis.
+- `train_tuned_lens`: optax on the KL of the final distribution to the lens distribution
+  (Belrose's objective), random minibatches of tokens with all layers each, deterministic per
+  step, checkpointed with orbax so a rerun resumes where a stopped one left off.
+- `jaxdepth.analyses.logit_lens.logit_lens(..., translators=...)`: the KL / overlap curves read
+  through it, in the same result type as the logit lens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+from tqdm.auto import tqdm
+
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import residual_stream, unembed
+
+Translators = dict  # {"weight": [L, D, D], "bias": [L, D]}
+
+
+class TunedLens(nnx.Module):
+    """One affine translator per layer l = 0..L-1, `h -> h + h @ weight[l] + bias[l]`, as
+    `nnx.Param`s stacked on the layer axis. A new lens is the identity (the logit lens)."""
+
+    def __init__(self, num_layers: int, hidden_size: int, *, translators: Optional[Translators] = None):
+        if translators is None:
+            translators = identity_translators(num_layers, hidden_size)
+        self.weight = nnx.Param(translators["weight"])
+        self.bias = nnx.Param(translators["bias"])
+
+    def translators(self) -> Translators:
+        """The pure pytree the functions below take (the same arrays)."""
+        return nnx.state(self, nnx.Param).to_pure_dict()
+
+
+def identity_translators(num_layers: int, hidden_size: int, dtype=jnp.float32) -> Translators:
+    return {"weight": jnp.zeros((num_layers, hidden_size, hidden_size), dtype),
+            "bias": jnp.zeros((num_layers, hidden_size), dtype)}
+
+
+def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[Array, "D"]) -> Float[Array, "*b D"]:
+    """One layer's translator. Residual form: zero weight and bias give back h bit for bit."""
+    h32 = h.astype(jnp.float32)
+    return h32 + jnp.einsum("...d,de->...e", h32, weight) + bias
+
+
+# ----------------------------------------------------------------------------- training
+
+def lens_kl(translators: Translators, params, hs: Float[Array, "L N D"], final_logp: Float[Array, "N V"],
+            config: ModelConfig) -> Float[Array, "L N"]:
+    """KL(P || P_l^tuned) per layer and token: the training objective (Belrose et al.: the
+    final distribution first, so the lens is pulled to cover everything the model predicts).
+    Layers are decoded one at a time (`lax.map`): one `[N, V]` logit buffer at once."""
+    def one_layer(args):
+        h, w, b = args
+        logp = jax.nn.log_softmax(unembed(params, translate(h, w, b), config), axis=-1)
+        return jnp.sum(jnp.exp(final_logp) * (final_logp - logp), axis=-1)
+
+    return jax.lax.map(one_layer, (hs, translators["weight"], translators["bias"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LensTrainingSettings:
+    """Everything that changes a trained lens. `tokens_per_step` tokens are drawn per step (all
+    L layers of each); the learning rate warms up over the first `warmup` steps, then decays
+    (cosine) to a tenth by the last."""
+
+    steps: int = 200
+    tokens_per_step: int = 64
+    learning_rate: float = 1e-3
+    warmup: int = 20
+    seed: int = 0
+    checkpoint_every: int = 25
+
+
+def _optimizer(s: LensTrainingSettings):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, s.learning_rate, min(s.warmup, s.steps - 1) or 1,
+                                                  s.steps, s.learning_rate / 10)
+    return optax.adam(schedule)
+
+
+@partial(jit, static_argnames=("config", "optimizer"), donate_argnames=("translators", "opt_state"))
+def _train_step(translators, opt_state, params, hs, h_final, config: ModelConfig, optimizer):
+    import optax
+
+    final_logp = jax.nn.log_softmax(unembed(params, h_final, config), axis=-1)
+    loss, grads = jax.value_and_grad(lambda t: jnp.mean(lens_kl(t, params, hs, final_logp, config)))(translators)
+    updates, opt_state = optimizer.update(grads, opt_state, translators)
+    return optax.apply_updates(translators, updates), opt_state, loss
+
+
+@dataclasses.dataclass
+class ResidualTokens:
+    """The residuals of every valid token of a batch: `hs [L, N, D]` (h_0..h_{L-1}) and
+    `final [N, D]` (h_L), N = the number of valid tokens. What a lens is trained on."""
+
+    hs: np.ndarray
+    final: np.ndarray
+
+    def __len__(self) -> int:
+        return self.final.shape[0]
+
+
+def residual_tokens(params, batch: PromptBatch, config: ModelConfig, *, progress: bool = True) -> ResidualTokens:
+    """Run the model once per prompt (at its own length) and keep each valid token's residuals."""
+    hs, final = [], []
+    for i in tqdm(range(len(batch)), desc="residual streams", disable=not progress):
+        one = batch.single(i)
+        h = np.asarray(_residual_stream(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config))
+        n = int(one.valid.sum())
+        hs.append(h[:-1, 0, :n])
+        final.append(h[-1, 0, :n])
+    return ResidualTokens(np.concatenate(hs, axis=1), np.concatenate(final, axis=0))
+
+
+_residual_stream = jit(lambda params, tokens, valid, config: residual_stream(params, tokens, config, valid=valid),
+                       static_argnames="config")
+
+
+def _draw(step: int, seed: int, n: int, k: int) -> np.ndarray:
+    # A pure function of (seed, step): a resumed run draws exactly what an uninterrupted one does.
+    return np.sort(np.random.default_rng([seed, step]).choice(n, size=min(k, n), replace=False))
+
+
+def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig, settings: LensTrainingSettings = LensTrainingSettings(),
+                     *, checkpoint_dir: Optional[str] = None, stop_after: Optional[int] = None,
+                     progress: bool = True) -> tuple[TunedLens, np.ndarray]:
+    """Train a tuned lens on `data`; returns it and the training loss per step run.
+
+    With `checkpoint_dir`, the translators and optimizer state are saved there (orbax, every
+    `settings.checkpoint_every` steps and at the end) and a rerun resumes from the latest
+    checkpoint; settings that differ from the saved ones are an error. `stop_after` ends the run
+    after that step (as an interrupted run would; tests use it)."""
+    import orbax.checkpoint as ocp
+
+    L, D = config.num_layers, config.hidden_size
+    if data.hs.shape[0] != L or data.hs.shape[2] != D:
+        raise ValueError(f"residuals of shape {data.hs.shape} do not fit a model with L={L}, D={D}")
+    optimizer = _optimizer(settings)
+    translators = identity_translators(L, D)
+    opt_state = optimizer.init(translators)
+    start, manager = 0, None
+    if checkpoint_dir is not None:
+        manager = _checkpoint_manager(checkpoint_dir, settings)
+        if manager.latest_step() is not None:
+            start = manager.latest_step()
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"translators": translators, "opt_state": opt_state})
+            state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+            translators, opt_state = state["translators"], state["opt_state"]
+    end = settings.steps if stop_after is None else min(stop_after, settings.steps)
+    losses = []
+    with tqdm(total=settings.steps, initial=start, desc="tuned lens (steps)", disable=not progress) as bar:
+        for step in range(start, end):
+            idx = _draw(step, settings.seed, len(data), settings.tokens_per_step)
+            translators, opt_state, loss = _train_step(translators, opt_state, params, jnp.asarray(data.hs[:, idx]),
+                                                       jnp.asarray(data.final[idx]), config, optimizer)
+            losses.append(float(loss))
+            bar.update(1)
+            bar.set_postfix(kl=f"{losses[-1]:.3f}")
+            done = step + 1
+            if manager is not None and (done % settings.checkpoint_every == 0 or done == end):
+                manager.save(done, args=ocp.args.StandardSave({"translators": translators, "opt_state": opt_state}))
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+    return TunedLens(L, D, translators=translators), np.asarray(losses, np.float32)
+
+
+def _checkpoint_manager(path: str, settings: LensTrainingSettings):
+    import orbax.checkpoint as ocp
+
+    from jaxdepth.atomic import atomic_write
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    meta = os.path.join(path, "lens.json")
+    wanted = dataclasses.asdict(settings)
+    if os.path.exists(meta):
+        with open(meta) as f:
+            saved = json.load(f)["settings"]
+        if saved != wanted:
+            raise ValueError(f"{path} holds a lens trained with other settings ({saved}); "
+                             "use another folder or remove it")
+    else:
+        with atomic_write(meta, "w") as f:
+            json.dump({"settings": wanted}, f, indent=1)
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+
+
+def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
+    """The translators of the latest checkpoint in `path` (written by `train_tuned_lens`)."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.exists(os.path.join(path, "lens.json")):
+        raise FileNotFoundError(f"{path}: no tuned lens here (no lens.json)")
+    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{path}: the lens has no checkpoint yet")
+        state = manager.restore(step)
+    w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
+    if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
+        raise ValueError(f"{path}: translators of shape {w.shape} do not fit this model "
+                         f"(L={config.num_layers}, D={config.hidden_size})")
+    return TunedLens(config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)})
