@@ -52,8 +52,6 @@ GGUF_NAMES = {
         "q_bias": "blk.{i}.attn_q.bias",
         "k_bias": "blk.{i}.attn_k.bias",
         "v_bias": "blk.{i}.attn_v.bias",
-        "q_norm": "blk.{i}.attn_q_norm.weight",
-        "k_norm": "blk.{i}.attn_k_norm.weight",
         "o": "blk.{i}.attn_output.weight",
         "mlp_norm": "blk.{i}.ffn_norm.weight",
         "gate": "blk.{i}.ffn_gate.weight",

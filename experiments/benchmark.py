@@ -386,7 +386,8 @@ def _erasure_baseline(bench: Bench, w: Workload, full):
     if bench.baseline is not None:  # erasure and attribution patching share it
         return
     start = time.perf_counter()
-    bench.baseline = mean_residuals(bench.model.params, full.select(slice(0, bench.args.baseline_prompts)), bench.config)
+    first = full.select(slice(0, bench.args.baseline_prompts))
+    bench.baseline = mean_residuals(bench.model.params, first, bench.config)
     bench.excluded_s["erasure_baseline"] = seconds = time.perf_counter() - start
     log(f"erasure baseline: mean residuals over the first {min(bench.args.baseline_prompts, len(full))} prompts "
         f"(full length) by jaxdepth.analyses.erasure.mean_residuals in {seconds:.1f} s (excluded; both use it)")

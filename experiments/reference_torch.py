@@ -260,6 +260,9 @@ class Reference:
     def _run_from(self, h: torch.Tensor, start: int) -> torch.Tensor:
         """Logits `[B, T, V]` of running layers start..L-1, the final norm and the LM head on the
         boundary-`start` residuals `h [B, T, D]` (the layers before `start` are not run)."""
+        # No mask is passed: sdpa then attends causally by itself (eager attention would not).
+        if self.model.config._attn_implementation != "sdpa":
+            raise ValueError("the reference's suffix runs need sdpa attention (causal without a mask)")
         T = h.shape[1]
         positions = torch.arange(T)[None]
         rotary = self.model.model.rotary_emb(h, positions)

@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bfloat16: weights and activations in bf16, statistics in float32")
     run.set_defaults(func=_run)
 
-    lens = sub.add_parser("tuned-lens", help="train a tuned lens and read held-out prompts through it and the logit lens")
+    lens = sub.add_parser("tuned-lens",
+                          help="train a tuned lens and read held-out prompts through it and the logit lens")
     lens.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
     lens.add_argument("--dataset", default="gsm8k", choices=["default", "gsm8k", "hellaswag", "aime24"])
     lens.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")

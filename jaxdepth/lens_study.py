@@ -15,19 +15,15 @@ import numpy as np
 
 from jaxdepth.analyses import logit_lens, tuned_lens, uncertainty
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
-from jaxdepth.analyses.logit_lens import LogitLensResult
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings
 from jaxdepth.core.batch import PromptBatch
-
-LENSES = ("logit lens", "tuned lens")
-
 
 @dataclasses.dataclass
 class LensComparison:
     """Both lenses' results on the held-out prompts, the training loss per step run now and the
     seconds each stage took."""
 
-    results: dict  # {"logit lens": LogitLensResult, "tuned lens": LogitLensResult}
+    results: dict  # {"logit lens": LogitLensResult, "tuned lens": LogitLensResult} (logit_lens module)
     losses: np.ndarray
     seconds: dict
 
@@ -44,18 +40,25 @@ def parse_rows(spec: str) -> slice:
 def compare_lenses(model, train: PromptBatch, held_out: PromptBatch, settings: LensTrainingSettings, lens_dir: str,
                    *, weighting: str = "prompt", progress: bool = True) -> LensComparison:
     """Train (or resume, or reuse) the tuned lens in `lens_dir` on `train`, then read `held_out`
-    through the logit lens and the tuned lens."""
+    through the logit lens and the tuned lens. The lens folder records what it was trained on
+    (the training tokens and the model's config): other data or another model is an error."""
+    from jaxdepth.study import batch_digest
+
     params, config, seconds = model.params, model.config, {}
+    identity = {"train_tokens_sha": batch_digest(train), "model_config": config.to_dict()}
+    lens, losses = tuned_lens.trained_lens(lens_dir, config, settings, identity), np.zeros(0, np.float32)
+    if lens is None:
+        start = time.perf_counter()
+        data = tuned_lens.residual_tokens(params, train, config, progress=progress)
+        seconds["residuals"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lens, losses = tuned_lens.train_tuned_lens(params, data, config, settings, checkpoint_dir=lens_dir,
+                                                   data_identity=identity, progress=progress)
+        seconds["training"] = time.perf_counter() - start
+        del data
     start = time.perf_counter()
-    data = tuned_lens.residual_tokens(params, train, config, progress=progress)
-    seconds["residuals"] = time.perf_counter() - start
-    start = time.perf_counter()
-    lens, losses = tuned_lens.train_tuned_lens(params, data, config, settings, checkpoint_dir=lens_dir,
-                                               progress=progress)
-    seconds["training"] = time.perf_counter() - start
-    del data
-    start = time.perf_counter()
-    meta = {"train_tokens": int(train.valid.sum()), "train_prompts": len(train), "training": dataclasses.asdict(settings)}
+    meta = {"train_tokens": int(train.valid.sum()), "train_prompts": len(train),
+            "training": dataclasses.asdict(settings)}
     results = {"logit lens": logit_lens.logit_lens(params, held_out, config, weighting=weighting, settings=meta),
                "tuned lens": logit_lens.logit_lens(params, held_out, config, weighting=weighting, settings=meta,
                                                    translators=lens.translators())}

@@ -122,13 +122,16 @@ def _register_builtins():
     register(Analysis(
         name="integrated_gradients", result_type=integrated_gradients.IntegratedGradientsResult,
         identity=lambda s: {"detail_prompts": s.detail_prompts, "ig_steps": s.ig_steps, "ig_rule": s.ig_rule,
-                            "ig_baseline": s.ig_baseline, "ig_target": s.ig_target},
+                            "ig_baseline": s.ig_baseline,
+                            # only when not the default: earlier results stay valid
+                            **({} if s.ig_target == "layer" else {"ig_target": s.ig_target})},
         run=lambda x: integrated_gradients.integrated_gradients(
             x.model.params, x.batch, x.model.config, steps=x.settings.ig_steps, rule=x.settings.ig_rule,
             baseline=x.settings.ig_baseline, target=x.settings.ig_target, memory_budget=x.settings.memory_budget,
             progress=x.progress),
         figures=per_prompt_figures(plots.integrated_gradients_figure),
         summary=lambda r: [f"IG max |completeness gap| {abs(r.gap).max():.2g}"], detail=True))
+
     def run_attribution(x):
         return attribution.attribution_patching(x.model.params, x.batch, x.model.config, erasure_baseline(x),
                                                 progress=x.progress)
@@ -146,6 +149,6 @@ def _register_builtins():
         identity=lambda s: {"detail_prompts": s.detail_prompts}, run=run_attribution,
         figures=per_prompt_figures(partial(plots.attribution_patching_figure, quantity="grad_x_act")),
         summary=lambda r: [f"grad x act max |value| {float(abs(r.grad_x_act).max()):.3g}"],
-        detail=True, uses_baseline=True))
+        detail=True))  # g . h does not read the baseline: it is no part of this cache identity
 
 _register_builtins()

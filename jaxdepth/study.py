@@ -82,8 +82,8 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     folder = result_folder(out_dir, model_name, dataset)
     common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
-              "prompt_tokens_sha": _batch_digest(batch), "result_format": RESULT_FORMAT}
-    baseline_sha = None if baseline_batch is None else _batch_digest(baseline_batch)
+              "prompt_tokens_sha": batch_digest(batch), "result_format": RESULT_FORMAT}
+    baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
     results = {}
     for entry in entries:
         identity = {**common, **entry.identity(settings)}
@@ -150,7 +150,8 @@ def _roundtrip(d):
     return json.loads(json.dumps(d))
 
 
-def _batch_digest(batch: PromptBatch) -> str:
+def batch_digest(batch: PromptBatch) -> str:
+    """A short digest of a batch's tokens, validity and answer starts (cache identities)."""
     import hashlib
 
     h = hashlib.sha256()

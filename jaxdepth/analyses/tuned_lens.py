@@ -58,9 +58,10 @@ def identity_translators(num_layers: int, hidden_size: int, dtype=jnp.float32) -
 
 
 def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[Array, "D"]) -> Float[Array, "*b D"]:
-    """One layer's translator. Residual form: zero weight and bias give back h bit for bit."""
+    """One layer's translator, in float32, the result in h's dtype. Residual form: zero weight
+    and bias give back h bit for bit (so an untrained lens decodes as the logit lens does)."""
     h32 = h.astype(jnp.float32)
-    return h32 + jnp.einsum("...d,de->...e", h32, weight) + bias
+    return (h32 + jnp.einsum("...d,de->...e", h32, weight) + bias).astype(h.dtype)
 
 
 # ----------------------------------------------------------------------------- training
@@ -100,7 +101,7 @@ def _optimizer(s: LensTrainingSettings):
     return optax.adam(schedule)
 
 
-@partial(jit, static_argnames=("config", "optimizer"), donate_argnames=("translators", "opt_state"))
+@partial(jit, static_argnames=("config", "optimizer"))
 def _train_step(translators, opt_state, params, hs, h_final, config: ModelConfig, optimizer):
     import optax
 
@@ -143,15 +144,18 @@ def _draw(step: int, seed: int, n: int, k: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, step]).choice(n, size=min(k, n), replace=False))
 
 
-def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig, settings: LensTrainingSettings = LensTrainingSettings(),
-                     *, checkpoint_dir: Optional[str] = None, stop_after: Optional[int] = None,
-                     progress: bool = True) -> tuple[TunedLens, np.ndarray]:
+def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig,
+                     settings: LensTrainingSettings = LensTrainingSettings(), *,
+                     checkpoint_dir: Optional[str] = None, data_identity: Optional[dict] = None,
+                     stop_after: Optional[int] = None, progress: bool = True) -> tuple[TunedLens, np.ndarray]:
     """Train a tuned lens on `data`; returns it and the training loss per step run.
 
     With `checkpoint_dir`, the translators and optimizer state are saved there (orbax, every
-    `settings.checkpoint_every` steps and at the end) and a rerun resumes from the latest
-    checkpoint; settings that differ from the saved ones are an error. `stop_after` ends the run
-    after that step (as an interrupted run would; tests use it)."""
+    `settings.checkpoint_every` steps and after the last) and a rerun resumes from the latest
+    checkpoint. The folder's `lens.json` records `settings` and `data_identity` (what the lens
+    is trained on, e.g. a digest of the training tokens and the model): a rerun with either
+    different is an error, so a lens is never silently reused on other data. `stop_after` ends
+    the run after that step without a final save, as an interruption would (tests use it)."""
     import orbax.checkpoint as ocp
 
     L, D = config.num_layers, config.hidden_size
@@ -162,10 +166,11 @@ def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig, settings
     opt_state = optimizer.init(translators)
     start, manager = 0, None
     if checkpoint_dir is not None:
-        manager = _checkpoint_manager(checkpoint_dir, settings)
+        manager = _checkpoint_manager(checkpoint_dir, settings, data_identity)
         if manager.latest_step() is not None:
             start = manager.latest_step()
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"translators": translators, "opt_state": opt_state})
+            state = {"translators": translators, "opt_state": opt_state}
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
             state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
             translators, opt_state = state["translators"], state["opt_state"]
     end = settings.steps if stop_after is None else min(stop_after, settings.steps)
@@ -179,7 +184,7 @@ def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig, settings
             bar.update(1)
             bar.set_postfix(kl=f"{losses[-1]:.3f}")
             done = step + 1
-            if manager is not None and (done % settings.checkpoint_every == 0 or done == end):
+            if manager is not None and (done % settings.checkpoint_every == 0 or done == settings.steps):
                 manager.save(done, args=ocp.args.StandardSave({"translators": translators, "opt_state": opt_state}))
     if manager is not None:
         manager.wait_until_finished()
@@ -187,24 +192,47 @@ def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig, settings
     return TunedLens(L, D, translators=translators), np.asarray(losses, np.float32)
 
 
-def _checkpoint_manager(path: str, settings: LensTrainingSettings):
+def trained_lens(path: str, config: ModelConfig, settings: LensTrainingSettings,
+                 data_identity: Optional[dict] = None) -> Optional[TunedLens]:
+    """The finished lens in `path` when it was trained to `settings.steps` with these settings on
+    this data, else None (nothing there yet, or unfinished: train or resume). Different settings
+    or data are an error, as in `train_tuned_lens`."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.exists(os.path.join(path, "lens.json")):
+        return None
+    _check_lens_json(path, settings, data_identity)
+    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
+        finished = manager.latest_step() == settings.steps
+    return load_tuned_lens(path, config) if finished else None
+
+
+def _lens_json(settings: LensTrainingSettings, data_identity: Optional[dict]) -> dict:
+    return json.loads(json.dumps({"settings": dataclasses.asdict(settings), "data": data_identity or {}}))
+
+
+def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]) -> None:
+    with open(os.path.join(path, "lens.json")) as f:
+        saved = json.load(f)
+    wanted = _lens_json(settings, data_identity)
+    for key, what in (("settings", "other settings"), ("data", "other data")):
+        if saved.get(key) != wanted[key]:
+            raise ValueError(f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
+                             "use another folder or remove it")
+
+
+def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
     import orbax.checkpoint as ocp
 
     from jaxdepth.atomic import atomic_write
 
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
-    meta = os.path.join(path, "lens.json")
-    wanted = dataclasses.asdict(settings)
-    if os.path.exists(meta):
-        with open(meta) as f:
-            saved = json.load(f)["settings"]
-        if saved != wanted:
-            raise ValueError(f"{path} holds a lens trained with other settings ({saved}); "
-                             "use another folder or remove it")
+    if os.path.exists(os.path.join(path, "lens.json")):
+        _check_lens_json(path, settings, data_identity)
     else:
-        with atomic_write(meta, "w") as f:
-            json.dump({"settings": wanted}, f, indent=1)
+        with atomic_write(os.path.join(path, "lens.json"), "w") as f:
+            json.dump(_lens_json(settings, data_identity), f, indent=1)
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
 
 
@@ -223,4 +251,5 @@ def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
     if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
         raise ValueError(f"{path}: translators of shape {w.shape} do not fit this model "
                          f"(L={config.num_layers}, D={config.hidden_size})")
-    return TunedLens(config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)})
+    return TunedLens(config.num_layers, config.hidden_size,
+                     translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)})

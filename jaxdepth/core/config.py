@@ -62,6 +62,12 @@ class ModelConfig:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_type not in ROPE_TYPES:
             raise UnsupportedConfigError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.rope_type == "llama3" and not (self.rope_factor > 0 and self.rope_original_max_position > 0
+                                               and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+            raise UnsupportedConfigError(
+                "llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 and "
+                f"high_freq_factor > low_freq_factor > 0; got {self.rope_factor}, {self.rope_original_max_position}, "
+                f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,12 +144,12 @@ def _rope_spec(hf: Mapping[str, Any]) -> tuple[str, dict]:
 
 
 def _rope_scaling(hf: Mapping[str, Any]) -> dict:
-    key, spec = _rope_spec(hf)
-    rope_type = spec.get("rope_type", spec.get("type", "default"))
-    if rope_type != "llama3":
+    _, spec = _rope_spec(hf)
+    if spec.get("rope_type", spec.get("type", "default")) != "llama3":
         return {}
-    return {"rope_type": "llama3", **{field: float(spec[name]) for name, field in _LLAMA3_ROPE.items()},
-            "rope_original_max_position": int(spec["original_max_position_embeddings"])}
+    fields = {field: float(spec[name]) for name, field in _LLAMA3_ROPE.items()}
+    fields["rope_original_max_position"] = int(fields["rope_original_max_position"])
+    return {"rope_type": "llama3", **fields}
 
 
 def _check_hf_features(hf: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ def _param(name: str, value) -> nnx.Param:
 
 
 class Decoder(nnx.Module):
-    """A pre-norm decoder (Qwen2 / Llama family) whose weights are `nnx.Param`s.
+    """A pre-norm decoder (Qwen2, Qwen3 or Llama family) whose weights are `nnx.Param`s.
 
     Build it from a params pytree with `Decoder(params, config)` (no copy); read the pytree back
     with `params()` or `nnx.split(decoder)[1].to_pure_dict()`.

@@ -46,7 +46,7 @@ def objective(one):
     return lambda logits: attribution.answer_probability(tokens, positions, real)(logits[:, positions])
 
 
-@pytest.mark.parametrize("site", ["resid_pre", "head_out", "attn_out", "mlp_hidden", "mlp_out", "resid_post"])
+@pytest.mark.parametrize("site", ["resid_pre", "head_out", "attn_out", "mlp_hidden", "mlp_out", "delta", "resid_post"])
 def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
     tokens, valid, _, _ = arrays(one)
     metric = objective(one)

@@ -72,14 +72,17 @@ def test_training_lowers_held_out_kl(params, data):
 def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
     whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, progress=False)
     folder = str(tmp_path / "lens")
+    # Interrupted after step 3: the last checkpoint is step 2 (every 2 steps), so step 3 is redone.
     _, first = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=3,
                                            progress=False)
+    assert tuned_lens.trained_lens(folder, CONFIG, SETTINGS) is None  # unfinished
     resumed, rest = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, progress=False)
-    assert len(first) == 3 and len(rest) == 3  # resumed at step 3, not from scratch
-    np.testing.assert_array_equal(np.concatenate([first, rest]), whole_losses)
+    assert len(first) == 3 and len(rest) == 4  # resumed at step 2, not from scratch
+    np.testing.assert_array_equal(np.concatenate([first[:2], rest]), whole_losses)
+    assert first[2] == rest[0]  # the redone step is the same step
     for key in ("weight", "bias"):
         np.testing.assert_array_equal(np.asarray(resumed.translators()[key]), np.asarray(whole.translators()[key]))
-    loaded = tuned_lens.load_tuned_lens(folder, CONFIG)
+    loaded = tuned_lens.trained_lens(folder, CONFIG, SETTINGS)  # finished: reused as it is
     for key in ("weight", "bias"):
         np.testing.assert_array_equal(np.asarray(loaded.translators()[key]), np.asarray(whole.translators()[key]))
     assert np.any(np.asarray(loaded.translators()["weight"]))  # trained, not the identity
@@ -87,10 +90,12 @@ def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
 
 def test_bad_inputs(params, data, tmp_path):
     folder = str(tmp_path / "lens")
-    tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=1, progress=False)
+    tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=2, progress=False)
     with pytest.raises(ValueError, match="other settings"):
         tuned_lens.train_tuned_lens(params, data, CONFIG, LensTrainingSettings(steps=7), checkpoint_dir=folder,
                                     progress=False)
+    with pytest.raises(ValueError, match="other data"):  # a lens is never reused on other prompts
+        tuned_lens.trained_lens(folder, CONFIG, SETTINGS, {"train_tokens_sha": "another"})
     with pytest.raises(FileNotFoundError, match="no tuned lens"):
         tuned_lens.load_tuned_lens(str(tmp_path / "nowhere"), CONFIG)
     other = ModelConfig.from_dict({**CONFIG.to_dict(), "num_layers": 5})

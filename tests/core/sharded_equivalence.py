@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens  # noqa: E402
-from jaxdepth.core import sites
+from jaxdepth.core import sites  # noqa: E402
 from jaxdepth.core.batch import make_batch  # noqa: E402
 from jaxdepth.core.config import ModelConfig  # noqa: E402
 from jaxdepth.core.model import forward, random_params  # noqa: E402

@@ -117,7 +117,7 @@ def test_parity_is_sensitive(tiny_model):
 
 
 @pytest.mark.parametrize("variant,mistake", [("llama31_rope_scaled", "rope scaling ignored"),
-                                             ("qwen3_gqa", "q/k norms dropped")])
+                                             ("qwen3_gqa", "q/k norm weights ignored")])
 def test_parity_is_sensitive_to_rope_scaling_and_qk_norms(tiny_model, variant, mistake):
     tiny = tiny_model(variant)
     params, config = converted(tiny)

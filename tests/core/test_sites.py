@@ -170,37 +170,44 @@ def test_taps_read_every_site():
     assert_close(t["post"], t["pre"] + t["attn_out"] + t["mlp_out"], "resid_post")
 
 
-def test_integrated_gradients_under_an_intervention_equal_a_hand_computation():
-    """IG of layer l while layer s < l is skipped everywhere, against jax.grad of the full
-    forward with the same skip and h_{l+1} written by hand."""
+@pytest.mark.parametrize("kind", ["skip", "add"])
+def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kind):
+    """IG of layer l under an intervention, against jax.grad of the full forward with the same
+    intervention and h_{l+1} written by hand: layer s < l skipped everywhere, or a vector added
+    at resid_pre of layer l+1 (not idempotent: applied twice, it would show)."""
     params, tokens, _ = _setup()
     tokens, valid = tokens[:1], jnp.ones((1, T), bool)
     s, l, steps = 0, 1, 4
-    skip = skip_layer(L, s, np.r_[0.0, np.ones(T - 1)].astype(np.float32))
+    if kind == "skip":
+        iv = skip_layer(L, s, np.r_[0.0, np.ones(T - 1)].astype(np.float32))
+    else:
+        vector = 0.5 * np.random.default_rng(5).standard_normal(CONFIG.hidden_size).astype(np.float32)
+        iv = sites.add("resid_pre", l + 1, vector, jnp.ones(T))
     answer_positions, answer_real = jnp.arange(5, T - 1), jnp.ones(T - 6, bool)
     alphas, weights = quadrature("left", steps)
     ours, f_x, f_b = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
-                                  jnp.asarray(weights, jnp.float32), CONFIG, interventions=skip)
+                                  jnp.asarray(weights, jnp.float32), CONFIG, interventions=iv)
 
     targets = tokens[0, answer_positions + 1]
 
-    def F(x):  # the objective with h_{l+1} = x, layer s skipped
+    def F(x):  # the objective with layer l's output h_{l+1} = x; the intervention acts on top
         def write(value, layer, data):
             return jnp.where(layer == l + 1, data, value)
-        logits = forward(params, tokens, CONFIG, interventions=[skip, sites.Intervention("resid_pre", write, x[None])])
+        logits = forward(params, tokens, CONFIG, interventions=[sites.Intervention("resid_pre", write, x[None]), iv])
         probs = jax.nn.softmax(logits[0, answer_positions], axis=-1)
         return jnp.sum(probs[jnp.arange(len(answer_positions)), targets])
 
-    x = residual_stream(params, tokens, CONFIG, interventions=skip)[l + 1, 0]
+    # layer l's output as the model computes it, before layer l+1's resid_pre interventions
+    x = run_layers(params, embed(params, tokens), CONFIG, interventions=iv, tap=lambda r, _: r.out)[1][l, 0]
     b = jnp.broadcast_to(x.mean(axis=0, keepdims=True), x.shape)
     grads = [jax.grad(F)(b + a * (x - b)) for a in alphas]
     expected = sum(w * jnp.sum((x - b) * g, axis=-1) for w, g in zip(weights, grads))
-    assert_close(ours[l], expected, "IG of layer l under the skip")
+    assert_close(ours[l], expected, f"IG of layer l under the {kind}")
     assert_close(f_x, F(x), "F(x)")
     assert_close(f_b[l], F(b), "F(b)")
     clean, _, _ = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
                                jnp.asarray(weights, jnp.float32), CONFIG)
-    assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 1e-3, "the skip did not change the attributions"
+    assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 1e-3, f"the {kind} did not change the attributions"
 
 
 def test_unknown_site_is_refused():
