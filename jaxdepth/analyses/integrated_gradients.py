@@ -121,8 +121,8 @@ def _objective(params, tokens, answer_positions, answer_real, config: ModelConfi
     return objective
 
 
-def _tap_sublayers(record, _):
-    return record.out, record.attn, record.mlp
+# A layer's LayerRecord -> the value IG attributes to, per target.
+_TARGET_VALUE = {"layer": lambda r: r.out, "attn": lambda r: r.attn, "mlp": lambda r: r.mlp}
 
 
 @partial(jit, static_argnames=("config", "baseline", "target"))
@@ -131,10 +131,11 @@ def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: Mode
     """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    h_last, (outs, attn, mlp) = run_layers(params, embed(params, tokens), config, valid=valid,
-                                           interventions=interventions, tap=_tap_sublayers)
-    inputs = jnp.concatenate([embed(params, tokens)[None], outs[:-1]], axis=0)[:, 0]
-    x = {"layer": outs, "attn": attn, "mlp": mlp}[target][:, 0].astype(jnp.float32)
+    h0, value = embed(params, tokens), _TARGET_VALUE[target]
+    h_last, (outs, x) = run_layers(params, h0, config, valid=valid, interventions=interventions,
+                                   tap=lambda r, _: (r.out, value(r)))  # only the target is kept
+    inputs = jnp.concatenate([h0[None], outs[:-1]], axis=0)[:, 0]
+    x = x[:, 0].astype(jnp.float32)
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
     return x, b, inputs, _objective(params, tokens, answer_positions, answer_real, config)(h_last)
 
