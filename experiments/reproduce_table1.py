@@ -1,14 +1,17 @@
 """Reproduce Table 1 of "What Affects the Effective Depth of Large Language Models?" (Hu, Zhou,
-Zhang 2025) and its curves: cosine, KL and top-5-overlap effective depth of Qwen2.5 instruct
-models and DeepSeek-R1-Distill-Qwen on GSM8K, HellaSwag and AIME24, with the published numbers
-alongside.
+Zhang 2025) and its figures: cosine, KL and top-5-overlap effective depth of all 12 models
+(Qwen2.5 Instruct 1.5B-32B; the bases Qwen2.5-Math-1.5B, -Math-7B, Qwen2.5-14B, -32B; and their
+long-CoT distillations DeepSeek-R1-Distill-Qwen 1.5B-32B) on GSM8K, HellaSwag and AIME24, with
+the published numbers alongside (`jaxdepth.published`), and the paired base vs long-CoT figure.
 
 Meant for an accelerator machine with network access (or a filled Hugging Face cache):
 
     python experiments/reproduce_table1.py --out results/table1 --dtype bfloat16 --mesh 1x8
 
 Each model is loaded from the hub (or `--local-dir/<name>` when given), every result is saved
-and reused on a rerun, and the table and overlay figures are rewritten at the end.
+and reused on a rerun, and the tables and figures are rewritten at the end, from whatever
+results exist: `--models` with a subset, run on several machines into one `--out`, fills the
+table piece by piece. `--published-only` draws the published numbers alone (no model needed).
 """
 
 import argparse
@@ -17,7 +20,8 @@ import os
 
 import jax
 
-from jaxdepth import plots
+from jaxdepth import plots, published
+from jaxdepth.atomic import atomic_write
 from jaxdepth.loading import load
 from jaxdepth.prompts import DATASETS, encode, load_prompts
 from jaxdepth.results import load_result
@@ -25,28 +29,10 @@ from jaxdepth.core.sharding import make_mesh
 from jaxdepth.study import StudySettings, result_folder, run_study
 from jaxdepth.table import collect, to_markdown, write_table
 
-MODELS = [
-    "Qwen/Qwen2.5-1.5B-Instruct",
-    "Qwen/Qwen2.5-7B-Instruct",
-    "Qwen/Qwen2.5-14B-Instruct",
-    "Qwen/Qwen2.5-32B-Instruct",
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
-]
-
-# Table 1 of the study on GSM8K: (cosine ED, KL ED, overlap ED, L). 8-bit weights, 10 prompts:
-# expect agreement within a few layers, not exactly.
-PUBLISHED_GSM8K = {
-    "Qwen/Qwen2.5-1.5B-Instruct": (20, 22, 23, 28),
-    "Qwen/Qwen2.5-7B-Instruct": (20, 25, 26, 28),
-    "Qwen/Qwen2.5-14B-Instruct": (32, 41, 45, 48),
-    "Qwen/Qwen2.5-32B-Instruct": (46, 58, 60, 64),
-}
+MODELS = list(published.TABLE1)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--datasets", nargs="+", default=["gsm8k", "hellaswag", "aime24"])
@@ -57,8 +43,13 @@ def main():
     parser.add_argument("--data", nargs="*", default=[], metavar="NAME=PATH",
                         help="local JSONL files instead of the hub, e.g. gsm8k=../shared/data/gsm8k_test_sample.jsonl")
     parser.add_argument("--out", default="results/table1")
-    args = parser.parse_args()
+    parser.add_argument("--published-only", action="store_true",
+                        help="draw the base vs long-CoT figure of the published numbers only (no model is loaded)")
+    args = parser.parse_args(argv)
 
+    if args.published_only:
+        write_figures(args.out, {"published": published.published_rows()}, args.datasets, [])
+        return
     mesh = None
     if args.mesh:
         data, model_axis = (int(x) for x in args.mesh.split("x"))
@@ -81,24 +72,32 @@ def main():
     rows = collect([args.out])
     print(to_markdown(rows), end="")
     write_table(rows, os.path.join(args.out, "table1"))
-    print("\npublished (GSM8K, cosine / KL / overlap ED, L):")
-    for name, (cos, kl, ov, layers) in PUBLISHED_GSM8K.items():
-        if name not in args.models:
-            continue
-        ours = {r["method"]: r["ed"] for r in rows if r["model"] == name and r["dataset"] == "gsm8k"}
-        print(f"  {name}: published {cos} / {kl} / {ov} (L={layers}); jaxdepth "
-              f"{ours.get('cosine')} / {ours.get('kl')} / {ours.get('overlap')}")
-    for dataset in args.datasets:
+    comparison = published.comparison_markdown(rows, datasets=args.datasets)
+    with atomic_write(os.path.join(args.out, "table1_vs_published.md"), "w") as f:
+        f.write(comparison)
+    print("\njaxdepth vs published (8-bit weights there: expect agreement within a few layers):")
+    print(comparison, end="")
+    write_figures(args.out, {"published": published.published_rows(), "jaxdepth": rows}, args.datasets,
+                  args.models)
+
+
+def write_figures(out, sources, datasets, models):
+    """The paired base vs long-CoT figure, and each dataset's curves of every model on a
+    relative depth axis (from the saved results of `models`)."""
+    figures = os.path.join(out, "figures")
+    plots.save_figure(plots.long_cot_figure(sources, published.LONG_COT_PAIRS, datasets=datasets),
+                      os.path.join(figures, "base_vs_long_cot"))
+    for dataset in datasets:
         for kind in ("contributions", "logit_lens"):
             curves = {}
-            for name in args.models:
-                path = os.path.join(result_folder(args.out, name, dataset), f"{kind}.npz")
+            for name in models:
+                path = os.path.join(result_folder(out, name, dataset), f"{kind}.npz")
                 if os.path.isfile(path):
                     curves[name.split("/")[-1]] = load_result(path)
             if curves:
                 plots.save_figure(plots.relative_depth_figure(curves, title=f"{kind} on {dataset}"),
-                                  os.path.join(args.out, "figures", f"{kind}_{dataset}_relative_depth"))
-
+                                  os.path.join(figures, f"{kind}_{dataset}_relative_depth"))
+    print(f"figures in {figures}")
 
 if __name__ == "__main__":
     main()

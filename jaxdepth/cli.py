@@ -1,5 +1,6 @@
-"""The `jaxdepth` command: `convert` a checkpoint, `run` the analyses on a model, train and read a
-`tuned-lens`, and `table` saved results."""
+"""The `jaxdepth` command: `convert` a checkpoint, `run` the analyses on a model, look at one prompt
+closely (`case`), train and read a `tuned-lens`, `map` a smaller model's layers onto a larger
+one's, and `table` saved results."""
 
 from __future__ import annotations
 
@@ -94,20 +95,41 @@ def _mesh(args):
     return mesh
 
 
+def _load_model(args, mesh, start: float):
+    """The model of `--model` in `--dtype`, and its name for result folders and the cache: bf16
+    results are a different model for the cache, the folders and the table."""
+    from jaxdepth.loading import load
+
+    model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
+    if model.tokenizer is None:
+        raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    return model, args.model if args.dtype == "float32" else f"{args.model}-{args.dtype}"
+
+
+def _study_settings(args, **kwargs):
+    """`StudySettings` from the options `run` and `case` share."""
+    from jaxdepth.study import StudySettings
+
+    return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
+                         **kwargs)
+
+
 def _run(args) -> int:
     import jax
 
     from jaxdepth.core.sharding import is_writer
-    from jaxdepth.loading import load
     from jaxdepth.prompts import DATASETS, encode, load_prompts
     from jaxdepth.registry import ANALYSES
-    from jaxdepth.study import StudySettings, result_folder, run_study, write_figures
+    from jaxdepth.study import result_folder, run_study, write_figures
 
     start = time.perf_counter()
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
+    if args.skip_mode == "current" and args.skip_split != "sampled":
+        raise ValueError("--skip-split applies to --skip-mode future; the current mode skips and measures every position")
     paths = _data_paths(args.data, args.dataset)
     # Read every prompt set before the model: a bad file should fail in a second, not after a load.
     texts = {name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
@@ -115,12 +137,7 @@ def _run(args) -> int:
     baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
                                      if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
     mesh = _mesh(args)
-    model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
-    if model.tokenizer is None:
-        raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
-    # bf16 results are a different model for the cache, the folders and the table
-    model_name = args.model if args.dtype == "float32" else f"{args.model}-{args.dtype}"
+    model, model_name = _load_model(args, mesh, start)
 
     def encoded(name, prompts, limit):
         return encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
@@ -130,9 +147,8 @@ def _run(args) -> int:
     sublayers = tuple(args.skip_sublayers.split(","))
     if not set(sublayers) <= {"layer", "attn", "mlp"}:
         raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
-    settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, seed=args.seed,
-                             ig_steps=args.ig_steps, ig_target=args.ig_target, skip_sublayers=sublayers,
-                             skip_mode=args.skip_mode)
+    settings = _study_settings(args, num_prompts=args.prompts, detail_prompts=args.detail_prompts,
+                               skip_sublayers=sublayers, skip_mode=args.skip_mode, skip_split=args.skip_split)
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
@@ -158,6 +174,41 @@ def _run(args) -> int:
         print(to_markdown(rows), end="")
         write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
+    return 0
+
+
+def _case(args) -> int:
+    from jaxdepth.case_study import case_prompt, check_analyses, write_case_figures
+    from jaxdepth.prompts import encode
+    from jaxdepth.registry import ANALYSES
+    from jaxdepth.study import result_folder, run_study
+
+    start = time.perf_counter()
+    analyses = check_analyses(args.analyses.split(","))
+    prompt, name = case_prompt(question=args.prompt, answer=args.answer, dataset=args.dataset, row=args.row,
+                               data_path=args.data)
+    datasets = [args.dataset or "default"]
+    baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, datasets, {args.dataset: args.data})
+                                     if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
+    model, model_name = _load_model(args, None, start)
+    context = model.config.max_position_embeddings
+    batch = encode(model.tokenizer, [prompt], context=context)
+    baseline = None if baseline_texts is None else encode(model.tokenizer, baseline_texts, context=context,
+                                                          limit=BASELINE_PROMPTS)
+    answer_tokens = int(batch.lengths[0] - batch.answer_start[0])
+    print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
+    results = run_study(model, model_name, name, batch, args.out, analyses=analyses,
+                        settings=_study_settings(args, num_prompts=1), baseline_batch=baseline,
+                        baseline_name=baseline_name)
+    if baseline_name is not None:
+        print(f"erasure baseline: {baseline_name}")
+    for analysis_name, result in results.items():
+        print("  " + "; ".join(ANALYSES[analysis_name].summary(result)))
+    folder = result_folder(args.out, model_name, name)
+    if not args.no_figures:
+        paths = write_case_figures(results, folder, model.tokenizer)
+        print(f"figures in {os.path.dirname(paths[0])}" if paths else "no figures")
+    print(f"total {time.perf_counter() - start:.1f} s; results in {folder}")
     return 0
 
 
@@ -210,6 +261,26 @@ def _analysis_names() -> list[str]:
     return list(ANALYSES)
 
 
+def _dataset_names() -> list[str]:
+    from jaxdepth.prompts import DATASETS
+
+    return list(DATASETS)
+
+
+def _ig_arguments(parser):
+    parser.add_argument("--ig-steps", type=int, default=256, help="integration steps (default 256, the studies')")
+    parser.add_argument("--ig-rule", choices=["left", "midpoint", "gauss"], default="left",
+                        help="quadrature: left Riemann (default, the published rule), midpoint or Gauss-Legendre")
+    parser.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
+                        help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
+                             "attention output a_l or its MLP output m_l")
+
+
+def _dtype_argument(parser):
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: weights and activations in bf16, statistics in float32")
+
+
 def _bootstrap_argument(parser):
     parser.add_argument("--bootstrap", type=int, default=1000, metavar="N",
                         help="bootstrap resamples of the prompts for the effective depths' 95%% intervals in the "
@@ -229,8 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the analyses on a model and prompt set")
     run.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
-    run.add_argument("--dataset", nargs="+", default=["default"],
-                     choices=["default", "gsm8k", "hellaswag", "aime24"],
+    run.add_argument("--dataset", nargs="+", default=["default"], choices=_dataset_names(),
                      help="default: short arithmetic prompts shipped with jaxdepth (no network needed)")
     run.add_argument("--data", action="append", metavar="[NAME=]PATH",
                      help="local JSONL file for a dataset (default: the hub via `datasets`)")
@@ -250,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="layer skip: 'future' skips before sampled split positions and measures after them "
                           "(the first study's main analysis); 'current' skips every position but 0 and measures "
                           "every position")
-    run.add_argument("--ig-steps", type=int, default=256)
-    run.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
-                     help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
-                          "attention output a_l or its MLP output m_l")
+    run.add_argument("--skip-split", choices=["sampled", "answer_start"], default="sampled",
+                     help="future layer skip: split at 4 sampled positions per prompt (default, METHODS §3) or at "
+                          "the start of the answer (the first study's depth-against-difficulty runs)")
+    _ig_arguments(run)
     run.add_argument("--out", default="results")
     _bootstrap_argument(run)
     run.add_argument("--no-figures", action="store_true", help="save results only")
@@ -265,14 +335,35 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --distributed, where cluster auto-detection does not apply: process 0's address")
     run.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
     run.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
-    run.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                     help="bfloat16: weights and activations in bf16, statistics in float32")
+    _dtype_argument(run)
     run.set_defaults(func=_run)
+
+    case = sub.add_parser("case", help="one prompt looked at closely: residual erasure and integrated gradients of "
+                                       "a question and its answer, with figures")
+    case.add_argument("model", nargs="?", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
+    case.add_argument("--prompt", help="the question text, exactly as the model reads it (e.g. '5 + 7 + 5 + 3 + 1 + 7 = ')")
+    case.add_argument("--answer", help="the answer that follows it, teacher-forced and attributed (e.g. 28)")
+    case.add_argument("--dataset", choices=_dataset_names(),
+                      help="instead of --prompt: a row of a dataset, formatted as the studies do")
+    case.add_argument("--row", type=int, help="with --dataset: the row, 0-based")
+    case.add_argument("--data", metavar="PATH", help="with --dataset: a local JSONL file (default: the hub)")
+    case.add_argument("--analyses", default="erasure,integrated_gradients",
+                      help="per-prompt analyses to run (default: erasure,integrated_gradients; also "
+                           "attribution_patching, grad_x_act)")
+    case.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
+                      "default: as `run` (the dataset's GSM8K prompts, else the embedded prompts)")
+    case.add_argument("--seed", type=int, default=123)
+    _ig_arguments(case)
+    _dtype_argument(case)
+    case.add_argument("--out", default="results", help="results under OUT/<model>/case_<prompt>/, figures in its "
+                      "figures/ (case.png: erasure above IG); a rerun reuses them")
+    case.add_argument("--no-figures", action="store_true", help="save results only")
+    case.set_defaults(func=_case)
 
     lens = sub.add_parser("tuned-lens",
                           help="train a tuned lens and read held-out prompts through it and the logit lens")
     lens.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
-    lens.add_argument("--dataset", default="gsm8k", choices=["default", "gsm8k", "hellaswag", "aime24"])
+    lens.add_argument("--dataset", default="gsm8k", choices=_dataset_names())
     lens.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")
     lens.add_argument("--train-rows", default="10:250", help="rows to train on, START:STOP (default 10:250)")
     lens.add_argument("--eval-rows", default="0:10", help="held-out rows to read, START:STOP (default 0:10)")
@@ -288,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     _bootstrap_argument(lens)
     lens.add_argument("--no-figures", action="store_true")
     lens.set_defaults(func=_tuned_lens)
+
+    from jaxdepth.mapping_study import add_parser as add_map_parser
+
+    add_map_parser(sub)
 
     table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")
     table.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")

@@ -8,6 +8,7 @@ figure with `save_figure`.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -184,34 +185,75 @@ def _clipped_label(label: str, limit: float, top: float, clipped: bool, percenti
         if clipped else label
 
 
-def _token_heatmap(values: np.ndarray, labels: Sequence[str], *, row_label: str, answer_start: int,
-                   cmap: Union[str, Colormap], symmetric: bool, colorbar_label: str) -> Figure:
-    """Rows (layers or boundaries, first row at the bottom) x tokens, with token tick labels
-    (every k-th beyond MAX_TOKEN_LABELS) and a vertical line before the first answer token.
-    The colour scale is [0, limit] or, `symmetric`, [-limit, limit] (0 at the colormap's centre),
-    with `limit` from `robust_limit`: clipped, and said so, when one cell dwarfs the rest."""
+@dataclasses.dataclass(frozen=True)
+class TokenPanel:
+    """One layer x token heatmap: `values [rows, tokens]` (first row drawn at the bottom), token
+    tick labels, the answer start to mark, and how to colour it (`symmetric`: [-limit, limit]
+    around the colormap's centre, else [0, limit]). `caption` titles the panel."""
+
+    values: np.ndarray
+    labels: Sequence[str]
+    row_label: str
+    answer_start: int
+    cmap: Union[str, Colormap]
+    symmetric: bool
+    colorbar_label: str
+    caption: str = ""
+
+
+def _panel_size(panel: TokenPanel) -> tuple[float, float]:
+    rows, n = panel.values.shape
+    return (min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0),
+            min(max(2.5 + 0.14 * rows, 4.0), 11.0))
+
+
+def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
+    """Draw `panel` on `ax` with its colour bar. The colour limit comes from `robust_limit`:
+    clipped, and said so, when one cell dwarfs the rest; a vertical line marks the answer start."""
+    values = panel.values
     limit, clipped = robust_limit(values)
     top = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 0.0
-    vmin, vmax = (-limit if symmetric else 0.0), limit
-    colorbar_label = _clipped_label(colorbar_label, limit, top, clipped, TOKEN_HEATMAP_PERCENTILE)
-    rows, n = values.shape
-    fig = _new_figure(min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0),
-                      min(max(2.5 + 0.14 * rows, 4.0), 11.0))
-    ax = fig.add_subplot()
+    vmin, vmax = (-limit if panel.symmetric else 0.0), limit
+    colorbar_label = _clipped_label(panel.colorbar_label, limit, top, clipped, TOKEN_HEATMAP_PERCENTILE)
+    n = values.shape[1]
     image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
-                      cmap=cmap, vmin=vmin, vmax=vmax)
+                      cmap=panel.cmap, vmin=vmin, vmax=vmax)
     step = max(1, -(-n // MAX_TOKEN_LABELS))
     ticks = np.arange(0, n, step)
-    ax.set_xticks(ticks, [labels[t] for t in ticks], rotation=90, fontsize=7)
+    ax.set_xticks(ticks, [panel.labels[t] for t in ticks], rotation=90, fontsize=7)
     ax.set_xlabel("token" if step == 1 else f"token (one label every {step} tokens)")
-    ax.set_ylabel(row_label)
-    if 0 < answer_start < n:
+    ax.set_ylabel(panel.row_label)
+    if panel.caption:
+        ax.set_title(panel.caption, fontsize=10)
+    if 0 < panel.answer_start < n:
         # A white halo keeps the line visible on dark (magma) and on white (RdBu centre) cells.
-        ax.axvline(answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
+        ax.axvline(panel.answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
                    path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
     fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01,
-                 extend=("both" if symmetric else "max") if clipped else "neither")
+                 extend=("both" if panel.symmetric else "max") if clipped else "neither")
+
+
+def _token_heatmap(panel: TokenPanel) -> Figure:
+    """A figure of one token panel, sized to its rows and tokens."""
+    fig = _new_figure(*_panel_size(panel))
+    _draw_token_panel(fig, fig.add_subplot(), panel)
+    return fig
+
+
+def stacked_token_figure(panels: Sequence[TokenPanel], *, title: Optional[str] = None,
+                         settings: Optional[dict] = None) -> Figure:
+    """Token panels one above the other, on one token axis each (e.g. a case study's erasure and
+    integrated gradients of the same prompt). `settings` (a result's) name the model and
+    dataset in the default title."""
+    if not panels:
+        raise ValueError("stacked_token_figure needs at least one panel")
+    sizes = [_panel_size(p) for p in panels]
+    fig = _new_figure(max(w for w, _ in sizes), sum(h for _, h in sizes))
+    axes = np.atleast_1d(fig.subplots(len(panels), 1, height_ratios=[h for _, h in sizes]))
+    for ax, panel in zip(axes, panels):
+        _draw_token_panel(fig, ax, panel)
+    _title(fig, "Per-token analyses", title, settings)
     return fig
 
 
@@ -385,20 +427,24 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     return fig
 
 
+def erasure_panel(result: ErasureResult, prompt: int = 0, *, tokenizer=None) -> TokenPanel:
+    """The erasure heatmap of one prompt as a `TokenPanel` (see `erasure_figure`)."""
+    _expect(result, ErasureResult, "erasure_panel")
+    p = _prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    return TokenPanel(result.effects[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
+                      row_label="erased boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
+                      cmap="magma", symmetric=False, colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$",
+                      caption="residual erasure")
+
+
 def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
                    title: Optional[str] = None) -> Figure:
     """Residual erasure of one prompt: the effect on the answer predictions of erasing h_l[t],
     boundary l = 0..L (y) by token t (x). `tokenizer` (its `decode`, else `convert_ids_to_tokens`)
     labels the tokens; None labels positions."""
-    _expect(result, ErasureResult, "erasure_figure")
-    p = _prompt_index(result, prompt)
-    n = int(result.lengths[p])
-    effects = result.effects[p, :, :n]
-    fig = _token_heatmap(effects, _token_labels(result.tokens[p, :n], tokenizer),
-                         row_label="erased boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
-                         cmap="magma", symmetric=False,
-                         colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$")
-    _title(fig, f"Residual erasure, prompt {p}", title, result.settings)
+    fig = _token_heatmap(dataclasses.replace(erasure_panel(result, prompt, tokenizer=tokenizer), caption=""))
+    _title(fig, f"Residual erasure, prompt {_prompt_index(result, prompt)}", title, result.settings)
     return fig
 
 
@@ -406,22 +452,32 @@ _IG_ROWS = {"layer": r"layer l (output $h_{l+1}$)", "attn": r"layer l (attention
             "mlp": r"layer l (MLP output $m_l$)"}
 
 
+def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrated gradients") -> str:
+    steps = result.settings.get("steps")
+    return (name + (f", {steps} steps" if steps else "")
+            + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}")
+
+
+def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *,
+                               tokenizer=None) -> TokenPanel:
+    """The IG heatmap of one prompt as a `TokenPanel` (see `integrated_gradients_figure`)."""
+    _expect(result, IntegratedGradientsResult, "integrated_gradients_panel")
+    p = _prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    return TokenPanel(result.attributions[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
+                      row_label=_IG_ROWS[result.settings.get("target", "layer")],
+                      answer_start=int(result.answer_start[p]), cmap="RdBu_r", symmetric=True,
+                      colorbar_label="attribution to F (answer probability)", caption=_ig_caption(result, p))
+
+
 def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,
                                 title: Optional[str] = None) -> Figure:
     """Integrated-gradients attribution of the answer probability to each token of each layer's
     output, for one prompt (diverging colours centred at 0). The title gives the largest
     |completeness gap| over layers: large means too few integration steps."""
-    _expect(result, IntegratedGradientsResult, "integrated_gradients_figure")
     p = _prompt_index(result, prompt)
-    n = int(result.lengths[p])
-    values = result.attributions[p, :, :n]
-    steps = result.settings.get("steps")
-    fig = _token_heatmap(values, _token_labels(result.tokens[p, :n], tokenizer),
-                         row_label=_IG_ROWS[result.settings.get("target", "layer")],
-                         answer_start=int(result.answer_start[p]),
-                         cmap="RdBu_r", symmetric=True, colorbar_label="attribution to F (answer probability)")
-    _title(fig, f"Integrated gradients, prompt {p}" + (f", {steps} steps" if steps else "")
-           + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}", title, result.settings)
+    fig = _token_heatmap(dataclasses.replace(integrated_gradients_panel(result, p, tokenizer=tokenizer), caption=""))
+    _title(fig, _ig_caption(result, p, f"Integrated gradients, prompt {p}"), title, result.settings)
     return fig
 
 
@@ -439,9 +495,9 @@ def attribution_patching_figure(result: AttributionResult, prompt: int = 0, *, t
     name, label = what[quantity]
     p = _prompt_index(result, prompt)
     n = int(result.lengths[p])
-    fig = _token_heatmap(getattr(result, quantity)[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
-                         row_label="boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
-                         cmap="RdBu_r", symmetric=True, colorbar_label=label)
+    fig = _token_heatmap(TokenPanel(getattr(result, quantity)[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
+                                    row_label="boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
+                                    cmap="RdBu_r", symmetric=True, colorbar_label=label))
     _title(fig, f"{name}, prompt {p}: F(x) = {result.f_input[p]:.3g}", title, result.settings)
     return fig
 
@@ -499,6 +555,51 @@ def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitL
         ax.legend(fontsize=8)
     _title(fig, "Across models, on a relative depth axis", title)
     return fig
+
+
+_METHOD_NAMES = {"cosine": "cosine ED", "kl": "KL ED", "overlap": "top-5 overlap ED"}
+
+
+def long_cot_figure(sources: Mapping[str, Sequence[dict]], pairs: Sequence[tuple[str, str, str]], *,
+                    datasets: Sequence[str] = ("gsm8k",), title: Optional[str] = None) -> Figure:
+    """Base model against its long-CoT distillation, per model size: the effective-depth ratio
+    of each (a row of panels per dataset, a column per method), the pair joined by a line so a
+    rise or fall reads at a glance.
+
+    `sources` maps a label ('published', 'jaxdepth') to rows shaped like
+    `jaxdepth.table.collect`'s; `pairs` are (size label, base model, long-CoT model), as
+    `jaxdepth.published.LONG_COT_PAIRS`. Cells a source lacks are left out, not drawn as 0."""
+    if not sources or not pairs or not datasets:
+        raise ValueError("long_cot_figure needs a source of rows, a (size, base, long-CoT) pair and a dataset")
+    fig = _new_figure(4.2 * len(_METHOD_NAMES) + 0.6, 3.3 * len(datasets) + 0.7)
+    axes = np.atleast_2d(fig.subplots(len(datasets), len(_METHOD_NAMES), sharey=True, sharex=True))
+    x = np.arange(len(pairs), dtype=float)
+    width = 0.6 / len(sources)
+    for row, dataset in zip(axes, datasets):
+        for ax, (method, name) in zip(row, _METHOD_NAMES.items()):
+            for i, (label, rows) in enumerate(sources.items()):
+                ratio = {r["model"]: r["ratio"] for r in rows if r["dataset"] == dataset and r["method"] == method}
+                _draw_pairs(ax, x + (i - (len(sources) - 1) / 2) * width, pairs, ratio, label, f"C{i}")
+            ax.set_xticks(x, [size for size, _, _ in pairs])
+            ax.set_title(f"{name} on {dataset}", fontsize=10)
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel("ED ratio (ED + 1) / L")
+    for ax in axes[-1]:
+        ax.set_xlabel("model size")
+    axes[0, -1].legend(fontsize=8, loc="lower right")
+    _title(fig, "Base vs long-CoT (R1-distilled) models", title)
+    return fig
+
+
+def _draw_pairs(ax, xs, pairs, ratio: Mapping[str, Optional[float]], label: str, color: str):
+    """Each (base, long-CoT) pair at its x: a filled circle, an open square, a line between."""
+    for x, (_, base, cot) in zip(xs, pairs):
+        if ratio.get(base) is not None and ratio.get(cot) is not None:
+            ax.plot([x, x], [ratio[base], ratio[cot]], color=color, linewidth=1, alpha=0.6)
+    for index, marker, kind, face in ((1, "o", "base", color), (2, "s", "long-CoT", "white")):
+        ys = np.array([np.nan if ratio.get(p[index]) is None else ratio[p[index]] for p in pairs], float)
+        ax.plot(xs, ys, marker, color=color, markersize=7, markerfacecolor=face, linestyle="none",
+                label=f"{label}: {kind}")
 
 
 # ----------------------------------------------------------------------------- saving

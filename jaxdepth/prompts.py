@@ -1,6 +1,10 @@
 """Prompt datasets formatted as the studies do (METHODS §8): raw text, no chat template, the
 gold solution teacher-forced. Each prompt keeps its question part and answer part apart, because
 residual erasure and integrated gradients measure the answer tokens only.
+
+Two datasets carry a difficulty, read into `Prompt.difficulty`: MATH (its level, 1-5) and MQuAKE
+(the number of hops, 2-4), the axes along which the first study plots its depth score;
+`load_prompts(..., difficulty=k)` keeps the prompts of one level.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ AIME_MAX_TOKENS = 400
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """`question + answer` is the text the model reads; `answer` is what is teacher-forced."""
+    """`question + answer` is the text the model reads; `answer` is what is teacher-forced.
+    `difficulty`: the dataset's difficulty of this prompt (MATH level, MQuAKE hops), None for a
+    dataset without one."""
 
     question: str
     answer: str
+    difficulty: Optional[int] = None
 
     @property
     def text(self) -> str:
@@ -80,12 +87,80 @@ def format_aime(row: dict) -> Prompt:
     return Prompt(question, _field(row, "solution"))
 
 
+def _text(row: dict, name: str) -> str:
+    value = _field(row, name)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be text, got {type(value).__name__}")
+    return value
+
+
+MATH_LEVELS = (1, 2, 3, 4, 5)
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+
+
+def math_level(row: dict) -> Optional[int]:
+    """The level of a MATH row, 1-5, from 'Level N' (or the number itself). MATH marks a few
+    problems 'Level ?': those have no level (None) and match no level filter."""
+    level = _field(row, "level")
+    if isinstance(level, str):
+        text = level.strip()
+        if text == "Level ?":
+            return None
+        if not text.startswith("Level "):
+            raise ValueError(f"level must look like 'Level 3', got {level!r}")
+        text = text[len("Level "):]
+        level = int(text) if text.isdigit() else text
+    if isinstance(level, bool) or not isinstance(level, int) or level not in MATH_LEVELS:
+        raise ValueError(f"level must be one of {MATH_LEVELS}, got {level!r}")
+    return level
+
+
+def math_subject(row: dict) -> str:
+    """The subject of a MATH row as the hub names its config: 'Counting & Probability' ->
+    'counting_and_probability'."""
+    return _text(row, "type").strip().lower().replace("&", "and").replace(" ", "_")
+
+
+def format_math(row: dict) -> Prompt:
+    """'Problem: {problem}\\nAnswer:' and ' ' + the gold solution, the level as difficulty: the
+    format of the first study's code for MATH (the solution is the whole worked solution,
+    ending in its \\boxed answer)."""
+    return Prompt(f"Problem: {_text(row, 'problem')}\nAnswer:", " " + _text(row, "solution"), math_level(row))
+
+
+def mquake_hops(row: dict) -> int:
+    """The number of hops of a MQuAKE row: its fact triples (`orig_triples` on the hub,
+    `orig.triples` in the published JSON files), else its single-hop questions."""
+    if "orig_triples" in row:
+        chain = row["orig_triples"]
+    elif isinstance(row.get("orig"), dict) and "triples" in row["orig"]:
+        chain = row["orig"]["triples"]
+    else:
+        chain = _field(row, "single_hops")
+    if not isinstance(chain, list) or not chain:
+        raise ValueError(f"the hop chain must be a non-empty list, got {chain!r}")
+    return len(chain)
+
+
+def format_mquake(row: dict) -> Prompt:
+    """'Question: {the first multi-hop question}\\nAnswer:' and ' ' + the gold answer (before any
+    edit), the hop count as difficulty: the format of the first study's code for MQuAKE."""
+    questions = _field(row, "questions")
+    if not isinstance(questions, list) or not questions or not isinstance(questions[0], str):
+        raise ValueError("questions must be a non-empty list of texts")
+    return Prompt(f"Question: {questions[0]}\nAnswer:", " " + _text(row, "answer"), mquake_hops(row))
+
+
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
     formatter: Callable[[dict], Prompt]
-    hub: Optional[tuple] = None  # (path, config name or None, split)
+    # (path, config name, None, or a tuple of config names whose splits are concatenated, split)
+    hub: Optional[tuple] = None
     max_tokens: Optional[int] = None
     embedded: Optional[str] = None  # a JSONL file shipped in the package
+    levels: tuple = ()  # the difficulties its prompts carry (empty: none)
+    level_format: str = "{}"  # how a difficulty is named in tables and figures
 
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -97,15 +172,48 @@ DATASETS = {
     "gsm8k": DatasetSpec(format_gsm8k, ("openai/gsm8k", "main", "test")),
     "hellaswag": DatasetSpec(format_hellaswag, ("Rowan/hellaswag", None, "validation")),
     "aime24": DatasetSpec(format_aime, ("Maxwell-Jia/AIME_2024", None, "train"), AIME_MAX_TOKENS),
+    # The test split of every subject, concatenated in the order of MATH_SUBJECTS.
+    "math": DatasetSpec(format_math, ("EleutherAI/hendrycks_math", MATH_SUBJECTS, "test"),
+                        levels=MATH_LEVELS, level_format="Level {}"),
+    # MQuAKE-CF-3k as the first study's code reads it: from MQuAKE-Remastered, a corrected
+    # release of the MQuAKE benchmark.
+    "mquake": DatasetSpec(format_mquake, ("henryzhongsc/MQuAKE-Remastered", None, "CF3k"),
+                          levels=(2, 3, 4), level_format="{} hops"),
 }
 
 
+def _read_json_list(path: str) -> list[dict]:
+    """A `.json` file holding one list of rows (how MQuAKE publishes its files)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise DatasetError(f"{path}: a .json dataset file must hold a list of rows (objects)")
+    return rows
+
+
+def _load_hub(hub_path: str, config: Optional[str], split: str) -> list[dict]:
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(hub_path, config, split=split))
+    except Exception as e:
+        which = hub_path if config is None else f"{hub_path} (config {config})"
+        raise DatasetError(f"could not load {which} from the hub or the local cache "
+                           f"({type(e).__name__}: {e}); pass a local JSONL file instead") from e
+
+
 def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
-    """Rows of dataset `name` from a local JSONL file, the package (embedded sets), or the hub
-    through `datasets` (which also finds a local cache when offline)."""
+    """Rows of dataset `name` from a local JSONL file (or a `.json` file holding a list of rows),
+    the package (embedded sets), or the hub through `datasets` (which also finds a local cache
+    when offline)."""
     if path is not None:
         if not os.path.isfile(path):
             raise DatasetError(f"dataset file not found: {path}")
+        if path.endswith(".json"):
+            return _read_json_list(path)
         rows = []
         with open(path) as f:
             for number, line in enumerate(f, 1):
@@ -118,27 +226,37 @@ def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
     spec = DATASETS[name]
     if spec.embedded is not None:
         return read_rows(name, spec.embedded)
-    import datasets
-
     hub_path, config, split = spec.hub
-    try:
-        return list(datasets.load_dataset(hub_path, config, split=split))
-    except Exception as e:
-        raise DatasetError(f"could not load {hub_path} from the hub or the local cache "
-                           f"({type(e).__name__}: {e}); pass a local JSONL file instead") from e
+    configs = config if isinstance(config, tuple) else (config,)
+    return [row for c in configs for row in _load_hub(hub_path, c, split)]
 
 
-def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = None) -> list[Prompt]:
-    """Formatted prompts of dataset `name` ('gsm8k', 'hellaswag', 'aime24')."""
+def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = None, *,
+                 difficulty: Optional[int] = None, where: Optional[Callable[[dict], bool]] = None) -> list[Prompt]:
+    """Formatted prompts of dataset `name` (a key of `DATASETS`), in file order.
+
+    `difficulty`: keep only the prompts of that difficulty (MATH level 1-5, MQuAKE hops 2-4);
+    `where`: keep only the rows (as read, before formatting) it returns True for, e.g.
+    `where=lambda row: math_subject(row) == "geometry"`. `limit` counts the prompts kept."""
     if name not in DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+    spec = DATASETS[name]
+    if difficulty is not None and difficulty not in spec.levels:
+        raise DatasetError(f"{name} has no difficulty {difficulty!r}" +
+                           (f"; its levels: {', '.join(map(str, spec.levels))}" if spec.levels
+                            else ": its prompts carry no difficulty"))
     prompts = []
     for number, row in enumerate(read_rows(name, path), 1):
         try:
-            prompts.append(DATASETS[name].formatter(row))
-        except (KeyError, ValueError, TypeError, IndexError) as e:
+            if where is not None and not where(row):
+                continue
+            prompt = spec.formatter(row)
+        except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
             raise DatasetError(f"{name} row {number} is malformed: {type(e).__name__}: {e}") from None
-        if limit is not None and len(prompts) >= limit and DATASETS[name].max_tokens is None:
+        if difficulty is not None and prompt.difficulty != difficulty:
+            continue
+        prompts.append(prompt)
+        if limit is not None and len(prompts) >= limit and spec.max_tokens is None:
             break
     return prompts
 

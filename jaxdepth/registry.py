@@ -99,10 +99,13 @@ def _register_builtins():
         feeds_table=True))
     register(Analysis(
         name="layer_skip", result_type=layer_skip.LayerSkipBySublayer,
-        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers), "skip_mode": s.skip_mode},
+        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers), "skip_mode": s.skip_mode,
+                            # only when not the default: earlier results stay valid
+                            **({} if s.skip_split == "sampled" else {"skip_split": s.skip_split})},
         run=lambda x: layer_skip.layer_skip_sublayers(
             x.model.params, x.batch, x.model.config, sublayers=x.settings.skip_sublayers, seed=x.settings.seed,
-            mode=x.settings.skip_mode, memory_budget=x.settings.memory_budget, progress=x.progress),
+            mode=x.settings.skip_mode, splits=x.settings.skip_split, memory_budget=x.settings.memory_budget,
+            progress=x.progress),
         figures=lambda r, tokenizer, n: {"": plots.layer_skip_figure(r.parts())},
         summary=lambda r: [f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}"
                            for s, part in r.parts().items()]))

@@ -32,6 +32,7 @@ class StudySettings:
     lens_weighting: str = "prompt"
     skip_sublayers: tuple = ("layer", "attn", "mlp")
     skip_mode: str = "future"  # layer skip: 'future' (METHODS §3) or 'current' effects
+    skip_split: str = "sampled"  # future layer skip: split at 'sampled' positions or at the 'answer_start'
     ig_steps: int = 256
     ig_rule: str = "left"
     ig_baseline: str = "channel_mean"

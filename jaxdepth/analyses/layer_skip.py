@@ -6,6 +6,10 @@ positions 1 <= p < t_s (position 0 is never skipped). We measure, at future posi
 p >= t_s, how much every layer j's contribution changes, `||Δ_j - Δ̄_j|| / ||Δ_j||`, and how
 much the output distribution moves, `||y_p - ȳ_p||_2`. All (s, t_s) pairs of a prompt are one
 vmapped computation.
+
+The split positions are sampled (METHODS §3, the default) or, with `splits="answer_start"`,
+each prompt's answer start alone: skip while the question is read, measure from the first
+answer token on (how the first study relates its depth score to MQuAKE's number of hops).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from jaxdepth.core.sharding import to_host
 
 SUBLAYERS = ("layer", "attn", "mlp")
 MODES = ("future", "current")
+SPLITS = ("sampled", "answer_start")
 
 
 def sample_split_positions(lengths: Sequence[int], *, seed: int = 123, per_prompt: int = 4,
@@ -45,6 +50,17 @@ def sample_split_positions(lengths: Sequence[int], *, seed: int = 123, per_promp
         rng.shuffle(candidates)
         chosen.append(sorted(candidates[:per_prompt]))
     return chosen
+
+
+def split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123,
+                        per_prompt: int = 4) -> list[list[int]]:
+    """The split positions t_s of every prompt: `sample_split_positions` ('sampled'), or the
+    prompt's answer start ('answer_start'; none where the answer is empty, nothing to measure)."""
+    if splits == "sampled":
+        return sample_split_positions(batch.lengths, seed=seed, per_prompt=per_prompt)
+    if splits == "answer_start":
+        return [[int(a)] if int(a) < int(n) else [] for a, n in zip(batch.answer_start, batch.lengths)]
+    raise ValueError(f"splits must be one of {SPLITS}, got {splits!r}")
 
 
 def _tap_relative_change(measure):
@@ -116,30 +132,39 @@ def _member_masks(length: int, T: int, splits: Sequence[int], mode: str):
 
 
 def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str = "layer",
-               mode: str = "future", seed: int = 123, splits_per_prompt: int = 4,
+               mode: str = "future", splits: str = "sampled", seed: int = 123, splits_per_prompt: int = 4,
                chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                progress: bool = True, settings=None) -> LayerSkipResult:
     """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
     prompts of the same padded length.
 
-    mode 'future' (default): skip before sampled split positions, measure after them.
-    mode 'current': skip every position but 0, measure every position.
+    mode 'future' (default): skip before split positions, measure after them; the split
+    positions are `splits`: 'sampled' (default, `splits_per_prompt` per prompt drawn with `seed`)
+    or 'answer_start' (one per prompt, its `batch.answer_start`; `split_positions` is then
+    `[N, 1]`).
+    mode 'current': skip every position but 0, measure every position; it has no split
+    position, so `splits` must stay 'sampled'.
     """
-    if sublayer not in SUBLAYERS or mode not in MODES:
-        raise ValueError(f"sublayer must be one of {SUBLAYERS} and mode one of {MODES}")
+    if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
+        raise ValueError(f"sublayer must be one of {SUBLAYERS}, mode one of {MODES} and splits one of {SPLITS}")
+    if mode == "current" and splits != "sampled":
+        raise ValueError(f"splits={splits!r} needs mode='future': the 'current' mode skips every position but 0 "
+                         "and has no split position")
     L = config.num_layers
     lengths = batch.lengths
-    splits = sample_split_positions(lengths, seed=seed, per_prompt=splits_per_prompt)
+    if splits == "answer_start":
+        splits_per_prompt = 1
+    positions = split_positions_of(batch, splits, seed=seed, per_prompt=splits_per_prompt)
     n_splits = 1 if mode == "current" else splits_per_prompt
     later_pp = np.zeros((len(batch), L, L), np.float32)
     output_pp = np.zeros((len(batch), L), np.float32)
     used = np.full((len(batch), splits_per_prompt), -1, np.int64)
     for i in tqdm(range(len(batch)), desc=f"layer skip ({sublayer}, {mode})", disable=not progress):
-        if mode == "future" and not splits[i]:
+        if mode == "future" and not positions[i]:
             continue  # prompt too short for any split position: it contributes nothing
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        skip, measure = _member_masks(int(lengths[i]), Ti, splits[i], mode)
+        skip, measure = _member_masks(int(lengths[i]), Ti, positions[i], mode)
         # Pad to a fixed number of splits (repeating the first) so every prompt shares one
         # compiled sweep; a repeated split changes no maximum.
         skip += [skip[0]] * (n_splits - len(skip))
@@ -151,13 +176,14 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)
         if mode == "future":
-            used[i, :len(splits[i])] = splits[i]
+            used[i, :len(positions[i])] = positions[i]
     if mode == "future" and (used < 0).all():
-        raise ValueError("every prompt is too short for a split position (needs more than 12 tokens)")
+        raise ValueError("no prompt has an answer token to measure" if splits == "answer_start" else
+                         "every prompt is too short for a split position (needs more than 12 tokens)")
     return LayerSkipResult(
         later=later_pp.max(axis=0), output=output_pp.max(axis=0), later_per_prompt=later_pp,
         output_per_prompt=output_pp, split_positions=used,
-        settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "seed": seed,
+        settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "splits": splits, "seed": seed,
                   "splits_per_prompt": splits_per_prompt})
 
 
@@ -192,7 +218,7 @@ class LayerSkipBySublayer(SavedResult):
 def layer_skip_sublayers(params, batch: PromptBatch, config: ModelConfig, *,
                          sublayers: Sequence[str] = SUBLAYERS, settings=None, **kwargs) -> LayerSkipBySublayer:
     """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
-    arguments as `layer_skip`)."""
+    arguments as `layer_skip`: `mode`, `splits`, `seed`, ...)."""
     sublayers = list(sublayers)
     if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
         raise ValueError(f"sublayers must be distinct names among {SUBLAYERS}, got {sublayers}")

@@ -1,0 +1,87 @@
+"""One prompt, looked at closely: residual erasure and integrated gradients of a single
+question / answer pair, as in the case studies of both papers (the first study's multi-step
+addition `5 + 7 + 5 + 3 + 1 + 7 = ` / `28`, single GSM8K problems).
+
+`jaxdepth case` runs it. The prompt becomes a one-prompt dataset named after its text, so its
+results are cached, resumed and written atomically by `study.run_study` like any other run, and
+each analysis draws its usual figure; `case_figure` puts erasure and IG one above the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Optional, Sequence
+
+from jaxdepth.prompts import DATASETS, Prompt, load_prompts
+
+# The analyses a case study runs by default: both studies show these two per prompt.
+CASE_ANALYSES = ("erasure", "integrated_gradients")
+ARITHMETIC_PROMPT = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")  # the first study's case
+
+
+def case_prompt(*, question: Optional[str] = None, answer: Optional[str] = None, dataset: Optional[str] = None,
+                row: Optional[int] = None, data_path: Optional[str] = None) -> tuple[Prompt, str]:
+    """The prompt of a case study and its name (the dataset folder of its results).
+
+    Either `question` and `answer` (the answer is what is teacher-forced and attributed), or a
+    `dataset` (`prompts.DATASETS`) and a 0-based `row` of it, read from `data_path` or the hub
+    and formatted as the studies do."""
+    if (question is None) == (dataset is None):
+        raise ValueError("give either a prompt (--prompt and --answer) or a dataset row (--dataset and --row)")
+    if question is not None:
+        if not answer:
+            raise ValueError("a case study needs the answer to attribute: --answer (e.g. --answer 28)")
+        digest = hashlib.sha256(f"{question}\0{answer}".encode()).hexdigest()[:8]
+        words = re.sub(r"[^A-Za-z0-9]+", "_", question).strip("_")[:32].strip("_")
+        return Prompt(question, answer), f"case_{words}_{digest}" if words else f"case_{digest}"
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
+    if row is None or row < 0:
+        raise ValueError(f"a dataset case needs a row number >= 0 (--row), got {row}")
+    prompts = load_prompts(dataset, data_path, limit=row + 1)
+    if row >= len(prompts):
+        raise ValueError(f"{dataset} has {len(prompts)} rows; row {row} does not exist")
+    return prompts[row], f"case_{dataset}_row{row}"
+
+
+def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[str] = None):
+    """Residual erasure (top) and integrated gradients (bottom) of the case's prompt on one
+    figure, tokens aligned, the answer start marked in both."""
+    from jaxdepth import plots
+
+    return plots.stacked_token_figure([plots.erasure_panel(erasure_result, 0, tokenizer=tokenizer),
+                                       plots.integrated_gradients_panel(ig_result, 0, tokenizer=tokenizer)],
+                                      title=title or "Case study: residual erasure and integrated gradients",
+                                      settings=erasure_result.settings)
+
+
+def write_case_figures(results: dict, folder: str, tokenizer=None) -> list[str]:
+    """Each analysis's own figure, and the combined erasure + IG figure when both ran; returns
+    the paths written (PNG and PDF)."""
+    from jaxdepth import plots
+    from jaxdepth.study import write_figures
+
+    paths = write_figures(results, folder, tokenizer)
+    if all(name in results for name in CASE_ANALYSES):
+        fig = case_figure(results["erasure"], results["integrated_gradients"], tokenizer=tokenizer)
+        paths.extend(plots.save_figure(fig, os.path.join(folder, "figures", "case")))
+    return paths
+
+
+def check_analyses(names: Sequence[str]) -> list[str]:
+    """The per-prompt analyses a case may run (erasure, IG and the attribution screens); the
+    whole-prompt-set ones (contributions, lens, layer skip) have nothing to say about one prompt
+    that the table does not."""
+    from jaxdepth.registry import ANALYSES
+
+    names = list(names)
+    unknown = [n for n in names if n not in ANALYSES]
+    if unknown:
+        raise ValueError(f"unknown analyses {unknown}; known: {', '.join(ANALYSES)}")
+    not_per_prompt = [n for n in names if not ANALYSES[n].detail]
+    if not_per_prompt:
+        raise ValueError(f"{', '.join(not_per_prompt)} describe a prompt set, not one prompt; a case runs the "
+                         f"per-prompt analyses: {', '.join(n for n, a in ANALYSES.items() if a.detail)}")
+    return names

@@ -1,0 +1,374 @@
+"""Map a smaller model's residual stream onto a larger one's (first study, Analysis 5), with the
+result on disk: `jaxdepth map SMALL LARGE`.
+
+Both models read the same prompts (their tokenizers must agree token for token). The first
+`train_prompts` prompts fit a ridge map for every (small boundary, large boundary) pair, the
+rest measure its held-out relative error (`jaxdepth.analyses.layer_mapping`). The result is
+written atomically to `OUT/<small>__<large>/<dataset>/layer_mapping.npz` with a heatmap beside
+it; a rerun with the same models, prompts and settings reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdepth.analyses import layer_mapping
+from jaxdepth.analyses.layer_mapping import LayerMappingResult
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import residual_stream
+from jaxdepth.core.sharding import is_writer, to_host, writer_decides
+from jaxdepth.loaded import Model
+
+RESULT_NAME = "layer_mapping"
+MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
+# Prompts run one at a time, padded to a multiple of this: a whole dataset compiles a handful of
+# shapes, and padding (masked out of every statistic) costs at most 63 positions per prompt.
+PAD_TO = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MappingSettings:
+    """Everything that changes a mapping result besides the models and the prompts.
+
+    train_prompts: prompts 0..train_prompts-1 fit the maps, the later ones are held out (a
+        split by prompt, so no held-out token shares a context with a training token).
+    ridge: relative ridge, `lam = ridge * trace(Gram) / D_s` (`layer_mapping.fit_maps`).
+    first_position: positions before it are left out of fitting and evaluation. Default 1:
+        position 0 (the BOS, or the first token where the tokenizer adds none, as Qwen2.5's)
+        is an attention sink whose residual norm is far larger than every other position's,
+        and it would dominate both the least squares and the norm-weighted error.
+    """
+
+    train_prompts: int = 80
+    ridge: float = layer_mapping.DEFAULT_RIDGE
+    first_position: int = 1
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def check_same_tokenizer(small: Model, large: Model, small_batch: PromptBatch, large_batch: PromptBatch) -> None:
+    """Raise a ValueError unless both models have a tokenizer with the same vocabulary and the
+    prompts encode to the same token ids (only then is token t the same input to both)."""
+    for model in (small, large):
+        if model.tokenizer is None:
+            raise ValueError(f"the model from {model.source} has no tokenizer; its prompts cannot be encoded")
+    vocab_s, vocab_l = _vocabulary(small.tokenizer), _vocabulary(large.tokenizer)
+    if vocab_s is not None and vocab_l is not None and vocab_s != vocab_l:
+        differing = sorted(set(vocab_s.items()) ^ set(vocab_l.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"the models' tokenizers differ ({small.source}: {len(vocab_s)} tokens, {large.source}: {len(vocab_l)} "
+            f"tokens; e.g. {differing}): a layer mapping needs two models that read the same tokens")
+    same = (small_batch.valid.shape == large_batch.valid.shape and np.array_equal(small_batch.valid, large_batch.valid)
+            and np.array_equal(small_batch.tokens[small_batch.valid], large_batch.tokens[large_batch.valid]))
+    if not same:
+        raise ValueError(f"the prompts encode to different token ids with the tokenizers of {small.source} and "
+                         f"{large.source}: a layer mapping needs two models that read the same tokens")
+    ids = small_batch.tokens[small_batch.valid]
+    for model in (small, large):
+        if ids.size and ids.max() >= model.config.vocab_size:
+            raise ValueError(f"token id {ids.max()} is outside the embedding of {model.source} "
+                             f"(vocab_size {model.config.vocab_size})")
+
+
+def _vocabulary(tokenizer) -> Optional[dict]:
+    get = getattr(tokenizer, "get_vocab", None)
+    return None if get is None else dict(get())
+
+
+# ----------------------------------------------------------------------------- the computation
+
+def _flat_residuals(params, tokens, valid, config: ModelConfig):
+    """Every boundary's residual as `[L+1, B*T, D]` (tokens flattened, B = 1 here)."""
+    hs = residual_stream(params, tokens, config, valid=valid)
+    return hs.reshape(hs.shape[0], -1, hs.shape[-1])
+
+
+def _token_mask(valid, first_position: int):
+    return (valid & (jnp.arange(valid.shape[1]) >= first_position)[None]).reshape(-1)
+
+
+@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="stats")
+def _train_step(stats, small_params, large_params, tokens, valid, small_config, large_config, first_position):
+    """Both models' residual streams of one prompt, folded into the statistics (one compiled call)."""
+    xs = _flat_residuals(small_params, tokens, valid, small_config)
+    ys = _flat_residuals(large_params, tokens, valid, large_config)
+    return layer_mapping.accumulate_statistics(stats, xs, ys, _token_mask(valid, first_position))
+
+
+@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="sums")
+def _heldout_step(sums, fit, small_params, large_params, tokens, valid, small_config, large_config, first_position):
+    """Both models' residual streams of one held-out prompt, their map errors added to the sums."""
+    xs = _flat_residuals(small_params, tokens, valid, small_config)
+    ys = _flat_residuals(large_params, tokens, valid, large_config)
+    return layer_mapping.accumulate_errors(sums, fit, xs, ys, _token_mask(valid, first_position))
+
+
+_fit = jit(layer_mapping.fit_maps, static_argnames="ridge")
+
+
+def _place_statistics(stats: layer_mapping.MappingStatistics, mesh) -> layer_mapping.MappingStatistics:
+    """With a mesh, split the large width D_l of the cross-products (and of the large means) over
+    all its devices; the small Gram and means, a small fraction, stay replicated."""
+    if mesh is None:
+        return stats
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    axes = tuple(mesh.axis_names)
+
+    def sharding(x, split: bool):
+        if split and x.shape[-1] % mesh.size == 0:
+            return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes))
+        return NamedSharding(mesh, P())
+
+    return jax.device_put(stats, layer_mapping.MappingStatistics(
+        sharding(stats.count, False), sharding(stats.x_mean, False), sharding(stats.y_mean, True),
+        sharding(stats.xx, False), sharding(stats.xy, True)))
+
+
+def compute_mapping(small: Model, large: Model, train: PromptBatch, held_out: PromptBatch,
+                    settings: MappingSettings = MappingSettings(), *, mesh=None, progress: bool = True,
+                    names: tuple[str, str, str] = ("small", "large", "prompts")) -> LayerMappingResult:
+    """Fit on `train`, measure on `held_out` (batches with the same token ids for both models),
+    one jitted call per prompt; `names` = (small model, large model, dataset) for the result."""
+    cs, cl = small.config, large.config
+    stats = _place_statistics(layer_mapping.empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1,
+                                                             cl.hidden_size), mesh)
+    step = dict(small_config=cs, large_config=cl, first_position=settings.first_position)
+    for i in tqdm(range(len(train)), desc="layer mapping: fit", disable=not progress):
+        one = train.single(i, pad_to_multiple=PAD_TO)
+        stats = _train_step(stats, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step)
+    train_tokens = int(to_host(stats.count))
+    if train_tokens == 0:
+        raise ValueError(f"no training token: {len(train)} prompt(s), none with a position >= "
+                         f"{settings.first_position}")
+    fit = _fit(stats, ridge=settings.ridge)
+    del stats  # its cross-products live on in the fit (the same array)
+    sums = layer_mapping.empty_errors(cs.num_layers + 1, cl.num_layers + 1)
+    for i in tqdm(range(len(held_out)), desc="layer mapping: held out", disable=not progress):
+        one = held_out.single(i, pad_to_multiple=PAD_TO)
+        sums = _heldout_step(sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
+                             **step)
+    sums = jax.tree.map(to_host, sums)
+    result = layer_mapping.mapping_result(
+        sums, small_model=names[0], large_model=names[1], dataset=names[2], train_tokens=train_tokens,
+        train_prompts=len(train), heldout_prompts=len(held_out), settings=dataclasses.asdict(settings))
+    if not np.all(np.isfinite(result.errors)):
+        raise ValueError(f"the layer mapping gave NaN or infinite errors (ridge {settings.ridge:g}): with fewer "
+                         f"training tokens ({train_tokens}) than residual width ({cs.hidden_size}) or a very small "
+                         "ridge the Gram matrix is singular; use more training prompts or a larger ridge")
+    return result
+
+
+# ----------------------------------------------------------------------------- on disk
+
+def mapping_folder(out_dir: str, small_name: str, large_name: str, dataset: str) -> str:
+    """`OUT/<small>__<large>/<dataset>`: where a mapping's result and figure go."""
+    from jaxdepth.study import slug
+
+    return os.path.join(out_dir, f"{slug(small_name)}__{slug(large_name)}", slug(dataset))
+
+
+def _reusable(path: str, identity: dict) -> Optional[LayerMappingResult]:
+    """The saved result at `path` if it was computed with exactly `identity`, else None."""
+    import json
+
+    from jaxdepth.results import load_result
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        result = load_result(path)
+    except Exception:
+        return None  # unreadable or from another version: recompute
+    if not isinstance(result, LayerMappingResult):
+        return None
+    return result if result.settings.get("identity") == json.loads(json.dumps(identity)) else None
+
+
+def encode_both(small: Model, large: Model, prompts, *, max_tokens: Optional[int] = None,
+                limit: Optional[int] = None) -> PromptBatch:
+    """Encode `prompts` with both tokenizers, check they agree (`check_same_tokenizer`) and
+    return the batch; prompts longer than either model's context are an error."""
+    from jaxdepth.prompts import encode
+
+    for model in (small, large):
+        if model.tokenizer is None:
+            raise ValueError(f"the model from {model.source} has no tokenizer; its prompts cannot be encoded")
+    context = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
+    batches = [encode(m.tokenizer, prompts, max_tokens=max_tokens, context=context, limit=limit,
+                      pad_to_multiple=PAD_TO) for m in (small, large)]
+    check_same_tokenizer(small, large, *batches)
+    return batches[0]
+
+
+def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, small_name: str, large_name: str,
+               dataset: str, settings: MappingSettings = MappingSettings(), max_tokens: Optional[int] = None,
+               limit: Optional[int] = None, mesh=None, figures: bool = True, progress: bool = True,
+               log: Callable[[str], None] = print) -> LayerMappingResult:
+    """Map every boundary of `small` onto every boundary of `large` on `prompts`
+    (`jaxdepth.prompts.Prompt`s; encoded with both tokenizers, which must agree: ValueError
+    otherwise), the first `settings.train_prompts` fitting and the rest held out.
+
+    Writes `layer_mapping.npz` and the heatmap (`layer_mapping.png`, `.pdf`) under
+    `mapping_folder(out_dir, small_name, large_name, dataset)`, atomically, from the writer
+    process only; a saved result with the same models, prompts and settings is reused.
+    `max_tokens` skips longer prompts (the AIME rule), `limit` caps the number encoded."""
+    from jaxdepth.study import batch_digest, software_versions
+
+    batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
+    k = settings.train_prompts
+    if not 0 < k < len(batch):
+        raise ValueError(f"train_prompts={k} must leave prompts on both sides of the split: {len(batch)} prompt(s) "
+                         "were encoded (the rest are held out)")
+    train, held_out = batch.select(slice(0, k)), batch.select(slice(k, None))
+    folder = mapping_folder(out_dir, small_name, large_name, dataset)
+    path = os.path.join(folder, f"{RESULT_NAME}.npz")
+    identity = {"small": small_name, "large": large_name, "dataset": dataset, "format": MAPPING_FORMAT,
+                "settings": dataclasses.asdict(settings), "train_tokens_sha": batch_digest(train),
+                "heldout_tokens_sha": batch_digest(held_out), "small_config": small.config.to_dict(),
+                "large_config": large.config.to_dict()}
+    cached = _reusable(path, identity)
+    # With several processes, process 0 (the writer) decides for all, so their collectives meet.
+    if writer_decides(cached is not None):
+        log(f"layer mapping: reusing {path}")
+        result = cached
+    else:
+        start = time.perf_counter()
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            result = compute_mapping(small, large, train, held_out, settings, mesh=mesh, progress=progress,
+                                     names=(small_name, large_name, dataset))
+        seconds = time.perf_counter() - start
+        result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+        if is_writer():
+            result.save(path)
+        log(f"layer mapping: {seconds:.1f} s -> {path}")
+    if figures and is_writer() and result is not None:
+        from jaxdepth.plots import save_figure
+
+        for written in save_figure(mapping_figure(result), os.path.join(folder, RESULT_NAME)):
+            log(f"wrote {written}")
+    return result
+
+
+# ----------------------------------------------------------------------------- figure and summary
+
+def mapping_figure(result: LayerMappingResult, *, title: Optional[str] = None):
+    """Heatmap of the held-out relative error (small boundary m up, large boundary l across),
+    each row's best match marked, and the diagonal of equal relative depth l = m L_l / L_s."""
+    from matplotlib import patheffects
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    from jaxdepth.study import slug
+
+    Ls, Ll = result.small_layers, result.large_layers
+    small, large = slug(result.small_model), slug(result.large_model)  # a folder path would fill the axis
+    fig = Figure(figsize=(max(5.5, 3 + 0.12 * Ll), max(4.5, 1.5 + 0.12 * Ls)), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg whatever backend pyplot may use elsewhere (as jaxdepth.plots does)
+    ax = fig.add_subplot()
+    image = ax.imshow(result.errors, origin="lower", aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=r"held-out $\|h_l - f(h_m)\| \,/\, \|h_l\|$")
+    # white with a dark outline: visible on the dark cells of the map and in the legend outside it
+    ax.plot([0, Ll], [0, Ls], color="white", linestyle="--", linewidth=1.2, label="equal relative depth",
+            path_effects=[patheffects.withStroke(linewidth=2.4, foreground="0.2")])
+    ax.scatter(result.best_match, np.arange(Ls + 1), marker="x", color="red", s=28, linewidths=1.5, zorder=3,
+               label="best match of each row")
+    ax.set(xlabel=f"{large} boundary l (0 = embeddings)", ylabel=f"{small} boundary m",
+           xlim=(-0.5, Ll + 0.5), ylim=(-0.5, Ls + 0.5))
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8)  # outside: no cell of the map hidden
+    fig.suptitle(title or f"Linear maps {small} ({Ls} layers) -> {large} ({Ll} layers), {result.dataset}\n"
+                          f"{result.train_tokens} training / {result.heldout_tokens} held-out tokens", fontsize=10)
+    return fig
+
+
+def summary(result: LayerMappingResult) -> str:
+    """A few lines: the best match of every small boundary, its error, and how far the best
+    matches lie from the diagonal of equal relative depth."""
+    rows = np.arange(len(result.best_match))
+    best = result.errors[rows, result.best_match]
+    offset = result.diagonal_offset()
+    return "\n".join([
+        f"{result.small_model} -> {result.large_model} on {result.dataset}: {result.train_tokens} training tokens "
+        f"({result.train_prompts} prompts), {result.heldout_tokens} held-out tokens ({result.heldout_prompts} prompts)",
+        "best large boundary per small boundary m: " + " ".join(f"{m}:{l}" for m, l in zip(rows, result.best_match)),
+        f"error at the best match: min {best.min():.4f}, median {np.median(best):.4f}, max {best.max():.4f}",
+        f"best match - equal relative depth: mean |offset| {np.abs(offset).mean():.2f} layers, "
+        f"max {np.abs(offset).max():.2f}",
+    ])
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _map(args) -> int:
+    from jaxdepth.cli import _mesh
+    from jaxdepth.loading import load
+    from jaxdepth.prompts import DATASETS, load_prompts
+
+    if not 0 < args.train_prompts < args.prompts:
+        raise ValueError(f"--train-prompts ({args.train_prompts}) must lie between 0 and --prompts ({args.prompts}): "
+                         "the prompts after the training ones are held out")
+    max_tokens = DATASETS[args.dataset].max_tokens
+    # Read the prompts before the models: a bad file should fail in a second, not after a load.
+    prompts = load_prompts(args.dataset, args.data, limit=None if max_tokens else args.prompts)
+    mesh = _mesh(args)
+    dtype = None if args.dtype == "float32" else args.dtype
+    start = time.perf_counter()
+    small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
+    print(f"loaded {args.small} and {args.large} in {time.perf_counter() - start:.1f} s")
+    suffix = "" if args.dtype == "float32" else f"-{args.dtype}"  # bf16 results are other models for the cache
+    settings = MappingSettings(train_prompts=args.train_prompts, ridge=args.ridge, first_position=args.first_position)
+    result = map_models(small, large, prompts, args.out, small_name=args.small + suffix,
+                        large_name=args.large + suffix, dataset=args.dataset, settings=settings,
+                        max_tokens=max_tokens, limit=args.prompts, mesh=mesh, figures=not args.no_figures)
+    if is_writer():
+        print(summary(result))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Add the `map` subcommand to the `jaxdepth` command's subparsers."""
+    from jaxdepth.prompts import DATASETS
+
+    p = subparsers.add_parser(
+        "map", help="fit linear maps from every layer of a smaller model to every layer of a larger one (same "
+                    "tokenizer) and report their held-out relative errors")
+    p.add_argument("small", help="the smaller model: anything jaxdepth.load accepts")
+    p.add_argument("large", help="the larger model; its tokenizer must equal the smaller one's")
+    p.add_argument("--dataset", default="gsm8k", choices=list(DATASETS))
+    p.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")
+    p.add_argument("--prompts", type=int, default=100, help="prompts in all, training and held out (default 100)")
+    p.add_argument("--train-prompts", type=int, default=MappingSettings.train_prompts,
+                   help=f"the first K prompts fit the maps, the rest measure them (default "
+                        f"{MappingSettings.train_prompts})")
+    p.add_argument("--ridge", type=float, default=MappingSettings.ridge,
+                   help="ridge relative to the mean eigenvalue of each Gram matrix (default %(default)g)")
+    p.add_argument("--first-position", type=int, default=MappingSettings.first_position,
+                   help="positions before this one are left out (default 1: position 0, an attention sink with a "
+                        "huge residual norm, is excluded)")
+    p.add_argument("--out", default="results",
+                   help="the result and its heatmap go under OUT/<small>__<large>/<dataset>/")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="both models' weights and activations; the statistics are float32 either way")
+    p.add_argument("--no-figures", action="store_true", help="save the result only")
+    p.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 1x8 (default: one device)")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() first; process 0 alone writes")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="with --distributed: process 0's address")
+    p.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
+    p.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
+    p.set_defaults(func=_map)

@@ -1,0 +1,79 @@
+"""`jaxdepth case`: one prompt's erasure and integrated gradients through the CLI on a tiny
+checkpoint (results equal to the analyses run directly, figures, resume), and clear errors."""
+
+import numpy as np
+import pytest
+
+from conftest import save_tiny_checkpoint
+from jaxdepth.analyses.erasure import mean_residuals, residual_erasure
+from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.case_study import ARITHMETIC_PROMPT, case_prompt
+from jaxdepth.cli import main
+from jaxdepth.loading import load
+from jaxdepth.prompts import encode, load_prompts
+from jaxdepth.results import load_result
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
+
+
+def _case_folder(out, model_folder):
+    prompt, name = case_prompt(question=ARITHMETIC_PROMPT.question, answer=ARITHMETIC_PROMPT.answer)
+    return out / "model" / name, prompt
+
+
+def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
+    args = ["case", tiny, "--prompt", ARITHMETIC_PROMPT.question, "--answer", ARITHMETIC_PROMPT.answer,
+            "--ig-steps", "4", "--out", str(tmp_path)]
+    assert main(args) == 0
+    folder, prompt = _case_folder(tmp_path, tiny)
+    erasure, ig = load_result(str(folder / "erasure.npz")), load_result(str(folder / "integrated_gradients.npz"))
+    figures = {p.name for p in (folder / "figures").iterdir()}
+    assert {"case.png", "case.pdf", "erasure_prompt0.png", "integrated_gradients_prompt0.png"} <= figures
+    assert (folder / "figures" / "case.png").stat().st_size > 5000
+
+    model = load(tiny)
+    batch = encode(model.tokenizer, [prompt])
+    baseline = encode(model.tokenizer, load_prompts("default", limit=10))  # the embedded prompts (offline)
+    expected_erasure = residual_erasure(model.params, batch, model.config,
+                                        mean_residuals(model.params, baseline, model.config), progress=False)
+    expected_ig = integrated_gradients(model.params, batch, model.config, steps=4, progress=False)
+    np.testing.assert_array_equal(erasure.effects, expected_erasure.effects)
+    np.testing.assert_array_equal(ig.attributions, expected_ig.attributions)
+    assert int(erasure.answer_start[0]) < int(erasure.lengths[0])  # the answer '28' is attributed
+    assert "embedded prompts" in capsys.readouterr().out
+
+    # a rerun reuses both results instead of recomputing them
+    assert main(args + ["--no-figures"]) == 0
+    assert capsys.readouterr().out.count("reusing") == 2
+
+
+def test_case_dataset_row(tiny, tmp_path):
+    assert main(["case", tiny, "--dataset", "default", "--row", "2", "--analyses", "erasure", "--out",
+                 str(tmp_path), "--no-figures"]) == 0
+    result = load_result(str(tmp_path / "model" / "case_default_row2" / "erasure.npz"))
+    model = load(tiny)
+    expected = encode(model.tokenizer, [load_prompts("default")[2]])
+    np.testing.assert_array_equal(result.tokens, expected.tokens)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "1 + 1 = "], "--answer"),
+    (["--prompt", "1 + 1 = ", "--answer", "2", "--dataset", "default", "--row", "0"], "either a prompt"),
+    ([], "either a prompt"),
+    (["--dataset", "default", "--row", "100000"], "does not exist"),
+    (["--dataset", "default"], "row number"),
+    (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "contributions"], "not one prompt"),
+    (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "nonsense"], "unknown analyses"),
+])
+def test_case_errors(tiny, tmp_path, capsys, args, message):
+    assert main(["case", tiny, "--out", str(tmp_path), *args]) != 0
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_case_names_differ_by_prompt_and_answer():
+    names = {case_prompt(question=q, answer=a)[1] for q, a in [("1 + 1 = ", "2"), ("1 + 1 = ", "3"), ("2 + 1 = ", "3")]}
+    assert len(names) == 3
