@@ -45,8 +45,8 @@ import numpy as np
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.atomic import atomic_write
-from jaxdepth.prompts import DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
-from jaxdepth.study import StudySettings, run_study, slug
+from jaxdepth.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
+from jaxdepth.study import StudySettings, run_study, saved_model_name, slug
 
 DIFFICULTY_DATASETS = ("math", "mquake")
 STUDY_ORDER_SEED = 42  # the study's code shuffles each level's rows with random.Random(42)
@@ -59,7 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2", help="anything jaxdepth.loading.load accepts")
     parser.add_argument("--dataset", default="mquake", choices=DIFFICULTY_DATASETS)
     parser.add_argument("--data", help="local JSONL (or .json list) rows instead of the hub")
-    parser.add_argument("--subject", help="MATH only: one subject (e.g. intermediate_algebra); default: all")
+    parser.add_argument("--subject", choices=MATH_SUBJECTS,
+                        help="MATH only: one subject (the study's: intermediate_algebra); default: all")
     parser.add_argument("--levels", type=int, nargs="+", help="difficulties to run (default: all of the dataset)")
     parser.add_argument("--prompts", type=int, default=20, help="prompts per difficulty")
     parser.add_argument("--max-tokens", type=int, help="skip prompts longer than this many tokens")
@@ -116,7 +117,7 @@ def group_summary(result, *, resamples: int) -> dict:
     if resamples > 0 and score is not None:
         interval = uncertainty.depth_score_interval(part, resamples=resamples)
         low, high, level = interval.low, interval.high, interval.level
-    effect = np.asarray(part.later, np.float64).sum(axis=1) / np.maximum(L - 1 - np.arange(L), 1)
+    effect = ed.depth_effects(part.later)
     return {"prompts": int(part.later_per_prompt.shape[0]), "measured_prompts": measured, "depth_score": score,
             "low": low, "high": high, "interval_level": level,
             "resamples": resamples, "num_layers": L, "layer_effect": effect.tolist(),
@@ -176,7 +177,8 @@ def run_groups(model, args, groups: dict[int, list[Prompt]], levels: Sequence[in
         batch = encode(model.tokenizer, groups[level], max_tokens=args.max_tokens,
                        context=model.config.max_position_embeddings, limit=args.prompts)
         name = group_name(args.dataset, args.subject, level)
-        results = run_study(model, args.model, name, batch, args.out, analyses=("layer_skip",), settings=settings)
+        results = run_study(model, saved_model_name(args.model, args.dtype), name, batch, args.out,
+                            analyses=("layer_skip",), settings=settings)
         row = {"model": args.model, "dataset": args.dataset, "subject": args.subject or "all", "difficulty": level,
                "label": label, "group": name, **group_summary(results["layer_skip"], resamples=args.resamples)}
         score = "undefined" if row["depth_score"] is None else f"{row['depth_score']:.2f}"
@@ -191,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import jax
 
     from jaxdepth import plots
-    from jaxdepth.core.sharding import is_writer, make_mesh
+    from jaxdepth.core.sharding import is_writer, mesh_from_spec
     from jaxdepth.loading import load
 
     try:
@@ -203,17 +205,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not any(groups.get(level) for level in levels):
         print(f"error: no {args.dataset} prompt of difficulty {list(levels)} in the data", file=sys.stderr)
         return 2
-    mesh = None
-    if args.mesh:
-        data, model_axis = (int(x) for x in args.mesh.split("x"))
-        mesh = make_mesh(data=data, model=model_axis)
-    model = load(args.model, dtype=args.dtype, mesh=mesh)
+    try:
+        mesh = None if args.mesh is None else mesh_from_spec(args.mesh)
+        model = load(args.model, dtype=args.dtype, mesh=mesh)
+        if model.tokenizer is None:
+            raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         rows = run_groups(model, args, groups, levels)
     if not is_writer():
         return 0
     tag = dataset_tag(args.dataset, args.subject)
-    base = os.path.join(args.out, slug(args.model), f"{tag}_depth_vs_difficulty")
+    base = os.path.join(args.out, slug(saved_model_name(args.model, args.dtype)), f"{tag}_depth_vs_difficulty")
     meta = {"model": args.model, "dataset": args.dataset, "subject": args.subject or "all", "data": args.data,
             "prompts_per_group": args.prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
             "layer_skip": {"mode": "future", "splits": "answer_start", "sublayer": "layer"},

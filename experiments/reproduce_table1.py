@@ -25,7 +25,7 @@ from jaxdepth.atomic import atomic_write
 from jaxdepth.loading import load
 from jaxdepth.prompts import DATASETS, encode, load_prompts
 from jaxdepth.results import load_result
-from jaxdepth.core.sharding import make_mesh
+from jaxdepth.core.sharding import mesh_from_spec
 from jaxdepth.study import StudySettings, result_folder, run_study
 from jaxdepth.table import collect, to_markdown, write_table
 
@@ -48,12 +48,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.published_only:
-        write_figures(args.out, {"published": published.published_rows()}, args.datasets, [])
+        write_table1_figures(args.out, {"published": published.published_rows()}, args.datasets, [])
         return
-    mesh = None
-    if args.mesh:
-        data, model_axis = (int(x) for x in args.mesh.split("x"))
-        mesh = make_mesh(data=data, model=model_axis)
+    mesh = None if args.mesh is None else mesh_from_spec(args.mesh)
     settings = StudySettings(num_prompts=args.prompts)
     data = dict(spec.split("=", 1) for spec in args.data)
     for name in args.models:
@@ -77,11 +74,12 @@ def main(argv=None):
         f.write(comparison)
     print("\njaxdepth vs published (8-bit weights there: expect agreement within a few layers):")
     print(comparison, end="")
-    write_figures(args.out, {"published": published.published_rows(), "jaxdepth": rows}, args.datasets,
-                  args.models)
+    # every model with results under --out, not only this run's: runs on several machines fill in
+    write_table1_figures(args.out, {"published": published.published_rows(), "jaxdepth": rows}, args.datasets,
+                         sorted({r["model"] for r in rows}))
 
 
-def write_figures(out, sources, datasets, models):
+def write_table1_figures(out, sources, datasets, models):
     """The paired base vs long-CoT figure, and each dataset's curves of every model on a
     relative depth axis (from the saved results of `models`)."""
     figures = os.path.join(out, "figures")

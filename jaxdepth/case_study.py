@@ -30,6 +30,10 @@ def case_prompt(*, question: Optional[str] = None, answer: Optional[str] = None,
     and formatted as the studies do."""
     if (question is None) == (dataset is None):
         raise ValueError("give either a prompt (--prompt and --answer) or a dataset row (--dataset and --row)")
+    if question is not None and (row is not None or data_path is not None):
+        raise ValueError("--row and --data select a dataset row: they go with --dataset, not with --prompt")
+    if dataset is not None and answer is not None:
+        raise ValueError("a dataset row brings its own answer (the gold solution): --answer goes with --prompt")
     if question is not None:
         if not answer:
             raise ValueError("a case study needs the answer to attribute: --answer (e.g. --answer 28)")
@@ -44,6 +48,16 @@ def case_prompt(*, question: Optional[str] = None, answer: Optional[str] = None,
     if row >= len(prompts):
         raise ValueError(f"{dataset} has {len(prompts)} rows; row {row} does not exist")
     return prompts[row], f"case_{dataset}_row{row}"
+
+
+def check_answer_tokens(batch, prompt: Prompt) -> int:
+    """The number of answer tokens of a one-prompt batch; an error when there is none (an answer
+    of whitespace a tokenizer drops, say), since then nothing would be attributed."""
+    count = int(batch.lengths[0] - batch.answer_start[0])
+    if count <= 0:
+        raise ValueError(f"the answer {prompt.answer!r} encodes to no token after the question "
+                         f"{prompt.question[-20:]!r}: nothing would be attributed")
+    return count
 
 
 def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[str] = None):

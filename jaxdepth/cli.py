@@ -85,12 +85,8 @@ def _mesh(args):
                                                              ("process_id", args.process_id)) if v is not None})
     if not args.mesh:
         return None
-    try:
-        data, model = (int(x) for x in args.mesh.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--mesh must look like 4x2 (data x model), got {args.mesh!r}") from None
-    mesh = sharding.make_mesh(data=data, model=model)
-    print(f"mesh {data}x{model} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
+    mesh = sharding.mesh_from_spec(args.mesh)
+    print(f"mesh {args.mesh} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
           f"processes; this is process {jax.process_index()}")
     return mesh
 
@@ -99,12 +95,13 @@ def _load_model(args, mesh, start: float):
     """The model of `--model` in `--dtype`, and its name for result folders and the cache: bf16
     results are a different model for the cache, the folders and the table."""
     from jaxdepth.loading import load
+    from jaxdepth.study import saved_model_name
 
     model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
     if model.tokenizer is None:
         raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
-    return model, args.model if args.dtype == "float32" else f"{args.model}-{args.dtype}"
+    return model, saved_model_name(args.model, args.dtype)
 
 
 def _study_settings(args, **kwargs):
@@ -128,7 +125,7 @@ def _run(args) -> int:
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
-    if args.skip_mode == "current" and args.skip_split != "sampled":
+    if "layer_skip" in analyses and args.skip_mode == "current" and args.skip_split != "sampled":
         raise ValueError("--skip-split applies to --skip-mode future; the current mode skips and measures every position")
     paths = _data_paths(args.data, args.dataset)
     # Read every prompt set before the model: a bad file should fail in a second, not after a load.
@@ -178,12 +175,15 @@ def _run(args) -> int:
 
 
 def _case(args) -> int:
-    from jaxdepth.case_study import case_prompt, check_analyses, write_case_figures
+    from jaxdepth.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
     from jaxdepth.prompts import encode
     from jaxdepth.registry import ANALYSES
     from jaxdepth.study import result_folder, run_study
 
     start = time.perf_counter()
+    if args.source and args.model and args.source != args.model:
+        raise ValueError(f"two models given: {args.source} and --model {args.model}")
+    args.model = args.model or args.source or "smollm2"
     analyses = check_analyses(args.analyses.split(","))
     prompt, name = case_prompt(question=args.prompt, answer=args.answer, dataset=args.dataset, row=args.row,
                                data_path=args.data)
@@ -195,7 +195,7 @@ def _case(args) -> int:
     batch = encode(model.tokenizer, [prompt], context=context)
     baseline = None if baseline_texts is None else encode(model.tokenizer, baseline_texts, context=context,
                                                           limit=BASELINE_PROMPTS)
-    answer_tokens = int(batch.lengths[0] - batch.answer_start[0])
+    answer_tokens = check_answer_tokens(batch, prompt)
     print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
     results = run_study(model, model_name, name, batch, args.out, analyses=analyses,
                         settings=_study_settings(args, num_prompts=1), baseline_batch=baseline,
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
     run.add_argument("--skip-mode", choices=["future", "current"], default="future",
-                     help="layer skip: 'future' skips before sampled split positions and measures after them "
+                     help="layer skip: 'future' skips before split positions (--skip-split) and measures after them "
                           "(the first study's main analysis); 'current' skips every position but 0 and measures "
                           "every position")
     run.add_argument("--skip-split", choices=["sampled", "answer_start"], default="sampled",
@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     case = sub.add_parser("case", help="one prompt looked at closely: residual erasure and integrated gradients of "
                                        "a question and its answer, with figures")
-    case.add_argument("model", nargs="?", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
+    case.add_argument("source", nargs="?", metavar="MODEL", help="anything jaxdepth.load accepts (default: smollm2)")
+    case.add_argument("--model", help="the model, as `run` takes it (instead of the positional MODEL)")
     case.add_argument("--prompt", help="the question text, exactly as the model reads it (e.g. '5 + 7 + 5 + 3 + 1 + 7 = ')")
     case.add_argument("--answer", help="the answer that follows it, teacher-forced and attributed (e.g. 28)")
     case.add_argument("--dataset", choices=_dataset_names(),

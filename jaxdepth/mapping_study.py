@@ -318,6 +318,7 @@ def _map(args) -> int:
     from jaxdepth.cli import _mesh
     from jaxdepth.loading import load
     from jaxdepth.prompts import DATASETS, load_prompts
+    from jaxdepth.study import saved_model_name
 
     if not 0 < args.train_prompts < args.prompts:
         raise ValueError(f"--train-prompts ({args.train_prompts}) must lie between 0 and --prompts ({args.prompts}): "
@@ -330,10 +331,9 @@ def _map(args) -> int:
     start = time.perf_counter()
     small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
     print(f"loaded {args.small} and {args.large} in {time.perf_counter() - start:.1f} s")
-    suffix = "" if args.dtype == "float32" else f"-{args.dtype}"  # bf16 results are other models for the cache
     settings = MappingSettings(train_prompts=args.train_prompts, ridge=args.ridge, first_position=args.first_position)
-    result = map_models(small, large, prompts, args.out, small_name=args.small + suffix,
-                        large_name=args.large + suffix, dataset=args.dataset, settings=settings,
+    result = map_models(small, large, prompts, args.out, small_name=saved_model_name(args.small, args.dtype),
+                        large_name=saved_model_name(args.large, args.dtype), dataset=args.dataset, settings=settings,
                         max_tokens=max_tokens, limit=args.prompts, mesh=mesh, figures=not args.no_figures)
     if is_writer():
         print(summary(result))

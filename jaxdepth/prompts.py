@@ -264,8 +264,8 @@ def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = N
 def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = None,
            context: Optional[int] = None, limit: Optional[int] = None,
            pad_to_multiple: int = 16) -> PromptBatch:
-    """Tokenize with the tokenizer's defaults; the answer starts at the first token that begins
-    at or after the end of the question text. Prompts over `max_tokens` are skipped (the AIME
+    """Tokenize with the tokenizer's defaults; the answer starts at the first token that carries
+    answer text (ends after the question text: a token straddling the two is answer). Prompts over `max_tokens` are skipped (the AIME
     rule); a prompt over the model's `context` is an error."""
     token_lists, starts = [], []
     for prompt in prompts:
@@ -277,8 +277,11 @@ def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = 
             raise ValueError(f"a prompt of {len(ids)} tokens exceeds the model's context of {context}: "
                              f"{prompt.text[:80]!r}...")
         boundary = len(prompt.question)
+        # The answer starts at the first token carrying answer text: one that ends after the
+        # question. A token straddling the boundary (' 28' after a question ending in '= ') is
+        # answer, or a byte-level tokenizer would leave the '2' out of what is attributed.
         # Special tokens (a BOS) have empty offsets (0, 0): they belong to the question.
-        start = next((i for i, (a, b) in enumerate(offsets) if b > a and a >= boundary), len(ids))
+        start = next((i for i, (a, b) in enumerate(offsets) if b > a and b > boundary), len(ids))
         token_lists.append(ids)
         starts.append(max(start, 1))
         if limit is not None and len(token_lists) >= limit:

@@ -5,7 +5,7 @@ so a reproduction prints and plots next to them.
 Source: the study's Table 1, and its authors' notebook `exp3_universal_metric_simple.ipynb`
 (github.com/AheadOFpotato/what_affects_effective_depth, commit ea5402c), which prints all 12
 models x 3 datasets; the four Instruct rows on GSM8K are also METHODS §7. Those runs used 8-bit
-weights and 10 prompts per dataset: agreement within a few layers is what to expect, not
+weights and 10 prompts per dataset (5 on AIME24, per the notebook's file names): agreement within a few layers is what to expect, not
 equality. One published cell is an artefact: DeepSeek-R1-Distill-Qwen-1.5B's KL ED on GSM8K is
 1 (ratio 0.07), where its other datasets give 20-24.
 """

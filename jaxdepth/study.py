@@ -49,6 +49,13 @@ def software_versions() -> dict:
     return {"jax": jax.__version__, "flax": flax.__version__, "jaxdepth": getattr(jaxdepth, "__version__", "0.1.0")}
 
 
+def saved_model_name(source: str, dtype: Optional[str] = None) -> str:
+    """The name results of `source` loaded in `dtype` are saved under: the source itself in
+    float32, `SOURCE-bfloat16` in bf16, because a bf16 model is another model for the cache, the
+    folders and the table."""
+    return source if dtype in (None, "float32") else f"{source}-{dtype}"
+
+
 def slug(text: str) -> str:
     """A folder name for a model source or dataset name."""
     base = os.path.basename(os.path.normpath(text)) if os.path.exists(text) else text
@@ -84,6 +91,9 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     folder = result_folder(out_dir, model_name, dataset)
     common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
               "prompt_tokens_sha": batch_digest(batch), "result_format": RESULT_FORMAT}
+    weights = str(np.dtype(model.params["embed"].dtype))
+    if weights != "float32":  # only then, so float32 results saved before this key existed stay valid
+        common["weights_dtype"] = weights
     baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
     results = {}
     for entry in entries:

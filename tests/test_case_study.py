@@ -19,7 +19,7 @@ def tiny(tmp_path_factory):
     return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
 
 
-def _case_folder(out, model_folder):
+def _case_folder(out):
     prompt, name = case_prompt(question=ARITHMETIC_PROMPT.question, answer=ARITHMETIC_PROMPT.answer)
     return out / "model" / name, prompt
 
@@ -28,7 +28,7 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
     args = ["case", tiny, "--prompt", ARITHMETIC_PROMPT.question, "--answer", ARITHMETIC_PROMPT.answer,
             "--ig-steps", "4", "--out", str(tmp_path)]
     assert main(args) == 0
-    folder, prompt = _case_folder(tmp_path, tiny)
+    folder, prompt = _case_folder(tmp_path)
     erasure, ig = load_result(str(folder / "erasure.npz")), load_result(str(folder / "integrated_gradients.npz"))
     figures = {p.name for p in (folder / "figures").iterdir()}
     assert {"case.png", "case.pdf", "erasure_prompt0.png", "integrated_gradients_prompt0.png"} <= figures
@@ -42,7 +42,8 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
     expected_ig = integrated_gradients(model.params, batch, model.config, steps=4, progress=False)
     np.testing.assert_array_equal(erasure.effects, expected_erasure.effects)
     np.testing.assert_array_equal(ig.attributions, expected_ig.attributions)
-    assert int(erasure.answer_start[0]) < int(erasure.lengths[0])  # the answer '28' is attributed
+    answer = erasure.tokens[0, erasure.answer_start[0]:erasure.lengths[0]]
+    assert model.tokenizer.decode(answer).strip() == ARITHMETIC_PROMPT.answer  # '28', and only it, is attributed
     assert "embedded prompts" in capsys.readouterr().out
 
     # a rerun reuses both results instead of recomputing them
@@ -67,11 +68,30 @@ def test_case_dataset_row(tiny, tmp_path):
     (["--dataset", "default"], "row number"),
     (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "contributions"], "not one prompt"),
     (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "nonsense"], "unknown analyses"),
+    (["--prompt", "1 + 1 = ", "--answer", "2", "--row", "3"], "go with --dataset"),
+    (["--dataset", "default", "--row", "0", "--answer", "2"], "brings its own answer"),
+    (["--model", "elsewhere", "--prompt", "1 + 1 = ", "--answer", "2"], "two models given"),
 ])
 def test_case_errors(tiny, tmp_path, capsys, args, message):
     assert main(["case", tiny, "--out", str(tmp_path), *args]) != 0
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_prompt_without_answer_tokens_is_refused():
+    from jaxdepth.case_study import check_answer_tokens
+    from jaxdepth.core.batch import make_batch
+
+    prompt = ARITHMETIC_PROMPT
+    assert check_answer_tokens(make_batch([[5, 6, 7, 8]], [2]), prompt) == 2
+    with pytest.raises(ValueError, match="encodes to no token"):
+        check_answer_tokens(make_batch([[5, 6, 7, 8]], [4]), prompt)  # answer start == length
+
+
+def test_case_accepts_the_model_as_an_option(tiny, tmp_path):
+    assert main(["case", "--model", tiny, "--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "erasure",
+                 "--out", str(tmp_path), "--no-figures"]) == 0
+    assert len(list((tmp_path / "model").glob("case_*/erasure.npz"))) == 1
 
 
 def test_case_names_differ_by_prompt_and_answer():

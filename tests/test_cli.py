@@ -156,6 +156,9 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
     assert "neither an existing folder" in capsys.readouterr().err
     assert main(["run", "--model", tiny, "--analyses", "contributions,bogus", "--out", str(tmp_path)]) == 2
     assert "unknown analyses" in capsys.readouterr().err
+    assert main(["run", "--model", tiny, "--analyses", "layer_skip", "--skip-mode", "current", "--skip-split",
+                 "answer_start", "--out", str(tmp_path)]) == 2
+    assert "--skip-split applies to --skip-mode future" in capsys.readouterr().err
 
 
 def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):

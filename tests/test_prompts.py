@@ -144,3 +144,21 @@ def test_every_math_subject_is_loaded_and_concatenated(monkeypatch):
     loaded = load_prompts("math")
     assert [p.question for p in loaded] == [f"Problem: {s} problem\nAnswer:" for s in prompts.MATH_SUBJECTS]
     assert [p.difficulty for p in loaded] == [1, 2, 3, 4, 5, 1, 2]
+
+
+def test_a_token_straddling_question_and_answer_is_answer():
+    """' 28' after a question ending in '= ' is one byte-level token: it carries answer text, so
+    it is attributed with the answer rather than dropped from it."""
+    from conftest import tiny_tokenizer
+
+    from jaxdepth.prompts import Prompt, encode
+
+    tokenizer = tiny_tokenizer()
+    prompt = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")
+    batch = encode(tokenizer, [prompt])
+    ids = batch.tokens[0, :batch.lengths[0]]
+    offsets = tokenizer(prompt.text, return_offsets_mapping=True)["offset_mapping"]
+    first = int(batch.answer_start[0])
+    assert offsets[first][0] < len(prompt.question) < offsets[first][1]  # this tokenizer does straddle
+    assert tokenizer.decode(ids[first:]).strip() == "28"
+    assert offsets[first - 1][1] <= len(prompt.question)  # the token before it is question only

@@ -71,14 +71,21 @@ def overlap_effective_depth(overlap, threshold: float = 0.3) -> EffectiveDepth:
                           f"overlap: first overlap[l] > {threshold}")
 
 
-def depth_score(later) -> float:
-    """First study's depth score from the `[L, L]` skip-effect matrix D:
-    e_s = sum_j D[s, j] / max(L-1-s, 1), d = sum_s s e_s / sum_s e_s."""
+def depth_effects(later) -> np.ndarray:
+    """Each skipped layer's mean effect on the layers after it, from the `[L, L]` skip-effect
+    matrix D: e_s = sum_j D[s, j] / max(L-1-s, 1) (what the depth score weighs)."""
     D = np.asarray(later, np.float64)
     L = D.shape[0]
     if D.shape != (L, L):
         raise ValueError(f"expected a square [L, L] matrix, got {D.shape}")
-    e = D.sum(axis=1) / np.maximum(L - 1 - np.arange(L), 1)
+    return D.sum(axis=1) / np.maximum(L - 1 - np.arange(L), 1)
+
+
+def depth_score(later) -> float:
+    """First study's depth score from the `[L, L]` skip-effect matrix D:
+    d = sum_s s e_s / sum_s e_s with e = `depth_effects(D)`."""
+    e = depth_effects(later)
+    L = len(e)
     if e.sum() <= 0:
         raise ValueError("all skip effects are zero: the depth score is undefined")
     return float(np.sum(np.arange(L) * e) / e.sum())

@@ -61,6 +61,15 @@ def make_mesh(data: Optional[int] = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
 
 
+def mesh_from_spec(spec: str) -> Mesh:
+    """The mesh of a `DATAxMODEL` command-line spec such as '4x2' or '1x8'."""
+    try:
+        data, model = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a mesh must look like 4x2 (data x model), got {spec!r}") from None
+    return make_mesh(data=data, model=model)
+
+
 def _leaf_name(path) -> str:
     return str(getattr(path[-1], "key", path[-1]))
 

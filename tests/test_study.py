@@ -1,0 +1,34 @@
+"""The study runner's cache: what enters a result's identity decides when a saved result is
+reused, so a result of other weights is never taken for this one's."""
+
+import jax
+import jax.numpy as jnp
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.model import random_params
+from jaxdepth.loaded import Model
+from jaxdepth.study import run_study, saved_model_name
+
+
+def _tiny():
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-5,
+                         max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False)
+    return Model(random_params(config, 0, scale=0.3), config, None, "tiny")
+
+
+def test_weights_of_another_dtype_are_not_reused(tmp_path):
+    model = _tiny()
+    batch = make_batch([[1, 5, 9, 13, 17, 21], [2, 4, 6, 8]])
+    logs = []
+    run_study(model, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    bf16 = Model(jax.tree.map(lambda p: jnp.asarray(p, jnp.bfloat16), model.params), model.config, None, "tiny")
+    run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    assert ["reusing" in line for line in logs] == [False, False, True]
+
+
+def test_saved_model_names():
+    assert saved_model_name("org/m") == saved_model_name("org/m", "float32") == "org/m"
+    assert saved_model_name("org/m", "bfloat16") == "org/m-bfloat16"
