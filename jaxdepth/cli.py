@@ -109,7 +109,7 @@ def _study_settings(args, **kwargs):
     from jaxdepth.study import StudySettings
 
     return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
-                         **kwargs)
+                         ig_tolerance=args.ig_tolerance, **kwargs)
 
 
 def _run(args) -> int:
@@ -269,8 +269,14 @@ def _dataset_names() -> list[str]:
 
 def _ig_arguments(parser):
     parser.add_argument("--ig-steps", type=int, default=256, help="integration steps (default 256, the studies')")
-    parser.add_argument("--ig-rule", choices=["left", "midpoint", "gauss"], default="left",
-                        help="quadrature: left Riemann (default, the published rule), midpoint or Gauss-Legendre")
+    parser.add_argument("--ig-rule", choices=["left", "midpoint", "gauss", "adaptive"], default="left",
+                        help="quadrature: left Riemann (default, the published rule), midpoint, Gauss-Legendre "
+                             "(all --ig-steps nodes), or adaptive: nodes placed per layer until a certified "
+                             "completeness bound is below --ig-tolerance (its figure marks layers that did not get "
+                             "there within the budget)")
+    parser.add_argument("--ig-tolerance", type=float, default=0.01,
+                        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)| "
+                             "(default 0.01)")
     parser.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
                         help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
                              "attention output a_l or its MLP output m_l")

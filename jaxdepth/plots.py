@@ -20,6 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from jaxdepth.atomic import atomic_write
 from jaxdepth.analyses.attribution import AttributionResult
@@ -199,6 +200,8 @@ class TokenPanel:
     symmetric: bool
     colorbar_label: str
     caption: str = ""
+    flagged_rows: Sequence[int] = ()  # rows outlined and named in the legend by `flag_label`
+    flag_label: str = ""
 
 
 def _panel_size(panel: TokenPanel) -> tuple[float, float]:
@@ -225,10 +228,14 @@ def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
     ax.set_ylabel(panel.row_label)
     if panel.caption:
         ax.set_title(panel.caption, fontsize=10)
-    if 0 < panel.answer_start < n:
+    for k, row in enumerate(panel.flagged_rows):
+        ax.add_patch(Rectangle((-0.5, row - 0.5), n, 1, fill=False, edgecolor="lime", linewidth=1.2, linestyle="--",
+                               label=panel.flag_label if k == 0 else None))
+    if 0 < panel.answer_start < n or panel.flagged_rows:
         # A white halo keeps the line visible on dark (magma) and on white (RdBu centre) cells.
-        ax.axvline(panel.answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
-                   path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
+        if 0 < panel.answer_start < n:
+            ax.axvline(panel.answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
+                       path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
     fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01,
                  extend=("both" if panel.symmetric else "max") if clipped else "neither")
@@ -453,9 +460,15 @@ _IG_ROWS = {"layer": r"layer l (output $h_{l+1}$)", "attn": r"layer l (attention
 
 
 def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrated gradients") -> str:
+    gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}"
+    converged = getattr(result, "converged", None)  # the adaptive rule's result
+    if converged is not None:
+        tolerance = result.settings.get("tolerance")
+        target = f"{tolerance:g}" if isinstance(tolerance, (int, float)) else "per-layer tolerances"
+        return (f"{name}, adaptive to {target}: {int(converged[p].sum())} of "
+                f"{converged.shape[1]} layers converged, {int(result.evaluations[p].sum())} gradient evaluations; {gap}")
     steps = result.settings.get("steps")
-    return (name + (f", {steps} steps" if steps else "")
-            + f": max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}")
+    return name + (f", {steps} steps" if steps else "") + f": {gap}"
 
 
 def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *,
@@ -463,11 +476,14 @@ def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 
     """The IG heatmap of one prompt as a `TokenPanel` (see `integrated_gradients_figure`)."""
     _expect(result, IntegratedGradientsResult, "integrated_gradients_panel")
     p = _prompt_index(result, prompt)
+    converged = getattr(result, "converged", None)  # the adaptive rule's result
     n = int(result.lengths[p])
     return TokenPanel(result.attributions[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
                       row_label=_IG_ROWS[result.settings.get("target", "layer")],
                       answer_start=int(result.answer_start[p]), cmap="RdBu_r", symmetric=True,
-                      colorbar_label="attribution to F (answer probability)", caption=_ig_caption(result, p))
+                      colorbar_label="attribution to F (answer probability)", caption=_ig_caption(result, p),
+                      flagged_rows=tuple(np.flatnonzero(~converged[p])) if converged is not None else (),
+                      flag_label="not converged (budget spent)")
 
 
 def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,

@@ -73,7 +73,8 @@ def analysis(name: str) -> Analysis:
 # ----------------------------------------------------------------------------- the built-in suite
 
 def _register_builtins():
-    from jaxdepth.analyses import attribution, contributions, erasure, integrated_gradients, layer_skip, logit_lens
+    from jaxdepth.analyses import (adaptive_ig, attribution, contributions, erasure, integrated_gradients, layer_skip,
+                                   logit_lens)
     from jaxdepth import plots
     from jaxdepth.analyses import effective_depth as ed
 
@@ -122,18 +123,35 @@ def _register_builtins():
         name="erasure", result_type=erasure.ErasureResult, identity=lambda s: {"detail_prompts": s.detail_prompts},
         run=run_erasure, figures=per_prompt_figures(plots.erasure_figure),
         summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"], detail=True, uses_baseline=True))
+    def ig_identity(s):
+        if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
+            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": s.ig_max_evaluations}
+        else:
+            rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
+        return {"detail_prompts": s.detail_prompts, **rule, "ig_baseline": s.ig_baseline,
+                # only when not the default: earlier results stay valid
+                **({} if s.ig_target == "layer" else {"ig_target": s.ig_target})}
+
+    def run_ig(x):
+        s, m = x.settings, x.model
+        common = dict(baseline=s.ig_baseline, target=s.ig_target, memory_budget=s.memory_budget, progress=x.progress)
+        if s.ig_rule == "adaptive":
+            return adaptive_ig.adaptive_integrated_gradients(m.params, x.batch, m.config, tolerance=s.ig_tolerance,
+                                                             max_evaluations=s.ig_max_evaluations, **common)
+        return integrated_gradients.integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule,
+                                                         **common)
+
+    def ig_summary(r):
+        line = [f"IG max |completeness gap| {abs(r.gap).max():.2g}"]
+        if isinstance(r, adaptive_ig.AdaptiveIGResult):
+            line.append(f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
+                        f"{int(r.evaluations.sum())} gradient evaluations")
+        return line
+
     register(Analysis(
         name="integrated_gradients", result_type=integrated_gradients.IntegratedGradientsResult,
-        identity=lambda s: {"detail_prompts": s.detail_prompts, "ig_steps": s.ig_steps, "ig_rule": s.ig_rule,
-                            "ig_baseline": s.ig_baseline,
-                            # only when not the default: earlier results stay valid
-                            **({} if s.ig_target == "layer" else {"ig_target": s.ig_target})},
-        run=lambda x: integrated_gradients.integrated_gradients(
-            x.model.params, x.batch, x.model.config, steps=x.settings.ig_steps, rule=x.settings.ig_rule,
-            baseline=x.settings.ig_baseline, target=x.settings.ig_target, memory_budget=x.settings.memory_budget,
-            progress=x.progress),
-        figures=per_prompt_figures(plots.integrated_gradients_figure),
-        summary=lambda r: [f"IG max |completeness gap| {abs(r.gap).max():.2g}"], detail=True))
+        identity=ig_identity, run=run_ig, figures=per_prompt_figures(plots.integrated_gradients_figure),
+        summary=ig_summary, detail=True))
 
     def run_attribution(x):
         return attribution.attribution_patching(x.model.params, x.batch, x.model.config, erasure_baseline(x),

@@ -37,6 +37,8 @@ class StudySettings:
     ig_rule: str = "left"
     ig_baseline: str = "channel_mean"
     ig_target: str = "layer"  # IG with respect to each layer's output, or its 'attn' / 'mlp' output
+    ig_tolerance: float = 0.01  # ig_rule 'adaptive': certified completeness bound, relative to |F(x) - F(b)|
+    ig_max_evaluations: int = 512  # ig_rule 'adaptive': gradient evaluations per layer at most
     memory_budget: Optional[int] = None
 
 

@@ -248,3 +248,25 @@ def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
     # Held-out rows that overlap the training rows are refused.
     assert main([*args[:5], "--train-rows", "0:12"] + args[7:]) == 2
     assert "overlap" in capsys.readouterr().err
+
+
+def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
+    from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
+
+    args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive",
+                     "--ig-tolerance", "0.05", "--no-figures")
+    assert main(args) == 0
+    result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
+    assert isinstance(result, AdaptiveIGResult)
+    assert result.settings["identity"]["ig_tolerance"] == 0.05 and "ig_steps" not in result.settings["identity"]
+    # converged layers hold their certificate: |gap| <= bound <= tolerance * |F(x) - F(b)|
+    scale = np.maximum(np.abs(result.f_input[:, None] - result.f_baseline), 1e-6)
+    ok = result.converged
+    assert ok.any()
+    assert np.all(np.abs(result.gap[ok]) <= result.bound[ok] + 1e-6)
+    assert np.all(result.bound[ok] <= 0.05 * scale[ok] + 1e-7)
+    assert "layers converged" in capsys.readouterr().out
+    assert main(args) == 0  # a rerun reuses it; another tolerance does not
+    assert "integrated_gradients: reusing" in capsys.readouterr().out
+    assert main(args[:-2] + ["0.02", "--no-figures"]) == 0
+    assert "integrated_gradients: reusing" not in capsys.readouterr().out

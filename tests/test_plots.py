@@ -386,3 +386,23 @@ def test_current_mode_heatmap_draws_the_diagonal():
     assert np.all(np.ma.getmaskarray(shown)[np.tril_indices(L, -1)])
     future = plots.layer_skip_figure(dataclasses.replace(result, settings={"mode": "future"}))
     assert np.all(np.ma.getmaskarray(future.axes[0].images[0].get_array())[np.diag_indices(L)])
+
+
+def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
+    from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
+    from jaxdepth.plots import integrated_gradients_figure
+
+    P, L, T = 1, 4, 6
+    converged = np.array([[True, False, True, False]])
+    result = AdaptiveIGResult(
+        attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32),
+        gap=np.zeros((P, L), np.float32), f_input=np.ones(P, np.float32), f_baseline=np.zeros((P, L), np.float32),
+        tokens=np.arange(T)[None], lengths=np.array([T]), answer_start=np.array([4]),
+        evaluations=np.full((P, L), 17), converged=converged, bound=np.zeros((P, L), np.float32),
+        settings={"rule": "adaptive", "tolerance": 0.01})
+    fig = integrated_gradients_figure(result)
+    ax = fig.axes[0]
+    flagged = [patch for patch in ax.patches if patch.get_edgecolor()[:3] == (0.0, 1.0, 0.0)]
+    assert sorted(patch.get_y() + 0.5 for patch in flagged) == [1, 3]
+    assert "2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
+    assert "not converged (budget spent)" in [t.get_text() for t in ax.get_legend().get_texts()]

@@ -1,0 +1,418 @@
+"""Integrated gradients with an adaptive rule per layer that stops at a certified completeness
+gap (METHODS §5, the accurate option).
+
+Along the path of layer l, with x and b its target and baseline (as in
+`jaxdepth.analyses.integrated_gradients`), let φ(α) = F(b + α(x - b)) and, per token,
+g_t(α) = sum_c (x - b)[t, c] dF/dx(b + α(x - b))[t, c], so that IG_l[t] = ∫_0^1 g_t(α) dα and
+sum_t g_t = φ'. On the embedded model φ' of early layers has sharp peaks of both signs (F rises,
+falls and rises again along the path), and no fixed rule of a few hundred steps resolves them.
+
+The certificate. φ needs only forward passes, and on any interval [β, β'] the exact integral of
+sum_t g_t is φ(β') - φ(β). So the quadrature error of the token-summed integrand on interval i,
+e_i = sum_t Q_i[g_t] - (φ(β_{i+1}) - φ(β_i)), is known exactly, not estimated. A layer stops
+when B = sum_i |e_i| + |φ(1) - F(x)| <= tolerance * max(|F(x) - F(b)|, atol). B bounds the
+completeness gap (which is sum_i e_i + φ(1) - F(x)); the gap itself is not used as the stopping
+test because errors of opposite signs on different intervals cancel in it: a small gap can hide
+an unresolved peak, a small B cannot. Like any completeness check, B does not see errors that
+cancel across tokens.
+
+The rule. Composite Simpson (nodes a, (a+b)/2, b on each interval; exact for cubics, like
+2-point Gauss-Legendre) refined by bisection. A parent's three nodes are nodes of its halves,
+so a split costs two gradient evaluations (the quarter points), where Gauss-Legendre, whose
+nodes do not nest, would cost 2k and discard the parent's k. Every gradient evaluation also
+returns φ at its node, so interval ends need no extra forward pass. On the embedded model,
+bisected 3-point Gauss-Legendre needed up to 1.5x the evaluations for the same tolerance, and
+Boole's rule on Simpson's nested nodes was no better than Simpson.
+
+1. Each layer starts from 11 equal intervals. Optionally (`grid_points`), φ of every layer is
+   first sampled on a uniform grid by forward passes only (one computation), and the initial
+   partition equidistributes an even mix of α and the variation of φ along the grid, so that
+   intervals cluster where F moves. On the embedded model that saved no gradient evaluation
+   (φ there has several rises and falls, which bisection finds as fast) and cost a quarter of a
+   gradient evaluation per grid point, so it is off by default. Partition ends lie on a 2^-12
+   grid: every node after up to 11 bisections is a float32 number, and the device evaluates
+   exactly the α the weights assume.
+2. Rounds: every unfinished layer evaluates its new nodes; a layer that meets its target stops,
+   converged; otherwise its intervals with the largest |e_i| are bisected until the others sum
+   to at most half the target, and on to a multiple of 4 splits (8 nodes: what would otherwise
+   be padding of a vmapped group). A layer whose budget (`max_evaluations` gradient evaluations)
+   cannot pay for the next split, or whose intervals are all at the float32 resolution of α,
+   stops with converged False.
+
+Batching. A round's gradient evaluations of all layers are groups of `chunk` nodes of one
+layer: `lax.map` over groups, a vmap within a group. The group's layer is a scalar of the map,
+not batched, so each group's suffix starts at its own boundary layer+1 (the `fori_loop` bounds
+of `suffix_value_and_grad`) and costs only the layers after it. Mixing layers inside a vmap
+would need batched loop bounds (every member running as long as the longest) or every member
+running the full depth with the path point set by an intervention: about twice the FLOPs over
+all layers. Padding groups (layer -1) are skipped by `lax.cond`, which really branches inside
+`lax.map`; a group's padding members repeat one of its nodes and are dropped. Every call holds
+the same number of groups of the same size, so a new tolerance, other node placements or another
+prompt of the same padded length reuse one compiled computation (and the grid, if any, another). A
+layer's groups hold only its own nodes, in an order fixed by its own state: one layer's
+refinement leaves every other layer's numbers bit for bit unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdepth.analyses.integrated_gradients import (BASELINES, TARGETS, IntegratedGradientsResult, _entry,
+                                                    _objective, ig_inputs, suffix_value_and_grad)
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import run_layers_from
+from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sweep import auto_chunk_size, sweep
+
+GRID_POINTS = 0  # no forward grid: a uniform initial partition (see the module docstring)
+# 2 * 11 + 1 = 23 nodes: three vmapped groups of 8 but one slot (a padding slot costs as much
+# as a node).
+INITIAL_INTERVALS = 11
+MAX_EVALUATIONS = 512
+# Below this |F(x) - F(b)| a relative tolerance would ask for float32 noise.
+ATOL = 1e-6
+# Initial partition ends are multiples of 2^-12: their bisections stay float32 numbers (what the
+# device evaluates) for 11 levels or more; an interval whose quarter points would be rounded is
+# not split.
+_PARTITION_GRID = 2.0 ** -12
+_GROUP_SIZE = 8  # nodes per vmapped group, at most (padding members cost full evaluations)
+# A round splits a multiple of this many intervals (2 nodes each) where it can: the next largest
+# errors fill what would be padding of a group of 8. A constant, not the group size in use, so
+# that the nodes (and results) do not depend on the device's memory.
+_SPLIT_MULTIPLE = 4
+
+
+# ----------------------------------------------------------------------------- device
+
+
+@partial(jit, static_argnames=("config", "target", "grad", "chunk_size"))
+def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, layers, alphas,
+                config: ModelConfig, interventions=None, target: str = "layer", grad: bool = True,
+                chunk_size: Optional[int] = None):
+    """φ and the per-token integrand at path points of several layers, in one computation.
+
+    `x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`; `layers [G]` the layer of each group
+    (-1: a padding group, skipped), `alphas [G, C]` its nodes. Returns `(phi [G, C],
+    integrand [G, C, T])` where phi = F(b + α(x - b)) and integrand[t] = sum_c (x - b)[t, c]
+    dF/dx[t, c] (zero at invalid positions; all zeros with `grad=False`, forward only).
+    """
+    objective = _objective(params, tokens, answer_positions, answer_real, config)
+    dtype = params["embed"].dtype
+    T = tokens.shape[1]
+
+    def group(item):
+        layer, nodes = item
+
+        def run(_):
+            xl, bl = x[layer], b[layer]
+            entry = _entry(params, layer, inputs[layer][None].astype(dtype), valid, config, target, interventions)
+
+            def member(alpha):
+                z = (bl + alpha * (xl - bl))[None].astype(dtype)
+                if not grad:
+                    h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid,
+                                                interventions=interventions)
+                    return objective(h_last), jnp.zeros(T, jnp.float32)
+                h_next, pullback = jax.vjp(entry, z)
+                value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
+                                                 interventions=interventions)
+                g = pullback(g)[0]
+                return value, jnp.sum((xl - bl) * g[0].astype(jnp.float32), axis=-1) * valid[0]
+
+            return sweep(member, nodes, chunk_size)
+
+        def skip(_):
+            return jnp.zeros(nodes.shape, jnp.float32), jnp.zeros(nodes.shape + (T,), jnp.float32)
+
+        return jax.lax.cond(layer >= 0, run, skip, None)
+
+    return jax.lax.map(group, (layers, alphas))
+
+
+# ----------------------------------------------------------------------------- the rule (host)
+
+
+def simpson(a: float, b: float, fa, fm, fb):
+    """Simpson's rule on [a, b] from the values at a, (a + b)/2 and b."""
+    return (b - a) / 6.0 * (fa + 4.0 * fm + fb)
+
+
+def initial_partition(alphas: np.ndarray, phi: np.ndarray, n: int, mix: float = 0.5) -> np.ndarray:
+    """Ends `0 = β_0 < ... < β_k = 1` (k <= n) of intervals that equidistribute
+    `(1 - mix) * α + mix * V(α) / V(1)`, V the cumulative variation of φ sampled at `alphas`
+    (uniform where φ does not move), rounded to multiples of 2^-12."""
+    variation = np.concatenate([[0.0], np.cumsum(np.abs(np.diff(phi)))])
+    share = variation / variation[-1] if variation[-1] > 0 else alphas
+    monitor = (1 - mix) * alphas + mix * share
+    ends = np.interp(np.linspace(0.0, 1.0, n + 1), monitor, alphas)
+    ends = np.unique(np.round(ends / _PARTITION_GRID) * _PARTITION_GRID)
+    ends[0], ends[-1] = 0.0, 1.0
+    return ends
+
+
+def splittable(a: float, b: float) -> bool:
+    """Whether [a, b]'s halves have float32 midpoints (the nodes a bisection adds)."""
+    m = (a + b) / 2
+    return all(float(np.float32(q)) == q for q in ((a + m) / 2, (m + b) / 2))
+
+
+def choose_splits(errors: np.ndarray, can_split: np.ndarray, residual: float, target: float,
+                  max_splits: int, multiple: int = 1) -> list[int]:
+    """Intervals to bisect: the largest |e_i| first among those `can_split`, until the others
+    (with the `residual` no split can reduce) sum to at most half of `target`, then on to a
+    multiple of `multiple` of them; at most `max_splits`."""
+    remaining = float(np.abs(errors).sum()) + residual
+    chosen = []
+    for i in np.argsort(-np.abs(errors), kind="stable"):
+        enough = remaining <= target / 2 and len(chosen) % multiple == 0
+        if enough or len(chosen) >= max_splits:
+            break
+        if can_split[i]:
+            chosen.append(int(i))
+            remaining -= abs(float(errors[i]))
+    return chosen
+
+
+class LayerRule:
+    """The adaptive rule's state for one layer of one prompt: its intervals, the values φ and
+    integrands at its nodes (each node evaluated once), and whether it is done."""
+
+    def __init__(self, ends: np.ndarray, f_input: float, tolerance: float, atol: float, max_evaluations: int):
+        self.intervals = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
+        self.phi: dict[float, float] = {}
+        self.integrand: dict[float, np.ndarray] = {}
+        self.f_input, self.tolerance, self.atol = f_input, tolerance, atol
+        self.max_evaluations = max_evaluations
+        self.done = self.converged = False
+        self.bound = np.inf
+        self._cache: dict[tuple[float, float], tuple[np.ndarray, float]] = {}
+
+    def missing(self) -> list[float]:
+        """Nodes of the current intervals not evaluated yet, in increasing order."""
+        nodes = {a for iv in self.intervals for a in (iv[0], (iv[0] + iv[1]) / 2, iv[1])}
+        return sorted(a for a in nodes if a not in self.phi)
+
+    def record(self, alphas: Sequence[float], phi: np.ndarray, integrand: np.ndarray) -> None:
+        """Store φ and the per-token integrand `[T]` evaluated at `alphas`."""
+        for a, p, g in zip(alphas, phi, integrand):
+            self.phi[a], self.integrand[a] = float(p), g.astype(np.float64)
+
+    @property
+    def evaluations(self) -> int:
+        """Gradient evaluations so far (one per node)."""
+        return len(self.phi)
+
+    @property
+    def f_baseline(self) -> float:
+        """F(b) = φ(0)."""
+        return self.phi[0.0]
+
+    @property
+    def target(self) -> float:
+        """The bound at which the layer stops, in units of F."""
+        return self.tolerance * max(abs(self.f_input - self.f_baseline), self.atol)
+
+    def _interval(self, a: float, b: float) -> tuple[np.ndarray, float]:
+        """(Simpson's IG on [a, b] per token, its exact error e of the token sum)."""
+        if (a, b) not in self._cache:
+            g = self.integrand
+            ig = simpson(a, b, g[a], g[(a + b) / 2], g[b])
+            self._cache[(a, b)] = ig, float(ig.sum()) - (self.phi[b] - self.phi[a])
+        return self._cache[(a, b)]
+
+    def attributions(self) -> np.ndarray:
+        """IG per token `[T]`: the sum of the intervals' Simpson rules."""
+        return np.sum([self._interval(a, b)[0] for a, b in self.intervals], axis=0)
+
+    def step(self) -> None:
+        """With every node evaluated: stop (converged, or out of budget or resolution), or
+        bisect the intervals that carry the error."""
+        errors = np.array([self._interval(a, b)[1] for a, b in self.intervals])
+        residual = abs(self.phi[1.0] - self.f_input)
+        self.bound = float(np.abs(errors).sum()) + residual
+        if self.bound <= self.target:
+            self.done = self.converged = True
+            return
+        can_split = np.array([splittable(a, b) for a, b in self.intervals])
+        split = set(choose_splits(errors, can_split, residual, self.target,
+                                  (self.max_evaluations - self.evaluations) // 2, _SPLIT_MULTIPLE))
+        if not split:
+            self.done = True
+            return
+        intervals = []
+        for i, (a, b) in enumerate(self.intervals):
+            m = (a + b) / 2
+            intervals += [(a, m), (m, b)] if i in split else [(a, b)]
+        self.intervals = intervals
+
+
+# ----------------------------------------------------------------------------- one prompt
+
+
+def _pack(requests: dict[int, list[float]], chunk: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """Groups of `chunk` nodes of one layer each: `(layers [n], alphas [n, chunk], slots)`, the
+    last group of a layer padded by repeating its last node; `slots[g] = (layer, count)`."""
+    layers, alphas, slots = [], [], []
+    for layer, nodes in sorted(requests.items()):
+        for start in range(0, len(nodes), chunk):
+            part = nodes[start:start + chunk]
+            layers.append(layer)
+            alphas.append(part + [part[-1]] * (chunk - len(part)))
+            slots.append((layer, len(part)))
+    return np.asarray(layers, np.int32), np.asarray(alphas, np.float32).reshape(-1, chunk), slots
+
+
+def _evaluate(call, requests: dict[int, list[float]], chunk: int, groups: int) -> dict[int, tuple]:
+    """Run every requested node: calls of `groups` groups (padding groups have layer -1).
+    Returns `{layer: (phi [n], integrand [n, T])}` in the order requested."""
+    layers, alphas, slots = _pack(requests, chunk)
+    phi, integrand = [], []
+    for start in range(0, len(layers), groups):
+        n = min(groups, len(layers) - start)
+        pad = groups - n
+        ls = np.concatenate([layers[start:start + n], np.full(pad, -1, np.int32)])
+        al = np.concatenate([alphas[start:start + n], np.zeros((pad, chunk), np.float32)])
+        p, g = call(jnp.asarray(ls), jnp.asarray(al))
+        phi.append(to_host(p)[:n])
+        integrand.append(to_host(g)[:n])
+    phi, integrand = np.concatenate(phi), np.concatenate(integrand)
+    out: dict[int, tuple[list, list]] = {}
+    for (layer, count), p, g in zip(slots, phi, integrand):
+        ps, gs = out.setdefault(layer, ([], []))
+        ps.extend(p[:count])
+        gs.extend(g[:count])
+    return {layer: (np.asarray(ps), np.asarray(gs)) for layer, (ps, gs) in out.items()}
+
+
+def adaptive_ig_of_prompt(params, tokens, valid, answer_positions, answer_real, config: ModelConfig, *,
+                          tolerance: np.ndarray, max_evaluations: int = MAX_EVALUATIONS,
+                          baseline: str = "channel_mean", target: str = "layer",
+                          atol: float = ATOL, grid_points: int = GRID_POINTS,
+                          initial_intervals: int = INITIAL_INTERVALS, chunk_size: Optional[int] = None,
+                          memory_budget: Optional[int] = None, interventions=None, on_layer=None) -> dict:
+    """Adaptive IG of every layer for one prompt (arguments as `ig_of_prompt`; `tolerance [L]`
+    per layer). Returns numpy arrays: `attributions [L, T]`, `f_input []`, `f_baseline [L]`,
+    `evaluations [L]`, `converged [L]`, `bound [L]` (the certificate sum_i |e_i| + |φ(1) - F(x)|).
+    `on_layer()` is called as each layer finishes."""
+    L, T = config.num_layers, tokens.shape[1]
+    if max_evaluations < 3:
+        raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
+    args = (params, tokens, valid, answer_positions, answer_real)
+    x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
+    f_input = float(to_host(f_input))
+
+    def call(grad, chunk_size=None):
+        return lambda ls, al: path_points(*args, x, b, inputs, ls, al, config, interventions, target, grad,
+                                          chunk_size)
+
+    n = min(initial_intervals, (max_evaluations - 1) // 2)
+    if grid_points >= 2:
+        grid = np.linspace(0.0, 1.0, grid_points)
+        forward_chunk = auto_chunk_size(config, T, grid_points, memory_budget=memory_budget)
+        phi_grid, _ = call(False, forward_chunk)(jnp.arange(L, dtype=jnp.int32),
+                                                 jnp.broadcast_to(jnp.asarray(grid, jnp.float32), (L, grid_points)))
+        phi_grid = to_host(phi_grid).astype(np.float64)
+    else:  # no grid: a uniform initial partition
+        grid, phi_grid = np.array([0.0, 1.0]), np.zeros((L, 2))
+    rules = [LayerRule(initial_partition(grid, phi_grid[layer], n), f_input, float(tolerance[layer]), atol,
+                       max_evaluations) for layer in range(L)]
+
+    chunk = chunk_size or min(auto_chunk_size(config, T, _GROUP_SIZE, grad=True, memory_budget=memory_budget),
+                              _GROUP_SIZE)
+    # The first round in one call; from the settings alone, so a smaller budget or tolerance
+    # keeps the compiled shape.
+    groups = L * -(-(2 * initial_intervals + 1) // chunk)
+    gradients = call(True)
+    while not all(r.done for r in rules):
+        requests = {layer: r.missing() for layer, r in enumerate(rules) if not r.done}
+        for layer, (phi, integrand) in _evaluate(gradients, requests, chunk, groups).items():
+            rules[layer].record(requests[layer], phi, integrand)
+        for r in rules:
+            if not r.done:
+                r.step()
+                if r.done and on_layer is not None:
+                    on_layer()
+    return dict(attributions=np.stack([r.attributions() for r in rules]), f_input=f_input,
+                f_baseline=np.array([r.f_baseline for r in rules]),
+                evaluations=np.array([r.evaluations for r in rules]),
+                converged=np.array([r.converged for r in rules]), bound=np.array([r.bound for r in rules]))
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+@dataclasses.dataclass
+class AdaptiveIGResult(IntegratedGradientsResult):
+    """`IntegratedGradientsResult` (attributions, completeness `gap [P, L]`, F(x), F(b), tokens)
+    from the adaptive rule, with per layer the gradient `evaluations [P, L]` it used, whether it
+    `converged [P, L]` to its tolerance, and the certified `bound [P, L]` >= |gap| (in units of
+    F). A layer not converged ran out of `settings['max_evaluations']`: its attributions are
+    the best the budget gave, its gap says how far off they are."""
+
+    evaluations: np.ndarray
+    converged: np.ndarray
+    bound: np.ndarray
+
+    @property
+    def relative_gap(self) -> np.ndarray:
+        """`gap / (F(x) - F(b))` `[P, L]` (NaN where F(x) = F(b))."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.gap / (self.f_input[:, None] - self.f_baseline)
+
+
+def adaptive_integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *,
+                                  tolerance: Union[float, Sequence[float]] = 0.01,
+                                  max_evaluations: int = MAX_EVALUATIONS, baseline: str = "channel_mean",
+                                  target: str = "layer", atol: float = ATOL, grid_points: int = GRID_POINTS,
+                                  initial_intervals: int = INITIAL_INTERVALS, chunk_size: Optional[int] = None,
+                                  memory_budget: Optional[int] = None, progress: bool = True, settings=None,
+                                  interventions=None) -> AdaptiveIGResult:
+    """Integrated gradients per layer and token for every prompt of `batch` (targets, baselines
+    and `interventions` as `integrated_gradients`), each layer refined until its certified
+    completeness bound is at most `tolerance * max(|F(x) - F(b)|, atol)` (`tolerance`: one
+    value, or one per layer) or it has used `max_evaluations` gradient evaluations (then
+    `converged` is False for it). See the module docstring for the rule and its certificate."""
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    L, P, T = config.num_layers, len(batch), batch.tokens.shape[1]
+    tolerances = np.broadcast_to(np.asarray(tolerance, np.float64), (L,))
+    if np.any(tolerances <= 0):
+        raise ValueError("tolerance must be > 0")
+    attributions = np.zeros((P, L, T), np.float32)
+    f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
+    evaluations, converged = np.zeros((P, L), np.int64), np.zeros((P, L), bool)
+    bound = np.zeros((P, L), np.float32)
+    with tqdm(total=P * L, desc="adaptive integrated gradients (layers)", disable=not progress) as bar:
+        for i in range(P):
+            one = batch.single(i)
+            Ti = one.tokens.shape[1]
+            positions, real = one.answer_positions(0)
+            r = adaptive_ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
+                                      jnp.asarray(real), config, tolerance=tolerances,
+                                      max_evaluations=max_evaluations, baseline=baseline, target=target, atol=atol,
+                                      grid_points=grid_points, initial_intervals=initial_intervals,
+                                      chunk_size=chunk_size, memory_budget=memory_budget,
+                                      interventions=interventions, on_layer=bar.update)
+            attributions[i, :, :Ti], f_input[i], f_baseline[i] = r["attributions"], r["f_input"], r["f_baseline"]
+            evaluations[i], converged[i], bound[i] = r["evaluations"], r["converged"], r["bound"]
+    gap = attributions.astype(np.float64).sum(axis=-1) - (f_input[:, None].astype(np.float64) - f_baseline)
+    tol_setting = float(tolerances[0]) if np.all(tolerances == tolerances[0]) else tolerances.tolist()
+    return AdaptiveIGResult(
+        attributions=attributions, gap=gap.astype(np.float32), f_input=f_input, f_baseline=f_baseline,
+        tokens=batch.tokens, lengths=batch.lengths, answer_start=batch.answer_start,
+        evaluations=evaluations, converged=converged, bound=bound,
+        settings={**(settings or {}), "rule": "adaptive", "tolerance": tol_setting,
+                  "max_evaluations": max_evaluations, "baseline": baseline, "atol": atol,
+                  "grid_points": grid_points, "initial_intervals": initial_intervals,
+                  **({} if target == "layer" else {"target": target})})

@@ -1,0 +1,150 @@
+"""The adaptive integrated-gradients rule on a tiny random model: it reaches its tolerance and
+agrees with a 16,384-step fixed rule, one layer's refinement leaves the others untouched, new
+tolerances and prompts reuse the compiled computations, and a spent budget is reported."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdepth.analyses import adaptive_ig as aig, integrated_gradients as ig
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import random_params
+
+# Weights at scale 1 make the path of layer 0 strongly nonlinear (its integrand is peaked), so
+# the rule must refine there well beyond its initial partition.
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+TOLERANCE = 1e-3
+REFERENCE_STEPS = 16384
+
+pytestmark = pytest.mark.usefixtures("highest_precision")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CONFIG, 1, scale=1.0)
+
+
+def _prompt(seed: int):
+    """A 14-token prompt (padded length 16) whose answer is its last 5 tokens."""
+    return make_batch([np.random.default_rng(seed).integers(0, 97, 14).tolist()], [9])
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _prompt(0)
+
+
+@pytest.fixture(scope="module")
+def adaptive(params, batch):
+    with jax.default_matmul_precision("highest"):  # module scope: the fixture of that name is per test
+        return aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=TOLERANCE, progress=False)
+
+
+def _delta(result):
+    """|F(x) - F(b)| per layer `[P, L]`."""
+    return np.abs(result.f_input[:, None] - result.f_baseline.astype(np.float64))
+
+
+def test_adaptive_reaches_the_tolerance_and_equals_a_fine_fixed_rule(params, batch, adaptive):
+    """Every layer converges with |gap| <= bound <= tol |F(x) - F(b)|, and per layer and token
+    |IG_adaptive - IG_16384| <= tol |F(x) - F(b)| (midpoint rule, whose own gap is < tol / 100)."""
+    delta = _delta(adaptive)
+    assert adaptive.converged.all()
+    assert np.all(np.abs(adaptive.gap) <= adaptive.bound * (1 + 1e-5) + 1e-7)
+    assert np.all(adaptive.bound <= TOLERANCE * delta)
+    # not vacuous: layer 0 needed many more nodes than the 17 of its initial partition
+    assert adaptive.evaluations[0, 0] > 3 * (2 * aig.INITIAL_INTERVALS + 1)
+    assert np.all(adaptive.evaluations <= aig.MAX_EVALUATIONS)
+
+    fixed = ig.integrated_gradients(params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", chunk_size=512,
+                                    progress=False)
+    assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
+    np.testing.assert_allclose(adaptive.f_baseline, fixed.f_baseline, atol=1e-6)
+    difference = np.abs(adaptive.attributions - fixed.attributions).max(axis=-1)
+    assert np.all(difference <= TOLERANCE * delta), difference / delta
+
+
+def test_one_layers_refinement_leaves_the_other_layers_bit_identical(params, batch, adaptive):
+    """A tighter tolerance on layer 0 alone refines layer 0 and changes nothing else."""
+    tight = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=[TOLERANCE / 100, TOLERANCE, TOLERANCE],
+                                              progress=False)
+    assert tight.evaluations[0, 0] > adaptive.evaluations[0, 0]
+    assert np.abs(tight.gap[0, 0]) <= TOLERANCE / 100 * _delta(tight)[0, 0]
+    for name in ("attributions", "gap", "f_baseline", "evaluations", "converged", "bound"):
+        np.testing.assert_array_equal(getattr(tight, name)[:, 1:], getattr(adaptive, name)[:, 1:], err_msg=name)
+    assert tight.settings["tolerance"] == [TOLERANCE / 100, TOLERANCE, TOLERANCE]
+
+
+def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
+    """After a first run, a new tolerance (other node placements, other round sizes) and a new
+    prompt of the same padded length reuse every compiled computation (with the optional
+    forward grid too)."""
+    functions = (aig.path_points, ig.ig_inputs)
+    first = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33,
+                                              progress=False)
+    assert first.converged.all()
+    before = [f._cache_size() for f in functions]
+    assert before[0] >= 2  # the forward grid and the gradient rounds
+    other = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=0.05, grid_points=33, progress=False)
+    assert other.evaluations.sum() < first.evaluations.sum()  # really other nodes
+    new_prompt = _prompt(1)
+    assert new_prompt.tokens.shape == batch.tokens.shape and not np.array_equal(new_prompt.tokens, batch.tokens)
+    for grid_points in (0, 33):
+        aig.adaptive_integrated_gradients(params, new_prompt, CONFIG, tolerance=TOLERANCE / 10, grid_points=grid_points,
+                                          progress=False)
+    assert [f._cache_size() for f in functions] == before
+
+
+def test_spent_budget_is_reported_as_not_converged(params, batch):
+    """A budget too small for the tolerance: converged False exactly where the certified bound
+    misses the target, never more evaluations than the budget."""
+    budget = 9
+    result = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=1e-6, max_evaluations=budget,
+                                               progress=False)
+    target = 1e-6 * np.maximum(_delta(result), aig.ATOL)
+    assert not result.converged.all()
+    np.testing.assert_array_equal(result.converged, result.bound <= target)
+    assert np.all(result.evaluations <= budget)
+    assert np.any(np.abs(result.gap[~result.converged]) > 1e-6 * _delta(result)[~result.converged])
+    assert result.settings["max_evaluations"] == budget
+
+
+def test_sublayer_target_converges_to_the_fixed_rule(params, batch):
+    """IG with respect to a_l: the same certificate, and agreement with the fixed rule (the
+    comparison as for the layer target)."""
+    result = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=TOLERANCE, target="attn",
+                                               progress=False)
+    assert result.converged.all() and result.settings["target"] == "attn"
+    delta = _delta(result)
+    assert np.all(np.abs(result.gap) <= TOLERANCE * delta)
+    fixed = ig.integrated_gradients(params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", target="attn",
+                                    chunk_size=512, progress=False)
+    assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
+    assert np.all(np.abs(result.attributions - fixed.attributions).max(axis=-1) <= TOLERANCE * delta)
+
+
+def test_initial_partition_follows_the_variation_of_f():
+    alphas = np.linspace(0, 1, 33)
+    step = (alphas > 0.3).astype(float)  # F jumps between 9/32 and 10/32
+    ends = aig.initial_partition(alphas, step, 8)
+    assert ends[0] == 0 and ends[-1] == 1 and np.all(np.diff(ends) > 0)
+    assert np.all(ends * 4096 == np.round(ends * 4096))  # on the 2^-12 grid
+    inside = np.sum((ends > 9 / 32) & (ends < 10 / 32))
+    assert inside >= 3  # half the intervals go where F moves
+    np.testing.assert_array_equal(aig.initial_partition(alphas, np.zeros(33), 8), np.linspace(0, 1, 9))
+
+
+def test_splits_take_the_largest_errors_and_stop_at_float32_resolution():
+    errors, can = np.array([0.1, -0.5, 0.02, 0.3]), np.ones(4, bool)
+    assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=10) == [1, 3]  # rest 0.12 <= 0.15
+    assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=1) == [1]
+    # the unsplittable -0.5 stays: every other interval is split
+    assert aig.choose_splits(errors, np.array([True, False, True, True]), 0.0, 0.3, 10) == [3, 0, 2]
+    assert aig.choose_splits(errors, can, 0.0, target=2.0, max_splits=10) == []
+    assert aig.splittable(0.5, 0.5 + 2.0 ** -22) and not aig.splittable(0.5, 0.5 + 2.0 ** -23)
+    # rounded up to a multiple with the next largest errors, within the budget
+    assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=10, multiple=3) == [1, 3, 0]
+    assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=2, multiple=4) == [1, 3]
