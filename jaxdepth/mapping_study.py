@@ -55,6 +55,10 @@ class MappingSettings:
     ridge: float = layer_mapping.DEFAULT_RIDGE
     first_position: int = 1
 
+    def __post_init__(self):
+        if self.first_position < 0 or self.ridge < 0:
+            raise ValueError(f"first_position and ridge must be >= 0, got {self.first_position} and {self.ridge}")
+
 
 # ----------------------------------------------------------------------------- tokenizers
 
@@ -127,10 +131,14 @@ def _place_statistics(stats: layer_mapping.MappingStatistics, mesh) -> layer_map
 
     axes = tuple(mesh.axis_names)
 
+    if stats.xy.shape[-1] % mesh.size:
+        # Replicating the cross-products would put all of them on every device: for 1.5B -> 14B
+        # that is 45 GB each, so refuse rather than fail later for memory.
+        raise ValueError(f"the larger model's width {stats.xy.shape[-1]} does not divide over the mesh's "
+                         f"{mesh.size} devices; choose a mesh whose size divides it")
+
     def sharding(x, split: bool):
-        if split and x.shape[-1] % mesh.size == 0:
-            return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes))
-        return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes)) if split else NamedSharding(mesh, P())
 
     return jax.device_put(stats, layer_mapping.MappingStatistics(
         sharding(stats.count, False), sharding(stats.x_mean, False), sharding(stats.y_mean, True),

@@ -125,7 +125,8 @@ def _register_builtins():
         summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"], detail=True, uses_baseline=True))
     def ig_identity(s):
         if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
-            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": s.ig_max_evaluations}
+            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": s.ig_max_evaluations,
+                    "ig_rule_version": adaptive_ig.RULE_VERSION}
         else:
             rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
         return {"detail_prompts": s.detail_prompts, **rule, "ig_baseline": s.ig_baseline,

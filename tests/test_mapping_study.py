@@ -134,3 +134,11 @@ def test_figure_marks_best_matches_and_the_diagonal():
     np.testing.assert_array_equal(diagonal.get_ydata(), [0, 2])
     marks = next(c for c in ax.collections if c.get_label() == "best match of each row")
     np.testing.assert_array_equal(marks.get_offsets(), np.column_stack([result.best_match, np.arange(3)]))
+
+
+def test_settings_out_of_range_are_refused():
+    from jaxdepth.mapping_study import MappingSettings
+
+    for bad in (dict(first_position=-1), dict(ridge=-0.1)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            MappingSettings(**bad)

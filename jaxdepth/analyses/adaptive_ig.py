@@ -73,6 +73,9 @@ from jaxdepth.core.model import run_layers_from
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 
+# Bump when the rule's internal choices (initial intervals, split rounding, ...) change: it is
+# part of a saved result's cache identity, so results of an older rule are recomputed.
+RULE_VERSION = 1
 GRID_POINTS = 0  # no forward grid: a uniform initial partition (see the module docstring)
 # 2 * 11 + 1 = 23 nodes: three vmapped groups of 8 but one slot (a padding slot costs as much
 # as a node).
