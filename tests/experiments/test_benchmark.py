@@ -43,3 +43,15 @@ def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_pat
         assert row["jax_run_s"] > 0 and row["ref_s"] > 0 and row["model_flops"] > 0
     assert {a["analysis"] for a in report["agreement"]} == set(ANALYSES)
     assert "TOTAL" in capsys.readouterr().out
+    # The adaptive IG preset ran on the IG workload, and the second extrapolation replaces only
+    # IG's time, scaled by the measured adaptive time over the fixed rule's scaled to 256 steps.
+    adaptive, fixed = report["adaptive_ig"], next(r for r in report["rows"] if r["analysis"] == "integrated_gradients")
+    assert adaptive["evaluations"] > 0 and adaptive["layers"] == tiny_model("llama_gqa_untied").config.num_hidden_layers
+    if adaptive["converged"] == adaptive["layers"]:  # the certificate bounds the gap
+        assert adaptive["max_relative_gap"] <= adaptive["tolerance"]
+    share = adaptive["jax_run_s"] / (fixed["jax_run_s"] * 256 / 4)
+    est, published = report["study_workload_estimate_adaptive_ig"], report["study_workload_estimate"]
+    assert est["share_of_published_ig_time"] == pytest.approx(share)
+    for ours, theirs in zip(est["rows"], published["rows"]):
+        factor = share if ours["analysis"] == "integrated_gradients" else 1.0
+        assert ours["jax_s"] == pytest.approx(theirs["jax_s"] * factor) and ours["ref_s"] == theirs["ref_s"]
