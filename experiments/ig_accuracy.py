@@ -1,0 +1,275 @@
+"""How accurate is integrated gradients per rule and step count? The completeness gap and the
+attribution error of every layer against a converged reference, with the gradient evaluations
+each rule spends.
+
+Rules: left Riemann (the published rule), midpoint and Gauss-Legendre at a fixed number of
+steps, and the adaptive rule (`jaxdepth.analyses.adaptive_ig`) at several tolerances. The
+reference is the adaptive rule at a tight tolerance with a large budget: its certificate
+(sum_i |e_i| + |φ(1) - F(x)| <= tolerance |F(x) - F(b)|) says which layers converged, and the
+attribution difference between it and the next looser tolerance says how far its per-token
+values can still move (the certificate bounds only their sum).
+
+The fixed rules are evaluated from shared nodes: every layer's φ and per-token integrand on the
+uniform grid k / N (N = --max-steps) give left Riemann at every power of two n <= N (nodes
+i / n) and midpoint at n <= N / 2 (nodes (i + 1/2) / n, odd grid points), and the
+Gauss-Legendre nodes of each n <= --gauss-max are evaluated beside them. A fixed rule's time is
+its evaluations times the measured time per evaluation of this sweep; the adaptive rule's time
+is measured (the reference's includes compilation).
+
+    python experiments/ig_accuracy.py                  # the arithmetic prompt, N = 256 (2 CPU cores: ~30 min)
+    python experiments/ig_accuracy.py --max-steps 4096 --gauss-max 4096 \\
+        --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,2   # the full table: an accelerator
+
+Per-layer evaluations are cached in the output folder, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdepth.analyses.adaptive_ig import adaptive_ig_of_prompt, path_points
+from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
+from jaxdepth.atomic import atomic_write
+from jaxdepth.case_study import ARITHMETIC_PROMPT
+from jaxdepth.loading import load
+from jaxdepth.prompts import encode, format_short, read_rows
+
+TOLERANCES = (0.3, 0.1, 0.03, 0.01)
+REFERENCE_TOLERANCE = 2e-3
+REFERENCE_BUDGET = 1024
+GROUP = 32  # nodes per vmapped chunk of the fixed-rule sweep
+
+
+def fixed_nodes(max_steps: int, gauss_max: int) -> tuple[np.ndarray, dict]:
+    """All nodes the fixed rules need and, per (rule, steps), the indices of its nodes in them
+    and its weights."""
+    grid = np.arange(max_steps) / max_steps
+    nodes, rules = [grid], {}
+    n = 8
+    while n <= max_steps:
+        rules[("left", n)] = (np.arange(n) * (max_steps // n), np.full(n, 1.0 / n))
+        if 2 * n <= max_steps:
+            rules[("midpoint", n)] = ((2 * np.arange(n) + 1) * (max_steps // (2 * n)), np.full(n, 1.0 / n))
+        n *= 2
+    offset, n = max_steps, 8
+    while n <= gauss_max:
+        alphas, weights = quadrature("gauss", n)
+        nodes.append(alphas)
+        rules[("gauss", n)] = (offset + np.arange(n), weights)
+        offset, n = offset + n, 2 * n
+    return np.concatenate(nodes), rules
+
+
+def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, desc: str):
+    """φ `[L, n]` and the per-token integrand `[L, n, T]` of every layer at `nodes`, one layer per
+    call (one compiled computation), each layer cached in `cache` as it finishes, and the seconds
+    per gradient evaluation of the calls that did not compile (kept in the cache too)."""
+    L = config.num_layers
+    stored = dict(np.load(cache)) if os.path.exists(cache) else {}
+    if stored and not np.array_equal(stored.get("nodes"), nodes):
+        stored = {}
+    stored.setdefault("seconds", np.float64(0.0))
+    stored.setdefault("timed_layers", np.int64(0))
+    alphas = jnp.asarray(nodes, jnp.float32)[None]
+    compiled = False
+    for layer in tqdm(range(L), desc=desc):
+        if f"phi{layer}" in stored:
+            continue
+        start = time.perf_counter()
+        phi, g = path_points(*args, x, b, inputs, jnp.asarray([layer], jnp.int32), alphas, config, chunk_size=GROUP)
+        phi, g = np.asarray(phi)[0], np.asarray(g)[0]
+        if compiled:  # the first call of a process compiles: not timed
+            stored["seconds"] = stored["seconds"] + (time.perf_counter() - start)
+            stored["timed_layers"] = stored["timed_layers"] + 1
+        compiled = True
+        stored.update({f"phi{layer}": phi, f"integrand{layer}": g, "nodes": nodes})
+        with atomic_write(cache, "wb") as f:
+            np.savez(f, **stored)
+    phi = np.stack([stored[f"phi{layer}"] for layer in range(L)]).astype(np.float64)
+    integrand = np.stack([stored[f"integrand{layer}"] for layer in range(L)]).astype(np.float64)
+    timed = int(stored["timed_layers"])
+    return phi, integrand, float(stored["seconds"]) / (timed * len(nodes)) if timed else float("nan")
+
+
+def errors(attributions: np.ndarray, f_input: float, f_baseline: np.ndarray, reference: np.ndarray) -> dict:
+    """Per layer: the relative completeness gap |sum_t A - (F(x) - F(b))| / |F(x) - F(b)| and the
+    attribution error max_t |A - A_ref| / max_t |A_ref|."""
+    gap = np.abs(attributions.sum(-1) - (f_input - f_baseline)) / np.abs(f_input - f_baseline)
+    error = np.abs(attributions - reference).max(-1) / np.abs(reference).max(-1)
+    return dict(gap=gap, error=error)
+
+
+def summary_row(rule: str, steps, evaluations: int, seconds: float, per_layer: dict, note: str = "") -> dict:
+    gap, error = per_layer["gap"], per_layer["error"]
+    return dict(rule=rule, steps=steps, evaluations=int(evaluations), seconds=float(seconds),
+                max_gap=float(gap.max()), worst_gap_layer=int(gap.argmax()), layers_gap_over_1pct=int((gap > 0.01).sum()),
+                max_error=float(error.max()), median_error=float(np.median(error)), note=note,
+                gap=gap.tolist(), error=error.tolist())
+
+
+def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, tolerances, out: str,
+                       reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET) -> dict:
+    p, config, L = model.params, model.config, model.config.num_layers
+    one = batch.single(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
+    positions, real = one.answer_positions(0)
+    args = (p, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions), jnp.asarray(real))
+    x, b, inputs, f_input = ig_inputs(*args, config)
+    f_input = float(f_input)
+
+    def adaptive(tolerance, budget):
+        """The adaptive rule's result and wall time, cached in `out` (a rerun resumes)."""
+        path = os.path.join(out, f"{name}_adaptive_{tolerance:g}_{budget}.npz")
+        if os.path.exists(path):
+            stored = dict(np.load(path))
+            return stored, float(stored["seconds"])
+        start = time.perf_counter()
+        r = adaptive_ig_of_prompt(*args, config, tolerance=np.full(L, tolerance), max_evaluations=budget,
+                                  on_layer=bar.update)
+        seconds = time.perf_counter() - start
+        with atomic_write(path, "wb") as f:
+            np.savez(f, seconds=seconds, **{k: np.asarray(v) for k, v in r.items()})
+        return r, seconds
+
+    nodes, rules = fixed_nodes(max_steps, gauss_max)
+    phi, integrand, per_eval = evaluate_layers(args, x, b, inputs, config, nodes, os.path.join(out, f"{name}_nodes.npz"),
+                                               f"{name}: fixed-rule nodes (layers)")
+    adaptive_runs = {}
+    with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
+        for tolerance in [reference_tolerance] + list(tolerances):
+            adaptive_runs[tolerance] = adaptive(tolerance, budget)
+    reference, reference_s = adaptive_runs[reference_tolerance]
+    ref = reference["attributions"].astype(np.float64)
+    f_baseline = reference["f_baseline"]
+    rows = []
+
+    if not np.allclose(phi[:, 0], f_baseline, rtol=1e-4, atol=1e-6):
+        raise RuntimeError("F(b) of the node sweep and of the adaptive rule disagree")
+    for (rule, n), (index, weights) in sorted(rules.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        attributions = np.einsum("k,lkt->lt", weights, integrand[:, index])
+        rows.append(summary_row(rule, n, n * L, n * L * per_eval, errors(attributions, f_input, f_baseline, ref),
+                                "time = evaluations x measured seconds per evaluation"))
+
+    looser = None
+    for tolerance in tolerances:
+        r, seconds = adaptive_runs[tolerance]
+        row = summary_row("adaptive", tolerance, r["evaluations"].sum(), seconds,
+                          errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
+                          f"{int(r['converged'].sum())}/{L} layers converged")
+        rows.append(row)
+        if tolerance == min(tolerances):
+            looser = row
+    reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
+                                reference_s, errors(ref, f_input, f_baseline, ref),
+                                f"{int(reference['converged'].sum())}/{L} layers converged; time includes compilation")
+    return dict(prompt=name, tokens=int(one.lengths[0]), f_input=f_input, f_baseline=f_baseline.tolist(),
+                seconds_per_evaluation=per_eval, reference=dict(
+                    tolerance=reference_tolerance, budget=budget,
+                    converged=reference["converged"].tolist(), evaluations=reference["evaluations"].tolist(),
+                    bound=(reference["bound"] / np.abs(f_input - f_baseline)).tolist(),
+                    # How far the reference's per-token values can still move: its difference from
+                    # the next looser tolerance, relative to max |A_ref| per layer.
+                    self_consistency=looser["error"] if looser else None),
+                rows=rows + [reference_row])
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for prompt in report["prompts"]:
+        lines += [f"### {prompt['prompt']} ({prompt['tokens']} tokens, F(x) = {prompt['f_input']:.3f})", "",
+                  "| rule | steps / tolerance | gradient evaluations | time (s) | largest gap (layer) "
+                  "| layers with gap > 1% | largest attribution error | median attribution error |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in prompt["rows"]:
+            lines.append(f"| {r['rule']} | {r['steps']} | {r['evaluations']:,} | {r['seconds']:.0f} "
+                         f"| {100 * r['max_gap']:.2f}% ({r['worst_gap_layer']}) | {r['layers_gap_over_1pct']} "
+                         f"| {100 * r['max_error']:.2f}% | {100 * r['median_error']:.2f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(report: dict):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2 * len(report["prompts"])), layout="constrained")
+    axes = fig.subplots(len(report["prompts"]), 2, squeeze=False)
+    styles = {"left": "o-", "midpoint": "s-", "gauss": "^-", "adaptive": "D-"}
+    for (gap_ax, err_ax), prompt in zip(axes, report["prompts"]):
+        for rule, style in styles.items():
+            rows = [r for r in prompt["rows"] if r["rule"] == rule]
+            if not rows:
+                continue
+            evaluations = [r["evaluations"] for r in rows]
+            gap_ax.plot(evaluations, [max(r["max_gap"], 1e-6) for r in rows], style, label=rule, ms=4)
+            err_ax.plot(evaluations, [max(r["max_error"], 1e-6) for r in rows], style, label=rule, ms=4)
+        published = next(r for r in prompt["rows"] if r["rule"] == "left" and r["steps"] == 256) \
+            if any(r["rule"] == "left" and r["steps"] == 256 for r in prompt["rows"]) else None
+        for ax, key, label in ((gap_ax, "max_gap", "largest |completeness gap| / |F(x) - F(b)|"),
+                               (err_ax, "max_error", "largest attribution error (of max |A_ref|)")):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("gradient evaluations per prompt (all layers)")
+            ax.set_ylabel(label)
+            ax.axhline(0.01, color="0.6", lw=0.8, ls="--")
+            if published is not None:
+                ax.plot([published["evaluations"]], [max(published[key], 1e-6)], "k*", ms=12,
+                        label="published (left, 256)")
+            ax.grid(True, which="both", alpha=0.3)
+        gap_ax.set_title(f"{prompt['prompt']}: worst layer's completeness gap")
+        err_ax.set_title("worst layer's attribution error against the reference")
+        gap_ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-steps", type=int, default=256, help="left Riemann up to this many steps, "
+                        "midpoint up to half of it (a power of two)")
+    parser.add_argument("--gauss-max", type=int, default=32, help="Gauss-Legendre up to this many steps")
+    parser.add_argument("--tolerances", default=",".join(map(str, TOLERANCES)),
+                        help="the adaptive rule's tolerances")
+    parser.add_argument("--reference-tolerance", type=float, default=REFERENCE_TOLERANCE)
+    parser.add_argument("--budget", type=int, default=REFERENCE_BUDGET,
+                        help="gradient evaluations per layer at most, for every adaptive run")
+    parser.add_argument("--no-arithmetic", action="store_true", help="leave out the arithmetic prompt")
+    parser.add_argument("--data", help="GSM8K JSONL: its --rows join the prompts")
+    parser.add_argument("--rows", default="0,1,2", help="GSM8K rows (with --data)")
+    parser.add_argument("--out", default="results/ig_accuracy")
+    args = parser.parse_args(argv)
+    if args.max_steps < 16 or args.max_steps & (args.max_steps - 1):
+        parser.error("--max-steps must be a power of two >= 16")
+
+    model = load(args.model)
+    prompts = [] if args.no_arithmetic else [("arithmetic", ARITHMETIC_PROMPT)]
+    if args.data:
+        rows = read_rows("gsm8k", args.data)
+        prompts += [(f"gsm8k_row{i}", format_short(rows[int(i)])) for i in args.rows.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    tolerances = sorted((float(t) for t in args.tolerances.split(",")), reverse=True)
+    report = dict(model=args.model, max_steps=args.max_steps, gauss_max=args.gauss_max, prompts=[])
+    for name, prompt in prompts:
+        batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
+        report["prompts"].append(accuracy_of_prompt(model, batch, name, args.max_steps, args.gauss_max, tolerances,
+                                                    args.out, args.reference_tolerance, args.budget))
+        print(markdown(dict(prompts=report["prompts"][-1:])))
+    with atomic_write(os.path.join(args.out, "ig_accuracy.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with atomic_write(os.path.join(args.out, "ig_accuracy.md"), "w") as f:
+        f.write(markdown(report))
+    fig = figure(report)
+    with atomic_write(os.path.join(args.out, "ig_accuracy.png"), "wb") as f:
+        fig.savefig(f, format="png", dpi=130)
+    print(f"wrote {args.out}/ig_accuracy.json, .md and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
