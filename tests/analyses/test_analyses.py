@@ -323,6 +323,28 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
 
 
+def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch):
+    # The hand-written backward (layer by layer, recomputing each layer) gives F and dF/dh_start
+    # of a plain forward with h_start set, from every start.
+    one = batch.single(1)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    positions, real = one.answer_positions(0)
+    objective = ig._objective(params, tokens, jnp.asarray(positions), jnp.asarray(real), CONFIG)
+    hs = residual_stream(params, tokens, CONFIG, valid=valid)
+    for start in range(CONFIG.num_layers + 1):
+        z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident
+        value, grad = jax.jit(lambda z, s: ig.suffix_value_and_grad(params, z, s, CONFIG, objective,
+                                                                    valid=valid))(z, start)
+        expected = _objective(params, one, start - 1, z) if start > 0 else None
+        if start > 0:  # boundary `start` = the output of layer start - 1
+            assert float(value) == pytest.approx(float(expected), abs=1e-6)
+            np.testing.assert_allclose(grad, _objective(params, one, start - 1, z, grad=True), atol=1e-6)
+        else:  # from the embeddings: the whole stack
+            full = jax.value_and_grad(lambda h: objective(run_layers(params, h, CONFIG, valid=valid)[0]))(z)
+            assert float(value) == pytest.approx(float(full[0]), abs=1e-6)
+            np.testing.assert_allclose(grad, full[1], atol=1e-6)
+
+
 def _set_site(value, layer, data):
     at, z = data
     return jnp.where(layer == at, z, value)
