@@ -701,7 +701,6 @@ def print_tables(report):
     print("FULL STUDY WORKLOAD, extrapolated (jaxdepth: executed FLOPs / its executed FLOP/s above; reference: "
           "model FLOPs / its FLOP/s above;\nrough: efficiency changes with prompt length):")
     print("  " + est["description"])
-    print(f"{'analysis':<22}{'model FLOPs':>13}{'executed':>10}{'jaxdepth':>12}{'reference':>12}{'ref/jax':>9}")
     _print_study_rows(est)
     adaptive, est = report.get("adaptive_ig"), report.get("study_workload_estimate_adaptive_ig")
     if adaptive is not None:
