@@ -608,9 +608,13 @@ def _study_with_adaptive(study: list, rows: list, adaptive: Optional[dict], step
     fixed = next(r for r in rows if r["analysis"] == "integrated_gradients")
     share = adaptive["jax_run_s"] / (fixed["jax_run_s"] * 256 / steps)
     out = [dict(r, jax_s=r["jax_s"] * share) if r["analysis"] == "integrated_gradients" else dict(r) for r in study]
-    total = dict(analysis="TOTAL", **{k: None if any(r[k] is None for r in out) else sum(r[k] for r in out)
-                                      for k in ("model_flops", "executed_flops", "jax_s", "ref_s")})
-    return dict(share_of_published_ig_time=share, rows=out, total=total)
+    return dict(share_of_published_ig_time=share, rows=out, total=_study_total(out))
+
+
+def _study_total(rows: list) -> dict:
+    """The TOTAL row of a full-study extrapolation (None where a row has no value)."""
+    return dict(analysis="TOTAL", **{k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows)
+                                     for k in ("model_flops", "executed_flops", "jax_s", "ref_s")})
 
 
 def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
@@ -942,9 +946,7 @@ def main(argv=None) -> int:
         peak_flops=peak, rows=rows, totals=totals, agreement=agree, study_workload_estimate=dict(
             description=f"{len(study_lengths)} prompts at full length (lengths {study_lengths}), layer skip with "
                         "4 split positions each, erasure at every boundary x position, IG 256 steps x every layer",
-            rows=study, total=dict(analysis="TOTAL", **{k: None if any(r[k] is None for r in study)
-                                                         else sum(r[k] for r in study)
-                                                         for k in ("model_flops", "executed_flops", "jax_s", "ref_s")})),
+            rows=study, total=_study_total(study)),
         adaptive_ig=adaptive, study_workload_estimate_adaptive_ig=study_adaptive,
         all_agree=all(a["ok"] for a in agree) if agree else None,
         benchmark_wall_s=time.perf_counter() - wall_start)

@@ -30,7 +30,6 @@ import json
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -124,7 +123,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     x, b, inputs, f_input = ig_inputs(*args, config)
     f_input = float(f_input)
 
-    def adaptive(tolerance, budget):
+    def adaptive(tolerance, on_layer):
         """The adaptive rule's result and wall time, cached in `out` (a rerun resumes)."""
         path = os.path.join(out, f"{name}_adaptive_{tolerance:g}_{budget}.npz")
         if os.path.exists(path):
@@ -132,7 +131,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
             return stored, float(stored["seconds"])
         start = time.perf_counter()
         r = adaptive_ig_of_prompt(*args, config, tolerance=np.full(L, tolerance), max_evaluations=budget,
-                                  on_layer=bar.update)
+                                  on_layer=on_layer)
         seconds = time.perf_counter() - start
         with atomic_write(path, "wb") as f:
             np.savez(f, seconds=seconds, **{k: np.asarray(v) for k, v in r.items()})
@@ -144,7 +143,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     adaptive_runs = {}
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
         for tolerance in [reference_tolerance] + list(tolerances):
-            adaptive_runs[tolerance] = adaptive(tolerance, budget)
+            adaptive_runs[tolerance] = adaptive(tolerance, bar.update)
     reference, reference_s = adaptive_runs[reference_tolerance]
     ref = reference["attributions"].astype(np.float64)
     f_baseline = reference["f_baseline"]
@@ -152,20 +151,19 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
 
     if not np.allclose(phi[:, 0], f_baseline, rtol=1e-4, atol=1e-6):
         raise RuntimeError("F(b) of the node sweep and of the adaptive rule disagree")
-    for (rule, n), (index, weights) in sorted(rules.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for rule, n in sorted(rules):
+        index, weights = rules[(rule, n)]
         attributions = np.einsum("k,lkt->lt", weights, integrand[:, index])
         rows.append(summary_row(rule, n, n * L, n * L * per_eval, errors(attributions, f_input, f_baseline, ref),
                                 "time = evaluations x measured seconds per evaluation"))
 
-    looser = None
+    adaptive_rows = {}
     for tolerance in tolerances:
         r, seconds = adaptive_runs[tolerance]
-        row = summary_row("adaptive", tolerance, r["evaluations"].sum(), seconds,
-                          errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
-                          f"{int(r['converged'].sum())}/{L} layers converged")
-        rows.append(row)
-        if tolerance == min(tolerances):
-            looser = row
+        adaptive_rows[tolerance] = summary_row("adaptive", tolerance, r["evaluations"].sum(), seconds,
+                                               errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
+                                               f"{int(r['converged'].sum())}/{L} layers converged")
+    rows += adaptive_rows.values()
     reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
                                 reference_s, errors(ref, f_input, f_baseline, ref),
                                 f"{int(reference['converged'].sum())}/{L} layers converged; time includes compilation")
@@ -176,7 +174,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
                     bound=(reference["bound"] / np.abs(f_input - f_baseline)).tolist(),
                     # How far the reference's per-token values can still move: its difference from
                     # the next looser tolerance, relative to max |A_ref| per layer.
-                    self_consistency=looser["error"] if looser else None),
+                    self_consistency=adaptive_rows[min(tolerances)]["error"] if tolerances else None),
                 rows=rows + [reference_row])
 
 
@@ -209,8 +207,7 @@ def figure(report: dict):
             evaluations = [r["evaluations"] for r in rows]
             gap_ax.plot(evaluations, [max(r["max_gap"], 1e-6) for r in rows], style, label=rule, ms=4)
             err_ax.plot(evaluations, [max(r["max_error"], 1e-6) for r in rows], style, label=rule, ms=4)
-        published = next(r for r in prompt["rows"] if r["rule"] == "left" and r["steps"] == 256) \
-            if any(r["rule"] == "left" and r["steps"] == 256 for r in prompt["rows"]) else None
+        published = next((r for r in prompt["rows"] if r["rule"] == "left" and r["steps"] == 256), None)
         for ax, key, label in ((gap_ax, "max_gap", "largest |completeness gap| / |F(x) - F(b)|"),
                                (err_ax, "max_error", "largest attribution error (of max |A_ref|)")):
             ax.set_xscale("log")

@@ -335,9 +335,8 @@ def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch):
         z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident
         value, grad = jax.jit(lambda z, s: ig.suffix_value_and_grad(params, z, s, CONFIG, objective,
                                                                     valid=valid))(z, start)
-        expected = _objective(params, one, start - 1, z) if start > 0 else None
         if start > 0:  # boundary `start` = the output of layer start - 1
-            assert float(value) == pytest.approx(float(expected), abs=1e-6)
+            assert float(value) == pytest.approx(float(_objective(params, one, start - 1, z)), abs=1e-6)
             np.testing.assert_allclose(grad, _objective(params, one, start - 1, z, grad=True), atol=1e-6)
         else:  # from the embeddings: the whole stack
             full = jax.value_and_grad(lambda h: objective(run_layers(params, h, CONFIG, valid=valid)[0]))(z)
