@@ -4,8 +4,9 @@ forward and one backward pass, gradient x activation, and attribution patching.
 `site_gradients` adds a zero "probe" at each requested site of every layer (an ordinary
 `jaxdepth.core.sites.Intervention`, appended after the caller's own) and differentiates the
 metric with respect to the probes: d metric / d probe_l is the gradient at that site of layer
-l, for all layers at once. The stack runs under `jax.checkpoint` per layer, so the backward
-keeps one residual per layer, not every activation.
+l, for all layers at once. The backward reads every layer's stored activations; above
+`STORED_ACTIVATIONS_LIMIT` bytes the stack runs under `jax.checkpoint` per layer instead, so the
+backward keeps one residual per layer and recomputes the rest (a third more work).
 
 Attribution patching (Nanda 2023; Syed et al. 2023) is the first-order estimate of every
 residual erasure at once: replacing h_l[t] by a baseline b_l changes a scalar F by about
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,13 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import embed, run_layers, unembed
 from jaxdepth.core.sites import SITES, Intervention, as_interventions
 from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sweep import member_bytes
 from jaxdepth.results import SavedResult
+
+# Activations of all layers the backward may keep (rough bytes, `member_bytes` x layers). A
+# constant, not the free memory: every process of a multi-process run must compile the same
+# program.
+STORED_ACTIVATIONS_LIMIT = 2 * 1024**3
 
 
 def site_shape(site: str, config: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
@@ -64,7 +71,8 @@ jax.tree_util.register_dataclass(SiteGradients, data_fields=["value", "gradients
 
 
 def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites: Sequence[str] = ("resid_pre",), *,
-                   valid=None, interventions=None, tap=None, positions=None) -> SiteGradients:
+                   valid=None, interventions=None, tap=None, positions=None,
+                   remat: Optional[bool] = None) -> SiteGradients:
     """The gradient of the scalar `metric` with respect to the value at each of `sites` of every
     layer, and those values, from one forward and one backward pass.
 
@@ -73,9 +81,13 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
     only, `[B, A, V]` (the LM head is the largest matmul of a small model: read only what the
     metric needs). Gradients are taken after `interventions` act: at the value the model
     really used. Call it inside `jax.jit` (the metric may close over traced arrays, e.g.
-    the answer tokens); `residual_attribution` is an example."""
+    the answer tokens); `residual_attribution` is an example. `remat` (default: when the
+    activations of all layers exceed `STORED_ACTIVATIONS_LIMIT`) recomputes each layer in the
+    backward instead of storing its activations."""
     B, T = tokens.shape
     L = config.num_layers
+    if remat is None:
+        remat = L * member_bytes(config, B * T) > STORED_ACTIVATIONS_LIMIT
     zeros = {s: jnp.zeros((L + (s == "resid_pre"),) + site_shape(s, config, B, T), jnp.float32) for s in sites}
     base = as_interventions(interventions)
 
@@ -85,7 +97,7 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
     def value(probes):
         ivs = base + tuple(Intervention(s, _probe, probes[s]) for s in sites)
         h, (values, taps) = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs,
-                                       tap=read, remat=True)
+                                       tap=read, remat=remat)
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
         logits = unembed(params, h if positions is None else h[:, positions], config)

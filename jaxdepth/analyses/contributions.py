@@ -80,15 +80,15 @@ class ContributionResult(SavedResult):
 def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None) -> ContributionResult:
     """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer, over all
     prompts and per prompt."""
-    # One prompt at a time, trimmed to its own length bucket: a padded batch would spend a third
-    # of its work on padding when prompt lengths differ as much as GSM8K's.
+    # Prompts of similar length together, each group trimmed to its own padded length: a padded
+    # batch of all prompts would spend a third of its work on padding when lengths differ as
+    # much as GSM8K's, and one prompt at a time gives short prompts too few rows per matmul.
     L, T = config.num_layers, batch.tokens.shape[1]
     stats = np.zeros((L, len(batch), T, len(STATISTICS)), np.float32)
-    for i in range(len(batch)):
-        one = batch.single(i)
-        Ti = one.tokens.shape[1]
-        stats[:, i, :Ti] = to_host(contribution_stats(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-                                                         config))[:, 0]
+    for index, group in batch.groups():
+        Tg = group.tokens.shape[1]
+        stats[:, index, :Tg] = to_host(contribution_stats(params, jnp.asarray(group.tokens), jnp.asarray(group.valid),
+                                                             config))
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
     curves = token_mean(values, batch.valid)  # [6, L]
     # Per-prompt means from the same per-token statistics (no second pass through the model).

@@ -76,15 +76,15 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
     aggregate = {"prompt": prompt_mean, "token": token_mean}
     if weighting not in aggregate:
         raise ValueError(f"weighting must be 'prompt' or 'token', got {weighting!r}")
-    # One prompt at a time, trimmed to its own length: no compute or memory spent on padding,
-    # and `[T, V]` buffers small enough to stay in cache-friendly sizes.
+    # Prompts of similar length together (`PromptBatch.groups`), each group trimmed to its own
+    # padded length: little compute spent on padding, enough rows per LM-head matmul, and
+    # `[B, T, V]` buffers of bounded size.
     L, T = config.num_layers, batch.tokens.shape[1]
     kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
-    for i in range(len(batch)):
-        one = batch.single(i)
-        k, o = lens_per_token(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config, translators)
-        Ti = one.tokens.shape[1]
-        kl[:, i, :Ti], overlap[:, i, :Ti] = to_host(k)[:, 0], to_host(o)[:, 0]
+    for index, group in batch.groups():
+        k, o = lens_per_token(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config, translators)
+        Tg = group.tokens.shape[1]
+        kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k), to_host(o)
     agg = aggregate[weighting]
     # Per-prompt means from the same per-position statistics (no second pass through the model).
     per_prompt = lambda x: per_prompt_mean(x, batch.valid).T  # [N, L]

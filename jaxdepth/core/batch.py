@@ -7,6 +7,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+# Tokens (rows x padded length) of one forward when prompts are grouped (`PromptBatch.groups`):
+# on 2-core x86 CPUs a forward of the embedded model reaches about 90% of its large-batch speed
+# from 128 rows on, against 70% at 64.
+GROUP_TOKENS = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
@@ -34,6 +39,30 @@ class PromptBatch:
         length = int(self.lengths[i])
         T = min(-(-length // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
         return PromptBatch(self.tokens[i:i + 1, :T], self.valid[i:i + 1, :T], self.answer_start[i:i + 1])
+
+    def groups(self, max_tokens: int = GROUP_TOKENS, pad_to_multiple: int = 16) -> list[tuple[np.ndarray, "PromptBatch"]]:
+        """The prompts packed into sub-batches of similar length: `[(indices, sub-batch), ...]`.
+
+        Prompts are taken shortest first; a group grows while its rows times its padded length
+        (its longest prompt's, rounded up to `pad_to_multiple`) stay within `max_tokens`, and a
+        longer prompt is a group of its own. One forward per group instead of per prompt: a
+        prompt of 64 tokens alone gives each matmul 64 rows, too few to keep a CPU's vector
+        units busy, while sorting by length keeps the padding small."""
+        lengths = self.lengths
+        pad = lambda n: min(-(-int(n) // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
+        packed: list[list[int]] = []
+        for i in np.argsort(lengths, kind="stable"):
+            group = packed[-1] if packed else None
+            if group is None or (len(group) + 1) * pad(lengths[i]) > max_tokens:
+                packed.append([int(i)])
+            else:
+                group.append(int(i))
+        out = []
+        for group in packed:
+            index = np.asarray(group)
+            T = pad(lengths[index].max())
+            out.append((index, PromptBatch(self.tokens[index, :T], self.valid[index, :T], self.answer_start[index])))
+        return out
 
     def answer_positions(self, i: int, pad_to_multiple: int = 4) -> tuple[np.ndarray, np.ndarray]:
         """Prompt i's answer-predicting positions, padded to a multiple of `pad_to_multiple`

@@ -154,6 +154,37 @@ def test_per_prompt_curves_reaggregate_to_the_stored_curves(params, batch):
                                        getattr(lenses["token"], name), rtol=1e-6, atol=1e-6)
 
 
+def test_prompt_groups_partition_the_batch_and_give_each_prompt_its_own_result(params):
+    """`PromptBatch.groups` packs prompts shortest first within the token budget (a longer
+    prompt alone), and the per-prompt curves of contributions and the lens, computed in groups
+    with padding, are those of each prompt run alone."""
+    rng = np.random.default_rng(2)
+    lengths = (5, 40, 17, 9, 30, 12, 25, 70, 6, 20)
+    prompts = make_batch([rng.integers(0, 97, n).tolist() for n in lengths])
+    groups = prompts.groups(max_tokens=64)
+    order = np.concatenate([index for index, _ in groups])
+    np.testing.assert_array_equal(np.sort(order), np.arange(len(lengths)))
+    np.testing.assert_array_equal(np.asarray(lengths)[order], np.sort(lengths))  # shortest first
+    for index, group in groups:
+        T = group.tokens.shape[1]
+        assert T == -(-int(prompts.lengths[index].max()) // 16) * 16
+        assert len(index) == 1 or len(index) * T <= 64
+        np.testing.assert_array_equal(group.tokens, prompts.tokens[index, :T])
+    assert max(len(index) for index, _ in groups) > 1 and any(len(index) == 1 for index, _ in groups)
+
+    together = contributions.contributions(params, prompts, CONFIG)
+    lens = logit_lens.logit_lens(params, prompts, CONFIG)
+    for i in range(len(lengths)):
+        alone = prompts.select([i])
+        one = contributions.contributions(params, alone, CONFIG)
+        for name in contributions.STATISTICS:
+            np.testing.assert_allclose(getattr(together, f"{name}_per_prompt")[i],
+                                       getattr(one, f"{name}_per_prompt")[0], rtol=1e-5, atol=1e-6)
+        one_lens = logit_lens.logit_lens(params, alone, CONFIG)
+        np.testing.assert_allclose(lens.kl_per_prompt[i], one_lens.kl_per_prompt[0], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(lens.overlap_per_prompt[i], one_lens.overlap_per_prompt[0], atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- §3
 
 def _skip_reference(params, one, layer, split, sublayer):

@@ -70,6 +70,18 @@ def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
     assert np.abs(np.asarray(g.gradients[site])).max() > 1e-3  # not a vacuous comparison of zeros
 
 
+def test_site_gradients_with_and_without_remat_agree(params, one):
+    """Recomputing each layer in the backward (what long prompts get) changes no gradient."""
+    tokens, valid, _, _ = arrays(one)
+    run = lambda remat: jax.jit(lambda p: attribution.site_gradients(
+        p, tokens, CONFIG, objective(one), ("resid_pre", "mlp_hidden"), valid=valid, remat=remat))(params)
+    stored, recomputed = run(False), run(True)
+    for site in ("resid_pre", "mlp_hidden"):
+        np.testing.assert_allclose(np.asarray(stored.gradients[site]), np.asarray(recomputed.gradients[site]),
+                                   rtol=1e-5, atol=1e-7)  # float32 sums in another order, as above
+    assert np.abs(np.asarray(stored.gradients["mlp_hidden"])).max() > 1e-3
+
+
 def test_site_activations_are_the_forward_values(params, one):
     tokens, valid, _, _ = arrays(one)
     g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, objective(one), ("resid_pre", "resid_post"),
