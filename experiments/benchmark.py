@@ -413,10 +413,15 @@ def _attribution_jaxdepth(bench: Bench, w: Workload):
 
 
 def _attribution_executed(c, one, splits, steps):
-    # forward, then a backward that recomputes each layer (remat) before pulling back; the LM
-    # head only at the answer positions
+    # forward, then a backward that pulls back through the stored activations (or, above
+    # attribution.STORED_ACTIVATIONS_LIMIT, recomputes each layer first); the LM head only at
+    # the answer positions
+    from jaxdepth.analyses.attribution import STORED_ACTIVATIONS_LIMIT
+    from jaxdepth.core.sweep import member_bytes
+
     L, T, A = c.num_layers, one.tokens.shape[1], _answers(one)
-    return 3 * layer_flops(c, T, T, L) + 2 * lm_head_flops(c, A)
+    passes = 3 if L * member_bytes(c, T) > STORED_ACTIVATIONS_LIMIT else 2
+    return passes * layer_flops(c, T, T, L) + 2 * lm_head_flops(c, A)
 
 
 def _ig_model_flops(c, T, splits, steps):
@@ -630,7 +635,10 @@ def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float
     gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
     `% peak` is computed from; `workload_flops` is the work as the reference formulation
     defines it, which makes the ratios comparable."""
-    return sum(CASES[name].executed_flops(c, batch.single(i), splits[i] if splits else [], steps)
+    from jaxdepth.analyses import integrated_gradients
+
+    pad = integrated_gradients.PAD_TO if name == "integrated_gradients" else 16  # as each analysis pads them
+    return sum(CASES[name].executed_flops(c, batch.single(i, pad), splits[i] if splits else [], steps)
                for i in range(len(batch)))
 
 

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.analyses.integrated_gradients import (BASELINES, TARGETS, IntegratedGradientsResult, _entry,
+from jaxdepth.analyses.integrated_gradients import (BASELINES, PAD_TO, TARGETS, IntegratedGradientsResult, _entry,
                                                     _objective, ig_inputs, suffix_value_and_grad)
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
@@ -398,7 +398,7 @@ def adaptive_integrated_gradients(params, batch: PromptBatch, config: ModelConfi
     bound = np.zeros((P, L), np.float32)
     with tqdm(total=P * L, desc="adaptive integrated gradients (layers)", disable=not progress) as bar:
         for i in range(P):
-            one = batch.single(i)
+            one = batch.single(i, PAD_TO)
             Ti = one.tokens.shape[1]
             positions, real = one.answer_positions(0)
             r = adaptive_ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
