@@ -87,7 +87,9 @@ def test_site_activations_are_the_forward_values(params, one):
     g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, objective(one), ("resid_pre", "resid_post"),
                                                      valid=valid))(params)
     hs = np.asarray(residual_stream(params, tokens, CONFIG, valid=valid))
-    np.testing.assert_allclose(np.asarray(g.activations["resid_pre"]), hs, rtol=1e-5, atol=1e-6)
+    # Two differently fused float32 programs over 4 layers: compared at the residual's scale
+    # (elementwise relative errors of entries near 0 measure only the rounding of the larger ones).
+    np.testing.assert_allclose(np.asarray(g.activations["resid_pre"]), hs, rtol=0, atol=4e-6 * np.abs(hs).max())
     # h_{l+1} is both layer l's resid_post and layer l+1's resid_pre: the same gradient.
     np.testing.assert_allclose(np.asarray(g.gradients["resid_post"]), np.asarray(g.gradients["resid_pre"][1:]),
                                rtol=1e-5, atol=1e-8)
