@@ -413,14 +413,12 @@ def _attribution_jaxdepth(bench: Bench, w: Workload):
 
 
 def _attribution_executed(c, one, splits, steps):
-    # forward, then a backward that pulls back through the stored activations (or, above
-    # attribution.STORED_ACTIVATIONS_LIMIT, recomputes each layer first); the LM head only at
-    # the answer positions
-    from jaxdepth.analyses.attribution import STORED_ACTIVATIONS_LIMIT
-    from jaxdepth.core.sweep import member_bytes
+    # forward, then a backward that pulls back through the stored activations (or, where
+    # site_gradients would, recomputes each layer first); the LM head only at the answer positions
+    from jaxdepth.analyses.attribution import recomputes_layers
 
     L, T, A = c.num_layers, one.tokens.shape[1], _answers(one)
-    passes = 3 if L * member_bytes(c, T) > STORED_ACTIVATIONS_LIMIT else 2
+    passes = 3 if recomputes_layers(c, T) else 2
     return passes * layer_flops(c, T, T, L) + 2 * lm_head_flops(c, A)
 
 

@@ -42,6 +42,13 @@ from jaxdepth.results import SavedResult
 STORED_ACTIVATIONS_LIMIT = 2 * 1024**3
 
 
+def recomputes_layers(config: ModelConfig, tokens: int) -> bool:
+    """Whether `site_gradients` recomputes each layer in the backward by default, for a forward of
+    `tokens` (batch x length) positions: when all layers' activations exceed
+    `STORED_ACTIVATIONS_LIMIT`."""
+    return config.num_layers * member_bytes(config, tokens) > STORED_ACTIVATIONS_LIMIT
+
+
 def site_shape(site: str, config: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
     """The value's shape at `site` of one layer, for `batch` prompts of `length` positions."""
     trailing = {"head_out": (config.num_heads, config.head_dim), "mlp_hidden": (config.intermediate_size,)}
@@ -81,13 +88,13 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
     only, `[B, A, V]` (the LM head is the largest matmul of a small model: read only what the
     metric needs). Gradients are taken after `interventions` act: at the value the model
     really used. Call it inside `jax.jit` (the metric may close over traced arrays, e.g.
-    the answer tokens); `residual_attribution` is an example. `remat` (default: when the
-    activations of all layers exceed `STORED_ACTIVATIONS_LIMIT`) recomputes each layer in the
-    backward instead of storing its activations."""
+    the answer tokens); `residual_attribution` is an example. `remat` (default:
+    `recomputes_layers`) recomputes each layer in the backward instead of storing its
+    activations."""
     B, T = tokens.shape
     L = config.num_layers
     if remat is None:
-        remat = L * member_bytes(config, B * T) > STORED_ACTIVATIONS_LIMIT
+        remat = recomputes_layers(config, B * T)
     zeros = {s: jnp.zeros((L + (s == "resid_pre"),) + site_shape(s, config, B, T), jnp.float32) for s in sites}
     base = as_interventions(interventions)
 

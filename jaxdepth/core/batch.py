@@ -36,9 +36,7 @@ class PromptBatch:
         """Prompt i alone, padded only to its own length rounded up to `pad_to_multiple`:
         per-prompt sweeps then cost what the prompt costs, not what the longest one does, and
         prompts of similar lengths still share a compiled computation."""
-        length = int(self.lengths[i])
-        T = min(-(-length // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
-        return PromptBatch(self.tokens[i:i + 1, :T], self.valid[i:i + 1, :T], self.answer_start[i:i + 1])
+        return self._trimmed(np.array([i]), pad_to_multiple)
 
     def groups(self, max_tokens: int = GROUP_TOKENS, pad_to_multiple: int = 16) -> list[tuple[np.ndarray, "PromptBatch"]]:
         """The prompts packed into sub-batches of similar length: `[(indices, sub-batch), ...]`.
@@ -49,20 +47,23 @@ class PromptBatch:
         prompt of 64 tokens alone gives each matmul 64 rows, too few to keep a CPU's vector
         units busy, while sorting by length keeps the padding small."""
         lengths = self.lengths
-        pad = lambda n: min(-(-int(n) // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
         packed: list[list[int]] = []
         for i in np.argsort(lengths, kind="stable"):
             group = packed[-1] if packed else None
-            if group is None or (len(group) + 1) * pad(lengths[i]) > max_tokens:
+            if group is None or (len(group) + 1) * self._padded_length(lengths[i], pad_to_multiple) > max_tokens:
                 packed.append([int(i)])
             else:
                 group.append(int(i))
-        out = []
-        for group in packed:
-            index = np.asarray(group)
-            T = pad(lengths[index].max())
-            out.append((index, PromptBatch(self.tokens[index, :T], self.valid[index, :T], self.answer_start[index])))
-        return out
+        return [(np.asarray(group), self._trimmed(np.asarray(group), pad_to_multiple)) for group in packed]
+
+    def _padded_length(self, length: int, pad_to_multiple: int) -> int:
+        """`length` rounded up to a multiple of `pad_to_multiple`, at most the batch's length."""
+        return min(-(-int(length) // pad_to_multiple) * pad_to_multiple, self.tokens.shape[1])
+
+    def _trimmed(self, index: np.ndarray, pad_to_multiple: int) -> "PromptBatch":
+        """Prompts `index`, cut to their longest prompt's padded length."""
+        T = self._padded_length(self.lengths[index].max(), pad_to_multiple)
+        return PromptBatch(self.tokens[index, :T], self.valid[index, :T], self.answer_start[index])
 
     def answer_positions(self, i: int, pad_to_multiple: int = 4) -> tuple[np.ndarray, np.ndarray]:
         """Prompt i's answer-predicting positions, padded to a multiple of `pad_to_multiple`
