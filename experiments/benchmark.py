@@ -457,11 +457,17 @@ def _ig_executed(c, one, splits, steps):
 
 
 def _layer_skip_executed(c, one, splits, steps):
+    from jaxdepth.analyses.layer_skip import ROWS_MULTIPLE
+
     L, T = c.num_layers, one.tokens.shape[1]
     if not splits:  # a prompt without split positions is not run; the others run 4 (padded)
         return 0.0
-    return layer_flops(c, T, T, L) + lm_head_flops(c, T) + 4 * sum(
-        layer_flops(c, T, T, L - s) + lm_head_flops(c, T) for s in range(L))
+    # the LM head runs on each split's measured positions only, padded as `output_shifts` pads them
+    padded = list(splits) + [splits[0]] * (4 - len(splits))
+    rows = sum(int(one.lengths[0]) - t for t in padded)
+    rows += -rows % ROWS_MULTIPLE
+    return layer_flops(c, T, T, L) + (L + 1) * lm_head_flops(c, rows) + 4 * sum(
+        layer_flops(c, T, T, L - s) for s in range(L))
 
 
 def _contributions_agreement(jres, rres, w, c):

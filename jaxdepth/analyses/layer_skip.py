@@ -31,7 +31,7 @@ from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import LayerRecord, residual_stream, run_layers_from, unembed
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import masked_max, norm, relative_norm
-from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
 
 SUBLAYERS = ("layer", "attn", "mlp")
@@ -71,43 +71,114 @@ def _tap_relative_change(measure):
 
 
 @partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
-def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
-                           sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future"):
-    """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
-    (`tokens`, `valid`: `[1, T]`).
+def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, config: ModelConfig,
+                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future"):
+    """Skip `sublayer` of each layer s of `layers [G]` under K position masks, on one prompt
+    (`tokens`, `valid`: `[1, T]`): every layer-skip forward, without the LM head.
 
     Member (s, k) skips layer s where `skip_masks[k]` is 1 and measures where
-    `measure_masks[k]` (and `valid`) hold. Returns `(later [L, K, L], output [L, K])`. What
-    causality makes exactly 0 is 0, not float noise: `later[s, k, j]` for j < s in both modes
-    (those layers see clean inputs), and j = s too in the 'future' mode, where layer s is
-    skipped only before the measured positions. In the 'current' mode the diagonal is measured:
-    the skipped layer's own contribution is what changed (1 for a whole-layer skip). Skipped
-    layers run one after another (`lax.map`), each starting from the clean h_s: the layers
-    before s are not rerun.
+    `measure_masks[k]` (and `valid`) hold. Returns `(later [G, K, L], final [G, K, T, D],
+    clean_final [T, D])`: the effects on later layers' contributions, each member's last
+    residual h_L, and the clean h_L (what `output_shifts` compares them with). `later[s, k, j]`
+    is exactly 0 where causality makes it so: j < s in both modes (those layers see clean
+    inputs), and j = s too in the 'future' mode, where layer s is skipped only before the
+    measured positions. In the 'current' mode the diagonal is measured: the skipped layer's own
+    contribution is what changed (1 for a whole-layer skip). Skipped layers run one after
+    another (`lax.map`), each starting from the clean h_s: the layers before s are not rerun.
     """
     L = config.num_layers
     hs = residual_stream(params, tokens, config, valid=valid)
     clean_deltas = hs[1:] - hs[:-1]
-    clean_probs = jax.nn.softmax(unembed(params, hs[-1], config), axis=-1)
 
-    def effects_of_layer(layer):
+    def runs_of_layer(layer):
         def member(m):
             skip, measure = m
-            measure = measure[None] & valid
             h, later = run_layers_from(params, hs[layer], layer, config, valid=valid,
                                        interventions=skip_layer(L, layer, skip, sublayer),
-                                       tap=_tap_relative_change(measure), tap_inputs=clean_deltas)
+                                       tap=_tap_relative_change(measure[None] & valid), tap_inputs=clean_deltas)
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
-            probs = jax.nn.softmax(unembed(params, h, config), axis=-1)
-            output = masked_max(norm(probs - clean_probs), measure)[0]
-            # The last layer feeds nothing but the output at its own positions, so skipping it
-            # where nothing is measured changes no measured output: exactly 0, not float noise.
-            output = jnp.where((layer == L - 1) & ~jnp.any(skip[None] * measure), 0.0, output)
-            return later, output
+            return later, h[0]
         return sweep(member, (skip_masks, measure_masks), chunk_size)
 
-    return jax.lax.map(effects_of_layer, jnp.arange(L))
+    later, final = jax.lax.map(runs_of_layer, layers)
+    return later, final, hs[-1, 0]
+
+
+@partial(jit, static_argnames="config")
+def output_shifts(params, final, clean_final, rows, members, config: ModelConfig):
+    """`[G, K]` output effects `max_p ||y_p - ȳ_p||_2` of the runs `final [G, K, T, D]` (from
+    `skipped_runs`) against `clean_final [T, D]`, over the measured positions only.
+
+    `rows [R]` lists every measured (member k, position p) as the flat index `k * T + p` into a
+    run's `[K, T]` rows, and `members [R]` its k (K marks padding rows, which count nowhere):
+    the LM head, the vocabulary-sized softmax and the norm run on those R rows, not on all
+    K x T. Layers run one after another (`lax.map`), bounding the `[R, V]` distributions.
+    """
+    G, K, T, D = final.shape
+    clean = jax.nn.softmax(unembed(params, clean_final[rows % T], config), axis=-1)
+
+    def of_layer(runs):
+        probs = jax.nn.softmax(unembed(params, runs.reshape(K * T, D)[rows], config), axis=-1)
+        shift = jax.ops.segment_max(norm(probs - clean), members, num_segments=K + 1)[:K]
+        return jnp.maximum(shift, 0.0)  # a member measuring nothing: 0 (segment_max gives -inf)
+
+    return jax.lax.map(of_layer, final)
+
+
+# `output_shifts` compiles once per padded row count: rows are padded to a multiple of this.
+ROWS_MULTIPLE = 64
+
+
+def measured_rows(measure_masks: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The `(rows, members)` arguments of `output_shifts` for `measure_masks [K, T]` and
+    `valid [T]`, padded to a multiple of `ROWS_MULTIPLE` rows."""
+    K, T = measure_masks.shape
+    members, positions = np.nonzero(measure_masks & valid[None])
+    pad = -len(members) % ROWS_MULTIPLE
+    rows = np.concatenate([members * T + positions, np.zeros(pad, np.int64)]).astype(np.int32)
+    return rows, np.concatenate([members, np.full(pad, K)]).astype(np.int32)
+
+
+def skipped_layer_groups(config: ModelConfig, T: int, n_members: int, *, memory_budget: Optional[int] = None,
+                         bytes_per: int = 4) -> int:
+    """Skipped layers per `skipped_runs` call: all L unless their last residuals `[G, K, T, D]`
+    would take more than a quarter of `memory_budget` (default: the free memory's share that
+    sweeps use)."""
+    budget = available_memory_budget() if memory_budget is None else memory_budget
+    per_layer = n_members * T * config.hidden_size * bytes_per
+    return int(np.clip(budget // 4 // per_layer, 1, config.num_layers))
+
+
+def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
+                           sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
+                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None):
+    """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
+    (`tokens`, `valid`: `[1, T]`; `skip_masks [K, T]` float, `measure_masks [K, T]` bool, as
+    host arrays). Returns `(later [L, K, L], output [L, K])` (see `skipped_runs`).
+
+    The forwards run in calls of `layers_per_call` skipped layers (default
+    `skipped_layer_groups` within `memory_budget`: all of them where memory allows); the LM head then runs on the
+    measured positions only (`output_shifts`), about half of them in the 'future' mode. The
+    output effect of skipping the last layer is exactly 0 where it is skipped at no measured
+    position: it feeds nothing but the output at its own positions.
+    """
+    L, K, T = config.num_layers, len(skip_masks), np.shape(tokens)[1]
+    measure_masks, valid_host = np.asarray(measure_masks, bool), np.asarray(valid, bool)[0]
+    rows, members = (jnp.asarray(a) for a in measured_rows(measure_masks, valid_host))
+    group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
+    later, output = [], []
+    for first in range(0, L, group):
+        layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
+        part_later, final, clean_final = skipped_runs(
+            params, tokens, valid, jnp.asarray(layers), jnp.asarray(skip_masks), jnp.asarray(measure_masks), config,
+            sublayer, chunk_size, mode)
+        keep = min(group, L - first)
+        later.append(part_later[:keep])
+        output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
+    later, output = jnp.concatenate(later), jnp.concatenate(output)
+    last_unmeasured = ~np.any((np.asarray(skip_masks) > 0) & measure_masks & valid_host[None], axis=1)
+    return later, output.at[L - 1].set(jnp.where(jnp.asarray(last_unmeasured), 0.0, output[L - 1]))
 
 
 @dataclasses.dataclass
@@ -171,8 +242,8 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         measure += [measure[0]] * (n_splits - len(measure))
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output = skip_effects_of_prompt(
-            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(np.stack(skip), jnp.float32),
-            jnp.asarray(np.stack(measure)), config, sublayer, chunk, mode)
+            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), np.stack(skip).astype(np.float32),
+            np.stack(measure), config, sublayer, chunk, mode, memory_budget=memory_budget)
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)
         if mode == "future":

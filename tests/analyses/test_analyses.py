@@ -230,6 +230,17 @@ def test_layer_skip_exact_zeros_and_chunking(params, batch):
     assert full.output[-1] == 0.0  # the last layer, skipped before t_s, cannot reach p >= t_s
     np.testing.assert_allclose(chunked.later, full.later, atol=1e-6)
     np.testing.assert_allclose(chunked.output, full.output, atol=1e-7)
+    # skipped layers in calls of 3 (the last call padded by repeating layer L-1), as a tight
+    # memory budget makes them, give what one call over all L gives
+    one, T = batch.single(0), batch.single(0).tokens.shape[1]
+    pos = np.arange(T)
+    masks = (np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32), np.asarray([pos >= t for t in (8, 12)]))
+    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid), *masks, CONFIG)
+    assert layer_skip.skipped_layer_groups(CONFIG, T, 2, memory_budget=4 * 2 * T * CONFIG.hidden_size * 4 * 3) == 3
+    for whole, grouped in zip(layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(
+            *args, layers_per_call=3)):
+        assert grouped.shape == whole.shape
+        np.testing.assert_allclose(grouped, whole, atol=1e-7)
 
 
 def test_split_positions_follow_the_reference_sampling():
@@ -452,15 +463,20 @@ def test_quadrature_rules_integrate_exactly():
 # ----------------------------------------------------------------------------- compilation
 
 def test_new_intervention_values_do_not_recompile(params, batch):
+    """New split positions are new mask values and new measured rows (within one padded row
+    count): neither the skipped forwards nor the output shifts compile again."""
     one = batch.single(0)
     args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid))
-    before = layer_skip.skip_effects_of_prompt._cache_size()
+    jitted = (layer_skip.skipped_runs, layer_skip.output_shifts)
     T = one.tokens.shape[1]
+    assert T <= layer_skip.ROWS_MULTIPLE  # both splits' measured rows pad to one count
+    sizes = []
     for t in (9, 17):
         pos = np.arange(T)
-        layer_skip.skip_effects_of_prompt(*args, jnp.asarray([(pos >= 1) & (pos < t)], jnp.float32),
-                                          jnp.asarray([pos >= t]), CONFIG, "layer", None)
-    assert layer_skip.skip_effects_of_prompt._cache_size() == before + 1
+        layer_skip.skip_effects_of_prompt(*args, np.asarray([(pos >= 1) & (pos < t)], np.float32),
+                                          np.asarray([pos >= t]), CONFIG, "layer", None)
+        sizes.append([f._cache_size() for f in jitted])
+    assert sizes[1] == sizes[0]
 
 
 # ----------------------------------------------------------------------------- bf16
