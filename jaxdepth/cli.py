@@ -399,11 +399,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _keep_compiled_programs() -> None:
+    """Compiled programs go to `$JAXDEPTH_CACHE/xla` (unless a JAX compilation cache is set):
+    a rerun with other settings, or a resumed study, compiles only what is new."""
+    from jaxdepth.core.compilation import use_compilation_cache
+    from jaxdepth.loading import cache_dir
+
+    use_compilation_cache(os.path.join(cache_dir(), "xla"))
+
+
 def main(argv=None) -> int:
     # jaxdepth never needs torch: transformers' advice that it is missing is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     try:
+        if args.func is not _table:  # every other command compiles
+            _keep_compiled_programs()
         return args.func(args)
     except (ValueError, OSError, MissingDependencyError) as e:
         print(f"error: {e}", file=sys.stderr)

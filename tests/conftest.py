@@ -12,6 +12,11 @@ import os
 import string
 from typing import Any, Callable
 
+import atexit
+import shutil
+import tempfile
+
+import jax
 import numpy as np
 import pytest
 
@@ -20,6 +25,26 @@ import jaxdepth
 # No test may reach for the network: without these, a hub lookup waits for its timeouts first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# The tiny models' programs spend most of their test time compiling, mostly in LLVM's
+# optimisation passes. The tests check what the programs compute, not how fast, so they compile
+# at XLA's backend optimisation level 0 (a 2.7x shorter erasure test), unless XLA_FLAGS already
+# names a level (`XLA_FLAGS=--xla_backend_optimization_level=2 pytest` tests at the default).
+# The flag is read when the backend starts, after this; processes that tests start inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+# One persistent compilation cache per session, shared with the command-line runs that tests
+# start in other processes (they would otherwise compile the same programs again), and removed
+# at the end. A cache the caller configured is used as it is.
+if not jax.config.jax_compilation_cache_dir:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jaxdepth-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 # The real dataset samples beside this project's checkouts (not part of the repository).
 SHARED_DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))

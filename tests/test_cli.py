@@ -103,11 +103,15 @@ def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
         assert (folder / name).stat().st_mtime_ns == mtime, f"{name} was recomputed"
         assert f"{name.split('.')[0]}: reusing" in out.stdout
     assert all((folder / f"{name}.npz").exists() for name in ANALYSES)
-    # a changed setting is not confused with the cached results, and leaves the others alone
+    # a changed setting is not confused with the cached results, and leaves the others alone;
+    # without a JAX compilation cache of the caller's, the programs go to $JAXDEPTH_CACHE/xla
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAXDEPTH_CACHE"] = str(tmp_path / "cache")
     again = subprocess.run([*args, "--seed", "7", "--analyses", "contributions,layer_skip", "--skip-sublayers",
-                            "layer"], capture_output=True, text=True, timeout=600)
+                            "layer"], capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "contributions: reusing" in again.stdout and "layer_skip: reusing" not in again.stdout
+    assert any((tmp_path / "cache" / "xla").iterdir()), "no compiled program was kept"
 
 
 def test_dataset_rows_are_formatted_exactly(shared_data):

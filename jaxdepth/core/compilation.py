@@ -61,3 +61,13 @@ def jit(fun: Callable | None = None, **jit_kwargs):
     if fun is None:
         return functools.partial(jit, **jit_kwargs)
     return _Jitted(fun, jit_kwargs)
+
+
+def use_compilation_cache(directory: str) -> None:
+    """Keep compiled programs in `directory` (JAX's persistent compilation cache), so that a
+    rerun (new settings, a resumed study, the next model size's sibling run) does not compile
+    again what an earlier run compiled. A cache the user configured (`JAX_COMPILATION_CACHE_DIR`
+    or `jax.config`) is left as it is. Call it before the first compilation: JAX reads the
+    setting once."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", directory)
