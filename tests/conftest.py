@@ -34,13 +34,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# One persistent compilation cache per session, shared with the command-line runs that tests
-# start in other processes (they would otherwise compile the same programs again), and removed
-# at the end. A cache the caller configured is used as it is.
-if not jax.config.jax_compilation_cache_dir:
+# One persistent compilation cache per test process (each `pytest -n` worker has its own, so no
+# two write one file at once), shared with the command-line runs that its tests start in other
+# processes (they would otherwise compile the same programs again), and removed at the end. A
+# cache the caller configured is used as it is.
+if jax.config.jax_compilation_cache_dir in (None, "", os.environ.get("JAXDEPTH_TESTS_XLA_CACHE")):
     _XLA_CACHE = tempfile.mkdtemp(prefix="jaxdepth-tests-xla-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    # the second name tells a worker process that the inherited cache is a test cache, not the caller's
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXDEPTH_TESTS_XLA_CACHE"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
