@@ -457,15 +457,15 @@ def _ig_executed(c, one, splits, steps):
 
 
 def _layer_skip_executed(c, one, splits, steps):
-    from jaxdepth.analyses.layer_skip import ROWS_MULTIPLE
+    from jaxdepth.analyses.layer_skip import measured_rows, member_masks
 
     L, T = c.num_layers, one.tokens.shape[1]
     if not splits:  # a prompt without split positions is not run; the others run 4 (padded)
         return 0.0
-    # the LM head runs on each split's measured positions only, padded as `output_shifts` pads them
+    # the LM head runs on each split's measured positions only, the rows `output_shifts` gets
     padded = list(splits) + [splits[0]] * (4 - len(splits))
-    rows = sum(int(one.lengths[0]) - t for t in padded)
-    rows += -rows % ROWS_MULTIPLE
+    _, measure = member_masks(int(one.lengths[0]), T, padded, "future")
+    rows = len(measured_rows(np.stack(measure), one.valid[0])[0])
     return layer_flops(c, T, T, L) + (L + 1) * lm_head_flops(c, rows) + 4 * sum(
         layer_flops(c, T, T, L - s) for s in range(L))
 

@@ -5,16 +5,15 @@ Torch is imported lazily (`pytest.importorskip`) so that the unit tier runs with
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.util
 import json
 import os
-import string
-from typing import Any, Callable
-
-import atexit
 import shutil
+import string
 import tempfile
+from typing import Any, Callable
 
 import jax
 import numpy as np

@@ -166,13 +166,13 @@ def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, con
     L, K, T = config.num_layers, len(skip_masks), np.shape(tokens)[1]
     measure_masks, valid_host = np.asarray(measure_masks, bool), np.asarray(valid, bool)[0]
     rows, members = (jnp.asarray(a) for a in measured_rows(measure_masks, valid_host))
+    masks = jnp.asarray(skip_masks), jnp.asarray(measure_masks)
     group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
     later, output = [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
-        part_later, final, clean_final = skipped_runs(
-            params, tokens, valid, jnp.asarray(layers), jnp.asarray(skip_masks), jnp.asarray(measure_masks), config,
-            sublayer, chunk_size, mode)
+        part_later, final, clean_final = skipped_runs(params, tokens, valid, jnp.asarray(layers), *masks, config,
+                                                      sublayer, chunk_size, mode)
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
@@ -195,7 +195,9 @@ class LayerSkipResult(SavedResult):
     settings: dict
 
 
-def _member_masks(length: int, T: int, splits: Sequence[int], mode: str):
+def member_masks(length: int, T: int, splits: Sequence[int], mode: str):
+    """`(skip, measure)`: one `[T]` mask each per member of a prompt of `length` tokens padded
+    to T: per split position t in the 'future' mode, one member in the 'current' mode."""
     pos = np.arange(T)
     if mode == "current":
         return [(pos >= 1) & (pos < length)], [pos < length]
@@ -235,7 +237,7 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
             continue  # prompt too short for any split position: it contributes nothing
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        skip, measure = _member_masks(int(lengths[i]), Ti, positions[i], mode)
+        skip, measure = member_masks(int(lengths[i]), Ti, positions[i], mode)
         # Pad to a fixed number of splits (repeating the first) so every prompt shares one
         # compiled sweep; a repeated split changes no maximum.
         skip += [skip[0]] * (n_splits - len(skip))
