@@ -102,7 +102,7 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
         return {s: getattr(record, s) for s in sites}, None if tap is None else tap(record, x)
 
     def value(probes):
-        ivs = base + tuple(Intervention(s, _probe, probes[s]) for s in sites)
+        ivs = base + tuple(Intervention(s, _probe, probes[s], layer_data=True) for s in sites)
         h, (values, taps) = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs,
                                        tap=read, remat=remat)
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions

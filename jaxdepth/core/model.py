@@ -235,7 +235,7 @@ def layer_step(p: Params, h: Float[Array, "B S D"], index, context, config: Mode
     `prefix` the keys and values of earlier positions, as in `attention_heads`."""
     eps = config.rms_norm_eps
     cos, sin, mask = context
-    at = lambda site, value: apply_at(site, value, index, interventions)
+    at = lambda site, value: apply_at(site, value, index, interventions, config.num_layers)
     h = at("resid_pre", h)
     q, k, v, probs, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix)
     heads = at("head_out", heads)
@@ -266,8 +266,10 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
 
 
 def final_residual(h_last, config: ModelConfig, interventions):
-    """Boundary L, the final norm's input: `resid_pre` interventions with layer index L act here."""
-    return apply_at("resid_pre", h_last, config.num_layers, interventions)
+    """Boundary L, the final norm's input: `resid_pre` interventions act here with layer index
+    L, except those whose layer-indexed data has only L rows (`jaxdepth.core.sites.Intervention`)."""
+    L = config.num_layers
+    return apply_at("resid_pre", h_last, L, as_interventions(interventions), L, final=True)
 
 
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,

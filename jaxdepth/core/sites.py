@@ -36,21 +36,83 @@ from jaxtyping import Array, Float
 SITES = ("resid_pre", "head_out", "attn_out", "mlp_hidden", "mlp_out", "delta", "resid_post")
 
 
+class InterventionError(ValueError):
+    """An intervention whose data does not fit its site (raised at trace time)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Intervention:
     """Apply `fn(value, layer, data)` to the value at `site` of every layer (and, for
-    `resid_pre`, to the final residual with layer = L)."""
+    `resid_pre`, to the final residual h_L with layer = L).
+
+    `layer_data` declares which parts of `data` are indexed by layer (`fn` reads row `layer` of
+    them): `()` (default) none, `True` every leaf, or a tuple of keys / indices of the entries of
+    `data` (a dict or tuple) whose leaves are. Declared data is checked at trace time: it must
+    have exactly L rows (one per layer), or, at `resid_pre` only, L+1 (boundaries h_0..h_L).
+    Data with L rows never touches the final residual; with L+1 rows, row L edits h_L. Without
+    the declaration JAX would clamp `data[L]` to row L-1 and edit h_L silently.
+    """
 
     site: str
     fn: Callable[[Array, Array, Any], Array]
     data: Any = None
+    layer_data: Union[bool, tuple] = ()
 
     def __post_init__(self):
         if self.site not in SITES:
             raise ValueError(f"unknown intervention site {self.site!r}; sites: {', '.join(SITES)}")
+        if not isinstance(self.layer_data, (bool, tuple)):
+            raise TypeError(f"layer_data must be True, False or a tuple of keys of data, got {self.layer_data!r}")
+
+    def _name(self) -> str:
+        return f"intervention {getattr(self.fn, '__name__', self.fn)!r} at site {self.site!r}"
+
+    def layer_rows(self, num_layers: int) -> Optional[int]:
+        """The number of rows of the data declared layer-indexed (None if none is), after
+        checking it against `num_layers` (module docstring): a `InterventionError` otherwise."""
+        if self.layer_data is False or self.layer_data == ():
+            return None
+        if self.layer_data is True:
+            parts = [("data", self.data)]
+        else:
+            try:
+                parts = [(f"data[{key!r}]", self.data[key]) for key in self.layer_data]
+            except (KeyError, IndexError, TypeError) as e:
+                raise InterventionError(f"{self._name()}: layer_data names {self.layer_data}, "
+                                        f"not entries of its data ({e})") from None
+        leaves = [(name + jax.tree_util.keystr(path), leaf) for name, part in parts
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]]
+        allowed = (num_layers, num_layers + 1) if self.site == "resid_pre" else (num_layers,)
+        expected = (f"{num_layers} (one per layer) or {num_layers + 1} (boundaries h_0..h_L, the last the "
+                    f"final residual)" if self.site == "resid_pre" else f"{num_layers} (one per layer)")
+        rows = set()
+        for name, leaf in leaves:
+            shape = jnp.shape(leaf)
+            if not shape or shape[0] not in allowed:
+                raise InterventionError(f"{self._name()}: data indexed by layer must have {expected} rows; "
+                                        f"{name} has shape {shape}")
+            rows.add(shape[0])
+        if len(rows) > 1:
+            raise InterventionError(f"{self._name()}: its layer-indexed data disagree on the number of rows: "
+                                    + ", ".join(f"{name} {jnp.shape(leaf)}" for name, leaf in leaves))
+        return rows.pop() if rows else None
+
+    def apply(self, value: Array, layer) -> Array:
+        """`value` after this intervention at layer `layer`, its result checked at trace time:
+        the site's shape, a float dtype (cast to the value's)."""
+        try:
+            out = self.fn(value, layer, self.data)
+        except InterventionError as e:
+            raise InterventionError(f"{self._name()}: {e}") from None
+        if jnp.shape(out) != value.shape:
+            raise InterventionError(f"{self._name()}: returned shape {jnp.shape(out)}, but the site's value "
+                                    f"has shape {value.shape}")
+        if not jnp.issubdtype(jnp.result_type(out), jnp.inexact):
+            raise InterventionError(f"{self._name()}: returned {jnp.result_type(out)}, a float is needed")
+        return out.astype(value.dtype)
 
 
-jax.tree_util.register_dataclass(Intervention, data_fields=["data"], meta_fields=["site", "fn"])
+jax.tree_util.register_dataclass(Intervention, data_fields=["data"], meta_fields=["site", "fn", "layer_data"])
 
 InterventionsLike = Union[None, Intervention, Iterable[Any]]
 
@@ -68,11 +130,19 @@ def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ..
     return tuple(iv for item in interventions for iv in as_interventions(item))
 
 
-def apply_at(site: str, value: Array, layer, interventions: tuple[Intervention, ...]) -> Array:
-    """`value` at `site` of `layer` after every intervention on that site, in order."""
+def apply_at(site: str, value: Array, layer, interventions: tuple[Intervention, ...], num_layers: int, *,
+             final: bool = False) -> Array:
+    """`value` at `site` of `layer` after every intervention on that site, in order.
+
+    `final=True` is boundary L (the final residual, `site` 'resid_pre', `layer` = L): there,
+    interventions with L rows of layer-indexed data do not act (they have no row for it)."""
     for iv in interventions:
-        if iv.site == site:
-            value = iv.fn(value, layer, iv.data).astype(value.dtype)
+        if iv.site != site:
+            continue
+        rows = iv.layer_rows(num_layers)
+        if final and rows == num_layers:
+            continue
+        value = iv.apply(value, layer)
     return value
 
 
@@ -80,62 +150,106 @@ def apply_at(site: str, value: Array, layer, interventions: tuple[Intervention, 
 #
 # Each kind is a module-level function of (value, layer, data) and a constructor that packs
 # its data. Layer indices in data may be traced, so a vmapped sweep over layers compiles once.
+# The functions check their data against the site's value at trace time (shapes are static).
 
-def _expand(mask, value):
+
+def _float(x, what: str) -> Array:
+    """`x` as a float array: Python numbers become float32; an int or bool array is refused
+    (it would be cast silently, and is almost always the wrong argument)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return jnp.asarray(x, jnp.float32)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise InterventionError(f"{what} must be a float array, got {x.dtype}")
+    return x
+
+
+def _check_broadcast(shape: tuple, target: tuple, what: str) -> None:
+    """Refuse `shape` unless it broadcasts to `target` without changing it."""
+    try:
+        ok = jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InterventionError(f"{what} of shape {tuple(shape)} does not broadcast to {tuple(target)}")
+
+
+def _expand(mask, value, what: str = "position mask"):
     """A position mask `[T]` or `[B, T]` as a multiplier of `value` `[B, T, ...]`."""
+    if mask.ndim > 2:
+        raise InterventionError(f"{what} must be [T] or [B, T], got shape {mask.shape}")
+    _check_broadcast(mask.shape, value.shape[:2], what)
     return mask.reshape(mask.shape + (1,) * (value.ndim - 2)).astype(value.dtype)
 
 
 def _multiply(value, layer, masks):
-    return value * _expand(masks[layer], value)
+    return value * _expand(masks[layer], value, "a row of masks")
 
 
 def keep(site: str, masks: Float[Array, "layer *bt"]) -> Intervention:
     """Multiply the value at `site` by `masks[l]` (`[L, T]` or `[L, B, T]`, per position) at
-    every layer l: 1 keeps it, 0 removes it (the `Interventions` keep-masks)."""
-    return Intervention(site, _multiply, jnp.asarray(masks, jnp.float32))
+    every layer l: 1 keeps it, 0 removes it (the `Interventions` keep-masks). At `resid_pre`,
+    `[L+1, ...]` masks also multiply the final residual h_L by their last row; `[L, ...]`
+    masks leave it alone."""
+    return Intervention(site, _multiply, jnp.asarray(masks, jnp.float32), layer_data=True)
 
 
 def _replace(value, layer, data):
     at, positions, new = data
+    _check_broadcast(new.shape, value.shape, "the replacement value")
     hit = (layer == at) & (positions > 0)
     return jnp.where(_expand(hit, value) > 0, jnp.broadcast_to(new, value.shape).astype(value.dtype), value)
 
 
 def replace(site: str, layer, positions, value) -> Intervention:
-    """Replace the value at `site` of layer `layer` by `value` (broadcast to the site's shape)
-    where `positions` (`[T]` or `[B, T]`) is > 0."""
+    """Replace the value at `site` of layer `layer` by `value` (a float array broadcast to the
+    site's shape) where `positions` (`[T]` or `[B, T]`) is > 0. At `resid_pre`, `layer` = L is
+    the final residual h_L."""
     return Intervention(site, _replace, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                         jnp.asarray(value)))
+                                         _float(value, "the replacement value")))
 
 
 def _add(value, layer, data):
     at, positions, vector = data
+    _check_broadcast(vector.shape, value.shape, "the added vector")
     return value + jnp.where(layer == at, 1.0, 0.0) * _expand(positions, value) * vector.astype(value.dtype)
 
 
 def add(site: str, layer, vector, positions) -> Intervention:
     """Add `vector` (broadcast to the site's trailing shape, e.g. `[D]`: a steering vector) to the
-    value at `site` of layer `layer`, scaled by `positions` (`[T]` or `[B, T]`: 1 adds, 0 not)."""
+    value at `site` of layer `layer`, scaled by `positions` (`[T]` or `[B, T]`: 1 adds, 0 not).
+    At `resid_pre`, `layer` = L is the final residual h_L."""
     return Intervention(site, _add, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                     jnp.asarray(vector)))
+                                     _float(vector, "the added vector")))
 
 
 def _patch(value, layer, data):
     cached, where = data
-    return jnp.where(where[layer], cached[layer].astype(value.dtype), value)
+    row = cached[layer]
+    if row.ndim != value.ndim or row.shape[2:] != value.shape[2:]:
+        raise InterventionError(f"a row of cached has shape {row.shape}; the site's value is {value.shape} "
+                                f"(rows must be [B, T, {', '.join(map(str, value.shape[2:]))}], B and T may be 1)")
+    _check_broadcast(row.shape, value.shape, "a row of cached")
+    _check_broadcast(where[layer].shape, value.shape, "a row of where")
+    return jnp.where(where[layer], row.astype(value.dtype), value)
 
 
 def patch(site: str, cached, where) -> Intervention:
     """Activation patching: at every layer l, take the value cached from another run
     (`cached[l]`, e.g. a tap of that run, `[L, B, T, ...]`) where the boolean `where[l]`
     (broadcastable to the site's shape, e.g. `[L, 1, T, 1]` for positions or `[L, 1, 1, H, 1]`
-    for heads at `head_out`) is true."""
-    return Intervention(site, _patch, (jnp.asarray(cached), jnp.asarray(where, bool)))
+    for heads at `head_out`) is true. At `resid_pre`, `[L+1, ...]` data (all boundaries, e.g.
+    `residual_stream` of the other run) also patches the final residual h_L with its last row;
+    `[L, ...]` data (a tap of `run_layers`) leaves h_L alone."""
+    return Intervention(site, _patch, (_float(cached, "cached"), jnp.asarray(where, bool)), layer_data=True)
 
 
 def _ablate_heads(value, layer, data):
     heads, means = data
+    H, Dh = value.shape[2:]
+    if heads.shape[1:] != (H,) or means.shape[1:] != (H, Dh):
+        raise InterventionError(f"heads must be [L, {H}] and means [L, {H}, {Dh}], got {heads.shape} and "
+                                f"{means.shape}")
     hit = heads[layer][None, None, :, None]
     return jnp.where(hit > 0, means[layer][None, None].astype(value.dtype), value)
 
@@ -149,4 +263,4 @@ def ablate_heads(heads, means: Optional[Any] = None, *, head_dim: Optional[int] 
         if head_dim is None:
             raise ValueError("zero ablation needs head_dim (or give the means)")
         means = jnp.zeros(heads.shape + (head_dim,), jnp.float32)
-    return Intervention("head_out", _ablate_heads, (heads, jnp.asarray(means)))
+    return Intervention("head_out", _ablate_heads, (heads, _float(means, "means")), layer_data=True)

@@ -43,7 +43,8 @@ def _setup():
 @partial(jax.jit, static_argnames="edits")
 def reference(params, tokens, edits=()):
     """Plain unscanned forward; `edits` maps (layer, site) -> a function of the value (hashable
-    tuple of pairs), applied where the layer computes that site."""
+    tuple of pairs), applied where the layer computes that site; (L, 'resid_pre') edits the
+    final residual h_L."""
     edits = dict(edits)
     eps = CONFIG.rms_norm_eps
     cos, sin = rotary_tables(T, CONFIG)
@@ -58,6 +59,8 @@ def reference(params, tokens, edits=()):
         hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(h + a, p["mlp_norm"], eps)))
         m = edit("mlp_out", hidden @ p["down"])
         h = edit("resid_post", h + edit("delta", a + m))
+    if (L, "resid_pre") in edits:
+        h = edits[(L, "resid_pre")](h)
     return unembed(params, h, CONFIG)
 
 
@@ -213,3 +216,134 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
 def test_unknown_site_is_refused():
     with pytest.raises(ValueError, match="unknown intervention site 'mlp_in'"):
         sites.Intervention("mlp_in", scale_hidden, {})
+
+
+# ----------------------------------------------------------------------------- the boundary rule
+#
+# Data indexed by layer has L rows (every site), or L+1 at resid_pre (boundaries h_0..h_L). L rows
+# never touch the final residual h_L; L+1 rows edit it with row L. Each built-in kind at the last
+# layer, against the forward edited by hand.
+
+def _position(t):
+    return (np.arange(T) == t).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows", [L, L + 1])
+def test_keep_at_resid_pre_reaches_the_final_residual_only_with_l_plus_1_rows(rows):
+    params, tokens, _ = _setup()
+    masks = np.ones((rows, T), np.float32)
+    masks[L - 1] = 1 - _position(4)  # the input of the last layer, position 4
+    zero_at = lambda t: lambda v: v * (1 - _position(t))[None, :, None]
+    edits = [((L - 1, "resid_pre"), zero_at(4))]
+    if rows == L + 1:
+        masks[L] = 1 - _position(6)  # the final residual, position 6
+        edits.append(((L, "resid_pre"), zero_at(6)))
+    ours = run(params, tokens, sites.keep("resid_pre", masks))
+    assert_close(ours, reference(params, tokens, tuple(edits)), f"keep with {rows} rows")
+    if rows == L:  # what clamping masks[L] to row L-1 gave: position 4 zeroed in h_L too
+        assert_moved(ours, reference(params, tokens, tuple(edits) + (((L, "resid_pre"), zero_at(4)),)), "h_L")
+
+
+@pytest.mark.parametrize("rows", [L, L + 1])
+def test_patch_at_resid_pre_reaches_the_final_residual_only_with_l_plus_1_rows(rows):
+    params, clean, corrupted = _setup()
+    other = residual_stream(params, corrupted, CONFIG)[:rows]  # [rows, B, T, D]
+    where = np.zeros((rows, 1, T, 1), bool)
+    where[L - 1, :, 3] = True
+    put = lambda l, t: lambda v: v.at[:, t].set(other[l][:, t])
+    edits = [((L - 1, "resid_pre"), put(L - 1, 3))]
+    if rows == L + 1:
+        where[L, :, 7] = True
+        edits.append(((L, "resid_pre"), put(L, 7)))
+    ours = run(params, clean, sites.patch("resid_pre", other, where))
+    assert_close(ours, reference(params, clean, tuple(edits)), f"patch with {rows} rows")
+    assert_moved(ours, reference(params, clean), "patch")
+
+
+@pytest.mark.parametrize("layer", [L - 1, L])
+@pytest.mark.parametrize("kind", ["replace", "add"])
+def test_replace_and_add_at_the_last_layer_and_the_final_residual(kind, layer):
+    params, tokens, _ = _setup()
+    vector = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
+    positions = _position(5)
+    # the argument orders differ: replace(site, layer, positions, value), add(site, layer, vector, positions)
+    make = ((lambda site: sites.replace(site, layer, positions, vector)) if kind == "replace" else
+            (lambda site: sites.add(site, layer, vector, positions)))
+    iv = make("resid_pre")
+    edit = (lambda v: v.at[:, 5].set(vector)) if kind == "replace" else (lambda v: v + positions[None, :, None] * vector)
+    expected = reference(params, tokens, (((layer, "resid_pre"), edit),))
+    assert_close(run(params, tokens, iv), expected, f"{kind} at resid_pre of layer {layer}")
+    assert_moved(expected, reference(params, tokens), kind)
+    if layer == L - 1:  # the same at a site with L layers only
+        assert_close(run(params, tokens, make("mlp_out")), reference(params, tokens, (((layer, "mlp_out"), edit),)),
+                     f"{kind} at mlp_out of the last layer")
+
+
+def test_head_ablation_at_the_last_layer():
+    params, tokens, _ = _setup()
+    heads = np.zeros((L, H), np.float32)
+    heads[L - 1, 2] = 1.0
+    ours = run(params, tokens, sites.ablate_heads(heads, head_dim=Dh))
+    assert_close(ours, reference(params, tokens, (((L - 1, "head_out"), lambda v: v.at[:, :, 2].set(0.0)),)),
+                 "last layer's head 2")
+    assert_moved(ours, reference(params, tokens), "head ablation")
+
+
+# A user-defined kind with layer-indexed data, declared: scale the value of layer l by factors[l].
+def scale_by_layer(value, layer, data):
+    return value * data["factors"][layer]
+
+
+@pytest.mark.parametrize("rows", [L, L + 1])
+def test_a_user_defined_kind_declares_its_layer_indexed_data(rows):
+    params, tokens, _ = _setup()
+    factors = 1.0 + 0.5 * np.arange(rows, dtype=np.float32)
+    iv = sites.Intervention("resid_pre", scale_by_layer, {"factors": factors}, layer_data=("factors",))
+    edits = tuple(((l, "resid_pre"), lambda v, f=float(factors[l]): f * v) for l in range(rows))
+    assert_close(run(params, tokens, iv), reference(params, tokens, edits), f"user kind with {rows} rows")
+
+
+REFUSALS = {
+    "keep with L-1 rows": (lambda: sites.keep("resid_pre", np.ones((L - 1, T))),
+                           r"site 'resid_pre': data indexed by layer must have 3 \(one per layer\) or 4 "
+                           r"\(boundaries h_0..h_L, the last the final residual\) rows; data has shape \(2, 10\)"),
+    "keep with L+1 rows at attn_out": (lambda: sites.keep("attn_out", np.ones((L + 1, T))),
+                                       r"site 'attn_out': data indexed by layer must have 3 \(one per layer\) rows; "
+                                       r"data has shape \(4, 10\)"),
+    "a mask that does not broadcast": (lambda: sites.keep("mlp_out", np.ones((L, T + 1))),
+                                       r"a row of masks of shape \(11,\) does not broadcast to \(2, 10\)"),
+    "a patch with the wrong width": (lambda: sites.patch("resid_post", np.ones((L, B, T, 1), np.float32),
+                                                         np.ones((L, 1, T, 1), bool)),
+                                     r"site 'resid_post': a row of cached has shape \(2, 10, 1\); the site's value "
+                                     r"is \(2, 10, 32\)"),
+    "a patch with L+2 rows": (lambda: sites.patch("resid_pre", np.ones((L + 2, B, T, 32), np.float32),
+                                                  np.ones((L + 2, 1, T, 1), bool)),
+                              r"must have 3 \(one per layer\) or 4 .* rows; data\[0\] has shape \(5, 2, 10, 32\)"),
+    "rows that disagree": (lambda: sites.patch("resid_pre", np.ones((L + 1, B, T, 32), np.float32),
+                                               np.ones((L, 1, T, 1), bool)),
+                           r"its layer-indexed data disagree on the number of rows"),
+    "head masks of the wrong width": (lambda: sites.ablate_heads(np.ones((L, H + 1)), head_dim=Dh),
+                                      r"heads must be \[L, 4\] and means \[L, 4, 8\], got \(3, 5\) and \(3, 5, 8\)"),
+    "an int replacement": (lambda: sites.replace("resid_pre", 1, np.ones(T), np.ones(32, np.int32)),
+                           r"the replacement value must be a float array, got int32"),
+    "an int steering vector": (lambda: sites.add("resid_pre", 1, np.ones(32, np.int32), np.ones(T)),
+                               r"the added vector must be a float array, got int32"),
+    "an int patch": (lambda: sites.patch("mlp_out", np.ones((L, B, T, 32), np.int32), np.ones((L, 1, T, 1), bool)),
+                     r"cached must be a float array, got int32"),
+    "a vector of the wrong width": (lambda: sites.add("resid_post", 1, np.ones(31, np.float32), np.ones(T)),
+                                    r"the added vector of shape \(31,\) does not broadcast to \(2, 10, 32\)"),
+    "a user kind returning the wrong shape": (lambda: sites.Intervention("mlp_out", lambda v, l, d: v[..., :4]),
+                                              r"returned shape \(2, 10, 4\), but the site's value has shape "
+                                              r"\(2, 10, 32\)"),
+    "a user kind with undeclared keys": (lambda: sites.Intervention("resid_pre", scale_by_layer, {"factors": np.ones(L)},
+                                                                    layer_data=("scales",)),
+                                         r"layer_data names \('scales',\), not entries of its data"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_ill_fitting_intervention_data_is_refused_at_trace_time(case):
+    params, tokens, _ = _setup()
+    make, message = REFUSALS[case]
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda p, t: forward(p, t, CONFIG, interventions=make()), params, tokens)
