@@ -54,8 +54,9 @@ def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
     L, T = config.num_layers, tokens.shape[1]
     h0 = embed(params, tokens)
     target = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
-    x = residual_stream(params, tokens, config, valid=valid)[1:, 0]
-    b = jnp.broadcast_to(jax.vmap(lambda xl: ig.ig_baseline(xl, valid[0], "channel_mean"))(x), x.shape)
+    x = residual_stream(params, tokens, config, valid=valid)[1:]
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig.ig_baseline(xl, valid, "channel_mean"))(x), x.shape)[:, 0]
+    x = x[:, 0]
 
     def objective(z, layer):
         h, _ = run_layers(params, h0, config, valid=valid, remat=True,

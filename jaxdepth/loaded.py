@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params, forward
+from jaxdepth.core.model import Params, embed, forward, run_layers
 
 
 @dataclasses.dataclass
@@ -40,14 +40,43 @@ class Model:
 
         return Decoder(self.params, self.config)
 
-    def logits(self, token_ids, valid=None) -> np.ndarray:
-        """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is given)."""
+    def logits(self, token_ids, valid=None, *, interventions=None) -> np.ndarray:
+        """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is
+        given), under `interventions` (`jaxdepth.core.sites`). Jitted once per shape and
+        intervention structure; params are an argument, never closed over."""
+        tokens, valid = self._checked(token_ids, valid)
+        return np.asarray(_jit_forward(self.params, tokens, self.config, valid, interventions))
+
+    def run(self, token_ids, *, tap=None, valid=None, interventions=None):
+        """`(h_L [B, T, D], tapped)`: every layer under `interventions`, `tap(record, None)`
+        (`jaxdepth.core.model.run_layers`) stacked on a leading layer axis (None without a tap).
+        `tap` is static: define it once to reuse the compilation."""
+        tokens, valid = self._checked(token_ids, valid)
+        return _jit_run(self.params, tokens, self.config, valid, interventions, tap)
+
+    def integrated_gradients(self, token_ids, metric, **options):
+        """`jaxdepth.integrated_gradients` on this model (options as there: `site`, `layers`,
+        `baseline`, `rule`, `steps`, `tolerance`, `interventions`, `valid`, ...)."""
+        from jaxdepth.analyses.ig_at_sites import integrated_gradients
+
+        return integrated_gradients(self.params, token_ids, self.config, metric, **options)
+
+    def site_gradients(self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None,
+                       positions=None):
+        """`jaxdepth.analyses.attribution.site_gradients` on this model, jitted: the gradient of
+        `metric(logits)` at each of `sites` of every layer, and the values there, from one
+        forward and one backward pass. `metric` is static: define it once."""
+        tokens, valid = self._checked(token_ids, valid)
+        positions = None if positions is None else jnp.asarray(positions, jnp.int32)
+        return _jit_site_gradients(self.params, tokens, self.config, metric, tuple(sites), valid, interventions,
+                                   positions)
+
+    def _checked(self, token_ids, valid):
         tokens = np.asarray(token_ids)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"token_ids must be an int array [batch, seq], got {tokens.dtype} {tokens.shape}")
         check_tokens(tokens, self.config)
-        valid = None if valid is None else jnp.asarray(valid, bool)
-        return np.asarray(_jit_forward(self.params, jnp.asarray(tokens, jnp.int32), self.config, valid))
+        return jnp.asarray(tokens, jnp.int32), None if valid is None else jnp.asarray(valid, bool)
 
     def astype(self, dtype) -> "Model":
         """The same model with params cast to `dtype` (e.g. 'bfloat16': weights and activations
@@ -72,5 +101,18 @@ def check_tokens(tokens: np.ndarray, config: ModelConfig) -> None:
 
 
 @partial(jit, static_argnames="config")
-def _jit_forward(params, tokens, config, valid):
-    return forward(params, tokens, config, valid=valid)
+def _jit_forward(params, tokens, config, valid, interventions=None):
+    return forward(params, tokens, config, valid=valid, interventions=interventions)
+
+
+@partial(jit, static_argnames=("config", "tap"))
+def _jit_run(params, tokens, config, valid, interventions, tap):
+    return run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions, tap=tap)
+
+
+@partial(jit, static_argnames=("config", "metric", "sites"))
+def _jit_site_gradients(params, tokens, config, metric, sites, valid, interventions, positions):
+    from jaxdepth.analyses.attribution import site_gradients
+
+    return site_gradients(params, tokens, config, metric, sites, valid=valid, interventions=interventions,
+                          positions=positions)

@@ -64,8 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.analyses.integrated_gradients import (BASELINES, PAD_TO, TARGETS, IntegratedGradientsResult, _entry,
-                                                    _objective, ig_inputs, suffix_value_and_grad)
+from jaxdepth.analyses.integrated_gradients import (BASELINES, PAD_TO, TARGETS, IntegratedGradientsResult,
+                                                    answer_probability, answer_targets, ig_inputs, metric_head,
+                                                    site_entry, suffix_value_and_grad)
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -97,30 +98,34 @@ _SPLIT_MULTIPLE = 4
 # ----------------------------------------------------------------------------- device
 
 
-@partial(jit, static_argnames=("config", "target", "grad", "chunk_size"))
-def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, layers, alphas,
-                config: ModelConfig, interventions=None, target: str = "layer", grad: bool = True,
-                chunk_size: Optional[int] = None):
-    """φ and the per-token integrand at path points of several layers, in one computation.
+@partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size"))
+def site_path_points(params, valid, x, b, inputs, layers, alphas, aux, positions, config: ModelConfig, site: str,
+                     metric, interventions=None, grad: bool = True, chunk_size: Optional[int] = None):
+    """φ and the per-token integrand at path points of several layers of one prompt, in one
+    computation, for the value at `site` and the metric `metric(logits, aux)` at `positions`
+    (`jaxdepth.analyses.integrated_gradients.metric_head`).
 
-    `x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`; `layers [G]` the layer of each group
-    (-1: a padding group, skipped), `alphas [G, C]` its nodes. Returns `(phi [G, C],
-    integrand [G, C, T])` where phi = F(b + α(x - b)) and integrand[t] = sum_c (x - b)[t, c]
-    dF/dx[t, c] (zero at invalid positions; all zeros with `grad=False`, forward only).
+    `x`, `b` `[L, 1, T, ...]` the site's values and baselines, `inputs [L, 1, T, D]` the layers'
+    inputs (as from `site_inputs`); `layers [G]` the layer of each group (-1: a padding group,
+    skipped), `alphas [G, C]` its nodes. Returns `(phi [G, C], integrand [G, C, T])` where phi =
+    F(b + α(x - b)) and integrand[t] = sum over the site's channels of (x - b) dF/dx at t (zero
+    at invalid positions; all zeros with `grad=False`, forward only).
     """
-    objective = _objective(params, tokens, answer_positions, answer_real, config)
     dtype = params["embed"].dtype
-    T = tokens.shape[1]
+    T = valid.shape[1]
+    head = metric_head(params, config, metric, aux, positions)
+    objective = lambda h: head(h)[0]
+    channels = tuple(range(2, x.ndim - 1))  # the site's axes after the position, in x[layer][0]
 
     def group(item):
         layer, nodes = item
 
         def run(_):
             xl, bl = x[layer], b[layer]
-            entry = _entry(params, layer, inputs[layer][None].astype(dtype), valid, config, target, interventions)
+            entry = site_entry(params, layer, inputs[layer].astype(dtype), valid, config, site, interventions)
 
             def member(alpha):
-                z = (bl + alpha * (xl - bl))[None].astype(dtype)
+                z = (bl + alpha * (xl - bl)).astype(dtype)
                 if not grad:
                     h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid,
                                                 interventions=interventions)
@@ -129,7 +134,7 @@ def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inpu
                 value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
                                                  interventions=interventions)
                 g = pullback(g)[0]
-                return value, jnp.sum((xl - bl) * g[0].astype(jnp.float32), axis=-1) * valid[0]
+                return value, jnp.sum((xl - bl) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
 
             return sweep(member, nodes, chunk_size)
 
@@ -139,6 +144,16 @@ def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inpu
         return jax.lax.cond(layer >= 0, run, skip, None)
 
     return jax.lax.map(group, (layers, alphas))
+
+
+def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, layers, alphas,
+                config: ModelConfig, interventions=None, target: str = "layer", grad: bool = True,
+                chunk_size: Optional[int] = None):
+    """`site_path_points` of a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]`
+    as from `ig_inputs`)."""
+    return site_path_points(params, valid, x[:, None], b[:, None], inputs[:, None], layers, alphas,
+                            (answer_targets(tokens, answer_positions), answer_real), answer_positions, config,
+                            TARGETS[target], answer_probability, interventions, grad, chunk_size)
 
 
 # ----------------------------------------------------------------------------- the rule (host)
@@ -232,6 +247,16 @@ class LayerRule:
             self._cache[(a, b)] = ig, float(ig.sum()) - (self.phi[b] - self.phi[a])
         return self._cache[(a, b)]
 
+    def node_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(alphas, weights)`: the composite Simpson rule of the current intervals as one
+        quadrature rule (the weights of a node shared by two intervals summed)."""
+        weights: dict[float, float] = {}
+        for a, b in self.intervals:
+            for node, w in ((a, 1.0), ((a + b) / 2, 4.0), (b, 1.0)):
+                weights[node] = weights.get(node, 0.0) + (b - a) / 6.0 * w
+        nodes = sorted(weights)
+        return np.array(nodes), np.array([weights[a] for a in nodes])
+
     def attributions(self) -> np.ndarray:
         """IG per token `[T]`: the sum of the intervals' Simpson rules."""
         return np.sum([self._interval(a, b)[0] for a, b in self.intervals], axis=0)
@@ -296,6 +321,48 @@ def _evaluate(call, requests: dict[int, list[float]], chunk: int, groups: int) -
     return {layer: (np.asarray(ps), np.asarray(gs)) for layer, (ps, gs) in out.items()}
 
 
+def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: ModelConfig, *,
+             tolerance: np.ndarray, max_evaluations: int = MAX_EVALUATIONS, atol: float = ATOL,
+             grid_points: int = GRID_POINTS, initial_intervals: int = INITIAL_INTERVALS,
+             chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
+             on_layer=None) -> list[LayerRule]:
+    """The adaptive rule on `layers` (one prompt of `seq_len` positions; `tolerance`, one per
+    layer of `layers`), host side: rounds of `call(grad, chunk_size)(layers [G], alphas [G, C])
+    -> (phi [G, C], integrand [G, C, T])` (`site_path_points`) until every layer is done.
+    Returns each layer's finished `LayerRule`; `on_layer()` is called as each layer finishes."""
+    if max_evaluations < 3:
+        raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
+    layers = [int(layer) for layer in layers]
+    n = min(initial_intervals, (max_evaluations - 1) // 2)
+    if grid_points >= 2:
+        grid = np.linspace(0.0, 1.0, grid_points)
+        forward_chunk = auto_chunk_size(config, seq_len, grid_points, memory_budget=memory_budget)
+        phi_grid, _ = call(False, forward_chunk)(jnp.asarray(layers, jnp.int32), jnp.broadcast_to(
+            jnp.asarray(grid, jnp.float32), (len(layers), grid_points)))
+        phi_grid = to_host(phi_grid).astype(np.float64)
+    else:  # no grid: a uniform initial partition
+        grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(layers), 2))
+    rules = {layer: LayerRule(initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol,
+                              max_evaluations) for i, layer in enumerate(layers)}
+
+    chunk = chunk_size or min(auto_chunk_size(config, seq_len, _GROUP_SIZE, grad=True, memory_budget=memory_budget),
+                              _GROUP_SIZE)
+    # The first round in one call; from the settings alone, so a smaller budget or tolerance
+    # keeps the compiled shape.
+    groups = len(layers) * -(-(2 * initial_intervals + 1) // chunk)
+    gradients = call(True)
+    while not all(r.done for r in rules.values()):
+        requests = {layer: r.missing() for layer, r in rules.items() if not r.done}
+        for layer, (phi, integrand) in _evaluate(gradients, requests, chunk, groups).items():
+            rules[layer].record(requests[layer], phi, integrand)
+        for r in rules.values():
+            if not r.done:
+                r.step()
+                if r.done and on_layer is not None:
+                    on_layer()
+    return [rules[layer] for layer in layers]
+
+
 def adaptive_ig_of_prompt(params, tokens, valid, answer_positions, answer_real, config: ModelConfig, *,
                           tolerance: np.ndarray, max_evaluations: int = MAX_EVALUATIONS,
                           baseline: str = "channel_mean", target: str = "layer",
@@ -307,44 +374,23 @@ def adaptive_ig_of_prompt(params, tokens, valid, answer_positions, answer_real, 
     `evaluations [L]`, `converged [L]`, `bound [L]` (the certificate sum_i |e_i| + |φ(1) - F(x)|).
     `on_layer()` is called as each layer finishes."""
     L, T = config.num_layers, tokens.shape[1]
-    if max_evaluations < 3:
-        raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
     args = (params, tokens, valid, answer_positions, answer_real)
     x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
-    f_input = float(to_host(f_input))
 
     def call(grad, chunk_size=None):
         return lambda ls, al: path_points(*args, x, b, inputs, ls, al, config, interventions, target, grad,
                                           chunk_size)
 
-    n = min(initial_intervals, (max_evaluations - 1) // 2)
-    if grid_points >= 2:
-        grid = np.linspace(0.0, 1.0, grid_points)
-        forward_chunk = auto_chunk_size(config, T, grid_points, memory_budget=memory_budget)
-        phi_grid, _ = call(False, forward_chunk)(jnp.arange(L, dtype=jnp.int32),
-                                                 jnp.broadcast_to(jnp.asarray(grid, jnp.float32), (L, grid_points)))
-        phi_grid = to_host(phi_grid).astype(np.float64)
-    else:  # no grid: a uniform initial partition
-        grid, phi_grid = np.array([0.0, 1.0]), np.zeros((L, 2))
-    rules = [LayerRule(initial_partition(grid, phi_grid[layer], n), f_input, float(tolerance[layer]), atol,
-                       max_evaluations) for layer in range(L)]
+    rules = run_rule(call, range(L), float(to_host(f_input)), T, config, tolerance=tolerance,
+                     max_evaluations=max_evaluations, atol=atol, grid_points=grid_points,
+                     initial_intervals=initial_intervals, chunk_size=chunk_size, memory_budget=memory_budget,
+                     on_layer=on_layer)
+    return summarise(rules)
 
-    chunk = chunk_size or min(auto_chunk_size(config, T, _GROUP_SIZE, grad=True, memory_budget=memory_budget),
-                              _GROUP_SIZE)
-    # The first round in one call; from the settings alone, so a smaller budget or tolerance
-    # keeps the compiled shape.
-    groups = L * -(-(2 * initial_intervals + 1) // chunk)
-    gradients = call(True)
-    while not all(r.done for r in rules):
-        requests = {layer: r.missing() for layer, r in enumerate(rules) if not r.done}
-        for layer, (phi, integrand) in _evaluate(gradients, requests, chunk, groups).items():
-            rules[layer].record(requests[layer], phi, integrand)
-        for r in rules:
-            if not r.done:
-                r.step()
-                if r.done and on_layer is not None:
-                    on_layer()
-    return dict(attributions=np.stack([r.attributions() for r in rules]), f_input=f_input,
+
+def summarise(rules: Sequence[LayerRule]) -> dict:
+    """The finished rules of a prompt's layers as arrays (keys as `adaptive_ig_of_prompt`)."""
+    return dict(attributions=np.stack([r.attributions() for r in rules]), f_input=rules[0].f_input,
                 f_baseline=np.array([r.f_baseline for r in rules]),
                 evaluations=np.array([r.evaluations for r in rules]),
                 converged=np.array([r.converged for r in rules]), bound=np.array([r.bound for r in rules]))

@@ -131,14 +131,21 @@ def answer_probability(tokens, answer_positions, answer_real):
 
 
 @partial(jit, static_argnames="config")
-def residual_attribution(params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig):
+def residual_attribution(params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig,
+                         interventions=None):
     """For one prompt (`tokens [1, T]`): F(x), gradient x activation `[L+1, T]`
     (`grad_l[t] . h_l[t]`) and the attribution-patching estimate `[L+1, T]`
     (`grad_l[t] . (b_l - h_l[t])`, the first-order change of F when h_l[t] is replaced by
     `baseline[l]`, `[L+1, D]` as in erasure), at every boundary l = 0..L, from one forward and
-    one backward pass."""
+    one backward pass.
+
+    Under `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) everything is
+    the intervened run's: h_l is the residual after the interventions at its `resid_pre`, and
+    the estimate is that of replacing it there, after them (the user's interventions first,
+    then the replacement: what `jaxdepth.analyses.erasure.residual_erasure(...,
+    interventions=...)` computes exactly)."""
     g = site_gradients(params, tokens, config, answer_probability(tokens, answer_positions, answer_real),
-                       ("resid_pre",), valid=valid, positions=answer_positions)
+                       ("resid_pre",), valid=valid, positions=answer_positions, interventions=interventions)
     grad, h = g.gradients["resid_pre"][:, 0], g.activations["resid_pre"][:, 0].astype(jnp.float32)
     return (g.value, jnp.sum(grad * h, axis=-1),
             jnp.sum(grad * (baseline[:, None, :].astype(jnp.float32) - h), axis=-1))
@@ -161,9 +168,16 @@ class AttributionResult(SavedResult):
 
 
 def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
-                         progress: bool = True, settings=None) -> AttributionResult:
+                         progress: bool = True, settings=None, interventions=None) -> AttributionResult:
     """Attribution patching and gradient x activation of every (boundary, position) of every
-    prompt of `batch`, one forward and one backward pass per prompt (a screening mode)."""
+    prompt of `batch`, one forward and one backward pass per prompt (a screening mode).
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on every forward and backward:
+    the attributions of the intervened model, each erasure estimated after the interventions at
+    its site (see `residual_attribution`). Each prompt runs at its own padded length
+    (`PromptBatch.single`), so intervention data indexed by position must broadcast to every
+    length (`[L, 1]` keep-masks, head ablations, a vector added at every position); data that
+    does not is refused at trace time."""
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
@@ -174,7 +188,7 @@ def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseli
         Ti = one.tokens.shape[1]
         positions, real = one.answer_positions(0)
         f, g, p = residual_attribution(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                                       jnp.asarray(real), jnp.asarray(baseline), config)
+                                       jnp.asarray(real), jnp.asarray(baseline), config, interventions)
         # Padding positions come after every answer position: causality gives them zero gradient.
         f_input[i], gxa[i, :, :Ti], patching[i, :, :Ti] = to_host(f), to_host(g), to_host(p)
     return AttributionResult(patching=patching, grad_x_act=gxa, f_input=f_input, tokens=batch.tokens,

@@ -6,7 +6,6 @@ import dataclasses
 from functools import partial
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +14,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import LayerRecord, embed, run_layers
 from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
 
@@ -22,9 +22,16 @@ from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, toke
 STATISTICS = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
 
 
-def _tap_contributions(r: LayerRecord, _):
+# Sites acting after a_l + m_l is formed: an intervention there changes what the layer adds to the
+# residual without changing a_l or m_l.
+_AFTER_SUBLAYERS = ("delta", "resid_post")
+
+
+def _tap_contributions(r: LayerRecord, _, *, layer_from_residual: bool = False):
     h_mid = r.h + r.attn
-    layer = r.attn + r.mlp
+    # Without interventions after the sublayers, h_{l+1} - h_l is a_l + m_l (up to rounding):
+    # the sum is what the studies compute.
+    layer = r.delta if layer_from_residual else r.attn + r.mlp
     return jnp.stack([
         relative_norm(r.attn, r.h), relative_norm(r.mlp, h_mid), relative_norm(layer, r.h),
         cosine(r.attn, r.h), cosine(r.mlp, h_mid), cosine(layer, r.h),
@@ -32,9 +39,17 @@ def _tap_contributions(r: LayerRecord, _):
 
 
 @partial(jit, static_argnames="config")
-def contribution_stats(params, tokens, valid, config: ModelConfig):
-    """Per-token statistics `[L, B, T, 6]` in the order of `STATISTICS`, computed inside the scan."""
-    _, stats = run_layers(params, embed(params, tokens), config, valid=valid, tap=_tap_contributions)
+def contribution_stats(params, tokens, valid, config: ModelConfig, interventions=None):
+    """Per-token statistics `[L, B, T, 6]` in the order of `STATISTICS`, computed inside the scan.
+
+    Under `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) every quantity
+    is the intervened run's, each site after its interventions: h_l (after those at `resid_pre`),
+    a_l, m_l. The layer's contribution is a_l + m_l, or h_{l+1} - h_l where an intervention acts
+    at `delta` or `resid_post` (after the sublayers: a whole-layer skip, say), so that it is what
+    the layer really added to the residual."""
+    ivs = as_interventions(interventions)
+    tap = partial(_tap_contributions, layer_from_residual=any(iv.site in _AFTER_SUBLAYERS for iv in ivs))
+    _, stats = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs, tap=tap)
     return stats
 
 
@@ -77,9 +92,16 @@ class ContributionResult(SavedResult):
         return (self.cos_attn_per_prompt + self.cos_mlp_per_prompt + self.cos_layer_per_prompt) / 3
 
 
-def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None) -> ContributionResult:
+def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None,
+                  interventions=None) -> ContributionResult:
     """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer, over all
-    prompts and per prompt."""
+    prompts and per prompt.
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on every forward, and the
+    statistics are those of the intervened runs (see `contribution_stats`). The prompts run in
+    groups at their own padded lengths (`PromptBatch.groups`), so intervention data indexed by
+    position must broadcast to every length (`[L, 1]` keep-masks, head ablations, a vector added
+    at every position); data that does not is refused at trace time."""
     # Prompts of similar length together, each group trimmed to its own padded length: a padded
     # batch of all prompts would spend a third of its work on padding when lengths differ as
     # much as GSM8K's, and one prompt at a time gives short prompts too few rows per matmul.
@@ -88,7 +110,7 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
     for index, group in batch.groups():
         Tg = group.tokens.shape[1]
         stats[:, index, :Tg] = to_host(contribution_stats(params, jnp.asarray(group.tokens), jnp.asarray(group.valid),
-                                                             config))
+                                                             config, interventions))
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
     curves = token_mean(values, batch.valid)  # [6, L]
     # Per-prompt means from the same per-token statistics (no second pass through the model).

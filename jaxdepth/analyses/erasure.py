@@ -6,6 +6,14 @@ The (boundary, position) erasures of a prompt run as one compiled sweep per bloc
 cannot change any position before t (causal attention), so only positions p >= t are
 measured: an erasure after the last answer prediction is exactly 0, not float noise. The same
 fact saves work: an erasure runs only the positions from its block's first one on.
+
+Under `interventions` (`jaxdepth.core.sites`; default none), the user's interventions act on
+the clean run and on every erasure, composed in one order: the user's first, then the erasure's
+replacement, which so wins at its site (h_l[t] is the baseline whatever the user's
+interventions at `resid_pre` of layer l did to it). Each erasure is then exactly a full forward
+under the user's interventions and the replacement. A `metric` (a scalar function of one
+prompt's logits `[1, T, V]`) is measured beside the built-in effect: `metric(erased logits) -
+metric(clean logits)`, both under the user's interventions.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual
-from jaxdepth.core.model import clean_key_values, residual_stream, run_layers_from, unembed
+from jaxdepth.core.model import (clean_key_values, final_residual, layer_inputs, residual_stream, run_layers_from,
+                                 unembed)
+from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
 from jaxdepth.analyses.stats import masked_max, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
@@ -31,19 +41,35 @@ from jaxdepth.core.sharding import to_host
 
 
 @partial(jit, static_argnames="config")
-def _residual_sums(params, tokens, valid, config: ModelConfig):
-    hs = residual_stream(params, tokens, config, valid=valid).astype(jnp.float32)
+def _residual_sums(params, tokens, valid, config: ModelConfig, interventions=None):
+    hs = residual_stream(params, tokens, config, valid=valid, interventions=interventions).astype(jnp.float32)
     return jnp.sum(hs * valid[None, :, :, None], axis=(1, 2))
 
 
-def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_size: int = 8) -> np.ndarray:
+def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_size: int = 8,
+                   interventions=None) -> np.ndarray:
     """Baseline `[L+1, D]`: the mean residual at every boundary over all valid tokens of `batch`
-    (a BOS token counts where the tokenizer added one)."""
+    (a BOS token counts where the tokenizer added one).
+
+    Under `interventions` (default none), the mean of the intervened runs' residuals, each after
+    the interventions at its `resid_pre` (the values an erasure under the same interventions
+    replaces). The batch runs at its full padded length, `batch_size` prompts at a time."""
     total = np.zeros((config.num_layers + 1, config.hidden_size), np.float64)
     for i in range(0, len(batch), batch_size):
         part = batch.select(slice(i, i + batch_size))
-        total += to_host(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config))
+        total += to_host(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config,
+                                        interventions))
     return (total / batch.valid.sum()).astype(np.float32)
+
+
+def metric_value(metric: Callable, logits):
+    """`metric(logits)` as a float32 scalar, for one prompt's logits `[1, T, V]`; a metric that
+    returns anything but a scalar is refused at trace time (`ValueError`)."""
+    value = metric(logits)
+    if jnp.shape(value) != ():
+        raise ValueError(f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
+                         f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}")
+    return jnp.asarray(value, jnp.float32)
 
 
 # Erasure positions are split into up to this many blocks of at least MIN_BLOCK positions; each
@@ -87,23 +113,49 @@ EFFECTS = {"probability_shift": probability_shift, "answer_probability_change": 
 
 
 @partial(jit, static_argnames="config")
-def clean_run(params, tokens, valid, answer_positions, config: ModelConfig):
-    """What every erasure of a prompt starts from: the clean residual stream `[L+1, 1, T, D]`,
-    every layer's keys and values, and the clean answer distributions `[1, A, V]`."""
-    hs = residual_stream(params, tokens, config, valid=valid)
-    keys, values = clean_key_values(params, hs, config, valid=valid)
-    clean = jax.nn.softmax(unembed(params, hs[-1][:, answer_positions], config), axis=-1)
+def clean_run(params, tokens, valid, answer_positions, config: ModelConfig, interventions=None):
+    """What every erasure of a prompt starts from, all of the run under `interventions` (default
+    none): `(inputs, keys, values, clean)`, every boundary's residual as its layer receives it
+    `[L+1, 1, T, D]` (the clean residual stream h_0..h_L; under interventions, before each
+    layer's own, `layer_inputs`), every layer's keys and values (those the run used: the
+    prefix of a suffix run), and the clean answer distributions `[1, A, V]`."""
+    if not as_interventions(interventions):
+        hs = residual_stream(params, tokens, config, valid=valid)
+        keys, values = clean_key_values(params, hs, config, valid=valid)
+        final = hs[-1]
+    else:
+        hs, final, (keys, values) = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
+                                                 tap=lambda r, _: (r.k, r.v))
+    clean = jax.nn.softmax(unembed(params, final[:, answer_positions], config), axis=-1)
     return hs, keys, values, clean
 
 
-@partial(jit, static_argnames=("config", "first", "stop", "chunk_size", "effect"))
+def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
+    """A whole prompt's logits `[1, T, V]` under the erasure of h_boundary[position], from the
+    suffix run's logits `[1, S, V]` (positions T-S..T-1): the clean logits wherever causality
+    leaves them unchanged (before `position`; at the last boundary, everywhere but `position`),
+    so that a metric reading only those changes by exactly 0, not float noise."""
+    T, S = clean_logits.shape[1], logits.shape[1]
+    pos = jnp.arange(T)
+    changed = jnp.where(boundary == num_layers, pos == position, pos >= position)
+    suffix = jnp.concatenate([clean_logits[:, :T - S], logits], axis=1)
+    return jnp.where(changed[None, :, None], suffix, clean_logits)
+
+
+@partial(jit, static_argnames=("config", "first", "stop", "chunk_size", "effect", "metric"))
 def erasure_of_block(params, clean_state, valid, answer_positions, baseline, config: ModelConfig,
                      first: int, stop: int, chunk_size: Optional[int] = None, effect=probability_shift,
-                     answer=None):
+                     answer=None, *, interventions=None, metric: Optional[Callable] = None):
     """`[L+1, stop - first]` effects of erasing h_l[t] for every boundary l and every position
-    `first <= t < stop`, from `clean_state = clean_run(...)`. `effect(probs, clean, reach,
-    answer)` turns the erased and clean answer distributions into the effect (see
+    `first <= t < stop`, from `clean_state = clean_run(..., interventions)`. `effect(probs,
+    clean, reach, answer)` turns the erased and clean answer distributions into the effect (see
     `probability_shift`); `answer = (targets [A], real [A])` is what it may read.
+
+    `interventions` (the clean state's) act on every erasure, the user's first, then the
+    replacement of h_l[t]. With `metric` (a static, jit-traceable scalar function of one
+    prompt's logits `[1, T, V]`), returns `(effects, metric_changes)`, the second
+    `[L+1, stop - first]`: `metric(erased) - metric(clean)` on the whole prompt's logits (the
+    positions an erasure cannot reach keep their clean logits, `erased_logits`).
 
     Each erasure runs positions `first..T-1` only, reading the clean keys and values of the
     positions before `first` (they cannot change), and starts at its boundary l (the layers
@@ -112,20 +164,29 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
     """
     hs, keys, values, clean = clean_state
     L, T = config.num_layers, hs.shape[2]
+    ivs = as_interventions(interventions)
     prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
     rows = jnp.arange(first, T)  # the positions the suffix run computes
     read = jnp.maximum(answer_positions - first, 0)  # answer positions, as suffix rows
+    if metric is not None:  # the whole clean output: the erased runs compute positions first..T-1 only
+        clean_logits = unembed(params, final_residual(hs[-1], config, ivs), config)
+        clean_metric = metric_value(metric, clean_logits)
 
     def boundary_effects(boundary):
         def member(position):
             iv = replace_residual(boundary, rows == position, baseline[boundary])
             h, _ = run_layers_from(params, hs[boundary][:, first:], boundary, config, valid=valid,
-                                   interventions=iv, prefix=prefix)
-            probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
+                                   interventions=(*ivs, iv), prefix=prefix)
             # Causality: an erasure at t changes no position before t, and at the last boundary
             # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
             reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-            return effect(probs, clean, reach, answer)
+            if metric is None:  # the LM head on the answer rows only
+                probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
+                return effect(probs, clean, reach, answer)
+            logits = unembed(params, h, config)  # the metric reads every row: the answer's are among them
+            erased = erased_logits(logits, clean_logits, position, boundary, L)
+            probs = jax.nn.softmax(logits[:, read], axis=-1)
+            return effect(probs, clean, reach, answer), metric_value(metric, erased) - clean_metric
         return sweep(member, jnp.arange(first, stop), chunk_size)
 
     return jax.lax.map(boundary_effects, jnp.arange(L + 1))
@@ -134,11 +195,19 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
 def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
                       chunk_size: Optional[int] = None, blocks: Optional[int] = None,
                       on_block: Optional[Callable[[], None]] = None, effect=probability_shift,
-                      answer_real=None):
+                      answer_real=None, *, interventions=None, metric: Optional[Callable] = None):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
     `answer_positions [A]`: the positions predicting answer tokens, repeats allowed, the real
     ones marked by `answer_real [A]`, default all), measured by `effect` (see
     `erasure_of_block`).
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
+    erasure: the user's first, then the replacement of h_l[t], which so wins at its site. They
+    must act on each position alone (as every built-in kind does), and their position-indexed
+    data must broadcast to the suffix runs' lengths (`[L, 1]` masks, not `[L, T]`). With
+    `metric` (a jit-traceable function of the prompt's logits `[1, T, V]` returning a scalar;
+    define it once: it is a static argument), returns `(effects, metric_changes [L+1, T])`,
+    `metric(erased) - metric(clean)`, both under `interventions`.
 
     Erasing position t changes no position before t, so the positions are split into `blocks`
     ranges (default `default_blocks(T)`; 1 turns the saving off), each one compiled
@@ -146,46 +215,67 @@ def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config:
     on. `on_block()` is called after each range (progress).
     """
     T = tokens.shape[1]
-    state = clean_run(params, tokens, valid, answer_positions, config)
+    state = clean_run(params, tokens, valid, answer_positions, config, interventions)
     real = jnp.ones(answer_positions.shape, bool) if answer_real is None else jnp.asarray(answer_real, bool)
     answer = (tokens[0, jnp.minimum(answer_positions + 1, T - 1)], real)
     parts = []
     for first, stop in position_blocks(T, blocks):
         parts.append(erasure_of_block(params, state, valid, answer_positions, baseline, config, first, stop,
-                                      chunk_size, effect, answer))
+                                      chunk_size, effect, answer, interventions=interventions, metric=metric))
         if on_block is not None:
             jax.block_until_ready(parts[-1])
             on_block()
-    return jnp.concatenate(parts, axis=1)
+    if metric is None:
+        return jnp.concatenate(parts, axis=1)
+    return tuple(jnp.concatenate(part, axis=1) for part in zip(*parts))
 
 
 @dataclasses.dataclass
 class ErasureResult(SavedResult):
     """`effects [P, L+1, T]` per prompt (0 beyond each prompt's length), with the prompts'
-    tokens and answer starts so plots can label positions."""
+    tokens and answer starts so plots can label positions. `metric_change [P, L+1, T]`, where a
+    metric was given: `metric(erased logits) - metric(clean logits)` per erasure (0 beyond each
+    prompt's length); None otherwise, and in results saved before it existed."""
 
     effects: np.ndarray
     tokens: np.ndarray
     lengths: np.ndarray
     answer_start: np.ndarray
     settings: dict
+    metric_change: Optional[np.ndarray] = None
 
 
 def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
                      chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                      blocks: Optional[int] = None, effect: str = "probability_shift", progress: bool = True,
-                     settings=None) -> ErasureResult:
+                     settings=None, interventions=None, metric: Optional[Callable] = None) -> ErasureResult:
     """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
     position blocks of `erasure_of_prompt`; the result does not depend on it). `effect` names
     what is measured (`EFFECTS`): METHODS' 'probability_shift' (default) or
     'answer_probability_change', the exact change of the integrated-gradients objective (what
-    `jaxdepth.analyses.attribution.attribution_patching` estimates)."""
+    `jaxdepth.analyses.attribution.attribution_patching` estimates).
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
+    erasure, the user's first, then the replacement of h_l[t] (which so wins at its site):
+    each erasure is a full forward under both (`mean_residuals(..., interventions=...)` gives
+    the matching baseline). Each prompt runs at its own padded length (`PromptBatch.single`),
+    and an erasure computes only the positions from its block's first one on, so intervention
+    data indexed by position must broadcast to every length (`[L, 1]` keep-masks, head
+    ablations, a vector added at every position); data that does not is refused at trace time.
+
+    `metric` (default none): a jit-traceable function of one prompt's float32 logits
+    `[1, T, V]` returning a scalar (anything else is refused at trace time), defined once (it is
+    a static argument: a new function compiles anew). `metric_change` then holds
+    `metric(erased) - metric(clean)` for every erasure, beside `effects`. T is the prompt's
+    padded length (its length rounded up to 16): positions from its length on are padding, and
+    a metric should read only positions every prompt has."""
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
+    changes = None if metric is None else np.zeros((len(batch), L + 1, T), np.float32)
     total = sum(len(position_blocks(batch.single(i).tokens.shape[1], blocks)) for i in range(len(batch)))
     with tqdm(total=total, desc="residual erasure (position blocks)", disable=not progress) as bar:
         for i in range(len(batch)):
@@ -193,12 +283,17 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
             Ti = one.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
             positions, real = one.answer_positions(0)
-            effects[i, :, :Ti] = to_host(erasure_of_prompt(
+            out = erasure_of_prompt(
                 params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
                 jnp.asarray(baseline), config, chunk, blocks, on_block=bar.update, effect=EFFECTS[effect],
-                answer_real=jnp.asarray(real)))
+                answer_real=jnp.asarray(real), interventions=interventions, metric=metric)
+            if metric is not None:
+                out, change = out
+                n = int(one.lengths[0])  # erasures of padding positions are no erasures of the prompt
+                changes[i, :, :n] = to_host(change)[:, :n]
+            effects[i, :, :Ti] = to_host(out)
     settings = dict(settings or {})
     if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
         settings["effect"] = effect
     return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
-                         answer_start=batch.answer_start, settings=settings)
+                         answer_start=batch.answer_start, settings=settings, metric_change=changes)

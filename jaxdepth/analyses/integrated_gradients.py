@@ -31,11 +31,11 @@ from tqdm.auto import tqdm
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (embed, final_residual, layer_context, layer_params, layer_step, run_layers,
+from jaxdepth.core.model import (final_residual, layer_context, layer_inputs, layer_params, layer_step,
                                  run_layers_from, unembed)
 from jaxdepth.core.sites import Intervention, as_interventions
 from jaxdepth.results import SavedResult
-from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sweep import auto_chunk_size, sweep_sum
 from jaxdepth.core.sharding import to_host
 
 RULES = ("left", "midpoint", "gauss")
@@ -45,9 +45,9 @@ RULES = ("left", "midpoint", "gauss")
 # saves seconds of hours.
 PAD_TO = 4
 BASELINES = ("channel_mean", "token_mean", "zero")
-# What a layer's attribution is taken with respect to: its output h_{l+1}, or the site of one
-# of its sublayers' outputs.
-TARGETS = {"layer": None, "attn": "attn_out", "mlp": "mlp_out"}
+# What a layer's attribution is taken with respect to, per study target: the site of its
+# output h_{l+1}, or of one of its sublayers' outputs.
+TARGETS = {"layer": "resid_post", "attn": "attn_out", "mlp": "mlp_out"}
 
 
 def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,21 +69,24 @@ def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
 
 
-def ig_baseline(x, valid, kind: str):
-    """Baseline for x `[..., T, D]` over valid positions `[T]`.
+def ig_baseline(x, valid, kind):
+    """The baseline b of a site's value x `[B, T, *trailing]` (`trailing` the site's axes after
+    the position: `[D]`, `[H, Dh]`, ...), with `valid [B, T]`, broadcastable to x:
 
-    'channel_mean' (default): per-channel mean over the prompt's positions, `[..., 1, D]`;
-    'token_mean': per-token mean over channels, `[..., T, 1]` (the second study's code);
-    'zero': zeros.
+    'channel_mean' (default): per channel, the mean of x over each prompt's valid positions,
+    `[B, 1, *trailing]`; 'token_mean': per position, the mean over the trailing axes,
+    `[B, T, 1, ...]` (the second study's code); 'zero': zeros; or an array, returned as given.
     """
+    if not isinstance(kind, str):
+        return jnp.asarray(kind, jnp.float32)
     if kind == "channel_mean":
-        w = valid[:, None].astype(x.dtype)
-        return jnp.sum(x * w, axis=-2, keepdims=True) / jnp.sum(w)
+        w = valid.reshape(valid.shape + (1,) * (x.ndim - 2)).astype(x.dtype)
+        return jnp.sum(x * w, axis=1, keepdims=True) / jnp.sum(w, axis=1, keepdims=True)
     if kind == "token_mean":
-        return jnp.mean(x, axis=-1, keepdims=True)
+        return jnp.mean(x, axis=tuple(range(2, x.ndim)), keepdims=True)
     if kind == "zero":
         return jnp.zeros_like(x)
-    raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
+    raise ValueError(f"baseline must be one of {BASELINES} or an array, got {kind!r}")
 
 
 def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None, interventions=None):
@@ -115,19 +118,65 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
 
 
+# ----------------------------------------------------------------------------- metrics of h_L
+#
+# The path code takes a metric as a static function `metric(logits, aux)` and `aux`, a traced
+# pytree (the answer tokens, say): a new prompt's `aux` reuses the compiled computation, where
+# a closure over its arrays would compile anew.
+
+
+def answer_probability(logits, aux):
+    """The studies' F: the summed teacher-forced probabilities of the answer tokens, from the
+    logits at the answer positions `[1, A, V]`; `aux = (targets [A], real [A])`."""
+    targets, real = aux
+    probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.where(real, probs[jnp.arange(targets.shape[0]), targets], 0.0))
+
+
+def answer_targets(tokens, answer_positions):
+    """The token each answer position predicts (the next one), `[A]`, of one prompt `[1, T]`."""
+    return tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
+
+
+def per_prompt(value, batch: int):
+    """A metric's value as one number per prompt `[B]`: a scalar (one prompt) or `[B]`. Anything
+    else is refused at trace time: F, its path and its completeness gap are per prompt."""
+    value = jnp.asarray(value)
+    if value.shape == () and batch == 1:
+        return value[None].astype(jnp.float32)
+    if value.shape == (batch,):
+        return value.astype(jnp.float32)
+    raise ValueError(f"the metric must return a scalar (for one prompt) or one value per prompt, shape "
+                     f"({batch},); it returned shape {value.shape} for a batch of {batch} prompts")
+
+
+def metric_head(params, config: ModelConfig, metric, aux, positions):
+    """h_L `[B, T, D]` -> the metric per prompt `[B]`, from the logits at `positions` `[A]` only
+    (all positions if None: the LM head is the largest matmul of a small model)."""
+    def head(h_last):
+        logits = unembed(params, h_last if positions is None else h_last[:, positions], config)
+        return per_prompt(metric(logits, aux), h_last.shape[0])
+    return head
+
+
 def _objective(params, tokens, answer_positions, answer_real, config: ModelConfig):
-    """F(h_L): the summed teacher-forced probabilities of the answer tokens."""
-    targets = tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
-
-    def objective(h_last):
-        probs = jax.nn.softmax(unembed(params, h_last[:, answer_positions], config), axis=-1)[0]
-        return jnp.sum(jnp.where(answer_real, probs[jnp.arange(len(answer_positions)), targets], 0.0))
-
-    return objective
+    """F(h_L): the summed teacher-forced probabilities of the answer tokens of one prompt."""
+    head = metric_head(params, config, answer_probability, (answer_targets(tokens, answer_positions), answer_real),
+                       answer_positions)
+    return lambda h_last: head(h_last)[0]
 
 
-# A layer's LayerRecord -> the value IG attributes to, per target.
-_TARGET_VALUE = {"layer": lambda r: r.out, "attn": lambda r: r.attn, "mlp": lambda r: r.mlp}
+# ----------------------------------------------------------------------------- paths at a site
+
+
+def site_inputs(params, tokens, valid, config: ModelConfig, site: str, interventions=None):
+    """The clean run under `interventions`: every layer's value at `site` `[L, B, T, ...]`
+    (float32, after the site's interventions), every layer's input before its interventions
+    `[L, B, T, D]` (what a path at another site than `resid_post` recomputes the layer from)
+    and h_L `[B, T, D]`. Only the site's value and the layers' outputs are kept."""
+    inputs, h_last, x = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
+                                     tap=lambda r, _: getattr(r, site))
+    return x.astype(jnp.float32), inputs[:-1], h_last
 
 
 @partial(jit, static_argnames=("config", "baseline", "target"))
@@ -136,13 +185,9 @@ def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: Mode
     """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    h0, value = embed(params, tokens), _TARGET_VALUE[target]
-    h_last, (outs, x) = run_layers(params, h0, config, valid=valid, interventions=interventions,
-                                   tap=lambda r, _: (r.out, value(r)))  # only the target is kept
-    inputs = jnp.concatenate([h0[None], outs[:-1]], axis=0)[:, 0]
-    x = x[:, 0].astype(jnp.float32)
-    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid[0], baseline))(x), x.shape)
-    return x, b, inputs, _objective(params, tokens, answer_positions, answer_real, config)(h_last)
+    x, inputs, h_last = site_inputs(params, tokens, valid, config, TARGETS[target], interventions)
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid, baseline))(x), x.shape)
+    return x[:, 0], b[:, 0], inputs[:, 0], _objective(params, tokens, answer_positions, answer_real, config)(h_last)
 
 
 def _set_value(value, layer, data):
@@ -150,49 +195,67 @@ def _set_value(value, layer, data):
     return jnp.where(layer == at, z.astype(value.dtype), value)
 
 
-def _entry(params, layer, h_in, valid, config: ModelConfig, target: str, interventions):
-    """z -> h_{layer+1}: the layer's output as a function of its target's value z `[1, T, D]`
-    (the identity for the 'layer' target)."""
-    if target == "layer":
+def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, interventions):
+    """z -> h_{layer+1}: the layer's output as a function of its value z at `site` (the
+    identity for `resid_post`); otherwise layer `layer` runs from its input `h_in` `[B, T, D]`
+    with the site's value set to z after the site's own interventions."""
+    if site == "resid_post":
         return lambda z: z
     ivs = as_interventions(interventions)
     context = layer_context(h_in, valid, config)
 
     def entry(z):
-        set_target = Intervention(TARGETS[target], _set_value, (layer, z))
-        return layer_step(layer_params(params, layer), h_in, layer, context, config, ivs + (set_target,)).out
+        set_site = Intervention(site, _set_value, (layer, z))
+        return layer_step(layer_params(params, layer), h_in, layer, context, config, ivs + (set_site,)).out
     return entry
 
 
-@partial(jit, static_argnames=("config", "chunk_size", "target"))
+def _entry(params, layer, h_in, valid, config: ModelConfig, target: str, interventions):
+    """`site_entry` for a study target ('layer', 'attn', 'mlp')."""
+    return site_entry(params, layer, h_in, valid, config, TARGETS[target], interventions)
+
+
+@partial(jit, static_argnames=("config", "site", "metric", "chunk_size"))
+def weighted_gradient(params, valid, layer, x, b, h_in, alphas, weights, aux, positions, config: ModelConfig,
+                      site: str, metric, chunk_size: Optional[int] = None, interventions=None):
+    """`(sum_k w_k dF/dz(b + α_k (x - b)) [B, T, ...], F(b) [B])` for the value z at `site` of
+    layer `layer`: x, b `[B, T, ...]` as that site's value; F the metric per prompt
+    (`metric(logits, aux)` at `positions`, `metric_head`) under `interventions`.
+
+    The steps are one chunked sweep of gradients that start at boundary layer+1 (and, for a site
+    inside the layer, back through layer `layer` recomputed from `h_in` with the site set), the
+    chunks summed as they run (`sweep_sum`). `layer` is traced, so every layer of a prompt
+    reuses one compiled computation.
+    """
+    dtype = params["embed"].dtype
+    head = metric_head(params, config, metric, aux, positions)
+    entry = site_entry(params, layer, None if h_in is None else h_in.astype(dtype), valid, config, site,
+                       interventions)
+    total = lambda h: jnp.sum(head(h))  # prompts do not interact: each one's gradient is its own F's
+
+    def member(m):
+        alpha, weight = m
+        h_next, pullback = jax.vjp(entry, (b + alpha * (x - b)).astype(dtype))
+        _, g = suffix_value_and_grad(params, h_next, layer + 1, config, total, valid=valid,
+                                     interventions=interventions)
+        return weight * pullback(g)[0].astype(jnp.float32)
+
+    h_base, _ = run_layers_from(params, entry(b.astype(dtype)), layer + 1, config, valid=valid,
+                                interventions=interventions)
+    return sweep_sum(member, (alphas, weights), chunk_size), head(h_base)
+
+
 def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, weights, layer, x, b,
                 config: ModelConfig, chunk_size: Optional[int] = None, interventions=None,
                 target: str = "layer", h_in=None):
     """IG of one layer (`x`, `b`: its target and baseline, `[T, D]`; `h_in [T, D]`: the layer's
-    input, read by sublayer targets): `(attributions [T], F(b))`.
-
-    The steps are one chunked sweep of gradients that start at boundary layer+1, through the
-    later layers under `interventions` (and, for a sublayer target, back through layer `layer`
-    recomputed with the target set). `layer` is traced, so every layer of a prompt reuses one
-    compiled computation.
-    """
-    objective = _objective(params, tokens, answer_positions, answer_real, config)
-    dtype = params["embed"].dtype
-    entry = _entry(params, layer, None if h_in is None else h_in[None].astype(dtype), valid, config, target,
-                   interventions)
-
-    def member(m):
-        alpha, weight = m
-        z = (b + alpha * (x - b))[None].astype(dtype)
-        h_next, pullback = jax.vjp(entry, z)
-        _, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
-                                     interventions=interventions)
-        g = pullback(g)[0]
-        return weight * jnp.sum((x - b) * g[0].astype(jnp.float32), axis=-1)  # [T]
-
-    h_base, _ = run_layers_from(params, entry(b[None].astype(dtype)), layer + 1, config, valid=valid,
-                                interventions=interventions)
-    return sweep(member, (alphas, weights), chunk_size).sum(axis=0) * valid[0], objective(h_base)
+    input, read by sublayer targets): `(attributions [T], F(b))`, `weighted_gradient` with the
+    studies' F."""
+    g, f_base = weighted_gradient(params, valid, layer, x[None], b[None], None if h_in is None else h_in[None],
+                                  alphas, weights, (answer_targets(tokens, answer_positions), answer_real),
+                                  answer_positions, config, TARGETS[target], answer_probability, chunk_size,
+                                  interventions)
+    return jnp.sum((x - b) * g[0], axis=-1) * valid[0], f_base[0]
 
 
 def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,

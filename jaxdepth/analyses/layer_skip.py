@@ -10,6 +10,14 @@ vmapped computation.
 The split positions are sampled (METHODS §3, the default) or, with `splits="answer_start"`,
 each prompt's answer start alone: skip while the question is read, measure from the first
 answer token on (how the first study relates its depth score to MQuAKE's number of hops).
+
+Under `interventions` (`jaxdepth.core.sites`; default none), the user's interventions act on the
+clean run and on every skipped run, composed in one order: the user's first, then the skip
+(a keep-mask at `delta`, `attn_out` or `mlp_out`, which so wins at its site: the skipped
+(sub)layer adds nothing at the skipped positions, whatever the user's interventions made of
+it). Every effect is then that of full forwards under the user's interventions, with and
+without the skip. A `metric` (a scalar function of one prompt's logits `[1, T, V]`) is
+measured beside the built-in effects: `metric(skipped logits) - metric(clean logits)`.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +36,10 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
-from jaxdepth.core.model import LayerRecord, residual_stream, run_layers_from, unembed
+from jaxdepth.core.model import LayerRecord, layer_inputs, residual_stream, run_layers_from, unembed
+from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
+from jaxdepth.analyses.erasure import metric_value
 from jaxdepth.analyses.stats import masked_max, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
@@ -72,7 +82,8 @@ def _tap_relative_change(measure):
 
 @partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
 def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, config: ModelConfig,
-                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future"):
+                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future", *,
+                 interventions=None):
     """Skip `sublayer` of each layer s of `layers [G]` under K position masks, on one prompt
     (`tokens`, `valid`: `[1, T]`): every layer-skip forward, without the LM head.
 
@@ -85,16 +96,27 @@ def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, confi
     measured positions. In the 'current' mode the diagonal is measured: the skipped layer's own
     contribution is what changed (1 for a whole-layer skip). Skipped layers run one after
     another (`lax.map`), each starting from the clean h_s: the layers before s are not rerun.
+
+    `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) act on the clean run
+    and on every member, the user's first, then the skip. The clean run is then the intervened
+    one (Δ_j its layers' h_{j+1} - h_j, the clean h_L after the interventions at the final
+    residual), and a member starts from layer s's input before layer s's own interventions
+    (`jaxdepth.core.model.layer_inputs`), so they act once, as in a full forward.
     """
     L = config.num_layers
-    hs = residual_stream(params, tokens, config, valid=valid)
-    clean_deltas = hs[1:] - hs[:-1]
+    ivs = as_interventions(interventions)
+    if ivs:
+        starts, clean_final, clean_deltas = layer_inputs(params, tokens, config, valid=valid, interventions=ivs,
+                                                         tap=lambda r, _: r.delta)
+    else:  # without interventions, each layer's input is h_l of the residual stream
+        hs = residual_stream(params, tokens, config, valid=valid)
+        starts, clean_final, clean_deltas = hs, hs[-1], hs[1:] - hs[:-1]
 
     def runs_of_layer(layer):
         def member(m):
             skip, measure = m
-            h, later = run_layers_from(params, hs[layer], layer, config, valid=valid,
-                                       interventions=skip_layer(L, layer, skip, sublayer),
+            h, later = run_layers_from(params, starts[layer], layer, config, valid=valid,
+                                       interventions=(*ivs, skip_layer(L, layer, skip, sublayer)),
                                        tap=_tap_relative_change(measure[None] & valid), tap_inputs=clean_deltas)
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
@@ -102,7 +124,7 @@ def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, confi
         return sweep(member, (skip_masks, measure_masks), chunk_size)
 
     later, final = jax.lax.map(runs_of_layer, layers)
-    return later, final, hs[-1, 0]
+    return later, final, clean_final[0]
 
 
 @partial(jit, static_argnames="config")
@@ -124,6 +146,19 @@ def output_shifts(params, final, clean_final, rows, members, config: ModelConfig
         return jnp.maximum(shift, 0.0)  # a member measuring nothing: 0 (segment_max gives -inf)
 
     return jax.lax.map(of_layer, final)
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def metric_changes(params, final, clean_final, config: ModelConfig, metric):
+    """`[G, K]` changes `metric(logits) - metric(clean logits)` of the runs `final [G, K, T, D]`
+    (from `skipped_runs`) against `clean_final [T, D]`, the metric a static, jit-traceable
+    function of one prompt's logits `[1, T, V]` returning a scalar (anything else is refused at
+    trace time). The LM head runs on every position of one run at a time (`lax.map`): the
+    metric may read any position, and one `[T, V]` logit tensor exists at once."""
+    G, K, T, D = final.shape
+    clean = metric_value(metric, unembed(params, clean_final[None], config))
+    change = lambda h: metric_value(metric, unembed(params, h[None], config)) - clean
+    return jax.lax.map(change, final.reshape(G * K, T, D)).reshape(G, K)
 
 
 # `output_shifts` compiles once per padded row count: rows are padded to a multiple of this.
@@ -152,7 +187,8 @@ def skipped_layer_groups(config: ModelConfig, T: int, n_members: int, *, memory_
 
 def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
                            sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
-                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None):
+                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None, *,
+                           interventions=None, metric: Optional[Callable] = None):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
     (`tokens`, `valid`: `[1, T]`; `skip_masks [K, T]` float, `measure_masks [K, T]` bool, as
     host arrays). Returns `(later [L, K, L], output [L, K])` (see `skipped_runs`).
@@ -162,30 +198,47 @@ def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, con
     measured positions only (`output_shifts`), about half of them in the 'future' mode. The
     output effect of skipping the last layer is exactly 0 where it is skipped at no measured
     position: it feeds nothing but the output at its own positions.
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
+    skipped run: the user's first, then the skip (see `skipped_runs`). With `metric` (see
+    `metric_changes`), returns `(later, output, metric_change [L, K])`: each member's
+    `metric(logits) - metric(clean logits)` on the whole output `[1, T, V]`, positions before
+    the split included (where the skip acts directly), both under `interventions`.
     """
     L, K, T = config.num_layers, len(skip_masks), np.shape(tokens)[1]
     measure_masks, valid_host = np.asarray(measure_masks, bool), np.asarray(valid, bool)[0]
     rows, members = (jnp.asarray(a) for a in measured_rows(measure_masks, valid_host))
     masks = jnp.asarray(skip_masks), jnp.asarray(measure_masks)
     group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
-    later, output = [], []
+    later, output, changes = [], [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
         part_later, final, clean_final = skipped_runs(params, tokens, valid, jnp.asarray(layers), *masks, config,
-                                                      sublayer, chunk_size, mode)
+                                                      sublayer, chunk_size, mode, interventions=interventions)
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
+        if metric is not None:
+            changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
     later, output = jnp.concatenate(later), jnp.concatenate(output)
     last_unmeasured = ~np.any((np.asarray(skip_masks) > 0) & measure_masks & valid_host[None], axis=1)
-    return later, output.at[L - 1].set(jnp.where(jnp.asarray(last_unmeasured), 0.0, output[L - 1]))
+    output = output.at[L - 1].set(jnp.where(jnp.asarray(last_unmeasured), 0.0, output[L - 1]))
+    # No such zero for the metric: it reads the positions where the last layer is skipped too.
+    return (later, output) if metric is None else (later, output, jnp.concatenate(changes))
 
 
 @dataclasses.dataclass
 class LayerSkipResult(SavedResult):
     """`later [L, L]`: effect of skipping layer s (row) on layer j's contribution (column);
     `output [L]`: effect on the output probabilities. Max over positions, split positions and
-    prompts; per-prompt maxima and the split positions used are kept."""
+    prompts; per-prompt maxima and the split positions used are kept.
+
+    Where a metric was given: `metric_change_per_prompt [N, L, splits]`, the change
+    `metric(skipped) - metric(clean)` of every prompt, skipped layer and split position (in the
+    order of `split_positions`, NaN where a prompt has fewer split positions; one column in the
+    'current' mode), and `metric_change [L]`, per skipped layer the change of largest magnitude
+    over prompts and split positions, with its sign (`largest_change`). None otherwise, and in
+    results saved before they existed."""
 
     later: np.ndarray
     output: np.ndarray
@@ -193,6 +246,18 @@ class LayerSkipResult(SavedResult):
     output_per_prompt: np.ndarray
     split_positions: np.ndarray
     settings: dict
+    metric_change: Optional[np.ndarray] = None
+    metric_change_per_prompt: Optional[np.ndarray] = None
+
+
+def largest_change(changes: np.ndarray) -> np.ndarray:
+    """`[L]` from `changes [N, L, splits]`: per layer, the entry of largest magnitude over prompts
+    and splits, with its sign (a change can go either way: the largest |change| says how far
+    skipping the layer can move the metric, as `output` is a maximum). NaN entries (splits a
+    prompt does not have) are ignored; a layer with none at all gets NaN."""
+    flat = np.moveaxis(changes, 1, 0).reshape(changes.shape[1], -1)  # [L, N * splits]
+    magnitude = np.where(np.isnan(flat), -1.0, np.abs(flat))
+    return np.take_along_axis(flat, np.argmax(magnitude, axis=1)[:, None], axis=1)[:, 0]
 
 
 def member_masks(length: int, T: int, splits: Sequence[int], mode: str):
@@ -207,7 +272,8 @@ def member_masks(length: int, T: int, splits: Sequence[int], mode: str):
 def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str = "layer",
                mode: str = "future", splits: str = "sampled", seed: int = 123, splits_per_prompt: int = 4,
                chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-               progress: bool = True, settings=None) -> LayerSkipResult:
+               progress: bool = True, settings=None, interventions=None,
+               metric: Optional[Callable] = None) -> LayerSkipResult:
     """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
     prompts of the same padded length.
 
@@ -217,6 +283,21 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
     `[N, 1]`).
     mode 'current': skip every position but 0, measure every position; it has no split
     position, so `splits` must stay 'sampled'.
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
+    skipped run, the user's first, then the skip (which so wins at its site): every effect is
+    that of full forwards under the user's interventions, with and without the skip. Each prompt
+    runs at its own padded length (`PromptBatch.single`), so intervention data indexed by
+    position must broadcast to every length (`[L, 1]` keep-masks, head ablations, a vector added
+    at every position); data that does not is refused at trace time.
+
+    `metric` (default none): a jit-traceable function of one prompt's float32 logits
+    `[1, T, V]` returning a scalar (anything else is refused at trace time), defined once (it is
+    a static argument: a new function compiles anew). The result's `metric_change_per_prompt`
+    and `metric_change` then hold `metric(skipped) - metric(clean)` (see `LayerSkipResult`),
+    read on the whole output, positions before the split included. T is the prompt's padded
+    length (its length rounded up to 16): positions from its length on are padding, and a
+    metric should read only positions every prompt has.
     """
     if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
         raise ValueError(f"sublayer must be one of {SUBLAYERS}, mode one of {MODES} and splits one of {SPLITS}")
@@ -231,6 +312,7 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
     n_splits = 1 if mode == "current" else splits_per_prompt
     later_pp = np.zeros((len(batch), L, L), np.float32)
     output_pp = np.zeros((len(batch), L), np.float32)
+    metric_pp = None if metric is None else np.full((len(batch), L, n_splits), np.nan, np.float32)
     used = np.full((len(batch), splits_per_prompt), -1, np.int64)
     for i in tqdm(range(len(batch)), desc=f"layer skip ({sublayer}, {mode})", disable=not progress):
         if mode == "future" and not positions[i]:
@@ -243,11 +325,15 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         skip += [skip[0]] * (n_splits - len(skip))
         measure += [measure[0]] * (n_splits - len(measure))
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
-        later, output = skip_effects_of_prompt(
+        later, output, *change = skip_effects_of_prompt(
             params, jnp.asarray(one.tokens), jnp.asarray(one.valid), np.stack(skip).astype(np.float32),
-            np.stack(measure), config, sublayer, chunk, mode, memory_budget=memory_budget)
+            np.stack(measure), config, sublayer, chunk, mode, memory_budget=memory_budget,
+            interventions=interventions, metric=metric)
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)
+        if metric is not None:
+            real = 1 if mode == "current" else len(positions[i])  # the padding members repeat split 0
+            metric_pp[i, :, :real] = to_host(change[0])[:, :real]
         if mode == "future":
             used[i, :len(positions[i])] = positions[i]
     if mode == "future" and (used < 0).all():
@@ -257,7 +343,8 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         later=later_pp.max(axis=0), output=output_pp.max(axis=0), later_per_prompt=later_pp,
         output_per_prompt=output_pp, split_positions=used,
         settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "splits": splits, "seed": seed,
-                  "splits_per_prompt": splits_per_prompt})
+                  "splits_per_prompt": splits_per_prompt},
+        metric_change=None if metric is None else largest_change(metric_pp), metric_change_per_prompt=metric_pp)
 
 
 @dataclasses.dataclass
@@ -273,15 +360,20 @@ class LayerSkipBySublayer(SavedResult):
     output_per_prompt: np.ndarray  # [S, N, L]
     split_positions: np.ndarray  # [N, splits]
     settings: dict
+    metric_change: Optional[np.ndarray] = None  # [S, L], where a metric was given
+    metric_change_per_prompt: Optional[np.ndarray] = None  # [S, N, L, splits]
 
     def part(self, sublayer: str) -> LayerSkipResult:
         """The `LayerSkipResult` of one sublayer."""
         if sublayer not in self.sublayers:
             raise KeyError(f"no layer-skip result for sublayer {sublayer!r}; this one has {self.sublayers}")
         i = list(self.sublayers).index(sublayer)
+        row = lambda x: None if x is None else x[i]
         return LayerSkipResult(later=self.later[i], output=self.output[i], later_per_prompt=self.later_per_prompt[i],
                                output_per_prompt=self.output_per_prompt[i], split_positions=self.split_positions,
-                               settings={**self.settings, "sublayer": sublayer})
+                               settings={**self.settings, "sublayer": sublayer},
+                               metric_change=row(self.metric_change),
+                               metric_change_per_prompt=row(self.metric_change_per_prompt))
 
     def parts(self) -> dict[str, LayerSkipResult]:
         """`{sublayer: LayerSkipResult}` in order (what `plots.layer_skip_figure` draws as rows)."""
@@ -289,16 +381,21 @@ class LayerSkipBySublayer(SavedResult):
 
 
 def layer_skip_sublayers(params, batch: PromptBatch, config: ModelConfig, *,
-                         sublayers: Sequence[str] = SUBLAYERS, settings=None, **kwargs) -> LayerSkipBySublayer:
+                         sublayers: Sequence[str] = SUBLAYERS, settings=None, interventions=None,
+                         metric: Optional[Callable] = None, **kwargs) -> LayerSkipBySublayer:
     """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
-    arguments as `layer_skip`: `mode`, `splits`, `seed`, ...)."""
+    arguments as `layer_skip`: `mode`, `splits`, `seed`, ...). `interventions` and `metric` as
+    in `layer_skip`: the user's interventions first, then each skip."""
     sublayers = list(sublayers)
     if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
         raise ValueError(f"sublayers must be distinct names among {SUBLAYERS}, got {sublayers}")
-    parts = [layer_skip(params, batch, config, sublayer=s, **kwargs) for s in sublayers]
+    parts = [layer_skip(params, batch, config, sublayer=s, interventions=interventions, metric=metric, **kwargs)
+             for s in sublayers]
     stack = lambda name: np.stack([getattr(p, name) for p in parts])
     common = {k: v for k, v in parts[0].settings.items() if k != "sublayer"}
     return LayerSkipBySublayer(sublayers=sublayers, later=stack("later"), output=stack("output"),
                                later_per_prompt=stack("later_per_prompt"), output_per_prompt=stack("output_per_prompt"),
                                split_positions=parts[0].split_positions,
-                               settings={**(settings or {}), **common, "sublayers": sublayers})
+                               settings={**(settings or {}), **common, "sublayers": sublayers},
+                               metric_change=None if metric is None else stack("metric_change"),
+                               metric_change_per_prompt=None if metric is None else stack("metric_change_per_prompt"))

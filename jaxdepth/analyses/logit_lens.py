@@ -35,11 +35,15 @@ def lens_statistics(layer_logits, final_logp, final_top):
 
 
 @partial(jit, static_argnames="config")
-def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None):
+def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None, interventions=None):
     """KL and top-5 overlap `[L, B, T]` each. Layers are read one at a time (`lax.map`), so only
     one `[B, T, V]` logit tensor exists at once. With `translators` (a tuned lens's), each h_l
-    goes through its layer's translator before the final norm and LM head."""
-    hs = residual_stream(params, tokens, config, valid=valid)
+    goes through its layer's translator before the final norm and LM head.
+
+    Under `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) the lens reads
+    h_0..h_{L-1} of the intervened run (each after the interventions at its `resid_pre`) and
+    compares them with the intervened run's output."""
+    hs = residual_stream(params, tokens, config, valid=valid, interventions=interventions)
     final = unembed(params, hs[-1], config)
     final_logp = jax.nn.log_softmax(final, axis=-1)
     final_top = jax.lax.top_k(final, TOP_K)[1]
@@ -68,11 +72,17 @@ class LogitLensResult(SavedResult):
 
 
 def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
-               translators=None, settings=None) -> LogitLensResult:
+               translators=None, settings=None, interventions=None) -> LogitLensResult:
     """KL(P_l || P) and top-5 overlap per layer; `weighting` is 'prompt' (mean over positions,
     then over prompts: the default) or 'token' (mean over all tokens). Per-prompt curves are
     kept whichever the weighting. With `translators` (`TunedLens.translators()`), the curves are
-    the tuned lens's (`settings['lens']` says which lens read them)."""
+    the tuned lens's (`settings['lens']` says which lens read them).
+
+    `interventions` (`jaxdepth.core.sites`; default none) act on every forward: the lens of the
+    intervened model (see `lens_per_token`). The prompts run in groups at their own padded
+    lengths (`PromptBatch.groups`), so intervention data indexed by position must broadcast to
+    every length (`[L, 1]` keep-masks, head ablations, a vector added at every position); data
+    that does not is refused at trace time."""
     aggregate = {"prompt": prompt_mean, "token": token_mean}
     if weighting not in aggregate:
         raise ValueError(f"weighting must be 'prompt' or 'token', got {weighting!r}")
@@ -82,7 +92,8 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
     L, T = config.num_layers, batch.tokens.shape[1]
     kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
     for index, group in batch.groups():
-        k, o = lens_per_token(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config, translators)
+        k, o = lens_per_token(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config, translators,
+                              interventions)
         Tg = group.tokens.shape[1]
         kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k), to_host(o)
     agg = aggregate[weighting]

@@ -379,6 +379,22 @@ def forward(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
     return unembed(params, h, config)
 
 
+def layer_inputs(params, tokens, config: ModelConfig, *, valid=None, interventions=None, tap=None):
+    """The run under `interventions`, as suffix runs (`run_layers_from`) start from it:
+    `(inputs [L+1, B, T, D], final [B, T, D], taps)`: every layer's input as the layer receives
+    it, before the layer's own interventions (row L: h_L before those of the final residual),
+    the final residual after them, and `tap`'s results (as `run_layers` returns them).
+
+    A suffix run from boundary l starts from `inputs[l]` and applies the interventions of
+    layer l itself, so they act once, as in the full forward: from the residual after them
+    (`residual_stream`), an intervention that adds a vector would add it twice. Without
+    interventions, `inputs` is the residual stream h_0..h_L."""
+    h0 = embed(params, tokens)
+    read = lambda r, x: (r.out, None if tap is None else tap(r, x))
+    final, (outs, taps) = run_layers(params, h0, config, valid=valid, interventions=interventions, tap=read)
+    return jnp.concatenate([h0[None], outs], axis=0), final, taps
+
+
 def tap_residual(record: LayerRecord, _) -> Float[Array, "B T D"]:
     """Tap returning each layer's input h_l."""
     return record.h

@@ -45,18 +45,14 @@ def _local_memory_budget(fraction: float) -> int:
     return FALLBACK_MEMORY_BUDGET
 
 
-def sweep(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = None) -> Any:
-    """`vmap(fn)(members)`, evaluated `chunk_size` members at a time.
-
-    `members` is a pytree whose leaves share a leading sweep axis. Chunking changes only the
-    memory bound, not the result: every chunk is the same vmapped computation (the last one is
-    padded by repeating a member, whose results are dropped). When a mesh with a `data` axis is
-    active (`jax.set_mesh`), each chunk's members are split over that axis.
-    """
+def _chunked(members: Any, chunk_size: Optional[int]):
+    """`members` split into equal chunks `[n_chunks, chunk, ...]` (the last padded by repeating
+    the last member), with `n`, the number of real members. A chunk is rounded up to a multiple
+    of the mesh's `data` axis, so its members shard evenly."""
     n = jax.tree.leaves(members)[0].shape[0]
     chunk = n if chunk_size is None else int(np.clip(chunk_size, 1, n))
     data = _data_axis_size()
-    if data > 1:  # even shards: round the chunk up to a multiple of the data axis
+    if data > 1:
         chunk = -(-chunk // data) * data
     n_chunks = -(-n // chunk)
     padded = n_chunks * chunk
@@ -66,17 +62,57 @@ def sweep(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = No
             x = jnp.concatenate([x, jnp.repeat(x[-1:], padded - n, axis=0)])
         return x.reshape((n_chunks, chunk) + x.shape[1:])
 
+    return jax.tree.map(to_chunks, members), n
+
+
+def _vmapped_chunk(fn):
+    """`vmap(fn)` over one chunk, its members split over the mesh's `data` axis if there is one."""
+    data = _data_axis_size()
+
     def run_chunk(xs):
         if data > 1:
             xs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                 x, P(DATA, *([None] * (x.ndim - 1)))), xs)
         return jax.vmap(fn)(xs)
+    return run_chunk
 
-    chunks = jax.tree.map(to_chunks, members)
+
+def sweep(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = None) -> Any:
+    """`vmap(fn)(members)`, evaluated `chunk_size` members at a time.
+
+    `members` is a pytree whose leaves share a leading sweep axis. Chunking changes only the
+    memory bound, not the result: every chunk is the same vmapped computation (the last one is
+    padded by repeating a member, whose results are dropped). When a mesh with a `data` axis is
+    active (`jax.set_mesh`), each chunk's members are split over that axis.
+    """
+    chunks, n = _chunked(members, chunk_size)
+    run_chunk = _vmapped_chunk(fn)
+    n_chunks = jax.tree.leaves(chunks)[0].shape[0]
     if n_chunks == 1:
         return jax.tree.map(lambda y: y[:n], run_chunk(jax.tree.map(lambda x: x[0], chunks)))
     out = jax.lax.map(run_chunk, chunks)
-    return jax.tree.map(lambda y: y.reshape((padded,) + y.shape[2:])[:n], out)
+    return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:n], out)
+
+
+def sweep_sum(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] = None) -> Any:
+    """`sum_i fn(members[i])` (leaf by leaf), evaluated `chunk_size` members at a time.
+
+    The same chunks as `sweep`, but the results are summed as the chunks run (a `lax.scan`
+    carrying the sum), so a sweep of n members returning `[T, D]` each holds one `[T, D]`
+    sum, not `[n, T, D]`. Padding members count zero."""
+    chunks, n = _chunked(members, chunk_size)
+    n_chunks, chunk = jax.tree.leaves(chunks)[0].shape[:2]
+    real = (jnp.arange(n_chunks * chunk) < n).reshape(n_chunks, chunk)
+    run_chunk = _vmapped_chunk(fn)
+
+    def add_chunk(total, item):
+        xs, keep = item
+        ys = run_chunk(xs)
+        return jax.tree.map(lambda t, y: t + jnp.tensordot(keep.astype(y.dtype), y, axes=1), total, ys), None
+
+    shapes = jax.eval_shape(fn, jax.tree.map(lambda x: x[0, 0], chunks))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(add_chunk, zeros, (chunks, real))[0]
 
 
 def _data_axis_size() -> int:

@@ -82,7 +82,7 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
     """After a first run, a new tolerance (other node placements, other round sizes) and a new
     prompt of the same padded length reuse every compiled computation (with the optional
     forward grid too)."""
-    functions = (aig.path_points, ig.ig_inputs)
+    functions = (aig.site_path_points, ig.ig_inputs)
     first = aig.adaptive_integrated_gradients(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33,
                                               progress=False)
     assert first.converged.all()

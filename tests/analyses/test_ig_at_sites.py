@@ -1,0 +1,193 @@
+"""`jaxdepth.integrated_gradients`: any metric, any site, any layers, every rule, against a
+hand-written Riemann sum of `jax.grad` through a plain forward; the completeness gap against
+F(x) - F(b) computed directly; refusals."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdepth
+from conftest import assert_close
+from jaxdepth.analyses.integrated_gradients import ig_baseline, quadrature
+from jaxdepth.core import sites
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import forward, random_params, run_layers, embed
+from jaxdepth.loaded import Model
+
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+L, T = CONFIG.num_layers, 9
+CORRECT, WRONG = 5, 11
+
+pytestmark = pytest.mark.usefixtures("highest_precision")
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+    params = random_params(CONFIG, 4, scale=0.2)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, T)), jnp.int32)
+    return params, tokens
+
+
+def logit_difference(logits):  # one value per prompt: the last position's logit of CORRECT minus WRONG
+    return logits[:, -1, CORRECT] - logits[:, -1, WRONG]
+
+
+def logit_difference_of_one(logits):  # the same for one prompt, a scalar
+    return logit_difference(logits)[0]
+
+
+def _by_hand(params, tokens, site, layer, alphas, weights, metric=logit_difference_of_one):
+    """Per-channel IG of layer `layer` at `site` by jax.grad of a plain forward in which
+    `sites.replace` sets the site's value at every position; and F(x), F(b)."""
+    x = run_layers(params, embed(params, tokens), CONFIG, tap=lambda r, _: getattr(r, site))[1][layer]
+    b = jnp.broadcast_to(ig_baseline(x, jnp.ones(tokens.shape, bool), "channel_mean"), x.shape)
+    F = lambda z: metric(forward(params, tokens, CONFIG, interventions=sites.replace(site, layer, jnp.ones(T), z)))
+    grad = jax.jit(jax.grad(F))
+    mean_grad = sum(w * grad(b + a * (x - b)) for a, w in zip(alphas, weights))
+    return (x - b) * mean_grad, float(F(x)), float(F(b))
+
+
+def _relative_error(ours, expected):
+    return float(np.max(np.abs(np.asarray(ours) - np.asarray(expected))) / np.max(np.abs(np.asarray(expected))))
+
+
+@pytest.mark.parametrize("site", ["resid_post", "head_out"])
+def test_against_a_hand_written_riemann_sum(site):
+    params, tokens = _setup()
+    one = tokens[:1]
+    steps = 6
+    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, site=site, steps=steps)
+    trailing = (CONFIG.num_heads, CONFIG.head_dim) if site == "head_out" else (CONFIG.hidden_size,)
+    assert result.attributions.shape == (L, 1, T) + trailing and result.per_position.shape == (L, 1, T)
+    assert result.gap.shape == (L, 1) and result.evaluations.tolist() == [[steps]] * L
+    alphas, weights = quadrature("left", steps)
+    for layer in range(L):
+        expected, f_x, f_b = _by_hand(params, one, site, layer, alphas, weights)
+        err = _relative_error(result.attributions[layer], expected)
+        assert err <= 1e-4, f"{site} layer {layer}: relative error {err:.2e}"
+        assert result.f_input[0] == pytest.approx(f_x, abs=1e-5)
+        assert result.f_baseline[layer, 0] == pytest.approx(f_b, abs=1e-5)
+        # the gap is the attributions' sum against F(x) - F(b), computed directly
+        assert result.gap[layer, 0] == pytest.approx(float(np.sum(result.per_position[layer, 0])) - (f_x - f_b),
+                                                     abs=1e-5)
+        np.testing.assert_allclose(result.per_position[layer, 0], np.asarray(expected).reshape(T, -1).sum(-1),
+                                   atol=1e-5 * float(np.max(np.abs(expected))) * 10)
+
+
+def test_a_subset_of_layers_other_rules_and_baselines_at_mlp_hidden():
+    params, tokens = _setup()
+    one = tokens[1:]
+    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, site="mlp_hidden",
+                                           layers=[2, 0], rule="gauss", steps=4, baseline="zero")
+    alphas, weights = quadrature("gauss", 4)
+    for i, layer in enumerate([2, 0]):
+        x = run_layers(params, embed(params, one), CONFIG, tap=lambda r, _: r.mlp_hidden)[1][layer]
+        F = lambda z: logit_difference_of_one(
+            forward(params, one, CONFIG, interventions=sites.replace("mlp_hidden", layer, jnp.ones(T), z)))
+        expected = x * sum(w * jax.grad(F)(a * x) for a, w in zip(alphas, weights))
+        assert _relative_error(result.attributions[i], expected) <= 1e-4, f"layer {layer}"
+
+
+def test_prompts_of_a_batch_are_attributed_independently():
+    params, tokens = _setup()
+    valid = np.ones((2, T), bool)
+    valid[1, -2:] = False  # right padding: the second prompt is shorter
+
+    def last_real(logits):  # per prompt, at its own last real position
+        last = jnp.asarray(valid.sum(1) - 1)
+        return logits[jnp.arange(2), last, CORRECT] - logits[jnp.arange(2), last, WRONG]
+
+    both = jaxdepth.integrated_gradients(params, tokens, CONFIG, last_real, valid=valid, steps=4, site="attn_out")
+    for i in range(2):
+        n = int(valid[i].sum())
+        alone = jaxdepth.integrated_gradients(params, tokens[i:i + 1, :n], CONFIG,
+                                              lambda logits: logits[0, -1, CORRECT] - logits[0, -1, WRONG],
+                                              steps=4, site="attn_out")
+        assert_close(both.attributions[:, i, :n], alone.attributions[:, 0], f"prompt {i}", tol=1e-5)
+        assert_close(both.gap[:, i], alone.gap[:, 0], f"gap of prompt {i}")
+        assert np.all(both.attributions[:, i, n:] == 0), "padding positions must attribute exactly 0"
+
+
+def test_adaptive_rule_certifies_its_gap_and_its_channels_sum_to_its_positions():
+    params, tokens = _setup()
+    one = tokens[:1]
+    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, rule="adaptive",
+                                           tolerance=1e-3, site="mlp_out")
+    assert result.converged.all() and result.converged.shape == (L, 1)
+    assert np.all(np.abs(result.gap) <= result.bound + 1e-6)
+    assert np.all(result.bound <= 1e-3 * np.abs(result.f_input[None] - result.f_baseline) + 1e-6)
+    np.testing.assert_allclose(result.attributions.sum(-1), result.per_position, atol=1e-5)
+    # a fine fixed rule agrees within the certified tolerance
+    fine = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, rule="midpoint", steps=256,
+                                         site="mlp_out")
+    scale = np.abs(result.f_input[None] - result.f_baseline)[..., None]
+    assert np.max(np.abs(fine.per_position - result.per_position) / scale) < 5e-3
+
+
+def test_under_an_intervention_equals_the_hand_computation_with_it():
+    params, tokens = _setup()
+    one = tokens[:1]
+    ablate = sites.ablate_heads(np.eye(L, CONFIG.num_heads, dtype=np.float32), head_dim=CONFIG.head_dim)
+    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, steps=4, interventions=ablate,
+                                           layers=[1])
+    x = run_layers(params, embed(params, one), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
+    b = jnp.broadcast_to(x.mean(axis=1, keepdims=True), x.shape)
+    F = lambda z: logit_difference_of_one(forward(params, one, CONFIG, interventions=[
+        ablate, sites.replace("resid_post", 1, jnp.ones(T), z)]))
+    alphas, weights = quadrature("left", 4)
+    expected = (x - b) * sum(w * jax.grad(F)(b + a * (x - b)) for a, w in zip(alphas, weights))
+    assert _relative_error(result.attributions[0], expected) <= 1e-4
+
+
+REFUSALS = {
+    "a non-scalar metric": (dict(metric=lambda logits: logits[0, -1]), r"must return a scalar .* shape \(97,\)"),
+    "an unknown site": (dict(site="mlp_in"), r"unknown site 'mlp_in'"),
+    "a layer out of range": (dict(layers=[3]), r"layers must be distinct layer indices in 0..2"),
+    "a tolerance with a fixed rule": (dict(tolerance=0.01), r"tolerance is the adaptive rule's"),
+    "an unknown rule": (dict(rule="simpson"), r"rule must be one of"),
+    "a baseline of the wrong shape": (dict(baseline=np.zeros(31)), r"a baseline array must broadcast"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals(case):
+    params, tokens = _setup()
+    options, message = REFUSALS[case]
+    options = {"metric": logit_difference_of_one, "steps": 2, **options}
+    with pytest.raises(ValueError, match=message):
+        jaxdepth.integrated_gradients(params, tokens[:1], CONFIG, options.pop("metric"), **options)
+    with pytest.raises(ValueError, match="one prompt"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule="adaptive")
+
+
+def test_model_methods_equal_the_functions_and_compile_once_per_shape():
+    params, tokens = _setup()
+    model = Model(params=params, config=CONFIG, tokenizer=None, source="random")
+    skip = sites.keep("delta", np.ones((L, T), np.float32) * (np.arange(L) != 1)[:, None])
+    assert_close(model.logits(tokens, interventions=skip), forward(params, tokens, CONFIG, interventions=skip),
+                 "logits")
+    h, tapped = model.run(tokens, tap=tap_mlp_norm, interventions=skip)
+    ref_h, ref_t = run_layers(params, embed(params, tokens), CONFIG, interventions=skip, tap=tap_mlp_norm)
+    assert_close(h, ref_h, "h_L")
+    assert_close(tapped, ref_t, "tap")
+    from jaxdepth.loaded import _jit_forward
+
+    before = _jit_forward._cache_size()
+    for factor in (0.0, 0.5, 2.0):  # a new intervention value compiles nothing new
+        model.logits(tokens, interventions=sites.keep("delta", factor * np.ones((L, T), np.float32)))
+    assert _jit_forward._cache_size() == before
+    g = model.site_gradients(tokens[:1], logit_difference_of_one, ("resid_pre", "mlp_out"))
+    assert g.gradients["resid_pre"].shape == (L + 1, 1, T, CONFIG.hidden_size)
+    ig = model.integrated_gradients(tokens[:1], logit_difference_of_one, steps=2, layers=[0])
+    assert ig.per_position.shape == (1, 1, T)
+
+
+def tap_mlp_norm(record, _):
+    return jnp.linalg.norm(record.mlp_out, axis=-1)
