@@ -2,17 +2,25 @@
 never half a file.
 
 Every file jaxdepth writes (results, figures, tables) goes through `atomic_write`: the data is
-written to a temporary sibling named `.tmp-<pid>-<random><suffix>` and renamed into place only
-when complete. A writer killed mid-write leaves that temporary behind; the next writer in the
-same folder removes the ones whose process is gone (`remove_stale_temporaries`).
+written to a temporary sibling named `.tmp-<pid>-<random><suffix>`, flushed to the disk
+(`fsync`), and renamed into place only when complete; the folder is then synced too, so the
+rename itself survives a power cut. A writer killed mid-write leaves that temporary behind; the
+next writer in the same folder removes the ones whose process is gone
+(`remove_stale_temporaries`).
+
+`folder_lock` keeps two runs from writing one results folder at once: the second one is refused
+at once, told which process holds the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import uuid
 from typing import IO, Iterator
+
+import filelock
 
 TEMP_PREFIX = ".tmp-"  # + the writer's process id + "-": what a killed writer leaves behind
 
@@ -33,7 +41,10 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
     try:
         with open(tmp, mode.replace("w", "x")) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync_folder(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
@@ -63,3 +74,56 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def _sync_folder(folder: str) -> None:
+    """fsync a folder, so that the renames into it are on the disk (a no-op where folders
+    cannot be opened, as on Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+LOCK_NAME = ".jaxdepth.lock"  # in a locked folder; its owner file says who holds it
+OWNER_NAME = ".jaxdepth.lock.owner"
+
+
+class FolderBusyError(OSError):
+    """Another process is writing the folder (raised at once, not after a wait)."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """Hold `folder` for this process while the block runs (`filelock`: an OS lock, released
+    when the process ends, however it ends). A second holder is refused at once with a
+    `FolderBusyError` naming the process, host and start time of the first."""
+    os.makedirs(folder, exist_ok=True)
+    lock = filelock.FileLock(os.path.join(folder, LOCK_NAME), timeout=0, is_singleton=False)
+    owner = os.path.join(folder, OWNER_NAME)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        try:
+            with open(owner) as f:
+                who = f.read().strip()
+        except OSError:
+            who = "another process"
+        raise FolderBusyError(f"the results folder {folder} is in use by {who}: wait for that run to end, or "
+                              f"write to another folder") from None
+    try:
+        with atomic_write(owner, "w") as f:
+            f.write(f"process {os.getpid()} on {socket.gethostname()}, since {_now()}\n")
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(owner)
+        lock.release()
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")

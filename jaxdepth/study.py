@@ -8,6 +8,7 @@ rest, so an interrupted run resumes, and a changed setting is never confused wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxdepth.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.loading import Model
@@ -98,29 +100,32 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
         common["weights_dtype"] = weights
     baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
     results = {}
-    for entry in entries:
-        identity = {**common, **entry.identity(settings)}
-        if entry.uses_baseline:
-            identity["baseline_tokens_sha"] = baseline_sha
-        path = os.path.join(folder, f"{entry.name}.npz")
-        cached = _load_matching(path, identity, entry.result_type)
-        # With several processes, process 0 (the one that writes) decides for all; the others
-        # hold None for a result only it had saved.
-        if writer_decides(cached is not None):
-            log(f"{entry.name}: reusing {folder}")
-            results[entry.name] = cached
-            continue
-        start = time.perf_counter()
-        result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
-        seconds = time.perf_counter() - start
-        _check_finite(entry.name, result)
-        result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
-        if entry.uses_baseline:
-            result.settings["baseline"] = baseline_name or "the dataset's own prompts"
-        if is_writer():
-            result.save(path)
-        log(f"{entry.name}: {seconds:.1f} s -> {folder}")
-        results[entry.name] = result
+    # Process 0 alone writes; it holds the folder so that a second run cannot interleave its
+    # results with these (it is refused at once, told which process holds the folder).
+    with folder_lock(folder) if is_writer() else contextlib.nullcontext():
+        for entry in entries:
+            identity = {**common, **entry.identity(settings)}
+            if entry.uses_baseline:
+                identity["baseline_tokens_sha"] = baseline_sha
+            path = os.path.join(folder, f"{entry.name}.npz")
+            cached = _load_matching(path, identity, entry.result_type)
+            # With several processes, process 0 (the one that writes) decides for all; the others
+            # hold None for a result only it had saved.
+            if writer_decides(cached is not None):
+                log(f"{entry.name}: reusing {folder}")
+                results[entry.name] = cached
+                continue
+            start = time.perf_counter()
+            result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
+            seconds = time.perf_counter() - start
+            _check_finite(entry.name, result)
+            result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+            if entry.uses_baseline:
+                result.settings["baseline"] = baseline_name or "the dataset's own prompts"
+            if is_writer():
+                result.save(path)
+            log(f"{entry.name}: {seconds:.1f} s -> {folder}")
+            results[entry.name] = result
     return results
 
 

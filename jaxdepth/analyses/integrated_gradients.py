@@ -15,6 +15,11 @@ layers before it are neither run nor differentiated, and the backward recomputes
 time instead of storing its activations. Every layer of a prompt reuses one compiled
 computation. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says whether the number of
 steps is enough.
+
+The path code here is general: any site (`site_entry`), any metric of the logits
+(`metric(logits, aux)`, `metric_head`), steps summed as they run (`weighted_gradient`). The
+studies' IG is that code with `answer_probability` at `resid_post`, `attn_out` or `mlp_out`;
+`jaxdepth.integrated_gradients` (`jaxdepth.analyses.ig_at_sites`) is its public form.
 """
 
 from __future__ import annotations

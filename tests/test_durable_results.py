@@ -1,0 +1,118 @@
+"""Results on disk are durable: one run at a time per results folder (a second one is refused at
+once, told who holds it), and a run killed with SIGKILL, even mid-write, resumes cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxdepth.atomic import TEMP_PREFIX, FolderBusyError, folder_lock
+
+# A tiny model and two prompts; `sleeper` is an analysis that stops inside an atomic write.
+SETUP = textwrap.dedent("""
+    import dataclasses, os, sys, time
+    import numpy as np
+    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.batch import make_batch
+    from jaxdepth.core.config import ModelConfig
+    from jaxdepth.core.model import random_params
+    from jaxdepth.loading import Model
+    from jaxdepth.registry import Analysis, register
+    from jaxdepth.results import SavedResult
+    from jaxdepth.study import run_study
+
+    CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                         max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False)
+    model = Model(params=random_params(CONFIG, 0), config=CONFIG, tokenizer=None, source="tiny")
+    batch = make_batch([list(range(1, 20)), list(range(3, 15))], [10, 8])
+
+    @dataclasses.dataclass
+    class Nothing(SavedResult):
+        settings: dict
+
+    def sleep_mid_write(inputs):
+        with atomic_write(os.path.join(sys.argv[1], "tiny", "toy", "partial.bin")) as f:
+            f.write(b"half")
+            print("writing", flush=True)
+            time.sleep(120)
+        return Nothing(settings={})
+
+    register(Analysis(name="sleeper", result_type=Nothing, identity=lambda s: {}, run=sleep_mid_write,
+                      figures=lambda *a: {}, summary=lambda r: []))
+""")
+
+
+def _start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SETUP + textwrap.dedent(script), *args], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for(proc: subprocess.Popen, line: str) -> None:
+    for got in proc.stdout:
+        if got.strip() == line:
+            return
+    raise AssertionError(f"the child ended (exit {proc.wait()}) before printing {line!r}")
+
+
+def test_a_second_run_on_the_same_folder_is_refused_at_once(tmp_path):
+    folder = tmp_path / "tiny" / "toy"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from jaxdepth.atomic import folder_lock
+        with folder_lock(sys.argv[1]):
+            print("held", flush=True)
+            sys.stdin.read()
+    """), str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_for(holder, "held")
+        start = time.monotonic()
+        with pytest.raises(FolderBusyError, match=rf"in use by process {holder.pid} on "):
+            with folder_lock(str(folder)):
+                pass
+        assert time.monotonic() - start < 5, "refused after a wait, not at once"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    with folder_lock(str(folder)):  # released when its holder ended
+        pass
+
+
+def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
+    child = _start("""
+        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["sleeper"], progress=False)
+    """, str(tmp_path))
+    try:
+        _wait_for(child, "writing")
+        second = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent("""
+            run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions"], progress=False)
+        """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert second.returncode != 0 and f"is in use by process {child.pid}" in second.stderr, second.stderr[-2000:]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
+    child = _start("""
+        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "sleeper"], progress=False)
+    """, str(tmp_path))
+    _wait_for(child, "writing")  # contributions saved; the sleeper is inside its atomic write
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    folder = tmp_path / "tiny" / "toy"
+    assert (folder / "contributions.npz").exists() and not (folder / "partial.bin").exists()
+    assert any(name.startswith(TEMP_PREFIX) for name in os.listdir(folder))  # what the kill left behind
+    rerun = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent("""
+        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "logit_lens"], progress=False)
+    """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "contributions: reusing" in rerun.stdout and "logit_lens: " in rerun.stdout
+    assert (folder / "logit_lens.npz").exists()
+    assert not any(name.startswith(TEMP_PREFIX) for name in os.listdir(folder)), os.listdir(folder)
