@@ -724,7 +724,8 @@ def print_tables(report):
         print(f"ADAPTIVE IG PRESET (tolerance {adaptive['tolerance']}) on the IG workload: "
               f"{fmt_s(adaptive['jax_run_s'])} s ({fmt_s(adaptive['jax_first_s'])} s first call), "
               f"{adaptive['evaluations']:,} gradient evaluations against {adaptive['fixed_evaluations']:,} of the "
-              f"fixed rule above;\n  {adaptive['converged']}/{adaptive['layers']} layers converged, largest |gap| "
+              f"fixed rule above,\n  {adaptive['ms_per_evaluation']:.1f} ms per gradient evaluation against the fixed "
+              f"rule's {adaptive['fixed_ms_per_evaluation']:.1f} ms; {adaptive['converged']}/{adaptive['layers']} layers converged, largest |gap| "
               f"{100 * adaptive['max_relative_gap']:.2f}% of |F(x) - F(b)| (certified). FULL STUDY again with it in "
               f"place of IG at 256 steps (jaxdepth's IG time x {est['share_of_published_ig_time']:.3f}: the measured "
               "adaptive time over the fixed rule's\n  scaled to 256 steps; the reference keeps the published rule, "
@@ -873,14 +874,19 @@ def main(argv=None) -> int:
             _adaptive_jaxdepth(bench, w)
         result, second, busy = timed("jaxdepth adaptive IG", lambda: _adaptive_jaxdepth(bench, w))
         fixed_evaluations = args.ig_steps * c.num_layers * len(w.lengths)
+        evaluations = int(result.evaluations.sum())
+        # Milliseconds per gradient evaluation, each rule on the same prompts, layers and machine.
+        fixed_ms = 1e3 * jax_times["integrated_gradients"][1] / fixed_evaluations
         adaptive = dict(tolerance=args.ig_tolerance, jax_first_s=m1.wall, jax_run_s=second,
-                        evaluations=int(result.evaluations.sum()), fixed_evaluations=fixed_evaluations,
+                        evaluations=evaluations, fixed_evaluations=fixed_evaluations,
+                        ms_per_evaluation=1e3 * second / evaluations, fixed_ms_per_evaluation=fixed_ms,
                         converged=int(result.converged.sum()), layers=int(result.converged.size),
                         max_relative_gap=float(np.nanmax(np.abs(result.relative_gap))),
                         others_cores=None if busy is None or m1.others is None else max(m1.others, busy))
         log(f"jaxdepth adaptive IG at tolerance {args.ig_tolerance}: first call {m1.wall:.2f} s, then {second:.2f} s; "
             f"{adaptive['evaluations']} gradient evaluations ({adaptive['converged']}/{adaptive['layers']} layers "
-            f"converged, largest |gap| {100 * adaptive['max_relative_gap']:.2f}% of |F(x) - F(b)|)")
+            f"converged, largest |gap| {100 * adaptive['max_relative_gap']:.2f}% of |F(x) - F(b)|); "
+            f"{adaptive['ms_per_evaluation']:.1f} ms per gradient evaluation against the fixed rule's {fixed_ms:.1f} ms")
 
     # ---- reference
     ref_times, ref_results, ref_load_s, ref_passes = {}, {}, None, {}

@@ -49,6 +49,9 @@ def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_pat
     assert adaptive["evaluations"] > 0 and adaptive["layers"] == tiny_model("llama_gqa_untied").config.num_hidden_layers
     if adaptive["converged"] == adaptive["layers"]:  # the certificate bounds the gap
         assert adaptive["max_relative_gap"] <= adaptive["tolerance"]
+    # milliseconds per gradient evaluation of each rule, from its time and its evaluations
+    assert adaptive["ms_per_evaluation"] == pytest.approx(1e3 * adaptive["jax_run_s"] / adaptive["evaluations"])
+    assert adaptive["fixed_ms_per_evaluation"] == pytest.approx(1e3 * fixed["jax_run_s"] / adaptive["fixed_evaluations"])
     share = adaptive["jax_run_s"] / (fixed["jax_run_s"] * 256 / 4)
     est, published = report["study_workload_estimate_adaptive_ig"], report["study_workload_estimate"]
     assert est["share_of_published_ig_time"] == pytest.approx(share)
