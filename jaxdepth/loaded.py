@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params, embed, forward, run_layers
+from jaxdepth.core.model import Params, check_tokens, embed, forward, run_layers
 
 
 @dataclasses.dataclass
@@ -89,15 +89,6 @@ class Model:
         if self.tokenizer is None:
             raise ValueError(f"the model from {self.source} has no tokenizer")
         return np.asarray(self.tokenizer(text)["input_ids"], np.int32)
-
-
-def check_tokens(tokens: np.ndarray, config: ModelConfig) -> None:
-    """Clear errors for token ids the model cannot take."""
-    if tokens.shape[-1] > config.max_position_embeddings:
-        raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of "
-                         f"{config.max_position_embeddings}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
 
 @partial(jit, static_argnames="config")

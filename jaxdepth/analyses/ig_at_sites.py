@@ -31,6 +31,7 @@ from jaxdepth.analyses.integrated_gradients import (BASELINES, ig_baseline, metr
                                                     weighted_gradient)
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import SITES
 from jaxdepth.core.sweep import auto_chunk_size
@@ -103,8 +104,6 @@ def _baselines(x, valid, baseline, layers):
 
 
 def _check_arguments(tokens, config, site, layers, rule, steps, tolerance):
-    from jaxdepth.loaded import check_tokens
-
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an int array [batch, seq], got {tokens.dtype} {tokens.shape}")

@@ -359,6 +359,15 @@ def layer_params(params: Params, i) -> Params:
     return _index(params["layers"], i)
 
 
+def check_tokens(tokens, config: ModelConfig) -> None:
+    """Clear errors for token ids the model cannot take."""
+    if tokens.shape[-1] > config.max_position_embeddings:
+        raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of "
+                         f"{config.max_position_embeddings}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+
+
 def embed(params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     return params["embed"][tokens]
 
