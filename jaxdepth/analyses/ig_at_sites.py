@@ -184,9 +184,15 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
     n = len(layers)
     common = dict(layers=np.asarray(layers), site=site, rule=rule)
     if rule == "adaptive":
-        return _adaptive(params, valid, x, b, inputs, positions, config, site, metric, interventions, layers,
-                         float(to_host(f_input)[0]), tolerance, max_evaluations, chunk_size, memory_budget,
-                         progress, per_channel, weighted, common)
+        b_all = x.at[np.asarray(layers)].set(b)  # every layer's row, as `site_path_points` indexes them
+
+        def path_points(grad, chunk=None):
+            return lambda ls, al: adaptive_ig.site_path_points(params, valid, x, b_all, inputs, ls, al, None, positions,
+                                                               config, site, metric, interventions, grad, chunk)
+
+        return _adaptive(path_points, weighted, layers, float(to_host(f_input)[0]), T, config, tolerance=tolerance,
+                         max_evaluations=max_evaluations, chunk_size=chunk_size, memory_budget=memory_budget,
+                         progress=progress, per_channel=per_channel, common=common)
 
     alphas, weights = quadrature(rule, steps)
     chunk = chunk_size or auto_chunk_size(config, B * T, steps, grad=True, memory_budget=memory_budget)
@@ -203,18 +209,15 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
                   evaluations=np.full((n, B), steps), **common)
 
 
-def _adaptive(params, valid, x, b_layers, inputs, positions, config, site, metric, interventions, layers, f_input,
-              tolerance, max_evaluations, chunk_size, memory_budget, progress, per_channel, weighted, common):
-    """The adaptive rule of `integrated_gradients` (one prompt)."""
-    T = valid.shape[1]
-    b = x.at[np.asarray(layers)].set(b_layers)  # every layer's row, as `site_path_points` indexes them
-
-    def call(grad, chunk=None):
-        return lambda ls, al: adaptive_ig.site_path_points(params, valid, x, b, inputs, ls, al, None, positions,
-                                                           config, site, metric, interventions, grad, chunk)
-
+def _adaptive(path_points, weighted, layers, f_input: float, seq_len: int, config: ModelConfig, *, tolerance: float,
+              max_evaluations: int, chunk_size, memory_budget, progress: bool, per_channel: bool, common: dict):
+    """The adaptive rule of `integrated_gradients` (one prompt): `path_points(grad, chunk)` the
+    rounds' evaluations (`site_path_points`), `weighted(i, alphas, weights, chunk)` the weighted
+    per-channel pass of the i-th attributed layer."""
+    site = common["site"]
     with tqdm(total=len(layers), desc=f"adaptive integrated gradients at {site}", disable=not progress) as bar:
-        rules = adaptive_ig.run_rule(call, layers, f_input, T, config, tolerance=np.full(len(layers), tolerance),
+        rules = adaptive_ig.run_rule(path_points, layers, f_input, seq_len, config,
+                                     tolerance=np.full(len(layers), tolerance),
                                      max_evaluations=max_evaluations, chunk_size=chunk_size,
                                      memory_budget=memory_budget, on_layer=bar.update)
     summary = adaptive_ig.summarise(rules)
