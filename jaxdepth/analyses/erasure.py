@@ -31,11 +31,10 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual
-from jaxdepth.core.model import (clean_key_values, final_residual, layer_inputs, residual_stream, run_layers_from,
-                                 unembed)
+from jaxdepth.core.model import final_residual, layer_inputs, residual_stream, run_layers_from, unembed
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
-from jaxdepth.analyses.stats import masked_max, norm
+from jaxdepth.analyses.stats import masked_max, metric_value, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
 
@@ -60,16 +59,6 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
         total += to_host(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config,
                                         interventions))
     return (total / batch.valid.sum()).astype(np.float32)
-
-
-def metric_value(metric: Callable, logits):
-    """`metric(logits)` as a float32 scalar, for one prompt's logits `[1, T, V]`; a metric that
-    returns anything but a scalar is refused at trace time (`ValueError`)."""
-    value = metric(logits)
-    if jnp.shape(value) != ():
-        raise ValueError(f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
-                         f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}")
-    return jnp.asarray(value, jnp.float32)
 
 
 # Erasure positions are split into up to this many blocks of at least MIN_BLOCK positions; each
@@ -117,15 +106,10 @@ def clean_run(params, tokens, valid, answer_positions, config: ModelConfig, inte
     """What every erasure of a prompt starts from, all of the run under `interventions` (default
     none): `(inputs, keys, values, clean)`, every boundary's residual as its layer receives it
     `[L+1, 1, T, D]` (the clean residual stream h_0..h_L; under interventions, before each
-    layer's own, `layer_inputs`), every layer's keys and values (those the run used: the
-    prefix of a suffix run), and the clean answer distributions `[1, A, V]`."""
-    if not as_interventions(interventions):
-        hs = residual_stream(params, tokens, config, valid=valid)
-        keys, values = clean_key_values(params, hs, config, valid=valid)
-        final = hs[-1]
-    else:
-        hs, final, (keys, values) = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
-                                                 tap=lambda r, _: (r.k, r.v))
+    layer's own, `layer_inputs`), every layer's keys and values (read off the run: the prefix
+    of a suffix run), and the clean answer distributions `[1, A, V]`."""
+    hs, final, (keys, values) = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
+                                             tap=lambda r, _: (r.k, r.v))
     clean = jax.nn.softmax(unembed(params, final[:, answer_positions], config), axis=-1)
     return hs, keys, values, clean
 

@@ -36,11 +36,10 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
-from jaxdepth.core.model import LayerRecord, layer_inputs, residual_stream, run_layers_from, unembed
+from jaxdepth.core.model import LayerRecord, layer_inputs, run_layers_from, unembed
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.results import SavedResult
-from jaxdepth.analyses.erasure import metric_value
-from jaxdepth.analyses.stats import masked_max, norm, relative_norm
+from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
 
@@ -105,12 +104,9 @@ def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, confi
     """
     L = config.num_layers
     ivs = as_interventions(interventions)
-    if ivs:
-        starts, clean_final, clean_deltas = layer_inputs(params, tokens, config, valid=valid, interventions=ivs,
-                                                         tap=lambda r, _: r.delta)
-    else:  # without interventions, each layer's input is h_l of the residual stream
-        hs = residual_stream(params, tokens, config, valid=valid)
-        starts, clean_final, clean_deltas = hs, hs[-1], hs[1:] - hs[:-1]
+    # Without interventions, each layer's input is h_l of the residual stream and Δ_j = h_{j+1} - h_j.
+    starts, clean_final, clean_deltas = layer_inputs(params, tokens, config, valid=valid, interventions=ivs,
+                                                     tap=lambda r, _: r.delta)
 
     def runs_of_layer(layer):
         def member(m):

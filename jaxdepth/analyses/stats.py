@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,3 +44,13 @@ def per_prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
 def prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """Mean over positions within each prompt, then over prompts."""
     return per_prompt_mean(values, valid).mean(axis=-1)
+
+
+def metric_value(metric: Callable, logits):
+    """`metric(logits)` as a float32 scalar, for one prompt's logits `[1, T, V]`; a metric that
+    returns anything but a scalar is refused at trace time (`ValueError`)."""
+    value = metric(logits)
+    if jnp.shape(value) != ():
+        raise ValueError(f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
+                         f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}")
+    return jnp.asarray(value, jnp.float32)
