@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from jaxdepth.analyses import attribution, erasure
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.loading import load
 from jaxdepth.prompts import encode, format_short, read_rows
 

@@ -744,7 +744,7 @@ def _print_study_rows(est):
 
 
 def write_json_atomic(path, obj):
-    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.atomic import atomic_write
 
     with atomic_write(path, "w") as f:
         json.dump(obj, f, indent=2, default=_json_default)

@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
 from jaxdepth.study import StudySettings, run_study, saved_model_name, slug
 

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from jaxdepth.analyses.adaptive_ig import adaptive_ig_of_prompt, path_points
 from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.case_study import ARITHMETIC_PROMPT
 from jaxdepth.loading import load
 from jaxdepth.prompts import encode, format_short, read_rows

@@ -21,7 +21,7 @@ import os
 import jax
 
 from jaxdepth import plots, published
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.loading import load
 from jaxdepth.prompts import DATASETS, encode, load_prompts
 from jaxdepth.results import load_result

@@ -91,7 +91,7 @@ def save_comparison(comparison: LensComparison, out_dir: str, *, figures: bool =
                     resamples: int = uncertainty.DEFAULT_RESAMPLES) -> list[str]:
     """Both results (`.npz`), the table (`.md`) and the figure (`.png`, `.pdf`) into `out_dir`,
     each written atomically; returns the paths."""
-    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.atomic import atomic_write
 
     os.makedirs(out_dir, exist_ok=True)
     paths = [r.save(os.path.join(out_dir, name.replace(" ", "_") + ".npz")) for name, r in comparison.results.items()]

@@ -22,7 +22,7 @@ from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.analyses.attribution import AttributionResult
 from jaxdepth.analyses.contributions import ContributionResult
 from jaxdepth.analyses.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,

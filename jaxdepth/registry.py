@@ -33,7 +33,7 @@ class Analysis:
 
     identity: settings -> the settings that change this analysis's result (a cached result is
         reused when these, the model, the prompts and the dataset match).
-    run: `RunInputs` -> the result (a `jaxdepth.results.SavedResult`).
+    run: `RunInputs` -> the result (a `jaxdepth.core.saved_result.SavedResult`).
     figures: (result, tokenizer, detail_prompts) -> `{figure name: matplotlib Figure}`.
     summary: result -> short phrases for the one-line summary of a run.
     detail: runs on the first `detail_prompts` prompts only (the per-position sweeps).

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.atomic import folder_lock
+from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.loading import Model

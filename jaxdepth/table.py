@@ -11,7 +11,7 @@ from typing import Iterable
 
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
-from jaxdepth.atomic import atomic_write
+from jaxdepth.core.atomic import atomic_write
 from jaxdepth.results import load_result
 
 METHODS = ("cosine", "kl", "overlap")

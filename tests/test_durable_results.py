@@ -12,19 +12,19 @@ import time
 
 import pytest
 
-from jaxdepth.atomic import TEMP_PREFIX, FolderBusyError, folder_lock
+from jaxdepth.core.atomic import TEMP_PREFIX, FolderBusyError, folder_lock
 
 # A tiny model and two prompts; `sleeper` is an analysis that stops inside an atomic write.
 SETUP = textwrap.dedent("""
     import dataclasses, os, sys, time
     import numpy as np
-    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.atomic import atomic_write
     from jaxdepth.core.batch import make_batch
     from jaxdepth.core.config import ModelConfig
     from jaxdepth.core.model import random_params
     from jaxdepth.loading import Model
     from jaxdepth.registry import Analysis, register
-    from jaxdepth.results import SavedResult
+    from jaxdepth.core.saved_result import SavedResult
     from jaxdepth.study import run_study
 
     CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -65,7 +65,7 @@ def test_a_second_run_on_the_same_folder_is_refused_at_once(tmp_path):
     folder = tmp_path / "tiny" / "toy"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
-        from jaxdepth.atomic import folder_lock
+        from jaxdepth.core.atomic import folder_lock
         with folder_lock(sys.argv[1]):
             print("held", flush=True)
             sys.stdin.read()

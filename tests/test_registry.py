@@ -14,7 +14,8 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.loading import Model
 from jaxdepth.core.model import random_params
 from jaxdepth.registry import ANALYSES, Analysis, register
-from jaxdepth.results import SavedResult, load_result
+from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.results import load_result
 from jaxdepth.study import StudySettings, run_study, write_figures
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,

@@ -34,7 +34,7 @@ from jaxdepth.core.model import embed, run_layers, unembed
 from jaxdepth.core.sites import SITES, Intervention, as_interventions
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 
 # Activations of all layers the backward may keep (rough bytes, `member_bytes` x layers). A
 # constant, not the free memory: every process of a multi-process run must compile the same

@@ -15,7 +15,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import LayerRecord, embed, run_layers
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
 
 # Order of the statistics on the last axis of `per_token`.

@@ -33,7 +33,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual
 from jaxdepth.core.model import final_residual, layer_inputs, residual_stream, run_layers_from, unembed
 from jaxdepth.core.sites import as_interventions
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host

@@ -39,7 +39,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import (final_residual, layer_context, layer_inputs, layer_params, layer_step,
                                  run_layers_from, unembed)
 from jaxdepth.core.sites import Intervention, as_interventions
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sweep import auto_chunk_size, sweep_sum
 from jaxdepth.core.sharding import to_host
 

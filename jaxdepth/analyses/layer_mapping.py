@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_RIDGE = 1e-3

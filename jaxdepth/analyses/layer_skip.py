@@ -38,7 +38,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import LayerRecord, layer_inputs, run_layers_from, unembed
 from jaxdepth.core.sites import as_interventions
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host

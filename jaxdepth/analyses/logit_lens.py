@@ -16,7 +16,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.sharding import to_host
-from jaxdepth.results import SavedResult
+from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
 from jaxdepth.analyses.tuned_lens import translate
 

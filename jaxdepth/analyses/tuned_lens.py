@@ -224,7 +224,7 @@ def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: O
 def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
     import orbax.checkpoint as ocp
 
-    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.atomic import atomic_write
 
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)

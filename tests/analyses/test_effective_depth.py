@@ -106,7 +106,7 @@ def test_save_removes_temporaries_of_killed_writers_only(tmp_path):
 
 
 def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):
-    from jaxdepth.atomic import atomic_write
+    from jaxdepth.core.atomic import atomic_write
 
     path = tmp_path / "table.md"
     path.write_text("old")
