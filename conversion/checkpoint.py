@@ -17,7 +17,7 @@ import numpy as np
 
 from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 from jaxdepth.core.model import check_params
 
 MARKER = "jaxdepth.json"

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 from conversion.layout import GGUF_NAMES, assemble_params
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 

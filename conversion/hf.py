@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 from conversion.layout import HF_NAMES, assemble_params
 from conversion.safetensors_io import read_safetensors
 from jaxdepth.core.config import ModelConfig

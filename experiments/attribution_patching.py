@@ -26,8 +26,8 @@ import numpy as np
 
 from jaxdepth.analyses import attribution, erasure
 from jaxdepth.core.atomic import atomic_write
-from jaxdepth.loading import load
-from jaxdepth.prompts import encode, format_short, read_rows
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import encode, format_short, read_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl")

@@ -54,7 +54,7 @@ def parse_args(argv=None):
                    help="an embedded jaxdepth model name or a .gguf file: jaxdepth converts it, transformers "
                         "reads the same file with its GGUF loader")
     p.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
-    from jaxdepth.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES
 
     p.add_argument("--analyses", default=",".join(ANALYSES),
                    help="comma-separated subset of " + ", ".join(ANALYSES))
@@ -363,7 +363,7 @@ class Case:
 
 
 def _settings(bench: Bench):
-    from jaxdepth.study import StudySettings
+    from jaxdepth.lab.study import StudySettings
 
     return StudySettings(seed=bench.args.seed, skip_sublayers=("layer",), ig_steps=bench.args.ig_steps)
 
@@ -371,7 +371,7 @@ def _settings(bench: Bench):
 def _via_registry(name: str):
     """jaxdepth's side of a case: the registered analysis, run as `jaxdepth run` runs it."""
     def run(bench: Bench, w: Workload):
-        from jaxdepth.registry import RunInputs, analysis
+        from jaxdepth.lab.registry import RunInputs, analysis
 
         return analysis(name).run(RunInputs(model=bench.model, batch=w.batch, settings=_settings(bench),
                                             progress=False))
@@ -550,7 +550,7 @@ _ATTRIBUTION = Case(
     passes=lambda bench, w: f"; {len(w.lengths)} forward+backward pass(es), the erasure's prompts")
 
 
-# One case per registered analysis (`jaxdepth.registry.ANALYSES`); a test checks they match.
+# One case per registered analysis (`jaxdepth.lab.registry.ANALYSES`); a test checks they match.
 CASES = {
     "contributions": Case(
         prompts=lambda a: a.prompts, cap=lambda a: a.max_tokens,
@@ -773,7 +773,7 @@ def main(argv=None) -> int:
     wall_start = time.perf_counter()
     load_before = os.getloadavg()
 
-    from jaxdepth.optional import MissingDependencyError, require
+    from jaxdepth.lab.optional import MissingDependencyError, require
 
     try:
         torch = require("torch", purpose="the benchmark's PyTorch reference",
@@ -789,8 +789,8 @@ def main(argv=None) -> int:
 
     import jaxdepth
     from jaxdepth.analyses.layer_skip import sample_split_positions
-    from jaxdepth.loading import embedded_gguf_path
-    from jaxdepth.prompts import encode, load_prompts
+    from jaxdepth.lab.sources import embedded_gguf_path
+    from jaxdepth.lab.prompts import encode, load_prompts
 
     log(f"jax {jax.__version__} on {jax.devices()}, torch {torch.__version__} with {torch.get_num_threads()} "
         f"threads, {os.cpu_count()} cores; load average before: {load_before[0]:.2f}")

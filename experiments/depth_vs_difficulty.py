@@ -45,8 +45,8 @@ import numpy as np
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
-from jaxdepth.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
-from jaxdepth.study import StudySettings, run_study, saved_model_name, slug
+from jaxdepth.lab.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
+from jaxdepth.lab.study import StudySettings, run_study, saved_model_name, slug
 
 DIFFICULTY_DATASETS = ("math", "mquake")
 STUDY_ORDER_SEED = 42  # the study's code shuffles each level's rows with random.Random(42)
@@ -56,7 +56,7 @@ CSV_FIELDS = ("model", "dataset", "subject", "difficulty", "label", "group", "pr
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="anything jaxdepth.loading.load accepts")
+    parser.add_argument("--model", default="smollm2", help="anything jaxdepth.lab.sources.load accepts")
     parser.add_argument("--dataset", default="mquake", choices=DIFFICULTY_DATASETS)
     parser.add_argument("--data", help="local JSONL (or .json list) rows instead of the hub")
     parser.add_argument("--subject", choices=MATH_SUBJECTS,
@@ -192,9 +192,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from jaxdepth import plots
+    from jaxdepth.lab import plots
     from jaxdepth.core.sharding import is_writer, mesh_from_spec
-    from jaxdepth.loading import load
+    from jaxdepth.lab.sources import load
 
     try:
         groups = prompts_by_difficulty(args.dataset, args.data, args.subject)

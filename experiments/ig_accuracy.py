@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 from jaxdepth.analyses.adaptive_ig import adaptive_ig_of_prompt, path_points
 from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
 from jaxdepth.core.atomic import atomic_write
-from jaxdepth.case_study import ARITHMETIC_PROMPT
-from jaxdepth.loading import load
-from jaxdepth.prompts import encode, format_short, read_rows
+from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import encode, format_short, read_rows
 
 TOLERANCES = (0.3, 0.1, 0.03, 0.01)
 REFERENCE_TOLERANCE = 2e-3

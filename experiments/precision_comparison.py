@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses import contributions, effective_depth as ed, logit_lens
-from jaxdepth.loading import load
+from jaxdepth.lab.sources import load
 from jaxdepth.core.model import forward
-from jaxdepth.prompts import encode, load_prompts
+from jaxdepth.lab.prompts import encode, load_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxdepth.optional import require
+from jaxdepth.lab.optional import require
 
 torch = require("torch", purpose="the PyTorch reference (experiments/reference_torch.py)",
                 install="pip install torch==2.13.0 accelerate (the CPU build; or the README's test set-up)")

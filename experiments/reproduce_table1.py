@@ -2,7 +2,7 @@
 Zhang 2025) and its figures: cosine, KL and top-5-overlap effective depth of all 12 models
 (Qwen2.5 Instruct 1.5B-32B; the bases Qwen2.5-Math-1.5B, -Math-7B, Qwen2.5-14B, -32B; and their
 long-CoT distillations DeepSeek-R1-Distill-Qwen 1.5B-32B) on GSM8K, HellaSwag and AIME24, with
-the published numbers alongside (`jaxdepth.published`), and the paired base vs long-CoT figure.
+the published numbers alongside (`jaxdepth.lab.published`), and the paired base vs long-CoT figure.
 
 Meant for an accelerator machine with network access (or a filled Hugging Face cache):
 
@@ -20,14 +20,14 @@ import os
 
 import jax
 
-from jaxdepth import plots, published
+from jaxdepth.lab import plots, published
 from jaxdepth.core.atomic import atomic_write
-from jaxdepth.loading import load
-from jaxdepth.prompts import DATASETS, encode, load_prompts
-from jaxdepth.results import load_result
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
+from jaxdepth.lab.results import load_result
 from jaxdepth.core.sharding import mesh_from_spec
-from jaxdepth.study import StudySettings, result_folder, run_study
-from jaxdepth.table import collect, to_markdown, write_table
+from jaxdepth.lab.study import StudySettings, result_folder, run_study
+from jaxdepth.lab.table import collect, to_markdown, write_table
 
 MODELS = list(published.TABLE1)
 

@@ -20,9 +20,9 @@ from jaxdepth.analyses import erasure, integrated_gradients as ig
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.interventions import replace_residual
-from jaxdepth.loading import load
+from jaxdepth.lab.sources import load
 from jaxdepth.core.model import embed, forward, residual_stream, run_layers, unembed
-from jaxdepth.prompts import encode, load_prompts
+from jaxdepth.lab.prompts import encode, load_prompts
 from jaxdepth.analyses.stats import masked_max, norm
 from jaxdepth.core.sweep import sweep
 

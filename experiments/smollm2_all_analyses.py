@@ -11,10 +11,10 @@ import argparse
 import os
 import time
 
-from jaxdepth.loading import load
-from jaxdepth.prompts import encode, load_prompts
-from jaxdepth.registry import ANALYSES
-from jaxdepth.study import StudySettings, run_analysis
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import encode, load_prompts
+from jaxdepth.lab.registry import ANALYSES
+from jaxdepth.lab.study import StudySettings, run_analysis
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl")

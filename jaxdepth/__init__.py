@@ -4,7 +4,8 @@ from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.interventions import Interventions
 from jaxdepth.core.model import forward, residual_stream, run_layers
-from jaxdepth.loading import Model, load
+from jaxdepth.lab.loaded_model import Model
+from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig_at_sites import SiteIG, integrated_gradients
 

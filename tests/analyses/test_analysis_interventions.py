@@ -16,7 +16,7 @@ from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, run_layers
-from jaxdepth.results import load_result
+from jaxdepth.lab.results import load_result
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,

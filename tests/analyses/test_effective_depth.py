@@ -9,7 +9,7 @@ import pytest
 
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses.logit_lens import LogitLensResult
-from jaxdepth.results import load_result
+from jaxdepth.lab.results import load_result
 
 
 def test_cosine_takes_the_last_negative_to_nonnegative_crossing():

@@ -17,7 +17,7 @@ from jaxdepth.analyses.integrated_gradients import ig_baseline, quadrature
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, run_layers, embed
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0, rms_norm_eps=1e-6,
@@ -177,7 +177,7 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
     ref_h, ref_t = run_layers(params, embed(params, tokens), CONFIG, interventions=skip, tap=tap_mlp_norm)
     assert_close(h, ref_h, "h_L")
     assert_close(tapped, ref_t, "tap")
-    from jaxdepth.loaded import _jit_forward
+    from jaxdepth.lab.loaded_model import _jit_forward
 
     before = _jit_forward._cache_size()
     for factor in (0.0, 0.5, 2.0):  # a new intervention value compiles nothing new

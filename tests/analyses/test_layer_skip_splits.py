@@ -12,8 +12,8 @@ from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import embed, forward, random_params, run_layers
-from jaxdepth.registry import analysis
-from jaxdepth.study import StudySettings
+from jaxdepth.lab.registry import analysis
+from jaxdepth.lab.study import StudySettings
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,

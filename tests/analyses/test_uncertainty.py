@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxdepth import table
+from jaxdepth.lab import table
 from jaxdepth.analyses import uncertainty as u
 from jaxdepth.analyses.contributions import STATISTICS, ContributionResult
 from jaxdepth.analyses.effective_depth import depth_score, overlap_effective_depth

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import SHARED_DATA, shared_data_path, write_tiny_gguf
-from jaxdepth.prompts import load_prompts
+from jaxdepth.lab.prompts import load_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -60,7 +60,7 @@ def check_sharded_restore(params):
 
     import jaxdepth
     from conversion.checkpoint import save_converted
-    from jaxdepth.loaded import Model
+    from jaxdepth.lab.loaded_model import Model
 
     mesh = make_mesh(data=4, model=2)
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 from jaxdepth.core.model import forward, random_params
 from jaxdepth.core.module import Decoder, abstract_decoder, partition_specs
 from jaxdepth.core.sharding import PARTITION_RULES

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
-from jaxdepth.cli import main
-from jaxdepth.registry import ANALYSES
-from jaxdepth.results import load_result
+from jaxdepth.lab.cli import main
+from jaxdepth.lab.registry import ANALYSES
+from jaxdepth.lab.results import load_result
 
 TIMEOUT_S = 600  # the whole two-process run; the test kills both processes beyond it
 ARGS = ["--dataset", "default", "--prompts", "2", "--detail-prompts", "1", "--ig-steps", "2", "--bootstrap", "50"]
@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 def _launch(model, out, port, process_id):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "jaxdepth.cli", "run", "--model", model, *ARGS, "--out", out,
+    command = [sys.executable, "-m", "jaxdepth.lab.cli", "run", "--model", model, *ARGS, "--out", out,
                "--mesh", "2x4", "--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                "--process-id", str(process_id)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

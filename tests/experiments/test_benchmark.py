@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.abspath(EXPERIMENTS))
 
 import benchmark  # noqa: E402
 
-from jaxdepth.registry import ANALYSES  # noqa: E402
+from jaxdepth.lab.registry import ANALYSES  # noqa: E402
 
 
 def test_every_registered_analysis_has_a_case():

@@ -11,7 +11,7 @@ import numpy as np
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.effective_depth import depth_score
-from jaxdepth.results import load_result
+from jaxdepth.lab.results import load_result
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import depth_vs_difficulty as experiment  # noqa: E402

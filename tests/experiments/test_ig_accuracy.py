@@ -12,9 +12,9 @@ import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.integrated_gradients import integrated_gradients, quadrature
-from jaxdepth.case_study import ARITHMETIC_PROMPT
-from jaxdepth.loading import load
-from jaxdepth.prompts import encode
+from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import encode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_accuracy as experiment  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import save_tiny_checkpoint
-from jaxdepth import published
+from jaxdepth.lab import published
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import reproduce_table1 as reproduce  # noqa: E402

@@ -15,6 +15,6 @@ RESULT_FORMAT = 2
 def load_result(path: str) -> Any:
     """Load any result written by `SavedResult.save`, as its own type (any type defined in a
     module imported by now; the registered analyses' modules are imported here)."""
-    import jaxdepth.registry  # noqa: F401  (a result type registers itself when its module is imported)
+    import jaxdepth.lab.registry  # noqa: F401  (a result type registers itself when its module is imported)
 
     return load_saved(path)

@@ -15,10 +15,10 @@ import pytest
 from conftest import save_tiny_checkpoint, shared_data_path
 from conversion.checkpoint import save_converted
 from jaxdepth.analyses import effective_depth as ed
-from jaxdepth.cli import main
-from jaxdepth.prompts import load_prompts
-from jaxdepth.registry import ANALYSES as REGISTERED
-from jaxdepth.results import load_result
+from jaxdepth.lab.cli import main
+from jaxdepth.lab.prompts import load_prompts
+from jaxdepth.lab.registry import ANALYSES as REGISTERED
+from jaxdepth.lab.results import load_result
 
 ANALYSES = list(REGISTERED)
 
@@ -84,7 +84,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
 
 
 def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
-    args = [sys.executable, "-m", "jaxdepth.cli", *_run_args(tiny, tmp_path, "--no-figures", datasets=["default"])]
+    args = [sys.executable, "-m", "jaxdepth.lab.cli", *_run_args(tiny, tmp_path, "--no-figures", datasets=["default"])]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = tmp_path / "model" / "default" / "logit_lens.npz"
     deadline = time.time() + 300
@@ -134,7 +134,7 @@ def test_dataset_rows_are_formatted_exactly(shared_data):
     for prompt, row in zip(rows, raw):
         sep = "" if row["ending"].startswith(",") else " "
         assert prompt.text == row["ctx"] + sep + row["ending"] and prompt.question == row["ctx"]
-    from jaxdepth.prompts import format_hellaswag
+    from jaxdepth.lab.prompts import format_hellaswag
     assert format_hellaswag({"ctx": "He stops", "ending": ", then runs."}).text == "He stops, then runs."
     assert format_hellaswag({"ctx": "He stops", "ending": "and runs."}).text == "He stops and runs."
     aime = load_prompts("aime24", AIME)[0]
@@ -208,7 +208,7 @@ def test_every_skip_sublayer_subset_runs_through_the_cli(tiny, tmp_path, capsys)
 
 
 def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, capsys, shared_data):
-    from jaxdepth.cli import BASELINE_PROMPTS, erasure_baseline_prompts
+    from jaxdepth.lab.cli import BASELINE_PROMPTS, erasure_baseline_prompts
 
     gsm8k = shared_data("gsm8k_test_sample.jsonl")
     prompts, name = erasure_baseline_prompts(None, ["default"], {})

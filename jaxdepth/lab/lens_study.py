@@ -42,7 +42,7 @@ def compare_lenses(model, train: PromptBatch, held_out: PromptBatch, settings: L
     """Train (or resume, or reuse) the tuned lens in `lens_dir` on `train`, then read `held_out`
     through the logit lens and the tuned lens. The lens folder records what it was trained on
     (the training tokens and the model's config): other data or another model is an error."""
-    from jaxdepth.study import batch_digest
+    from jaxdepth.lab.study import batch_digest
 
     params, config, seconds = model.params, model.config, {}
     identity = {"train_tokens_sha": batch_digest(train), "model_config": config.to_dict()}
@@ -100,7 +100,7 @@ def save_comparison(comparison: LensComparison, out_dir: str, *, figures: bool =
         f.write(comparison_markdown(comparison.results, resamples=resamples))
     paths.append(table)
     if figures:
-        from jaxdepth import plots
+        from jaxdepth.lab import plots
 
         fig = plots.lens_comparison_figure(comparison.results, resamples=resamples)
         paths.extend(plots.save_figure(fig, os.path.join(out_dir, "lens_comparison")))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jaxdepth import prompts
-from jaxdepth.prompts import DatasetError, Prompt, load_prompts, math_subject
+from jaxdepth.lab import prompts
+from jaxdepth.lab.prompts import DatasetError, Prompt, load_prompts, math_subject
 
 SUBJECTS = ["Algebra", "Counting & Probability", "Geometry", "Intermediate Algebra", "Precalculus"]
 
@@ -151,7 +151,7 @@ def test_a_token_straddling_question_and_answer_is_answer():
     it is attributed with the answer rather than dropped from it."""
     from conftest import tiny_tokenizer
 
-    from jaxdepth.prompts import Prompt, encode
+    from jaxdepth.lab.prompts import Prompt, encode
 
     tokenizer = tiny_tokenizer()
     prompt = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")

@@ -29,7 +29,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import residual_stream
 from jaxdepth.core.sharding import is_writer, to_host, writer_decides
-from jaxdepth.loaded import Model
+from jaxdepth.lab.loaded_model import Model
 
 RESULT_NAME = "layer_mapping"
 MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
@@ -183,7 +183,7 @@ def compute_mapping(small: Model, large: Model, train: PromptBatch, held_out: Pr
 
 def mapping_folder(out_dir: str, small_name: str, large_name: str, dataset: str) -> str:
     """`OUT/<small>__<large>/<dataset>`: where a mapping's result and figure go."""
-    from jaxdepth.study import slug
+    from jaxdepth.lab.study import slug
 
     return os.path.join(out_dir, f"{slug(small_name)}__{slug(large_name)}", slug(dataset))
 
@@ -192,7 +192,7 @@ def _reusable(path: str, identity: dict) -> Optional[LayerMappingResult]:
     """The saved result at `path` if it was computed with exactly `identity`, else None."""
     import json
 
-    from jaxdepth.results import load_result
+    from jaxdepth.lab.results import load_result
 
     if not os.path.isfile(path):
         return None
@@ -209,7 +209,7 @@ def encode_both(small: Model, large: Model, prompts, *, max_tokens: Optional[int
                 limit: Optional[int] = None) -> PromptBatch:
     """Encode `prompts` with both tokenizers, check they agree (`check_same_tokenizer`) and
     return the batch; prompts longer than either model's context are an error."""
-    from jaxdepth.prompts import encode
+    from jaxdepth.lab.prompts import encode
 
     for model in (small, large):
         if model.tokenizer is None:
@@ -226,14 +226,14 @@ def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, s
                limit: Optional[int] = None, mesh=None, figures: bool = True, progress: bool = True,
                log: Callable[[str], None] = print) -> LayerMappingResult:
     """Map every boundary of `small` onto every boundary of `large` on `prompts`
-    (`jaxdepth.prompts.Prompt`s; encoded with both tokenizers, which must agree: ValueError
+    (`jaxdepth.lab.prompts.Prompt`s; encoded with both tokenizers, which must agree: ValueError
     otherwise), the first `settings.train_prompts` fitting and the rest held out.
 
     Writes `layer_mapping.npz` and the heatmap (`layer_mapping.png`, `.pdf`) under
     `mapping_folder(out_dir, small_name, large_name, dataset)`, atomically, from the writer
     process only; a saved result with the same models, prompts and settings is reused.
     `max_tokens` skips longer prompts (the AIME rule), `limit` caps the number encoded."""
-    from jaxdepth.study import batch_digest, software_versions
+    from jaxdepth.lab.study import batch_digest, software_versions
 
     batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
     k = settings.train_prompts
@@ -263,7 +263,7 @@ def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, s
             result.save(path)
         log(f"layer mapping: {seconds:.1f} s -> {path}")
     if figures and is_writer() and result is not None:
-        from jaxdepth.plots import save_figure
+        from jaxdepth.lab.plots import save_figure
 
         for written in save_figure(mapping_figure(result), os.path.join(folder, RESULT_NAME)):
             log(f"wrote {written}")
@@ -280,12 +280,12 @@ def mapping_figure(result: LayerMappingResult, *, title: Optional[str] = None):
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from jaxdepth.study import slug
+    from jaxdepth.lab.study import slug
 
     Ls, Ll = result.small_layers, result.large_layers
     small, large = slug(result.small_model), slug(result.large_model)  # a folder path would fill the axis
     fig = Figure(figsize=(max(5.5, 3 + 0.12 * Ll), max(4.5, 1.5 + 0.12 * Ls)), layout="constrained")
-    FigureCanvasAgg(fig)  # Agg whatever backend pyplot may use elsewhere (as jaxdepth.plots does)
+    FigureCanvasAgg(fig)  # Agg whatever backend pyplot may use elsewhere (as jaxdepth.lab.plots does)
     ax = fig.add_subplot()
     image = ax.imshow(result.errors, origin="lower", aspect="auto", cmap="viridis", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=r"held-out $\|h_l - f(h_m)\| \,/\, \|h_l\|$")
@@ -323,10 +323,10 @@ def summary(result: LayerMappingResult) -> str:
 # ----------------------------------------------------------------------------- command line
 
 def _map(args) -> int:
-    from jaxdepth.cli import _mesh
-    from jaxdepth.loading import load
-    from jaxdepth.prompts import DATASETS, load_prompts
-    from jaxdepth.study import saved_model_name
+    from jaxdepth.lab.meshes import mesh_from_args
+    from jaxdepth.lab.sources import load
+    from jaxdepth.lab.prompts import DATASETS, load_prompts
+    from jaxdepth.lab.study import saved_model_name
 
     if not 0 < args.train_prompts < args.prompts:
         raise ValueError(f"--train-prompts ({args.train_prompts}) must lie between 0 and --prompts ({args.prompts}): "
@@ -334,7 +334,7 @@ def _map(args) -> int:
     max_tokens = DATASETS[args.dataset].max_tokens
     # Read the prompts before the models: a bad file should fail in a second, not after a load.
     prompts = load_prompts(args.dataset, args.data, limit=None if max_tokens else args.prompts)
-    mesh = _mesh(args)
+    mesh = mesh_from_args(args)
     dtype = None if args.dtype == "float32" else args.dtype
     start = time.perf_counter()
     small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
@@ -350,7 +350,7 @@ def _map(args) -> int:
 
 def add_parser(subparsers) -> None:
     """Add the `map` subcommand to the `jaxdepth` command's subparsers."""
-    from jaxdepth.prompts import DATASETS
+    from jaxdepth.lab.prompts import DATASETS
 
     p = subparsers.add_parser(
         "map", help="fit linear maps from every layer of a smaller model to every layer of a larger one (same "

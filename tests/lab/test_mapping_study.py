@@ -13,10 +13,10 @@ import pytest
 import jaxdepth
 from conftest import save_tiny_checkpoint, tiny_tokenizer
 from conversion.checkpoint import save_converted
-from jaxdepth import mapping_study
+from jaxdepth.lab import mapping_study
 from jaxdepth.analyses.layer_mapping import LayerMappingResult
-from jaxdepth.mapping_study import MappingSettings, map_models, mapping_figure, mapping_folder
-from jaxdepth.prompts import load_prompts
+from jaxdepth.lab.mapping_study import MappingSettings, map_models, mapping_figure, mapping_folder
+from jaxdepth.lab.prompts import load_prompts
 
 INSERTED_AT = 1  # the large model is the small one with an identity layer before layer 1
 
@@ -137,7 +137,7 @@ def test_figure_marks_best_matches_and_the_diagonal():
 
 
 def test_settings_out_of_range_are_refused():
-    from jaxdepth.mapping_study import MappingSettings
+    from jaxdepth.lab.mapping_study import MappingSettings
 
     for bad in (dict(first_position=-1), dict(ridge=-0.1)):
         with pytest.raises(ValueError, match="must be >= 0"):

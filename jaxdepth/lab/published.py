@@ -1,5 +1,5 @@
 """The effective depths the second study published (Table 1 of "What Affects the Effective Depth
-of Large Language Models?", Hu, Zhou, Zhang 2025), as rows shaped like `jaxdepth.table.collect`'s,
+of Large Language Models?", Hu, Zhou, Zhang 2025), as rows shaped like `jaxdepth.lab.table.collect`'s,
 so a reproduction prints and plots next to them.
 
 Source: the study's Table 1, and its authors' notebook `exp3_universal_metric_simple.ipynb`
@@ -49,7 +49,7 @@ LONG_COT_PAIRS = (
 
 
 def published_rows() -> list[dict]:
-    """Table 1 as rows of `jaxdepth.table.collect`'s shape (model, dataset, method, layers, ed,
+    """Table 1 as rows of `jaxdepth.lab.table.collect`'s shape (model, dataset, method, layers, ed,
     ratio), the ratio computed as METHODS §6 defines it, (ED + 1) / L."""
     rows = []
     for model, (layers, per_dataset) in TABLE1.items():

@@ -10,14 +10,15 @@ import os
 import sys
 import time
 
-from jaxdepth.optional import MissingDependencyError
+from jaxdepth.lab.meshes import mesh_from_args
+from jaxdepth.lab.optional import MissingDependencyError
 
 
 def _convert(args) -> int:
     import numpy as np
 
     from conversion.checkpoint import save_converted
-    from jaxdepth.loading import convert_source
+    from jaxdepth.lab.sources import convert_source
 
     dtype = {"float32": np.float32, "bfloat16": "bfloat16"}[args.dtype]
     if dtype == "bfloat16":
@@ -55,7 +56,7 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
     what this run can read without a network: the run's own GSM8K prompts (`--data gsm8k=...` or
     the hub), else the embedded default prompts (GSM8K rows, shipped with jaxdepth), else the
     hub; when none is readable, each dataset's own prompts (None), with a warning."""
-    from jaxdepth.prompts import DatasetError, load_prompts
+    from jaxdepth.lab.prompts import DatasetError, load_prompts
 
     if baseline_data is not None:
         return load_prompts("gsm8k", baseline_data, BASELINE_PROMPTS), f"gsm8k[:10] from {baseline_data}"
@@ -73,29 +74,11 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
         return None, "each dataset's own first prompts (GSM8K unavailable offline; pass --baseline-data)"
 
 
-def _mesh(args):
-    """The device mesh of `--mesh DATAxMODEL` (after `--distributed` start-up), or None."""
-    import jax
-
-    from jaxdepth.core import sharding
-
-    if args.distributed:
-        sharding.initialize_distributed(**{k: v for k, v in (("coordinator_address", args.coordinator),
-                                                             ("num_processes", args.num_processes),
-                                                             ("process_id", args.process_id)) if v is not None})
-    if not args.mesh:
-        return None
-    mesh = sharding.mesh_from_spec(args.mesh)
-    print(f"mesh {args.mesh} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
-          f"processes; this is process {jax.process_index()}")
-    return mesh
-
-
 def _load_model(args, mesh, start: float):
     """The model of `--model` in `--dtype`, and its name for result folders and the cache: bf16
     results are a different model for the cache, the folders and the table."""
-    from jaxdepth.loading import load
-    from jaxdepth.study import saved_model_name
+    from jaxdepth.lab.sources import load
+    from jaxdepth.lab.study import saved_model_name
 
     model = load(args.model, dtype=None if args.dtype == "float32" else args.dtype, mesh=mesh)
     if model.tokenizer is None:
@@ -106,7 +89,7 @@ def _load_model(args, mesh, start: float):
 
 def _study_settings(args, **kwargs):
     """`StudySettings` from the options `run` and `case` share."""
-    from jaxdepth.study import StudySettings
+    from jaxdepth.lab.study import StudySettings
 
     return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
                          ig_tolerance=args.ig_tolerance, **kwargs)
@@ -116,9 +99,9 @@ def _run(args) -> int:
     import jax
 
     from jaxdepth.core.sharding import is_writer
-    from jaxdepth.prompts import DATASETS, encode, load_prompts
-    from jaxdepth.registry import ANALYSES
-    from jaxdepth.study import result_folder, run_study, write_figures
+    from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
+    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.study import result_folder, run_study, write_figures
 
     start = time.perf_counter()
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
@@ -133,7 +116,7 @@ def _run(args) -> int:
              for name in args.dataset}
     baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
                                      if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
-    mesh = _mesh(args)
+    mesh = mesh_from_args(args)
     model, model_name = _load_model(args, mesh, start)
 
     def encoded(name, prompts, limit):
@@ -165,7 +148,7 @@ def _run(args) -> int:
         print(f"erasure baseline: {baseline_name}")
     print("\n".join(summary))
     if any(ANALYSES[a].feeds_table for a in analyses) and is_writer():
-        from jaxdepth.table import collect, to_markdown, write_table
+        from jaxdepth.lab.table import collect, to_markdown, write_table
 
         rows = collect([args.out], resamples=args.bootstrap)
         print(to_markdown(rows), end="")
@@ -175,10 +158,10 @@ def _run(args) -> int:
 
 
 def _case(args) -> int:
-    from jaxdepth.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
-    from jaxdepth.prompts import encode
-    from jaxdepth.registry import ANALYSES
-    from jaxdepth.study import result_folder, run_study
+    from jaxdepth.lab.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
+    from jaxdepth.lab.prompts import encode
+    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.study import result_folder, run_study
 
     start = time.perf_counter()
     if args.source and args.model and args.source != args.model:
@@ -213,7 +196,7 @@ def _case(args) -> int:
 
 
 def _table(args) -> int:
-    from jaxdepth.table import collect, to_markdown, write_table
+    from jaxdepth.lab.table import collect, to_markdown, write_table
 
     rows = collect(args.results, resamples=args.bootstrap)
     print(to_markdown(rows), end="")
@@ -224,10 +207,10 @@ def _table(args) -> int:
 
 def _tuned_lens(args) -> int:
     from jaxdepth.analyses.tuned_lens import LensTrainingSettings
-    from jaxdepth.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
-    from jaxdepth.loading import load
-    from jaxdepth.prompts import encode, load_prompts
-    from jaxdepth.study import slug
+    from jaxdepth.lab.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
+    from jaxdepth.lab.sources import load
+    from jaxdepth.lab.prompts import encode, load_prompts
+    from jaxdepth.lab.study import slug
 
     train_rows, eval_rows = parse_rows(args.train_rows), parse_rows(args.eval_rows)
     prompts = load_prompts(args.dataset, args.data)
@@ -256,13 +239,13 @@ def _tuned_lens(args) -> int:
 
 
 def _analysis_names() -> list[str]:
-    from jaxdepth.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES
 
     return list(ANALYSES)
 
 
 def _dataset_names() -> list[str]:
-    from jaxdepth.prompts import DATASETS
+    from jaxdepth.lab.prompts import DATASETS
 
     return list(DATASETS)
 
@@ -387,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     lens.add_argument("--no-figures", action="store_true")
     lens.set_defaults(func=_tuned_lens)
 
-    from jaxdepth.mapping_study import add_parser as add_map_parser
+    from jaxdepth.lab.mapping_study import add_parser as add_map_parser
 
     add_map_parser(sub)
 
@@ -403,7 +386,7 @@ def _keep_compiled_programs() -> None:
     """Compiled programs go to `$JAXDEPTH_CACHE/xla` (unless a JAX compilation cache is set):
     a rerun with other settings, or a resumed study, compiles only what is new."""
     from jaxdepth.core.compilation import use_compilation_cache
-    from jaxdepth.loading import cache_dir
+    from jaxdepth.lab.sources import cache_dir
 
     use_compilation_cache(os.path.join(cache_dir(), "xla"))
 

@@ -7,11 +7,11 @@ import pytest
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.erasure import mean_residuals, residual_erasure
 from jaxdepth.analyses.integrated_gradients import integrated_gradients
-from jaxdepth.case_study import ARITHMETIC_PROMPT, case_prompt
-from jaxdepth.cli import main
-from jaxdepth.loading import load
-from jaxdepth.prompts import encode, load_prompts
-from jaxdepth.results import load_result
+from jaxdepth.lab.case_study import ARITHMETIC_PROMPT, case_prompt
+from jaxdepth.lab.cli import main
+from jaxdepth.lab.sources import load
+from jaxdepth.lab.prompts import encode, load_prompts
+from jaxdepth.lab.results import load_result
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_case_errors(tiny, tmp_path, capsys, args, message):
 
 
 def test_a_prompt_without_answer_tokens_is_refused():
-    from jaxdepth.case_study import check_answer_tokens
+    from jaxdepth.lab.case_study import check_answer_tokens
     from jaxdepth.core.batch import make_batch
 
     prompt = ARITHMETIC_PROMPT

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Optional, Sequence
 
-from jaxdepth.prompts import DATASETS, Prompt, load_prompts
+from jaxdepth.lab.prompts import DATASETS, Prompt, load_prompts
 
 # The analyses a case study runs by default: both studies show these two per prompt.
 CASE_ANALYSES = ("erasure", "integrated_gradients")
@@ -63,7 +63,7 @@ def check_answer_tokens(batch, prompt: Prompt) -> int:
 def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[str] = None):
     """Residual erasure (top) and integrated gradients (bottom) of the case's prompt on one
     figure, tokens aligned, the answer start marked in both."""
-    from jaxdepth import plots
+    from jaxdepth.lab import plots
 
     return plots.stacked_token_figure([plots.erasure_panel(erasure_result, 0, tokenizer=tokenizer),
                                        plots.integrated_gradients_panel(ig_result, 0, tokenizer=tokenizer)],
@@ -74,8 +74,8 @@ def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[st
 def write_case_figures(results: dict, folder: str, tokenizer=None) -> list[str]:
     """Each analysis's own figure, and the combined erasure + IG figure when both ran; returns
     the paths written (PNG and PDF)."""
-    from jaxdepth import plots
-    from jaxdepth.study import write_figures
+    from jaxdepth.lab import plots
+    from jaxdepth.lab.study import write_figures
 
     paths = write_figures(results, folder, tokenizer)
     if all(name in results for name in CASE_ANALYSES):
@@ -88,7 +88,7 @@ def check_analyses(names: Sequence[str]) -> list[str]:
     """The per-prompt analyses a case may run (erasure, IG and the attribution screens); the
     whole-prompt-set ones (contributions, lens, layer skip) have nothing to say about one prompt
     that the table does not."""
-    from jaxdepth.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES
 
     names = list(names)
     unknown = [n for n in names if n not in ANALYSES]

@@ -1,5 +1,5 @@
 """Figures of the two studies, drawn from result objects (load saved ones with
-`jaxdepth.results.load_result`; plotting never recomputes anything).
+`jaxdepth.lab.results.load_result`; plotting never recomputes anything).
 
 Every function returns a `matplotlib.figure.Figure` built directly on an Agg canvas: no pyplot,
 so no global figure registry, nothing left open between figures and no display needed. Write a
@@ -583,8 +583,8 @@ def long_cot_figure(sources: Mapping[str, Sequence[dict]], pairs: Sequence[tuple
     rise or fall reads at a glance.
 
     `sources` maps a label ('published', 'jaxdepth') to rows shaped like
-    `jaxdepth.table.collect`'s; `pairs` are (size label, base model, long-CoT model), as
-    `jaxdepth.published.LONG_COT_PAIRS`. Cells a source lacks are left out, not drawn as 0."""
+    `jaxdepth.lab.table.collect`'s; `pairs` are (size label, base model, long-CoT model), as
+    `jaxdepth.lab.published.LONG_COT_PAIRS`. Cells a source lacks are left out, not drawn as 0."""
     if not sources or not pairs or not datasets:
         raise ValueError("long_cot_figure needs a source of rows, a (size, base, long-CoT) pair and a dataset")
     fig = _new_figure(4.2 * len(_METHOD_NAMES) + 0.6, 3.3 * len(datasets) + 0.7)

@@ -163,7 +163,8 @@ class DatasetSpec:
     level_format: str = "{}"  # how a difficulty is named in tables and figures
 
 
-EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# the package data folder, jaxdepth/data (this module is jaxdepth/lab/prompts.py)
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 DATASETS = {
     # Short arithmetic problems written for jaxdepth, in GSM8K's row layout, without the studies'

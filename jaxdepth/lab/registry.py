@@ -20,9 +20,9 @@ class RunInputs:
     for a `detail` analysis), the study settings, the erasure baseline prompts (None: the prompts
     themselves) and whether to show progress bars."""
 
-    model: Any  # jaxdepth.loading.Model
+    model: Any  # jaxdepth.lab.loaded_model.Model
     batch: Any  # jaxdepth.core.batch.PromptBatch
-    settings: Any  # jaxdepth.study.StudySettings
+    settings: Any  # jaxdepth.lab.study.StudySettings
     baseline_batch: Optional[Any] = None
     progress: bool = True
 
@@ -75,7 +75,7 @@ def analysis(name: str) -> Analysis:
 def _register_builtins():
     from jaxdepth.analyses import (adaptive_ig, attribution, contributions, erasure, integrated_gradients, layer_skip,
                                    logit_lens)
-    from jaxdepth import plots
+    from jaxdepth.lab import plots
     from jaxdepth.analyses import effective_depth as ed
 
     def per_prompt_figures(draw):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients, layer_skip, logit_lens
-from jaxdepth import plots
+from jaxdepth.lab import plots
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
@@ -390,7 +390,7 @@ def test_current_mode_heatmap_draws_the_diagonal():
 
 def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
-    from jaxdepth.plots import integrated_gradients_figure
+    from jaxdepth.lab.plots import integrated_gradients_figure
 
     P, L, T = 1, 4, 6
     converged = np.array([[True, False, True, False]])

@@ -22,10 +22,10 @@ SETUP = textwrap.dedent("""
     from jaxdepth.core.batch import make_batch
     from jaxdepth.core.config import ModelConfig
     from jaxdepth.core.model import random_params
-    from jaxdepth.loading import Model
-    from jaxdepth.registry import Analysis, register
+    from jaxdepth.lab.loaded_model import Model
+    from jaxdepth.lab.registry import Analysis, register
     from jaxdepth.core.saved_result import SavedResult
-    from jaxdepth.study import run_study
+    from jaxdepth.lab.study import run_study
 
     CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,

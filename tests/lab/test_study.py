@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.model import random_params
-from jaxdepth.loaded import Model
-from jaxdepth.study import run_study, saved_model_name
+from jaxdepth.lab.loaded_model import Model
+from jaxdepth.lab.study import run_study, saved_model_name
 
 
 def _tiny():

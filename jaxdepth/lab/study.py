@@ -20,9 +20,9 @@ import numpy as np
 from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.sharding import is_writer, writer_decides
-from jaxdepth.loading import Model
-from jaxdepth.registry import ANALYSES, RunInputs, analysis
-from jaxdepth.results import RESULT_FORMAT, load_result
+from jaxdepth.lab.loaded_model import Model
+from jaxdepth.lab.registry import ANALYSES, RunInputs, analysis
+from jaxdepth.lab.results import RESULT_FORMAT, load_result
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudySettings:
@@ -68,7 +68,7 @@ def slug(text: str) -> str:
 
 def run_analysis(name: str, model: Model, batch: PromptBatch, settings: StudySettings,
                  baseline_batch: Optional[PromptBatch] = None, progress: bool = True):
-    """Run the registered analysis `name` (`jaxdepth.registry`) and return its result; a
+    """Run the registered analysis `name` (`jaxdepth.lab.registry`) and return its result; a
     per-position sweep (erasure, IG) runs on the first `settings.detail_prompts` prompts only."""
     entry = analysis(name)
     if entry.detail and settings.detail_prompts is not None:
@@ -132,7 +132,7 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
 def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1) -> list[str]:
     """Every registered figure of `results` (analysis name -> result) as PNG and PDF under
     `folder/figures`; the per-prompt heatmaps (erasure, IG) for the first `detail_prompts`."""
-    from jaxdepth import plots
+    from jaxdepth.lab import plots
 
     paths = []
     for name, result in results.items():
