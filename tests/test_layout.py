@@ -1,0 +1,252 @@
+"""The package's imports point one way: the shell (`jaxdepth.lab`) over the analyses
+(`jaxdepth.analyses`) over the core (`jaxdepth.core`), with no cycles and no module reaching for
+another module's private names.
+
+Every module under `jaxdepth/` and `conversion/` is parsed (`ast`, nothing is imported) and every
+import is collected, at module level or inside a function: `import a.b`, `from a import b` (an
+edge to the submodule `a.b` when that is a module, else to `a`) and relative imports. Then:
+
+- no import cycle between modules (a strongly connected component of more than one module);
+- no arrow core -> analyses, core -> lab, analyses -> lab, nor from the core or the analyses to
+  the package facade `jaxdepth/__init__.py` (which re-exports from every layer and is exempt from
+  the layering rule as an importer);
+- `conversion/` does not import the shell, but for the `Model` type (`jaxdepth.lab.loaded_model`),
+  nor the facade;
+- no module imports another module's private name (`_name`, not a dunder), or reads one as an
+  attribute of a module it imported (`plots._helper`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("jaxdepth", "conversion")
+FACADE = "jaxdepth"
+# (importer's layer, imported layer) pairs that point the wrong way
+FORBIDDEN = {("core", "analyses"), ("core", "lab"), ("analyses", "lab"),
+             ("core", "facade"), ("analyses", "facade"), ("conversion", "lab"), ("conversion", "facade")}
+ALLOWED = {("conversion", "jaxdepth.lab.loaded_model")}  # the Model type every converter returns
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    importer: str
+    target: str
+    line: int
+
+    def where(self, files: dict) -> str:
+        return f"{files[self.importer]}:{self.line}"
+
+
+def module_name(path: str) -> tuple[str, bool]:
+    """`jaxdepth/lab/cli.py` -> ("jaxdepth.lab.cli", False); `jaxdepth/lab/__init__.py` ->
+    ("jaxdepth.lab", True)."""
+    parts = path[:-len(".py")].replace(os.sep, "/").split("/")
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def layer(module: str) -> str:
+    if module == FACADE:
+        return "facade"
+    for name in ("core", "analyses", "lab"):
+        if module == f"jaxdepth.{name}" or module.startswith(f"jaxdepth.{name}."):
+            return name
+    return module.split(".")[0]  # "conversion", or a top-level module of the package
+
+
+def _known(name: str, modules) -> str | None:
+    """The longest prefix of the dotted `name` that is one of `modules` (None: outside them)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in modules:
+            return ".".join(parts[:n])
+    return None
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def analyse(files: dict[str, str]) -> tuple[list[Edge], list[str], dict[str, str]]:
+    """`files`: repository-relative path -> source. Returns the edges between these modules, the
+    private-name problems, and module name -> path."""
+    paths, packages, trees = {}, {}, {}
+    for path, source in files.items():
+        name, package = module_name(path)
+        paths[name], packages[name], trees[name] = path, package, ast.parse(source, filename=path)
+    edges, private = [], []
+
+    def flag(module, line, what, owner):
+        if owner != module:
+            private.append(f"{paths[module]}:{line}: {module} uses {what}, a private name of {owner}")
+
+    for module, tree in trees.items():
+        bound = {}  # local name -> a module of ours it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = _known(alias.name, paths)
+                    if target is None:
+                        continue
+                    edges.append(Edge(module, target, node.lineno))
+                    private_part = next((p for p in alias.name.split(".") if is_private(p)), None)
+                    if private_part:
+                        flag(module, node.lineno, f"the module {alias.name}", alias.name)
+                    if alias.asname:
+                        bound[alias.asname] = target
+                    else:
+                        head = alias.name.split(".")[0]
+                        if head in paths:
+                            bound[head] = head
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, module, packages[module])
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    target = submodule if submodule in paths else _known(base, paths)
+                    if target is not None:
+                        edges.append(Edge(module, target, node.lineno))
+                        if target == submodule:
+                            bound[alias.asname or alias.name] = submodule
+                    if is_private(alias.name) and alias.name != "*":
+                        flag(module, node.lineno, f"{base}.{alias.name}", base)
+        for node in ast.walk(tree):  # `plots._helper`, `jaxdepth.lab.plots._helper`
+            if isinstance(node, ast.Attribute) and is_private(node.attr):
+                chain, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.insert(0, value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in bound:
+                    owner = ".".join([bound[value.id], *chain])
+                    if owner in paths:
+                        flag(module, node.lineno, f"{owner}.{node.attr}", owner)
+    return edges, private, paths
+
+
+def cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """One cycle (as its edges) per strongly connected component of more than one module."""
+    graph: dict[str, dict[str, Edge]] = {}
+    for e in edges:
+        if e.importer != e.target:
+            graph.setdefault(e.importer, {}).setdefault(e.target, e)
+            graph.setdefault(e.target, {})
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def connect(v):  # Tarjan's algorithm (the graph is small: recursion is fine)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    found = []
+    for component in components:  # the shortest way from the smallest member back to itself
+        start = min(component)
+        paths = {start: []}
+        frontier = [start]
+        cycle = None
+        while frontier and cycle is None:
+            nxt = []
+            for v in frontier:
+                for w, e in sorted(graph[v].items()):
+                    if w == start:
+                        cycle = paths[v] + [e]
+                        break
+                    if w in component and w not in paths:
+                        paths[w] = paths[v] + [e]
+                        nxt.append(w)
+                if cycle:
+                    break
+            frontier = nxt
+        found.append(cycle)
+    return found
+
+
+def problems(files: dict[str, str]) -> list[str]:
+    """Every breach of the rules above, each a sentence naming the files and lines."""
+    edges, found, paths = analyse(files)
+    for cycle in cycles(edges):
+        chain = " -> ".join([cycle[0].importer] + [e.target for e in cycle])
+        found.append(f"import cycle {chain} ({'; '.join(e.where(paths) for e in cycle)})")
+    for e in edges:
+        pair = (layer(e.importer), layer(e.target))
+        if pair in FORBIDDEN and (pair[0], e.target) not in ALLOWED:
+            found.append(f"{e.where(paths)}: {e.importer} imports {e.target}: {pair[0]} must not import {pair[1]}")
+    return found
+
+
+def package_files() -> dict[str, str]:
+    files = {}
+    for package in PACKAGES:
+        for folder, dirs, names in os.walk(os.path.join(REPO, package)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        files[os.path.relpath(path, REPO)] = f.read()
+    return files
+
+
+def test_imports_point_one_way_without_cycles_or_private_names():
+    files = package_files()
+    assert "jaxdepth/lab/cli.py" in files and "jaxdepth/core/model.py" in files
+    found = problems(files)
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
+    files = {
+        "jaxdepth/__init__.py": "from jaxdepth.lab.cli import main\nfrom jaxdepth.core import a\n",
+        "jaxdepth/core/__init__.py": "",
+        "jaxdepth/core/a.py": "def f():\n    from jaxdepth.lab import cli\n",  # inside a function: counts
+        "jaxdepth/core/b.py": "from . import a\n_hidden = 1\n",
+        "jaxdepth/analyses/__init__.py": "",
+        "jaxdepth/analyses/x.py": "import jaxdepth.core.b as b\nfrom jaxdepth.core.b import _hidden\nb._hidden\n",
+        "jaxdepth/lab/__init__.py": "",
+        "jaxdepth/lab/cli.py": "from jaxdepth.core import a\n",
+        "conversion/__init__.py": "",
+        "conversion/c.py": "from jaxdepth.lab.loaded_model import Model\nfrom jaxdepth.lab import cli\n",
+        "jaxdepth/lab/loaded_model.py": "from ..analyses import x\n",
+    }
+    found = problems(files)
+    text = "\n".join(found)
+    assert "import cycle jaxdepth.core.a -> jaxdepth.lab.cli -> jaxdepth.core.a" in text, text
+    assert "jaxdepth/core/a.py:2: jaxdepth.core.a imports jaxdepth.lab.cli: core must not import lab" in text, text
+    assert "jaxdepth/analyses/x.py:2: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
+    assert "jaxdepth/analyses/x.py:3: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
+    assert "conversion/c.py:2: conversion.c imports jaxdepth.lab.cli: conversion must not import lab" in text, text
+    # the facade may import every layer; relative imports and the allowed Model import are edges, not errors
+    assert len(found) == 5, text
+    edges, _, _ = analyse(files)
+    assert Edge("jaxdepth.lab.loaded_model", "jaxdepth.analyses.x", 1) in edges
+    assert Edge("jaxdepth.core.b", "jaxdepth.core.a", 1) in edges
