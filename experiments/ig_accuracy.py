@@ -77,14 +77,14 @@ def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, d
         stored = {}
     stored.setdefault("seconds", np.float64(0.0))
     stored.setdefault("timed_layers", np.int64(0))
-    alphas = jnp.asarray(nodes, jnp.float32)[None]
+    alphas = jnp.asarray(nodes, jnp.float32)
     compiled = False
     for layer in tqdm(range(L), desc=desc):
         if f"phi{layer}" in stored:
             continue
         start = time.perf_counter()
-        phi, g = path_points(*args, x, b, inputs, jnp.asarray([layer], jnp.int32), alphas, config, chunk_size=GROUP)
-        phi, g = np.asarray(phi)[0], np.asarray(g)[0]
+        phi, g = path_points(*args, x, b, inputs, layer=layer, alphas=alphas, config=config, chunk_size=GROUP)
+        phi, g = np.asarray(phi), np.asarray(g)
         if compiled:  # the first call of a process compiles: not timed
             stored["seconds"] = stored["seconds"] + (time.perf_counter() - start)
             stored["timed_layers"] = stored["timed_layers"] + 1

@@ -35,22 +35,25 @@ Boole's rule on Simpson's nested nodes was no better than Simpson.
 2. Rounds: every unfinished layer evaluates its new nodes; a layer that meets its target stops,
    converged; otherwise its intervals with the largest |e_i| are bisected until the others sum
    to at most half the target, and on to a multiple of 4 splits (8 nodes: what would otherwise
-   be padding of a vmapped group). A layer whose budget (`max_evaluations` gradient evaluations)
+   be padding of a call of 8 nodes). A layer whose budget (`max_evaluations` gradient evaluations)
    cannot pay for the next split, or whose intervals are all at the float32 resolution of α,
    stops with converged False.
 
-Batching. A round's gradient evaluations of all layers are groups of `chunk` nodes of one
-layer: `lax.map` over groups, a vmap within a group. The group's layer is a scalar of the map,
-not batched, so each group's suffix starts at its own boundary layer+1 (the `fori_loop` bounds
-of `suffix_value_and_grad`) and costs only the layers after it. Mixing layers inside a vmap
-would need batched loop bounds (every member running as long as the longest) or every member
-running the full depth with the path point set by an intervention: about twice the FLOPs over
-all layers. Padding groups (layer -1) are skipped by `lax.cond`, which really branches inside
-`lax.map`; a group's padding members repeat one of its nodes and are dropped. Every call holds
-the same number of groups of the same size, so a new tolerance, other node placements or another
-prompt of the same padded length reuse one compiled computation (and the grid, if any, another). A
-layer's groups hold only its own nodes, in an order fixed by its own state: one layer's
-refinement leaves every other layer's numbers bit for bit unchanged.
+Batching. A round's gradient evaluations are calls of one layer each, every call a vmap of a
+power of two nodes (`call_sizes`: as wide as memory allows, up to 32, down to 8), all of a
+round's calls dispatched before the host reads any result, so the device runs them back to
+back and waits for the host once per round. The layer is a traced scalar, so each call's suffix
+starts at its own boundary layer+1 (the `fori_loop` bounds of `suffix_value_and_grad`) and costs
+only the layers after it; mixing layers inside a vmap would need batched loop bounds (every
+member running as long as the longest) or every member running the full depth with the path
+point set by an intervention, about twice the FLOPs over all layers. A round's nodes of a layer
+number a multiple of 8 (the split rounding of step 2), so calls need no padding after the
+first round; the fixed rule's path sweep is the same vmapped gradient (`weighted_gradient`),
+so both rules cost about the same per evaluation. A new tolerance, other node placements or
+another prompt of the same padded length reuse the same few compiled computations (one per
+call size, and the grid's, if any). A layer's calls hold only its own nodes, in an order fixed
+by its own state: one layer's refinement leaves every other layer's numbers bit for bit
+unchanged.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ from jaxdepth.core.sweep import auto_chunk_size, sweep
 # part of a saved result's cache identity, so results of an older rule are recomputed.
 RULE_VERSION = 1
 GRID_POINTS = 0  # no forward grid: a uniform initial partition (see the module docstring)
-# 2 * 11 + 1 = 23 nodes: three vmapped groups of 8 but one slot (a padding slot costs as much
-# as a node).
+# 2 * 11 + 1 = 23 nodes: calls of 16 and 8 but one slot (a padding slot costs as much as a
+# node).
 INITIAL_INTERVALS = 11
 MAX_EVALUATIONS = 512
 # Below this |F(x) - F(b)| a relative tolerance would ask for float32 noise.
@@ -88,9 +91,13 @@ ATOL = 1e-6
 # device evaluates) for 11 levels or more; an interval whose quarter points would be rounded is
 # not split.
 _PARTITION_GRID = 2.0 ** -12
-_GROUP_SIZE = 8  # nodes per vmapped group, at most (padding members cost full evaluations)
+# A layer's new nodes of a round run in calls of a power of two nodes, from _LARGEST_CALL (or
+# what fits in memory) down to _SMALLEST_CALL: a few compiled computations, each as wide a vmap
+# as the fixed rule's where the nodes fill it, and padding only below _SMALLEST_CALL.
+_LARGEST_CALL = 32
+_SMALLEST_CALL = 8
 # A round splits a multiple of this many intervals (2 nodes each) where it can: the next largest
-# errors fill what would be padding of a group of 8. A constant, not the group size in use, so
+# errors fill what would be padding of a call of 8. A constant, not the call sizes in use, so
 # that the nodes (and results) do not depend on the device's memory.
 _SPLIT_MULTIPLE = 4
 
@@ -99,59 +106,49 @@ _SPLIT_MULTIPLE = 4
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size"))
-def site_path_points(params, valid, x, b, inputs, layers, alphas, aux, positions, config: ModelConfig, site: str,
+def site_path_points(params, valid, layer, x, b, h_in, alphas, aux, positions, config: ModelConfig, site: str,
                      metric, interventions=None, grad: bool = True, chunk_size: Optional[int] = None):
-    """φ and the per-token integrand at path points of several layers of one prompt, in one
-    computation, for the value at `site` and the metric `metric(logits, aux)` at `positions`
+    """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt,
+    for the value at `site` and the metric `metric(logits, aux)` at `positions`
     (`jaxdepth.analyses.integrated_gradients.metric_head`).
 
-    `x`, `b` `[L, 1, T, ...]` the site's values and baselines, `inputs [L, 1, T, D]` the layers'
-    inputs (as from `site_inputs`); `layers [G]` the layer of each group (-1: a padding group,
-    skipped), `alphas [G, C]` its nodes. Returns `(phi [G, C], integrand [G, C, T])` where phi =
-    F(b + α(x - b)) and integrand[t] = sum over the site's channels of (x - b) dF/dx at t (zero
-    at invalid positions; all zeros with `grad=False`, forward only).
+    `x`, `b` `[1, T, ...]`: the layer's value at the site and its baseline (b broadcastable to
+    x); `h_in [1, T, D]`: the layer's input (read by sites inside the layer; None for
+    `resid_post`). `layer` is traced: every layer reuses one compiled computation per number of
+    nodes. Returns `(phi [n], integrand [n, T])` where phi = F(b + α(x - b)) and integrand[t] =
+    sum over the site's channels of (x - b) dF/dx at t (zero at invalid positions; all zeros
+    with `grad=False`, forward only).
     """
     dtype = params["embed"].dtype
     T = valid.shape[1]
     head = metric_head(params, config, metric, aux, positions)
     objective = lambda h: head(h)[0]
-    channels = tuple(range(2, x.ndim - 1))  # the site's axes after the position, in x[layer][0]
+    channels = tuple(range(2, x.ndim))  # the site's axes after the position
+    entry = site_entry(params, layer, None if h_in is None else h_in.astype(dtype), valid, config, site,
+                       interventions)
 
-    def group(item):
-        layer, nodes = item
+    def member(alpha):
+        z = (b + alpha * (x - b)).astype(dtype)
+        if not grad:
+            h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid, interventions=interventions)
+            return objective(h_last), jnp.zeros(T, jnp.float32)
+        h_next, pullback = jax.vjp(entry, z)
+        value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
+                                         interventions=interventions)
+        g = pullback(g)[0]
+        return value, jnp.sum((x - b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
 
-        def run(_):
-            xl, bl = x[layer], b[layer]
-            entry = site_entry(params, layer, inputs[layer].astype(dtype), valid, config, site, interventions)
-
-            def member(alpha):
-                z = (bl + alpha * (xl - bl)).astype(dtype)
-                if not grad:
-                    h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid,
-                                                interventions=interventions)
-                    return objective(h_last), jnp.zeros(T, jnp.float32)
-                h_next, pullback = jax.vjp(entry, z)
-                value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
-                                                 interventions=interventions)
-                g = pullback(g)[0]
-                return value, jnp.sum((xl - bl) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
-
-            return sweep(member, nodes, chunk_size)
-
-        def skip(_):
-            return jnp.zeros(nodes.shape, jnp.float32), jnp.zeros(nodes.shape + (T,), jnp.float32)
-
-        return jax.lax.cond(layer >= 0, run, skip, None)
-
-    return jax.lax.map(group, (layers, alphas))
+    return sweep(member, alphas, chunk_size)
 
 
-def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, layers, alphas,
+def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, *, layer: int, alphas,
                 config: ModelConfig, interventions=None, target: str = "layer", grad: bool = True,
                 chunk_size: Optional[int] = None):
-    """`site_path_points` of a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]`
-    as from `ig_inputs`)."""
-    return site_path_points(params, valid, x[:, None], b[:, None], inputs[:, None], layers, alphas,
+    """`site_path_points` of layer `layer` for a study target with the studies' F (`x`, `b`,
+    `inputs` `[L, T, D]` as from `ig_inputs`)."""
+    layer = jnp.int32(layer)
+    return site_path_points(params, valid, layer, x[layer][None], b[layer][None],
+                            None if target == "layer" else inputs[layer][None], jnp.asarray(alphas, jnp.float32),
                             (answer_targets(tokens, answer_positions), answer_real), answer_positions, config,
                             TARGETS[target], answer_probability, interventions, grad, chunk_size)
 
@@ -286,39 +283,46 @@ class LayerRule:
 # ----------------------------------------------------------------------------- one prompt
 
 
-def _pack(requests: dict[int, list[float]], chunk: int) -> tuple[np.ndarray, np.ndarray, list]:
-    """Groups of `chunk` nodes of one layer each: `(layers [n], alphas [n, chunk], slots)`, the
-    last group of a layer padded by repeating its last node; `slots[g] = (layer, count)`."""
-    layers, alphas, slots = [], [], []
+def call_sizes(n: int, largest: int, smallest: int = _SMALLEST_CALL) -> list[int]:
+    """How a layer's `n` new nodes are split into calls: powers of two from `largest` down to
+    `smallest`, the largest that fits first; what is left below `smallest` goes in one more
+    call of that size, padded. A round's nodes come in multiples of 8 (`_SPLIT_MULTIPLE`
+    splits), so only the first round pads."""
+    smallest = min(smallest, largest)
+    sizes, size = [], largest
+    while n > 0:
+        while size > smallest and size > n:
+            size //= 2
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
+def _evaluate(call, requests: dict[int, list[float]], largest: int) -> dict[int, tuple]:
+    """Run every requested node: each layer's nodes in calls of `call_sizes`, all dispatched
+    before any result is read (the device runs them back to back). Returns `{layer: (phi [n],
+    integrand [n, T])}` in the order requested."""
+    pending = []
     for layer, nodes in sorted(requests.items()):
-        for start in range(0, len(nodes), chunk):
-            part = nodes[start:start + chunk]
-            layers.append(layer)
-            alphas.append(part + [part[-1]] * (chunk - len(part)))
-            slots.append((layer, len(part)))
-    return np.asarray(layers, np.int32), np.asarray(alphas, np.float32).reshape(-1, chunk), slots
-
-
-def _evaluate(call, requests: dict[int, list[float]], chunk: int, groups: int) -> dict[int, tuple]:
-    """Run every requested node: calls of `groups` groups (padding groups have layer -1).
-    Returns `{layer: (phi [n], integrand [n, T])}` in the order requested."""
-    layers, alphas, slots = _pack(requests, chunk)
-    phi, integrand = [], []
-    for start in range(0, len(layers), groups):
-        n = min(groups, len(layers) - start)
-        pad = groups - n
-        ls = np.concatenate([layers[start:start + n], np.full(pad, -1, np.int32)])
-        al = np.concatenate([alphas[start:start + n], np.zeros((pad, chunk), np.float32)])
-        p, g = call(jnp.asarray(ls), jnp.asarray(al))
-        phi.append(to_host(p)[:n])
-        integrand.append(to_host(g)[:n])
-    phi, integrand = np.concatenate(phi), np.concatenate(integrand)
+        start = 0
+        for size in call_sizes(len(nodes), largest):
+            part = nodes[start:start + size]
+            start += len(part)
+            alphas = np.asarray(part + [part[-1]] * (size - len(part)), np.float32)
+            pending.append((layer, len(part), call(layer, alphas, True, size)))
     out: dict[int, tuple[list, list]] = {}
-    for (layer, count), p, g in zip(slots, phi, integrand):
+    for layer, count, (phi, integrand) in pending:
         ps, gs = out.setdefault(layer, ([], []))
-        ps.extend(p[:count])
-        gs.extend(g[:count])
+        ps.extend(to_host(phi)[:count])
+        gs.extend(to_host(integrand)[:count])
     return {layer: (np.asarray(ps), np.asarray(gs)) for layer, (ps, gs) in out.items()}
+
+
+def largest_call(config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None) -> int:
+    """The largest number of nodes of one call: a power of two, at most `_LARGEST_CALL`, whose
+    vmapped gradients fit in memory (`auto_chunk_size`)."""
+    fits = auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, memory_budget=memory_budget)
+    return 1 << (int(fits).bit_length() - 1)
 
 
 def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: ModelConfig, *,
@@ -327,9 +331,11 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
              chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
              on_layer=None) -> list[LayerRule]:
     """The adaptive rule on `layers` (one prompt of `seq_len` positions; `tolerance`, one per
-    layer of `layers`), host side: rounds of `call(grad, chunk_size)(layers [G], alphas [G, C])
-    -> (phi [G, C], integrand [G, C, T])` (`site_path_points`) until every layer is done.
-    Returns each layer's finished `LayerRule`; `on_layer()` is called as each layer finishes."""
+    layer of `layers`), host side: rounds of `call(layer, alphas [n], grad, chunk) -> (phi [n],
+    integrand [n, T])` (`site_path_points`, `chunk` nodes vmapped at a time) until every layer
+    is done. `chunk_size` caps the nodes of one call (default: what fits in memory, at most
+    32). Returns each layer's finished `LayerRule`; `on_layer()` is called as each layer
+    finishes."""
     if max_evaluations < 3:
         raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
     layers = [int(layer) for layer in layers]
@@ -337,23 +343,18 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
     if grid_points >= 2:
         grid = np.linspace(0.0, 1.0, grid_points)
         forward_chunk = auto_chunk_size(config, seq_len, grid_points, memory_budget=memory_budget)
-        phi_grid, _ = call(False, forward_chunk)(jnp.asarray(layers, jnp.int32), jnp.broadcast_to(
-            jnp.asarray(grid, jnp.float32), (len(layers), grid_points)))
-        phi_grid = to_host(phi_grid).astype(np.float64)
+        calls = [call(layer, grid.astype(np.float32), False, forward_chunk)[0] for layer in layers]
+        phi_grid = np.stack([to_host(phi) for phi in calls]).astype(np.float64)
     else:  # no grid: a uniform initial partition
         grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(layers), 2))
     rules = {layer: LayerRule(initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol,
                               max_evaluations) for i, layer in enumerate(layers)}
-
-    chunk = chunk_size or min(auto_chunk_size(config, seq_len, _GROUP_SIZE, grad=True, memory_budget=memory_budget),
-                              _GROUP_SIZE)
-    # The first round in one call; from the settings alone, so a smaller budget or tolerance
-    # keeps the compiled shape.
-    groups = len(layers) * -(-(2 * initial_intervals + 1) // chunk)
-    gradients = call(True)
+    largest = largest_call(config, seq_len, memory_budget)
+    if chunk_size is not None:
+        largest = 1 << (max(int(chunk_size), 1).bit_length() - 1)
     while not all(r.done for r in rules.values()):
         requests = {layer: r.missing() for layer, r in rules.items() if not r.done}
-        for layer, (phi, integrand) in _evaluate(gradients, requests, chunk, groups).items():
+        for layer, (phi, integrand) in _evaluate(call, requests, largest).items():
             rules[layer].record(requests[layer], phi, integrand)
         for r in rules.values():
             if not r.done:
@@ -377,9 +378,9 @@ def adaptive_ig_of_prompt(params, tokens, valid, answer_positions, answer_real, 
     args = (params, tokens, valid, answer_positions, answer_real)
     x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
 
-    def call(grad, chunk_size=None):
-        return lambda ls, al: path_points(*args, x, b, inputs, ls, al, config, interventions, target, grad,
-                                          chunk_size)
+    def call(layer, alphas, grad, chunk):
+        return path_points(*args, x, b, inputs, layer=layer, alphas=alphas, config=config,
+                           interventions=interventions, target=target, grad=grad, chunk_size=chunk)
 
     rules = run_rule(call, range(L), float(to_host(f_input)), T, config, tolerance=tolerance,
                      max_evaluations=max_evaluations, atol=atol, grid_points=grid_points,

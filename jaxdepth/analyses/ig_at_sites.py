@@ -184,11 +184,13 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
     n = len(layers)
     common = dict(layers=np.asarray(layers), site=site, rule=rule)
     if rule == "adaptive":
-        b_all = x.at[np.asarray(layers)].set(b)  # every layer's row, as `site_path_points` indexes them
+        index = {layer: i for i, layer in enumerate(layers)}
 
-        def path_points(grad, chunk=None):
-            return lambda ls, al: adaptive_ig.site_path_points(params, valid, x, b_all, inputs, ls, al, None, positions,
-                                                               config, site, metric, interventions, grad, chunk)
+        def path_points(layer, alphas, grad, chunk):
+            return adaptive_ig.site_path_points(params, valid, jnp.int32(layer), x[layer], b[index[layer]],
+                                                inputs[layer] if needs_input else None,
+                                                jnp.asarray(alphas, jnp.float32), None, positions, config, site,
+                                                metric, interventions, grad, chunk)
 
         return _adaptive(path_points, weighted, layers, float(to_host(f_input)[0]), T, config, tolerance=tolerance,
                          max_evaluations=max_evaluations, chunk_size=chunk_size, memory_budget=memory_budget,
@@ -211,8 +213,8 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
 
 def _adaptive(path_points, weighted, layers, f_input: float, seq_len: int, config: ModelConfig, *, tolerance: float,
               max_evaluations: int, chunk_size, memory_budget, progress: bool, per_channel: bool, common: dict):
-    """The adaptive rule of `integrated_gradients` (one prompt): `path_points(grad, chunk)` the
-    rounds' evaluations (`site_path_points`), `weighted(i, alphas, weights, chunk)` the weighted
+    """The adaptive rule of `integrated_gradients` (one prompt): `path_points(layer, alphas, grad,
+    chunk)` the rounds' evaluations (`site_path_points`), `weighted(i, alphas, weights, chunk)` the weighted
     per-channel pass of the i-th attributed layer."""
     site = common["site"]
     with tqdm(total=len(layers), desc=f"adaptive integrated gradients at {site}", disable=not progress) as bar:

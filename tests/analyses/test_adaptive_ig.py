@@ -96,6 +96,8 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
         aig.adaptive_integrated_gradients(params, new_prompt, CONFIG, tolerance=TOLERANCE / 10, grid_points=grid_points,
                                           progress=False)
     assert [f._cache_size() for f in functions] == before
+    # one computation per call size in use (8, 16, 32 nodes) and one for the grid, not per round
+    assert before[0] <= 3 + 1
 
 
 def test_spent_budget_is_reported_as_not_converged(params, batch):
@@ -148,3 +150,14 @@ def test_splits_take_the_largest_errors_and_stop_at_float32_resolution():
     # rounded up to a multiple with the next largest errors, within the budget
     assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=10, multiple=3) == [1, 3, 0]
     assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=2, multiple=4) == [1, 3]
+
+
+def test_call_sizes_fill_wide_calls_and_pad_only_below_the_smallest():
+    assert aig.call_sizes(23, 32) == [16, 8]  # the first round: one padding slot
+    assert aig.call_sizes(56, 32) == [32, 16, 8]
+    assert aig.call_sizes(8, 32) == [8] and aig.call_sizes(3, 32) == [8]
+    assert aig.call_sizes(64, 16) == [16, 16, 16, 16]
+    assert aig.call_sizes(10, 4) == [4, 4, 4]  # memory allows fewer than 8: calls of what fits
+    for n in range(1, 200):
+        sizes = aig.call_sizes(n, 32)
+        assert all(s in (8, 16, 32) for s in sizes) and sum(sizes) - n == (-n) % 8  # padding < 8
