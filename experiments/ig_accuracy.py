@@ -117,10 +117,8 @@ def summary_row(rule: str, steps, evaluations: int, seconds: float, per_layer: d
 def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, tolerances, out: str,
                        reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET) -> dict:
     p, config, L = model.params, model.config, model.config.num_layers
-    one = batch.single(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
-    positions, real = one.answer_positions(0)
-    args = (p, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions), jnp.asarray(real))
-    x, b, inputs, f_input = ig_inputs(*args, config)
+    prompt = batch.prompt(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
+    x, b, inputs, f_input = ig_inputs(p, prompt, config)
     f_input = float(f_input)
 
     def adaptive(tolerance, on_layer):
@@ -130,7 +128,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
             stored = dict(np.load(path))
             return stored, float(stored["seconds"])
         start = time.perf_counter()
-        r = adaptive_ig_of_prompt(*args, config, tolerance=np.full(L, tolerance), max_evaluations=budget,
+        r = adaptive_ig_of_prompt(p, prompt, config, tolerance=np.full(L, tolerance), max_evaluations=budget,
                                   on_layer=on_layer)
         seconds = time.perf_counter() - start
         with atomic_write(path, "wb") as f:
@@ -138,7 +136,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
         return r, seconds
 
     nodes, rules = fixed_nodes(max_steps, gauss_max)
-    phi, integrand, per_eval = evaluate_layers(args, x, b, inputs, config, nodes, os.path.join(out, f"{name}_nodes.npz"),
+    phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, os.path.join(out, f"{name}_nodes.npz"),
                                                f"{name}: fixed-rule nodes (layers)")
     adaptive_runs = {}
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses import erasure, integrated_gradients as ig
-from jaxdepth.core.batch import make_batch
+from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.interventions import replace_residual
 from jaxdepth.lab.sources import load
@@ -113,9 +113,9 @@ def main():
               f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}")
 
     alphas, weights = ig.quadrature("left", args.ig_steps)
-    (a_ours, _, _), t_ours = timed(lambda: ig.ig_of_prompt(
-        p, tokens, valid, jnp.asarray(positions), jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
-        jnp.asarray(weights, jnp.float32), c, "channel_mean", args.chunk))
+    prompt = PromptArrays(tokens, valid, jnp.asarray(positions), jnp.asarray(real))
+    (a_ours, _, _), t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, alphas=alphas, weights=weights,
+                                                           chunk_size=args.chunk))
     a_plain, t_plain = timed(lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c,
                                               args.chunk))
     print(f"IG ({args.ig_steps} steps): plain {t_plain:7.1f} s, jaxdepth {t_ours:7.1f} s, saving "

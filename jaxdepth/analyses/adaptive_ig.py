@@ -68,9 +68,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses.integrated_gradients import (BASELINES, PAD_TO, TARGETS, IntegratedGradientsResult,
-                                                    answer_probability, answer_targets, ig_inputs, metric_head,
-                                                    site_entry, suffix_value_and_grad)
-from jaxdepth.core.batch import PromptBatch
+                                                    LayerPath, answer_aux, answer_probability, ig_inputs, metric_head,
+                                                    site_entry, study_path, suffix_value_and_grad)
+from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import run_layers_from
@@ -106,29 +106,28 @@ _SPLIT_MULTIPLE = 4
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size"))
-def site_path_points(params, valid, layer, x, b, h_in, alphas, aux, positions, config: ModelConfig, site: str,
-                     metric, interventions=None, grad: bool = True, chunk_size: Optional[int] = None):
-    """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt,
-    for the value at `site` and the metric `metric(logits, aux)` at `positions`
-    (`jaxdepth.analyses.integrated_gradients.metric_head`).
+def site_path_points(params, valid, layer, path: LayerPath, alphas, config: ModelConfig, *, site: str, metric,
+                     aux=None, positions=None, interventions=None, grad: bool = True,
+                     chunk_size: Optional[int] = None):
+    """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt
+    along `path` (`LayerPath`, batch 1), for the value at `site` and the metric `metric(logits,
+    aux)` at `positions` (`jaxdepth.analyses.integrated_gradients.metric_head`).
 
-    `x`, `b` `[1, T, ...]`: the layer's value at the site and its baseline (b broadcastable to
-    x); `h_in [1, T, D]`: the layer's input (read by sites inside the layer; None for
-    `resid_post`). `layer` is traced: every layer reuses one compiled computation per number of
-    nodes. Returns `(phi [n], integrand [n, T])` where phi = F(b + α(x - b)) and integrand[t] =
-    sum over the site's channels of (x - b) dF/dx at t (zero at invalid positions; all zeros
-    with `grad=False`, forward only).
+    `layer` is traced: every layer reuses one compiled computation per number of nodes. Returns
+    `(phi [n], integrand [n, T])` where phi = F(b + α(x - b)) and integrand[t] = sum over the
+    site's channels of (x - b) dF/dx at t (zero at invalid positions; all zeros with
+    `grad=False`, forward only).
     """
     dtype = params["embed"].dtype
     T = valid.shape[1]
     head = metric_head(params, config, metric, aux, positions)
     objective = lambda h: head(h)[0]
-    channels = tuple(range(2, x.ndim))  # the site's axes after the position
-    entry = site_entry(params, layer, None if h_in is None else h_in.astype(dtype), valid, config, site,
+    channels = tuple(range(2, path.x.ndim))  # the site's axes after the position
+    entry = site_entry(params, layer, None if path.h_in is None else path.h_in.astype(dtype), valid, config, site,
                        interventions)
 
     def member(alpha):
-        z = (b + alpha * (x - b)).astype(dtype)
+        z = path.at(alpha).astype(dtype)
         if not grad:
             h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid, interventions=interventions)
             return objective(h_last), jnp.zeros(T, jnp.float32)
@@ -136,21 +135,19 @@ def site_path_points(params, valid, layer, x, b, h_in, alphas, aux, positions, c
         value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
                                          interventions=interventions)
         g = pullback(g)[0]
-        return value, jnp.sum((x - b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
+        return value, jnp.sum((path.x - path.b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
 
     return sweep(member, alphas, chunk_size)
 
 
-def path_points(params, tokens, valid, answer_positions, answer_real, x, b, inputs, *, layer: int, alphas,
-                config: ModelConfig, interventions=None, target: str = "layer", grad: bool = True,
-                chunk_size: Optional[int] = None):
+def path_points(params, prompt: PromptArrays, x, b, inputs, *, layer: int, alphas, config: ModelConfig,
+                interventions=None, target: str = "layer", grad: bool = True, chunk_size: Optional[int] = None):
     """`site_path_points` of layer `layer` for a study target with the studies' F (`x`, `b`,
     `inputs` `[L, T, D]` as from `ig_inputs`)."""
-    layer = jnp.int32(layer)
-    return site_path_points(params, valid, layer, x[layer][None], b[layer][None],
-                            None if target == "layer" else inputs[layer][None], jnp.asarray(alphas, jnp.float32),
-                            (answer_targets(tokens, answer_positions), answer_real), answer_positions, config,
-                            TARGETS[target], answer_probability, interventions, grad, chunk_size)
+    return site_path_points(params, prompt.valid, jnp.int32(layer), study_path(x, b, inputs, layer, target),
+                            jnp.asarray(alphas, jnp.float32), config, site=TARGETS[target],
+                            metric=answer_probability, aux=answer_aux(prompt), positions=prompt.answer_positions,
+                            interventions=interventions, grad=grad, chunk_size=chunk_size)
 
 
 # ----------------------------------------------------------------------------- the rule (host)
@@ -364,22 +361,21 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
     return [rules[layer] for layer in layers]
 
 
-def adaptive_ig_of_prompt(params, tokens, valid, answer_positions, answer_real, config: ModelConfig, *,
-                          tolerance: np.ndarray, max_evaluations: int = MAX_EVALUATIONS,
-                          baseline: str = "channel_mean", target: str = "layer",
-                          atol: float = ATOL, grid_points: int = GRID_POINTS,
+def adaptive_ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, tolerance: np.ndarray,
+                          max_evaluations: int = MAX_EVALUATIONS, baseline: str = "channel_mean",
+                          target: str = "layer", atol: float = ATOL, grid_points: int = GRID_POINTS,
                           initial_intervals: int = INITIAL_INTERVALS, chunk_size: Optional[int] = None,
                           memory_budget: Optional[int] = None, interventions=None, on_layer=None) -> dict:
     """Adaptive IG of every layer for one prompt (arguments as `ig_of_prompt`; `tolerance [L]`
     per layer). Returns numpy arrays: `attributions [L, T]`, `f_input []`, `f_baseline [L]`,
     `evaluations [L]`, `converged [L]`, `bound [L]` (the certificate sum_i |e_i| + |φ(1) - F(x)|).
     `on_layer()` is called as each layer finishes."""
-    L, T = config.num_layers, tokens.shape[1]
-    args = (params, tokens, valid, answer_positions, answer_real)
-    x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
+    L, T = config.num_layers, prompt.tokens.shape[1]
+    x, b, inputs, f_input = ig_inputs(params, prompt, config, baseline=baseline, interventions=interventions,
+                                      target=target)
 
     def call(layer, alphas, grad, chunk):
-        return path_points(*args, x, b, inputs, layer=layer, alphas=alphas, config=config,
+        return path_points(params, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config,
                            interventions=interventions, target=target, grad=grad, chunk_size=chunk)
 
     rules = run_rule(call, range(L), float(to_host(f_input)), T, config, tolerance=tolerance,
@@ -445,11 +441,9 @@ def adaptive_integrated_gradients(params, batch: PromptBatch, config: ModelConfi
     bound = np.zeros((P, L), np.float32)
     with tqdm(total=P * L, desc="adaptive integrated gradients (layers)", disable=not progress) as bar:
         for i in range(P):
-            one = batch.single(i, PAD_TO)
-            Ti = one.tokens.shape[1]
-            positions, real = one.answer_positions(0)
-            r = adaptive_ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                                      jnp.asarray(real), config, tolerance=tolerances,
+            prompt = batch.prompt(i, PAD_TO)
+            Ti = prompt.tokens.shape[1]
+            r = adaptive_ig_of_prompt(params, prompt, config, tolerance=tolerances,
                                       max_evaluations=max_evaluations, baseline=baseline, target=target, atol=atol,
                                       grid_points=grid_points, initial_intervals=initial_intervals,
                                       chunk_size=chunk_size, memory_budget=memory_budget,

@@ -27,8 +27,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses import adaptive_ig
-from jaxdepth.analyses.integrated_gradients import (BASELINES, ig_baseline, metric_head, quadrature, site_inputs,
-                                                    weighted_gradient)
+from jaxdepth.analyses.integrated_gradients import (BASELINES, LayerPath, ig_baseline, metric_head, quadrature,
+                                                    site_inputs, weighted_gradient)
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
@@ -171,26 +171,27 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
     metric = LogitsMetric(metric)
     x, inputs, f_input = _clean_run(params, tokens, valid, positions, config, site, metric, interventions)
     b = _baselines(x, valid, baseline, layers)
-    needs_input = site != "resid_post"
+    index = {layer: i for i, layer in enumerate(layers)}
+
+    def path(layer):
+        return LayerPath(x[layer], b[index[layer]], inputs[layer] if site != "resid_post" else None)
 
     def weighted(i, alphas, weights, chunk):
         l = layers[i]
-        g, f_base = weighted_gradient(params, valid, jnp.int32(l), x[l], b[i], inputs[l] if needs_input else None,
-                                      jnp.asarray(alphas, jnp.float32), jnp.asarray(weights, jnp.float32), None,
-                                      positions, config, site, metric, chunk, interventions)
+        g, f_base = weighted_gradient(params, valid, jnp.int32(l), path(l), jnp.asarray(alphas, jnp.float32),
+                                      jnp.asarray(weights, jnp.float32), config, site=site, metric=metric,
+                                      positions=positions, chunk_size=chunk, interventions=interventions)
         mask = valid.reshape(valid.shape + (1,) * (x.ndim - 3))
         return (x[l] - b[i]) * g * mask, f_base
 
     n = len(layers)
     common = dict(layers=np.asarray(layers), site=site, rule=rule)
     if rule == "adaptive":
-        index = {layer: i for i, layer in enumerate(layers)}
-
         def path_points(layer, alphas, grad, chunk):
-            return adaptive_ig.site_path_points(params, valid, jnp.int32(layer), x[layer], b[index[layer]],
-                                                inputs[layer] if needs_input else None,
-                                                jnp.asarray(alphas, jnp.float32), None, positions, config, site,
-                                                metric, interventions, grad, chunk)
+            return adaptive_ig.site_path_points(params, valid, jnp.int32(layer), path(layer),
+                                                jnp.asarray(alphas, jnp.float32), config, site=site, metric=metric,
+                                                positions=positions, interventions=interventions, grad=grad,
+                                                chunk_size=chunk)
 
         return _adaptive(path_points, weighted, layers, float(to_host(f_input)[0]), T, config, tolerance=tolerance,
                          max_evaluations=max_evaluations, chunk_size=chunk_size, memory_budget=memory_budget,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import (final_residual, layer_context, layer_inputs, layer_params, layer_step,
@@ -138,11 +138,6 @@ def answer_probability(logits, aux):
     return jnp.sum(jnp.where(real, probs[jnp.arange(targets.shape[0]), targets], 0.0))
 
 
-def answer_targets(tokens, answer_positions):
-    """The token each answer position predicts (the next one), `[A]`, of one prompt `[1, T]`."""
-    return tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
-
-
 def per_prompt(value, batch: int):
     """A metric's value as one number per prompt `[B]`: a scalar (one prompt) or `[B]`. Anything
     else is refused at trace time: F, its path and its completeness gap are per prompt."""
@@ -164,10 +159,14 @@ def metric_head(params, config: ModelConfig, metric, aux, positions):
     return head
 
 
-def _objective(params, tokens, answer_positions, answer_real, config: ModelConfig):
+def answer_aux(prompt: PromptArrays):
+    """`answer_probability`'s `aux` for a prompt: its answer targets and which are real."""
+    return prompt.answer_targets, prompt.answer_real
+
+
+def answer_objective(params, prompt: PromptArrays, config: ModelConfig):
     """F(h_L): the summed teacher-forced probabilities of the answer tokens of one prompt."""
-    head = metric_head(params, config, answer_probability, (answer_targets(tokens, answer_positions), answer_real),
-                       answer_positions)
+    head = metric_head(params, config, answer_probability, answer_aux(prompt), prompt.answer_positions)
     return lambda h_last: head(h_last)[0]
 
 
@@ -185,14 +184,14 @@ def site_inputs(params, tokens, valid, config: ModelConfig, site: str, intervent
 
 
 @partial(jit, static_argnames=("config", "baseline", "target"))
-def ig_inputs(params, tokens, valid, answer_positions, answer_real, config: ModelConfig,
-              baseline: str = "channel_mean", interventions=None, target: str = "layer"):
+def ig_inputs(params, prompt: PromptArrays, config: ModelConfig, *, baseline: str = "channel_mean",
+              interventions=None, target: str = "layer"):
     """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    x, inputs, h_last = site_inputs(params, tokens, valid, config, TARGETS[target], interventions)
-    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid, baseline))(x), x.shape)
-    return x[:, 0], b[:, 0], inputs[:, 0], _objective(params, tokens, answer_positions, answer_real, config)(h_last)
+    x, inputs, h_last = site_inputs(params, prompt.tokens, prompt.valid, config, TARGETS[target], interventions)
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
+    return x[:, 0], b[:, 0], inputs[:, 0], answer_objective(params, prompt, config)(h_last)
 
 
 def _set_value(value, layer, data):
@@ -215,59 +214,73 @@ def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, inter
     return entry
 
 
-def _entry(params, layer, h_in, valid, config: ModelConfig, target: str, interventions):
-    """`site_entry` for a study target ('layer', 'attn', 'mlp')."""
-    return site_entry(params, layer, h_in, valid, config, TARGETS[target], interventions)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerPath:
+    """The straight path of one layer's value at a site, from the baseline `b` to `x` (`[B, T,
+    ...]`, b broadcastable to x), and the layer's input `h_in [B, T, D]`, from which a site
+    inside the layer recomputes it (None for `resid_post`). A pytree."""
+
+    x: jax.Array
+    b: jax.Array
+    h_in: Optional[jax.Array] = None
+
+    def at(self, alpha):
+        """b + α(x - b)."""
+        return self.b + alpha * (self.x - self.b)
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "chunk_size"))
-def weighted_gradient(params, valid, layer, x, b, h_in, alphas, weights, aux, positions, config: ModelConfig,
-                      site: str, metric, chunk_size: Optional[int] = None, interventions=None):
-    """`(sum_k w_k dF/dz(b + α_k (x - b)) [B, T, ...], F(b) [B])` for the value z at `site` of
-    layer `layer`: x, b `[B, T, ...]` as that site's value; F the metric per prompt
-    (`metric(logits, aux)` at `positions`, `metric_head`) under `interventions`.
+def weighted_gradient(params, valid, layer, path: LayerPath, alphas, weights, config: ModelConfig, *, site: str,
+                      metric, aux=None, positions=None, chunk_size: Optional[int] = None, interventions=None):
+    """`(sum_k w_k dF/dz(path.at(α_k)) [B, T, ...], F(b) [B])` for the value z at `site` of
+    layer `layer` along `path`; F the metric per prompt (`metric(logits, aux)` at `positions`,
+    `metric_head`) under `interventions`.
 
     The steps are one chunked sweep of gradients that start at boundary layer+1 (and, for a site
-    inside the layer, back through layer `layer` recomputed from `h_in` with the site set), the
-    chunks summed as they run (`sweep_sum`). `layer` is traced, so every layer of a prompt
+    inside the layer, back through layer `layer` recomputed from `path.h_in` with the site set),
+    the chunks summed as they run (`sweep_sum`). `layer` is traced, so every layer of a prompt
     reuses one compiled computation.
     """
     dtype = params["embed"].dtype
     head = metric_head(params, config, metric, aux, positions)
-    entry = site_entry(params, layer, None if h_in is None else h_in.astype(dtype), valid, config, site,
+    entry = site_entry(params, layer, None if path.h_in is None else path.h_in.astype(dtype), valid, config, site,
                        interventions)
     total = lambda h: jnp.sum(head(h))  # prompts do not interact: each one's gradient is its own F's
 
     def member(m):
         alpha, weight = m
-        h_next, pullback = jax.vjp(entry, (b + alpha * (x - b)).astype(dtype))
+        h_next, pullback = jax.vjp(entry, path.at(alpha).astype(dtype))
         _, g = suffix_value_and_grad(params, h_next, layer + 1, config, total, valid=valid,
                                      interventions=interventions)
         return weight * pullback(g)[0].astype(jnp.float32)
 
-    h_base, _ = run_layers_from(params, entry(b.astype(dtype)), layer + 1, config, valid=valid,
+    h_base, _ = run_layers_from(params, entry(path.b.astype(dtype)), layer + 1, config, valid=valid,
                                 interventions=interventions)
     return sweep_sum(member, (alphas, weights), chunk_size), head(h_base)
 
 
-def ig_of_layer(params, tokens, valid, answer_positions, answer_real, alphas, weights, layer, x, b,
-                config: ModelConfig, chunk_size: Optional[int] = None, interventions=None,
-                target: str = "layer", h_in=None):
-    """IG of one layer (`x`, `b`: its target and baseline, `[T, D]`; `h_in [T, D]`: the layer's
-    input, read by sublayer targets): `(attributions [T], F(b))`, `weighted_gradient` with the
-    studies' F."""
-    g, f_base = weighted_gradient(params, valid, layer, x[None], b[None], None if h_in is None else h_in[None],
-                                  alphas, weights, (answer_targets(tokens, answer_positions), answer_real),
-                                  answer_positions, config, TARGETS[target], answer_probability, chunk_size,
-                                  interventions)
-    return jnp.sum((x - b) * g[0], axis=-1) * valid[0], f_base[0]
+def study_path(x, b, inputs, layer, target: str) -> LayerPath:
+    """Layer `layer`'s path for a study target, from `ig_inputs`' `[L, T, D]` arrays (batch 1)."""
+    return LayerPath(x[layer][None], b[layer][None], None if target == "layer" else inputs[layer][None])
 
 
-def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, weights, config: ModelConfig,
+def ig_of_layer(params, prompt: PromptArrays, layer, path: LayerPath, config: ModelConfig, *, alphas, weights,
+                chunk_size: Optional[int] = None, interventions=None, target: str = "layer"):
+    """IG of one layer along `path` (`study_path`): `(attributions [T], F(b))`,
+    `weighted_gradient` with the studies' F."""
+    g, f_base = weighted_gradient(params, prompt.valid, layer, path, alphas, weights, config, site=TARGETS[target],
+                                  metric=answer_probability, aux=answer_aux(prompt),
+                                  positions=prompt.answer_positions, chunk_size=chunk_size,
+                                  interventions=interventions)
+    return jnp.sum((path.x - path.b) * g, axis=-1)[0] * prompt.valid[0], f_base[0]
+
+
+def ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, alphas, weights,
                  baseline: str = "channel_mean", chunk_size: Optional[int] = None,
                  on_layer: Optional[Callable[[], None]] = None, interventions=None, target: str = "layer"):
-    """IG for one prompt (`tokens`, `valid` `[1, T]`; `answer_positions [A]` predict answer
-    tokens where `answer_real`): `(attributions [L, T], f_input [], f_baseline [L])`.
+    """IG for one prompt (`PromptArrays`, batch 1) with the quadrature rule `alphas`, `weights`:
+    `(attributions [L, T], f_input [], f_baseline [L])`.
 
     Layers run one after another (`ig_of_layer`, one compiled computation for all of them);
     `on_layer()` is called after each (progress). `interventions` (`jaxdepth.core.sites`) act on
@@ -276,12 +289,14 @@ def ig_of_prompt(params, tokens, valid, answer_positions, answer_real, alphas, w
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-    args = (params, tokens, valid, answer_positions, answer_real)
-    x, b, inputs, f_input = ig_inputs(*args, config, baseline, interventions, target)
+    x, b, inputs, f_input = ig_inputs(params, prompt, config, baseline=baseline, interventions=interventions,
+                                      target=target)
+    alphas, weights = jnp.asarray(alphas, jnp.float32), jnp.asarray(weights, jnp.float32)
     attributions, f_baseline = [], []
     for layer in range(config.num_layers):
-        a, fb = ig_of_layer(*args, alphas, weights, jnp.int32(layer), x[layer], b[layer], config, chunk_size,
-                            interventions, target, None if target == "layer" else inputs[layer])
+        a, fb = ig_of_layer(params, prompt, jnp.int32(layer), study_path(x, b, inputs, layer, target), config,
+                            alphas=alphas, weights=weights, chunk_size=chunk_size, interventions=interventions,
+                            target=target)
         attributions.append(a)
         f_baseline.append(fb)
         if on_layer is not None:
@@ -324,14 +339,12 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
     with tqdm(total=P * L, desc=f"integrated gradients ({steps} steps, layers)", disable=not progress) as bar:
         for i in range(P):
-            one = batch.single(i, PAD_TO)
-            Ti = one.tokens.shape[1]
+            prompt = batch.prompt(i, PAD_TO)
+            Ti = prompt.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
-            positions, real = one.answer_positions(0)
-            a, fx, fb = ig_of_prompt(params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-                                     jnp.asarray(positions), jnp.asarray(real), jnp.asarray(alphas, jnp.float32),
-                                     jnp.asarray(weights, jnp.float32), config, baseline, chunk,
-                                     on_layer=bar.update, interventions=interventions, target=target)
+            a, fx, fb = ig_of_prompt(params, prompt, config, alphas=alphas, weights=weights, baseline=baseline,
+                                     chunk_size=chunk, on_layer=bar.update, interventions=interventions,
+                                     target=target)
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = to_host(a), to_host(fx), to_host(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
     return IntegratedGradientsResult(

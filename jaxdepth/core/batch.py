@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 # Tokens (rows x padded length) of one forward when prompts are grouped (`PromptBatch.groups`):
@@ -78,10 +79,38 @@ class PromptBatch:
         real = np.arange(A) < len(positions)
         return np.concatenate([positions, np.full(A - len(positions), positions[-1])]).astype(np.int32), real
 
+    def prompt(self, i: int, pad_to_multiple: int = 16, answer_pad_to: int = 4) -> "PromptArrays":
+        """Prompt i as the per-prompt sweeps take it: `single(i, pad_to_multiple)` with its
+        answer positions (`answer_positions`, padded to a multiple of `answer_pad_to`)."""
+        one = self.single(i, pad_to_multiple)
+        positions, real = one.answer_positions(0, answer_pad_to)
+        return PromptArrays(jax.numpy.asarray(one.tokens), jax.numpy.asarray(one.valid),
+                            jax.numpy.asarray(positions), jax.numpy.asarray(real))
+
     def answer_prediction_mask(self) -> np.ndarray:
         """`[B, T]`: positions p whose output predicts an answer token, p+1 in the answer."""
         pos = np.arange(self.tokens.shape[1])[None]
         return (pos >= self.answer_start[:, None] - 1) & (pos <= self.lengths[:, None] - 2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptArrays:
+    """One prompt as one value, a pytree of arrays (it passes through `jit` and `vmap` as its
+    leaves): `tokens`, `valid` `[1, T]`; `answer_positions [A]`, the positions whose outputs
+    predict answer tokens (padded to a static size by repeating the last), and `answer_real
+    [A]`, False at that padding. Analyses without an answer leave the last two None."""
+
+    tokens: jax.Array
+    valid: jax.Array
+    answer_positions: Optional[jax.Array] = None
+    answer_real: Optional[jax.Array] = None
+
+    @property
+    def answer_targets(self) -> jax.Array:
+        """The token each answer position predicts (the next one), `[A]`."""
+        T = self.tokens.shape[1]
+        return self.tokens[0, jax.numpy.minimum(self.answer_positions + 1, T - 1)]
 
 
 def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Sequence[int]] = None,

@@ -370,8 +370,7 @@ def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch):
     # of a plain forward with h_start set, from every start.
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    positions, real = one.answer_positions(0)
-    objective = ig._objective(params, tokens, jnp.asarray(positions), jnp.asarray(real), CONFIG)
+    objective = ig.answer_objective(params, batch.prompt(1), CONFIG)
     hs = residual_stream(params, tokens, CONFIG, valid=valid)
     for start in range(CONFIG.num_layers + 1):
         z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import assert_close, assert_moved
 from jaxdepth.core import sites
+from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, quadrature
 from jaxdepth.core.interventions import skip_layer
@@ -188,8 +189,8 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
         iv = sites.add("resid_pre", l + 1, vector, jnp.ones(T))
     answer_positions, answer_real = jnp.arange(5, T - 1), jnp.ones(T - 6, bool)
     alphas, weights = quadrature("left", steps)
-    ours, f_x, f_b = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
-                                  jnp.asarray(weights, jnp.float32), CONFIG, interventions=iv)
+    prompt = PromptArrays(tokens, valid, answer_positions, answer_real)
+    ours, f_x, f_b = ig_of_prompt(params, prompt, CONFIG, alphas=alphas, weights=weights, interventions=iv)
 
     targets = tokens[0, answer_positions + 1]
 
@@ -208,8 +209,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     assert_close(ours[l], expected, f"IG of layer l under the {kind}")
     assert_close(f_x, F(x), "F(x)")
     assert_close(f_b[l], F(b), "F(b)")
-    clean, _, _ = ig_of_prompt(params, tokens, valid, answer_positions, answer_real, jnp.asarray(alphas, jnp.float32),
-                               jnp.asarray(weights, jnp.float32), CONFIG)
+    clean, _, _ = ig_of_prompt(params, prompt, CONFIG, alphas=alphas, weights=weights)
     assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 1e-3, f"the {kind} did not change the attributions"
 
 
