@@ -1,0 +1,130 @@
+"""Which integrated-gradients rule should the study use by default? The wall-clock time, end to
+end, of the published rule (left Riemann, 256 steps) against the adaptive rule at a 1%
+certified tolerance, on whole GSM8K prompts, every layer, through the study's own functions
+(`integrated_gradients` and `adaptive_integrated_gradients`).
+
+Each (prompt, rule) runs after its computations are compiled (compilation is timed apart), on a
+quiet machine (it waits until other processes use under a fifth of a core, and records how much
+they used while it ran). Each result is saved as it finishes, so a rerun skips what is done.
+
+    python experiments/ig_default_rule.py --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,3
+
+On 2 CPU cores a 136-token prompt of the embedded model takes about half an hour with the
+published rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from benchmark import CpuMeter, cpu_description, wait_quiet
+from jaxdepth.analyses import adaptive_ig, integrated_gradients as ig
+from jaxdepth.core.atomic import atomic_write
+from jaxdepth.core.sweep import auto_chunk_size
+from jaxdepth.lab.prompts import encode, format_short, read_rows
+from jaxdepth.lab.sources import load
+
+RULES = {"left-256": dict(rule="left", steps=256), "adaptive-1%": dict(rule="adaptive", tolerance=0.01)}
+
+
+def compile_rule(model, batch, spec: dict) -> float:
+    """Compile what `run_rule` will run on `batch` (its last layer only: no suffix, cheap);
+    returns the seconds it took."""
+    p, config = model.params, model.config
+    prompt = batch.prompt(0, ig.PAD_TO)
+    start = time.perf_counter()
+    x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
+    last = config.num_layers - 1
+    if spec["rule"] == "adaptive":
+        largest = adaptive_ig.largest_call(config, prompt.tokens.shape[1])
+        for size in sorted({s for n in range(1, 4 * largest) for s in adaptive_ig.call_sizes(n, largest)}):
+            jax.block_until_ready(adaptive_ig.path_points(p, prompt, x, b, inputs, layer=last,
+                                                          alphas=np.linspace(0, 1, size), config=config,
+                                                          chunk_size=size))
+    else:
+        alphas, weights = ig.quadrature(spec["rule"], spec["steps"])
+        chunk = auto_chunk_size(config, prompt.tokens.shape[1], spec["steps"], grad=True)
+        jax.block_until_ready(ig.ig_of_layer(p, prompt, jax.numpy.int32(last),
+                                             ig.study_path(x, b, inputs, last, "layer"), config,
+                                             alphas=jax.numpy.asarray(alphas, jax.numpy.float32),
+                                             weights=jax.numpy.asarray(weights, jax.numpy.float32),
+                                             chunk_size=chunk))
+    return time.perf_counter() - start
+
+
+def run_rule(model, batch, spec: dict) -> dict:
+    """One timed run of a rule on a one-prompt `batch`: seconds, evaluations and accuracy."""
+    p, config = model.params, model.config
+    with CpuMeter() as meter:
+        if spec["rule"] == "adaptive":
+            r = adaptive_ig.adaptive_integrated_gradients(p, batch, config, tolerance=spec["tolerance"])
+            evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
+        else:
+            r = ig.integrated_gradients(p, batch, config, rule=spec["rule"], steps=spec["steps"])
+            evaluations, converged = spec["steps"] * config.num_layers, None
+    delta = np.abs(r.f_input[0] - r.f_baseline[0].astype(np.float64))
+    relative_gap = np.abs(r.gap[0]) / delta
+    return dict(seconds=meter.wall, other_processes_cores=meter.others, evaluations=evaluations,
+                ms_per_evaluation=1000 * meter.wall / evaluations, converged_layers=converged,
+                largest_relative_gap=float(relative_gap.max()), median_relative_gap=float(np.median(relative_gap)),
+                layers_with_gap_over_1pct=int((relative_gap > 0.01).sum()))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"CPU: {report['cpu']}", "",
+             "| prompt | tokens | rule | wall-clock (s) | gradient evaluations | ms / evaluation "
+             "| largest gap | layers with gap > 1% | speed-up over left-256 |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in report["prompts"].items():
+        base = row["rules"].get("left-256", {}).get("seconds")
+        for rule, r in row["rules"].items():
+            speedup = f"{base / r['seconds']:.2f}x" if base else ""
+            lines.append(f"| {name} | {row['tokens']} | {rule} | {r['seconds']:.0f} | {r['evaluations']:,} "
+                         f"| {r['ms_per_evaluation']:.0f} | {100 * r['largest_relative_gap']:.2f}% "
+                         f"| {r['layers_with_gap_over_1pct']} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--data", required=True, help="GSM8K JSONL (e.g. ../shared/data/gsm8k_test_sample.jsonl)")
+    parser.add_argument("--rows", default="0,1,3")
+    parser.add_argument("--rules", default=",".join(RULES), help=f"among {', '.join(RULES)}")
+    parser.add_argument("--out", default="experiments/results/ig_default_rule.json")
+    parser.add_argument("--quiet-timeout", type=float, default=600.0,
+                        help="seconds to wait for a quiet machine before each run")
+    args = parser.parse_args(argv)
+
+    model = load(args.model)
+    rows = read_rows("gsm8k", args.data)
+    report = json.load(open(args.out)) if os.path.exists(args.out) else {"prompts": {}}
+    report["cpu"] = report.get("cpu", cpu_description())
+    if report["cpu"] != cpu_description():
+        parser.error(f"{args.out} was measured on {report['cpu']}, not this CPU: give another --out")
+    for i in map(int, args.rows.split(",")):
+        name = f"gsm8k_row{i}"
+        batch = encode(model.tokenizer, [format_short(rows[i])], context=model.config.max_position_embeddings)
+        entry = report["prompts"].setdefault(name, {"tokens": int(batch.lengths[0]), "rules": {}})
+        for rule in args.rules.split(","):
+            if rule in entry["rules"]:
+                continue
+            spec = RULES[rule]
+            compile_seconds = compile_rule(model, batch, spec)
+            waited = wait_quiet(args.quiet_timeout)
+            result = run_rule(model, batch, spec)
+            entry["rules"][rule] = dict(result, compile_seconds=compile_seconds, quiet=waited is not None)
+            with atomic_write(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+            print(f"{name} {rule}: {result['seconds']:.0f} s, {result['evaluations']} evaluations", flush=True)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The default-rule experiment: each rule's row is that rule run through the study's own
+functions on the prompt, and a rerun keeps what is saved instead of recomputing it."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import save_tiny_checkpoint
+from jaxdepth.analyses.adaptive_ig import adaptive_integrated_gradients
+from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.lab.prompts import encode, format_short
+from jaxdepth.lab.sources import load
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
+import ig_default_rule as experiment  # noqa: E402
+
+ROW = {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+       "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}
+
+
+def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
+    checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
+    data, out = tmp_path / "gsm8k.jsonl", tmp_path / "race.json"
+    data.write_text(json.dumps(ROW) + "\n")
+    argv = ["--model", checkpoint, "--data", str(data), "--rows", "0", "--out", str(out), "--quiet-timeout", "0"]
+    assert experiment.main(argv) == 0
+    report = json.loads(out.read_text())
+    row = report["prompts"]["gsm8k_row0"]
+    assert set(row["rules"]) == {"left-256", "adaptive-1%"} and report["cpu"]
+
+    model = load(checkpoint)
+    batch = encode(model.tokenizer, [format_short(ROW)], context=256)
+    L = model.config.num_layers
+    fixed = integrated_gradients(model.params, batch, model.config, steps=256, rule="left", progress=False)
+    adaptive = adaptive_integrated_gradients(model.params, batch, model.config, tolerance=0.01, progress=False)
+    for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
+        gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])
+        assert row["rules"][name]["largest_relative_gap"] == pytest.approx(float(gap.max()), rel=1e-9), name
+    assert row["rules"]["left-256"]["evaluations"] == 256 * L
+    assert row["rules"]["adaptive-1%"]["evaluations"] == int(adaptive.evaluations.sum())
+    assert row["rules"]["adaptive-1%"]["converged_layers"] == int(adaptive.converged.sum())
+    assert row["tokens"] == int(batch.lengths[0])
+
+    before = out.read_text()
+    assert experiment.main(argv) == 0  # everything saved: nothing runs again
+    assert out.read_text() == before
