@@ -17,10 +17,13 @@ its evaluations times the measured time per evaluation of this sweep; the adapti
 is measured (the reference's includes compilation).
 
     python experiments/ig_accuracy.py                  # the arithmetic prompt, N = 256 (2 CPU cores: ~30 min)
-    python experiments/ig_accuracy.py --max-steps 4096 --gauss-max 4096 \\
-        --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,2   # the full table: an accelerator
+    python experiments/ig_accuracy.py --no-arithmetic --max-steps 1024 --gauss-max 64 \\
+        --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,3   # the GSM8K table (2 CPU cores: hours per row)
 
-Per-layer evaluations are cached in the output folder, so a killed run resumes.
+Per-layer evaluations are cached in the output folder (`--out`), so a killed run resumes where it
+stopped; each prompt's finished rows are written to `--summaries` (a small JSON per prompt, kept
+with the project) as soon as the prompt is done, and a rerun with the same settings reads them
+back.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
                                 reference_s, errors(ref, f_input, f_baseline, ref),
                                 f"{int(reference['converged'].sum())}/{L} layers converged; time includes compilation")
-    return dict(prompt=name, tokens=int(one.lengths[0]), f_input=f_input, f_baseline=f_baseline.tolist(),
+    return dict(prompt=name, tokens=int(prompt.valid.sum()), f_input=f_input, f_baseline=f_baseline.tolist(),
                 seconds_per_evaluation=per_eval, reference=dict(
                     tolerance=reference_tolerance, budget=budget,
                     converged=reference["converged"].tolist(), evaluations=reference["evaluations"].tolist(),
@@ -237,7 +240,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-arithmetic", action="store_true", help="leave out the arithmetic prompt")
     parser.add_argument("--data", help="GSM8K JSONL: its --rows join the prompts")
     parser.add_argument("--rows", default="0,1,2", help="GSM8K rows (with --data)")
-    parser.add_argument("--out", default="results/ig_accuracy")
+    parser.add_argument("--out", default="results/ig_accuracy", help="the evaluation caches (large)")
+    parser.add_argument("--summaries", default="experiments/results/ig_accuracy",
+                        help="each prompt's finished rows, the table, its figure")
     args = parser.parse_args(argv)
     if args.max_steps < 16 or args.max_steps & (args.max_steps - 1):
         parser.error("--max-steps must be a power of two >= 16")
@@ -248,21 +253,30 @@ def main(argv=None) -> int:
         rows = read_rows("gsm8k", args.data)
         prompts += [(f"gsm8k_row{i}", format_short(rows[int(i)])) for i in args.rows.split(",")]
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.summaries, exist_ok=True)
     tolerances = sorted((float(t) for t in args.tolerances.split(",")), reverse=True)
     report = dict(model=args.model, max_steps=args.max_steps, gauss_max=args.gauss_max, prompts=[])
     for name, prompt in prompts:
-        batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
-        report["prompts"].append(accuracy_of_prompt(model, batch, name, args.max_steps, args.gauss_max, tolerances,
-                                                    args.out, args.reference_tolerance, args.budget))
+        settings = dict(model=args.model, prompt=prompt.question + prompt.answer, max_steps=args.max_steps, gauss_max=args.gauss_max,
+                        tolerances=tolerances, reference_tolerance=args.reference_tolerance, budget=args.budget)
+        summary = os.path.join(args.summaries, f"{name}.json")
+        done = json.load(open(summary)) if os.path.exists(summary) else None
+        if done is None or done.get("settings") != settings:
+            batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
+            done = dict(accuracy_of_prompt(model, batch, name, args.max_steps, args.gauss_max, tolerances, args.out,
+                                           args.reference_tolerance, args.budget), settings=settings)
+            with atomic_write(summary, "w") as f:
+                json.dump(done, f, indent=1)
+        report["prompts"].append(done)
         print(markdown(dict(prompts=report["prompts"][-1:])))
-    with atomic_write(os.path.join(args.out, "ig_accuracy.json"), "w") as f:
+    with atomic_write(os.path.join(args.summaries, "ig_accuracy.json"), "w") as f:
         json.dump(report, f, indent=1)
-    with atomic_write(os.path.join(args.out, "ig_accuracy.md"), "w") as f:
+    with atomic_write(os.path.join(args.summaries, "ig_accuracy.md"), "w") as f:
         f.write(markdown(report))
     fig = figure(report)
-    with atomic_write(os.path.join(args.out, "ig_accuracy.png"), "wb") as f:
+    with atomic_write(os.path.join(args.summaries, "ig_accuracy.png"), "wb") as f:
         fig.savefig(f, format="png", dpi=130)
-    print(f"wrote {args.out}/ig_accuracy.json, .md and .png")
+    print(f"wrote {args.summaries}/ig_accuracy.json, .md and .png")
     return 0
 
 

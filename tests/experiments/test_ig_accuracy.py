@@ -35,7 +35,7 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     out = tmp_path / "out"
     argv = ["--model", checkpoint, "--max-steps", "16", "--gauss-max", "8", "--tolerances", "0.1,0.01",
-            "--reference-tolerance", "0.001", "--budget", "2048", "--out", str(out)]
+            "--reference-tolerance", "0.001", "--budget", "2048", "--out", str(out), "--summaries", str(out)]
     assert experiment.main(argv) == 0
     report = json.loads((out / "ig_accuracy.json").read_text())
     (prompt,) = report["prompts"]
@@ -62,7 +62,12 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     # A rerun reads every evaluation back instead of computing it.
     cached = {p: os.path.getmtime(p) for p in out.glob("*.npz")}
     assert len(cached) == 4  # the fixed-rule nodes and three adaptive runs
+    summary = out / "arithmetic.json"
+    os.remove(summary)  # the prompt's rows again, from the cached evaluations only
     assert experiment.main(argv) == 0
     assert {p: os.path.getmtime(p) for p in out.glob("*.npz")} == cached
+    finished = os.path.getmtime(summary)
+    assert experiment.main(argv) == 0  # the finished prompt is read back, not recomputed
+    assert os.path.getmtime(summary) == finished
     assert json.loads((out / "ig_accuracy.json").read_text())["prompts"][0]["rows"] == prompt["rows"]
     assert (out / "ig_accuracy.png").stat().st_size > 0
