@@ -250,3 +250,28 @@ def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
     edges, _, _ = analyse(files)
     assert Edge("jaxdepth.lab.loaded_model", "jaxdepth.analyses.x", 1) in edges
     assert Edge("jaxdepth.core.b", "jaxdepth.core.a", 1) in edges
+
+
+MAX_POSITIONAL = 8  # what a function takes beyond that is an option: keyword-only
+
+
+def long_signatures(files: dict[str, str]) -> list[str]:
+    """Functions with more than `MAX_POSITIONAL` positional parameters (self and cls not counted),
+    as 'path:line name(n)'."""
+    found = []
+    for path, source in sorted(files.items()):
+        for node in ast.walk(ast.parse(source, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                if len(names) > MAX_POSITIONAL:
+                    found.append(f"{path}:{node.lineno} {node.name}({len(names)})")
+    return found
+
+
+def test_no_function_takes_more_than_eight_positional_parameters():
+    files = {path: source for path, source in package_files().items() if path.startswith("jaxdepth")}
+    assert long_signatures(files) == []
+    # the check sees what it should: nine positional parameters, or eight plus options, in a method
+    synthetic = {"m.py": "def f(a, b, c, d, e, f, g, h, i): pass\n"
+                         "class C:\n    def g(self, a, b, c, d, e, f, g, h, *, i=1): pass\n"}
+    assert long_signatures(synthetic) == ["m.py:1 f(9)"]

@@ -112,7 +112,8 @@ def _train_step(stats, small_params, large_params, tokens, valid, small_config, 
 
 
 @partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="sums")
-def _heldout_step(sums, fit, small_params, large_params, tokens, valid, small_config, large_config, first_position):
+def _heldout_step(sums, fit, small_params, large_params, tokens, valid, *, small_config, large_config,
+                  first_position):
     """Both models' residual streams of one held-out prompt, their map errors added to the sums."""
     xs = _flat_residuals(small_params, tokens, valid, small_config)
     ys = _flat_residuals(large_params, tokens, valid, large_config)
