@@ -11,18 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_docs import ROOT, python_blocks
+
 COOKBOOK = os.path.join(ROOT, "docs", "cookbook.md")
-
-
-def python_blocks(path: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", open(path).read(), flags=re.S)
 
 
 def test_the_cookbook_has_at_least_eight_recipes():
     text = open(COOKBOOK).read()
     assert len(re.findall(r"^## \d+\. ", text, flags=re.M)) >= 8
-    assert len(python_blocks(COOKBOOK)) >= 9  # set-up and one block per recipe
+    assert len(python_blocks("docs/cookbook.md")) >= 9  # set-up and one block per recipe
 
 
 @pytest.mark.slow
@@ -36,7 +33,7 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
     try:
-        for block in python_blocks(COOKBOOK):
+        for block in python_blocks("docs/cookbook.md"):
             exec(compile(block, COOKBOOK, "exec"), ns)
     finally:  # recipe 9 registers an analysis: other tests in this process see the built-in suite
         ANALYSES.pop("final_entropy", None)

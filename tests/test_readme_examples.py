@@ -1,23 +1,22 @@
-"""The README's "Write your own" examples run exactly as written on the embedded model, and
-compute what they say they compute."""
+"""The "Write your own" examples of docs/api.md (once the README's) run exactly as written on the
+embedded model, and compute what they say they compute."""
 
 from __future__ import annotations
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+from test_docs import ROOT, python_blocks
+
+API = os.path.join(ROOT, "docs", "api.md")
 
 
 def _examples() -> list[str]:
-    text = open(README).read()
-    section = text.split("## Write your own", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return python_blocks("docs/api.md", "Write your own")
 
 
 def test_each_example_is_at_most_20_lines():
@@ -33,7 +32,7 @@ def test_readme_examples_run_as_written(smollm2, capsys):
 
     namespace: dict = {}
     for block in _examples():  # in order, in one namespace, as a reader pastes them
-        exec(compile(block, README, "exec"), namespace)
+        exec(compile(block, API, "exec"), namespace)
     printed = capsys.readouterr().out
     assert "P(' rain') when steering at layer l:" in printed and "heads whose patch" in printed
     p, config, L, H = namespace["p"], namespace["config"], namespace["L"], namespace["H"]
