@@ -5,7 +5,9 @@ or figures.
 - the study runner: `study` (every analysis on one model and prompt set, results cached and
   resumed), `case_study` (one prompt looked at closely), `lens_study` (tuned against logit lens),
   `mapping_study` (a smaller model's layers mapped onto a larger one's);
-- the analysis registry: `registry` (each analysis of the suite declared once);
+- the analysis registry: `registry` (each analysis of the suite declared once) and `plugins`
+  (analyses from other packages: `jaxdepth run --plugin MODULE:OBJECT`, entry points of the
+  group `jaxdepth.analyses`);
 - results on disk: `results` (`load_result`, with every built-in result type known;
   `RESULT_FORMAT`);
 - plots and tables: `plots`, `table` (the effective-depth table), `published` (the published

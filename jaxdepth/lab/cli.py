@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 
 from jaxdepth.lab.meshes import mesh_from_args
 from jaxdepth.lab.optional import MissingDependencyError
@@ -99,15 +100,25 @@ def _run(args) -> int:
     import jax
 
     from jaxdepth.core.sharding import is_writer
+    from jaxdepth.lab.plugins import load_plugins, owners
     from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import result_folder, run_study, write_figures
+    from jaxdepth.lab.study import Failures, result_folder, run_study, write_figures
 
     start = time.perf_counter()
+    plugins = load_plugins(args.plugin or ())
+    for plugin in plugins:
+        if plugin.error is not None:
+            print(f"error: {_plugin_failure(plugin.label, 'failed to load', plugin.error)}; the run goes on without it",
+                  file=sys.stderr)
+    plugin_of = owners(plugins)
+    failures = Failures(isolated=plugin_of)  # a plugin's analysis may fail; the others' results are kept
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
-        raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
+        not_loaded = [p.label for p in plugins if p.error is not None]
+        raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}"
+                         + (f" (plugins that failed to load: {', '.join(not_loaded)})" if not_loaded else ""))
     if "layer_skip" in analyses and args.skip_mode == "current" and args.skip_split != "sampled":
         raise ValueError("--skip-split applies to --skip-mode future; the current mode skips and measures every position")
     paths = _data_paths(args.data, args.dataset)
@@ -135,14 +146,17 @@ def _run(args) -> int:
         print(f"{name}: {len(batch)} prompts, {int(batch.valid.sum())} tokens")
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             results = run_study(model, model_name, name, batch, args.out, analyses=analyses, settings=settings,
-                                baseline_batch=baseline, baseline_name=baseline_name)
+                                baseline_batch=baseline, baseline_name=baseline_name, failures=failures)
         if not is_writer():  # multi-host: process 0 alone writes figures, the summary and the table
             continue
         if not args.no_figures:
             folder = result_folder(args.out, model_name, name)
-            write_figures(results, folder, model.tokenizer)
+            write_figures(results, folder, model.tokenizer, failures=failures)
             print(f"  figures in {os.path.join(folder, 'figures')}")
-        line = [name] + [phrase for a, result in results.items() for phrase in ANALYSES[a].summary(result)]
+        line = [name]
+        for a, result in results.items():
+            with failures.guard(a, "summing up its result"):
+                line.extend(ANALYSES[a].summary(result))
         summary.append("  " + "; ".join(line))
     if baseline_name is not None:
         print(f"erasure baseline: {baseline_name}")
@@ -154,7 +168,17 @@ def _run(args) -> int:
         print(to_markdown(rows), end="")
         write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
-    return 0
+    failed = [(p.label, "failed to load", p.error) for p in plugins if p.error is not None]
+    failed += [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
+    for label, what, error in failed:  # the tracebacks first, then one line each, last
+        traceback.print_exception(error, file=sys.stderr)
+    for label, what, error in failed:
+        print(f"error: {_plugin_failure(label, what, error)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _plugin_failure(label: str, what: str, error: Exception) -> str:
+    return f"plugin {label} {what}: {type(error).__name__}: {error}"
 
 
 def _case(args) -> int:
@@ -299,9 +323,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
                      "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub")
     run.add_argument("--analyses", help="comma-separated subset of the registered analyses: "
-                     f"{','.join(_analysis_names())} (default: all). attribution_patching and grad_x_act are "
-                     "first-order screening estimates (one backward pass per prompt): confirm what they find "
-                     "with the exact erasure")
+                     f"{','.join(_analysis_names())} and the plugins' (default: all). attribution_patching and "
+                     "grad_x_act are first-order screening estimates (one backward pass per prompt): confirm what "
+                     "they find with the exact erasure")
+    run.add_argument("--plugin", action="append", metavar="MODULE:OBJECT",
+                     help="add the analysis of a plugin (repeatable): OBJECT, an attribute of the importable "
+                          "MODULE, must be a jaxdepth.lab.registry.Analysis; it is registered and runs, caches, "
+                          "resumes, draws and sums up like a built-in one. The entry points of the group "
+                          "'jaxdepth.analyses' of installed distributions (NAME = MODULE:OBJECT) are loaded too. "
+                          "A name taken by a built-in or another plugin is an error; a plugin that fails to load, "
+                          "or whose analysis raises, is reported and the others' results are kept, with exit "
+                          "status 1")
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")

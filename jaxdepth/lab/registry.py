@@ -3,8 +3,9 @@ enter its cache identity, how it runs, its figures and its one-line summary.
 
 The study runner, the CLI, result loading and the summary iterate `ANALYSES`; nothing else keys
 on analysis names. A new analysis is one `register(Analysis(...))` call: `study.run_study` then
-runs, caches and resumes it like the others and draws its figures (and `jaxdepth run
---analyses NAME` does too, once the module registering it is imported).
+runs, caches and resumes it like the others and draws its figures. `jaxdepth run` runs it too
+when a plugin brings it: an `Analysis` object named by `--plugin MODULE:OBJECT` or by an entry
+point of the group `jaxdepth.analyses` (`jaxdepth.lab.plugins` loads and registers them).
 """
 
 from __future__ import annotations
@@ -174,3 +175,5 @@ def _register_builtins():
         detail=True))  # g . h does not read the baseline: it is no part of this cache identity
 
 _register_builtins()
+
+BUILT_IN: frozenset[str] = frozenset(ANALYSES)  # the names of the suite's own analyses

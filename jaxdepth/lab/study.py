@@ -4,6 +4,11 @@ Each (model, dataset, analysis) result is written atomically to
 `OUT/<model>/<dataset>/<analysis>.npz` together with the settings and software versions that
 produced it. A rerun loads every finished result whose settings match and computes only the
 rest, so an interrupted run resumes, and a changed setting is never confused with a cached one.
+
+An analysis's error ends the study, unless the analysis is named in a `Failures` given to
+`run_study` (and `write_figures`): then its error is recorded there and the others go on, their
+results saved and cached as usual. `jaxdepth run` isolates the plugins' analyses this way
+(`jaxdepth.lab.plugins`); a built-in analysis's error still ends the run.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -42,6 +47,35 @@ class StudySettings:
     ig_tolerance: float = 0.01  # ig_rule 'adaptive': certified completeness bound, relative to |F(x) - F(b)|
     ig_max_evaluations: int = 512  # ig_rule 'adaptive': gradient evaluations per layer at most
     memory_budget: Optional[int] = None
+
+
+class Failure(NamedTuple):
+    """What an isolated analysis raised, and when: `stage` is "running", "drawing its figures" or
+    "summing up its result"."""
+
+    name: str
+    stage: str
+    error: Exception
+
+
+class Failures:
+    """The analyses named in `isolated` may fail without ending a run: `guard(name, stage)` keeps
+    such an analysis's error (an `Exception`) in `records` and lets the run go on; any other
+    analysis's error passes through unchanged. An empty `Failures()` isolates nothing."""
+
+    def __init__(self, isolated: Iterable[str] = ()):
+        self.isolated = frozenset(isolated)
+        self.records: list[Failure] = []
+
+    @contextlib.contextmanager
+    def guard(self, name: str, stage: str):
+        if name not in self.isolated:
+            yield
+            return
+        try:
+            yield
+        except Exception as error:
+            self.records.append(Failure(name, stage, error))
 
 
 def software_versions() -> dict:
@@ -84,13 +118,17 @@ def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
 def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, out_dir: str, *,
               analyses: Optional[Sequence[str]] = None, settings: StudySettings = StudySettings(),
               baseline_batch: Optional[PromptBatch] = None, baseline_name: Optional[str] = None,
-              progress: bool = True, log: Callable[[str], None] = print) -> dict:
+              progress: bool = True, log: Callable[[str], None] = print,
+              failures: Optional[Failures] = None) -> dict:
     """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
     With several processes (multi-host), every process computes and only process 0 saves.
 
     `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
     dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
-    `analyses` None: every registered analysis."""
+    `analyses` None: every registered analysis. An analysis that raises ends the study, unless
+    `failures` isolates it: then its error goes to `failures.records`, it has no entry in the
+    returned results, and the study goes on with the others."""
+    failures = Failures() if failures is None else failures
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     folder = result_folder(out_dir, model_name, dataset)
     common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
@@ -104,40 +142,50 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     # results with these (it is refused at once, told which process holds the folder).
     with folder_lock(folder) if is_writer() else contextlib.nullcontext():
         for entry in entries:
-            identity = {**common, **entry.identity(settings)}
-            if entry.uses_baseline:
-                identity["baseline_tokens_sha"] = baseline_sha
-            path = os.path.join(folder, f"{entry.name}.npz")
-            cached = _load_matching(path, identity, entry.result_type)
-            # With several processes, process 0 (the one that writes) decides for all; the others
-            # hold None for a result only it had saved.
-            if writer_decides(cached is not None):
-                log(f"{entry.name}: reusing {folder}")
-                results[entry.name] = cached
-                continue
-            start = time.perf_counter()
-            result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
-            seconds = time.perf_counter() - start
-            _check_finite(entry.name, result)
-            result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
-            if entry.uses_baseline:
-                result.settings["baseline"] = baseline_name or "the dataset's own prompts"
-            if is_writer():
-                result.save(path)
-            log(f"{entry.name}: {seconds:.1f} s -> {folder}")
-            results[entry.name] = result
+            failed_before = len(failures.records)
+            with failures.guard(entry.name, "running"):
+                identity = {**common, **entry.identity(settings)}
+                if entry.uses_baseline:
+                    identity["baseline_tokens_sha"] = baseline_sha
+                path = os.path.join(folder, f"{entry.name}.npz")
+                cached = _load_matching(path, identity, entry.result_type)
+                # With several processes, process 0 (the one that writes) decides for all; the others
+                # hold None for a result only it had saved.
+                if writer_decides(cached is not None):
+                    log(f"{entry.name}: reusing {folder}")
+                    results[entry.name] = cached
+                    continue
+                start = time.perf_counter()
+                result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
+                seconds = time.perf_counter() - start
+                _check_finite(entry.name, result)
+                result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+                if entry.uses_baseline:
+                    result.settings["baseline"] = baseline_name or "the dataset's own prompts"
+                if is_writer():
+                    result.save(path)
+                log(f"{entry.name}: {seconds:.1f} s -> {folder}")
+                results[entry.name] = result
+            if len(failures.records) > failed_before:
+                error = failures.records[-1].error
+                log(f"{entry.name}: failed ({type(error).__name__}: {error}); going on with the others")
     return results
 
 
-def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1) -> list[str]:
+def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1,
+                  failures: Optional[Failures] = None) -> list[str]:
     """Every registered figure of `results` (analysis name -> result) as PNG and PDF under
-    `folder/figures`; the per-prompt heatmaps (erasure, IG) for the first `detail_prompts`."""
+    `folder/figures`; the per-prompt heatmaps (erasure, IG) for the first `detail_prompts`. An
+    analysis that `failures` isolates may fail to draw (its error recorded) without stopping the others."""
     from jaxdepth.lab import plots
 
+    failures = Failures() if failures is None else failures
     paths = []
     for name, result in results.items():
-        for key, fig in analysis(name).figures(result, tokenizer, detail_prompts).items():
-            paths.extend(plots.save_figure(fig, os.path.join(folder, "figures", f"{name}_{key}" if key else name)))
+        with failures.guard(name, "drawing its figures"):
+            for key, fig in analysis(name).figures(result, tokenizer, detail_prompts).items():
+                path = os.path.join(folder, "figures", f"{name}_{key}" if key else name)
+                paths.extend(plots.save_figure(fig, path))
     return paths
 
 
