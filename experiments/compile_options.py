@@ -26,7 +26,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, unembed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import cpu_description  # noqa: E402
+from benchmarking.machine import cpu_description  # noqa: E402
 
 # SmolLM2-135M's shape (the embedded default model).
 CONFIG = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

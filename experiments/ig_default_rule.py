@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from benchmark import CpuMeter, cpu_description, wait_quiet
+from benchmarking.machine import CpuMeter, cpu_description, wait_quiet
 from jaxdepth.analyses import adaptive_ig, integrated_gradients as ig
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.sweep import auto_chunk_size

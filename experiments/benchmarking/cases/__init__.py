@@ -1,0 +1,36 @@
+"""One case per registered analysis (`jaxdepth.lab.registry.ANALYSES`; a test checks they
+match), each in its own module, and the FLOP counts of a workload by its case's models."""
+
+from __future__ import annotations
+
+from . import attribution_patching, contributions, erasure, integrated_gradients, layer_skip, logit_lens
+
+CASES = {
+    "contributions": contributions.CASE,
+    "logit_lens": logit_lens.CASE,
+    "layer_skip": layer_skip.CASE,
+    "erasure": erasure.CASE,
+    "integrated_gradients": integrated_gradients.CASE,
+    "attribution_patching": attribution_patching.CASE,
+    "grad_x_act": attribution_patching.GRAD_X_ACT,
+}
+
+
+def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
+    """Model FLOPs of an analysis' workload as the reference approach runs it (one pass per
+    intervention, each prompt at its own length; matmul FLOPs only)."""
+    return sum(CASES[name].model_flops(c, T, splits[i] if splits else [], steps) for i, T in enumerate(lengths))
+
+
+def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float:
+    """Matmul FLOPs jaxdepth actually executes for an analysis: each prompt at its padded length,
+    interventions starting at their boundary, erasures on their position block's suffix, the LM
+    head only where it is read, and IG's backward recomputing each layer (3 layer passes per
+    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
+    `% peak` is computed from; `workload_flops` is the work as the reference formulation
+    defines it, which makes the ratios comparable."""
+    from jaxdepth.analyses import integrated_gradients as ig
+
+    pad = ig.PAD_TO if name == "integrated_gradients" else 16  # as each analysis pads them
+    return sum(CASES[name].executed_flops(c, batch.single(i, pad), splits[i] if splits else [], steps)
+               for i in range(len(batch)))
