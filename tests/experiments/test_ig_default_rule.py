@@ -38,7 +38,8 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     adaptive = adaptive_integrated_gradients(model.params, batch, model.config, tolerance=0.01, progress=False)
     for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
         gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])
-        assert row["rules"][name]["largest_relative_gap"] == pytest.approx(float(gap.max()), rel=1e-9), name
+        # the chunk size follows the free memory at the time, and the chunking the float32 sums
+        assert row["rules"][name]["largest_relative_gap"] == pytest.approx(float(gap.max()), rel=1e-5), name
     assert row["rules"]["left-256"]["evaluations"] == 256 * L
     assert row["rules"]["adaptive-1%"]["evaluations"] == int(adaptive.evaluations.sum())
     assert row["rules"]["adaptive-1%"]["converged_layers"] == int(adaptive.converged.sum())
