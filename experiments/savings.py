@@ -99,6 +99,7 @@ def main():
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     answer_mask = jnp.asarray(one.answer_prediction_mask())
     positions, real = one.answer_positions(0)
+    prompt = PromptArrays(tokens, valid, jnp.asarray(positions), jnp.asarray(real))
     baseline = jnp.asarray(erasure.mean_residuals(p, batch, c))
     print(f"{args.model}, one prompt of {n} tokens ({int(real.sum())} answer predictions), "
           f"L={c.num_layers}, chunk {args.chunk}")
@@ -106,14 +107,13 @@ def main():
     plain, t_plain = timed(lambda: plain_erasure(p, tokens, valid, answer_mask, baseline, c, args.chunk))
     print(f"erasure, plain: {t_plain:7.1f} s")
     for blocks in (1, erasure.default_blocks(tokens.shape[1])):
-        ours, t_ours = timed(lambda: erasure.erasure_of_prompt(p, tokens, valid, jnp.asarray(positions), baseline,
-                                                               c, args.chunk, blocks))
+        ours, t_ours = timed(lambda: erasure.erasure_of_prompt(p, prompt, baseline, c, chunk_size=args.chunk,
+                                                               blocks=blocks))
         what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position blocks)"
         print(f"erasure, {what}: {t_ours:7.1f} s, saving x{t_plain / t_ours:.2f}; "
               f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}")
 
     alphas, weights = ig.quadrature("left", args.ig_steps)
-    prompt = PromptArrays(tokens, valid, jnp.asarray(positions), jnp.asarray(real))
     (a_ours, _, _), t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, alphas=alphas, weights=weights,
                                                            chunk_size=args.chunk))
     a_plain, t_plain = timed(lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c,

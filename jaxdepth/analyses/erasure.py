@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual
@@ -102,16 +102,25 @@ EFFECTS = {"probability_shift": probability_shift, "answer_probability_change": 
 
 
 @partial(jit, static_argnames="config")
-def clean_run(params, tokens, valid, answer_positions, config: ModelConfig, interventions=None):
-    """What every erasure of a prompt starts from, all of the run under `interventions` (default
-    none): `(inputs, keys, values, clean)`, every boundary's residual as its layer receives it
-    `[L+1, 1, T, D]` (the clean residual stream h_0..h_L; under interventions, before each
-    layer's own, `layer_inputs`), every layer's keys and values (read off the run: the prefix
-    of a suffix run), and the clean answer distributions `[1, A, V]`."""
-    hs, final, (keys, values) = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
-                                             tap=lambda r, _: (r.k, r.v))
-    clean = jax.nn.softmax(unembed(params, final[:, answer_positions], config), axis=-1)
+def clean_run(params, prompt: PromptArrays, config: ModelConfig, *, interventions=None):
+    """What every erasure of `prompt` (`PromptArrays` with its answer positions) starts from, all
+    of the run under `interventions` (default none): `(inputs, keys, values, clean)`, every
+    boundary's residual as its layer receives it `[L+1, 1, T, D]` (the clean residual stream
+    h_0..h_L; under interventions, before each layer's own, `layer_inputs`), every layer's keys
+    and values (read off the run: the prefix of a suffix run), and the clean answer
+    distributions `[1, A, V]`."""
+    hs, final, (keys, values) = layer_inputs(params, prompt.tokens, config, valid=prompt.valid,
+                                             interventions=interventions, tap=lambda r, _: (r.k, r.v))
+    clean = jax.nn.softmax(unembed(params, final[:, prompt.answer_positions], config), axis=-1)
     return hs, keys, values, clean
+
+
+def answer_of(prompt: PromptArrays):
+    """What an effect may read of `prompt`'s answer: `(targets [A], real [A])`, every answer
+    position real where `prompt.answer_real` is None."""
+    positions = prompt.answer_positions
+    real = jnp.ones(positions.shape, bool) if prompt.answer_real is None else jnp.asarray(prompt.answer_real, bool)
+    return prompt.answer_targets, real
 
 
 def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
@@ -127,13 +136,14 @@ def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
 
 
 @partial(jit, static_argnames=("config", "first", "stop", "chunk_size", "effect", "metric"))
-def erasure_of_block(params, clean_state, valid, answer_positions, baseline, config: ModelConfig,
-                     first: int, stop: int, chunk_size: Optional[int] = None, effect=probability_shift,
-                     answer=None, *, interventions=None, metric: Optional[Callable] = None):
+def erasure_of_block(params, clean_state, prompt: PromptArrays, baseline, config: ModelConfig, first: int,
+                     stop: int, *, chunk_size: Optional[int] = None, effect=probability_shift, interventions=None,
+                     metric: Optional[Callable] = None):
     """`[L+1, stop - first]` effects of erasing h_l[t] for every boundary l and every position
-    `first <= t < stop`, from `clean_state = clean_run(..., interventions)`. `effect(probs,
-    clean, reach, answer)` turns the erased and clean answer distributions into the effect (see
-    `probability_shift`); `answer = (targets [A], real [A])` is what it may read.
+    `first <= t < stop` of `prompt` (`PromptArrays`), from `clean_state = clean_run(params,
+    prompt, config, interventions=...)`. `effect(probs, clean, reach, answer)` turns the erased
+    and clean answer distributions into the effect (see `probability_shift`); `answer =
+    (targets [A], real [A])` is what it may read (`answer_of`).
 
     `interventions` (the clean state's) act on every erasure, the user's first, then the
     replacement of h_l[t]. With `metric` (a static, jit-traceable scalar function of one
@@ -147,6 +157,7 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
     boundary as one chunked sweep.
     """
     hs, keys, values, clean = clean_state
+    valid, answer_positions, answer = prompt.valid, prompt.answer_positions, answer_of(prompt)
     L, T = config.num_layers, hs.shape[2]
     ivs = as_interventions(interventions)
     prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
@@ -176,13 +187,13 @@ def erasure_of_block(params, clean_state, valid, answer_positions, baseline, con
     return jax.lax.map(boundary_effects, jnp.arange(L + 1))
 
 
-def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config: ModelConfig,
+def erasure_of_prompt(params, prompt: PromptArrays, baseline, config: ModelConfig, *,
                       chunk_size: Optional[int] = None, blocks: Optional[int] = None,
                       on_block: Optional[Callable[[], None]] = None, effect=probability_shift,
-                      answer_real=None, *, interventions=None, metric: Optional[Callable] = None):
-    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`tokens`, `valid`: `[1, T]`;
-    `answer_positions [A]`: the positions predicting answer tokens, repeats allowed, the real
-    ones marked by `answer_real [A]`, default all), measured by `effect` (see
+                      interventions=None, metric: Optional[Callable] = None):
+    """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
+    `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
+    the real ones marked by `answer_real [A]`, default all), measured by `effect` (see
     `erasure_of_block`).
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
@@ -198,14 +209,12 @@ def erasure_of_prompt(params, tokens, valid, answer_positions, baseline, config:
     computation (`erasure_of_block`) that runs only the positions from the range's first one
     on. `on_block()` is called after each range (progress).
     """
-    T = tokens.shape[1]
-    state = clean_run(params, tokens, valid, answer_positions, config, interventions)
-    real = jnp.ones(answer_positions.shape, bool) if answer_real is None else jnp.asarray(answer_real, bool)
-    answer = (tokens[0, jnp.minimum(answer_positions + 1, T - 1)], real)
+    T = prompt.tokens.shape[1]
+    state = clean_run(params, prompt, config, interventions=interventions)
     parts = []
     for first, stop in position_blocks(T, blocks):
-        parts.append(erasure_of_block(params, state, valid, answer_positions, baseline, config, first, stop,
-                                      chunk_size, effect, answer, interventions=interventions, metric=metric))
+        parts.append(erasure_of_block(params, state, prompt, baseline, config, first, stop, chunk_size=chunk_size,
+                                      effect=effect, interventions=interventions, metric=metric))
         if on_block is not None:
             jax.block_until_ready(parts[-1])
             on_block()
@@ -242,7 +251,7 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
     erasure, the user's first, then the replacement of h_l[t] (which so wins at its site):
     each erasure is a full forward under both (`mean_residuals(..., interventions=...)` gives
-    the matching baseline). Each prompt runs at its own padded length (`PromptBatch.single`),
+    the matching baseline). Each prompt runs at its own padded length (`PromptBatch.prompt`),
     and an erasure computes only the positions from its block's first one on, so intervention
     data indexed by position must broadcast to every length (`[L, 1]` keep-masks, head
     ablations, a vector added at every position); data that does not is refused at trace time.
@@ -263,17 +272,15 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     total = sum(len(position_blocks(batch.single(i).tokens.shape[1], blocks)) for i in range(len(batch)))
     with tqdm(total=total, desc="residual erasure (position blocks)", disable=not progress) as bar:
         for i in range(len(batch)):
-            one = batch.single(i)
-            Ti = one.tokens.shape[1]
+            prompt = batch.prompt(i)
+            Ti = prompt.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-            positions, real = one.answer_positions(0)
-            out = erasure_of_prompt(
-                params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                jnp.asarray(baseline), config, chunk, blocks, on_block=bar.update, effect=EFFECTS[effect],
-                answer_real=jnp.asarray(real), interventions=interventions, metric=metric)
+            out = erasure_of_prompt(params, prompt, jnp.asarray(baseline), config, chunk_size=chunk, blocks=blocks,
+                                    on_block=bar.update, effect=EFFECTS[effect], interventions=interventions,
+                                    metric=metric)
             if metric is not None:
                 out, change = out
-                n = int(one.lengths[0])  # erasures of padding positions are no erasures of the prompt
+                n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
                 changes[i, :, :n] = to_host(change)[:, :n]
             effects[i, :, :Ti] = to_host(out)
     settings = dict(settings or {})

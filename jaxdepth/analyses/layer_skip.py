@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import skip_layer
@@ -72,6 +72,17 @@ def split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123,
     raise ValueError(f"splits must be one of {SPLITS}, got {splits!r}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SkipMasks:
+    """The position masks of K layer-skip members as one value (a pytree): `skip [K, T]` float,
+    1 where member k skips its layer, and `measure [K, T]` bool, where member k is measured
+    (`member_masks` gives them per member)."""
+
+    skip: jax.Array
+    measure: jax.Array
+
+
 def _tap_relative_change(measure):
     def tap(r: LayerRecord, clean_delta):
         change = relative_norm(clean_delta - r.delta, clean_delta)  # [1, T]
@@ -80,14 +91,15 @@ def _tap_relative_change(measure):
 
 
 @partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
-def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, config: ModelConfig,
-                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future", *,
+def skipped_runs(params, prompt: PromptArrays, layers, masks: SkipMasks, config: ModelConfig, *,
+                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
                  interventions=None):
     """Skip `sublayer` of each layer s of `layers [G]` under K position masks, on one prompt
-    (`tokens`, `valid`: `[1, T]`): every layer-skip forward, without the LM head.
+    (`PromptArrays`: its `tokens`, `valid` `[1, T]`): every layer-skip forward, without the LM
+    head.
 
-    Member (s, k) skips layer s where `skip_masks[k]` is 1 and measures where
-    `measure_masks[k]` (and `valid`) hold. Returns `(later [G, K, L], final [G, K, T, D],
+    Member (s, k) skips layer s where `masks.skip[k]` is 1 and measures where
+    `masks.measure[k]` (and `valid`) hold. Returns `(later [G, K, L], final [G, K, T, D],
     clean_final [T, D])`: the effects on later layers' contributions, each member's last
     residual h_L, and the clean h_L (what `output_shifts` compares them with). `later[s, k, j]`
     is exactly 0 where causality makes it so: j < s in both modes (those layers see clean
@@ -102,7 +114,7 @@ def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, confi
     residual), and a member starts from layer s's input before layer s's own interventions
     (`jaxdepth.core.model.layer_inputs`), so they act once, as in a full forward.
     """
-    L = config.num_layers
+    L, tokens, valid = config.num_layers, prompt.tokens, prompt.valid
     ivs = as_interventions(interventions)
     # Without interventions, each layer's input is h_l of the residual stream and Δ_j = h_{j+1} - h_j.
     starts, clean_final, clean_deltas = layer_inputs(params, tokens, config, valid=valid, interventions=ivs,
@@ -117,7 +129,7 @@ def skipped_runs(params, tokens, valid, layers, skip_masks, measure_masks, confi
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
             return later, h[0]
-        return sweep(member, (skip_masks, measure_masks), chunk_size)
+        return sweep(member, (masks.skip, masks.measure), chunk_size)
 
     later, final = jax.lax.map(runs_of_layer, layers)
     return later, final, clean_final[0]
@@ -181,13 +193,14 @@ def skipped_layer_groups(config: ModelConfig, T: int, n_members: int, *, memory_
     return int(np.clip(budget // 4 // per_layer, 1, config.num_layers))
 
 
-def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, config: ModelConfig,
+def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, config: ModelConfig, *,
                            sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
-                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None, *,
+                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None,
                            interventions=None, metric: Optional[Callable] = None):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
-    (`tokens`, `valid`: `[1, T]`; `skip_masks [K, T]` float, `measure_masks [K, T]` bool, as
-    host arrays). Returns `(later [L, K, L], output [L, K])` (see `skipped_runs`).
+    (`PromptArrays`: its `tokens`, `valid` `[1, T]`; `masks`: `SkipMasks` of host arrays,
+    `skip [K, T]` float, `measure [K, T]` bool). Returns `(later [L, K, L], output [L, K])` (see
+    `skipped_runs`).
 
     The forwards run in calls of `layers_per_call` skipped layers (default
     `skipped_layer_groups` within `memory_budget`: all of them where memory allows); the LM head then runs on the
@@ -201,23 +214,24 @@ def skip_effects_of_prompt(params, tokens, valid, skip_masks, measure_masks, con
     `metric(logits) - metric(clean logits)` on the whole output `[1, T, V]`, positions before
     the split included (where the skip acts directly), both under `interventions`.
     """
-    L, K, T = config.num_layers, len(skip_masks), np.shape(tokens)[1]
-    measure_masks, valid_host = np.asarray(measure_masks, bool), np.asarray(valid, bool)[0]
+    L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
+    measure_masks, valid_host = np.asarray(masks.measure, bool), np.asarray(prompt.valid, bool)[0]
     rows, members = (jnp.asarray(a) for a in measured_rows(measure_masks, valid_host))
-    masks = jnp.asarray(skip_masks), jnp.asarray(measure_masks)
+    device_masks = SkipMasks(jnp.asarray(masks.skip), jnp.asarray(measure_masks))
     group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
     later, output, changes = [], [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
-        part_later, final, clean_final = skipped_runs(params, tokens, valid, jnp.asarray(layers), *masks, config,
-                                                      sublayer, chunk_size, mode, interventions=interventions)
+        part_later, final, clean_final = skipped_runs(params, prompt, jnp.asarray(layers), device_masks, config,
+                                                      sublayer=sublayer, chunk_size=chunk_size, mode=mode,
+                                                      interventions=interventions)
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
         if metric is not None:
             changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
     later, output = jnp.concatenate(later), jnp.concatenate(output)
-    last_unmeasured = ~np.any((np.asarray(skip_masks) > 0) & measure_masks & valid_host[None], axis=1)
+    last_unmeasured = ~np.any((np.asarray(masks.skip) > 0) & measure_masks & valid_host[None], axis=1)
     output = output.at[L - 1].set(jnp.where(jnp.asarray(last_unmeasured), 0.0, output[L - 1]))
     # No such zero for the metric: it reads the positions where the last layer is skipped too.
     return (later, output) if metric is None else (later, output, jnp.concatenate(changes))
@@ -322,9 +336,9 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         measure += [measure[0]] * (n_splits - len(measure))
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output, *change = skip_effects_of_prompt(
-            params, jnp.asarray(one.tokens), jnp.asarray(one.valid), np.stack(skip).astype(np.float32),
-            np.stack(measure), config, sublayer, chunk, mode, memory_budget=memory_budget,
-            interventions=interventions, metric=metric)
+            params, PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid)),
+            SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure)), config, sublayer=sublayer,
+            chunk_size=chunk, mode=mode, memory_budget=memory_budget, interventions=interventions, metric=metric)
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)
         if metric is not None:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
 from jaxdepth.core import sites
-from jaxdepth.core.batch import make_batch
+from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.interventions import replace_residual, skip_layer
 from jaxdepth.core.model import forward, random_params, residual_stream, run_layers, embed
@@ -234,8 +234,9 @@ def test_layer_skip_exact_zeros_and_chunking(params, batch):
     # memory budget makes them, give what one call over all L gives
     one, T = batch.single(0), batch.single(0).tokens.shape[1]
     pos = np.arange(T)
-    masks = (np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32), np.asarray([pos >= t for t in (8, 12)]))
-    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid), *masks, CONFIG)
+    masks = layer_skip.SkipMasks(np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32),
+                                 np.asarray([pos >= t for t in (8, 12)]))
+    args = (params, PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid)), masks, CONFIG)
     assert layer_skip.skipped_layer_groups(CONFIG, T, 2, memory_budget=4 * 2 * T * CONFIG.hidden_size * 4 * 3) == 3
     for whole, grouped in zip(layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(
             *args, layers_per_call=3)):
@@ -465,15 +466,15 @@ def test_new_intervention_values_do_not_recompile(params, batch):
     """New split positions are new mask values and new measured rows (within one padded row
     count): neither the skipped forwards nor the output shifts compile again."""
     one = batch.single(0)
-    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid))
+    prompt = PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid))
     jitted = (layer_skip.skipped_runs, layer_skip.output_shifts)
     T = one.tokens.shape[1]
     assert T <= layer_skip.ROWS_MULTIPLE  # both splits' measured rows pad to one count
     sizes = []
     for t in (9, 17):
         pos = np.arange(T)
-        layer_skip.skip_effects_of_prompt(*args, np.asarray([(pos >= 1) & (pos < t)], np.float32),
-                                          np.asarray([pos >= t]), CONFIG, "layer", None)
+        masks = layer_skip.SkipMasks(np.asarray([(pos >= 1) & (pos < t)], np.float32), np.asarray([pos >= t]))
+        layer_skip.skip_effects_of_prompt(params, prompt, masks, CONFIG, sublayer="layer", chunk_size=None)
         sizes.append([f._cache_size() for f in jitted])
     assert sizes[1] == sizes[0]
 
