@@ -318,8 +318,13 @@ def _evaluate(call, requests: dict[int, list[float]], largest: int) -> dict[int,
 def largest_call(config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None) -> int:
     """The largest number of nodes of one call: a power of two, at most `_LARGEST_CALL`, whose
     vmapped gradients fit in memory (`auto_chunk_size`)."""
-    fits = auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, memory_budget=memory_budget)
-    return 1 << (int(fits).bit_length() - 1)
+    return _power_of_two_floor(auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True,
+                                               memory_budget=memory_budget))
+
+
+def _power_of_two_floor(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: ModelConfig, *,
@@ -346,9 +351,8 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
         grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(layers), 2))
     rules = {layer: LayerRule(initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol,
                               max_evaluations) for i, layer in enumerate(layers)}
-    largest = largest_call(config, seq_len, memory_budget)
-    if chunk_size is not None:
-        largest = 1 << (max(int(chunk_size), 1).bit_length() - 1)
+    largest = (largest_call(config, seq_len, memory_budget) if chunk_size is None
+               else _power_of_two_floor(chunk_size))
     while not all(r.done for r in rules.values()):
         requests = {layer: r.missing() for layer, r in rules.items() if not r.done}
         for layer, (phi, integrand) in _evaluate(call, requests, largest).items():
