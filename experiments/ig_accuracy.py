@@ -13,8 +13,10 @@ The fixed rules are evaluated from shared nodes: every layer's φ and per-token 
 uniform grid k / N (N = --max-steps) give left Riemann at every power of two n <= N (nodes
 i / n) and midpoint at n <= N / 2 (nodes (i + 1/2) / n, odd grid points), and the
 Gauss-Legendre nodes of each n <= --gauss-max are evaluated beside them. A fixed rule's time is
-its evaluations times the measured time per evaluation of this sweep; the adaptive rule's time
-is measured (the reference's includes compilation).
+its evaluations times the measured time per evaluation of this sweep. The adaptive runs go from
+the reference's tolerance to the loosest and share their nodes (`SharedNodes`: a looser run
+evaluates only what a tighter one did not); an adaptive row's time is its evaluations times the
+measured time per evaluation of the adaptive calls. Neither counts compilation.
 
     python experiments/ig_accuracy.py                  # the arithmetic prompt, N = 256 (2 CPU cores: ~30 min)
     python experiments/ig_accuracy.py --no-arithmetic --max-steps 1024 --gauss-max 64 \\
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdepth.analyses.adaptive_ig import adaptive_ig_of_prompt, path_points
+from jaxdepth.analyses.adaptive_ig import path_points, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
@@ -101,6 +103,65 @@ def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, d
     return phi, integrand, float(stored["seconds"]) / (timed * len(nodes)) if timed else float("nan")
 
 
+class SharedNodes:
+    """Every gradient evaluation of one prompt's adaptive runs, by (layer, α), kept in a file.
+
+    The runs go from the tightest tolerance to the loosest; they start from the same partition
+    and split the largest errors first, so a looser run's nodes are nearly all nodes of a
+    tighter one, and it reads them here instead of evaluating them again. A call is
+    `run_rule`'s (`call(layer, alphas, grad, chunk) -> (phi, integrand)`): the nodes not held
+    yet are evaluated in one call of the same size (the compiled computations are the rule's
+    own). The file is rewritten every `save_every` seconds and by `save()`, so a killed run
+    replays what it had (the rule is deterministic) and goes on from there. `seconds` and
+    `evaluated` (slots of the calls, padding included) give the measured time per evaluation;
+    a process's first call of each size compiles, and is not timed.
+    """
+
+    def __init__(self, path: str, evaluate, save_every: float = 60.0):
+        self.path, self.evaluate, self.save_every = path, evaluate, save_every
+        self.values: dict[tuple[int, float], tuple[np.float32, np.ndarray]] = {}
+        self.seconds, self.evaluated = 0.0, 0
+        self._compiled: set[int] = set()
+        if os.path.exists(path):
+            stored = np.load(path)
+            for layer, alpha, phi, g in zip(stored["layer"], stored["alpha"], stored["phi"], stored["integrand"]):
+                self.values[int(layer), float(alpha)] = phi, g
+            self.seconds, self.evaluated = float(stored["seconds"]), int(stored["evaluated"])
+        self._saved = time.monotonic()
+
+    def __call__(self, layer: int, alphas: np.ndarray, grad: bool, chunk: int):
+        if not grad:  # forward-only grid points: not shared
+            return self.evaluate(layer, alphas, grad, chunk)
+        missing = sorted({float(a) for a in alphas} - {a for (l, a) in self.values if l == layer})
+        if missing:
+            padded = np.asarray(missing + missing[-1:] * (len(alphas) - len(missing)), np.float32)
+            start = time.perf_counter()
+            phi, integrand = (np.asarray(v) for v in self.evaluate(layer, padded, grad, chunk))
+            if len(padded) in self._compiled:
+                self.seconds += time.perf_counter() - start
+                self.evaluated += len(padded)
+            self._compiled.add(len(padded))
+            for a, p, g in zip(missing, phi, integrand):
+                self.values[layer, a] = p, g
+            if time.monotonic() - self._saved > self.save_every:
+                self.save()
+        held = [self.values[layer, float(a)] for a in alphas]
+        return np.array([p for p, _ in held]), np.stack([g for _, g in held])
+
+    def save(self) -> None:
+        keys = sorted(self.values)
+        with atomic_write(self.path, "wb") as f:
+            np.savez(f, layer=np.array([l for l, _ in keys], np.int32), alpha=np.array([a for _, a in keys]),
+                     phi=np.array([self.values[k][0] for k in keys], np.float32),
+                     integrand=np.stack([self.values[k][1] for k in keys]), seconds=self.seconds,
+                     evaluated=self.evaluated)
+        self._saved = time.monotonic()
+
+    @property
+    def seconds_per_evaluation(self) -> float:
+        return self.seconds / self.evaluated if self.evaluated else float("nan")
+
+
 def errors(attributions: np.ndarray, f_input: float, f_baseline: np.ndarray, reference: np.ndarray) -> dict:
     """Per layer: the relative completeness gap |sum_t A - (F(x) - F(b))| / |F(x) - F(b)| and the
     attribution error max_t |A - A_ref| / max_t |A_ref|."""
@@ -124,19 +185,21 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
     f_input = float(f_input)
 
+    shared = SharedNodes(os.path.join(out, f"{name}_adaptive_nodes.npz"), lambda layer, alphas, grad, chunk: path_points(
+        p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk))
+
     def adaptive(tolerance, on_layer):
-        """The adaptive rule's result and wall time, cached in `out` (a rerun resumes)."""
+        """The adaptive rule's result, cached in `out` (a rerun resumes), its nodes shared."""
         path = os.path.join(out, f"{name}_adaptive_{tolerance:g}_{budget}.npz")
         if os.path.exists(path):
-            stored = dict(np.load(path))
-            return stored, float(stored["seconds"])
-        start = time.perf_counter()
-        r = adaptive_ig_of_prompt(p, prompt, config, tolerance=np.full(L, tolerance), max_evaluations=budget,
-                                  on_layer=on_layer)
-        seconds = time.perf_counter() - start
+            return dict(np.load(path))
+        rules = run_rule(shared, range(L), f_input, prompt.tokens.shape[1], config, tolerance=np.full(L, tolerance),
+                         max_evaluations=budget, on_layer=on_layer)
+        shared.save()
+        r = summarise(rules)
         with atomic_write(path, "wb") as f:
-            np.savez(f, seconds=seconds, **{k: np.asarray(v) for k, v in r.items()})
-        return r, seconds
+            np.savez(f, **{k: np.asarray(v) for k, v in r.items()})
+        return r
 
     nodes, rules = fixed_nodes(max_steps, gauss_max)
     phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, os.path.join(out, f"{name}_nodes.npz"),
@@ -145,7 +208,8 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
         for tolerance in [reference_tolerance] + list(tolerances):
             adaptive_runs[tolerance] = adaptive(tolerance, bar.update)
-    reference, reference_s = adaptive_runs[reference_tolerance]
+    reference = adaptive_runs[reference_tolerance]
+    adaptive_per_eval = shared.seconds_per_evaluation
     ref = reference["attributions"].astype(np.float64)
     f_baseline = reference["f_baseline"]
     rows = []
@@ -160,16 +224,17 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
 
     adaptive_rows = {}
     for tolerance in tolerances:
-        r, seconds = adaptive_runs[tolerance]
-        adaptive_rows[tolerance] = summary_row("adaptive", tolerance, r["evaluations"].sum(), seconds,
+        r = adaptive_runs[tolerance]
+        evaluations = r["evaluations"].sum()
+        adaptive_rows[tolerance] = summary_row("adaptive", tolerance, evaluations, evaluations * adaptive_per_eval,
                                                errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
                                                f"{int(r['converged'].sum())}/{L} layers converged")
     rows += adaptive_rows.values()
     reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
-                                reference_s, errors(ref, f_input, f_baseline, ref),
-                                f"{int(reference['converged'].sum())}/{L} layers converged; time includes compilation")
+                                reference["evaluations"].sum() * adaptive_per_eval, errors(ref, f_input, f_baseline, ref),
+                                f"{int(reference['converged'].sum())}/{L} layers converged")
     return dict(prompt=name, tokens=int(prompt.valid.sum()), f_input=f_input, f_baseline=f_baseline.tolist(),
-                seconds_per_evaluation=per_eval, reference=dict(
+                seconds_per_evaluation=per_eval, adaptive_seconds_per_evaluation=adaptive_per_eval, reference=dict(
                     tolerance=reference_tolerance, budget=budget,
                     converged=reference["converged"].tolist(), evaluations=reference["evaluations"].tolist(),
                     bound=(reference["bound"] / np.abs(f_input - f_baseline)).tolist(),

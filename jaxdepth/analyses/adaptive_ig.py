@@ -413,6 +413,13 @@ class AdaptiveIGResult(IntegratedGradientsResult):
     bound: np.ndarray
 
     @property
+    def rule(self) -> str:
+        """Which quadrature produced the attributions, in words: "adaptive rule to 1% (certified)"."""
+        tolerance = self.settings.get("tolerance")
+        target = f"{100 * tolerance:g}%" if isinstance(tolerance, (int, float)) else "per-layer tolerances"
+        return f"adaptive rule to {target} (certified)"
+
+    @property
     def relative_gap(self) -> np.ndarray:
         """`gap / (F(x) - F(b))` `[P, L]` (NaN where F(x) = F(b))."""
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -319,6 +319,11 @@ class IntegratedGradientsResult(SavedResult):
     answer_start: np.ndarray
     settings: dict
 
+    @property
+    def rule(self) -> str:
+        """Which quadrature produced the attributions, in words: "left rule, 256 steps"."""
+        return f"{self.settings.get('rule', 'left')} rule, {self.settings.get('steps', '?')} steps"
+
 
 def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, steps: int = 256,
                          rule: str = "left", baseline: str = "channel_mean", target: str = "layer",

@@ -463,12 +463,9 @@ def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrat
     gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}"
     converged = getattr(result, "converged", None)  # the adaptive rule's result
     if converged is not None:
-        tolerance = result.settings.get("tolerance")
-        target = f"{tolerance:g}" if isinstance(tolerance, (int, float)) else "per-layer tolerances"
-        return (f"{name}, adaptive to {target}: {int(converged[p].sum())} of "
-                f"{converged.shape[1]} layers converged, {int(result.evaluations[p].sum())} gradient evaluations; {gap}")
-    steps = result.settings.get("steps")
-    return name + (f", {steps} steps" if steps else "") + f": {gap}"
+        return (f"{name}, {result.rule}: {int(converged[p].sum())} of {converged.shape[1]} layers converged, "
+                f"{int(result.evaluations[p].sum())} gradient evaluations; {gap}")
+    return f"{name}, {result.rule}: {gap}"
 
 
 def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *,

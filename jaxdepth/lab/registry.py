@@ -144,7 +144,7 @@ def _register_builtins():
                                                          **common)
 
     def ig_summary(r):
-        line = [f"IG max |completeness gap| {abs(r.gap).max():.2g}"]
+        line = [f"IG ({r.rule}) max |completeness gap| {abs(r.gap).max():.2g}"]
         if isinstance(r, adaptive_ig.AdaptiveIGResult):
             line.append(f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
                         f"{int(r.evaluations.sum())} gradient evaluations")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
-from jaxdepth.analyses.integrated_gradients import integrated_gradients, quadrature
+from jaxdepth.analyses.adaptive_ig import INITIAL_INTERVALS, adaptive_ig_of_prompt, path_points, run_rule, summarise
+from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients, quadrature
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import encode
@@ -29,6 +30,49 @@ def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
         expected_nodes, expected_weights = quadrature(rule, n)
         np.testing.assert_allclose(nodes[index], expected_nodes, rtol=0, atol=1e-15)
         np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=1e-15)
+
+
+def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_node_once(tmp_path):
+    checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
+    model = load(checkpoint)
+    p, config, L = model.params, model.config, model.config.num_layers
+    prompt = encode(model.tokenizer, [ARITHMETIC_PROMPT]).prompt(0, pad_to_multiple=4)
+    x, b, inputs, f_input = ig_inputs(p, prompt, config)
+    calls = []
+
+    def evaluate(layer, alphas, grad, chunk):
+        calls.append((layer, len(alphas)))
+        return path_points(p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad,
+                           chunk_size=chunk)
+
+    path = str(tmp_path / "shared.npz")
+    shared = experiment.SharedNodes(path, evaluate)
+    run = lambda call, tolerance: summarise(run_rule(call, range(L), float(f_input), prompt.tokens.shape[1], config,
+                                                     tolerance=np.full(L, tolerance), max_evaluations=2048))
+
+    def check_against_the_rule(result, tolerance):
+        direct = adaptive_ig_of_prompt(p, prompt, config, tolerance=np.full(L, tolerance), max_evaluations=2048)
+        assert np.array_equal(result["evaluations"], direct["evaluations"])
+        np.testing.assert_array_equal(result["converged"], direct["converged"])
+        np.testing.assert_allclose(result["attributions"], direct["attributions"], rtol=1e-5, atol=1e-7)
+
+    tight = run(shared, 0.001)  # tightest first, as the experiment runs them
+    check_against_the_rule(tight, 0.001)
+    assert len(shared.values) == tight["evaluations"].sum()  # every node evaluated once, held once
+    held = len(shared.values)
+    loose = run(shared, 0.01)
+    check_against_the_rule(loose, 0.01)
+    # The looser run evaluated only nodes the tighter one lacked: never its initial partition's.
+    assert len(shared.values) - held <= loose["evaluations"].sum() - L * (2 * INITIAL_INTERVALS + 1)
+
+    # Saved and read back: the same runs replay from the file and evaluate nothing.
+    shared.save()
+    calls.clear()
+    again = experiment.SharedNodes(path, evaluate)
+    assert (again.evaluated, again.seconds, len(again.values)) == (shared.evaluated, shared.seconds, len(shared.values))
+    np.testing.assert_array_equal(run(again, 0.001)["attributions"], tight["attributions"])
+    np.testing.assert_array_equal(run(again, 0.01)["attributions"], loose["attributions"])
+    assert calls == []
 
 
 def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
@@ -61,7 +105,7 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
 
     # A rerun reads every evaluation back instead of computing it.
     cached = {p: os.path.getmtime(p) for p in out.glob("*.npz")}
-    assert len(cached) == 4  # the fixed-rule nodes and three adaptive runs
+    assert len(cached) == 5  # the fixed-rule nodes, the adaptive runs' shared nodes and three adaptive runs
     summary = out / "arithmetic.json"
     os.remove(summary)  # the prompt's rows again, from the cached evaluations only
     assert experiment.main(argv) == 0

@@ -388,6 +388,23 @@ def test_current_mode_heatmap_draws_the_diagonal():
     assert np.all(np.ma.getmaskarray(future.axes[0].images[0].get_array())[np.diag_indices(L)])
 
 
+def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
+    from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
+    from jaxdepth.lab.plots import integrated_gradients_figure
+    from jaxdepth.lab.registry import analysis
+
+    P, L, T = 1, 3, 5
+    for rule, steps in [("left", 256), ("gauss", 16)]:
+        result = IntegratedGradientsResult(
+            attributions=np.ones((P, L, T), np.float32), gap=np.full((P, L), 0.25, np.float32),
+            f_input=np.ones(P, np.float32), f_baseline=np.zeros((P, L), np.float32), tokens=np.arange(T)[None],
+            lengths=np.array([T]), answer_start=np.array([3]), settings={"rule": rule, "steps": steps})
+        assert f"{rule} rule, {steps} steps: max |completeness gap| = 0.25" in (
+            integrated_gradients_figure(result)._suptitle.get_text())
+        assert analysis("integrated_gradients").summary(result) == [f"IG ({rule} rule, {steps} steps) max "
+                                                                    "|completeness gap| 0.25"]
+
+
 def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
     from jaxdepth.lab.plots import integrated_gradients_figure
@@ -404,5 +421,5 @@ def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     ax = fig.axes[0]
     flagged = [patch for patch in ax.patches if patch.get_edgecolor()[:3] == (0.0, 1.0, 0.0)]
     assert sorted(patch.get_y() + 0.5 for patch in flagged) == [1, 3]
-    assert "2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
+    assert "adaptive rule to 1% (certified): 2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
     assert "not converged (budget spent)" in [t.get_text() for t in ax.get_legend().get_texts()]
