@@ -30,7 +30,12 @@ from jaxdepth.core.sweep import auto_chunk_size
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
 
-RULES = {"left-256": dict(rule="left", steps=256), "adaptive-1%": dict(rule="adaptive", tolerance=0.01)}
+# The adaptive rule runs with the library's budget; "adaptive-1%-budget-512" is the rule with the
+# budget it had before, which left early layers of GSM8K prompts uncertified.
+RULES = {"left-256": dict(rule="left", steps=256),
+         "adaptive-1%": dict(rule="adaptive", tolerance=0.01, max_evaluations=adaptive_ig.MAX_EVALUATIONS),
+         "adaptive-1%-budget-512": dict(rule="adaptive", tolerance=0.01, max_evaluations=512)}
+DEFAULT_RULES = ("left-256", "adaptive-1%")
 
 
 def compile_rule(model, batch, spec: dict) -> float:
@@ -63,7 +68,8 @@ def run_rule(model, batch, spec: dict) -> dict:
     p, config = model.params, model.config
     with CpuMeter() as meter:
         if spec["rule"] == "adaptive":
-            r = adaptive_ig.adaptive_integrated_gradients(p, batch, config, tolerance=spec["tolerance"])
+            r = adaptive_ig.adaptive_integrated_gradients(p, batch, config, tolerance=spec["tolerance"],
+                                                          max_evaluations=spec["max_evaluations"])
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
         else:
             r = ig.integrated_gradients(p, batch, config, rule=spec["rule"], steps=spec["steps"])
@@ -79,14 +85,16 @@ def run_rule(model, batch, spec: dict) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"CPU: {report['cpu']}", "",
              "| prompt | tokens | rule | wall-clock (s) | gradient evaluations | ms / evaluation "
-             "| largest gap | layers with gap > 1% | speed-up over left-256 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| largest gap | layers with gap > 1% | layers certified | speed-up over left-256 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["prompts"].items():
         base = row["rules"].get("left-256", {}).get("seconds")
         for rule, r in row["rules"].items():
             speedup = f"{base / r['seconds']:.2f}x" if base else ""
+            certified = "-" if r["converged_layers"] is None else r["converged_layers"]
             lines.append(f"| {name} | {row['tokens']} | {rule} | {r['seconds']:.0f} | {r['evaluations']:,} "
                          f"| {r['ms_per_evaluation']:.0f} | {100 * r['largest_relative_gap']:.2f}% "
-                         f"| {r['layers_with_gap_over_1pct']} | {speedup} |")
+                         f"| {r['layers_with_gap_over_1pct']} | {certified} | {speedup} |")
     return "\n".join(lines)
 
 
@@ -95,11 +103,14 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--data", required=True, help="GSM8K JSONL (e.g. ../shared/data/gsm8k_test_sample.jsonl)")
     parser.add_argument("--rows", default="0,1,3")
-    parser.add_argument("--rules", default=",".join(RULES), help=f"among {', '.join(RULES)}")
+    parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"among {', '.join(RULES)}")
     parser.add_argument("--out", default="experiments/results/ig_default_rule.json")
     parser.add_argument("--quiet-timeout", type=float, default=600.0,
                         help="seconds to wait for a quiet machine before each run")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.rules.split(",")) - set(RULES))
+    if unknown:
+        parser.error(f"unknown rule(s) {', '.join(unknown)}: choose among {', '.join(RULES)}")
 
     model = load(args.model)
     rows = read_rows("gsm8k", args.data)
@@ -112,13 +123,14 @@ def main(argv=None) -> int:
         batch = encode(model.tokenizer, [format_short(rows[i])], context=model.config.max_position_embeddings)
         entry = report["prompts"].setdefault(name, {"tokens": int(batch.lengths[0]), "rules": {}})
         for rule in args.rules.split(","):
-            if rule in entry["rules"]:
-                continue
             spec = RULES[rule]
+            if entry["rules"].get(rule, {}).get("settings") == spec:
+                continue  # measured with these settings: kept
             compile_seconds = compile_rule(model, batch, spec)
             waited = wait_quiet(args.quiet_timeout)
             result = run_rule(model, batch, spec)
-            entry["rules"][rule] = dict(result, compile_seconds=compile_seconds, quiet=waited is not None)
+            entry["rules"][rule] = dict(result, settings=spec, compile_seconds=compile_seconds,
+                                        quiet=waited is not None)
             with atomic_write(args.out, "w") as f:
                 json.dump(report, f, indent=1)
             print(f"{name} {rule}: {result['seconds']:.0f} s, {result['evaluations']} evaluations", flush=True)

@@ -93,7 +93,8 @@ def _study_settings(args, **kwargs):
     from jaxdepth.lab.study import StudySettings
 
     return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
-                         ig_tolerance=args.ig_tolerance, **kwargs)
+                         ig_tolerance=args.ig_tolerance, **kwargs,
+                         **({} if args.ig_max_evaluations is None else {"ig_max_evaluations": args.ig_max_evaluations}))
 
 
 def _run(args) -> int:
@@ -284,9 +285,24 @@ def _ig_arguments(parser):
     parser.add_argument("--ig-tolerance", type=float, default=0.01,
                         help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)| "
                              "(default 0.01)")
+    parser.add_argument("--ig-max-evaluations", type=_evaluation_budget, metavar="N",
+                        help="--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not "
+                             "reached --ig-tolerance by then is reported as not converged (default: "
+                             "jaxdepth.analyses.adaptive_ig.MAX_EVALUATIONS)")
     parser.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
                         help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
                              "attention output a_l or its MLP output m_l")
+
+
+def _evaluation_budget(text: str) -> int:
+    """--ig-max-evaluations: an integer >= 3 (one Simpson interval)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"{n} is too few: the adaptive rule needs at least 3 (one Simpson interval)")
+    return n
 
 
 def _dtype_argument(parser):

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jaxdepth.analyses.adaptive_ig import MAX_EVALUATIONS
 from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.sharding import is_writer, writer_decides
@@ -45,7 +46,7 @@ class StudySettings:
     ig_baseline: str = "channel_mean"
     ig_target: str = "layer"  # IG with respect to each layer's output, or its 'attn' / 'mlp' output
     ig_tolerance: float = 0.01  # ig_rule 'adaptive': certified completeness bound, relative to |F(x) - F(b)|
-    ig_max_evaluations: int = 512  # ig_rule 'adaptive': gradient evaluations per layer at most
+    ig_max_evaluations: int = MAX_EVALUATIONS  # ig_rule 'adaptive': gradient evaluations per layer at most
     memory_budget: Optional[int] = None
 
 

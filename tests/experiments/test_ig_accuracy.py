@@ -19,6 +19,7 @@ from jaxdepth.lab.prompts import encode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_accuracy as experiment  # noqa: E402
+from benchmarking.machine import cpu_description  # noqa: E402
 
 
 def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
@@ -115,3 +116,15 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     assert os.path.getmtime(summary) == finished
     assert json.loads((out / "ig_accuracy.json").read_text())["prompts"][0]["rows"] == prompt["rows"]
     assert (out / "ig_accuracy.png").stat().st_size > 0
+    assert prompt["device"] == cpu_description()  # the times' machine
+
+    # --only-finished: the table of the finished prompts, computing nothing; an unfinished one is left out.
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+                                "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}) + "\n")
+    gsm8k = ["--data", str(data), "--rows", "0", "--only-finished"]
+    assert experiment.main(argv + gsm8k) == 0
+    assert not (out / "gsm8k_row0.json").exists()
+    assert [p["prompt"] for p in json.loads((out / "ig_accuracy.json").read_text())["prompts"]] == ["arithmetic"]
+    assert {p: os.path.getmtime(p) for p in out.glob("*.npz")} == cached
+    assert experiment.main(argv + gsm8k + ["--no-arithmetic"]) == 1  # nothing finished: nothing written

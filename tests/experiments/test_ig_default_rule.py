@@ -35,7 +35,9 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     batch = encode(model.tokenizer, [format_short(ROW)], context=256)
     L = model.config.num_layers
     fixed = integrated_gradients(model.params, batch, model.config, steps=256, rule="left", progress=False)
-    adaptive = adaptive_integrated_gradients(model.params, batch, model.config, tolerance=0.01, progress=False)
+    spec = experiment.RULES["adaptive-1%"]
+    adaptive = adaptive_integrated_gradients(model.params, batch, model.config, tolerance=spec["tolerance"],
+                                             max_evaluations=spec["max_evaluations"], progress=False)
     for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
         gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])
         # the chunk size follows the free memory at the time, and the chunking the float32 sums
@@ -48,3 +50,15 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     before = out.read_text()
     assert experiment.main(argv) == 0  # everything saved: nothing runs again
     assert out.read_text() == before
+
+    # A rule saved with other settings (an older budget) runs again; the other rule is kept.
+    stale = json.loads(before)
+    stale["prompts"]["gsm8k_row0"]["rules"]["adaptive-1%"]["settings"]["max_evaluations"] = 512
+    stale["prompts"]["gsm8k_row0"]["rules"]["adaptive-1%"]["seconds"] = -1.0
+    out.write_text(json.dumps(stale))
+    assert experiment.main(argv) == 0
+    again = json.loads(out.read_text())["prompts"]["gsm8k_row0"]["rules"]
+    assert again["adaptive-1%"]["settings"] == spec and again["adaptive-1%"]["seconds"] > 0
+    assert again["left-256"] == row["rules"]["left-256"]
+    with pytest.raises(SystemExit):
+        experiment.main(argv[:-2] + ["--rules", "adaptive-2%"])

@@ -274,3 +274,20 @@ def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
     assert "integrated_gradients: reusing" in capsys.readouterr().out
     assert main(args[:-2] + ["0.02", "--no-figures"]) == 0
     assert "integrated_gradients: reusing" not in capsys.readouterr().out
+
+
+def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, capsys):
+    from jaxdepth.analyses.adaptive_ig import MAX_EVALUATIONS
+
+    args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive", "--no-figures")
+    assert main(args) == 0
+    path = str(tmp_path / "model" / "default" / "integrated_gradients.npz")
+    assert load_result(path).settings["identity"]["ig_max_evaluations"] == MAX_EVALUATIONS
+    capsys.readouterr()
+    assert main(args + ["--ig-max-evaluations", "23"]) == 0  # another budget: run again, within it
+    assert "integrated_gradients: reusing" not in capsys.readouterr().out
+    result = load_result(path)
+    assert result.settings["identity"]["ig_max_evaluations"] == 23 and result.evaluations.max() <= 23
+    with pytest.raises(SystemExit):
+        main(args + ["--ig-max-evaluations", "2"])
+    assert "at least 3" in capsys.readouterr().err
