@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -64,22 +65,38 @@ def compile_rule(model, batch, spec: dict) -> float:
 
 
 def run_rule(model, batch, spec: dict) -> dict:
-    """One timed run of a rule on a one-prompt `batch`: seconds, evaluations and accuracy."""
+    """One timed run of a rule on a one-prompt `batch`: seconds, evaluations and accuracy; per
+    layer, the fixed rule's seconds and the adaptive rule's evaluations."""
     p, config = model.params, model.config
+    finished = []  # the fixed rule's layers, as they finish
     with CpuMeter() as meter:
         if spec["rule"] == "adaptive":
             r = adaptive_ig.adaptive_integrated_gradients(p, batch, config, tolerance=spec["tolerance"],
                                                           max_evaluations=spec["max_evaluations"])
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
+            per_layer = dict(layer_evaluations=r.evaluations[0].tolist())
         else:
-            r = ig.integrated_gradients(p, batch, config, rule=spec["rule"], steps=spec["steps"])
+            start = time.perf_counter()
+            r = ig.integrated_gradients(p, batch, config, rule=spec["rule"], steps=spec["steps"],
+                                        on_layer=lambda: finished.append(time.perf_counter()))
             evaluations, converged = spec["steps"] * config.num_layers, None
+            per_layer = dict(layer_seconds=np.diff([start] + finished).tolist())
     delta = np.abs(r.f_input[0] - r.f_baseline[0].astype(np.float64))
     relative_gap = np.abs(r.gap[0]) / delta
     return dict(seconds=meter.wall, other_processes_cores=meter.others, evaluations=evaluations,
                 ms_per_evaluation=1000 * meter.wall / evaluations, converged_layers=converged,
                 largest_relative_gap=float(relative_gap.max()), median_relative_gap=float(np.median(relative_gap)),
-                layers_with_gap_over_1pct=int((relative_gap > 0.01).sum()))
+                layers_with_gap_over_1pct=int((relative_gap > 0.01).sum()), **per_layer)
+
+
+def layer_matched_seconds(fixed: dict, adaptive: dict) -> Optional[float]:
+    """What the adaptive rule's evaluations would cost at the fixed rule's measured cost per
+    evaluation of each layer (an evaluation of an early layer runs more layers): the time the
+    adaptive rule would take at the fixed rule's speed, on the same prompt, layers and machine."""
+    if "layer_seconds" not in fixed or "layer_evaluations" not in adaptive:
+        return None
+    steps = fixed["evaluations"] / len(fixed["layer_seconds"])
+    return float(sum(n * s / steps for n, s in zip(adaptive["layer_evaluations"], fixed["layer_seconds"])))
 
 
 def markdown(report: dict) -> str:
@@ -95,6 +112,14 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {row['tokens']} | {rule} | {r['seconds']:.0f} | {r['evaluations']:,} "
                          f"| {r['ms_per_evaluation']:.0f} | {100 * r['largest_relative_gap']:.2f}% "
                          f"| {r['layers_with_gap_over_1pct']} | {certified} | {speedup} |")
+    for name, row in report["prompts"].items():
+        fixed = row["rules"].get("left-256")
+        for rule, r in row["rules"].items():
+            matched = layer_matched_seconds(fixed, r) if fixed and rule != "left-256" else None
+            if matched:
+                lines.append(f"\n{name}, {rule}: {r['seconds']:.0f} s against {matched:.0f} s for the same "
+                             f"evaluations at left-256's measured cost per evaluation of each layer "
+                             f"({r['seconds'] / matched:.2f}x the fixed rule's time per evaluation)")
     return "\n".join(lines)
 
 

@@ -328,11 +328,13 @@ class IntegratedGradientsResult(SavedResult):
 def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, steps: int = 256,
                          rule: str = "left", baseline: str = "channel_mean", target: str = "layer",
                          chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                         progress: bool = True, settings=None, interventions=None) -> IntegratedGradientsResult:
+                         progress: bool = True, settings=None, interventions=None,
+                         on_layer: Optional[Callable[[], None]] = None) -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
-    its own padded length, `batch.single(i, PAD_TO)`, so position masks in them must have that length)."""
+    its own padded length, `batch.single(i, PAD_TO)`, so position masks in them must have that length).
+    `on_layer()` is called as each layer of each prompt finishes."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     if target not in TARGETS:
@@ -347,8 +349,13 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
             prompt = batch.prompt(i, PAD_TO)
             Ti = prompt.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
+            def layer_done():
+                bar.update()
+                if on_layer is not None:
+                    on_layer()
+
             a, fx, fb = ig_of_prompt(params, prompt, config, alphas=alphas, weights=weights, baseline=baseline,
-                                     chunk_size=chunk, on_layer=bar.update, interventions=interventions,
+                                     chunk_size=chunk, on_layer=layer_done, interventions=interventions,
                                      target=target)
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = to_host(a), to_host(fx), to_host(fb)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)

@@ -46,6 +46,14 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     assert row["rules"]["adaptive-1%"]["evaluations"] == int(adaptive.evaluations.sum())
     assert row["rules"]["adaptive-1%"]["converged_layers"] == int(adaptive.converged.sum())
     assert row["tokens"] == int(batch.lengths[0])
+    # per layer: the fixed rule's seconds (summing to at most its wall-clock), the adaptive rule's evaluations
+    fixed_layers = row["rules"]["left-256"]["layer_seconds"]
+    assert len(fixed_layers) == L and min(fixed_layers) > 0
+    assert sum(fixed_layers) <= row["rules"]["left-256"]["seconds"]
+    assert row["rules"]["adaptive-1%"]["layer_evaluations"] == adaptive.evaluations[0].tolist()
+    matched = experiment.layer_matched_seconds(row["rules"]["left-256"], row["rules"]["adaptive-1%"])
+    assert matched == pytest.approx(sum(n * s / 256 for n, s in zip(adaptive.evaluations[0], fixed_layers)))
+    assert f"against {matched:.0f} s for the same evaluations" in experiment.markdown(report)
 
     before = out.read_text()
     assert experiment.main(argv) == 0  # everything saved: nothing runs again
