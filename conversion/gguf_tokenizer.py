@@ -53,8 +53,15 @@ def tokenizer_metadata(reader) -> tuple[str, dict, dict]:
 
 def gguf_tokenizer(reader):
     """A transformers fast tokenizer for the vocabulary stored in a GGUF file (`gguf.GGUFReader`)."""
+    import transformers
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # older releases keep the converter elsewhere, or under another name
+        raise ConversionError(
+            f"building a GGUF file's tokenizer needs transformers >= 5.23 (installed: {transformers.__version__}), "
+            "whose torch-free converter it uses: pip install 'transformers>=5.23'") from None
 
     architecture, tokenizer_dict, config = tokenizer_metadata(reader)
     try:

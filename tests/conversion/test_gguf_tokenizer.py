@@ -105,3 +105,16 @@ def test_gguf_without_tokenizer_metadata_is_a_clear_error():
 
     with pytest.raises(ConversionError, match="no tokenizer"):
         tokenizer_metadata(NoTokenizer())
+
+
+def test_a_transformers_without_the_converter_is_named(monkeypatch):
+    """An older transformers (no torch-free GGUF tokenizer converter) is refused with the version
+    that is needed, not an ImportError from deep inside it."""
+    import transformers.integrations.gguf.gguf_tokenizer_mapping as mapping
+
+    from conversion.errors import ConversionError
+    from conversion.gguf_tokenizer import gguf_tokenizer
+
+    monkeypatch.delattr(mapping, "convert_gguf_tokenizer")
+    with pytest.raises(ConversionError, match=r"transformers >= 5\.23"):
+        gguf_tokenizer(reader=None)
