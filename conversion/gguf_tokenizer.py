@@ -58,7 +58,10 @@ def gguf_tokenizer(reader):
 
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-    except ImportError:  # older releases keep the converter elsewhere, or under another name
+    except ImportError as e:
+        if not (e.name or "").startswith("transformers"):
+            raise  # a dependency of the converter is missing: its own error says which
+        # older releases keep the converter elsewhere, or under another name
         raise ConversionError(
             f"building a GGUF file's tokenizer needs transformers >= 5.23 (installed: {transformers.__version__}), "
             "whose torch-free converter it uses: pip install 'transformers>=5.23'") from None

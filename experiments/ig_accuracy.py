@@ -32,6 +32,7 @@ of the finished prompts without computing the others.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -42,7 +43,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarking.machine import cpu_description
-from jaxdepth.analyses.adaptive_ig import path_points, run_rule, summarise
+from jaxdepth.analyses.adaptive_ig import RULE_VERSION, path_points, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
@@ -80,11 +81,16 @@ def fixed_nodes(max_steps: int, gauss_max: int) -> tuple[np.ndarray, dict]:
 def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, desc: str):
     """φ `[L, n]` and the per-token integrand `[L, n, T]` of every layer at `nodes`, one layer per
     call (one compiled computation), each layer cached in `cache` as it finishes, and the seconds
-    per gradient evaluation of the calls that did not compile (kept in the cache too)."""
+    per gradient evaluation of the calls that did not compile (kept in the cache too, with the
+    device they were measured on: times from another device are dropped, the values kept)."""
     L = config.num_layers
     stored = dict(np.load(cache)) if os.path.exists(cache) else {}
     if stored and not np.array_equal(stored.get("nodes"), nodes):
         stored = {}
+    device = device_description()
+    if str(stored.get("device", device)) != device:
+        stored.pop("seconds"), stored.pop("timed_layers")
+    stored["device"] = np.array(device)
     stored.setdefault("seconds", np.float64(0.0))
     stored.setdefault("timed_layers", np.int64(0))
     alphas = jnp.asarray(nodes, jnp.float32)
@@ -111,19 +117,20 @@ def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, d
 class SharedNodes:
     """Every gradient evaluation of one prompt's adaptive runs, by (layer, α), kept in a file.
 
-    The runs go from the tightest tolerance to the loosest; they start from the same partition
-    and split the largest errors first, so a looser run's nodes are nearly all nodes of a
-    tighter one, and it reads them here instead of evaluating them again. A call is
+    The reference (the tightest tolerance) runs first; every run starts from the same partition
+    and splits the largest errors first, so a looser run's nodes are nearly all nodes of the
+    reference, and it reads them here instead of evaluating them again. A call is
     `run_rule`'s (`call(layer, alphas, grad, chunk) -> (phi, integrand)`): the nodes not held
     yet are evaluated in one call of the same size (the compiled computations are the rule's
     own). The file is rewritten every `save_every` seconds and by `save()`, so a killed run
     replays what it had (the rule is deterministic) and goes on from there. `seconds` and
     `evaluated` (slots of the calls, padding included) give the measured time per evaluation;
-    a process's first call of each size compiles, and is not timed.
+    a process's first call of each size compiles, and is not timed. Times measured on another
+    device (`device`) are dropped when the file is read, the values kept.
     """
 
-    def __init__(self, path: str, evaluate, save_every: float = 60.0):
-        self.path, self.evaluate, self.save_every = path, evaluate, save_every
+    def __init__(self, path: str, evaluate, device: str, save_every: float = 60.0):
+        self.path, self.evaluate, self.device, self.save_every = path, evaluate, device, save_every
         self.values: dict[tuple[int, float], tuple[np.float32, np.ndarray]] = {}
         self.seconds, self.evaluated = 0.0, 0
         self._compiled: set[int] = set()
@@ -131,7 +138,8 @@ class SharedNodes:
             stored = np.load(path)
             for layer, alpha, phi, g in zip(stored["layer"], stored["alpha"], stored["phi"], stored["integrand"]):
                 self.values[int(layer), float(alpha)] = phi, g
-            self.seconds, self.evaluated = float(stored["seconds"]), int(stored["evaluated"])
+            if str(stored["device"]) == device:
+                self.seconds, self.evaluated = float(stored["seconds"]), int(stored["evaluated"])
         self._saved = time.monotonic()
 
     def __call__(self, layer: int, alphas: np.ndarray, grad: bool, chunk: int):
@@ -159,7 +167,7 @@ class SharedNodes:
             np.savez(f, layer=np.array([l for l, _ in keys], np.int32), alpha=np.array([a for _, a in keys]),
                      phi=np.array([self.values[k][0] for k in keys], np.float32),
                      integrand=np.stack([self.values[k][1] for k in keys]), seconds=self.seconds,
-                     evaluated=self.evaluated)
+                     evaluated=self.evaluated, device=self.device)
         self._saved = time.monotonic()
 
     @property
@@ -184,18 +192,24 @@ def summary_row(rule: str, steps, evaluations: int, seconds: float, per_layer: d
 
 
 def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, tolerances, out: str,
-                       reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET) -> dict:
+                       reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET,
+                       model_name: str = "") -> dict:
     p, config, L = model.params, model.config, model.config.num_layers
     prompt = batch.prompt(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
     f_input = float(f_input)
 
-    shared = SharedNodes(os.path.join(out, f"{name}_adaptive_nodes.npz"), lambda layer, alphas, grad, chunk: path_points(
-        p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk))
+    # The caches' names say what their values depend on: the model, the prompt's tokens at their
+    # padded length, and the adaptive rule's version; any other model or prompt starts afresh.
+    key = hashlib.sha256(repr((model_name, prompt.tokens.tolist(), RULE_VERSION)).encode()).hexdigest()[:12]
+    stem = os.path.join(out, f"{name}_{key}")
+    shared = SharedNodes(f"{stem}_adaptive_nodes.npz", lambda layer, alphas, grad, chunk: path_points(
+        p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk),
+        device_description())
 
     def adaptive(tolerance, on_layer):
         """The adaptive rule's result, cached in `out` (a rerun resumes), its nodes shared."""
-        path = os.path.join(out, f"{name}_adaptive_{tolerance:g}_{budget}.npz")
+        path = f"{stem}_adaptive_{tolerance:g}_{budget}.npz"
         if os.path.exists(path):
             return dict(np.load(path))
         rules = run_rule(shared, range(L), f_input, prompt.tokens.shape[1], config, tolerance=np.full(L, tolerance),
@@ -207,7 +221,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
         return r
 
     nodes, rules = fixed_nodes(max_steps, gauss_max)
-    phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, os.path.join(out, f"{name}_nodes.npz"),
+    phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, f"{stem}_nodes.npz",
                                                f"{name}: fixed-rule nodes (layers)")
     adaptive_runs = {}
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
@@ -351,7 +365,8 @@ def main(argv=None) -> int:
         if done is None:
             batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
             done = dict(accuracy_of_prompt(model, batch, name, args.max_steps, args.gauss_max, tolerances, args.out,
-                                           args.reference_tolerance, args.budget), settings=settings)
+                                           args.reference_tolerance, args.budget, model_name=args.model),
+                        settings=settings)
             with atomic_write(summary, "w") as f:
                 json.dump(done, f, indent=1)
         report["prompts"].append(done)

@@ -66,8 +66,11 @@ def compile_rule(model, batch, spec: dict) -> float:
 
 def run_rule(model, batch, spec: dict) -> dict:
     """One timed run of a rule on a one-prompt `batch`: seconds, evaluations and accuracy; per
-    layer, the fixed rule's seconds and the adaptive rule's evaluations."""
+    layer, the fixed rule's seconds (layer 0's include the clean forward before it) and the
+    adaptive rule's evaluations."""
     p, config = model.params, model.config
+    if len(batch) != 1:
+        raise ValueError(f"one prompt at a time, got {len(batch)}")
     finished = []  # the fixed rule's layers, as they finish
     with CpuMeter() as meter:
         if spec["rule"] == "adaptive":
@@ -137,16 +140,20 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown rule(s) {', '.join(unknown)}: choose among {', '.join(RULES)}")
 
+    report = json.load(open(args.out)) if os.path.exists(args.out) else {"prompts": {}}
+    for key, value in (("cpu", cpu_description()), ("model", args.model)):
+        report[key] = report.get(key, value)
+        if report[key] != value:
+            parser.error(f"{args.out} was measured with {key} {report[key]!r}, not {value!r}: give another --out")
     model = load(args.model)
     rows = read_rows("gsm8k", args.data)
-    report = json.load(open(args.out)) if os.path.exists(args.out) else {"prompts": {}}
-    report["cpu"] = report.get("cpu", cpu_description())
-    if report["cpu"] != cpu_description():
-        parser.error(f"{args.out} was measured on {report['cpu']}, not this CPU: give another --out")
     for i in map(int, args.rows.split(",")):
-        name = f"gsm8k_row{i}"
-        batch = encode(model.tokenizer, [format_short(rows[i])], context=model.config.max_position_embeddings)
-        entry = report["prompts"].setdefault(name, {"tokens": int(batch.lengths[0]), "rules": {}})
+        name, prompt = f"gsm8k_row{i}", format_short(rows[i])
+        batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
+        text = prompt.question + prompt.answer
+        if report["prompts"].get(name, {}).get("prompt") != text:  # new, or another data file's row
+            report["prompts"][name] = {"tokens": int(batch.lengths[0]), "prompt": text, "rules": {}}
+        entry = report["prompts"][name]
         for rule in args.rules.split(","):
             spec = RULES[rule]
             if entry["rules"].get(rule, {}).get("settings") == spec:

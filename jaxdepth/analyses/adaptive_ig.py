@@ -417,10 +417,11 @@ class AdaptiveIGResult(IntegratedGradientsResult):
 
     @property
     def rule(self) -> str:
-        """Which quadrature produced the attributions, in words: "adaptive rule to 1% (certified)"."""
+        """Which quadrature produced the attributions, in words: "adaptive rule to 1%" (which
+        layers got there: `converged`)."""
         tolerance = self.settings.get("tolerance")
         target = f"{100 * tolerance:g}%" if isinstance(tolerance, (int, float)) else "per-layer tolerances"
-        return f"adaptive rule to {target} (certified)"
+        return f"adaptive rule to {target}"
 
     @property
     def relative_gap(self) -> np.ndarray:

@@ -92,6 +92,9 @@ def _study_settings(args, **kwargs):
     """`StudySettings` from the options `run` and `case` share."""
     from jaxdepth.lab.study import StudySettings
 
+    if args.ig_max_evaluations is not None and args.ig_rule != "adaptive":
+        print(f"warning: --ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule "
+              f"{args.ig_rule}", file=sys.stderr)
     return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
                          ig_tolerance=args.ig_tolerance, **kwargs,
                          **({} if args.ig_max_evaluations is None else {"ig_max_evaluations": args.ig_max_evaluations}))

@@ -19,7 +19,6 @@ from jaxdepth.lab.prompts import encode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_accuracy as experiment  # noqa: E402
-from benchmarking.machine import cpu_description  # noqa: E402
 
 
 def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
@@ -47,7 +46,7 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
                            chunk_size=chunk)
 
     path = str(tmp_path / "shared.npz")
-    shared = experiment.SharedNodes(path, evaluate)
+    shared = experiment.SharedNodes(path, evaluate, "this machine")
     run = lambda call, tolerance: summarise(run_rule(call, range(L), float(f_input), prompt.tokens.shape[1], config,
                                                      tolerance=np.full(L, tolerance), max_evaluations=2048))
 
@@ -69,8 +68,10 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
     # Saved and read back: the same runs replay from the file and evaluate nothing.
     shared.save()
     calls.clear()
-    again = experiment.SharedNodes(path, evaluate)
+    again = experiment.SharedNodes(path, evaluate, "this machine")
     assert (again.evaluated, again.seconds, len(again.values)) == (shared.evaluated, shared.seconds, len(shared.values))
+    elsewhere = experiment.SharedNodes(path, evaluate, "another machine")  # its times are not this one's
+    assert (elsewhere.evaluated, elsewhere.seconds, len(elsewhere.values)) == (0, 0.0, len(shared.values))
     np.testing.assert_array_equal(run(again, 0.001)["attributions"], tight["attributions"])
     np.testing.assert_array_equal(run(again, 0.01)["attributions"], loose["attributions"])
     assert calls == []
@@ -116,7 +117,7 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     assert os.path.getmtime(summary) == finished
     assert json.loads((out / "ig_accuracy.json").read_text())["prompts"][0]["rows"] == prompt["rows"]
     assert (out / "ig_accuracy.png").stat().st_size > 0
-    assert prompt["device"] == cpu_description()  # the times' machine
+    assert prompt["device"] == experiment.device_description()  # the times' machine
 
     # --only-finished: the table of the finished prompts, computing nothing; an unfinished one is left out.
     data = tmp_path / "gsm8k.jsonl"

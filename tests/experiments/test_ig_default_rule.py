@@ -51,8 +51,12 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     assert len(fixed_layers) == L and min(fixed_layers) > 0
     assert sum(fixed_layers) <= row["rules"]["left-256"]["seconds"]
     assert row["rules"]["adaptive-1%"]["layer_evaluations"] == adaptive.evaluations[0].tolist()
+    # 256 evaluations at every layer cost what the fixed rule's layers took; the adaptive rule's
+    # evaluations, what they would cost at those layers' speed
+    same = experiment.layer_matched_seconds(row["rules"]["left-256"], {"layer_evaluations": [256] * L})
+    assert same == pytest.approx(sum(fixed_layers))
     matched = experiment.layer_matched_seconds(row["rules"]["left-256"], row["rules"]["adaptive-1%"])
-    assert matched == pytest.approx(sum(n * s / 256 for n, s in zip(adaptive.evaluations[0], fixed_layers)))
+    assert min(fixed_layers) / 256 <= matched / adaptive.evaluations.sum() <= max(fixed_layers) / 256
     assert f"against {matched:.0f} s for the same evaluations" in experiment.markdown(report)
 
     before = out.read_text()
@@ -70,3 +74,12 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     assert again["left-256"] == row["rules"]["left-256"]
     with pytest.raises(SystemExit):
         experiment.main(argv[:-2] + ["--rules", "adaptive-2%"])
+    # another model's report is refused; another row text under the same name is measured anew
+    with pytest.raises(SystemExit):
+        experiment.main(["--model", "smollm2"] + argv[2:])
+    other = dict(ROW, question="Ann has 5 pears and eats 2. How many pears are left?",
+                 answer="Ann has 5 - 2 = <<5-2=3>>3 pears.\n#### 3")
+    data.write_text(json.dumps(other) + "\n")
+    assert experiment.main(argv + ["--rules", "left-256"]) == 0
+    renewed = json.loads(out.read_text())["prompts"]["gsm8k_row0"]
+    assert set(renewed["rules"]) == {"left-256"} and other["question"] in renewed["prompt"]

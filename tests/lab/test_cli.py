@@ -284,10 +284,14 @@ def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, ca
     path = str(tmp_path / "model" / "default" / "integrated_gradients.npz")
     assert load_result(path).settings["identity"]["ig_max_evaluations"] == MAX_EVALUATIONS
     capsys.readouterr()
-    assert main(args + ["--ig-max-evaluations", "23"]) == 0  # another budget: run again, within it
+    # another budget, below the first round's 23 nodes: run again, within it
+    assert main(args + ["--ig-max-evaluations", "9"]) == 0
     assert "integrated_gradients: reusing" not in capsys.readouterr().out
     result = load_result(path)
-    assert result.settings["identity"]["ig_max_evaluations"] == 23 and result.evaluations.max() <= 23
+    assert result.settings["identity"]["ig_max_evaluations"] == 9 and result.evaluations.max() <= 9
     with pytest.raises(SystemExit):
         main(args + ["--ig-max-evaluations", "2"])
     assert "at least 3" in capsys.readouterr().err
+    fixed = [a for a in args if a not in ("--ig-rule", "adaptive")] + ["--ig-steps", "8"]
+    assert main(fixed + ["--ig-max-evaluations", "9"]) == 0
+    assert "--ig-max-evaluations applies to --ig-rule adaptive only" in capsys.readouterr().err

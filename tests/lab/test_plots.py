@@ -421,5 +421,5 @@ def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     ax = fig.axes[0]
     flagged = [patch for patch in ax.patches if patch.get_edgecolor()[:3] == (0.0, 1.0, 0.0)]
     assert sorted(patch.get_y() + 0.5 for patch in flagged) == [1, 3]
-    assert "adaptive rule to 1% (certified): 2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
+    assert "adaptive rule to 1%: 2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
     assert "not converged (budget spent)" in [t.get_text() for t in ax.get_legend().get_texts()]
