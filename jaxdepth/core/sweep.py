@@ -51,6 +51,10 @@ def _chunked(members: Any, chunk_size: Optional[int]):
     of the mesh's `data` axis, so its members shard evenly."""
     n = jax.tree.leaves(members)[0].shape[0]
     chunk = n if chunk_size is None else int(np.clip(chunk_size, 1, n))
+    # As few chunks as the bound allows, made equal: a bound just under n / k would otherwise pad
+    # the last chunk with nearly a whole chunk of wasted members (256 members under a bound of
+    # 253: two chunks of 128, not 506 evaluations).
+    chunk = -(-n // -(-n // chunk))
     data = _data_axis_size()
     if data > 1:
         chunk = -(-chunk // data) * data

@@ -1,0 +1,35 @@
+"""Sweeps in chunks: the same results whatever the chunk bound, in as few equal chunks as the
+bound allows (no chunk of padding)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdepth.core.sweep import sweep, sweep_sum
+
+
+def _chunks_of(chunk_size, n):
+    """(number of chunks, members per chunk) of a sweep of n members, read off its program."""
+    jaxpr = jax.make_jaxpr(lambda x: sweep(jnp.sin, x, chunk_size))(jnp.zeros(n)).jaxpr
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    if not scans:
+        return 1, n
+    (scan,) = scans
+    return scan.params["length"], scan.invars[-1].aval.shape[1]
+
+
+@pytest.mark.parametrize("n, bound, expected", [(256, 253, (2, 128)), (256, 29, (9, 29)), (256, 200, (2, 128)),
+                                                (10, 4, (3, 4)), (256, 256, (1, 256)), (7, 1, (7, 1))])
+def test_chunks_are_as_few_and_as_equal_as_the_bound_allows(n, bound, expected):
+    chunks, size = _chunks_of(bound, n)
+    assert (chunks, size) == expected
+    assert size <= bound and chunks * size - n < chunks  # under one padded member per chunk
+
+
+@pytest.mark.parametrize("bound", [1, 3, 29, 128, 253, 256])
+def test_results_do_not_depend_on_the_bound(bound):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(256, 3)), jnp.float32)
+    fn = lambda v: v * 3.0 - v * v  # exactly rounded: any vector width gives the same bits  # noqa: E731
+    np.testing.assert_array_equal(sweep(fn, x, bound), jax.vmap(fn)(x))
+    np.testing.assert_allclose(sweep_sum(fn, x, bound), jax.vmap(fn)(x).sum(0), rtol=1e-6)
