@@ -41,6 +41,8 @@ class Case:
     passes: (bench, workload) -> what the workload line adds about the passes it runs.
     prepare: (bench, workload, every encoded prompt) -> None; computes, untimed, what both
         sides share (the layer-skip split positions, the erasure baseline) into `bench`.
+    uses_splits: whether its FLOP models read `bench.splits` (one list per prompt of its own
+        workload); the other cases' prompts have none.
     """
 
     prompts: Callable
@@ -52,6 +54,7 @@ class Case:
     agreement: Callable
     passes: Callable = lambda bench, w: ""
     prepare: Callable = lambda bench, w, full: None
+    uses_splits: bool = False
 
 
 def settings(bench: Bench):

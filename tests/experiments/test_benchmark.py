@@ -24,6 +24,25 @@ def test_every_registered_analysis_has_a_case():
     assert set(benchmark.CASES) == set(ANALYSES)
 
 
+def test_only_layer_skip_reads_the_split_positions():
+    """The split positions belong to layer skip's prompts; a case with more prompts (the default
+    10 for contributions against layer skip's 2) counts its FLOPs without them."""
+    from benchmarking.cases import workload_flops
+    from benchmarking.flops import forward_flops
+    from jaxdepth.core.config import ModelConfig
+
+    c = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                    max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False)
+    splits = [[3, 5], [4]]
+    assert workload_flops("contributions", c, [16] * 10, splits=splits) == pytest.approx(
+        10 * forward_flops(c, 16, lm_head=False))
+    assert workload_flops("layer_skip", c, [16, 20], splits=splits) == pytest.approx(
+        (1 + 3 * 2) * forward_flops(c, 16) + (1 + 3 * 1) * forward_flops(c, 20))
+    with pytest.raises(ValueError, match="split positions"):
+        workload_flops("layer_skip", c, [16] * 10, splits=splits)
+
+
 @pytest.mark.parity
 def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_path, capsys):
     gguf_path = write_tiny_gguf(tiny_model("llama_gqa_untied"), str(tmp_path / "tiny.gguf"))

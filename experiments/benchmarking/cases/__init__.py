@@ -16,10 +16,22 @@ CASES = {
 }
 
 
+def _splits_of(name: str, splits, n: int) -> list:
+    """Each of the case's n prompts' split positions: `splits` (layer skip's, one list per
+    prompt of its workload) for the case that uses them, none for the others, whose workloads
+    have other prompt counts."""
+    if not CASES[name].uses_splits:
+        return [[] for _ in range(n)]
+    if len(splits or []) != n:
+        raise ValueError(f"{name}: {len(splits or [])} prompts' split positions for {n} prompts")
+    return splits
+
+
 def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> float:
     """Model FLOPs of an analysis' workload as the reference approach runs it (one pass per
     intervention, each prompt at its own length; matmul FLOPs only)."""
-    return sum(CASES[name].model_flops(c, T, splits[i] if splits else [], steps) for i, T in enumerate(lengths))
+    per_prompt = _splits_of(name, splits, len(lengths))
+    return sum(CASES[name].model_flops(c, T, per_prompt[i], steps) for i, T in enumerate(lengths))
 
 
 def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float:
@@ -32,5 +44,5 @@ def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float
     from jaxdepth.analyses import integrated_gradients as ig
 
     pad = ig.PAD_TO if name == "integrated_gradients" else 16  # as each analysis pads them
-    return sum(CASES[name].executed_flops(c, batch.single(i, pad), splits[i] if splits else [], steps)
-               for i in range(len(batch)))
+    per_prompt = _splits_of(name, splits, len(batch))
+    return sum(CASES[name].executed_flops(c, batch.single(i, pad), per_prompt[i], steps) for i in range(len(batch)))

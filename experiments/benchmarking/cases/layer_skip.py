@@ -55,7 +55,7 @@ CASE = Case(
     jaxdepth=via_registry(NAME),
     reference=lambda ref, bench, w: ref.layer_skip(w.token_lists, bench.splits),
     model_flops=lambda c, T, splits, steps: (1 + c.num_layers * len(splits)) * forward_flops(c, T),
-    executed_flops=executed_flops, agreement=agreement, prepare=sample_splits,
+    executed_flops=executed_flops, agreement=agreement, prepare=sample_splits, uses_splits=True,
     passes=lambda bench, w: (f"; split positions {bench.splits}; "
                              f"{sum(len(s) for s in bench.splits) * bench.config.num_layers} skip passes + "
                              f"{len(bench.splits)} clean"))
