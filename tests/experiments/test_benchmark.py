@@ -71,6 +71,12 @@ def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_pat
     # milliseconds per gradient evaluation of each rule, from its time and its evaluations
     assert adaptive["ms_per_evaluation"] == pytest.approx(1e3 * adaptive["jax_run_s"] / adaptive["evaluations"])
     assert adaptive["fixed_ms_per_evaluation"] == pytest.approx(1e3 * fixed["jax_run_s"] / adaptive["fixed_evaluations"])
+    # the FLOP rates weigh each evaluation by the layers it crosses: per evaluation, the adaptive
+    # rule's work is at least that of the cheapest layer's and at most the dearest's
+    assert sum(map(sum, adaptive["layer_evaluations"])) == adaptive["evaluations"]
+    work_per_evaluation = adaptive["gflops_per_s"] * adaptive["ms_per_evaluation"]
+    fixed_work = adaptive["fixed_gflops_per_s"] * adaptive["fixed_ms_per_evaluation"]  # the mean over all layers
+    assert 0 < work_per_evaluation <= 2 * fixed_work
     share = adaptive["jax_run_s"] / (fixed["jax_run_s"] * 256 / 4)
     est, published = report["study_workload_estimate_adaptive_ig"], report["study_workload_estimate"]
     assert est["share_of_published_ig_time"] == pytest.approx(share)

@@ -28,13 +28,20 @@ def model_flops(c, T, splits, steps):
     return forward_flops(c, T) + sum((2 * steps + 1) * suffix(l) for l in range(c.num_layers))
 
 
+def gradient_flops(c, one, layer: int) -> float:
+    """Matmul FLOPs of one gradient evaluation on the path of `layer`: the layers after it
+    forward, then a backward that recomputes each of them (remat) before pulling back, and the
+    LM head at the answer positions forward and back."""
+    T, A = one.tokens.shape[1], answers(one)
+    return 3 * layer_flops(c, T, T, c.num_layers - layer - 1) + 2 * lm_head_flops(c, A)
+
+
 def executed_flops(c, one, splits, steps):
     L, T, A = c.num_layers, one.tokens.shape[1], answers(one)
     total = layer_flops(c, T, T, L) + lm_head_flops(c, A)
     for l in range(L):
-        # forward, then a backward that recomputes each layer (remat) before pulling back
-        rest = layer_flops(c, T, T, L - l - 1)
-        total += steps * (3 * rest + 2 * lm_head_flops(c, A)) + rest + lm_head_flops(c, A)
+        # the steps' gradients, and F(b): one forward of the layers after l and the head
+        total += steps * gradient_flops(c, one, l) + layer_flops(c, T, T, L - l - 1) + lm_head_flops(c, A)
     return total
 
 
@@ -71,21 +78,36 @@ def adaptive_jaxdepth(bench: Bench, w: Workload):
 def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -> dict:
     """The adaptive preset on the IG workload, compiled then timed as jaxdepth's side of every
     case is, beside the fixed rule's measured time `fixed_run_s`: evaluations, milliseconds per
-    gradient evaluation of each rule (same prompts, layers and machine), convergence."""
+    gradient evaluation of each rule (same prompts and machine), convergence, and each rule's
+    executed FLOP rate. An evaluation of an early layer crosses more layers than one of a late
+    layer, and the adaptive rule spends most of its evaluations early: the FLOP rates compare
+    the two per unit of work on the same layers, where milliseconds per evaluation do not."""
+    from jaxdepth.analyses.integrated_gradients import PAD_TO
+
     t = clock.compiled("jaxdepth adaptive IG", lambda: adaptive_jaxdepth(bench, w))
-    tolerance, result = bench.args.ig_tolerance, t.result
-    fixed_evaluations = bench.args.ig_steps * bench.config.num_layers * len(w.lengths)
+    tolerance, result, c = bench.args.ig_tolerance, t.result, bench.config
+    steps = bench.args.ig_steps
+    fixed_evaluations = steps * c.num_layers * len(w.lengths)
     evaluations = int(result.evaluations.sum())
     fixed_ms = 1e3 * fixed_run_s / fixed_evaluations
+    ones = [w.batch.single(i, PAD_TO) for i in range(len(w.lengths))]
+    # the gradient evaluations only, for both rules: the clean forward and F(b) passes aside
+    adaptive_flops = sum(int(n) * gradient_flops(c, one, l) for one, row in zip(ones, result.evaluations)
+                         for l, n in enumerate(row))
+    fixed_flops = sum(steps * gradient_flops(c, one, l) for one in ones for l in range(c.num_layers))
     adaptive = dict(tolerance=tolerance, jax_first_s=t.first_s, jax_run_s=t.run_s,
                     evaluations=evaluations, fixed_evaluations=fixed_evaluations,
+                    layer_evaluations=result.evaluations.tolist(),
                     ms_per_evaluation=1e3 * t.run_s / evaluations, fixed_ms_per_evaluation=fixed_ms,
+                    gflops_per_s=adaptive_flops / t.run_s / 1e9, fixed_gflops_per_s=fixed_flops / fixed_run_s / 1e9,
                     converged=int(result.converged.sum()), layers=int(result.converged.size),
                     max_relative_gap=float(np.nanmax(np.abs(result.relative_gap))), others_cores=t.others_all)
     log(f"jaxdepth adaptive IG at tolerance {tolerance}: first call {t.first_s:.2f} s, then {t.run_s:.2f} s; "
         f"{adaptive['evaluations']} gradient evaluations ({adaptive['converged']}/{adaptive['layers']} layers "
         f"converged, largest |gap| {100 * adaptive['max_relative_gap']:.2f}% of |F(x) - F(b)|); "
-        f"{adaptive['ms_per_evaluation']:.1f} ms per gradient evaluation against the fixed rule's {fixed_ms:.1f} ms")
+        f"{adaptive['ms_per_evaluation']:.1f} ms per gradient evaluation against the fixed rule's {fixed_ms:.1f} ms; "
+        f"{adaptive['gflops_per_s']:.0f} GFLOP/s of gradient work against the fixed rule's "
+        f"{adaptive['fixed_gflops_per_s']:.0f}")
     return adaptive
 
 
