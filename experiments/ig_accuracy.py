@@ -78,16 +78,15 @@ def fixed_nodes(max_steps: int, gauss_max: int) -> tuple[np.ndarray, dict]:
     return np.concatenate(nodes), rules
 
 
-def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, desc: str):
+def evaluate_layers(args, x, b, inputs, config, nodes: np.ndarray, cache: str, desc: str, device: str):
     """φ `[L, n]` and the per-token integrand `[L, n, T]` of every layer at `nodes`, one layer per
     call (one compiled computation), each layer cached in `cache` as it finishes, and the seconds
     per gradient evaluation of the calls that did not compile (kept in the cache too, with the
-    device they were measured on: times from another device are dropped, the values kept)."""
+    `device` they were measured on: times from another device are dropped, the values kept)."""
     L = config.num_layers
     stored = dict(np.load(cache)) if os.path.exists(cache) else {}
     if stored and not np.array_equal(stored.get("nodes"), nodes):
         stored = {}
-    device = device_description()
     if str(stored.get("device", device)) != device:
         stored.pop("seconds"), stored.pop("timed_layers")
     stored["device"] = np.array(device)
@@ -198,6 +197,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     prompt = batch.prompt(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
     f_input = float(f_input)
+    device = device_description()  # what every time of this prompt is measured on
 
     # The caches' names say what their values depend on: the model, the prompt's tokens at their
     # padded length, and the adaptive rule's version; any other model or prompt starts afresh.
@@ -205,7 +205,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     stem = os.path.join(out, f"{name}_{key}")
     shared = SharedNodes(f"{stem}_adaptive_nodes.npz", lambda layer, alphas, grad, chunk: path_points(
         p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk),
-        device_description())
+        device)
 
     def adaptive(tolerance, on_layer):
         """The adaptive rule's result, cached in `out` (a rerun resumes), its nodes shared."""
@@ -222,7 +222,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
 
     nodes, rules = fixed_nodes(max_steps, gauss_max)
     phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, f"{stem}_nodes.npz",
-                                               f"{name}: fixed-rule nodes (layers)")
+                                               f"{name}: fixed-rule nodes (layers)", device)
     adaptive_runs = {}
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
         for tolerance in [reference_tolerance] + list(tolerances):
@@ -252,7 +252,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
                                 reference["evaluations"].sum() * adaptive_per_eval, errors(ref, f_input, f_baseline, ref),
                                 f"{int(reference['converged'].sum())}/{L} layers converged")
-    return dict(prompt=name, tokens=int(prompt.valid.sum()), device=device_description(), f_input=f_input,
+    return dict(prompt=name, tokens=int(prompt.valid.sum()), device=device, f_input=f_input,
                 f_baseline=f_baseline.tolist(),
                 seconds_per_evaluation=per_eval, adaptive_seconds_per_evaluation=adaptive_per_eval, reference=dict(
                     tolerance=reference_tolerance, budget=budget,

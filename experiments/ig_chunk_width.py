@@ -3,10 +3,10 @@ gradients of one layer of a whole GSM8K prompt through the study's own `ig_of_la
 steps in chunks of each width, compiled first, then timed on a quiet machine.
 
 A chunk's memory bound (`auto_chunk_size`) says how wide a vmap fits, not how wide runs best:
-on a 136-token prompt the bound is 29, while the adaptive rule's calls of 16 nodes ran at 0.79x
-the fixed rule's time per evaluation on the same layers (experiments/ig_default_rule.py).
+on a 136-token prompt the bound is 29, while the adaptive rule's calls of 8 and 16 nodes ran at
+0.86x the fixed rule's time per evaluation on the same layers (experiments/ig_default_rule.py).
 
-    python experiments/ig_chunk_width.py --data ../shared/data/gsm8k_test_sample.jsonl --row 0 --widths 8,16,29,32
+    python experiments/ig_chunk_width.py --data ../shared/data/gsm8k_test_sample.jsonl --row 0 --widths 8,16,22,32
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdepth.analyses import integrated_gradients as ig
-from jaxdepth.core.sweep import auto_chunk_size
+from jaxdepth.core.sweep import auto_chunk_size, chunk_layout
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
 
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         run = lambda: jax.block_until_ready(ig.ig_of_layer(  # noqa: E731
             p, prompt, jnp.int32(args.layer), path, config, alphas=alphas, weights=weights, chunk_size=width))
         t = clock.compiled(f"width {width}", run)
-        chunks = -(-args.steps // width)  # as the sweep splits them: as few equal chunks as the width allows
-        print(f"| {width} | {chunks} | {-(-args.steps // chunks)} | {1e3 * t.run_s / args.steps:.0f} "
+        chunks, members = chunk_layout(args.steps, width)  # as the sweep splits them
+        print(f"| {width} | {chunks} | {members} | {1e3 * t.run_s / args.steps:.0f} "
               f"| {t.others_all} |", flush=True)
     return 0
 

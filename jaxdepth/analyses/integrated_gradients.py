@@ -345,15 +345,15 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     attributions = np.zeros((P, L, T), np.float32)
     f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
     with tqdm(total=P * L, desc=f"integrated gradients ({steps} steps, layers)", disable=not progress) as bar:
+        def layer_done():
+            bar.update()
+            if on_layer is not None:
+                on_layer()
+
         for i in range(P):
             prompt = batch.prompt(i, PAD_TO)
             Ti = prompt.tokens.shape[1]
             chunk = chunk_size or auto_chunk_size(config, Ti, steps, grad=True, memory_budget=memory_budget)
-            def layer_done():
-                bar.update()
-                if on_layer is not None:
-                    on_layer()
-
             a, fx, fb = ig_of_prompt(params, prompt, config, alphas=alphas, weights=weights, baseline=baseline,
                                      chunk_size=chunk, on_layer=layer_done, interventions=interventions,
                                      target=target)

@@ -45,20 +45,25 @@ def _local_memory_budget(fraction: float) -> int:
     return FALLBACK_MEMORY_BUDGET
 
 
-def _chunked(members: Any, chunk_size: Optional[int]):
-    """`members` split into equal chunks `[n_chunks, chunk, ...]` (the last padded by repeating
-    the last member), with `n`, the number of real members. A chunk is rounded up to a multiple
-    of the mesh's `data` axis, so its members shard evenly."""
-    n = jax.tree.leaves(members)[0].shape[0]
+def chunk_layout(n: int, chunk_size: Optional[int]) -> tuple[int, int]:
+    """`(n_chunks, chunk)`: how a sweep of `n` members runs under the bound `chunk_size` (None:
+    all at once). As few chunks as the bound allows, made equal: a bound just under n / k would
+    otherwise pad the last chunk with nearly a whole chunk of wasted members (256 members under a
+    bound of 253: two chunks of 128, not 506 evaluations). A chunk is rounded up to a multiple of
+    the mesh's `data` axis, so its members shard evenly."""
     chunk = n if chunk_size is None else int(np.clip(chunk_size, 1, n))
-    # As few chunks as the bound allows, made equal: a bound just under n / k would otherwise pad
-    # the last chunk with nearly a whole chunk of wasted members (256 members under a bound of
-    # 253: two chunks of 128, not 506 evaluations).
     chunk = -(-n // -(-n // chunk))
     data = _data_axis_size()
     if data > 1:
         chunk = -(-chunk // data) * data
-    n_chunks = -(-n // chunk)
+    return -(-n // chunk), chunk
+
+
+def _chunked(members: Any, chunk_size: Optional[int]):
+    """`members` split into equal chunks `[n_chunks, chunk, ...]` (`chunk_layout`; the last
+    padded by repeating the last member), with `n`, the number of real members."""
+    n = jax.tree.leaves(members)[0].shape[0]
+    n_chunks, chunk = chunk_layout(n, chunk_size)
     padded = n_chunks * chunk
 
     def to_chunks(x):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdepth.core.sweep import sweep, sweep_sum
+from jaxdepth.core.sweep import chunk_layout, sweep, sweep_sum
 
 
 def _chunks_of(chunk_size, n):
@@ -23,7 +23,7 @@ def _chunks_of(chunk_size, n):
                                                 (10, 4, (3, 4)), (256, 256, (1, 256)), (7, 1, (7, 1))])
 def test_chunks_are_as_few_and_as_equal_as_the_bound_allows(n, bound, expected):
     chunks, size = _chunks_of(bound, n)
-    assert (chunks, size) == expected
+    assert (chunks, size) == expected == chunk_layout(n, bound)  # the program runs the layout it says
     assert size <= bound and chunks * size - n < chunks  # under one padded member per chunk
 
 
