@@ -10,9 +10,10 @@ they used while it ran). Each result is saved as it finishes, so a rerun skips w
     python experiments/ig_default_rule.py --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,3
 
 On 2 CPU cores (an Intel Xeon with AVX-512) the three rows take about 88 minutes with the
-published rule and 59 with the adaptive rule (1.27x, 1.67x and 1.89x; docs/performance.md). Per layer, the fixed rule's seconds and the
-adaptive rule's evaluations are kept too: the report compares the adaptive rule's time with what
-its evaluations cost at the fixed rule's speed on the same layers.
+published rule and 59 with the adaptive rule (1.27x, 1.67x and 1.89x; docs/performance.md).
+Per layer, the fixed rule's seconds and the adaptive rule's evaluations are kept too: the report
+compares the adaptive rule's time with what its evaluations cost at the fixed rule's speed on
+the same layers.
 """
 
 from __future__ import annotations
