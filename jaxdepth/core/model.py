@@ -87,21 +87,41 @@ def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, "D"], eps: float) -> 
     return weight * x32.astype(x.dtype)
 
 
-def rotary_frequencies(config: ModelConfig) -> Float[Array, "Dh/2"]:
-    """The rotary inverse frequencies, float32 as HF computes them; rope type 'llama3' divides
-    the low frequencies by `rope_factor` and blends the middle band smoothly (Llama 3.1 / 3.2)."""
+def rotary_frequencies(config: ModelConfig) -> np.ndarray:
+    """The rotary inverse frequencies [Dh/2], float32, as HF computes them, bit for bit.
+
+    Computed on the host with numpy, never by the compiler. The angle at position t is
+    t * inv_freq, so a 1e-5 relative error in one frequency moves a tiny model's late logits by
+    3e-4, and XLA may evaluate the same float32 formula differently on different CPUs (traced,
+    the llama3 blend came out 2 ulps from HF's on one). Here each step is the float32 IEEE
+    operation torch performs, in HF's order, so the bits are the same on every machine; the
+    power is correctly rounded (torch's own is within an ulp of that, depending on the CPU).
+    Rope type 'llama3' divides the low frequencies by `rope_factor` and blends the middle band
+    smoothly (Llama 3.1 / 3.2).
+    """
+    f32 = np.float32
     Dh = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
+    exponents = np.arange(0, Dh, 2).astype(f32) / f32(Dh)
+    # torch casts the Python base to float32 and raises it to the float32 exponents
+    power = (np.float64(f32(config.rope_theta)) ** exponents.astype(np.float64)).astype(f32)
+    inv_freq = f32(1) / power
     if config.rope_type == "default":
         return inv_freq
     factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
     context = config.rope_original_max_position
-    wavelength = 2 * jnp.pi / inv_freq
-    scaled = jnp.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    middle = (wavelength >= context / high) & (wavelength <= context / low)
-    return jnp.where(middle, blended, scaled)
+
+    def scalar_over(scalar: float, x: np.ndarray) -> np.ndarray:
+        # torch evaluates `python_scalar / tensor` as `tensor.reciprocal() * scalar`
+        return (f32(1) / x) * f32(scalar)
+
+    # Python scalars meet float32 tensors: torch casts each scalar to float32 first
+    wavelength = scalar_over(2 * np.pi, inv_freq)
+    low_edge, high_edge = f32(context / low), f32(context / high)
+    scaled = np.where(wavelength > low_edge, inv_freq / f32(factor), inv_freq)
+    smooth = (scalar_over(context, wavelength) - f32(low)) / f32(high - low)
+    blended = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
+    middle = ~(wavelength < high_edge) & ~(wavelength > low_edge)
+    return np.where(middle, blended, scaled).astype(f32)
 
 
 def rotary_tables(seq_len: int, config: ModelConfig) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
