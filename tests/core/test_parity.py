@@ -175,11 +175,8 @@ def test_rotary_frequencies_are_hf_bits(name):
     ulps = np.abs(ours.view(np.int32).astype(np.int64) - hf.view(np.int32))
     print(f"\n[parity] rotary frequencies, {name}: {int((ulps > 0).sum())} of {ulps.size} differ "
           f"(at most {int(ulps.max())} ulps); torch's power is not correctly rounded at {int(near_ties.sum())}")
-    if scaling is None:
-        assert np.array_equal(ulps > 0, near_ties) and ulps.max() <= 1
-    else:
-        assert not (ulps > 0)[~near_ties].any() and ulps.max() <= 2
-    assert ulps.sum() == 0 or near_ties.any()
+    assert not (ulps > 0)[~near_ties].any()
+    assert ulps.max() <= (1 if scaling is None else 2)
 
 
 def _with_layer(params, key, value):
