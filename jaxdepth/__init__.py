@@ -1,4 +1,17 @@
-"""jaxdepth: how much of its depth does a language model use? Analyses as pure JAX functions."""
+"""jaxdepth: how much of its depth does a language model use? Analyses as pure JAX functions.
+
+The top level holds what most code needs: `load` (a `Model` from a converted folder, a Hugging
+Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
+(`forward`, `run_layers`, `residual_stream`), named sites and interventions (`sites`, and
+`Interventions`, the studies' bundle of them), and gradients at any site (`site_gradients`;
+`integrated_gradients`, which returns a `SiteIG`). Each analysis of the studies is a module of
+`jaxdepth.analyses`; files, the command line and the study runner are in `jaxdepth.lab`.
+
+The functions take `params` (`Model.params`: a nested dict of arrays, per-layer weights stacked
+on a leading layer axis) as an argument and the `ModelConfig` as a static argument (hashable: a
+new config compiles anew). Shapes are written with the axis names of `jaxdepth.core.model` (B
+prompts, T positions, L layers, D residual width, V vocabulary, ...).
+"""
 
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
@@ -8,6 +21,8 @@ from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig_at_sites import SiteIG, integrated_gradients
+from jaxdepth.analyses.integrated_gradients import NonFiniteAttributionError
 
 __all__ = ["ModelConfig", "UnsupportedConfigError", "Interventions", "Model", "load", "forward",
-           "residual_stream", "run_layers", "sites", "site_gradients", "integrated_gradients", "SiteIG"]
+           "residual_stream", "run_layers", "sites", "site_gradients", "integrated_gradients", "SiteIG",
+           "NonFiniteAttributionError"]

@@ -68,8 +68,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses.integrated_gradients import (BASELINES, PAD_TO, TARGETS, IntegratedGradientsResult,
-                                                    LayerPath, answer_aux, answer_probability, ig_inputs, metric_head,
-                                                    site_entry, study_path, suffix_value_and_grad)
+                                                    LayerPath, answer_aux, answer_probability, check_nonfinite_option,
+                                                    ig_inputs, metric_head, nonfinite_report, raise_or_warn,
+                                                    site_entry, study_path, suffix_value_and_grad,
+                                                    warn_if_zero_baseline_diverges)
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -208,6 +210,7 @@ class LayerRule:
         self.f_input, self.tolerance, self.atol = f_input, tolerance, atol
         self.max_evaluations = max_evaluations
         self.done = self.converged = False
+        self.finite = True  # False from the first non-finite φ or integrand on: the layer stops
         self.bound = np.inf
         self._cache: dict[tuple[float, float], tuple[np.ndarray, float]] = {}
 
@@ -220,6 +223,7 @@ class LayerRule:
         """Store φ and the per-token integrand `[T]` evaluated at `alphas`."""
         for a, p, g in zip(alphas, phi, integrand):
             self.phi[a], self.integrand[a] = float(p), g.astype(np.float64)
+        self.finite = self.finite and bool(np.all(np.isfinite(phi)) and np.all(np.isfinite(integrand)))
 
     @property
     def evaluations(self) -> int:
@@ -260,7 +264,11 @@ class LayerRule:
 
     def step(self) -> None:
         """With every node evaluated: stop (converged, or out of budget or resolution), or
-        bisect the intervals that carry the error."""
+        bisect the intervals that carry the error. A non-finite value stops the layer at once
+        (not converged, bound NaN): no refinement makes it finite, and the budget would go on it."""
+        if not self.finite:
+            self.done, self.bound = True, float("nan")
+            return
         errors = np.array([self._interval(a, b)[1] for a, b in self.intervals])
         residual = abs(self.phi[1.0] - self.f_input)
         self.bound = float(np.abs(errors).sum()) + residual
@@ -436,16 +444,19 @@ def adaptive_integrated_gradients(params, batch: PromptBatch, config: ModelConfi
                                   target: str = "layer", atol: float = ATOL, grid_points: int = GRID_POINTS,
                                   initial_intervals: int = INITIAL_INTERVALS, chunk_size: Optional[int] = None,
                                   memory_budget: Optional[int] = None, progress: bool = True, settings=None,
-                                  interventions=None) -> AdaptiveIGResult:
+                                  interventions=None, nonfinite: str = "raise") -> AdaptiveIGResult:
     """Integrated gradients per layer and token for every prompt of `batch` (targets, baselines
     and `interventions` as `integrated_gradients`), each layer refined until its certified
     completeness bound is at most `tolerance * max(|F(x) - F(b)|, atol)` (`tolerance`: one
     value, or one per layer) or it has used `max_evaluations` gradient evaluations (then
-    `converged` is False for it). See the module docstring for the rule and its certificate."""
+    `converged` is False for it). A layer stops at its first non-finite evaluation; `nonfinite`
+    as `integrated_gradients`. See the module docstring for the rule and its certificate."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    check_nonfinite_option(nonfinite)
+    warn_if_zero_baseline_diverges(baseline, TARGETS[target])
     L, P, T = config.num_layers, len(batch), batch.tokens.shape[1]
     tolerances = np.broadcast_to(np.asarray(tolerance, np.float64), (L,))
     if np.any(tolerances <= 0):
@@ -465,6 +476,8 @@ def adaptive_integrated_gradients(params, batch: PromptBatch, config: ModelConfi
                                       interventions=interventions, on_layer=bar.update)
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = r["attributions"], r["f_input"], r["f_baseline"]
             evaluations[i], converged[i], bound[i] = r["evaluations"], r["converged"], r["bound"]
+            raise_or_warn(nonfinite_report(range(L), attributions[i][:, None], f_input[i:i + 1], f_baseline[i][:, None],
+                                           baseline=baseline, site=TARGETS[target], prompts=[i]), nonfinite)
     gap = attributions.astype(np.float64).sum(axis=-1) - (f_input[:, None].astype(np.float64) - f_baseline)
     tol_setting = float(tolerances[0]) if np.all(tolerances == tolerances[0]) else tolerances.tolist()
     return AdaptiveIGResult(

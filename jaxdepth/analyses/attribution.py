@@ -170,7 +170,10 @@ class AttributionResult(SavedResult):
 def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
                          progress: bool = True, settings=None, interventions=None) -> AttributionResult:
     """Attribution patching and gradient x activation of every (boundary, position) of every
-    prompt of `batch`, one forward and one backward pass per prompt (a screening mode).
+    prompt of `batch`, one forward and one backward pass per prompt (a screening mode): an
+    `AttributionResult`. `baseline [L+1, D]` is what each h_l[t] is replaced by, as in the
+    exact erasure (`jaxdepth.analyses.erasure.mean_residuals`). `progress` shows a progress
+    bar; `settings` (a dict) is stored in the result.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on every forward and backward:
     the attributions of the intervened model, each erasure estimated after the interventions at

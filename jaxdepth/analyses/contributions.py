@@ -57,6 +57,13 @@ def contribution_stats(params, tokens, valid, config: ModelConfig, interventions
 class ContributionResult(SavedResult):
     """Per-layer curves `[L]`: the mean over every valid token of every prompt.
 
+    With h_l the layer's input, a_l its attention output and m_l its MLP output (the MLP reads
+    h_l + a_l), the relative contributions are `norm_attn` = ||a_l|| / ||h_l||, `norm_mlp` =
+    ||m_l|| / ||h_l + a_l|| and `norm_layer` = ||a_l + m_l|| / ||h_l|| (denominators clamped
+    at 1e-6), and `cos_attn`, `cos_mlp`, `cos_layer` the cosine similarities of the same pairs
+    (negative: the sublayer removes part of what the residual holds). `mean_cosine` averages the
+    three cosines. `num_tokens` counts the valid tokens; `settings` is what the caller passed.
+
     `<statistic>_per_prompt [N, L]` hold each prompt's mean over its own valid tokens and
     `tokens_per_prompt [N]` its number of valid tokens, so the curves are the token-weighted
     mean of the per-prompt curves (what a bootstrap over prompts re-aggregates). Results saved
@@ -95,7 +102,8 @@ class ContributionResult(SavedResult):
 def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None,
                   interventions=None) -> ContributionResult:
     """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer, over all
-    prompts and per prompt.
+    prompts and per prompt: a `ContributionResult` (definitions there) over every valid
+    position of `batch` (a `PromptBatch`). `settings` (a dict) is stored in the result.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on every forward, and the
     statistics are those of the intervened runs (see `contribution_stats`). The prompts run in

@@ -15,8 +15,10 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class EffectiveDepth:
-    """`layer` is the effective depth (None when no layer qualifies), `num_layers` is L,
-    `ratio` = (layer + 1) / L (None with no crossing), `rule` names how it was read."""
+    """`layer` is the effective depth (None when no layer qualifies): an index l = 0..L-2 of the
+    curve it was read from (for the logit-lens curves, the boundary h_l). `num_layers` is L,
+    `ratio` = (layer + 1) / L (None with no crossing), `rule` names how it was read.
+    `str()` gives "l (ratio r)" or "no crossing (rule)"."""
 
     layer: Optional[int]
     num_layers: int
@@ -24,10 +26,12 @@ class EffectiveDepth:
 
     @property
     def ratio(self) -> Optional[float]:
+        """(layer + 1) / L, the share of the depth used; None when no layer qualifies."""
         return None if self.layer is None else (self.layer + 1) / self.num_layers
 
     @property
     def found(self) -> bool:
+        """Whether a layer qualifies (`layer` is not None)."""
         return self.layer is not None
 
     def __str__(self) -> str:

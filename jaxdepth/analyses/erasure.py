@@ -225,10 +225,15 @@ def erasure_of_prompt(params, prompt: PromptArrays, baseline, config: ModelConfi
 
 @dataclasses.dataclass
 class ErasureResult(SavedResult):
-    """`effects [P, L+1, T]` per prompt (0 beyond each prompt's length), with the prompts'
-    tokens and answer starts so plots can label positions. `metric_change [P, L+1, T]`, where a
-    metric was given: `metric(erased logits) - metric(clean logits)` per erasure (0 beyond each
-    prompt's length); None otherwise, and in results saved before it existed."""
+    """`effects [P, L+1, T]` per prompt: `effects[p, l, t]` is the effect of erasing h_l[t]
+    (boundary l = 0..L, h_0 the embeddings and h_L the final residual; position t), 0 beyond
+    each prompt's length, with the prompts' tokens, lengths and answer starts so plots can
+    label positions. `settings` holds 'effect' when it is not 'probability_shift', and whatever
+    the caller passed.
+
+    `metric_change [P, L+1, T]`, where a metric was given: `metric(erased logits) -
+    metric(clean logits)` per erasure (0 beyond each prompt's length); None otherwise, and in
+    results saved before it existed."""
 
     effects: np.ndarray
     tokens: np.ndarray
@@ -261,7 +266,11 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     a static argument: a new function compiles anew). `metric_change` then holds
     `metric(erased) - metric(clean)` for every erasure, beside `effects`. T is the prompt's
     padded length (its length rounded up to 16): positions from its length on are padding, and
-    a metric should read only positions every prompt has."""
+    a metric should read only positions every prompt has.
+
+    `chunk_size` and `memory_budget` (bytes; default a share of the free memory) bound how many
+    erasures are vmapped at once: memory, not what is computed. `progress` shows a progress
+    bar; `settings` (a dict) is stored in the result."""
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
     L, T = config.num_layers, batch.tokens.shape[1]

@@ -27,8 +27,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses import adaptive_ig
-from jaxdepth.analyses.integrated_gradients import (BASELINES, LayerPath, ig_baseline, metric_head, quadrature,
-                                                    site_inputs, weighted_gradient)
+from jaxdepth.analyses.integrated_gradients import (BASELINES, LayerPath, check_nonfinite_option, ig_baseline,
+                                                    metric_head, nonfinite_report, quadrature, raise_or_warn,
+                                                    site_inputs, warn_if_zero_baseline_diverges, weighted_gradient)
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
@@ -59,13 +60,21 @@ class SiteIG:
     """What `integrated_gradients` returns, as numpy arrays (`n` = the attributed layers, in
     the order of `layers`):
 
-    attributions  `[n, B, T, *trailing]` per channel of the site (None with `per_channel=False`)
+    attributions  `[n, B, T, *trailing]` per channel of the site (None with `per_channel=False`):
+                  (x - b) times the path-averaged gradient of F
     per_position  `[n, B, T]`, summed over the site's channels (0 at invalid positions)
-    gap           `[n, B]`, sum_t per_position - (F(x) - F(b)): the completeness gap
-    f_input       `[B]` F(x); f_baseline `[n, B]` F(b)
+    gap           `[n, B]`, the completeness gap sum_t per_position - (F(x) - F(b)): positive
+                  when the attributions add up to more than F's change along the path, zero
+                  for exact integration; compare it with F(x) - F(b) to judge the rule
+    f_input       `[B]` F(x): the metric of the run itself (under the interventions), the path's
+                  end, the same for every layer
+    f_baseline    `[n, B]` F(b): the metric with layer l's value at the site set to the
+                  baseline b, the path's start (one per attributed layer)
     evaluations   `[n, B]` gradient evaluations spent per layer
+    layers        `[n]` the attributed layers; site, rule: as called
     converged, bound  `[n, B]`, adaptive rule only: whether the certified bound
-                  sum_i |e_i| + |φ(1) - F(x)| (>= |gap|) met the tolerance
+                  sum_i |e_i| + |φ(1) - F(x)| (>= |gap|) met the tolerance; a layer stopped at a
+                  non-finite value has converged False and bound NaN
     """
 
     attributions: Optional[np.ndarray]
@@ -135,7 +144,8 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
                          rule: str = "left", steps: int = 256, tolerance: Optional[float] = None,
                          interventions=None, valid=None, positions=None, per_channel: bool = True,
                          max_evaluations: int = adaptive_ig.MAX_EVALUATIONS, chunk_size: Optional[int] = None,
-                         memory_budget: Optional[int] = None, progress: bool = False) -> SiteIG:
+                         memory_budget: Optional[int] = None, progress: bool = False,
+                         nonfinite: str = "raise") -> SiteIG:
     """Integrated gradients of `metric` with respect to the value at `site` of each of `layers`.
 
     tokens: int `[B, T]` (right-padded where `valid [B, T]` says so; default all valid).
@@ -156,6 +166,12 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
     interventions: act on the clean run and on every path run (the path's own setting of the
         site comes after the site's interventions).
     per_channel: False keeps only `per_position` (no `[n, B, T, *trailing]` array).
+    nonfinite: 'raise' (default): a `NonFiniteAttributionError` naming the layers and positions
+        where F(x), F(b) or the attributions are NaN or infinite, at the first layer that has one
+        (the adaptive rule stops refining a layer at its first non-finite evaluation); 'warn':
+        a warning naming them all, and the values returned. A zero baseline at a residual site
+        ('resid_pre', 'resid_post') diverges (RMSNorm's gradient at 0 is 1/sqrt(eps)): it is
+        warned about up front; prefer 'channel_mean'.
 
     Returns a `SiteIG`. Example::
 
@@ -164,12 +180,19 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
         result.per_position  # [L, B, T]; result.gap says whether 64 steps were enough
     """
     tokens, layers, tolerance = _check_arguments(tokens, config, site, layers, rule, steps, tolerance)
+    check_nonfinite_option(nonfinite)
+    warn_if_zero_baseline_diverges(baseline, site)
     B, T = tokens.shape
     tokens = jnp.asarray(tokens, jnp.int32)
     valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
     positions = None if positions is None else jnp.asarray(positions, jnp.int32)
     metric = LogitsMetric(metric)
     x, inputs, f_input = _clean_run(params, tokens, valid, positions, config, site, metric, interventions)
+    f_input = to_host(f_input)
+    report = lambda layer_list, per_position, f_baseline: nonfinite_report(layer_list, per_position, f_input,
+                                                                          f_baseline, baseline=baseline, site=site)
+    if not np.all(np.isfinite(f_input)):
+        raise_or_warn(report([], np.zeros((0, B, T)), np.zeros((0, B))), nonfinite)
     b = _baselines(x, valid, baseline, layers)
     index = {layer: i for i, layer in enumerate(layers)}
 
@@ -193,30 +216,40 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
                                                 positions=positions, interventions=interventions, grad=grad,
                                                 chunk_size=chunk)
 
-        return _adaptive(path_points, weighted, layers, float(to_host(f_input)[0]), T, config, tolerance=tolerance,
+        return _adaptive(path_points, weighted, layers, float(f_input[0]), T, config, tolerance=tolerance,
                          max_evaluations=max_evaluations, chunk_size=chunk_size, memory_budget=memory_budget,
-                         progress=progress, per_channel=per_channel, common=common)
+                         progress=progress, per_channel=per_channel, common=common,
+                         check=lambda per_position, f_baseline: raise_or_warn(
+                             report(layers, per_position, f_baseline), nonfinite))
 
     alphas, weights = quadrature(rule, steps)
     chunk = chunk_size or auto_chunk_size(config, B * T, steps, grad=True, memory_budget=memory_budget)
     attributions, f_baseline = [], []
+    def summed(a):  # [..., B, T, *trailing] -> [..., B, T]; inf - inf is NaN, and reported as such
+        with np.errstate(invalid="ignore", over="ignore"):
+            return a.reshape(a.shape[:a.ndim - x.ndim + 3] + (-1,)).sum(-1)
+
     for i in tqdm(range(n), desc=f"integrated gradients at {site} ({rule}, {steps} steps)", disable=not progress):
         a, fb = weighted(i, alphas, weights, chunk)
         attributions.append(to_host(a))
         f_baseline.append(to_host(fb))
+        if nonfinite == "raise":  # stop at the first such layer: the later ones would cost as much
+            raise_or_warn(report(layers[i:i + 1], summed(attributions[-1])[None], f_baseline[-1][None]), nonfinite)
     attributions, f_baseline = np.stack(attributions), np.stack(f_baseline)
-    per_position = attributions.reshape(attributions.shape[:3] + (-1,)).sum(-1)
-    f_input = to_host(f_input)
+    per_position = summed(attributions)
+    raise_or_warn(report(layers, per_position, f_baseline), nonfinite)
     return SiteIG(attributions=attributions if per_channel else None, per_position=per_position,
                   gap=per_position.sum(-1) - (f_input[None] - f_baseline), f_input=f_input, f_baseline=f_baseline,
                   evaluations=np.full((n, B), steps), **common)
 
 
 def _adaptive(path_points, weighted, layers, f_input: float, seq_len: int, config: ModelConfig, *, tolerance: float,
-              max_evaluations: int, chunk_size, memory_budget, progress: bool, per_channel: bool, common: dict):
+              max_evaluations: int, chunk_size, memory_budget, progress: bool, per_channel: bool, common: dict,
+              check):
     """The adaptive rule of `integrated_gradients` (one prompt): `path_points(layer, alphas, grad,
     chunk)` the rounds' evaluations (`site_path_points`), `weighted(i, alphas, weights, chunk)` the weighted
-    per-channel pass of the i-th attributed layer."""
+    per-channel pass of the i-th attributed layer, `check(per_position [n, 1, T], f_baseline [n, 1])`
+    the non-finite check, before the per-channel pass."""
     site = common["site"]
     with tqdm(total=len(layers), desc=f"adaptive integrated gradients at {site}", disable=not progress) as bar:
         rules = adaptive_ig.run_rule(path_points, layers, f_input, seq_len, config,
@@ -224,6 +257,7 @@ def _adaptive(path_points, weighted, layers, f_input: float, seq_len: int, confi
                                      max_evaluations=max_evaluations, chunk_size=chunk_size,
                                      memory_budget=memory_budget, on_layer=bar.update)
     summary = adaptive_ig.summarise(rules)
+    check(summary["attributions"][:, None], summary["f_baseline"][:, None])
     attributions = None
     if per_channel:
         parts = []

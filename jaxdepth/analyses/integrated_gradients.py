@@ -25,6 +25,7 @@ studies' IG is that code with `answer_probability` at `resid_post`, `attn_out` o
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from functools import partial
 from typing import Callable, Optional
 
@@ -121,6 +122,91 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
         return pullback(g)[0]
 
     return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+
+
+# ----------------------------------------------------------------------------- non-finite values
+#
+# A NaN or an infinity in F, its gradient or an attribution is never returned silently: the
+# functions raise `NonFiniteAttributionError` (or, with `nonfinite="warn"`, warn and return
+# them), naming the layers and positions. The usual cause is a zero baseline at a residual.
+
+NONFINITE = ("raise", "warn")
+# Sites whose value an RMSNorm reads as a whole (the next layer's, or the final, norm): a zero
+# baseline there puts the path's start where the norm's gradient is 1/sqrt(eps).
+NORMALISED_SITES = ("resid_pre", "resid_post")
+ZERO_BASELINE_ADVICE = (
+    "a zero baseline at a residual site ('resid_pre', 'resid_post', the study's 'layer' target) starts the path at "
+    "h = 0, where every RMSNorm's gradient is 1/sqrt(eps) (316 at eps = 1e-5): through a few dozen layers the "
+    "gradient overflows to inf and NaN, and the norm's scale invariance puts all of F's change in a sliver of the "
+    "path near alpha = 0 that no fixed rule resolves. Use baseline='channel_mean' (the default) or 'token_mean'; "
+    "a zero baseline is safe at sites inside a layer ('attn_out', 'mlp_out', 'head_out', 'mlp_hidden', 'delta')")
+
+
+class NonFiniteAttributionError(FloatingPointError):
+    """F, its gradient or an attribution of integrated gradients is NaN or infinite."""
+
+
+def check_nonfinite_option(nonfinite: str) -> None:
+    """Refuse a `nonfinite` argument other than 'raise' or 'warn'."""
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
+def warn_if_zero_baseline_diverges(baseline, site: str) -> None:
+    """Warn up front about a zero baseline at a residual site (`ZERO_BASELINE_ADVICE`)."""
+    if isinstance(baseline, str) and baseline == "zero" and site in NORMALISED_SITES:
+        warnings.warn(f"integrated gradients at {site!r} with baseline='zero': {ZERO_BASELINE_ADVICE}.",
+                      stacklevel=3)
+
+
+def _spans(indices) -> str:
+    """0, 1, 2, 5 -> '0-2, 5'."""
+    indices, out = sorted(int(i) for i in indices), []
+    for i in indices:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def nonfinite_report(layers, per_position, f_input, f_baseline, *, baseline=None, site: str = "",
+                     prompts=None) -> Optional[str]:
+    """None if every value is finite; else a message naming, per attributed layer, where F(x),
+    F(b) or the attributions (`per_position [n, B, T]`, `f_baseline [n, B]`, `f_input [B]`) are
+    not finite. `prompts` labels the rows of B (default 0..B-1)."""
+    per_position, f_baseline = np.asarray(per_position), np.asarray(f_baseline)
+    f_input = np.atleast_1d(np.asarray(f_input))
+    prompts = list(range(per_position.shape[1])) if prompts is None else list(prompts)
+    lines = []
+    if not np.all(np.isfinite(f_input)):
+        lines.append(f"F(x), the metric of the run itself, is not finite (prompts "
+                     f"{_spans(np.asarray(prompts)[~np.isfinite(f_input)])})")
+    for i, layer in enumerate(layers):
+        for j, prompt in enumerate(prompts):
+            where = []
+            if not np.isfinite(f_baseline[i, j]):
+                where.append("F(b)")
+            bad = ~np.isfinite(per_position[i, j])
+            if bad.any():
+                where.append(f"the attributions at positions {_spans(np.flatnonzero(bad))}")
+            if where:
+                lines.append(f"layer {layer}, prompt {prompt}: " + " and ".join(where))
+    if not lines:
+        return None
+    advice = (f"\n{ZERO_BASELINE_ADVICE}." if isinstance(baseline, str) and baseline == "zero" else
+              "\nCheck the metric (a log of a probability that underflows?) and the baseline.")
+    return (f"integrated gradients{f' at {site!r}' if site else ''} are not finite (NaN or inf) at:\n  "
+            + "\n  ".join(lines) + advice)
+
+
+def raise_or_warn(report: Optional[str], nonfinite: str) -> None:
+    """Act on a `nonfinite_report`: raise `NonFiniteAttributionError`, or warn."""
+    if report is None:
+        return
+    if nonfinite == "raise":
+        raise NonFiniteAttributionError(report + "\n(nonfinite='warn' returns the values with a warning)")
+    warnings.warn(report, RuntimeWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- metrics of h_L
@@ -329,16 +415,21 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
                          rule: str = "left", baseline: str = "channel_mean", target: str = "layer",
                          chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
                          progress: bool = True, settings=None, interventions=None,
-                         on_layer: Optional[Callable[[], None]] = None) -> IntegratedGradientsResult:
+                         on_layer: Optional[Callable[[], None]] = None,
+                         nonfinite: str = "raise") -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
     its own padded length, `batch.single(i, PAD_TO)`, so position masks in them must have that length).
-    `on_layer()` is called as each layer of each prompt finishes."""
+    `on_layer()` is called as each layer of each prompt finishes. `nonfinite`: 'raise' (default)
+    stops at the first prompt with a NaN or infinite F or attribution, naming its layers and
+    positions (`NonFiniteAttributionError`); 'warn' warns and goes on."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    check_nonfinite_option(nonfinite)
+    warn_if_zero_baseline_diverges(baseline, TARGETS[target])
     alphas, weights = quadrature(rule, steps)
     L, T = config.num_layers, batch.tokens.shape[1]
     P = len(batch)
@@ -358,6 +449,8 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
                                      chunk_size=chunk, on_layer=layer_done, interventions=interventions,
                                      target=target)
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = to_host(a), to_host(fx), to_host(fb)
+            raise_or_warn(nonfinite_report(range(L), attributions[i][:, None], f_input[i:i + 1], f_baseline[i][:, None],
+                                           baseline=baseline, site=TARGETS[target], prompts=[i]), nonfinite)
     gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
     return IntegratedGradientsResult(
         attributions=attributions, gap=gap, f_input=f_input, f_baseline=f_baseline,

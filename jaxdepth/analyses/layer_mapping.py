@@ -241,10 +241,12 @@ class LayerMappingResult(SavedResult):
 
     @property
     def small_layers(self) -> int:
+        """L_s, the smaller model's number of layers (its boundaries are 0..L_s)."""
         return self.errors.shape[0] - 1
 
     @property
     def large_layers(self) -> int:
+        """L_l, the larger model's number of layers (its boundaries are 0..L_l)."""
         return self.errors.shape[1] - 1
 
     def diagonal_offset(self) -> np.ndarray:

@@ -243,6 +243,15 @@ class LayerSkipResult(SavedResult):
     `output [L]`: effect on the output probabilities. Max over positions, split positions and
     prompts; per-prompt maxima and the split positions used are kept.
 
+    `later[s, j]` is the largest relative change `||Δ_j - Δ̄_j|| / ||Δ_j||` of layer j's
+    contribution Δ_j = h_{j+1} - h_j (Δ̄_j: with layer s skipped) over the measured positions:
+    0 for j < s, and for j = s in the 'future' mode. `output[s]` is the largest
+    `||y_p - ȳ_p||_2` between the output probability vectors without and with the skip.
+    `later_per_prompt [N, L, L]` and `output_per_prompt [N, L]` are each prompt's maxima (zeros
+    for a prompt too short for any split position); `split_positions [N, splits]` the t_s used
+    (-1 where a prompt has fewer, and everywhere in the 'current' mode). `settings` holds
+    'sublayer', 'mode', 'splits', 'seed', 'splits_per_prompt' and whatever the caller passed.
+
     Where a metric was given: `metric_change_per_prompt [N, L, splits]`, the change
     `metric(skipped) - metric(clean)` of every prompt, skipped layer and split position (in the
     order of `split_positions`, NaN where a prompt has fewer split positions; one column in the
@@ -285,7 +294,12 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
                progress: bool = True, settings=None, interventions=None,
                metric: Optional[Callable] = None) -> LayerSkipResult:
     """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
-    prompts of the same padded length.
+    prompts of the same padded length. Returns a `LayerSkipResult` (its effects defined there).
+
+    `sublayer`: 'layer' (the whole layer, attention and MLP), 'attn' or 'mlp'. `chunk_size` and
+    `memory_budget` (bytes; default a share of the free memory) bound how many skipped runs are
+    vmapped at once: memory, not what is computed. `progress` shows a progress bar; `settings`
+    (a dict) is stored in the result.
 
     mode 'future' (default): skip before split positions, measure after them; the split
     positions are `splits`: 'sampled' (default, `splits_per_prompt` per prompt drawn with `seed`)

@@ -1,5 +1,13 @@
 """Logit lens: how close is each layer's residual, read through the final norm and LM head,
-to the model's real output distribution (METHODS §2)."""
+to the model's real output distribution (METHODS §2).
+
+The lens reads the residual boundaries h_0..h_{L-1}: h_0 is the embeddings, h_l the input of
+layer l, so entry l of every curve says how far the first l layers have come. h_L, the final
+residual, is the output itself (KL 0, overlap 1) and is not part of the curves. At each position,
+P_l = softmax(unembed(h_l)) (the final RMSNorm, then the LM head) and P is the model's output
+distribution; the statistics are KL(P_l || P) in nats and the top-5 overlap
+|top5(P_l) ∩ top5(P)| / 5. Every valid position of every prompt counts, question and answer.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +44,12 @@ def lens_statistics(layer_logits, final_logp, final_top):
 
 @partial(jit, static_argnames="config")
 def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None, interventions=None):
-    """KL and top-5 overlap `[L, B, T]` each. Layers are read one at a time (`lax.map`), so only
-    one `[B, T, V]` logit tensor exists at once. With `translators` (a tuned lens's), each h_l
-    goes through its layer's translator before the final norm and LM head.
+    """KL and top-5 overlap `[L, B, T]` each, row l read from h_l (l = 0..L-1: the embeddings,
+    then each layer's input; not h_L, which is the output). Values at padded positions (`valid`
+    false) are meaningless: `logit_lens` leaves them out. Layers are read one at a time
+    (`lax.map`), so only one `[B, T, V]` logit tensor exists at once. With `translators` (a
+    tuned lens's), each h_l goes through its layer's translator before the final norm and LM
+    head.
 
     Under `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) the lens reads
     h_0..h_{L-1} of the intervened run (each after the interventions at its `resid_pre`) and
@@ -55,7 +66,10 @@ def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None,
 
 @dataclasses.dataclass
 class LogitLensResult(SavedResult):
-    """Curves `[L]` for l = 0..L-1, aggregated as `settings['weighting']` says.
+    """Curves `kl` (nats) and `overlap` (0..1) `[L]`, entry l read from h_l (l = 0..L-1: the
+    embeddings, then each layer's input; module docstring), aggregated over positions and
+    prompts as `settings['weighting']` says. `settings` also holds 'lens' ('logit' or 'tuned')
+    and whatever the caller passed.
 
     `kl_per_prompt` and `overlap_per_prompt [N, L]` hold each prompt's mean over its own valid
     positions and `tokens_per_prompt [N]` its number of valid positions: the curves are their
@@ -73,10 +87,13 @@ class LogitLensResult(SavedResult):
 
 def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
                translators=None, settings=None, interventions=None) -> LogitLensResult:
-    """KL(P_l || P) and top-5 overlap per layer; `weighting` is 'prompt' (mean over positions,
-    then over prompts: the default) or 'token' (mean over all tokens). Per-prompt curves are
-    kept whichever the weighting. With `translators` (`TunedLens.translators()`), the curves are
-    the tuned lens's (`settings['lens']` says which lens read them).
+    """KL(P_l || P) and top-5 overlap of h_0..h_{L-1} over every valid position of `batch` (a
+    `PromptBatch`, e.g. from `jaxdepth.lab.prompts.encode`): a `LogitLensResult` of curves
+    `[L]`. `weighting` is 'prompt' (mean over positions, then over prompts: the default) or
+    'token' (mean over all tokens). Per-prompt curves are kept whichever the weighting. With
+    `translators` (`TunedLens.translators()`), the curves are the tuned lens's
+    (`settings['lens']` says which lens read them). `settings` (a dict) is stored in the
+    result's.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on every forward: the lens of the
     intervened model (see `lens_per_token`). The prompts run in groups at their own padded

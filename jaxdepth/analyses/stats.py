@@ -11,6 +11,7 @@ NORM_EPS = 1e-6  # METHODS: denominators of relative norms are clamped at 1e-6
 
 
 def norm(x, axis=-1):
+    """Euclidean norm over `axis` (default the last), computed in float32."""
     x = x.astype(jnp.float32)
     return jnp.sqrt(jnp.sum(x * x, axis=axis))
 

@@ -53,6 +53,8 @@ class TunedLens(nnx.Module):
 
 
 def identity_translators(num_layers: int, hidden_size: int, dtype=jnp.float32) -> Translators:
+    """Translators that change nothing, `{"weight": zeros [L, D, D], "bias": zeros [L, D]}`: the
+    lens they make is the logit lens (`translate` is `h + h @ weight + bias`)."""
     return {"weight": jnp.zeros((num_layers, hidden_size, hidden_size), dtype),
             "bias": jnp.zeros((num_layers, hidden_size), dtype)}
 

@@ -106,6 +106,7 @@ class DepthInterval:
 
     @property
     def num_layers(self) -> int:
+        """L, the model's number of layers (the denominator of the ratios)."""
         return self.point.num_layers
 
     @property
@@ -115,6 +116,7 @@ class DepthInterval:
 
     @property
     def ratio_high(self) -> Optional[float]:
+        """(high + 1) / L, the upper bound of the ratio; None where `high` is None."""
         return None if self.high is None else (self.high + 1) / self.num_layers
 
     def share(self, layer: Optional[int]) -> float:
@@ -175,6 +177,7 @@ class ScoreInterval:
 
     @property
     def resamples(self) -> int:
+        """How many resamples were scored (the length of `samples`)."""
         return len(self.samples)
 
     @property

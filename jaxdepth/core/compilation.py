@@ -15,6 +15,9 @@ from typing import Any, Callable
 
 import jax
 
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.sites import Intervention, check_layer_indices
+
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
@@ -33,9 +36,29 @@ def compiler_options() -> dict[str, Any]:
     return dict(CPU_COMPILER_OPTIONS)
 
 
+def _is_interventions(x) -> bool:
+    return isinstance(x, Intervention) or hasattr(x, "site_interventions")
+
+
+def check_interventions(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` of a call with every intervention among them checked against the
+    model config among them (`jaxdepth.core.sites.check_layer_indices`): inside the jitted
+    function the layer indices are traced and could no longer be checked. A bundle
+    (`Interventions`) becomes its tuple of site interventions. Calls without exactly one
+    `ModelConfig` are left as they are."""
+    configs = [v for v in (*args, *kwargs.values()) if isinstance(v, ModelConfig)]
+    if len(configs) != 1 or not any(_is_interventions(leaf) for leaf in
+                                    jax.tree.leaves((args, kwargs), is_leaf=_is_interventions)):
+        return args, kwargs
+    L = configs[0].num_layers
+    check = lambda x: check_layer_indices(x, L) if _is_interventions(x) else x
+    return jax.tree.map(check, (args, kwargs), is_leaf=_is_interventions)
+
+
 class _Jitted:
     """A function jitted at its first use, once the backend (and so the options) is known.
-    Behaves as the `jax.jit` object it wraps (`lower`, `_cache_size`, ...)."""
+    Behaves as the `jax.jit` object it wraps (`lower`, `_cache_size`, ...). A call first checks
+    the layer indices of the interventions among its arguments (`check_interventions`)."""
 
     def __init__(self, fun: Callable, jit_kwargs: dict[str, Any]):
         functools.update_wrapper(self, fun)
@@ -47,6 +70,7 @@ class _Jitted:
         return self._jitted
 
     def __call__(self, *args, **kwargs):
+        args, kwargs = check_interventions(args, kwargs)
         return self._compiled()(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -17,12 +17,27 @@ ROPE_TYPES = ("default", "llama3")
 
 
 class UnsupportedConfigError(ValueError):
-    """A checkpoint asks for an architecture or a config feature that is not implemented."""
+    """A checkpoint asks for an architecture or a config feature that is not implemented.
+
+    Raised by `ModelConfig.from_hf` (and by `ModelConfig` itself for impossible shapes), its
+    message naming the config key, its value and what is implemented; a `ValueError`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and numerics of a pre-norm decoder (Qwen2, Qwen3 or Llama family).
+
+    Frozen, keyword-only and hashable: every jitted function takes it as a static argument, so a
+    different config compiles anew. Build it with `from_hf` from a Hugging Face `config.json`;
+    a loaded model carries its own (`Model.config`).
+
+    `model_type` is 'qwen2', 'qwen3' or 'llama'. The shapes, in the axis names of
+    `jaxdepth.core.model`: `vocab_size` V, `hidden_size` D, `intermediate_size` F (the MLP),
+    `num_layers` L, `num_heads` H query heads and `num_kv_heads` K key/value heads (query head h
+    reads kv head h // (H // K)), `head_dim` Dh. `rope_theta` is the rotary base, `rms_norm_eps`
+    the RMSNorm epsilon, `max_position_embeddings` the longest context the checkpoint declares
+    (`Model` and `jaxdepth.integrated_gradients` refuse longer token arrays).
+    `tie_word_embeddings`: the LM head is the embedding matrix (no `lm_head` param).
 
     `qkv_bias` distinguishes Qwen2 (biases on q/k/v projections) from Llama (none); `qk_norm`
     marks Qwen3 (an RMSNorm over each query and key head before the rotary embedding).
@@ -70,18 +85,28 @@ class ModelConfig:
                 f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name (this class's field names, not Hugging Face's keys)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """The config `to_dict` gave (checked as any new config is); not a Hugging Face
+        `config.json`: that is `from_hf`."""
         return cls(**d)
 
     def to_json(self) -> str:
+        """`to_dict` as JSON text, keys sorted (what a converted checkpoint folder stores)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        """Build a config from a Hugging Face `config.json` dict, refusing what is not handled."""
+        """Build a config from a Hugging Face `config.json` dict, refusing what is not handled.
+
+        Every key must be one this implementation reads or knows to be inert (generation
+        defaults, token ids, dropout, ...); any other key, and any feature not reproduced
+        (another activation, rope scaling but 'llama3', a sliding window in use, MLP biases,
+        quantization), is an `UnsupportedConfigError` naming it. `rope_theta` is read from the
+        top level or from `rope_parameters` (transformers 5)."""
         hf = dict(hf)
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.core import sites
@@ -34,7 +35,8 @@ class Interventions:
         sublayer normally, 0 skips it (the residual passes through unchanged). Zeroing `a_l`
         also changes the MLP's input, exactly as zeroing the attention output in a hook does.
     edit_boundary: scalar int, the residual boundary `l` in 0..L whose vector `h_l` is
-        replaced (0 = the embeddings, L = the input of the final norm); -1 replaces nothing.
+        replaced (0 = the embeddings, L = the input of the final norm); -1 replaces nothing
+        (unlike `jaxdepth.sites`, where -1 is the last layer); below -1 is refused.
     edit_mask: `[T]` or `[B, T]`, where (>0) `h_l` is replaced.
     edit_value: broadcastable to `[B, T, D]`, the replacement vectors. Gradients with respect
         to it are gradients with respect to the residual at that boundary.
@@ -54,7 +56,12 @@ class Interventions:
         out = [sites.keep(site, mask) for site, mask in (("delta", self.keep_layer), ("attn_out", self.keep_attn),
                                                          ("mlp_out", self.keep_mlp)) if mask is not None]
         if self.edit_boundary is not None:
-            out.append(sites.replace("resid_pre", self.edit_boundary, self.edit_mask, self.edit_value))
+            # -1 is this bundle's "no edit" (a sweep's padding member), not the last layer as in
+            # `sites`: it becomes an edit of boundary 0 at no position, which leaves h_0 as it is.
+            boundary, mask = jnp.asarray(self.edit_boundary, jnp.int32), jnp.asarray(self.edit_mask, jnp.float32)
+            none = (boundary == -1).reshape(boundary.shape + (1,) * max(mask.ndim - boundary.ndim, 0))
+            mask = jnp.where(none, 0.0, mask)
+            out.append(sites.replace("resid_pre", jnp.where(boundary == -1, 0, boundary), mask, self.edit_value))
         return tuple(out)
 
     def __post_init__(self):
@@ -62,6 +69,11 @@ class Interventions:
         # Tracers and placeholder objects pass through pytree unflattening; only check real Nones.
         if any(f is None for f in edit_fields) and not all(f is None for f in edit_fields):
             raise ValueError("edit_boundary, edit_mask and edit_value must be given together")
+        boundary = self.edit_boundary
+        concrete = isinstance(boundary, (int, np.integer, np.ndarray, jax.Array))
+        if concrete and not isinstance(boundary, jax.core.Tracer):
+            if np.any(np.asarray(boundary) < -1):
+                raise ValueError(f"edit_boundary must be a boundary in 0..L, or -1 for no edit; got {boundary}")
 
 
 def skip_layer(num_layers: int, layer, positions: Float[Array, "*bt"], sublayer: str = "layer") -> Interventions:

@@ -33,7 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.sites import Intervention, InterventionsLike, apply_at, as_interventions
+from jaxdepth.core.sites import Intervention, InterventionsLike, apply_at, check_layer_indices
 
 Params = dict[str, Any]
 
@@ -289,7 +289,7 @@ def final_residual(h_last, config: ModelConfig, interventions):
     """Boundary L, the final norm's input: `resid_pre` interventions act here with layer index
     L, except those whose layer-indexed data has only L rows (`jaxdepth.core.sites.Intervention`)."""
     L = config.num_layers
-    return apply_at("resid_pre", h_last, L, as_interventions(interventions), L, final=True)
+    return apply_at("resid_pre", h_last, L, check_layer_indices(interventions, L), L, final=True)
 
 
 def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
@@ -310,7 +310,8 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
 
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
-    ivs = as_interventions(interventions)
+    ivs = check_layer_indices(interventions, config.num_layers)
+    check_layer_rows(tap_inputs, config.num_layers, "tap_inputs")
     context = layer_context(h0, valid, config)
 
     def layer(h, xs):
@@ -342,7 +343,12 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
     nothing before position P (causal attention), and it saves the prefix's queries, MLPs and
     outputs. `valid` then covers all T positions; intervention masks cover the S suffix rows.
     """
-    ivs = as_interventions(interventions)
+    L = config.num_layers
+    if not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= L:
+        raise ValueError(f"start must be a boundary in 0..{L}, got {start}")
+    ivs = check_layer_indices(interventions, L)
+    check_layer_rows(tap_inputs, L, "tap_inputs")
+    check_layer_rows(prefix, L, "prefix")
     offset = 0 if prefix is None else prefix[0].shape[2]
     context = layer_context(h_start, valid, config, offset)
 
@@ -367,6 +373,16 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
 
     h_last, taps = jax.lax.fori_loop(start, config.num_layers, body, (h_start, buffers))
     return final_residual(h_last, config, ivs), taps
+
+
+def check_layer_rows(tree, num_layers: int, what: str) -> None:
+    """Refuse a pytree whose leaves do not all have `num_layers` rows (one per layer): indexed by a
+    traced layer, a shorter one would be clamped to its last row silently."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != num_layers:
+            raise ValueError(f"{what}{jax.tree_util.keystr(path)} must have a leading layer axis of {num_layers} "
+                             f"(one row per layer), got shape {shape}")
 
 
 def _index(tree, i):

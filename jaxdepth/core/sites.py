@@ -12,7 +12,18 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     resid_post  h_{l+1}, the layer's output                      [B, T, D]
 
 `resid_pre` at layer index L (one past the last layer) is the final residual h_L, the input of
-the final norm: an intervention there edits boundary L. Taps (see `jaxdepth.core.model.LayerRecord`)
+the final norm: an intervention there edits boundary L.
+
+Layer indices. An intervention acts at layers 0..L-1 (and, at `resid_pre`, at L: the final
+residual). Negative indices count layers from the end, as in Python and TransformerLens's
+`blocks[-1]`: -1 is layer L-1 at every site (at `resid_pre`, its input h_{L-1}; the final residual
+is only index L). An index outside -L..L-1 (-L..L at `resid_pre`) is an `InterventionError`
+naming the site, the index and the valid range, raised where the index is known: when the model
+runs on it outside `jit`, or when it is handed to any jitted function of jaxdepth (they check
+the interventions among their arguments against the model's config before tracing,
+`check_layer_indices`). Inside a `jit` or `vmap` of your own the index is traced: negatives are
+still counted from the end, but an out-of-range traced index matches no layer and so edits
+nothing; check concrete indices yourself first with `check_layer_indices(ivs, L)`. Taps (see `jaxdepth.core.model.LayerRecord`)
 also read the queries, keys, values and attention probabilities.
 
 An `Intervention` is a site name, a pure function `fn(value, layer, data) -> value` and `data`,
@@ -31,6 +42,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 SITES = ("resid_pre", "head_out", "attn_out", "mlp_hidden", "mlp_out", "delta", "resid_post")
@@ -51,18 +63,26 @@ class Intervention:
     have exactly L rows (one per layer), or, at `resid_pre` only, L+1 (boundaries h_0..h_L).
     Data with L rows never touches the final residual; with L+1 rows, row L edits h_L. Without
     the declaration JAX would clamp `data[L]` to row L-1 and edit h_L silently.
+
+    `layer_index` declares which entry of `data` (a key of a dict, an index of a tuple, or
+    `True` for `data` itself) holds the layer index (an int scalar, or an int array of them for
+    a stack) that `fn` compares with `layer`. Declared indices are checked and negative ones
+    counted from the end (module docstring, "Layer indices"); `fn` then sees indices in 0..L.
     """
 
     site: str
     fn: Callable[[Array, Array, Any], Array]
     data: Any = None
     layer_data: Union[bool, tuple] = ()
+    layer_index: Union[None, bool, int, str] = None
 
     def __post_init__(self):
         if self.site not in SITES:
             raise ValueError(f"unknown intervention site {self.site!r}; sites: {', '.join(SITES)}")
         if not isinstance(self.layer_data, (bool, tuple)):
             raise TypeError(f"layer_data must be True, False or a tuple of keys of data, got {self.layer_data!r}")
+        if not (self.layer_index is None or self.layer_index is True or isinstance(self.layer_index, (int, str))):
+            raise TypeError(f"layer_index must be None, True, or a key or index of data, got {self.layer_index!r}")
 
     def _name(self) -> str:
         return f"intervention {getattr(self.fn, '__name__', self.fn)!r} at site {self.site!r}"
@@ -97,6 +117,48 @@ class Intervention:
                                     + ", ".join(f"{name} {jnp.shape(leaf)}" for name, leaf in leaves))
         return rows.pop() if rows else None
 
+    def _layer_entry(self):
+        if self.layer_index is True:
+            return self.data
+        try:
+            return self.data[self.layer_index]
+        except (KeyError, IndexError, TypeError) as e:
+            raise InterventionError(f"{self._name()}: layer_index names {self.layer_index!r}, not an entry of its "
+                                    f"data ({e})") from None
+
+    def _with_layer_entry(self, index) -> "Intervention":
+        if self.layer_index is True:
+            data = index
+        elif isinstance(self.data, dict):
+            data = {**self.data, self.layer_index: index}
+        else:
+            data = type(self.data)(index if i == self.layer_index else d for i, d in enumerate(self.data))
+        return dataclasses.replace(self, data=data)
+
+    def with_layer_index_checked(self, num_layers: int) -> "Intervention":
+        """This intervention with its declared layer index (`layer_index`) in 0..L: a concrete
+        index outside the site's range is an `InterventionError`, a negative one counts from the
+        end (-1 is layer L-1). A traced index cannot be checked: only its negatives are mapped."""
+        if self.layer_index is None:
+            return self
+        index = self._layer_entry()
+        if isinstance(index, jax.core.Tracer):
+            return self._with_layer_entry(jnp.where(index < 0, index + num_layers, index))
+        values = np.asarray(index)
+        if not np.issubdtype(values.dtype, np.integer):
+            raise InterventionError(f"{self._name()}: a layer index must be an integer, got {values.dtype}")
+        top = num_layers if self.site == "resid_pre" else num_layers - 1
+        bad = values[(values < -num_layers) | (values > top)]
+        if bad.size:
+            final = (f"; {num_layers} is the final residual h_{num_layers}" if self.site == "resid_pre" else "")
+            raise InterventionError(
+                f"{self._name()}: layer index {bad.ravel()[0]} is out of range for a model of {num_layers} layers: "
+                f"valid are 0..{top}, or -{num_layers}..-1 counting from the end (-1 is layer {num_layers - 1})"
+                f"{final}")
+        if not (values < 0).any():
+            return self
+        return self._with_layer_entry(jnp.asarray(np.where(values < 0, values + num_layers, values), values.dtype))
+
     def apply(self, value: Array, layer) -> Array:
         """`value` after this intervention at layer `layer`, its result checked at trace time:
         the site's shape, a float dtype (cast to the value's)."""
@@ -112,7 +174,8 @@ class Intervention:
         return out.astype(value.dtype)
 
 
-jax.tree_util.register_dataclass(Intervention, data_fields=["data"], meta_fields=["site", "fn", "layer_data"])
+jax.tree_util.register_dataclass(Intervention, data_fields=["data"],
+                                 meta_fields=["site", "fn", "layer_data", "layer_index"])
 
 InterventionsLike = Union[None, Intervention, Iterable[Any]]
 
@@ -128,6 +191,14 @@ def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ..
     if hasattr(interventions, "site_interventions"):
         return tuple(interventions.site_interventions())
     return tuple(iv for item in interventions for iv in as_interventions(item))
+
+
+def check_layer_indices(interventions: InterventionsLike, num_layers: int) -> tuple[Intervention, ...]:
+    """`as_interventions(interventions)`, each declared layer index checked against a model of
+    `num_layers` layers and counted from the end where negative
+    (`Intervention.with_layer_index_checked`). Every driver of the model calls it; jaxdepth's
+    jitted functions call it on their arguments before tracing, where the indices are known."""
+    return tuple(iv.with_layer_index_checked(num_layers) for iv in as_interventions(interventions))
 
 
 def apply_at(site: str, value: Array, layer, interventions: tuple[Intervention, ...], num_layers: int, *,
@@ -187,10 +258,17 @@ def _multiply(value, layer, masks):
 
 
 def keep(site: str, masks: Float[Array, "layer *bt"]) -> Intervention:
-    """Multiply the value at `site` by `masks[l]` (`[L, T]` or `[L, B, T]`, per position) at
-    every layer l: 1 keeps it, 0 removes it (the `Interventions` keep-masks). At `resid_pre`,
-    `[L+1, ...]` masks also multiply the final residual h_L by their last row; `[L, ...]`
-    masks leave it alone."""
+    """Multiply the value at `site` by `masks[l]` at every layer l: 1 keeps it, 0 removes it
+    (the `Interventions` keep-masks).
+
+    Args:
+        site: a name of `SITES`.
+        masks: float `[L, T]` or `[L, B, T]`, one row per layer, a multiplier per position. At
+            `resid_pre`, `[L+1, ...]` masks also multiply the final residual h_L by their last
+            row; `[L, ...]` masks leave it alone.
+
+    Example: `keep("delta", 1 - jnp.eye(L)[:, :1] * np.ones(T))` skips layer 0 at every position.
+    """
     return Intervention(site, _multiply, jnp.asarray(masks, jnp.float32), layer_data=True)
 
 
@@ -202,11 +280,21 @@ def _replace(value, layer, data):
 
 
 def replace(site: str, layer, positions, value) -> Intervention:
-    """Replace the value at `site` of layer `layer` by `value` (a float array broadcast to the
-    site's shape) where `positions` (`[T]` or `[B, T]`) is > 0. At `resid_pre`, `layer` = L is
-    the final residual h_L."""
+    """Replace the value at `site` of one layer by `value` where `positions` is > 0.
+
+    Args:
+        site: a name of `SITES`.
+        layer: int in 0..L-1, or negative from the end (-1 is the last layer); at `resid_pre`,
+            L is the final residual h_L. An int array of them stacks interventions for `vmap`.
+            Out of range is an `InterventionError` (module docstring, "Layer indices").
+        positions: `[T]` or `[B, T]`; where > 0 the value is replaced.
+        value: a float array broadcast to the site's value (`[B, T, D]` at a residual, `[D]`
+            for one vector everywhere, `[B, T, H, Dh]` at `head_out`, ...).
+
+    Example: `replace("resid_pre", 3, np.arange(T) == 5, mean_h3)` erases position 5 of h_3.
+    """
     return Intervention(site, _replace, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                         _float(value, "the replacement value")))
+                                         _float(value, "the replacement value")), layer_index=0)
 
 
 def _add(value, layer, data):
@@ -216,11 +304,21 @@ def _add(value, layer, data):
 
 
 def add(site: str, layer, vector, positions) -> Intervention:
-    """Add `vector` (broadcast to the site's trailing shape, e.g. `[D]`: a steering vector) to the
-    value at `site` of layer `layer`, scaled by `positions` (`[T]` or `[B, T]`: 1 adds, 0 not).
-    At `resid_pre`, `layer` = L is the final residual h_L."""
+    """Add `vector` to the value at `site` of one layer, scaled per position: steering.
+
+    Args:
+        site: a name of `SITES`.
+        layer: int in 0..L-1, or negative from the end (-1 is the last layer); at `resid_pre`,
+            L is the final residual h_L. An int array of them stacks interventions for `vmap`.
+            Out of range is an `InterventionError` (module docstring, "Layer indices").
+        vector: a float array broadcast to the site's value, e.g. `[D]` (one steering vector) or
+            `[B, T, D]`.
+        positions: `[T]` or `[B, T]`, the scale of the addition per position (1 adds, 0 not).
+
+    Example: `add("resid_post", -1, 4.0 * direction, np.ones(T))` steers the last layer's output.
+    """
     return Intervention(site, _add, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                     _float(vector, "the added vector")))
+                                     _float(vector, "the added vector")), layer_index=0)
 
 
 def _patch(value, layer, data):
@@ -235,12 +333,22 @@ def _patch(value, layer, data):
 
 
 def patch(site: str, cached, where) -> Intervention:
-    """Activation patching: at every layer l, take the value cached from another run
-    (`cached[l]`, e.g. a tap of that run, `[L, B, T, ...]`) where the boolean `where[l]`
-    (broadcastable to the site's shape, e.g. `[L, 1, T, 1]` for positions or `[L, 1, 1, H, 1]`
-    for heads at `head_out`) is true. At `resid_pre`, `[L+1, ...]` data (all boundaries, e.g.
-    `residual_stream` of the other run) also patches the final residual h_L with its last row;
-    `[L, ...]` data (a tap of `run_layers`) leaves h_L alone."""
+    """Activation patching: at every layer l, take the value cached from another run where
+    `where[l]` is true.
+
+    Args:
+        site: a name of `SITES`.
+        cached: float `[L, B, T, ...]`, the other run's values at the site, one row per layer
+            (e.g. the tap of `run_layers` returning that site; B and T may be 1 to broadcast).
+            At `resid_pre`, `[L+1, ...]` data (every boundary, e.g. `residual_stream` of the
+            other run) also patches the final residual h_L with its last row; `[L, ...]` data
+            leaves h_L alone.
+        where: bool, one row per layer, each row broadcastable to the site's value: e.g.
+            `[L, 1, T, 1]` for positions, `[L, 1, 1, H, 1]` for heads at `head_out`.
+
+    Sweeps (each layer, position or head patched alone) stack `where` on a leading axis and
+    `vmap` over it.
+    """
     return Intervention(site, _patch, (_float(cached, "cached"), jnp.asarray(where, bool)), layer_data=True)
 
 
@@ -255,9 +363,18 @@ def _ablate_heads(value, layer, data):
 
 
 def ablate_heads(heads, means: Optional[Any] = None, *, head_dim: Optional[int] = None) -> Intervention:
-    """Ablate attention heads at `head_out`: where `heads[l, h]` (`[L, H]`) is > 0, head h of layer
-    l outputs `means[l, h]` (`[L, H, Dh]`: mean ablation, e.g. its mean over a dataset from a
-    tap) or zeros (`means` None: zero ablation; give `head_dim`)."""
+    """Ablate attention heads at `head_out`, at every position.
+
+    Args:
+        heads: `[L, H]`; where `heads[l, h]` > 0, head h of layer l is ablated.
+        means: float `[L, H, Dh]`, what an ablated head outputs instead (mean ablation: e.g. the
+            head's mean output over a dataset, from a tap of `head_out`); None for zero
+            ablation, which then needs `head_dim`.
+        head_dim: Dh, for zero ablation only.
+
+    Example: `ablate_heads(np.eye(L, H), means=dataset_means)` mean-ablates head l of each
+    layer l; stack `heads` on a leading axis and `vmap` to sweep over heads.
+    """
     heads = jnp.asarray(heads, jnp.float32)
     if means is None:
         if head_dim is None:

@@ -24,8 +24,16 @@ from jaxdepth.core.model import Params, check_tokens, embed, forward, run_layers
 class Model:
     """A loaded model: params pytree, config, tokenizer (None if the source had none).
 
-    `module` is the same weights as a Flax NNX `jaxdepth.core.module.Decoder` (no copy): the object to
-    hand to NNX code; `params` is what the pure functions and analyses take."""
+    `params`: the nested dict of arrays that the pure functions and every analysis take
+    (`jaxdepth.core.model.param_shapes` gives its structure; per-layer weights are stacked on a
+    leading layer axis). `config`: its `ModelConfig`. `tokenizer`: a Hugging Face tokenizer
+    (`transformers`), or None. `source`: where it came from (the folder, `.gguf` file or hub id
+    as resolved; for a converted folder, the source recorded when it was converted).
+
+    The methods are conveniences over the pure functions, jitted once per shape and
+    intervention structure, taking int token ids `[B, T]` (numpy or JAX) and checking them
+    against the config (context length, vocabulary). `module` is the same weights as a Flax NNX
+    `jaxdepth.core.module.Decoder` (no copy): the object to hand to NNX code."""
 
     params: Params
     config: ModelConfig
@@ -41,31 +49,41 @@ class Model:
         return Decoder(self.params, self.config)
 
     def logits(self, token_ids, valid=None, *, interventions=None) -> np.ndarray:
-        """float32 logits `[B, T, V]` for int token ids `[B, T]` (right-padded if `valid` is
-        given), under `interventions` (`jaxdepth.core.sites`). Jitted once per shape and
+        """float32 logits `[B, T, V]`, as a numpy array, for int token ids `[B, T]`.
+
+        `valid` (bool `[B, T]`, default all true) marks the real tokens of right-padded prompts:
+        no position attends to padding, and the logits at padded positions are meaningless.
+        `interventions`: anything `jaxdepth.core.sites.as_interventions` takes (one
+        `Intervention`, an `Interventions` bundle, a list of them). Jitted once per shape and
         intervention structure; params are an argument, never closed over."""
         tokens, valid = self._checked(token_ids, valid)
         return np.asarray(_jit_forward(self.params, tokens, self.config, valid, interventions))
 
     def run(self, token_ids, *, tap=None, valid=None, interventions=None):
-        """`(h_L [B, T, D], tapped)`: every layer under `interventions`, `tap(record, None)`
-        (`jaxdepth.core.model.run_layers`) stacked on a leading layer axis (None without a tap).
-        `tap` is static: define it once to reuse the compilation."""
+        """`(h_L [B, T, D], tapped)` as JAX arrays: every layer under `interventions`, and what
+        `tap(record, None)` returns for each layer's `jaxdepth.core.model.LayerRecord`, stacked
+        on a leading layer axis (None without a tap). `h_L` is the final residual, before the
+        final norm. `tap` is static: define it once to reuse the compilation. `valid` and
+        `interventions` as in `logits`."""
         tokens, valid = self._checked(token_ids, valid)
         return _jit_run(self.params, tokens, self.config, valid, interventions, tap)
 
     def integrated_gradients(self, token_ids, metric, **options):
-        """`jaxdepth.integrated_gradients` on this model (options as there: `site`, `layers`,
-        `baseline`, `rule`, `steps`, `tolerance`, `interventions`, `valid`, ...)."""
+        """`jaxdepth.integrated_gradients` on this model: a `SiteIG` attributing the scalar
+        `metric(logits)` to the value at a site of each layer (options as there: `site`,
+        `layers`, `baseline`, `rule`, `steps`, `tolerance`, `interventions`, `valid`, ...)."""
         from jaxdepth.analyses.ig_at_sites import integrated_gradients
 
         return integrated_gradients(self.params, token_ids, self.config, metric, **options)
 
     def site_gradients(self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None,
                        positions=None):
-        """`jaxdepth.analyses.attribution.site_gradients` on this model, jitted: the gradient of
-        `metric(logits)` at each of `sites` of every layer, and the values there, from one
-        forward and one backward pass. `metric` is static: define it once."""
+        """`jaxdepth.analyses.attribution.site_gradients` on this model, jitted: a
+        `SiteGradients` with the gradient of the scalar `metric(logits)` at each of `sites` of
+        every layer, and the values there, each `[L, B, T, ...]` (`resid_pre`: L+1 rows, the
+        last the final residual), from one forward and one backward pass. With `positions`
+        (int `[A]`) the metric receives the logits of those positions only, `[B, A, V]`.
+        `metric` is static: define it once."""
         tokens, valid = self._checked(token_ids, valid)
         positions = None if positions is None else jnp.asarray(positions, jnp.int32)
         return _jit_site_gradients(self.params, tokens, self.config, metric, tuple(sites), valid, interventions,
@@ -79,13 +97,16 @@ class Model:
         return jnp.asarray(tokens, jnp.int32), None if valid is None else jnp.asarray(valid, bool)
 
     def astype(self, dtype) -> "Model":
-        """The same model with params cast to `dtype` (e.g. 'bfloat16': weights and activations
-        in bf16; norms, softmaxes, logits and every statistic stay float32)."""
+        """A new `Model` with params cast to `dtype` (e.g. 'bfloat16': weights and activations
+        in bf16; norms, softmaxes, logits and every statistic stay float32); this one is left
+        as it is."""
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
         return dataclasses.replace(self, params=params)
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of `text` with the tokenizer's defaults (BOS only where the tokenizer adds one)."""
+        """Token ids of `text`, int32 `[T]` with no batch axis (`model.encode(text)[None]` is a
+        batch of one), with the tokenizer's defaults: a BOS token only where the tokenizer adds
+        one, no chat template. A `ValueError` when the model has no tokenizer."""
         if self.tokenizer is None:
             raise ValueError(f"the model from {self.source} has no tokenizer")
         return np.asarray(self.tokenizer(text)["input_ids"], np.int32)

