@@ -9,18 +9,25 @@ next writer in the same folder removes the ones whose process is gone
 (`remove_stale_temporaries`).
 
 `folder_lock` keeps two runs from writing one results folder at once: the second one is refused
-at once, told which process holds the folder.
+at once, told which process holds the folder. Its lock files are removed when the run ends, and
+taken over from a run that was killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import uuid
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import filelock
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 TEMP_PREFIX = ".tmp-"  # + the writer's process id + "-": what a killed writer leaves behind
 
@@ -87,8 +94,10 @@ def _sync_folder(folder: str) -> None:
             os.close(fd)
 
 
-LOCK_NAME = ".jaxdepth.lock"  # in a locked folder; its owner file says who holds it
+LOCK_NAME = ".jaxdepth.lock"  # in a locked folder while a run holds it; its owner file says who
 OWNER_NAME = ".jaxdepth.lock.owner"
+_CONTENDED = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)  # flock's "held by another" (EACCES on some filesystems)
+_NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)  # filesystems without flock
 
 
 class FolderBusyError(OSError):
@@ -97,30 +106,88 @@ class FolderBusyError(OSError):
 
 @contextlib.contextmanager
 def folder_lock(folder: str) -> Iterator[None]:
-    """Hold `folder` for this process while the block runs (`filelock`: an OS lock, released
-    when the process ends, however it ends). A second holder is refused at once with a
-    `FolderBusyError` naming the process, host and start time of the first."""
+    """Hold `folder` for this process while the block runs: an OS lock on its `.jaxdepth.lock`,
+    released when the process ends, however it ends. A second holder is refused at once with a
+    `FolderBusyError` naming the process, host and start time of the first. When the block ends,
+    returning or raising, the lock file and its owner file are removed (a process killed outright
+    leaves them behind, and the next run takes them over)."""
     os.makedirs(folder, exist_ok=True)
-    lock = filelock.FileLock(os.path.join(folder, LOCK_NAME), timeout=0, is_singleton=False)
     owner = os.path.join(folder, OWNER_NAME)
-    try:
-        lock.acquire()
-    except filelock.Timeout:
-        try:
-            with open(owner) as f:
-                who = f.read().strip()
-        except OSError:
-            who = "another process"
-        raise FolderBusyError(f"the results folder {folder} is in use by {who}: wait for that run to end, or "
-                              f"write to another folder") from None
+    release = _lock(os.path.join(folder, LOCK_NAME), owner)
     try:
         with atomic_write(owner, "w") as f:
             f.write(f"process {os.getpid()} on {socket.gethostname()}, since {_now()}\n")
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(owner)
-        lock.release()
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(owner)
+        finally:
+            release()
+
+
+def _lock(path: str, owner: str) -> Callable[[], None]:
+    """Lock the file `path` (created if missing) without waiting; returns the function that removes
+    it and lets go. Where flock exists (POSIX), the file is removed while still held, and a
+    process takes the lock only on the file that `path` names once it holds it: one that locked
+    a removed file (opened before its holder removed it) lets go and tries again, so two
+    processes never both hold `path`."""
+    if fcntl is None:  # Windows: filelock's lock, which removes its file when released
+        return _filelock(path, owner)
+    while True:
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, created = os.open(path, os.O_RDWR), False
+            except FileNotFoundError:  # removed by its holder meanwhile
+                continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in _CONTENDED:
+                raise _busy(os.path.dirname(path), owner) from None
+            if error.errno in _NO_FLOCK:
+                if created:  # filelock's fallback there takes an existing file for a holder's
+                    os.remove(path)
+                return _filelock(path, owner)
+            raise
+        try:
+            held = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            held = False
+        if held:
+            break
+        os.close(fd)  # a file its holder removed as it let go: lock the one at `path` now
+
+    def release():
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        finally:
+            os.close(fd)  # lets go of the lock
+    return release
+
+
+def _filelock(path: str, owner: str) -> Callable[[], None]:
+    """The `filelock` package's lock, where flock is missing (Windows, and filesystems without it)."""
+    lock = filelock.FileLock(path, timeout=0, is_singleton=False)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise _busy(os.path.dirname(path), owner) from None
+    return lock.release
+
+
+def _busy(folder: str, owner: str) -> FolderBusyError:
+    try:
+        with open(owner) as f:
+            who = f.read().strip()
+    except OSError:
+        who = "another process"
+    return FolderBusyError(f"the results folder {folder} is in use by {who}: wait for that run to end, or "
+                           f"write to another folder")
 
 
 def _now() -> str:

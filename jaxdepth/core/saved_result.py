@@ -2,22 +2,32 @@
 
 Every result type is a dataclass inheriting `SavedResult`: its numpy-array fields go into an
 `.npz` file, every other field into a JSON header stored in the same file, so one file is the
-whole result and plotting or tables never recompute. A result type registers itself by name when
-its module is imported; `load_saved` reads a file back as any type registered by then (the shell's
-`jaxdepth.lab.results.load_result` first imports every built-in analysis).
+whole result and plotting or tables never recompute. The header names the result's type: its
+class name, the module defining it and its qualified name. `load_saved` reads a file back as that
+type, importing the type's module first when it is not imported yet, so a plugin's result loads
+in a process that never imported the plugin (as long as the plugin is installed or on
+`sys.path`). A file saved before the module was recorded loads as the type of that class name
+imported by then (the shell's `jaxdepth.lab.results.load_result` first imports every built-in
+analysis).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from jaxdepth.core.atomic import atomic_write
 
 _TYPES: dict[str, type] = {}  # every SavedResult subclass imported so far, by class name
+_PLACES: dict[tuple[str, str], type] = {}  # the same, by (module, qualified name)
+
+
+class UnknownResultTypeError(ValueError):
+    """A saved result's type is not defined in this process, and its module cannot supply it."""
 
 
 class SavedResult:
@@ -26,10 +36,12 @@ class SavedResult:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _TYPES[cls.__name__] = cls
+        _PLACES[(cls.__module__, cls.__qualname__)] = cls
 
     def save(self, path: str) -> str:
         """Write to `path` (an `.npz`) atomically: a temporary file renamed into place."""
-        arrays, meta = {}, {"type": type(self).__name__}
+        cls = type(self)
+        arrays, meta = {}, {"type": cls.__name__, "type_module": cls.__module__, "type_qualname": cls.__qualname__}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, np.ndarray):
@@ -50,15 +62,44 @@ class SavedResult:
 
 
 def load_saved(path: str) -> Any:
-    """Load any result written by `SavedResult.save`, as its own type: any type defined in a
-    module imported by now (a type whose module is not imported yet is an unknown type)."""
+    """Load any result written by `SavedResult.save`, as its own type. A type not imported yet is
+    imported from the module the file names; where that fails (or the file, from an older
+    version, names no module), an `UnknownResultTypeError` (a ValueError) names the type and the
+    module to import."""
     with np.load(path) as data:
         meta = json.loads(data["__meta__"].tobytes().decode())
         arrays = {k: data[k] for k in data.files if k != "__meta__"}
-    cls = _TYPES.get(meta.pop("type"))
-    if cls is None:
-        raise ValueError(f"{path}: unknown result type")
+    cls = _result_type(path, meta.pop("type"), meta.pop("type_module", None), meta.pop("type_qualname", None))
     return cls(**arrays, **meta)
+
+
+def _result_type(path: str, name: str, module: Optional[str], qualname: Optional[str]) -> type:
+    """The class a saved file names: the one defined at `module`.`qualname` (imported now if it is
+    not yet), else the class imported under the name `name` (a file saved before modules were
+    recorded, or a type whose module has moved)."""
+    place = (module, qualname or name)
+    import_error = None
+    if module is not None and place not in _PLACES:
+        # Importing a module by the name a file gives runs only code already installed (on
+        # sys.path), as loading a plugin by its entry point does.
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # whatever the module's import raises: said below, if it matters
+            import_error = error
+    cls = _PLACES.get(place) or _TYPES.get(name)
+    if cls is not None:
+        return cls
+    if module is None:
+        raise UnknownResultTypeError(
+            f"{path}: unknown result type {name!r}; the file does not record the module that defines it (it was "
+            f"saved by an older jaxdepth): import that module, then load the file again")
+    if import_error is not None:
+        raise UnknownResultTypeError(
+            f"{path}: result type {name!r} is defined in the module {module!r}, which cannot be imported "
+            f"({type(import_error).__name__}: {import_error}): install the package that provides it or put it on "
+            f"sys.path (PYTHONPATH), so that `import {module}` works") from import_error
+    raise UnknownResultTypeError(f"{path}: result type {name!r}: the module {module!r} defines no SavedResult "
+                                 f"{place[1]} (renamed or removed since the file was saved?)")
 
 
 def _jsonable(x):

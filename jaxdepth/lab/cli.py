@@ -111,18 +111,19 @@ def _run(args) -> int:
 
     start = time.perf_counter()
     plugins = load_plugins(args.plugin or ())
-    for plugin in plugins:
-        if plugin.error is not None:
-            print(f"error: {_plugin_failure(plugin.label, 'failed to load', plugin.error)}; the run goes on without it",
-                  file=sys.stderr)
+    not_loaded = [p for p in plugins if p.error is not None]
+    if not_loaded:  # stop now: a misspelt plugin should cost a second, not a run of the whole suite
+        _report_plugin_failures([(p.label, "failed to load", p.error) for p in not_loaded])
+        print(f"error: nothing was run; plugins that failed to load: {', '.join(p.label for p in not_loaded)} "
+              "(correct the --plugin MODULE:OBJECT, or fix or uninstall the distribution of an entry point)",
+              file=sys.stderr)
+        return 2
     plugin_of = owners(plugins)
     failures = Failures(isolated=plugin_of)  # a plugin's analysis may fail; the others' results are kept
     analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
-        not_loaded = [p.label for p in plugins if p.error is not None]
-        raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}"
-                         + (f" (plugins that failed to load: {', '.join(not_loaded)})" if not_loaded else ""))
+        raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
     if "layer_skip" in analyses and args.skip_mode == "current" and args.skip_split != "sampled":
         raise ValueError("--skip-split applies to --skip-mode future; the current mode skips and measures every position")
     paths = _data_paths(args.data, args.dataset)
@@ -155,8 +156,8 @@ def _run(args) -> int:
             continue
         if not args.no_figures:
             folder = result_folder(args.out, model_name, name)
-            write_figures(results, folder, model.tokenizer, failures=failures)
-            print(f"  figures in {os.path.join(folder, 'figures')}")
+            if write_figures(results, folder, model.tokenizer, failures=failures):
+                print(f"  figures in {os.path.join(folder, 'figures')}")
         line = [name]
         for a, result in results.items():
             with failures.guard(a, "summing up its result"):
@@ -172,17 +173,18 @@ def _run(args) -> int:
         print(to_markdown(rows), end="")
         write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
-    failed = [(p.label, "failed to load", p.error) for p in plugins if p.error is not None]
-    failed += [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
-    for label, what, error in failed:  # the tracebacks first, then one line each, last
-        traceback.print_exception(error, file=sys.stderr)
-    for label, what, error in failed:
-        print(f"error: {_plugin_failure(label, what, error)}", file=sys.stderr)
+    failed = [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
+    _report_plugin_failures(failed)
     return 1 if failed else 0
 
 
-def _plugin_failure(label: str, what: str, error: Exception) -> str:
-    return f"plugin {label} {what}: {type(error).__name__}: {error}"
+def _report_plugin_failures(failed) -> None:
+    """Print each (plugin label, what went wrong, error): the tracebacks first, for the plugin's
+    author, then one line each, last, for the user."""
+    for label, what, error in failed:
+        traceback.print_exception(error, file=sys.stderr)
+    for label, what, error in failed:
+        print(f"error: plugin {label} {what}: {type(error).__name__}: {error}", file=sys.stderr)
 
 
 def _case(args) -> int:
@@ -286,12 +288,12 @@ def _ig_arguments(parser):
                              "completeness bound is below --ig-tolerance (its figure marks layers that did not get "
                              "there within the budget)")
     parser.add_argument("--ig-tolerance", type=float, default=0.01,
-                        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)| "
-                             "(default 0.01)")
+                        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, "
+                             "or to a tenth of |F(x)| where F moves less along the path (default 0.01)")
     parser.add_argument("--ig-max-evaluations", type=_evaluation_budget, metavar="N",
                         help="--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not "
-                             "reached --ig-tolerance by then is reported as not converged (default: "
-                             "jaxdepth.analyses.adaptive_ig.MAX_EVALUATIONS)")
+                             "reached --ig-tolerance by then is reported as not converged (default: --ig-steps, "
+                             "never more than the fixed rule)")
     parser.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
                         help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
                              "attention output a_l or its MLP output m_l")
@@ -350,9 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "MODULE, must be a jaxdepth.lab.registry.Analysis; it is registered and runs, caches, "
                           "resumes, draws and sums up like a built-in one. The entry points of the group "
                           "'jaxdepth.analyses' of installed distributions (NAME = MODULE:OBJECT) are loaded too. "
-                          "A name taken by a built-in or another plugin is an error; a plugin that fails to load, "
-                          "or whose analysis raises, is reported and the others' results are kept, with exit "
-                          "status 1")
+                          "A name taken by a built-in or another plugin, or a plugin that fails to load, stops the "
+                          "run before any analysis runs (exit status 2); a plugin whose analysis raises is "
+                          "reported and the others' results are kept, with exit status 1")
     run.add_argument("--seed", type=int, default=123)
     run.add_argument("--skip-sublayers", default="layer,attn,mlp",
                      help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")

@@ -14,6 +14,7 @@ import os
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 from matplotlib import patheffects
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -226,6 +227,7 @@ def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
     ax.set_xticks(ticks, [panel.labels[t] for t in ticks], rotation=90, fontsize=7)
     ax.set_xlabel("token" if step == 1 else f"token (one label every {step} tokens)")
     ax.set_ylabel(panel.row_label)
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # rows are layers
     if panel.caption:
         ax.set_title(panel.caption, fontsize=10)
     for k, row in enumerate(panel.flagged_rows):
@@ -459,8 +461,20 @@ _IG_ROWS = {"layer": r"layer l (output $h_{l+1}$)", "attn": r"layer l (attention
             "mlp": r"layer l (MLP output $m_l$)"}
 
 
+def relative_gaps(result: IntegratedGradientsResult, prompt: int = 0) -> np.ndarray:
+    """`[L]` each layer's |completeness gap| / |F(x) - F(b_l)| of one prompt (NaN where F did not
+    move): the share of the effect that the attributions fail to account for."""
+    p = _prompt_index(result, prompt)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.abs(result.gap[p]) / np.abs(result.f_input[p] - result.f_baseline[p])
+    return np.where(np.isfinite(relative), relative, np.nan)
+
+
 def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrated gradients") -> str:
-    gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}"
+    relative = relative_gaps(result, p)
+    share = (f", up to {100 * np.nanmax(relative):.3g}% of |F(x) \N{MINUS SIGN} F(b)|"
+             if np.isfinite(relative).any() else "")
+    gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}{share}"
     converged = getattr(result, "converged", None)  # the adaptive rule's result
     if converged is not None:
         return (f"{name}, {result.rule}: {int(converged[p].sum())} of {converged.shape[1]} layers converged, "
@@ -486,12 +500,46 @@ def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 
 def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,
                                 title: Optional[str] = None) -> Figure:
     """Integrated-gradients attribution of the answer probability to each token of each layer's
-    output, for one prompt (diverging colours centred at 0). The title gives the largest
-    |completeness gap| over layers: large means too few integration steps."""
+    output, for one prompt (diverging colours centred at 0), and beside it each layer's
+    completeness gap as a share of what F moved, |gap_l| / |F(x) - F(b_l)|: a layer whose gap is
+    large had too few integration steps, and its attributions are not to be trusted. The title
+    names the rule and steps and gives the largest |completeness gap| over layers."""
     p = _prompt_index(result, prompt)
-    fig = _token_heatmap(dataclasses.replace(integrated_gradients_panel(result, p, tokenizer=tokenizer), caption=""))
+    panel = dataclasses.replace(integrated_gradients_panel(result, p, tokenizer=tokenizer), caption="")
+    width, height = _panel_size(panel)
+    fig = _new_figure(width + _GAP_PANEL_WIDTH, height)
+    grid = fig.add_gridspec(1, 2, width_ratios=[width, _GAP_PANEL_WIDTH])
+    heatmap = fig.add_subplot(grid[0])
+    _draw_token_panel(fig, heatmap, panel)  # the heatmap and its colour bar come first in fig.axes
+    _draw_gap_panel(fig.add_subplot(grid[1], sharey=heatmap), result, p)
     _title(fig, _ig_caption(result, p, f"Integrated gradients, prompt {p}"), title, result.settings)
     return fig
+
+
+_GAP_PANEL_WIDTH = 1.8  # inches beside the IG heatmap
+
+
+def _draw_gap_panel(ax, result: IntegratedGradientsResult, p: int):
+    """Bars of `relative_gaps` in percent, one per layer, on the heatmap's layer axis; the worst
+    is written out, and the adaptive rule's tolerance is a dashed line."""
+    percent = 100 * relative_gaps(result, p)
+    layers = np.arange(len(percent))
+    rows = ax.get_ylim()  # the heatmap's: bars must not widen the shared layer axis
+    ax.barh(layers, np.nan_to_num(percent), height=0.7, color="0.35")
+    ax.set_ylim(rows)
+    ax.set_xlabel("|completeness gap|\n% of |F(x) \N{MINUS SIGN} F(b)|")
+    ax.tick_params(labelleft=False)
+    ax.set_title("completeness", fontsize=10)
+    tolerance = result.settings.get("tolerance")
+    if getattr(result, "converged", None) is not None and isinstance(tolerance, (int, float)):
+        ax.axvline(100 * tolerance, color="C3", linestyle="--", linewidth=1, label="tolerance")
+        ax.legend(loc="lower right", fontsize=7, framealpha=0.8)
+    if np.isfinite(percent).any():
+        worst = int(np.nanargmax(percent))
+        ax.set_xlim(0, max(1.25 * percent[worst], 1.0))
+        ax.annotate(f"{percent[worst]:.3g}%", (percent[worst], worst), xytext=(2, 0), textcoords="offset points",
+                    va="center", fontsize=7)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def attribution_patching_figure(result: AttributionResult, prompt: int = 0, *, tokenizer=None,

@@ -19,11 +19,14 @@ A plugin's analysis then runs, caches, resumes, draws and sums up like a built-i
 
 Its name must be free: an analysis name that a built-in or another plugin already has is an error
 naming both, and nothing runs; so is a `--plugin` not of the form MODULE:OBJECT. A plugin that
-does not import, lacks OBJECT or holds something other than an Analysis is reported by its label
-with the error and left out (`Plugin.error`); an analysis of a plugin that raises while running,
-drawing its figures or summing up is reported likewise (`jaxdepth.lab.study.Failures`). Either
-way every other analysis's result is computed, saved and cached as usual, and `jaxdepth run`
-exits with status 1.
+does not import, lacks OBJECT or holds something other than an Analysis adds nothing and carries
+its error (`Plugin.error`); `jaxdepth run` then names it, with the error, and stops before any
+analysis runs (exit status 2). An analysis of a plugin that raises while running, drawing its
+figures or summing up is reported likewise (`jaxdepth.lab.study.Failures`), but every other
+analysis's result is computed, saved and cached as usual, and `jaxdepth run` exits with status 1.
+
+A plugin's saved results load back (`jaxdepth.lab.results.load_result`) in any process that can
+import its module: the file names the module of its result type, imported when needed.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _entry_point_label(ep: importlib.metadata.EntryPoint) -> str:
 def _load(label: str, load: Callable[[], object]) -> Plugin:
     try:
         return Plugin(label, analysis=_checked(load()))
-    except Exception as error:  # whatever the plugin's import raises: reported, and the run goes on
+    except Exception as error:  # whatever the plugin's import raises: kept, for the caller to report
         return Plugin(label, error=error)
 
 

@@ -13,8 +13,10 @@ RESULT_FORMAT = 2
 
 
 def load_result(path: str) -> Any:
-    """Load any result written by `SavedResult.save`, as its own type (any type defined in a
-    module imported by now; the registered analyses' modules are imported here)."""
+    """Load any result written by `SavedResult.save`, as its own type: a built-in one (their
+    modules are imported here), or any other, a plugin's included, whose module the file records
+    and Python can import (installed, or on `sys.path`). A type that cannot be found raises a
+    ValueError (`jaxdepth.core.saved_result.UnknownResultTypeError`) naming it and its module."""
     import jaxdepth.lab.registry  # noqa: F401  (a result type registers itself when its module is imported)
 
     return load_saved(path)

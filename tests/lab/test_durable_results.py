@@ -1,5 +1,6 @@
 """Results on disk are durable: one run at a time per results folder (a second one is refused at
-once, told who holds it), and a run killed with SIGKILL, even mid-write, resumes cleanly."""
+once, told who holds it; the lock's files go when the run ends), and a run killed with SIGKILL,
+even mid-write, resumes cleanly."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 
 import pytest
 
-from jaxdepth.core.atomic import TEMP_PREFIX, FolderBusyError, folder_lock
+from jaxdepth.core import atomic
+from jaxdepth.core.atomic import LOCK_NAME, OWNER_NAME, TEMP_PREFIX, FolderBusyError, folder_lock
 
 # A tiny model and two prompts; `sleeper` is an analysis that stops inside an atomic write.
 SETUP = textwrap.dedent("""
@@ -116,3 +118,47 @@ def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
     assert "contributions: reusing" in rerun.stdout and "logit_lens: " in rerun.stdout
     assert (folder / "logit_lens.npz").exists()
     assert not any(name.startswith(TEMP_PREFIX) for name in os.listdir(folder)), os.listdir(folder)
+
+
+def test_the_lock_files_go_when_the_run_ends_however_it_ends(tmp_path):
+    folder = tmp_path / "tiny" / "toy"
+    with folder_lock(str(folder)):
+        assert sorted(os.listdir(folder)) == [LOCK_NAME, OWNER_NAME]
+        assert f"process {os.getpid()} on " in (folder / OWNER_NAME).read_text()
+    assert os.listdir(folder) == []
+    with pytest.raises(RuntimeError, match="an analysis failed"):
+        with folder_lock(str(folder)):
+            raise RuntimeError("an analysis failed")
+    assert os.listdir(folder) == []
+    (folder / LOCK_NAME).write_text("")  # left by a run killed outright: taken over, then removed
+    with folder_lock(str(folder)):
+        pass
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.skipif(atomic.fcntl is None, reason="flock: POSIX only")
+def test_a_lock_on_a_file_its_holder_removed_is_not_held(tmp_path, monkeypatch):
+    """A run that opened the lock file just before its holder removed it and let go, and that then
+    gets the lock on that removed file, does not hold the folder: a third run may hold the new one."""
+    folder = tmp_path / "tiny" / "toy"
+    folder.mkdir(parents=True)
+    (folder / LOCK_NAME).write_text("")  # the file of a holder about to end
+    flock, third = atomic.fcntl.flock, []
+
+    def flock_after_the_holder_left(fd, operation):
+        if not third:  # the holder removes its file and lets go; a third run creates and locks a new one
+            os.remove(folder / LOCK_NAME)
+            third.append(os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT))
+            flock(third[0], operation)
+        return flock(fd, operation)
+
+    monkeypatch.setattr(atomic.fcntl, "flock", flock_after_the_holder_left)
+    try:
+        with pytest.raises(FolderBusyError, match="is in use by"):
+            with folder_lock(str(folder)):
+                pass
+    finally:
+        os.close(third[0])
+    monkeypatch.undo()
+    with folder_lock(str(folder)):  # the third run let go
+        pass

@@ -406,12 +406,12 @@ def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
 
 
 def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
-    from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
+    from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
     from jaxdepth.lab.plots import integrated_gradients_figure
 
     P, L, T = 1, 4, 6
     converged = np.array([[True, False, True, False]])
-    result = AdaptiveIGResult(
+    result = IntegratedGradientsResult(
         attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32),
         gap=np.zeros((P, L), np.float32), f_input=np.ones(P, np.float32), f_baseline=np.zeros((P, L), np.float32),
         tokens=np.arange(T)[None], lengths=np.array([T]), answer_start=np.array([4]),
@@ -423,3 +423,36 @@ def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     assert sorted(patch.get_y() + 0.5 for patch in flagged) == [1, 3]
     assert "adaptive rule to 1%: 2 of 4 layers converged, 68 gradient evaluations" in fig._suptitle.get_text()
     assert "not converged (budget spent)" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_ig_figure_shows_each_layers_completeness_gap_beside_the_attributions():
+    from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
+    from jaxdepth.lab.plots import integrated_gradients_figure
+
+    P, L, T = 1, 4, 6
+    gap = np.array([[14.5, 0.1, -2.0, 0.3]], np.float32)
+    f_input, f_baseline = np.array([13.0], np.float32), np.array([[0.1, 0.2, 3.0, 13.0]], np.float32)
+    result = IntegratedGradientsResult(
+        attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32), gap=gap, f_input=f_input,
+        f_baseline=f_baseline, tokens=np.arange(T)[None], lengths=np.array([T]), answer_start=np.array([4]),
+        settings={"rule": "left", "steps": 8})
+    fig = integrated_gradients_figure(result)
+    heatmap, colorbar, panel = fig.axes
+    assert colorbar.get_ylabel().startswith("attribution to F")
+    # one bar per layer, on the heatmap's rows: |gap| as a share of F(x) - F(b), none where F did not move
+    assert [bar.get_y() + bar.get_height() / 2 for bar in panel.patches] == list(range(L))
+    np.testing.assert_allclose([bar.get_width() for bar in panel.patches],
+                               [100 * 14.5 / 12.9, 100 * 0.1 / 12.8, 100 * 2.0 / 10.0, 0.0], rtol=1e-5)
+    assert panel.get_ylim() == heatmap.get_ylim() == (-0.5, L - 0.5)
+    assert "completeness gap" in panel.get_xlabel() and "% of |F(x)" in panel.get_xlabel()
+    assert [t.get_text() for t in panel.texts] == ["112%"]  # the worst layer, written out
+    assert ("Integrated gradients, prompt 0, left rule, 8 steps: max |completeness gap| = 14.5, up to 112% of "
+            "|F(x) \N{MINUS SIGN} F(b)|") in fig.get_suptitle()
+    _assert_labelled(fig)
+
+    adaptive = IntegratedGradientsResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+                                   if f.name not in ("settings", "evaluations", "converged", "bound")},
+                                evaluations=np.full((P, L), 17), converged=np.ones((P, L), bool),
+                                bound=np.zeros((P, L), np.float32), settings={"rule": "adaptive", "tolerance": 0.01})
+    panel = integrated_gradients_figure(adaptive).axes[2]
+    assert [line.get_xdata()[0] for line in panel.lines] == [1.0]  # the tolerance, in percent

@@ -1,8 +1,9 @@
 """Analyses as plugins: a tiny plugin distribution, made in a temporary folder, whose entry point
 (group `jaxdepth.analyses`) and `--plugin MODULE:OBJECT` objects `jaxdepth run` loads. Its
-analysis runs, caches, resumes, draws and sums up like a built-in one; a plugin that does not
-load or raises is named with its error while the other results are kept (exit status 1); a name
-clash is an error naming both sides."""
+analysis runs, caches, resumes, draws and sums up like a built-in one, and its results load back in
+a process that never imported it; a plugin that does not load stops the run before any analysis
+(exit status 2); one that raises while running is named with its error while the other results
+are kept (exit status 1); a name clash is an error naming both sides."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -76,6 +78,7 @@ def broken(*args):
 
 BOOM = dataclasses.replace(TOKEN_COUNT, name="boom", run=explode)
 BAD_FIGURE = dataclasses.replace(TOKEN_COUNT, name="bad_figure", figures=broken, summary=broken)
+NO_FIGURE = dataclasses.replace(TOKEN_COUNT, name="no_figure", figures=lambda result, tokenizer, detail_prompts: {})
 CLASH = dataclasses.replace(TOKEN_COUNT, name="contributions")  # a built-in's name
 TWIN = dataclasses.replace(TOKEN_COUNT)  # another analysis named token_count
 NOT_AN_ANALYSIS = count_tokens
@@ -181,8 +184,7 @@ def test_an_entry_point_plugin_runs_caches_resumes_draws_and_sums_up(tiny, insta
 
 
 def test_failing_plugins_are_named_and_the_other_results_kept(tiny, installed, tmp_path, capsys):
-    plugins = [f"{MODULE}:BOOM", f"{MODULE}:BAD_FIGURE", f"{MODULE}:NOPE", "no_such_plugin_module:THING",
-               f"{MODULE}:NOT_AN_ANALYSIS"]
+    plugins = [f"{MODULE}:BOOM", f"{MODULE}:BAD_FIGURE"]  # (plugins that do not load: see the next test)
     args = ["--analyses", "boom,contributions,bad_figure,token_count", *(a for p in plugins for a in ("--plugin", p))]
     assert _run(tiny, tmp_path, *args) == 1
     captured = capsys.readouterr()
@@ -193,12 +195,7 @@ def test_failing_plugins_are_named_and_the_other_results_kept(tiny, installed, t
             f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while drawing its figures: "
             "ZeroDivisionError: no figure today",
             f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while summing up its result: "
-            "ZeroDivisionError: no figure today",
-            f"error: plugin {MODULE}:NOPE failed to load: AttributeError: module '{MODULE}' has no attribute 'NOPE'",
-            "error: plugin no_such_plugin_module:THING failed to load: ModuleNotFoundError: No module named "
-            "'no_such_plugin_module'",
-            f"error: plugin {MODULE}:NOT_AN_ANALYSIS failed to load: TypeError: the function count_tokens is not a "
-            "jaxdepth.lab.registry.Analysis"):
+            "ZeroDivisionError: no figure today"):
         assert any(said.startswith(line) for said in err.splitlines()), line
     assert 'raise RuntimeError("the boom plugin exploded")' in err  # its traceback, for the plugin's author
     assert "boom: failed (RuntimeError: the boom plugin exploded); going on with the others" in captured.out
@@ -221,6 +218,88 @@ def test_failing_plugins_are_named_and_the_other_results_kept(tiny, installed, t
     # an analysis of a plugin that did not load is unknown, and said so
     assert _run(tiny, tmp_path, "--analyses", "nothing_here", "--plugin", "no_such_plugin_module:THING") == 2
     assert "plugins that failed to load: no_such_plugin_module:THING" in capsys.readouterr().err
+
+
+def test_a_plugin_that_does_not_load_stops_the_run_before_any_analysis(tiny, installed, tmp_path, capsys):
+    """A misspelt --plugin costs a second, not a run of the whole suite that fails at its end."""
+    start = time.monotonic()
+    assert _run(tiny, tmp_path, "--plugin", f"{MODULE}:TOKEN_CUONT") == 2  # no --analyses: the whole suite
+    assert time.monotonic() - start < 30
+    captured = capsys.readouterr()
+    assert (f"error: plugin {MODULE}:TOKEN_CUONT failed to load: AttributeError: module '{MODULE}' has no attribute "
+            "'TOKEN_CUONT'") in captured.err.splitlines()
+    assert captured.err.splitlines()[-1].startswith(
+        f"error: nothing was run; plugins that failed to load: {MODULE}:TOKEN_CUONT (correct the --plugin")
+    assert "loaded" not in captured.out and not os.path.exists(tmp_path / "model"), "the run went on"
+    assert sys.modules[MODULE].CALLS == []
+
+    plugins = [f"{MODULE}:NOPE", "no_such_plugin_module:THING", f"{MODULE}:NOT_AN_ANALYSIS"]
+    assert _run(tiny, tmp_path, "--analyses", "token_count", *(a for p in plugins for a in ("--plugin", p))) == 2
+    err = capsys.readouterr().err
+    for line in (
+            f"error: plugin {MODULE}:NOPE failed to load: AttributeError: module '{MODULE}' has no attribute 'NOPE'",
+            "error: plugin no_such_plugin_module:THING failed to load: ModuleNotFoundError: No module named "
+            "'no_such_plugin_module'",
+            f"error: plugin {MODULE}:NOT_AN_ANALYSIS failed to load: TypeError: the function count_tokens is not a "
+            "jaxdepth.lab.registry.Analysis",
+            f"error: nothing was run; plugins that failed to load: {', '.join(plugins)}"):
+        assert any(said.startswith(line) for said in err.splitlines()), line
+    assert not os.path.exists(tmp_path / "model")
+
+
+def test_an_entry_point_that_does_not_load_stops_the_run(tiny, installed, tmp_path, monkeypatch, capsys):
+    site = tmp_path / "site"
+    dist_info = site / "jaxdepth_broken-0.2.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: jaxdepth-broken\nVersion: 0.2\n")
+    (dist_info / "entry_points.txt").write_text(f"[jaxdepth.analyses]\nbroken = {MODULE}:MISSING\n")
+    monkeypatch.syspath_prepend(str(site))
+    start = time.monotonic()
+    assert _run(tiny, tmp_path / "out", "--analyses", "token_count") == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    label = f"entry point broken = {MODULE}:MISSING (jaxdepth-broken 0.2)"
+    assert f"error: plugin {label} failed to load: AttributeError: module '{MODULE}' has no attribute 'MISSING'" in err
+    assert f"plugins that failed to load: {label}" in err and "uninstall" in err
+    assert not os.path.exists(tmp_path / "out" / "model") and sys.modules[MODULE].CALLS == []
+
+
+def test_a_plugin_result_loads_in_a_process_that_never_imported_the_plugin(tiny, installed, tmp_path):
+    assert _run(tiny, tmp_path, "--analyses", "token_count", "--no-figures") == 0
+    path = str(tmp_path / "model" / "default" / "token_count.npz")
+    counts = load_result(path).counts
+    code = textwrap.dedent(f"""
+        import sys
+        from jaxdepth.lab.registry import ANALYSES
+        from jaxdepth.lab.results import load_result
+        assert {MODULE!r} not in sys.modules
+        result = load_result(sys.argv[1])
+        print(type(result).__module__, type(result).__qualname__, *result.counts.tolist())
+        print({MODULE!r} in sys.modules, "token_count" in ANALYSES)  # imported, not registered
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [" ".join([MODULE, "PluginTokenCount", *map(str, counts.tolist())]),
+                                       "True False"]
+
+    # without the plugin where Python finds it: an error naming the type and the module to import
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    assert (f"UnknownResultTypeError: {path}: result type 'PluginTokenCount' is defined in the module '{MODULE}', "
+            f"which cannot be imported (ModuleNotFoundError: No module named '{MODULE}')") in out.stderr, \
+        out.stderr[-2000:]
+
+
+def test_figures_are_announced_only_when_drawn_and_the_lock_goes_with_the_run(tiny, installed, tmp_path, capsys):
+    folder = tmp_path / "model" / "default"
+    assert _run(tiny, tmp_path, "--analyses", "no_figure", "--plugin", f"{MODULE}:NO_FIGURE") == 0
+    assert "figures in" not in capsys.readouterr().out
+    assert sorted(os.listdir(folder)) == ["no_figure.npz"]  # nothing drawn, no lock file left
+    assert _run(tiny, tmp_path, "--analyses", "token_count,boom", "--plugin", f"{MODULE}:BOOM") == 1
+    assert f"  figures in {folder / 'figures'}" in capsys.readouterr().out.splitlines()
+    assert sorted(os.listdir(folder)) == ["figures", "no_figure.npz", "token_count.npz"]  # a failed run: no lock
 
 
 def test_a_name_clash_or_a_malformed_plugin_stops_the_run(tiny, installed, tmp_path, capsys):
