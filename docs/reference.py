@@ -66,10 +66,10 @@ def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
 
 
 def analyses_modules() -> list[ModuleType]:
-    """Every module of `jaxdepth.analyses`, by name."""
+    """Every module of `jaxdepth.analyses`, subpackages' modules included, by name."""
     package = importlib.import_module("jaxdepth.analyses")
-    return [importlib.import_module(f"jaxdepth.analyses.{info.name}")
-            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name)]
+    return [importlib.import_module(info.name) for info in sorted(
+        pkgutil.walk_packages(package.__path__, prefix="jaxdepth.analyses."), key=lambda info: info.name)]
 
 
 def sections() -> list[Section]:

@@ -3,7 +3,7 @@ attribution error of every layer against a converged reference, with the gradien
 each rule spends.
 
 Rules: left Riemann (the published rule), midpoint and Gauss-Legendre at a fixed number of
-steps, and the adaptive rule (`jaxdepth.analyses.adaptive_ig`) at several tolerances. The
+steps, and the adaptive rule (`jaxdepth.analyses.ig.rules`) at several tolerances. The
 reference is the adaptive rule at a tight tolerance with a large budget: its certificate
 (sum_i |e_i| + |φ(1) - F(x)| <= tolerance |F(x) - F(b)|) says which layers converged, and the
 attribution difference between it and the next looser tolerance says how far its per-token
@@ -43,8 +43,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarking.machine import cpu_description
-from jaxdepth.analyses.adaptive_ig import RULE_VERSION, path_points, run_rule, summarise
-from jaxdepth.analyses.integrated_gradients import ig_inputs, quadrature
+from jaxdepth.analyses.ig.rules import RULE_VERSION, quadrature, run_rule, summarise
+from jaxdepth.analyses.integrated_gradients import ig_inputs, path_points
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load

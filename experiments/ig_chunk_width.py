@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core.sweep import auto_chunk_size, chunk_layout
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     prompt = batch.prompt(0, ig.PAD_TO)
     T = prompt.tokens.shape[1]
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
-    alphas, weights = (jnp.asarray(v, jnp.float32) for v in ig.quadrature("left", args.steps))
+    alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", args.steps))
     path = ig.study_path(x, b, inputs, args.layer, "layer")
     bound = auto_chunk_size(config, T, args.steps, grad=True)
     clock = Clock(quiet_s=args.quiet_timeout, repeat=args.repeat)

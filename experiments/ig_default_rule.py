@@ -1,7 +1,7 @@
 """Which integrated-gradients rule should the study use by default? The wall-clock time, end to
 end, of the published rule (left Riemann, 256 steps) against the adaptive rule at a 1%
 certified tolerance, on whole GSM8K prompts, every layer, through the study's own functions
-(`integrated_gradients` and `adaptive_integrated_gradients`).
+(`integrated_gradients` with the left and the adaptive rule).
 
 Each (prompt, rule) runs after its computations are compiled (compilation is timed apart), on a
 quiet machine (it waits until other processes use under a fifth of a core, and records how much
@@ -28,16 +28,18 @@ import jax
 import numpy as np
 
 from benchmarking.machine import CpuMeter, cpu_description, wait_quiet
-from jaxdepth.analyses import adaptive_ig, integrated_gradients as ig
+from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.ig import rules as ig_rules
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.sweep import auto_chunk_size
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
 
-# The adaptive rule runs with the library's budget; "adaptive-1%-budget-512" is the rule with the
-# budget it had before, which left early layers of GSM8K prompts uncertified.
+# The adaptive rule runs with a budget of 2048 evaluations per layer, the one its recorded results
+# were measured with (the library's default is now the fixed rule's 256: never dearer); the
+# "adaptive-1%-budget-512" rule left early layers of GSM8K prompts uncertified.
 RULES = {"left-256": dict(rule="left", steps=256),
-         "adaptive-1%": dict(rule="adaptive", tolerance=0.01, max_evaluations=adaptive_ig.MAX_EVALUATIONS),
+         "adaptive-1%": dict(rule="adaptive", tolerance=0.01, max_evaluations=2048),
          "adaptive-1%-budget-512": dict(rule="adaptive", tolerance=0.01, max_evaluations=512)}
 DEFAULT_RULES = ("left-256", "adaptive-1%")
 
@@ -51,13 +53,12 @@ def compile_rule(model, batch, spec: dict) -> float:
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
     last = config.num_layers - 1
     if spec["rule"] == "adaptive":
-        largest = adaptive_ig.largest_call(config, prompt.tokens.shape[1])
-        for size in sorted({s for n in range(1, 4 * largest) for s in adaptive_ig.call_sizes(n, largest)}):
-            jax.block_until_ready(adaptive_ig.path_points(p, prompt, x, b, inputs, layer=last,
-                                                          alphas=np.linspace(0, 1, size), config=config,
-                                                          chunk_size=size))
+        largest = ig_rules.largest_call(config, prompt.tokens.shape[1])
+        for size in sorted({s for n in range(1, 4 * largest) for s in ig_rules.call_sizes(n, largest)}):
+            jax.block_until_ready(ig.path_points(p, prompt, x, b, inputs, layer=last,
+                                                 alphas=np.linspace(0, 1, size), config=config, chunk_size=size))
     else:
-        alphas, weights = ig.quadrature(spec["rule"], spec["steps"])
+        alphas, weights = ig_rules.quadrature(spec["rule"], spec["steps"])
         chunk = auto_chunk_size(config, prompt.tokens.shape[1], spec["steps"], grad=True)
         jax.block_until_ready(ig.ig_of_layer(p, prompt, jax.numpy.int32(last),
                                              ig.study_path(x, b, inputs, last, "layer"), config,
@@ -77,8 +78,8 @@ def run_rule(model, batch, spec: dict) -> dict:
     finished = []  # the fixed rule's layers, as they finish
     with CpuMeter() as meter:
         if spec["rule"] == "adaptive":
-            r = adaptive_ig.adaptive_integrated_gradients(p, batch, config, tolerance=spec["tolerance"],
-                                                          max_evaluations=spec["max_evaluations"])
+            r = ig.integrated_gradients(p, batch, config, rule="adaptive", tolerance=spec["tolerance"],
+                                        max_evaluations=spec["max_evaluations"])
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
             per_layer = dict(layer_evaluations=r.evaluations[0].tolist())
         else:

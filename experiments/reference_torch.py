@@ -21,6 +21,12 @@ analysis code), so that agreement between the two is evidence that both compute 
   slower batch-1 form (one forward and backward per (layer, step)), kept for comparison.
 
 Token inputs are plain lists of ints (one prompt each, no padding: batch 1 needs none).
+
+Device: every tensor the reference makes is created on the device of the model's parameters
+(`Reference.device`: build or move the model there, e.g. `with torch.device("cuda"):` around its
+construction), and results come back to the host as numpy arrays. Nothing here sets torch's
+default device: `torch.set_default_device` adds a per-operation cost that would slow the
+reference down.
 """
 
 from __future__ import annotations
@@ -63,8 +69,13 @@ def hooks(*handles_or_registrations):
             h.remove()
 
 
-def _ids(tokens: Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(tokens, np.int64))[None]
+def _ids(tokens: Sequence[int], device=None) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(tokens, np.int64), device=device)[None]
+
+
+def _host(x: torch.Tensor) -> np.ndarray:
+    """A result tensor as a numpy array (a copy from the device when it is not on the CPU)."""
+    return x.cpu().numpy()
 
 
 def _rel_norm(x, y):
@@ -83,10 +94,17 @@ class Reference:
         self.layers = model.model.layers
         self.final_norm = model.model.norm
         self.L = len(self.layers)
+        self.device = next(model.parameters()).device  # where every tensor of the analyses is made
         self.forwards = 0  # forward passes run (backward passes are counted in `backwards`)
         self.backwards = 0
 
     # ------------------------------------------------------------------ plumbing
+    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        return _ids(tokens, self.device)
+
+    def _arange(self, *args, **kw) -> torch.Tensor:
+        return torch.arange(*args, device=self.device, **kw)
+
     def _logits(self, ids: torch.Tensor, **kw) -> torch.Tensor:
         self.forwards += 1
         return self.model(input_ids=ids, use_cache=False, **kw)
@@ -127,13 +145,13 @@ class Reference:
                 handles.append(layer.self_attn.register_forward_hook(cap(a, i)))
                 handles.append(layer.mlp.register_forward_hook(cap(m, i)))
             with hooks(*handles):
-                self._logits(_ids(tokens))
+                self._logits(self._ids(tokens))
             stats = []
             for hl, al, ml in zip(h, a, m):
                 mid, lay = hl + al, al + ml
                 stats.append(torch.stack([_rel_norm(al, hl), _rel_norm(ml, mid), _rel_norm(lay, hl),
                                           _cos(al, hl), _cos(ml, mid), _cos(lay, hl)], dim=-1))
-            per_prompt.append(torch.stack(stats).numpy())  # [L, T, 6]
+            per_prompt.append(_host(torch.stack(stats)))  # [L, T, 6]
         allv = np.concatenate(per_prompt, axis=1)  # [L, sum T, 6]
         names = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
         curves = {n: allv[:, :, k].mean(axis=1) for k, n in enumerate(names)}
@@ -145,7 +163,7 @@ class Reference:
         """Prompt-weighted curves `[L]` of KL(P_l || P) and top-5 overlap, and per-token values."""
         kls, overlaps = [], []
         for tokens in token_lists:
-            out = self._logits(_ids(tokens), output_hidden_states=True)
+            out = self._logits(self._ids(tokens), output_hidden_states=True)
             final = out.logits[0].float()
             final_logp = torch.log_softmax(final, -1)
             final_top = final.topk(TOP_K, dim=-1).indices
@@ -156,8 +174,8 @@ class Reference:
                 kl_p.append((logp.exp() * (logp - final_logp)).sum(-1))
                 top = logits.topk(TOP_K, dim=-1).indices
                 ov_p.append((top[:, :, None] == final_top[:, None, :]).sum((-2, -1)).float() / TOP_K)
-            kls.append(torch.stack(kl_p).numpy())
-            overlaps.append(torch.stack(ov_p).numpy())
+            kls.append(_host(torch.stack(kl_p)))
+            overlaps.append(_host(torch.stack(ov_p)))
         return {"kl": np.mean([k.mean(axis=1) for k in kls], axis=0),
                 "overlap": np.mean([o.mean(axis=1) for o in overlaps], axis=0),
                 "kl_per_token": kls, "overlap_per_token": overlaps}
@@ -173,7 +191,7 @@ class Reference:
         for i, tokens in enumerate(token_lists):
             if not splits[i]:
                 continue
-            ids = _ids(tokens)
+            ids = self._ids(tokens)
             hs: list = []
             with hooks(*self._boundary_recorders(hs)):
                 clean_probs = torch.softmax(self._logits(ids).logits[0].float(), -1)
@@ -190,7 +208,7 @@ class Reference:
                         probs = torch.softmax(self._logits(ids).logits[0].float(), -1)
                     delta = torch.stack([hs[j + 1] - hs[j] for j in range(L)])
                     change = _rel_norm(clean_delta - delta, clean_delta)[:, t:]  # [L, T - t]
-                    later[i, s] = np.maximum(later[i, s], change.max(dim=1).values.numpy())
+                    later[i, s] = np.maximum(later[i, s], _host(change.max(dim=1).values))
                     out_change = (probs - clean_probs)[t:].norm(dim=-1).max().item()
                     output[i, s] = max(output[i, s], out_change)
         return {"later": later.max(axis=0), "output": output.max(axis=0),
@@ -201,10 +219,10 @@ class Reference:
     def erasure(self, token_lists, answer_starts: Sequence[int], baseline: np.ndarray) -> list:
         """Per prompt `[L+1, T]`: max over answer-predicting positions of ||y - ȳ||_2 when h_l[t]
         is replaced by `baseline[l]`."""
-        base = torch.as_tensor(np.asarray(baseline, np.float32))
+        base = torch.as_tensor(np.asarray(baseline, np.float32), device=self.device)
         results = []
         for tokens, start in zip(token_lists, answer_starts):
-            ids = _ids(tokens)
+            ids = self._ids(tokens)
             T = len(tokens)
             predicting = slice(start - 1, T - 1)  # positions p whose output predicts answer token p+1
             clean = torch.softmax(self._logits(ids).logits[0].float(), -1)[predicting]
@@ -227,13 +245,13 @@ class Reference:
         """Per prompt: `patching [L+1, T]` = grad_l[t] . (b_l - h_l[t]) and `grad_x_act [L+1, T]`
         = grad_l[t] . h_l[t] of F (the IG objective), and `f_input` = F(x): one forward
         recording every boundary h_0..h_L, one backward to all of them."""
-        base = torch.as_tensor(np.asarray(baseline, np.float32))
+        base = torch.as_tensor(np.asarray(baseline, np.float32), device=self.device)
         modules = list(self.layers) + [self.final_norm]
         out = {"patching": [], "grad_x_act": [], "f_input": []}
         for tokens, start in zip(token_lists, answer_starts):
-            ids = _ids(tokens)
+            ids = self._ids(tokens)
             T = len(tokens)
-            predicting, targets = torch.arange(start - 1, T - 1), ids[0, start:T]
+            predicting, targets = self._arange(start - 1, T - 1), ids[0, start:T]
             boundaries = [None] * (self.L + 1)
 
             def keep(index):
@@ -251,8 +269,8 @@ class Reference:
             self.backwards += 1
             g = torch.stack([x[0] for x in grads]).float()  # [L+1, T, D]
             h = torch.stack([x[0] for x in boundaries]).detach().float()
-            out["patching"].append(((base[:, None] - h) * g).sum(-1).numpy())
-            out["grad_x_act"].append((h * g).sum(-1).numpy())
+            out["patching"].append(_host(((base[:, None] - h) * g).sum(-1)))
+            out["grad_x_act"].append(_host((h * g).sum(-1)))
             out["f_input"].append(f.item())
         return out
 
@@ -264,7 +282,7 @@ class Reference:
         if self.model.config._attn_implementation != "sdpa":
             raise ValueError("the reference's suffix runs need sdpa attention (causal without a mask)")
         T = h.shape[1]
-        positions = torch.arange(T)[None]
+        positions = self._arange(T)[None]
         rotary = self.model.model.rotary_emb(h, positions)
         for layer in self.layers[start:]:
             out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
@@ -278,12 +296,12 @@ class Reference:
         one forward and one backward per block of `block` steps, starting after layer l. Per
         prompt: `attributions [L, T]`, `f_input` = F(x), `f_baseline [L]` = F(b), completeness
         `gap [L]`."""
-        alphas = torch.arange(steps, dtype=torch.float32) / steps
+        alphas = self._arange(steps, dtype=torch.float32) / steps
         out = {"attributions": [], "f_input": [], "f_baseline": [], "gap": []}
         for tokens, start in zip(token_lists, answer_starts):
-            ids = _ids(tokens)
+            ids = self._ids(tokens)
             T = len(tokens)
-            predicting, targets = torch.arange(start - 1, T - 1), ids[0, start:T]
+            predicting, targets = self._arange(start - 1, T - 1), ids[0, start:T]
 
             def objective(logits):  # [B, T, V] -> F per batch member [B]
                 return torch.softmax(logits.float(), -1)[:, predicting, targets].sum(-1)
@@ -305,7 +323,7 @@ class Reference:
                     (g,) = torch.autograd.grad(objective(self._run_from(z, l + 1)).sum(), z)
                     self.backwards += 1
                     total += g.sum(0)
-                attributions[l] = ((x - b) * total / steps).sum(-1).numpy()
+                attributions[l] = _host(((x - b) * total / steps).sum(-1))
             _add_ig_prompt(out, attributions, f_input, f_baseline)
         return out
 
@@ -316,9 +334,9 @@ class Reference:
         alphas = [k / steps for k in range(steps)]
         out = {"attributions": [], "f_input": [], "f_baseline": [], "gap": []}
         for tokens, start in zip(token_lists, answer_starts):
-            ids = _ids(tokens)
+            ids = self._ids(tokens)
             T = len(tokens)
-            predicting = torch.arange(start - 1, T - 1)
+            predicting = self._arange(start - 1, T - 1)
             targets = ids[0, start:T]
 
             def objective(logits):
@@ -350,7 +368,7 @@ class Reference:
                         (g,) = torch.autograd.grad(f, z)
                         self.backwards += 1
                         total += g
-                attributions[l] = ((x - b) * total / steps).sum(-1).numpy()
+                attributions[l] = _host(((x - b) * total / steps).sum(-1))
             _add_ig_prompt(out, attributions, f_input, f_baseline)
         return out
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses import erasure, integrated_gradients as ig
+from jaxdepth.analyses.ig.checks import ig_baseline
+from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.interventions import replace_residual
@@ -55,7 +57,7 @@ def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
     h0 = embed(params, tokens)
     target = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
     x = residual_stream(params, tokens, config, valid=valid)[1:]
-    b = jnp.broadcast_to(jax.vmap(lambda xl: ig.ig_baseline(xl, valid, "channel_mean"))(x), x.shape)[:, 0]
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid, "channel_mean"))(x), x.shape)[:, 0]
     x = x[:, 0]
 
     def objective(z, layer):
@@ -113,9 +115,9 @@ def main():
         print(f"erasure, {what}: {t_ours:7.1f} s, saving x{t_plain / t_ours:.2f}; "
               f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}")
 
-    alphas, weights = ig.quadrature("left", args.ig_steps)
-    (a_ours, _, _), t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, alphas=alphas, weights=weights,
-                                                           chunk_size=args.chunk))
+    alphas, _ = quadrature("left", args.ig_steps)
+    ours, t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, steps=args.ig_steps, chunk_size=args.chunk))
+    a_ours = ours.per_position[:, 0]
     a_plain, t_plain = timed(lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c,
                                               args.chunk))
     print(f"IG ({args.ig_steps} steps): plain {t_plain:7.1f} s, jaxdepth {t_ours:7.1f} s, saving "

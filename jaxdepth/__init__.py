@@ -20,8 +20,7 @@ from jaxdepth.core.model import forward, residual_stream, run_layers
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
-from jaxdepth.analyses.ig_at_sites import SiteIG, integrated_gradients
-from jaxdepth.analyses.integrated_gradients import NonFiniteAttributionError
+from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
 
 __all__ = ["ModelConfig", "UnsupportedConfigError", "Interventions", "Model", "load", "forward",
            "residual_stream", "run_layers", "sites", "site_gradients", "integrated_gradients", "SiteIG",

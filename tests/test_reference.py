@@ -1,8 +1,8 @@
 """docs/reference.md, the API reference, against the package (fast: no model is loaded).
 
 The public names are those of `jaxdepth.__all__`, of `jaxdepth.sites` and of every module of
-`jaxdepth.analyses` (the functions and classes a module defines, `__module__` that module, whose
-names do not start with `_`), and the public methods and properties each of their classes
+`jaxdepth.analyses` and its subpackages (the functions and classes a module defines, `__module__`
+that module, whose names do not start with `_`), and the public methods and properties each of their classes
 defines. This test lists them itself, not through the generator, so that a generator that
 skipped one would not hide it:
 
@@ -56,8 +56,8 @@ def public_objects() -> dict:
 
     found = {f"jaxdepth.{name}": getattr(jaxdepth, name) for name in jaxdepth.__all__}
     found.update({f"jaxdepth.sites.{name}": obj for name, obj in _defined_in(sites).items()})
-    for info in pkgutil.iter_modules(analyses.__path__):
-        module = importlib.import_module(f"jaxdepth.analyses.{info.name}")
+    for info in pkgutil.walk_packages(analyses.__path__, prefix="jaxdepth.analyses."):
+        module = importlib.import_module(info.name)
         found.update({f"{module.__name__}.{name}": obj for name, obj in _defined_in(module).items()})
     return found
 

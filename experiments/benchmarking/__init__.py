@@ -9,7 +9,10 @@
 - `cases`: one module per registered analysis, and the registry `CASES`;
 - `agreement`: the rows that compare jaxdepth's results with the reference's;
 - `study`: the full study workload, extrapolated from the measured rates;
-- `report`: the log, the tables and the JSON report.
+- `report`: the log, the tables and the JSON report;
+- `on_device`: `experiments/benchmark_on_device.py`, the same comparison on a device (a GPU) and
+  on random weights of a named Hugging Face shape (Qwen2.5-1.5B, 7B), first calls and warm
+  calls apart.
 
 The modules import `reference_torch` (the reference) as a top-level module: `experiments/` is
 on `sys.path` wherever they run, as it is for every script there.

@@ -131,12 +131,14 @@ def _data_axis_size() -> int:
     return mesh.shape[DATA]
 
 
-def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, bytes_per: int = 4) -> int:
+def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, stored: bool = False,
+                 bytes_per: int = 4) -> int:
     """Rough peak activation bytes of one sweep member (one forward at batch 1, `seq_len` tokens).
 
     Counts the live layer activations (residual, q/k/v, MLP hidden, attention scores) and the
     float32 output distribution `[T, V]` that output statistics need. With `grad=True` the
-    rematerialised backward also keeps one residual per layer.
+    rematerialised backward also keeps one residual per layer; with `stored=True` too, the
+    backward keeps every layer's activations instead.
     """
     c = config
     per_layer = seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -144,14 +146,15 @@ def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, bytes
     out = 3 * seq_len * c.vocab_size
     total = per_layer + out
     if grad:
-        total += c.num_layers * seq_len * c.hidden_size + per_layer + out
+        kept = c.num_layers * per_layer if stored else c.num_layers * seq_len * c.hidden_size + per_layer
+        total += kept + out
     return total * bytes_per
 
 
 def auto_chunk_size(config: ModelConfig, seq_len: int, n_members: int, *, grad: bool = False,
-                    memory_budget: Optional[int] = None) -> int:
+                    stored: bool = False, memory_budget: Optional[int] = None) -> int:
     """The largest chunk of sweep members whose activations fit in `memory_budget` bytes
     (default: `available_memory_budget()`, read when the sweep starts)."""
     budget = available_memory_budget() if memory_budget is None else memory_budget
-    per = member_bytes(config, seq_len, grad=grad)
+    per = member_bytes(config, seq_len, grad=grad, stored=stored)
     return int(np.clip(budget // per, 1, max(n_members, 1)))

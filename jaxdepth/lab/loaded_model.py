@@ -72,7 +72,7 @@ class Model:
         """`jaxdepth.integrated_gradients` on this model: a `SiteIG` attributing the scalar
         `metric(logits)` to the value at a site of each layer (options as there: `site`,
         `layers`, `baseline`, `rule`, `steps`, `tolerance`, `interventions`, `valid`, ...)."""
-        from jaxdepth.analyses.ig_at_sites import integrated_gradients
+        from jaxdepth.analyses.ig import integrated_gradients
 
         return integrated_gradients(self.params, token_ids, self.config, metric, **options)
 

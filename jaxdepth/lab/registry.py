@@ -74,10 +74,11 @@ def analysis(name: str) -> Analysis:
 # ----------------------------------------------------------------------------- the built-in suite
 
 def _register_builtins():
-    from jaxdepth.analyses import (adaptive_ig, attribution, contributions, erasure, integrated_gradients, layer_skip,
+    from jaxdepth.analyses import (attribution, contributions, erasure, integrated_gradients, layer_skip,
                                    logit_lens)
     from jaxdepth.lab import plots
     from jaxdepth.analyses import effective_depth as ed
+    from jaxdepth.analyses.ig import rules as ig_rules
 
     def per_prompt_figures(draw):
         def figures(result, tokenizer, detail_prompts):
@@ -126,8 +127,9 @@ def _register_builtins():
         summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"], detail=True, uses_baseline=True))
     def ig_identity(s):
         if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
-            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": s.ig_max_evaluations,
-                    "ig_rule_version": adaptive_ig.RULE_VERSION}
+            budget = ig_rules.default_budget(s.ig_steps) if s.ig_max_evaluations is None else s.ig_max_evaluations
+            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": budget,
+                    "ig_rule_version": ig_rules.RULE_VERSION}
         else:
             rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
         return {"detail_prompts": s.detail_prompts, **rule, "ig_baseline": s.ig_baseline,
@@ -138,14 +140,13 @@ def _register_builtins():
         s, m = x.settings, x.model
         common = dict(baseline=s.ig_baseline, target=s.ig_target, memory_budget=s.memory_budget, progress=x.progress)
         if s.ig_rule == "adaptive":
-            return adaptive_ig.adaptive_integrated_gradients(m.params, x.batch, m.config, tolerance=s.ig_tolerance,
-                                                             max_evaluations=s.ig_max_evaluations, **common)
+            common.update(tolerance=s.ig_tolerance, max_evaluations=s.ig_max_evaluations)
         return integrated_gradients.integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule,
                                                          **common)
 
     def ig_summary(r):
         line = [f"IG ({r.rule}) max |completeness gap| {abs(r.gap).max():.2g}"]
-        if isinstance(r, adaptive_ig.AdaptiveIGResult):
+        if r.converged is not None:
             line.append(f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
                         f"{int(r.evaluations.sum())} gradient evaluations")
         return line

@@ -22,7 +22,6 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.analyses.adaptive_ig import MAX_EVALUATIONS
 from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.sharding import is_writer, writer_decides
@@ -46,7 +45,8 @@ class StudySettings:
     ig_baseline: str = "channel_mean"
     ig_target: str = "layer"  # IG with respect to each layer's output, or its 'attn' / 'mlp' output
     ig_tolerance: float = 0.01  # ig_rule 'adaptive': certified completeness bound, relative to |F(x) - F(b)|
-    ig_max_evaluations: int = MAX_EVALUATIONS  # ig_rule 'adaptive': gradient evaluations per layer at most
+    # ig_rule 'adaptive': gradient evaluations per layer at most; None: ig_steps, never more than the fixed rule
+    ig_max_evaluations: Optional[int] = None
     memory_budget: Optional[int] = None
 
 

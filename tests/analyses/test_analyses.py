@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens, uncertainty
+from jaxdepth.analyses.ig.path import suffix_value_and_grad
+from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core import sites
 from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.config import ModelConfig
@@ -352,7 +354,7 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
     np.testing.assert_allclose(chunked.attributions, result.attributions, rtol=1e-5, atol=1e-8)
     one = batch.single(1)
     hs = residual_stream(params, jnp.asarray(one.tokens), CONFIG, valid=jnp.asarray(one.valid))
-    alphas, weights = ig.quadrature("midpoint", steps)
+    alphas, weights = quadrature("midpoint", steps)
     for layer in range(CONFIG.num_layers):
         x = hs[layer + 1]
         v = one.valid[0][:, None]
@@ -366,17 +368,18 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
 
 
-def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch):
-    # The hand-written backward (layer by layer, recomputing each layer) gives F and dF/dh_start
-    # of a plain forward with h_start set, from every start.
+@pytest.mark.parametrize("backward", ["recompute", "stored"])
+def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backward):
+    # Both backwards (layer by layer recomputing each layer, or a scan keeping the activations)
+    # give F and dF/dh_start of a plain forward with h_start set, from every start.
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     objective = ig.answer_objective(params, batch.prompt(1), CONFIG)
     hs = residual_stream(params, tokens, CONFIG, valid=valid)
     for start in range(CONFIG.num_layers + 1):
         z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident
-        value, grad = jax.jit(lambda z, s: ig.suffix_value_and_grad(params, z, s, CONFIG, objective,
-                                                                    valid=valid))(z, start)
+        value, grad = jax.jit(lambda z, s: suffix_value_and_grad(params, z, s, CONFIG, objective, valid=valid,
+                                                                 backward=backward))(z, start)
         if start > 0:  # boundary `start` = the output of layer start - 1
             assert float(value) == pytest.approx(float(_objective(params, one, start - 1, z)), abs=1e-6)
             np.testing.assert_allclose(grad, _objective(params, one, start - 1, z, grad=True), atol=1e-6)
@@ -415,7 +418,7 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
     answer = jnp.asarray(one.answer_prediction_mask()[0])
     _, xs = run_layers(params, embed(params, tokens), CONFIG, valid=valid,
                        tap=lambda r, _: r.attn if target == "attn" else r.mlp)
-    alphas, weights = ig.quadrature("midpoint", steps)
+    alphas, weights = quadrature("midpoint", steps)
     v = one.valid[0][:, None]
     for layer in range(CONFIG.num_layers):
         x = np.asarray(xs[layer])
@@ -452,11 +455,11 @@ def test_ig_zero_where_the_output_cannot_depend(params, batch):
 
 def test_quadrature_rules_integrate_exactly():
     for rule, steps in (("left", 4), ("midpoint", 4), ("gauss", 3)):
-        a, w = ig.quadrature(rule, steps)
+        a, w = quadrature(rule, steps)
         assert np.isclose(w.sum(), 1.0)
-    a, w = ig.quadrature("left", 4)
+    a, w = quadrature("left", 4)
     np.testing.assert_array_equal(a, [0, 0.25, 0.5, 0.75])
-    a, w = ig.quadrature("gauss", 3)
+    a, w = quadrature("gauss", 3)
     assert np.isclose(np.sum(w * a ** 5), 1 / 6)  # exact for polynomials up to degree 5
 
 

@@ -13,7 +13,8 @@ import pytest
 
 import jaxdepth
 from conftest import assert_close
-from jaxdepth.analyses.integrated_gradients import ig_baseline, quadrature
+from jaxdepth.analyses.ig.checks import ig_baseline
+from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, run_layers, embed
@@ -257,3 +258,21 @@ def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
         result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="attn_out",
                                                layers=[0], steps=8, baseline="zero")
     assert np.all(np.isfinite(result.per_position))
+
+
+@pytest.mark.parametrize("site, rule", [("resid_post", "left"), ("mlp_out", "gauss"), ("head_out", "adaptive")])
+def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
+    """Keeping the later layers' activations instead of recomputing them changes no number
+    beyond float32 rounding, for a residual site, a site inside the layer and the adaptive rule."""
+    params, tokens = _setup()
+    tokens = tokens[:1] if rule == "adaptive" else tokens
+    options = dict(site=site, layers=[0, 2], rule=rule, **({"tolerance": 0.05} if rule == "adaptive" else {"steps": 8}))
+    metric = logit_difference_of_one if rule == "adaptive" else logit_difference
+    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, **options)
+    stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="stored", **options)
+    np.testing.assert_array_equal(stored.evaluations, recomputed.evaluations)
+    assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
+    assert_close(stored.attributions, recomputed.attributions, "per channel", tol=1e-5)
+    assert_close(stored.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
+    with pytest.raises(ValueError, match=r"backward must be one of \('recompute', 'stored'\)"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="kept", **options)

@@ -16,7 +16,8 @@ from conftest import assert_close, assert_moved
 from jaxdepth.core import compilation, sites
 from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.analyses.integrated_gradients import ig_of_prompt, quadrature
+from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.integrated_gradients import ig_of_prompt
 from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
                                  residual_stream, rms_norm, rotary_tables, run_layers, unembed)
@@ -190,7 +191,8 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     answer_positions, answer_real = jnp.arange(5, T - 1), jnp.ones(T - 6, bool)
     alphas, weights = quadrature("left", steps)
     prompt = PromptArrays(tokens, valid, answer_positions, answer_real)
-    ours, f_x, f_b = ig_of_prompt(params, prompt, CONFIG, alphas=alphas, weights=weights, interventions=iv)
+    result = ig_of_prompt(params, prompt, CONFIG, steps=steps, interventions=iv)
+    ours, f_x, f_b = result.per_position[:, 0], result.f_input[0], result.f_baseline[:, 0]
 
     targets = tokens[0, answer_positions + 1]
 
@@ -209,7 +211,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     assert_close(ours[l], expected, f"IG of layer l under the {kind}")
     assert_close(f_x, F(x), "F(x)")
     assert_close(f_b[l], F(b), "F(b)")
-    clean, _, _ = ig_of_prompt(params, prompt, CONFIG, alphas=alphas, weights=weights)
+    clean = ig_of_prompt(params, prompt, CONFIG, steps=steps).per_position[:, 0]
     assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 1e-3, f"the {kind} did not change the attributions"
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
-from jaxdepth.analyses.adaptive_ig import INITIAL_INTERVALS, adaptive_ig_of_prompt, path_points, run_rule, summarise
-from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients, quadrature
+from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
+from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
+from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import encode
@@ -51,7 +52,9 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
                                                      tolerance=np.full(L, tolerance), max_evaluations=2048))
 
     def check_against_the_rule(result, tolerance):
-        direct = adaptive_ig_of_prompt(p, prompt, config, tolerance=np.full(L, tolerance), max_evaluations=2048)
+        direct = ig_of_prompt(p, prompt, config, rule="adaptive", tolerance=np.full(L, tolerance), max_evaluations=2048)
+        direct = dict(evaluations=direct.evaluations[:, 0], converged=direct.converged[:, 0],
+                      attributions=direct.per_position[:, 0])
         assert np.array_equal(result["evaluations"], direct["evaluations"])
         np.testing.assert_array_equal(result["converged"], direct["converged"])
         np.testing.assert_allclose(result["attributions"], direct["attributions"], rtol=1e-5, atol=1e-7)

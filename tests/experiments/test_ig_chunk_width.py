@@ -10,6 +10,7 @@ import numpy as np
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
 
@@ -36,7 +37,7 @@ def test_each_width_is_timed_and_gives_the_same_attributions(tmp_path, capsys):
     model = load(checkpoint)
     prompt = encode(model.tokenizer, [format_short(ROW)], context=256).prompt(0, ig.PAD_TO)
     x, b, inputs, _ = ig.ig_inputs(model.params, prompt, model.config)
-    alphas, weights = (jnp.asarray(v, jnp.float32) for v in ig.quadrature("left", 8))
+    alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", 8))
     path = ig.study_path(x, b, inputs, 0, "layer")
     by_width = [np.asarray(ig.ig_of_layer(model.params, prompt, jnp.int32(0), path, model.config, alphas=alphas,
                                           weights=weights, chunk_size=w)[0]) for w in (3, 8)]

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
-from jaxdepth.analyses.adaptive_ig import adaptive_integrated_gradients
 from jaxdepth.analyses.integrated_gradients import integrated_gradients
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
@@ -36,8 +35,8 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     L = model.config.num_layers
     fixed = integrated_gradients(model.params, batch, model.config, steps=256, rule="left", progress=False)
     spec = experiment.RULES["adaptive-1%"]
-    adaptive = adaptive_integrated_gradients(model.params, batch, model.config, tolerance=spec["tolerance"],
-                                             max_evaluations=spec["max_evaluations"], progress=False)
+    adaptive = integrated_gradients(model.params, batch, model.config, rule="adaptive", tolerance=spec["tolerance"],
+                                    max_evaluations=spec["max_evaluations"], progress=False)
     for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
         gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])
         # the chunk size follows the free memory at the time, and the chunking the float32 sums

@@ -255,16 +255,17 @@ def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
 
 
 def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
-    from jaxdepth.analyses.adaptive_ig import AdaptiveIGResult
-
+    # a budget for the tolerance: the default, the fixed rule's --ig-steps 2, is far too small
     args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive",
-                     "--ig-tolerance", "0.05", "--no-figures")
+                     "--ig-max-evaluations", "512", "--ig-tolerance", "0.05", "--no-figures")
     assert main(args) == 0
     result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
-    assert isinstance(result, AdaptiveIGResult)
+    assert result.converged is not None and result.settings["rule"] == "adaptive"
     assert result.settings["identity"]["ig_tolerance"] == 0.05 and "ig_steps" not in result.settings["identity"]
-    # converged layers hold their certificate: |gap| <= bound <= tolerance * |F(x) - F(b)|
-    scale = np.maximum(np.abs(result.f_input[:, None] - result.f_baseline), 1e-6)
+    # converged layers hold their certificate: |gap| <= bound <= tolerance * scale, the scale
+    # |F(x) - F(b)| or the floor, a tenth of |F(x)|
+    f_x = result.f_input[:, None]
+    scale = np.maximum(np.maximum(np.abs(f_x - result.f_baseline), 0.1 * np.abs(f_x)), 1e-6)
     ok = result.converged
     assert ok.any()
     assert np.all(np.abs(result.gap[ok]) <= result.bound[ok] + 1e-6)
@@ -277,12 +278,10 @@ def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
 
 
 def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, capsys):
-    from jaxdepth.analyses.adaptive_ig import MAX_EVALUATIONS
-
     args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive", "--no-figures")
     assert main(args) == 0
     path = str(tmp_path / "model" / "default" / "integrated_gradients.npz")
-    assert load_result(path).settings["identity"]["ig_max_evaluations"] == MAX_EVALUATIONS
+    assert load_result(path).settings["identity"]["ig_max_evaluations"] == 3  # --ig-steps 2: the fixed rule's, at least 3
     capsys.readouterr()
     # another budget, below the first round's 23 nodes: run again, within it
     assert main(args + ["--ig-max-evaluations", "9"]) == 0

@@ -69,10 +69,10 @@ CASE = Case(
 # ----------------------------------------------------------------------------- the adaptive rule
 
 def adaptive_jaxdepth(bench: Bench, w: Workload):
-    from jaxdepth.analyses.adaptive_ig import adaptive_integrated_gradients
+    from jaxdepth.analyses.integrated_gradients import integrated_gradients
 
-    return adaptive_integrated_gradients(bench.model.params, w.batch, bench.config, tolerance=bench.args.ig_tolerance,
-                                         progress=False)
+    return integrated_gradients(bench.model.params, w.batch, bench.config, rule="adaptive",
+                                tolerance=bench.args.ig_tolerance, progress=False)
 
 
 def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -> dict:
