@@ -87,6 +87,42 @@ def jit(fun: Callable | None = None, **jit_kwargs):
     return _Jitted(fun, jit_kwargs)
 
 
+# jax.monitoring events of one compilation: tracing to a jaxpr, lowering to MLIR, and XLA's
+# compilation (or its retrieval from the persistent cache, counted apart as a cache hit).
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+BACKEND_COMPILE_EVENT = COMPILE_EVENTS[-1]
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileClock:
+    """While open (`with CompileClock() as clock:`), the compilations of this process and their
+    seconds: `seconds` (tracing, lowering and XLA's compilation together), `compilations` (XLA
+    compilations, persistent-cache hits included) and `cache_hits` (programs read back from the
+    persistent compilation cache instead of compiled). Read from `jax.monitoring`'s events, so
+    it counts every jit of the process, jaxdepth's or not."""
+
+    def __init__(self):
+        self.seconds, self.compilations, self.cache_hits = 0.0, 0, 0
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.seconds += seconds
+            self.compilations += event == BACKEND_COMPILE_EVENT
+
+    def _event(self, event: str, **_) -> None:
+        self.cache_hits += event == CACHE_HIT_EVENT
+
+    def __enter__(self) -> "CompileClock":
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
+
+
 def use_compilation_cache(directory: str) -> None:
     """Keep compiled programs in `directory` (JAX's persistent compilation cache), so that a
     rerun (new settings, a resumed study, the next model size's sibling run) does not compile

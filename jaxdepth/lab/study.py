@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.compilation import CompileClock
 from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.registry import ANALYSES, RunInputs, analysis
@@ -157,15 +158,22 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
                     results[entry.name] = cached
                     continue
                 start = time.perf_counter()
-                result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
+                with CompileClock() as compiling:
+                    result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
                 seconds = time.perf_counter() - start
                 _check_finite(entry.name, result)
-                result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
+                # compilation and computation apart: a first run pays compiles a rerun or the
+                # persistent compilation cache does not
+                result.settings.update(identity=identity, versions=software_versions(), seconds=seconds,
+                                       compile_seconds=compiling.seconds, compute_seconds=seconds - compiling.seconds,
+                                       compilations=compiling.compilations,
+                                       compilation_cache_hits=compiling.cache_hits)
                 if entry.uses_baseline:
                     result.settings["baseline"] = baseline_name or "the dataset's own prompts"
                 if is_writer():
                     result.save(path)
-                log(f"{entry.name}: {seconds:.1f} s -> {folder}")
+                log(f"{entry.name}: {seconds:.1f} s ({compiling.seconds:.1f} s compiling {compiling.compilations} "
+                    f"programs, {compiling.cache_hits} read from the compilation cache) -> {folder}")
                 results[entry.name] = result
             if len(failures.records) > failed_before:
                 error = failures.records[-1].error

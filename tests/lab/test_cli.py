@@ -270,7 +270,12 @@ def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
     assert ok.any()
     assert np.all(np.abs(result.gap[ok]) <= result.bound[ok] + 1e-6)
     assert np.all(result.bound[ok] <= 0.05 * scale[ok] + 1e-7)
-    assert "layers converged" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layers converged" in out and "s compiling" in out
+    # the run's seconds, split into compilation and computation
+    s = result.settings
+    assert s["compile_seconds"] > 0 and s["compilations"] > 0
+    assert s["compile_seconds"] + s["compute_seconds"] == pytest.approx(s["seconds"])
     assert main(args) == 0  # a rerun reuses it; another tolerance does not
     assert "integrated_gradients: reusing" in capsys.readouterr().out
     assert main(args[:-2] + ["0.02", "--no-figures"]) == 0
