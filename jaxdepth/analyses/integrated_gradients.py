@@ -92,21 +92,28 @@ def study_path(x, b, inputs, layer, target: str) -> LayerPath:
 
 
 def ig_of_layer(params, prompt: PromptArrays, layer, path: LayerPath, config: ModelConfig, *, alphas, weights,
-                chunk_size: Optional[int] = None, interventions=None, target: str = "layer"):
+                chunk_size: Optional[int] = None, interventions=None, target: str = "layer",
+                backward: str = "recompute"):
     """IG of one layer along `path` (`study_path`) with the rule `alphas`, `weights`:
-    `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F."""
+    `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F (the
+    computation the engine compiles: `backward` passed on as it passes it)."""
     g, f_base = weighted_gradient(params, prompt.valid, layer, path, alphas, weights, config, site=TARGETS[target],
-                                  chunk_size=chunk_size, interventions=interventions, **_answer_metric(prompt))
+                                  chunk_size=chunk_size, interventions=interventions, backward=backward,
+                                  **_answer_metric(prompt))
     return jnp.sum((path.x - path.b) * g, axis=-1)[0] * prompt.valid[0], f_base[0]
 
 
 def path_points(params, prompt: PromptArrays, x, b, inputs, *, layer: int, alphas, config: ModelConfig,
-                interventions=None, target: str = "layer", grad: bool = True, chunk_size: Optional[int] = None):
+                interventions=None, target: str = "layer", grad: bool = True, chunk_size: Optional[int] = None,
+                backward: str = "recompute"):
     """The adaptive rule's evaluations (`jaxdepth.analyses.ig.path.path_points`) of layer `layer`
-    for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`)."""
+    for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`).
+    `backward` is always passed on, as the engine passes it: a static argument given or left to
+    its default would be two compilations."""
     return site_path_points(params, prompt.valid, jnp.int32(layer), study_path(x, b, inputs, layer, target),
                             jnp.asarray(alphas, jnp.float32), config, site=TARGETS[target],
-                            interventions=interventions, grad=grad, chunk_size=chunk_size, **_answer_metric(prompt))
+                            interventions=interventions, grad=grad, chunk_size=chunk_size, backward=backward,
+                            **_answer_metric(prompt))
 
 
 def ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, rule: str = "left",
