@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from benchmarking.machine import cpu_description
 from jaxdepth.analyses.ig.rules import RULE_VERSION, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_inputs, path_points
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
@@ -194,7 +195,7 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
                        reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET,
                        model_name: str = "") -> dict:
     p, config, L = model.params, model.config, model.config.num_layers
-    prompt = batch.prompt(0, pad_to_multiple=4)  # every rule runs at this length: tighter padding, less work
+    prompt = batch.prompt(0, LengthBuckets(4, geometric=False))  # every rule at this length: the least padding
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
     f_input = float(f_input)
     device = device_description()  # what every time of this prompt is measured on

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.sweep import auto_chunk_size, chunk_layout
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     p, config = model.params, model.config
     batch = encode(model.tokenizer, [format_short(read_rows("gsm8k", args.data)[args.row])],
                    context=config.max_position_embeddings)
-    prompt = batch.prompt(0, ig.PAD_TO)
+    prompt = batch.prompt(0, LengthBuckets(4, geometric=False))
     T = prompt.tokens.shape[1]
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
     alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", args.steps))

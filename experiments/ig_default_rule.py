@@ -30,6 +30,7 @@ import numpy as np
 from benchmarking.machine import CpuMeter, cpu_description, wait_quiet
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig import rules as ig_rules
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.sweep import auto_chunk_size
 from jaxdepth.lab.prompts import encode, format_short, read_rows
@@ -48,7 +49,7 @@ def compile_rule(model, batch, spec: dict) -> float:
     """Compile what `run_rule` will run on `batch` (its last layer only: no suffix, cheap);
     returns the seconds it took."""
     p, config = model.params, model.config
-    prompt = batch.prompt(0, ig.PAD_TO)
+    prompt = batch.prompt(0, LengthBuckets(4, geometric=False))
     start = time.perf_counter()
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
     last = config.num_layers - 1

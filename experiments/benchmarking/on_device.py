@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     work.add_argument("--ig-steps", type=int, help="integrated-gradients steps (left Riemann)")
     work.add_argument("--ig-prompts", type=int, help="prompts for integrated gradients")
     work.add_argument("--ig-max-tokens", type=int, help="token cap for integrated gradients (0: none)")
-    work.add_argument("--ig-backward", choices=("recompute", "stored"), default=None,
+    work.add_argument("--ig-backward", choices=("auto", "recompute", "stored"), default=None,
                       help="jaxdepth's IG backward, where its integrated_gradients takes a `backward` option")
     work.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
                       help="bfloat16: also run jaxdepth's IG on bfloat16 params, and report its attributions "
@@ -605,7 +605,7 @@ def main(argv=None) -> int:
 
     from jaxdepth.core.batch import make_batch
 
-    full = make_batch(ids.token_lists, ids.answer_starts, pad_to_multiple=16, pad_id=0)
+    full = make_batch(ids.token_lists, ids.answer_starts, pad_id=0)
     caps = dict(integrated_gradients=(args.ig_prompts, args.ig_max_tokens),
                 erasure=(args.erasure_prompts, args.erasure_max_tokens),
                 layer_skip=(args.skip_prompts, args.skip_max_tokens))
@@ -656,8 +656,8 @@ def main(argv=None) -> int:
             case, note = ig_case, f"; {steps} steps x {c.num_layers} layers"
             if args.ig_backward:
                 note += f"; jaxdepth's backward {args.ig_backward}"
-            if args.ig_backward not in (None, "recompute"):
-                executed = None  # the FLOP model counts the recomputing backward's passes
+            if args.ig_backward not in (None, "auto"):
+                executed = None  # the FLOP model counts the passes of the backward 'auto' chooses
         elif name == "erasure":
             jax_fn, case = (lambda w=w: erasure_case.run_jaxdepth(bench, w)), erasure_case
             note = f"; every boundary 0..{c.num_layers} x position"

@@ -50,7 +50,7 @@ def truncate(full, indices, cap: Optional[int], pad_id: int, name: str) -> Workl
             replaced += 1
         token_lists.append(tokens)
         starts.append(start)
-    batch = make_batch(token_lists, starts, pad_to_multiple=16, pad_id=pad_id)
+    batch = make_batch(token_lists, starts, pad_id=pad_id)
     return Workload(name, batch, token_lists, starts, replaced, cap)
 
 

@@ -117,8 +117,9 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
     stats = np.zeros((L, len(batch), T, len(STATISTICS)), np.float32)
     for index, group in batch.groups():
         Tg = group.tokens.shape[1]
-        stats[:, index, :Tg] = to_host(contribution_stats(params, jnp.asarray(group.tokens), jnp.asarray(group.valid),
-                                                             config, interventions))
+        group_stats = contribution_stats(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config,
+                                         interventions)
+        stats[:, index, :Tg] = to_host(group_stats)[:, :len(index)]
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
     curves = token_mean(values, batch.valid)  # [6, L]
     # Per-prompt means from the same per-token statistics (no second pass through the model).

@@ -175,13 +175,13 @@ def erasure_of_block(params, clean_state, prompt: PromptArrays, baseline, config
             # Causality: an erasure at t changes no position before t, and at the last boundary
             # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
             reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-            if metric is None:  # the LM head on the answer rows only
-                probs = jax.nn.softmax(unembed(params, h[:, read], config), axis=-1)
-                return effect(probs, clean, reach, answer)
-            logits = unembed(params, h, config)  # the metric reads every row: the answer's are among them
-            erased = erased_logits(logits, clean_logits, position, boundary, L)
-            probs = jax.nn.softmax(logits[:, read], axis=-1)
-            return effect(probs, clean, reach, answer), metric_value(metric, erased) - clean_metric
+            # The LM head on the answer rows only; with a metric too, which reads every row, the
+            # effect is still taken from these rows' own product, so it is the same to the bit.
+            value = effect(jax.nn.softmax(unembed(params, h[:, read], config), axis=-1), clean, reach, answer)
+            if metric is None:
+                return value
+            erased = erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
+            return value, metric_value(metric, erased) - clean_metric
         return sweep(member, jnp.arange(first, stop), chunk_size)
 
     return jax.lax.map(boundary_effects, jnp.arange(L + 1))
@@ -265,8 +265,8 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     `[1, T, V]` returning a scalar (anything else is refused at trace time), defined once (it is
     a static argument: a new function compiles anew). `metric_change` then holds
     `metric(erased) - metric(clean)` for every erasure, beside `effects`. T is the prompt's
-    padded length (its length rounded up to 16): positions from its length on are padding, and
-    a metric should read only positions every prompt has.
+    padded length (its length bucket, `PromptBatch.buckets`): positions from its length on are
+    padding, and a metric should read only positions every prompt has.
 
     `chunk_size` and `memory_budget` (bytes; default a share of the free memory) bound how many
     erasures are vmapped at once: memory, not what is computed. `progress` shows a progress

@@ -35,11 +35,6 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.saved_result import SavedResult
 
-# Each prompt runs padded to a multiple of this many positions, not the 16 of the other
-# analyses: a padded position costs every interpolation step of every layer (a 20-token prompt
-# padded to 32 would cost 1.6x), while a compilation shared with prompts of similar length
-# saves seconds of hours.
-PAD_TO = 4
 # What a layer's attribution is taken with respect to, per study target: the site of its
 # output h_{l+1}, or of one of its sublayers' outputs.
 TARGETS = {"layer": "resid_post", "attn": "attn_out", "mlp": "mlp_out"}
@@ -121,7 +116,7 @@ def ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, rule: str
                  baseline: str = "channel_mean", target: str = "layer", chunk_size: Optional[int] = None,
                  memory_budget: Optional[int] = None, interventions=None, nonfinite: str = "raise",
                  on_layer: Optional[Callable[[], None]] = None, label=None, adaptive_options=None,
-                 backward: str = "recompute"):
+                 backward: str = "auto"):
     """IG of every layer for one prompt (`PromptArrays`, batch 1): the engine's `SiteIG` with
     the studies' F (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...).
 
@@ -186,12 +181,11 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
                          interventions=None, on_layer: Optional[Callable[[], None]] = None,
                          nonfinite: str = "raise", atol: float = rules.ATOL, grid_points: int = rules.GRID_POINTS,
                          initial_intervals: int = rules.INITIAL_INTERVALS,
-                         backward: str = "recompute") -> IntegratedGradientsResult:
+                         backward: str = "auto") -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
-    its own padded length, `batch.single(i, PAD_TO)`, so position masks in them must have that
-    length).
+    its own bucket length, `batch.single(i)`, so position masks in them must have that length).
 
     `rule`: 'left' (the published rule), 'midpoint' or 'gauss' with `steps`; or 'adaptive', each
     layer refined until its certified completeness bound is at most `tolerance` (default 0.01;
@@ -201,7 +195,7 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     rule's start (`jaxdepth.analyses.ig.rules`). `nonfinite`: 'raise' (default) stops at the
     first prompt with a NaN or infinite F or attribution, naming its layers and positions
     (`NonFiniteAttributionError`); 'warn' warns and goes on. `on_layer()` is called as each
-    layer of each prompt finishes. `backward`: 'recompute' (default) or 'stored', as
+    layer of each prompt finishes. `backward`: 'auto' (default), 'stored' or 'recompute', as
     `jaxdepth.integrated_gradients`; the numbers are the same either way, to float32 rounding."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
@@ -231,7 +225,7 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
                 on_layer()
 
         for i in range(P):
-            prompt = batch.prompt(i, PAD_TO)
+            prompt = batch.prompt(i)
             Ti = prompt.tokens.shape[1]
             r = ig_of_prompt(params, prompt, config, rule=rule, steps=steps, tolerance=tolerances,
                              max_evaluations=max_evaluations, baseline=baseline, target=target,

@@ -320,8 +320,8 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
     a static argument: a new function compiles anew). The result's `metric_change_per_prompt`
     and `metric_change` then hold `metric(skipped) - metric(clean)` (see `LayerSkipResult`),
     read on the whole output, positions before the split included. T is the prompt's padded
-    length (its length rounded up to 16): positions from its length on are padding, and a
-    metric should read only positions every prompt has.
+    length (its length bucket, `PromptBatch.buckets`): positions from its length on are
+    padding, and a metric should read only positions every prompt has.
     """
     if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
         raise ValueError(f"sublayer must be one of {SUBLAYERS}, mode one of {MODES} and splits one of {SPLITS}")

@@ -112,7 +112,7 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
         k, o = lens_per_token(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config, translators,
                               interventions)
         Tg = group.tokens.shape[1]
-        kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k), to_host(o)
+        kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k)[:, :len(index)], to_host(o)[:, :len(index)]
     agg = aggregate[weighting]
     # Per-prompt means from the same per-position statistics (no second pass through the model).
     per_prompt = lambda x: per_prompt_mean(x, batch.valid).T  # [N, L]

@@ -127,7 +127,9 @@ def use_compilation_cache(directory: str) -> None:
     """Keep compiled programs in `directory` (JAX's persistent compilation cache), so that a
     rerun (new settings, a resumed study, the next model size's sibling run) does not compile
     again what an earlier run compiled. A cache the user configured (`JAX_COMPILATION_CACHE_DIR`
-    or `jax.config`) is left as it is. Call it before the first compilation: JAX reads the
-    setting once."""
+    or `jax.config`) is left as it is. Every program is kept, however quick its compilation
+    (JAX keeps only those over a second by default: a rerun would compile the rest again). Call
+    it before the first compilation: JAX reads the setting once."""
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

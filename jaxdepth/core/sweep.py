@@ -137,8 +137,8 @@ def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, store
 
     Counts the live layer activations (residual, q/k/v, MLP hidden, attention scores) and the
     float32 output distribution `[T, V]` that output statistics need. With `grad=True` the
-    rematerialised backward also keeps one residual per layer; with `stored=True` too, the
-    backward keeps every layer's activations instead.
+    rematerialised backward also keeps one residual per layer; with `stored=True` instead, each
+    layer's matmul outputs (`jaxdepth.analyses.ig.path.suffix_value_and_grad`'s 'stored').
     """
     c = config
     per_layer = seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -146,7 +146,9 @@ def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, store
     out = 3 * seq_len * c.vocab_size
     total = per_layer + out
     if grad:
-        kept = c.num_layers * per_layer if stored else c.num_layers * seq_len * c.hidden_size + per_layer
+        matmul_outputs = seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                                    + 2 * c.intermediate_size) + c.num_heads * seq_len * seq_len
+        kept = c.num_layers * (matmul_outputs if stored else seq_len * c.hidden_size) + per_layer
         total += kept + out
     return total * bytes_per
 

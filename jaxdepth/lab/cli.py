@@ -137,7 +137,7 @@ def _run(args) -> int:
 
     def encoded(name, prompts, limit):
         return encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
-                      context=model.config.max_position_embeddings, limit=limit)
+                      context=model.config.max_position_embeddings, limit=limit, buckets=args.length_buckets)
 
     baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, BASELINE_PROMPTS)
     sublayers = tuple(args.skip_sublayers.split(","))
@@ -205,8 +205,9 @@ def _case(args) -> int:
                                      if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
     model, model_name = _load_model(args, None, start)
     context = model.config.max_position_embeddings
-    batch = encode(model.tokenizer, [prompt], context=context)
+    batch = encode(model.tokenizer, [prompt], context=context, buckets=args.length_buckets)
     baseline = None if baseline_texts is None else encode(model.tokenizer, baseline_texts, context=context,
+                                                          buckets=args.length_buckets,
                                                           limit=BASELINE_PROMPTS)
     answer_tokens = check_answer_tokens(batch, prompt)
     print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
@@ -258,8 +259,9 @@ def _tuned_lens(args) -> int:
     out = os.path.join(args.out, slug(args.model), slug(args.dataset))
     print(f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
           f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}")
-    comparison = compare_lenses(model, encode(model.tokenizer, train, context=context),
-                                encode(model.tokenizer, held_out, context=context), settings,
+    comparison = compare_lenses(model, encode(model.tokenizer, train, context=context, buckets=args.length_buckets),
+                                encode(model.tokenizer, held_out, context=context, buckets=args.length_buckets),
+                                settings,
                                 os.path.join(out, "lens"), weighting=args.weighting)
     for path in save_comparison(comparison, out, figures=not args.no_figures, resamples=args.bootstrap):
         print(f"wrote {path}")
@@ -313,6 +315,30 @@ def _evaluation_budget(text: str) -> int:
 def _dtype_argument(parser):
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="bfloat16: weights and activations in bf16, statistics in float32")
+
+
+def _compiling_arguments(parser):
+    """Options of the commands that compile: the persistent compilation cache and the length
+    buckets prompts are padded to."""
+    parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                        help="compile everything anew, keeping nothing (default: compiled programs are kept in "
+                             "$JAXDEPTH_CACHE/xla and reused by any later run of the same shapes)")
+    parser.add_argument("--length-buckets", type=_length_buckets, default="geometric", metavar="POLICY",
+                        help="the lengths prompts are padded to, so that prompts of many lengths share a few "
+                             "compiled sweeps: 'geometric' (default: 16, 24, 32, 48, 64, 96, ..., padding a prompt "
+                             "by a fifth on average, at most a half), 'geometric:N' (the same ladder from N) or "
+                             "'multiple:N' (every multiple of N: the least padding, the most compilations). "
+                             "Results do not depend on it")
+
+
+def _length_buckets(text: str):
+    """--length-buckets: a `jaxdepth.core.batch.LengthBuckets` (argparse converts the default too)."""
+    from jaxdepth.core.batch import LengthBuckets
+
+    try:
+        return LengthBuckets.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bootstrap_argument(parser):
@@ -378,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
     run.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
     _dtype_argument(run)
+    _compiling_arguments(run)
     run.set_defaults(func=_run)
 
     case = sub.add_parser("case", help="one prompt looked at closely: residual erasure and integrated gradients of "
@@ -401,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     case.add_argument("--out", default="results", help="results under OUT/<model>/case_<prompt>/, figures in its "
                       "figures/ (case.png: erasure above IG); a rerun reuses them")
     case.add_argument("--no-figures", action="store_true", help="save results only")
+    _compiling_arguments(case)
     case.set_defaults(func=_case)
 
     lens = sub.add_parser("tuned-lens",
@@ -421,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "OUT/<model>/<dataset>/; a rerun resumes the training from its last checkpoint")
     _bootstrap_argument(lens)
     lens.add_argument("--no-figures", action="store_true")
+    _compiling_arguments(lens)
     lens.set_defaults(func=_tuned_lens)
 
     from jaxdepth.lab.mapping_study import add_parser as add_map_parser
@@ -449,7 +478,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     try:
-        if args.func is not _table:  # every other command compiles
+        if args.func is not _table and getattr(args, "compilation_cache", True):  # the others compile
             _keep_compiled_programs()
         return args.func(args)
     except (ValueError, OSError, MissingDependencyError) as e:

@@ -27,15 +27,16 @@ from jaxdepth.analyses.layer_mapping import LayerMappingResult
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.model import residual_stream
 from jaxdepth.core.sharding import is_writer, to_host, writer_decides
 from jaxdepth.lab.loaded_model import Model
 
 RESULT_NAME = "layer_mapping"
 MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
-# Prompts run one at a time, padded to a multiple of this: a whole dataset compiles a handful of
+# Prompts run one at a time, padded to a multiple of 64: a whole dataset compiles a handful of
 # shapes, and padding (masked out of every statistic) costs at most 63 positions per prompt.
-PAD_TO = 64
+PAD_TO = LengthBuckets(64, geometric=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,7 +157,7 @@ def compute_mapping(small: Model, large: Model, train: PromptBatch, held_out: Pr
                                                              cl.hidden_size), mesh)
     step = dict(small_config=cs, large_config=cl, first_position=settings.first_position)
     for i in tqdm(range(len(train)), desc="layer mapping: fit", disable=not progress):
-        one = train.single(i, pad_to_multiple=PAD_TO)
+        one = train.single(i, PAD_TO)
         stats = _train_step(stats, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step)
     train_tokens = int(to_host(stats.count))
     if train_tokens == 0:
@@ -166,7 +167,7 @@ def compute_mapping(small: Model, large: Model, train: PromptBatch, held_out: Pr
     del stats  # its cross-products live on in the fit (the same array)
     sums = layer_mapping.empty_errors(cs.num_layers + 1, cl.num_layers + 1)
     for i in tqdm(range(len(held_out)), desc="layer mapping: held out", disable=not progress):
-        one = held_out.single(i, pad_to_multiple=PAD_TO)
+        one = held_out.single(i, PAD_TO)
         sums = _heldout_step(sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
                              **step)
     sums = jax.tree.map(to_host, sums)
@@ -217,7 +218,7 @@ def encode_both(small: Model, large: Model, prompts, *, max_tokens: Optional[int
             raise ValueError(f"the model from {model.source} has no tokenizer; its prompts cannot be encoded")
     context = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
     batches = [encode(m.tokenizer, prompts, max_tokens=max_tokens, context=context, limit=limit,
-                      pad_to_multiple=PAD_TO) for m in (small, large)]
+                      buckets=PAD_TO) for m in (small, large)]
     check_same_tokenizer(small, large, *batches)
     return batches[0]
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.core.batch import PromptBatch, make_batch
+from jaxdepth.core.batch import LengthBuckets, PromptBatch, make_batch
 
 INSTRUCTION = ("Given the following problem, reason and give a final answer to the problem.\n"
                "Problem: {problem}\nYour response should end with \"{ending}\" where [answer] is the "
@@ -264,7 +264,7 @@ def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = N
 
 def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = None,
            context: Optional[int] = None, limit: Optional[int] = None,
-           pad_to_multiple: int = 16) -> PromptBatch:
+           buckets: LengthBuckets = LengthBuckets()) -> PromptBatch:
     """Tokenize with the tokenizer's defaults; the answer starts at the first token that carries
     answer text (ends after the question text: a token straddling the two is answer). Prompts over `max_tokens` are skipped (the AIME
     rule); a prompt over the model's `context` is an error."""
@@ -290,4 +290,4 @@ def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = 
     if not token_lists:
         raise ValueError(f"no prompt left to encode ({len(prompts)} given, max_tokens={max_tokens})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return make_batch(token_lists, starts, pad_to_multiple=pad_to_multiple, pad_id=pad)
+    return make_batch(token_lists, starts, buckets=buckets, pad_id=pad)

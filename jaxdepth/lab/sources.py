@@ -84,10 +84,14 @@ def convert_source(source: str, *, dtype=np.float32) -> Model:
     return convert_hf(source, dtype=dtype)
 
 
+# One compiled check for every parameter (eager `jnp` calls would compile two programs per shape).
+_finite_leaves = jax.jit(lambda params: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
+
+
 def _check_finite_params(params, source: str) -> None:
     """A NaN or infinite weight makes every analysis meaningless: say which one, up front."""
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not bool(jnp.all(jnp.isfinite(x))):
+    for path, finite in jax.tree_util.tree_flatten_with_path(_finite_leaves(params))[0]:
+        if not bool(finite):
             raise ValueError(f"{source}: parameter {jax.tree_util.keystr(path)} contains NaN or infinite values")
 
 
@@ -118,8 +122,11 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
         converted = restore_converted(source, mesh=mesh)
     else:
         converted = convert_source(source)
-    _check_finite_params(converted.params, converted.source)
-    model = dataclasses.replace(converted, params=jax.tree.map(jnp.asarray, converted.params))
+    # Host arrays onto the device with device_put (jnp.asarray compiles a program per shape);
+    # arrays already placed (restored onto a mesh) stay where they are.
+    on_device = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), converted.params)
+    model = dataclasses.replace(converted, params=on_device)
+    _check_finite_params(model.params, model.source)
     model = model if dtype is None else model.astype(dtype)
     if mesh is not None:
         from jaxdepth.core.sharding import shard_params

@@ -8,7 +8,7 @@ import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig import path as ig_path, rules as aig
-from jaxdepth.core.batch import make_batch
+from jaxdepth.core.batch import LengthBuckets, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
 
@@ -100,12 +100,13 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
     for f in functions:  # count this test's compilations only, not those of earlier tests in the process
         f.clear_cache()
     # Every call size a run may use, compiled up front: which sizes a run uses depends on its rounds.
-    prompt = batch.prompt(0, ig.PAD_TO)
+    prompt = batch.prompt(0)  # padded as the study pads it, with the backward it chooses
+    backward = ig_path.choose_backward("auto", CONFIG, prompt.tokens.shape[1], aig.DEFAULT_STEPS)
     x, b, inputs, _ = ig.ig_inputs(params, prompt, CONFIG, baseline="channel_mean", interventions=None,
                                    target="layer")  # as the rule calls it
     for size in (8, 16, 32):
         ig.path_points(params, prompt, x, b, inputs, layer=0, alphas=np.linspace(0, 1, size), config=CONFIG,
-                        chunk_size=size)
+                        chunk_size=size, backward=backward)
     first = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33, progress=False)
     assert first.converged.all()
     before = [f._cache_size() for f in functions]
@@ -193,7 +194,7 @@ def test_a_path_where_f_barely_moves_is_certified_at_the_floor_within_the_fixed_
     of F(x)), every layer converges, is reported as floored, and no layer costs more than the
     fixed rule's steps."""
     params = random_params(FLAT, 2, scale=0.002)
-    prompt = _prompt(3).prompt(0, ig.PAD_TO)
+    prompt = _prompt(3).prompt(0, LengthBuckets(4, geometric=False))
     with jax.default_matmul_precision("highest"):
         floored = ig.ig_of_prompt(params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64)
         bare = ig.ig_of_prompt(params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64,

@@ -168,10 +168,10 @@ def test_prompt_groups_partition_the_batch_and_give_each_prompt_its_own_result(p
     np.testing.assert_array_equal(np.sort(order), np.arange(len(lengths)))
     np.testing.assert_array_equal(np.asarray(lengths)[order], np.sort(lengths))  # shortest first
     for index, group in groups:
-        T = group.tokens.shape[1]
-        assert T == -(-int(prompts.lengths[index].max()) // 16) * 16
-        assert len(index) == 1 or len(index) * T <= 64
-        np.testing.assert_array_equal(group.tokens, prompts.tokens[index, :T])
+        rows, T = group.tokens.shape
+        assert T == prompts.buckets.padded(prompts.lengths[index].max())
+        assert rows == 1 or rows * T <= 64
+        np.testing.assert_array_equal(group.tokens[:len(index)], prompts.tokens[index, :T])
     assert max(len(index) for index, _ in groups) > 1 and any(len(index) == 1 for index, _ in groups)
 
     together = contributions.contributions(params, prompts, CONFIG)
@@ -370,7 +370,7 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
 
 @pytest.mark.parametrize("backward", ["recompute", "stored"])
 def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backward):
-    # Both backwards (layer by layer recomputing each layer, or a scan keeping the activations)
+    # Both backwards (layer by layer recomputing each layer, or from each layer's kept activations)
     # give F and dF/dh_start of a plain forward with h_start set, from every start.
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)

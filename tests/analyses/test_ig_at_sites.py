@@ -15,9 +15,11 @@ import jaxdepth
 from conftest import assert_close
 from jaxdepth.analyses.ig.checks import ig_baseline
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.ig.path import choose_backward
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, run_layers, embed
+from jaxdepth.core.sweep import member_bytes
 from jaxdepth.lab.loaded_model import Model
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -268,11 +270,23 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
     tokens = tokens[:1] if rule == "adaptive" else tokens
     options = dict(site=site, layers=[0, 2], rule=rule, **({"tolerance": 0.05} if rule == "adaptive" else {"steps": 8}))
     metric = logit_difference_of_one if rule == "adaptive" else logit_difference
-    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, **options)
+    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="recompute", **options)
     stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="stored", **options)
     np.testing.assert_array_equal(stored.evaluations, recomputed.evaluations)
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
     assert_close(stored.attributions, recomputed.attributions, "per channel", tol=1e-5)
     assert_close(stored.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
-    with pytest.raises(ValueError, match=r"backward must be one of \('recompute', 'stored'\)"):
+    with pytest.raises(ValueError, match=r"backward must be one of \('auto', 'recompute', 'stored'\)"):
         jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="kept", **options)
+
+
+def test_auto_stores_the_activations_only_when_eight_gradients_fit():
+    """'auto' keeps the later layers' activations when a chunk of 8 gradients (or all, if fewer)
+    fits in the budget, and recomputes them otherwise; a concrete choice is passed through."""
+    T = 64
+    stored_8 = 8 * member_bytes(CONFIG, T, grad=True, stored=True)
+    assert choose_backward("auto", CONFIG, T, 256, memory_budget=stored_8) == "stored"
+    assert choose_backward("auto", CONFIG, T, 256, memory_budget=stored_8 - 1) == "recompute"
+    assert choose_backward("auto", CONFIG, T, 4, memory_budget=stored_8 // 2) == "stored"  # all 4 fit
+    assert choose_backward("recompute", CONFIG, T, 256, memory_budget=10**15) == "recompute"
+    assert choose_backward("stored", CONFIG, T, 256, memory_budget=1) == "stored"

@@ -14,6 +14,7 @@ from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
 from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import encode
@@ -37,7 +38,7 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     model = load(checkpoint)
     p, config, L = model.params, model.config, model.config.num_layers
-    prompt = encode(model.tokenizer, [ARITHMETIC_PROMPT]).prompt(0, pad_to_multiple=4)
+    prompt = encode(model.tokenizer, [ARITHMETIC_PROMPT]).prompt(0, LengthBuckets(4, geometric=False))
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
     calls = []
 
@@ -93,7 +94,7 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     # Every fixed rule's gaps are those of the library's IG with that rule, at the same padding.
     model = load(checkpoint)
     batch = encode(model.tokenizer, [ARITHMETIC_PROMPT])
-    one = batch.single(0, pad_to_multiple=4)
+    one = batch.single(0, LengthBuckets(4, geometric=False))
     for rule, steps in [("left", 16), ("midpoint", 8), ("gauss", 8)]:
         direct = integrated_gradients(model.params, one, model.config, steps=steps, rule=rule, progress=False)
         relative = np.abs(direct.gap[0]) / np.abs(direct.f_input[0] - direct.f_baseline[0])

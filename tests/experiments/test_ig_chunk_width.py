@@ -11,6 +11,7 @@ import numpy as np
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
 
@@ -35,7 +36,7 @@ def test_each_width_is_timed_and_gives_the_same_attributions(tmp_path, capsys):
     assert all(float(row.split("|")[4]) > 0 for row in rows)
 
     model = load(checkpoint)
-    prompt = encode(model.tokenizer, [format_short(ROW)], context=256).prompt(0, ig.PAD_TO)
+    prompt = encode(model.tokenizer, [format_short(ROW)], context=256).prompt(0, LengthBuckets(4, geometric=False))
     x, b, inputs, _ = ig.ig_inputs(model.params, prompt, model.config)
     alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", 8))
     path = ig.study_path(x, b, inputs, 0, "layer")

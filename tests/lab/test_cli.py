@@ -299,3 +299,36 @@ def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, ca
     fixed = [a for a in args if a not in ("--ig-rule", "adaptive")] + ["--ig-steps", "8"]
     assert main(fixed + ["--ig-max-evaluations", "9"]) == 0
     assert "--ig-max-evaluations applies to --ig-rule adaptive only" in capsys.readouterr().err
+
+
+def test_a_second_run_on_a_fresh_folder_compiles_nothing_new(tiny, tmp_path):
+    """The persistent compilation cache: a run of the same shapes into a new results folder loads
+    every program it needs, compiling none; `--no-compilation-cache` keeps nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAXDEPTH_CACHE"] = str(tmp_path / "cache")
+    folder = "model/default/layer_skip.npz"
+
+    def run(out, *extra):
+        args = [sys.executable, "-m", "jaxdepth.lab.cli",
+                *_run_args(tiny, tmp_path / out, "--analyses", "layer_skip", "--no-figures", *extra)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return load_result(str(tmp_path / out / folder)).settings
+
+    first = run("first")  # `compilations` counts the programs read from the cache too
+    assert first["compilations"] > 0
+    second = run("second")
+    assert second["compilation_cache_hits"] == second["compilations"] == first["compilations"]
+    env["JAXDEPTH_CACHE"] = str(tmp_path / "other_cache")
+    uncached = run("third", "--no-compilation-cache")
+    assert uncached["compilations"] == first["compilations"] and uncached["compilation_cache_hits"] == 0
+    assert not (tmp_path / "other_cache" / "xla").exists()
+
+
+def test_length_buckets_are_an_option(tiny, tmp_path, capsys):
+    args = _run_args(tiny, tmp_path, "--analyses", "contributions", "--no-figures")
+    assert main([*args, "--length-buckets", "multiple:8"]) == 0
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--length-buckets", "octaves"])
+    assert exit_.value.code == 2
+    assert "'geometric', 'geometric:N' or 'multiple:N'" in capsys.readouterr().err

@@ -37,12 +37,10 @@ def workload_flops(name: str, c, lengths, *, splits=None, steps: int = 0) -> flo
 def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float:
     """Matmul FLOPs jaxdepth actually executes for an analysis: each prompt at its padded length,
     interventions starting at their boundary, erasures on their position block's suffix, the LM
-    head only where it is read, and IG's backward recomputing each layer (3 layer passes per
-    gradient: forward, recomputation, pull-back to the input; weights take no gradient). What
+    head only where it is read, and IG's backward as the default 'auto' chooses it (2 layer
+    passes per gradient from the kept activations, 3 where it recomputes each layer; weights
+    take no gradient). What
     `% peak` is computed from; `workload_flops` is the work as the reference formulation
     defines it, which makes the ratios comparable."""
-    from jaxdepth.analyses import integrated_gradients as ig
-
-    pad = ig.PAD_TO if name == "integrated_gradients" else 16  # as each analysis pads them
-    per_prompt = _splits_of(name, splits, len(batch))
-    return sum(CASES[name].executed_flops(c, batch.single(i, pad), per_prompt[i], steps) for i in range(len(batch)))
+    per_prompt = _splits_of(name, splits, len(batch))  # each prompt at its bucket, as the analyses pad it
+    return sum(CASES[name].executed_flops(c, batch.single(i), per_prompt[i], steps) for i in range(len(batch)))

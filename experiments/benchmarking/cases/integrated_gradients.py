@@ -1,6 +1,7 @@
 """Integrated gradients: per prompt and layer, `--ig-steps` left-Riemann steps. The reference
 runs the layers after each one and the head on blocks of 16 steps, forward and backward, as the
-published code does; jaxdepth recomputes each layer in the backward. Also the adaptive rule
+published code does; jaxdepth keeps the later layers' matmul outputs for the backward where
+memory allows, or recomputes each layer in it. Also the adaptive rule
 (`--ig-tolerance`), timed on jaxdepth's side only: the published code has no such rule."""
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ def model_flops(c, T, splits, steps):
     return forward_flops(c, T) + sum((2 * steps + 1) * suffix(l) for l in range(c.num_layers))
 
 
-def gradient_flops(c, one, layer: int) -> float:
+def gradient_flops(c, one, layer: int, steps: int) -> float:
     """Matmul FLOPs of one gradient evaluation on the path of `layer`: the layers after it
-    forward, then a backward that recomputes each of them (remat) before pulling back, and the
-    LM head at the answer positions forward and back."""
+    forward, then a backward that pulls back through them (from their kept matmul outputs, or,
+    where the default 'auto' backward recomputes, after running each of them again), and the LM
+    head at the answer positions forward and back."""
+    from jaxdepth.analyses.ig.path import choose_backward
+
     T, A = one.tokens.shape[1], answers(one)
-    return 3 * layer_flops(c, T, T, c.num_layers - layer - 1) + 2 * lm_head_flops(c, A)
+    passes = 2 if choose_backward("auto", c, T, steps) == "stored" else 3
+    return passes * layer_flops(c, T, T, c.num_layers - layer - 1) + 2 * lm_head_flops(c, A)
 
 
 def executed_flops(c, one, splits, steps):
@@ -41,7 +46,7 @@ def executed_flops(c, one, splits, steps):
     total = layer_flops(c, T, T, L) + lm_head_flops(c, A)
     for l in range(L):
         # the steps' gradients, and F(b): one forward of the layers after l and the head
-        total += steps * gradient_flops(c, one, l) + layer_flops(c, T, T, L - l - 1) + lm_head_flops(c, A)
+        total += steps * gradient_flops(c, one, l, steps) + layer_flops(c, T, T, L - l - 1) + lm_head_flops(c, A)
     return total
 
 
@@ -82,7 +87,6 @@ def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -
     executed FLOP rate. An evaluation of an early layer crosses more layers than one of a late
     layer, and the adaptive rule spends most of its evaluations early: the FLOP rates compare
     the two per unit of work on the same layers, where milliseconds per evaluation do not."""
-    from jaxdepth.analyses.integrated_gradients import PAD_TO
 
     t = clock.compiled("jaxdepth adaptive IG", lambda: adaptive_jaxdepth(bench, w))
     tolerance, result, c = bench.args.ig_tolerance, t.result, bench.config
@@ -90,11 +94,11 @@ def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -
     fixed_evaluations = steps * c.num_layers * len(w.lengths)
     evaluations = int(result.evaluations.sum())
     fixed_ms = 1e3 * fixed_run_s / fixed_evaluations
-    ones = [w.batch.single(i, PAD_TO) for i in range(len(w.lengths))]
+    ones = [w.batch.single(i) for i in range(len(w.lengths))]
     # the gradient evaluations only, for both rules: the clean forward and F(b) passes aside
-    adaptive_flops = sum(int(n) * gradient_flops(c, one, l) for one, row in zip(ones, result.evaluations)
+    adaptive_flops = sum(int(n) * gradient_flops(c, one, l, steps) for one, row in zip(ones, result.evaluations)
                          for l, n in enumerate(row))
-    fixed_flops = sum(steps * gradient_flops(c, one, l) for one in ones for l in range(c.num_layers))
+    fixed_flops = sum(steps * gradient_flops(c, one, l, steps) for one in ones for l in range(c.num_layers))
     adaptive = dict(tolerance=tolerance, jax_first_s=t.first_s, jax_run_s=t.run_s,
                     evaluations=evaluations, fixed_evaluations=fixed_evaluations,
                     layer_evaluations=result.evaluations.tolist(),

@@ -46,7 +46,7 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
                          interventions=None, valid=None, positions=None, per_channel: bool = True,
                          max_evaluations: Optional[int] = None, chunk_size: Optional[int] = None,
                          memory_budget: Optional[int] = None, progress: bool = False,
-                         nonfinite: str = "raise", backward: str = "recompute") -> SiteIG:
+                         nonfinite: str = "raise", backward: str = "auto") -> SiteIG:
     """Integrated gradients of `metric` with respect to the value at `site` of each of `layers`.
 
     tokens: int `[B, T]` (right-padded where `valid [B, T]` says so; default all valid).
@@ -74,9 +74,11 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
         where F(x), F(b) or the attributions are NaN or infinite, at the first layer that has one
         (the adaptive rule stops refining a layer at its first non-finite evaluation); 'warn':
         a warning naming them all, and the values returned.
-    backward: 'recompute' (default) or 'stored': whether each gradient recomputes the later
-        layers in its backward or keeps their activations (more memory, smaller chunks;
-        `jaxdepth.analyses.ig.path.suffix_value_and_grad` says what each measured).
+    backward: 'stored': each gradient's backward runs from the later layers' kept matmul
+        outputs (two layer passes); 'recompute': it runs each later layer again (three passes,
+        a sixth of the memory); 'auto' (default): stored when 8 gradients (or all, if fewer) fit
+        in the memory budget (`jaxdepth.analyses.ig.path.choose_backward`). The numbers agree
+        to float rounding.
 
     Returns a `SiteIG`. Example::
 

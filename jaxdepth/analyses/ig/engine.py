@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import layer_baselines, nonfinite_report, raise_or_warn
-from jaxdepth.analyses.ig.path import LayerPath, clean_run, path_points, weighted_gradient
+from jaxdepth.analyses.ig.path import LayerPath, choose_backward, clean_run, path_points, weighted_gradient
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
@@ -72,7 +72,7 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
               interventions=None, per_channel: bool = True, chunk_size: Optional[int] = None,
               memory_budget: Optional[int] = None, nonfinite: str = "raise", progress: bool = False,
               on_layer: Optional[Callable[[], None]] = None, label: Optional[Sequence] = None,
-              adaptive_options: Optional[dict] = None, backward: str = "recompute") -> SiteIG:
+              adaptive_options: Optional[dict] = None, backward: str = "auto") -> SiteIG:
     """Integrated gradients of `metric(logits, aux)` (at `positions`; `jaxdepth.analyses.ig.path`)
     with respect to the value at `site` of each of `layers`, arguments already checked
     (`jaxdepth.analyses.ig.checks`): tokens `[B, T]` with `valid [B, T]`; the adaptive rule
@@ -80,8 +80,9 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
     and `adaptive_options` (more keywords of `rules.run_rule`: `atol`, `grid_points`, ...).
     `on_layer()` is called as each layer finishes; `label` names the prompts in a non-finite
     report (default 0..B-1); `backward`: how gradients get the later layers' activations,
-    recomputed or stored (`jaxdepth.analyses.ig.path.suffix_value_and_grad`)."""
+    recomputed, stored or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`)."""
     B, T = tokens.shape
+    backward = choose_backward(backward, config, B * T, steps, memory_budget)
     x, inputs, f_input = clean_run(params, tokens, valid, config, site=site, metric=metric, aux=aux,
                                    positions=positions, interventions=interventions)
     f_input = to_host(f_input)

@@ -27,7 +27,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import (final_residual, layer_context, layer_inputs, layer_params, layer_step,
                                  run_layers_from, unembed)
 from jaxdepth.core.sites import Intervention, check_layer_indices
-from jaxdepth.core.sweep import sweep, sweep_sum
+from jaxdepth.core.sweep import auto_chunk_size, sweep, sweep_sum
 
 
 @jax.tree_util.register_dataclass
@@ -81,8 +81,25 @@ clean_run = jit(clean_values, static_argnames=("config", "site", "metric"))
 clean_run.__doc__ = "`clean_values`, jitted."
 
 
-# How a gradient's backward gets the activations of the layers after the attributed one.
-BACKWARDS = ("recompute", "stored")
+# How a gradient's backward gets the activations of the layers after the attributed one: the
+# drivers' choices ('auto' picks one of the other two by memory, `choose_backward`).
+BACKWARDS = ("auto", "recompute", "stored")
+# 'auto' stores when a chunk of this many gradients (or all of them, if fewer) fits in memory:
+# fewer at once and the smaller vmap costs more than the layer pass it saves.
+STORED_MIN_CHUNK = 8
+
+
+def choose_backward(backward: str, config: ModelConfig, seq_len: int, members: int,
+                    memory_budget: Optional[int] = None) -> str:
+    """'recompute' or 'stored' for a sweep of `members` gradients over `seq_len` tokens:
+    `backward` itself unless it is 'auto', which stores when `STORED_MIN_CHUNK` gradients (or
+    `members`, if fewer) fit in `memory_budget` (`jaxdepth.core.sweep.auto_chunk_size`)."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if backward != "auto":
+        return backward
+    fits = auto_chunk_size(config, seq_len, members, grad=True, stored=True, memory_budget=memory_budget)
+    return "stored" if fits >= min(members, STORED_MIN_CHUNK) else "recompute"
 
 
 def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None, interventions=None,
@@ -91,21 +108,19 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     start..L-1 (`layer_step`, with `interventions` at their sites, as every driver).
 
     backward 'recompute' (default): the layers before `start` are neither run nor
-    differentiated; the forward stores each layer's input, and the backward walks the layers in
-    reverse with one `jax.vjp` each, recomputing that layer (three layer passes per gradient).
-    'stored': a `lax.scan` over every layer whose layers before `start` are skipped by
-    `lax.cond` (a real branch: `start` is not batched), differentiated by JAX, which keeps each
-    layer's activations (two layer passes, and L layers' activations per sweep member,
-    `jaxdepth.core.sweep.member_bytes(stored=True)`). On a 2-core AMD EPYC CPU (SmolLM2-135M's
-    shape, 100 tokens, 8 steps) 'stored' measured no faster at layer 0 (5.11 s both) and 1.3x to
-    4.6x slower at layers 15 and 29, where the skipped iterations still move their (zero)
-    activations; on an accelerator it is to be measured (`experiments/benchmark_on_device.py`).
-    `start` may be traced but not batched.
-    """
+    differentiated; the forward keeps each layer's input, and the backward walks the layers in
+    reverse with one `jax.vjp` each, recomputing that layer (three layer passes per gradient:
+    forward, forward again, backward). 'stored': the forward keeps each layer's matmul outputs
+    as well (`_PullbackLayout`), and the backward runs from them (two layer passes, and about
+    twice the activations of a forward per layer and sweep member,
+    `jaxdepth.core.sweep.member_bytes(stored=True)`). Both skip the layers before `start`
+    entirely. `start` may be traced but not batched.
+        """
     if backward == "stored":
         return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
     if backward != "recompute":
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+        raise ValueError(f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
+                         f"`choose_backward`), got {backward!r}")
     L = config.num_layers
     ivs = check_layer_indices(interventions, L)
     context = layer_context(z, valid, config)
@@ -131,17 +146,76 @@ def _stored_suffix_value_and_grad(params, z, start, config: ModelConfig, head, *
     L = config.num_layers
     ivs = check_layer_indices(interventions, L)
     context = layer_context(z, valid, config)
+    layout = _PullbackLayout.of(params, z, context, config, ivs)
 
-    def suffix(z):
-        def body(h, xs):
-            p, i = xs
-            run = lambda h: layer_step(p, h, i, context, config, ivs).out
-            return jax.lax.cond(i >= start, run, lambda h: h, h), None
+    def forward_step(i, carry):
+        h, kept = carry
+        out, saved = layout.linearize(params, i, h, context, config, ivs)
+        return out, tuple(k if k is None else k.at[i].set(r) for k, r in zip(kept, saved))
 
-        h_last, _ = jax.lax.scan(body, z, (params["layers"], jnp.arange(L)))
-        return head(final_residual(h_last, config, ivs))
+    kept = tuple(None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
+                 for j, r in zip(layout.from_weights, layout.shapes))
+    h_last, kept = jax.lax.fori_loop(start, L, forward_step, (z, kept))
+    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
 
-    return jax.value_and_grad(suffix)(z)
+    def backward_step(k, g):
+        i = L - 1 - k
+        return layout.pullback(params, i, kept)(g)[0]
+
+    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PullbackLayout:
+    """What `jax.vjp` of one layer keeps for its backward (its residuals): their tree, shapes, and
+    which of them are the layer's own weights. The layer index is traced, so every layer keeps
+    the same tree; the forward stores each layer's residuals in a buffer `[L, ...]` (skipped
+    layers cost nothing), the backward rebuilds that layer's pullback from them. The weights are
+    read again from `params` rather than stored: a buffer would copy the whole model."""
+
+    treedef: jax.tree_util.PyTreeDef
+    shapes: tuple
+    from_weights: tuple  # per residual: the index of the layer weight it is, or None
+
+    @staticmethod
+    def _linearize(params, i, h, context, config, ivs):
+        p = layer_params(params, i)
+        # Keep the matmuls' outputs only; the elementwise work between them (norms, softmax, the
+        # gate) is recomputed in the backward. Half the bytes of keeping everything, and faster
+        # on CPU, where writing fresh memory costs more than that arithmetic (SmolLM2-135M's
+        # shape, 100 tokens, 8 steps, AMD EPYC: layer 0 4.87 s against 5.19 s keeping all).
+        step = jax.checkpoint(lambda h: layer_step(p, h, i, context, config, ivs).out,
+                              policy=jax.checkpoint_policies.dots_saveable)
+        out, pullback = jax.vjp(step, h)
+        saved, treedef = jax.tree_util.tree_flatten(pullback)
+        weights = jax.tree_util.tree_leaves(p)
+        from_weights = tuple(next((j for j, w in enumerate(weights) if r is w), None) for r in saved)
+        return out, saved, treedef, from_weights
+
+    @classmethod
+    def of(cls, params, z, context, config, ivs):
+        found = {}
+
+        def trace(i, h):
+            _, saved, found["treedef"], found["from_weights"] = cls._linearize(params, i, h, context, config, ivs)
+            return saved
+
+        shapes = jax.eval_shape(trace, jnp.int32(0), z)
+        return cls(found["treedef"], tuple(shapes), found["from_weights"])
+
+    def linearize(self, params, i, h, context, config, ivs):
+        """Layer i at h: its output and the residuals to store (None where a weight is kept)."""
+        out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
+        shapes = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in saved)
+        if (treedef.num_leaves, shapes, from_weights) != (self.treedef.num_leaves, self.shapes, self.from_weights):
+            raise AssertionError("a layer's pullback kept different residuals in two traces of it")
+        return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
+
+    def pullback(self, params, i, kept):
+        """Layer i's pullback, from its stored residuals and its weights."""
+        weights = jax.tree_util.tree_leaves(layer_params(params, i))
+        saved = [weights[j] if j is not None else k[i] for j, k in zip(self.from_weights, kept)]
+        return jax.tree_util.tree_unflatten(self.treedef, saved)
 
 
 def _set_value(value, layer, data):
