@@ -169,16 +169,20 @@ class PromptArrays:
 
 
 def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Sequence[int]] = None,
-               *, buckets: LengthBuckets = LengthBuckets(), pad_id: int = 0) -> PromptBatch:
+               *, buckets: LengthBuckets = LengthBuckets(), pad_id: int = 0,
+               max_length: Optional[int] = None) -> PromptBatch:
     """Right-pad token lists into a batch whose length is the longest list's bucket (`buckets`,
     kept by the batch for taking it apart), so that prompts of similar lengths share one
-    compiled computation."""
+    compiled computation. `max_length` (the model's context): no padding beyond it, whatever
+    the bucket (prompts longer than it are the caller's to refuse)."""
     if not token_lists:
         raise ValueError("no prompts")
     lengths = [len(t) for t in token_lists]
     if min(lengths) == 0:
         raise ValueError("empty prompt")
     T = buckets.padded(max(lengths))
+    if max_length is not None and max(lengths) <= max_length:
+        T = min(T, max_length)
     tokens = np.full((len(token_lists), T), pad_id, np.int32)
     valid = np.zeros((len(token_lists), T), bool)
     for i, t in enumerate(token_lists):

@@ -464,12 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _keep_compiled_programs() -> None:
+def _keep_compiled_programs(keep: bool) -> None:
     """Compiled programs go to `$JAXDEPTH_CACHE/xla` (unless a JAX compilation cache is set):
-    a rerun with other settings, or a resumed study, compiles only what is new."""
+    a rerun with other settings, or a resumed study, compiles only what is new. `keep` False
+    (`--no-compilation-cache`): no persistent cache at all, a configured one included."""
+    import jax
+
     from jaxdepth.core.compilation import use_compilation_cache
     from jaxdepth.lab.sources import cache_dir
 
+    if not keep:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     use_compilation_cache(os.path.join(cache_dir(), "xla"))
 
 
@@ -478,8 +484,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     try:
-        if args.func is not _table and getattr(args, "compilation_cache", True):  # the others compile
-            _keep_compiled_programs()
+        if args.func is not _table:  # the others compile
+            _keep_compiled_programs(getattr(args, "compilation_cache", True))
         return args.func(args)
     except (ValueError, OSError, MissingDependencyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,10 +24,9 @@ from tqdm.auto import tqdm
 
 from jaxdepth.analyses import layer_mapping
 from jaxdepth.analyses.layer_mapping import LayerMappingResult
-from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.batch import LengthBuckets, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.model import residual_stream
 from jaxdepth.core.sharding import is_writer, to_host, writer_decides
 from jaxdepth.lab.loaded_model import Model

@@ -290,4 +290,4 @@ def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = 
     if not token_lists:
         raise ValueError(f"no prompt left to encode ({len(prompts)} given, max_tokens={max_tokens})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return make_batch(token_lists, starts, buckets=buckets, pad_id=pad)
+    return make_batch(token_lists, starts, buckets=buckets, pad_id=pad, max_length=context)

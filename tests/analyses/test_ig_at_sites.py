@@ -280,6 +280,22 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
         jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="kept", **options)
 
 
+def _scale(value, layer, factor):
+    return value * factor
+
+
+def test_a_stored_backward_takes_an_intervention_with_python_scalar_data():
+    """A Python float in an intervention is weakly typed in the kept activations; the stored
+    backward accepts it and agrees with the recomputing one."""
+    params, tokens = _setup()
+    halve = sites.Intervention("attn_out", _scale, 0.5)
+    options = dict(site="resid_post", layers=[0], steps=4, interventions=(halve,))
+    stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, backward="stored", **options)
+    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, backward="recompute",
+                                               **options)
+    assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
+
+
 def test_auto_stores_the_activations_only_when_eight_gradients_fit():
     """'auto' keeps the later layers' activations when a chunk of 8 gradients (or all, if fewer)
     fits in the budget, and recomputes them otherwise; a concrete choice is passed through."""

@@ -59,6 +59,14 @@ def test_a_batch_and_its_prompts_take_bucket_lengths():
     assert [exact.single(i).tokens.shape[1] for i in range(3)] == [20, 40, 70]
 
 
+def test_no_padding_beyond_the_context():
+    """A prompt that fits the model's context is never padded past it, whatever its bucket."""
+    rng = np.random.default_rng(4)
+    batch = make_batch([rng.integers(0, 97, n).tolist() for n in (70, 150)], max_length=160)
+    assert LengthBuckets().padded(150) == 192 and batch.tokens.shape[1] == 160
+    assert batch.single(1).tokens.shape[1] == 160 and batch.single(0).tokens.shape[1] == 96
+
+
 def test_groups_have_power_of_two_rows_with_the_prompts_first():
     rng = np.random.default_rng(1)
     lengths = (5, 40, 17, 9, 30, 12, 25, 70, 6, 20)

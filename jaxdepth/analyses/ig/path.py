@@ -206,8 +206,10 @@ class _PullbackLayout:
     def linearize(self, params, i, h, context, config, ivs):
         """Layer i at h: its output and the residuals to store (None where a weight is kept)."""
         out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
-        shapes = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in saved)
-        if (treedef.num_leaves, shapes, from_weights) != (self.treedef.num_leaves, self.shapes, self.from_weights):
+        # shapes and dtypes only: eval_shape keeps weak types (a Python float in an intervention)
+        layout = lambda shapes: tuple((s.shape, s.dtype) for s in shapes)  # noqa: E731
+        if (treedef.num_leaves, layout(saved), from_weights) != (self.treedef.num_leaves, layout(self.shapes),
+                                                                 self.from_weights):
             raise AssertionError("a layer's pullback kept different residuals in two traces of it")
         return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
 

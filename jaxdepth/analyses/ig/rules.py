@@ -337,7 +337,8 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
     layer of `layers`), host side: rounds of `call(layer, alphas [n], grad, chunk) -> (phi [n],
     integrand [n, T])` (`jaxdepth.analyses.ig.path.path_points`, `chunk` nodes vmapped at a
     time) until every layer is done. `chunk_size` caps the nodes of one call (default: what fits
-    in memory, at most 32; `stored`: for a call whose backward keeps every layer's activations).
+    in memory, at most 32; `stored`: for a call whose backward keeps the later layers' matmul
+    outputs).
     `floor_share`: the floor of the tolerance's scale (`FLOOR_SHARE`; 0 for none). Returns each layer's finished `LayerRule`; `on_layer()` is called as each layer
     finishes."""
     if max_evaluations < 3:
