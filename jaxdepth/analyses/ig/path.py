@@ -115,7 +115,7 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     twice the activations of a forward per layer and sweep member,
     `jaxdepth.core.sweep.member_bytes(stored=True)`). Both skip the layers before `start`
     entirely. `start` may be traced but not batched.
-        """
+    """
     if backward == "stored":
         return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
     if backward != "recompute":
@@ -207,9 +207,9 @@ class _PullbackLayout:
         """Layer i at h: its output and the residuals to store (None where a weight is kept)."""
         out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
         # shapes and dtypes only: eval_shape keeps weak types (a Python float in an intervention)
-        layout = lambda shapes: tuple((s.shape, s.dtype) for s in shapes)  # noqa: E731
-        if (treedef.num_leaves, layout(saved), from_weights) != (self.treedef.num_leaves, layout(self.shapes),
-                                                                 self.from_weights):
+        signature = lambda arrays: tuple((a.shape, a.dtype) for a in arrays)  # noqa: E731
+        if (treedef.num_leaves, signature(saved), from_weights) != (self.treedef.num_leaves, signature(self.shapes),
+                                                                    self.from_weights):
             raise AssertionError("a layer's pullback kept different residuals in two traces of it")
         return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
 
