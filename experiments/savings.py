@@ -111,7 +111,7 @@ def main():
     for blocks in (1, erasure.default_blocks(tokens.shape[1])):
         ours, t_ours = timed(lambda: erasure.erasure_of_prompt(p, prompt, baseline, c, chunk_size=args.chunk,
                                                                blocks=blocks))
-        what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position blocks)"
+        what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position pieces)"
         print(f"erasure, {what}: {t_ours:7.1f} s, saving x{t_plain / t_ours:.2f}; "
               f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}")
 

@@ -190,8 +190,8 @@ def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseli
         one = batch.single(i)
         Ti = one.tokens.shape[1]
         positions, real = one.answer_positions(0)
-        f, g, p = residual_attribution(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(positions),
-                                       jnp.asarray(real), jnp.asarray(baseline), config, interventions)
+        f, g, p = residual_attribution(params, one.tokens, one.valid, positions, real, baseline, config,
+                                       interventions)
         # Padding positions come after every answer position: causality gives them zero gradient.
         f_input[i], gxa[i, :, :Ti], patching[i, :, :Ti] = to_host(f), to_host(g), to_host(p)
     return AttributionResult(patching=patching, grad_x_act=gxa, f_input=f_input, tokens=batch.tokens,

@@ -117,7 +117,7 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
     stats = np.zeros((L, len(batch), T, len(STATISTICS)), np.float32)
     for index, group in batch.groups():
         Tg = group.tokens.shape[1]
-        group_stats = contribution_stats(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config,
+        group_stats = contribution_stats(params, group.tokens, group.valid, config,
                                          interventions)
         stats[:, index, :Tg] = to_host(group_stats)[:, :len(index)]
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]

@@ -1,11 +1,12 @@
 """Residual erasure (METHODS §4): replace one residual vector h_l[t] by a baseline mean and
 measure how much the predictions of the answer tokens move.
 
-The (boundary, position) erasures of a prompt run as one compiled sweep per block of positions
-(`erasure_of_block`), every boundary and position of the block at once. Erasing position t
-cannot change any position before t (causal attention), so only positions p >= t are
-measured: an erasure after the last answer prediction is exactly 0, not float noise. The same
-fact saves work: an erasure runs only the positions from its block's first one on.
+The (boundary, position) erasures of a prompt run as one compiled computation
+(`erasure_sweep`), every boundary and position at once. Erasing position t cannot change any
+position before t (causal attention), so only positions p >= t are measured: an erasure after
+the last answer prediction is exactly 0, not float noise. The same fact saves work: the
+positions fall into pieces, and an erasure runs only the pieces from its own on, up to the one
+holding the last answer position.
 
 Under `interventions` (`jaxdepth.core.sites`; default none), the user's interventions act on
 the clean run and on every erasure, composed in one order: the user's first, then the erasure's
@@ -30,9 +31,10 @@ from tqdm.auto import tqdm
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import replace_residual
-from jaxdepth.core.model import final_residual, layer_inputs, residual_stream, run_layers_from, unembed
-from jaxdepth.core.sites import as_interventions
+from jaxdepth.core.model import (final_residual, layer_inputs, layer_params, layer_step, piece_context,
+                                 residual_stream, unembed)
+from jaxdepth.core import sites
+from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
@@ -52,34 +54,37 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
 
     Under `interventions` (default none), the mean of the intervened runs' residuals, each after
     the interventions at its `resid_pre` (the values an erasure under the same interventions
-    replaces). The batch runs at its full padded length, `batch_size` prompts at a time."""
+    replaces). The batch runs at its full padded length, `batch_size` prompts at a time (the
+    last part padded with empty rows, which add nothing: one compiled shape)."""
     total = np.zeros((config.num_layers + 1, config.hidden_size), np.float64)
-    for i in range(0, len(batch), batch_size):
-        part = batch.select(slice(i, i + batch_size))
-        total += to_host(_residual_sums(params, jnp.asarray(part.tokens), jnp.asarray(part.valid), config,
+    size = min(batch_size, len(batch))
+    for i in range(0, len(batch), size):
+        part = batch.select(slice(i, i + size))
+        rows = ((0, size - len(part)), (0, 0))
+        total += to_host(_residual_sums(params, np.pad(part.tokens, rows), np.pad(part.valid, rows), config,
                                         interventions))
     return (total / batch.valid.sum()).astype(np.float32)
 
 
-# Erasure positions are split into up to this many blocks of at least MIN_BLOCK positions; each
-# block runs only the positions from its first one on (see `erasure_of_prompt`). Work falls to
-# (blocks + 1) / (2 * blocks) of running every position (0.625 at 4 blocks, 0.5625 at 8); each
-# block is one more shape to compile, which only short prompts notice.
+# Erasure positions fall into up to this many pieces of at least MIN_PIECE positions. An erasure
+# in piece k runs only pieces k.. (erasing position t changes no position before t), so the work
+# falls to about (pieces + 1) / (2 * pieces) of running every position (0.5625 at 8). The pieces
+# are rows of one compiled computation (`erasure_sweep`), not separate shapes: a prompt length
+# compiles once, however many pieces.
 PREFIX_BLOCKS = 8
 MIN_BLOCK = 8
 
 
 def default_blocks(T: int) -> int:
-    """How many position blocks `erasure_of_prompt` uses for a prompt of T (padded) positions."""
+    """How many position pieces `erasure_of_prompt` uses for a prompt of T (padded) positions."""
     return max(1, min(PREFIX_BLOCKS, T // MIN_BLOCK))
 
 
-def position_blocks(T: int, blocks: Optional[int] = None) -> list[tuple[int, int]]:
-    """`blocks` (default `default_blocks(T)`) contiguous `(first, stop)` ranges of near-equal
-    size covering positions 0..T-1."""
+def piece_width(T: int, blocks: Optional[int] = None) -> int:
+    """The width of `blocks` (default `default_blocks(T)`) equal position pieces covering T
+    positions (the last piece may reach past T: the prompt is padded to whole pieces)."""
     blocks = max(default_blocks(T) if blocks is None else blocks, 1)
-    edges = sorted({round(k * T / blocks) for k in range(blocks + 1)})
-    return list(zip(edges[:-1], edges[1:]))
+    return -(-T // blocks)
 
 
 def probability_shift(probs, clean, reach, answer):
@@ -135,92 +140,125 @@ def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
     return jnp.where(changed[None, :, None], suffix, clean_logits)
 
 
-@partial(jit, static_argnames=("config", "first", "stop", "chunk_size", "effect", "metric"))
-def erasure_of_block(params, clean_state, prompt: PromptArrays, baseline, config: ModelConfig, first: int,
-                     stop: int, *, chunk_size: Optional[int] = None, effect=probability_shift, interventions=None,
-                     metric: Optional[Callable] = None):
-    """`[L+1, stop - first]` effects of erasing h_l[t] for every boundary l and every position
-    `first <= t < stop` of `prompt` (`PromptArrays`), from `clean_state = clean_run(params,
-    prompt, config, interventions=...)`. `effect(probs, clean, reach, answer)` turns the erased
-    and clean answer distributions into the effect (see `probability_shift`); `answer =
-    (targets [A], real [A])` is what it may read (`answer_of`).
+def erased_final_residual(params, clean_state, valid, boundary, position, value, first_piece, last_piece,
+                          width: int, config: ModelConfig, interventions=()):
+    """The final residual `[1, T, D]` of the run in which h_boundary[position] is `value`, under
+    `interventions` (checked; applied first, the replacement after them), computed for the
+    positions of pieces `first_piece..last_piece` only (`width` positions each; positions
+    before the first piece keep h_boundary, those after the last piece are stale).
 
-    `interventions` (the clean state's) act on every erasure, the user's first, then the
-    replacement of h_l[t]. With `metric` (a static, jit-traceable scalar function of one
-    prompt's logits `[1, T, V]`), returns `(effects, metric_changes)`, the second
-    `[L+1, stop - first]`: `metric(erased) - metric(clean)` on the whole prompt's logits (the
-    positions an erasure cannot reach keep their clean logits, `erased_logits`).
+    Each layer runs its pieces in order against a key/value buffer that starts as the clean
+    run's (`clean_state = clean_run(...)`), each piece writing its own keys into it: erasing
+    position t changes nothing before t, so the prefix before `first_piece` is the clean one.
+    `boundary`, `first_piece` and `last_piece` may be traced, not batched (they are loop
+    bounds); `position` and `value` may be batched. Forward only."""
+    hs, keys, values, _ = clean_state
+    L, T = config.num_layers, hs.shape[2]
+    erase_rows = lambda rows: sites.replace("resid_pre", boundary, rows == position, value)
 
-    Each erasure runs positions `first..T-1` only, reading the clean keys and values of the
-    positions before `first` (they cannot change), and starts at its boundary l (the layers
-    before l are not rerun). Boundaries run one after another (`lax.map`), the positions of a
-    boundary as one chunked sweep.
+    def layer(i, h):
+        p = layer_params(params, i)
+
+        def piece(j, carry):
+            h, k_buf, v_buf = carry
+            start = j * width
+            x = jax.lax.dynamic_slice_in_dim(h, start, width, axis=1)
+            r = layer_step(p, x, i, piece_context(valid, start, width, config), config,
+                           (*interventions, erase_rows(start + jnp.arange(width))), prefix=(k_buf, v_buf))
+            put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=1)
+            return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:])
+
+        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i]))[0]
+
+    h = jax.lax.fori_loop(boundary, L, layer, hs[boundary])
+    return final_residual(h, config, (*interventions, erase_rows(jnp.arange(T))))
+
+
+@partial(jit, static_argnames=("config", "width", "chunk_size", "effect", "metric"))
+def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: ModelConfig, *, width: int,
+                  chunk_size: Optional[int] = None, effect=probability_shift, interventions=None,
+                  metric: Optional[Callable] = None):
+    """`[L+1, T]` effects of erasing h_l[t] for every boundary l and position t of `prompt`
+    (`PromptArrays`, T a multiple of `width`), from `clean_state = clean_run(params, prompt,
+    config, interventions=...)`, as one compiled computation. `effect(probs, clean, reach,
+    answer)` turns the erased and clean answer distributions into the effect (see
+    `probability_shift`); `answer = (targets [A], real [A])` is what it may read (`answer_of`).
+    With `metric`, returns `(effects, metric_changes)` (see `erasure_of_prompt`).
+
+    The positions fall into pieces of `width`. The erasures of piece k (every boundary, its
+    positions as one chunked sweep) run pieces k.. only, from their boundary on
+    (`erased_final_residual`), and up to the last piece a measurement reads: the one holding
+    the last answer position (every position with a metric). Positions after the last answer
+    position are not run at all: their effects are exactly 0.
     """
-    hs, keys, values, clean = clean_state
+    hs, _, _, clean = clean_state
     valid, answer_positions, answer = prompt.valid, prompt.answer_positions, answer_of(prompt)
     L, T = config.num_layers, hs.shape[2]
-    ivs = as_interventions(interventions)
-    prefix = None if first == 0 else (keys[:, :, :first], values[:, :, :first])
-    rows = jnp.arange(first, T)  # the positions the suffix run computes
-    read = jnp.maximum(answer_positions - first, 0)  # answer positions, as suffix rows
-    if metric is not None:  # the whole clean output: the erased runs compute positions first..T-1 only
+    if T % width:
+        raise ValueError(f"the prompt's length {T} must be a multiple of the piece width {width}")
+    ivs = check_layer_indices(interventions, L)
+    last = T - 1 if metric is not None else jnp.max(answer_positions)
+    last_piece = last // width
+    if metric is not None:  # the whole clean output: a metric reads every position
         clean_logits = unembed(params, final_residual(hs[-1], config, ivs), config)
         clean_metric = metric_value(metric, clean_logits)
 
-    def boundary_effects(boundary):
-        def member(position):
-            iv = replace_residual(boundary, rows == position, baseline[boundary])
-            h, _ = run_layers_from(params, hs[boundary][:, first:], boundary, config, valid=valid,
-                                   interventions=(*ivs, iv), prefix=prefix)
-            # Causality: an erasure at t changes no position before t, and at the last boundary
-            # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
-            reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-            # The LM head on the answer rows only; with a metric too, which reads every row, the
-            # effect is still taken from these rows' own product, so it is the same to the bit.
-            value = effect(jax.nn.softmax(unembed(params, h[:, read], config), axis=-1), clean, reach, answer)
-            if metric is None:
-                return value
-            erased = erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
-            return value, metric_value(metric, erased) - clean_metric
-        return sweep(member, jnp.arange(first, stop), chunk_size)
+    def piece_effects(k, out):
+        def boundary_effects(boundary):
+            def member(position):
+                h = erased_final_residual(params, clean_state, valid, boundary, position, baseline[boundary], k,
+                                          last_piece, width, config, ivs)
+                # Causality: an erasure at t changes no position before t, and at the last boundary
+                # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
+                reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
+                # The LM head on the answer rows only; with a metric too, which reads every row, the
+                # effect is still taken from these rows' own product, so it is the same to the bit.
+                probs = jax.nn.softmax(unembed(params, h[:, answer_positions], config), axis=-1)
+                value = effect(probs, clean, reach, answer)
+                if metric is None:
+                    return value
+                erased = erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
+                return value, metric_value(metric, erased) - clean_metric
+            return sweep(member, k * width + jnp.arange(width), chunk_size)
 
-    return jax.lax.map(boundary_effects, jnp.arange(L + 1))
+        part = jax.lax.map(boundary_effects, jnp.arange(L + 1))
+        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, k * width, axis=1), out, part)
+
+    zeros = jnp.zeros((L + 1, T), jnp.float32)
+    return jax.lax.fori_loop(0, last_piece + 1, piece_effects, zeros if metric is None else (zeros, zeros))
 
 
 def erasure_of_prompt(params, prompt: PromptArrays, baseline, config: ModelConfig, *,
-                      chunk_size: Optional[int] = None, blocks: Optional[int] = None,
-                      on_block: Optional[Callable[[], None]] = None, effect=probability_shift,
+                      chunk_size: Optional[int] = None, blocks: Optional[int] = None, effect=probability_shift,
                       interventions=None, metric: Optional[Callable] = None):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
     `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
     the real ones marked by `answer_real [A]`, default all), measured by `effect` (see
-    `erasure_of_block`).
+    `erasure_sweep`).
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
     erasure: the user's first, then the replacement of h_l[t], which so wins at its site. They
     must act on each position alone (as every built-in kind does), and their position-indexed
-    data must broadcast to the suffix runs' lengths (`[L, 1]` masks, not `[L, T]`). With
-    `metric` (a jit-traceable function of the prompt's logits `[1, T, V]` returning a scalar;
-    define it once: it is a static argument), returns `(effects, metric_changes [L+1, T])`,
-    `metric(erased) - metric(clean)`, both under `interventions`.
+    data must broadcast to a piece's rows and to the prompt's (`[L, 1]` masks, not `[L, T]`).
+    With `metric` (a jit-traceable function of the prompt's logits `[1, T, V]` returning a
+    scalar; define it once: it is a static argument), returns `(effects, metric_changes
+    [L+1, T])`, `metric(erased) - metric(clean)`, both under `interventions`.
 
     Erasing position t changes no position before t, so the positions are split into `blocks`
-    ranges (default `default_blocks(T)`; 1 turns the saving off), each one compiled
-    computation (`erasure_of_block`) that runs only the positions from the range's first one
-    on. `on_block()` is called after each range (progress).
+    pieces (default `default_blocks(T)`; 1 turns the saving off) and an erasure runs only the
+    positions from its piece on. The prompt is padded to whole pieces (invalid positions the
+    result leaves out); every piece runs in the same compiled computation (`erasure_sweep`).
     """
     T = prompt.tokens.shape[1]
+    width = piece_width(T, blocks)
+    pad = -T % width
+    if pad:  # whole pieces: positions that no valid key or answer reads
+        prompt = dataclasses.replace(prompt, tokens=jnp.pad(prompt.tokens, ((0, 0), (0, pad))),
+                                     valid=jnp.pad(prompt.valid, ((0, 0), (0, pad))))
     state = clean_run(params, prompt, config, interventions=interventions)
-    parts = []
-    for first, stop in position_blocks(T, blocks):
-        parts.append(erasure_of_block(params, state, prompt, baseline, config, first, stop, chunk_size=chunk_size,
-                                      effect=effect, interventions=interventions, metric=metric))
-        if on_block is not None:
-            jax.block_until_ready(parts[-1])
-            on_block()
-    if metric is None:
-        return jnp.concatenate(parts, axis=1)
-    return tuple(jnp.concatenate(part, axis=1) for part in zip(*parts))
+    out = erasure_sweep(params, state, prompt, baseline, config, width=width, chunk_size=chunk_size, effect=effect,
+                        interventions=interventions, metric=metric)
+    return jax.tree.map(lambda x: x[:, :T], out)
 
 
 @dataclasses.dataclass
@@ -248,7 +286,7 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
                      blocks: Optional[int] = None, effect: str = "probability_shift", progress: bool = True,
                      settings=None, interventions=None, metric: Optional[Callable] = None) -> ErasureResult:
     """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
-    position blocks of `erasure_of_prompt`; the result does not depend on it). `effect` names
+    position pieces of `erasure_of_prompt`; the result does not depend on it). `effect` names
     what is measured (`EFFECTS`): METHODS' 'probability_shift' (default) or
     'answer_probability_change', the exact change of the integrated-gradients objective (what
     `jaxdepth.analyses.attribution.attribution_patching` estimates).
@@ -257,7 +295,7 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     erasure, the user's first, then the replacement of h_l[t] (which so wins at its site):
     each erasure is a full forward under both (`mean_residuals(..., interventions=...)` gives
     the matching baseline). Each prompt runs at its own padded length (`PromptBatch.prompt`),
-    and an erasure computes only the positions from its block's first one on, so intervention
+    and an erasure computes only the positions from its piece's first one on, so intervention
     data indexed by position must broadcast to every length (`[L, 1]` keep-masks, head
     ablations, a vector added at every position); data that does not is refused at trace time.
 
@@ -278,20 +316,17 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
     changes = None if metric is None else np.zeros((len(batch), L + 1, T), np.float32)
-    total = sum(len(position_blocks(batch.single(i).tokens.shape[1], blocks)) for i in range(len(batch)))
-    with tqdm(total=total, desc="residual erasure (position blocks)", disable=not progress) as bar:
-        for i in range(len(batch)):
-            prompt = batch.prompt(i)
-            Ti = prompt.tokens.shape[1]
-            chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-            out = erasure_of_prompt(params, prompt, jnp.asarray(baseline), config, chunk_size=chunk, blocks=blocks,
-                                    on_block=bar.update, effect=EFFECTS[effect], interventions=interventions,
-                                    metric=metric)
-            if metric is not None:
-                out, change = out
-                n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
-                changes[i, :, :n] = to_host(change)[:, :n]
-            effects[i, :, :Ti] = to_host(out)
+    for i in tqdm(range(len(batch)), desc="residual erasure (prompts)", disable=not progress):
+        prompt = batch.prompt(i)
+        Ti = prompt.tokens.shape[1]
+        chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
+        out = erasure_of_prompt(params, prompt, baseline, config, chunk_size=chunk, blocks=blocks,
+                                effect=EFFECTS[effect], interventions=interventions, metric=metric)
+        if metric is not None:
+            out, change = out
+            n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
+            changes[i, :, :n] = to_host(change)[:, :n]
+        effects[i, :, :Ti] = to_host(out)
     settings = dict(settings or {})
     if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
         settings["effect"] = effect

@@ -105,8 +105,8 @@ def path_points(params, prompt: PromptArrays, x, b, inputs, *, layer: int, alpha
     for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`).
     `backward` is always passed on, as the engine passes it: a static argument given or left to
     its default would be two compilations."""
-    return site_path_points(params, prompt.valid, jnp.int32(layer), study_path(x, b, inputs, layer, target),
-                            jnp.asarray(alphas, jnp.float32), config, site=TARGETS[target],
+    return site_path_points(params, prompt.valid, np.int32(layer), study_path(x, b, inputs, layer, target),
+                            np.asarray(alphas, np.float32), config, site=TARGETS[target],
                             interventions=interventions, grad=grad, chunk_size=chunk_size, backward=backward,
                             **_answer_metric(prompt))
 

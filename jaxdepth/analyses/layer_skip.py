@@ -216,13 +216,14 @@ def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, confi
     """
     L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
     measure_masks, valid_host = np.asarray(masks.measure, bool), np.asarray(prompt.valid, bool)[0]
-    rows, members = (jnp.asarray(a) for a in measured_rows(measure_masks, valid_host))
-    device_masks = SkipMasks(jnp.asarray(masks.skip), jnp.asarray(measure_masks))
+    # jax.device_put, not jnp.asarray: the latter compiles a program per shape to stage numpy data
+    rows, members = jax.device_put(measured_rows(measure_masks, valid_host))
+    device_masks = jax.device_put(SkipMasks(np.asarray(masks.skip), measure_masks))
     group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
     later, output, changes = [], [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
-        part_later, final, clean_final = skipped_runs(params, prompt, jnp.asarray(layers), device_masks, config,
+        part_later, final, clean_final = skipped_runs(params, prompt, layers, device_masks, config,
                                                       sublayer=sublayer, chunk_size=chunk_size, mode=mode,
                                                       interventions=interventions)
         keep = min(group, L - first)
@@ -230,11 +231,11 @@ def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, confi
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
         if metric is not None:
             changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
-    later, output = jnp.concatenate(later), jnp.concatenate(output)
+    later, output = np.concatenate([to_host(x) for x in later]), np.concatenate([to_host(x) for x in output])
     last_unmeasured = ~np.any((np.asarray(masks.skip) > 0) & measure_masks & valid_host[None], axis=1)
-    output = output.at[L - 1].set(jnp.where(jnp.asarray(last_unmeasured), 0.0, output[L - 1]))
+    output[L - 1] = np.where(last_unmeasured, 0.0, output[L - 1])
     # No such zero for the metric: it reads the positions where the last layer is skipped too.
-    return (later, output) if metric is None else (later, output, jnp.concatenate(changes))
+    return (later, output) if metric is None else (later, output, np.concatenate([to_host(x) for x in changes]))
 
 
 @dataclasses.dataclass
@@ -350,7 +351,7 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         measure += [measure[0]] * (n_splits - len(measure))
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output, *change = skip_effects_of_prompt(
-            params, PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid)),
+            params, PromptArrays(*jax.device_put((one.tokens, one.valid))),
             SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure)), config, sublayer=sublayer,
             chunk_size=chunk, mode=mode, memory_budget=memory_budget, interventions=interventions, metric=metric)
         later_pp[i] = to_host(later).max(axis=1)

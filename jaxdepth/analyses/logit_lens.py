@@ -109,7 +109,7 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
     L, T = config.num_layers, batch.tokens.shape[1]
     kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
     for index, group in batch.groups():
-        k, o = lens_per_token(params, jnp.asarray(group.tokens), jnp.asarray(group.valid), config, translators,
+        k, o = lens_per_token(params, group.tokens, group.valid, config, translators,
                               interventions)
         Tg = group.tokens.shape[1]
         kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k)[:, :len(index)], to_host(o)[:, :len(index)]

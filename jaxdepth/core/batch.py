@@ -164,8 +164,12 @@ class PromptArrays:
     @property
     def answer_targets(self) -> jax.Array:
         """The token each answer position predicts (the next one), `[A]`."""
-        T = self.tokens.shape[1]
-        return self.tokens[0, jax.numpy.minimum(self.answer_positions + 1, T - 1)]
+        return _next_tokens(self.tokens, self.answer_positions)
+
+
+@jax.jit  # one program, not one per eager operation, when called outside a jitted function
+def _next_tokens(tokens, positions):
+    return tokens[0, jax.numpy.minimum(positions + 1, tokens.shape[1] - 1)]
 
 
 def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Sequence[int]] = None,

@@ -277,6 +277,21 @@ def layer_context(h, valid, config, offset: int = 0):
     return cos[offset:], sin[offset:], attention_mask(valid, offset)
 
 
+def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig):
+    """The `layer_step` context of a piece of `width` rows, positions `start..start+width-1`
+    (`start` may be traced), whose prefix is a key/value buffer covering all T positions
+    (`prefix = (keys, values)`, `[B, T, K, Dh]` each): the queries attend to the buffer's
+    valid positions before `start` and, causally, to the piece's own keys, so the buffer may
+    hold anything from `start` on. Keys are `[buffer T | piece width]`."""
+    T = valid.shape[1]
+    cos, sin = rotary_tables(T, config)
+    cos, sin = (jax.lax.dynamic_slice_in_dim(table, start, width) for table in (cos, sin))
+    rows = jnp.arange(width)
+    earlier = (jnp.arange(T) < start)[None, None, :] & valid[:, None, :]
+    own = (rows[None, :] <= rows[:, None])[None] & jax.lax.dynamic_slice_in_dim(valid, start, width, axis=1)[:, None]
+    return cos, sin, jnp.concatenate([jnp.broadcast_to(earlier, own.shape[:2] + (T,)), own], axis=2)
+
+
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
     the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""

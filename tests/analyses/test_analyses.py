@@ -303,7 +303,7 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
     np.testing.assert_allclose(baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(),
                                rtol=1e-5, atol=1e-6)
     result = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False)
-    # other chunks and uneven position blocks (11, 10, 11 positions), or none: the same numbers
+    # other chunks and pieces of 11 positions (the prompt padded to 33), or one piece: the same numbers
     chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=7, blocks=3)
     np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
     chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=5, blocks=1)

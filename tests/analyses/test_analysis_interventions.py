@@ -219,7 +219,7 @@ def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, st
     assert_close(baseline, hs[:, 0].mean(1), "baseline under the interventions", tol=1e-6)
     result = erasure.residual_erasure(params, batch, CONFIG, baseline, interventions=user,
                                       metric=last_logit_difference, progress=False)
-    assert len(erasure.position_blocks(16)) == 2
+    assert erasure.piece_width(16) == 8  # two pieces: the second reads the first one's clean keys and values
     one = batch.single(0)
     T = one.tokens.shape[1]
     clean = logits(params, one, user)

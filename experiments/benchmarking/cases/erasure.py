@@ -41,14 +41,19 @@ def run_jaxdepth(bench: Bench, w: Workload):
 
 
 def executed_flops(c, one, splits, steps):
-    from jaxdepth.analyses.erasure import position_blocks
+    from jaxdepth.analyses.erasure import piece_width
 
     L, T, A = c.num_layers, one.tokens.shape[1], answers(one)
-    kv = 2 * T * L * 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-    total = layer_flops(c, T, T, L) + kv + lm_head_flops(c, A)
-    for first, stop in position_blocks(T):
-        total += (stop - first) * sum(layer_flops(c, T - first, T, L - l) + lm_head_flops(c, A)
-                                      for l in range(L + 1))
+    width = piece_width(T)
+    padded = -(-T // width) * width
+    last_piece = int(one.answer_positions(0)[0].max()) // width
+    kv = 2 * padded * L * 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    total = layer_flops(c, padded, padded, L) + kv + lm_head_flops(c, A)
+    # the erasures of piece k run pieces k..last_piece, each piece attending to the whole
+    # key buffer and its own keys
+    for k in range(last_piece + 1):
+        rows = (last_piece + 1 - k) * width
+        total += width * sum(layer_flops(c, rows, padded + width, L - l) + lm_head_flops(c, A) for l in range(L + 1))
     return total
 
 

@@ -5,8 +5,10 @@ values: one place for what every entry point (`jaxdepth.integrated_gradients`, t
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,7 +48,7 @@ def layer_baselines(x, valid, baseline, layers):
     if isinstance(baseline, str):
         if baseline not in BASELINES:
             raise ValueError(f"baseline must be one of {BASELINES} or an array, got {baseline!r}")
-        return jnp.stack([jnp.broadcast_to(ig_baseline(x[l], valid, baseline), x[l].shape) for l in layers])
+        return _named_baselines(x, valid, baseline, tuple(layers))
     b = jnp.asarray(baseline, jnp.float32)
     target = (len(layers),) + x.shape[1:]
     try:
@@ -54,6 +56,11 @@ def layer_baselines(x, valid, baseline, layers):
     except ValueError:
         raise ValueError(f"a baseline array must broadcast to the site's values of the attributed layers "
                          f"{target} ([layers, B, T, *trailing]); got shape {b.shape}") from None
+
+
+@partial(jax.jit, static_argnames=("kind", "layers"))  # one program, not one per eager operation
+def _named_baselines(x, valid, kind: str, layers: tuple[int, ...]):
+    return jnp.stack([jnp.broadcast_to(ig_baseline(x[l], valid, kind), x[l].shape) for l in layers])
 
 
 def check_tokens_array(tokens, config: ModelConfig) -> np.ndarray:

@@ -10,6 +10,7 @@ this function, with the user's metric or with the answer probability.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -66,6 +67,24 @@ class SiteIG:
     floored: Optional[np.ndarray] = None
 
 
+# One program each, not one per eager operation: they run once per attributed layer.
+@partial(jax.jit, static_argnames="with_inputs")
+def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
+    """The path of attributed layer `layer` (the `i`th): its x, baseline and, unless the site is
+    the layer's output, its input."""
+    return LayerPath(x[layer], b[i], inputs[layer] if with_inputs else None)
+
+
+@partial(jax.jit, static_argnames="per_channel")
+def _attributions(p: LayerPath, g, valid, *, per_channel: bool):
+    """(x - b) * g over valid positions: per channel `[B, T, ...]`, or summed over the site's
+    axes after the position, `[B, T]`."""
+    a = (p.x - p.b) * g
+    if per_channel:
+        return a * valid.reshape(valid.shape + (1,) * (a.ndim - 2))
+    return jnp.sum(a, axis=tuple(range(2, a.ndim))) * valid
+
+
 def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None,
               layers: Sequence[int], baseline="channel_mean", rule: str = "left", steps: int = rules.DEFAULT_STEPS,
               tolerance: Optional[float] = None, max_evaluations: Optional[int] = None,
@@ -91,24 +110,19 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
     if not np.all(np.isfinite(f_input)):
         raise_or_warn(report([], np.zeros((0, B, T)), np.zeros((0, B))), nonfinite)
     b = layer_baselines(x, valid, baseline, layers)
-    mask = valid.reshape(valid.shape + (1,) * (x.ndim - 3))
-    channels = tuple(range(2, x.ndim - 1))  # the site's axes after the position, in one layer's value
 
     def path(i):
-        layer = layers[i]
-        return LayerPath(x[layer], b[i], inputs[layer] if site != "resid_post" else None)
+        return _layer_path(x, b, inputs, np.int32(layers[i]), np.int32(i), with_inputs=site != "resid_post")
 
     def weighted(i, alphas, weights, chunk, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""
         p = path(i)
-        g, f_base = weighted_gradient(params, valid, jnp.int32(layers[i]), p, jnp.asarray(alphas, jnp.float32),
-                                      jnp.asarray(weights, jnp.float32), config, site=site, metric=metric, aux=aux,
+        g, f_base = weighted_gradient(params, valid, np.int32(layers[i]), p, np.asarray(alphas, np.float32),
+                                      np.asarray(weights, np.float32), config, site=site, metric=metric, aux=aux,
                                       positions=positions, chunk_size=chunk, interventions=interventions,
                                       backward=backward)
-        if channels_too:
-            a = (p.x - p.b) * g * mask
-            return None, a, f_base
-        return jnp.sum((p.x - p.b) * g, axis=channels) * valid, None, f_base
+        a = _attributions(p, g, valid, per_channel=channels_too)
+        return (None, a, f_base) if channels_too else (a, None, f_base)
 
     common = dict(layers=np.asarray(layers), site=site)  # and rule, as called
     if rule == "adaptive":
@@ -116,7 +130,7 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
         max_evaluations = rules.default_budget(steps) if max_evaluations is None else max_evaluations
         def call(layer, alphas, grad, chunk):
             i = layers.index(layer)
-            return path_points(params, valid, jnp.int32(layer), path(i), jnp.asarray(alphas, jnp.float32), config,
+            return path_points(params, valid, np.int32(layer), path(i), np.asarray(alphas, np.float32), config,
                                site=site, metric=metric, aux=aux, positions=positions, interventions=interventions,
                                grad=grad, chunk_size=chunk, backward=backward)
 
