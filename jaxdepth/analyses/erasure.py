@@ -140,7 +140,7 @@ def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
     return jnp.where(changed[None, :, None], suffix, clean_logits)
 
 
-def erased_final_residual(params, clean_state, valid, boundary, position, value, first_piece, last_piece,
+def erased_final_residual(params, clean_state, valid, boundary, position, value, *, first_piece, last_piece,
                           width: int, config: ModelConfig, interventions=()):
     """The final residual `[1, T, D]` of the run in which h_boundary[position] is `value`, under
     `interventions` (checked; applied first, the replacement after them), computed for the
@@ -206,8 +206,9 @@ def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: M
     def piece_effects(k, out):
         def boundary_effects(boundary):
             def member(position):
-                h = erased_final_residual(params, clean_state, valid, boundary, position, baseline[boundary], k,
-                                          last_piece, width, config, ivs)
+                h = erased_final_residual(params, clean_state, valid, boundary, position, baseline[boundary],
+                                          first_piece=k, last_piece=last_piece, width=width, config=config,
+                                          interventions=ivs)
                 # Causality: an erasure at t changes no position before t, and at the last boundary
                 # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
                 reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
