@@ -28,8 +28,8 @@ from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import (BASELINES, check_backward, check_nonfinite_option, check_rule, ig_baseline,
                                          warn_if_zero_baseline_diverges)
 from jaxdepth.analyses.ig.engine import attribute
-from jaxdepth.analyses.ig.path import LayerPath, clean_values, metric_head, path_points as site_path_points
-from jaxdepth.analyses.ig.path import weighted_gradient
+from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, metric_head, weighted_gradient
+from jaxdepth.analyses.ig.path import path_points as site_path_points
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -95,7 +95,7 @@ def ig_of_layer(params, prompt: PromptArrays, layer, path: LayerPath, config: Mo
     g, f_base = weighted_gradient(params, prompt.valid, layer, path, alphas, weights, config, site=TARGETS[target],
                                   chunk_size=chunk_size, interventions=interventions, backward=backward,
                                   **_answer_metric(prompt))
-    return jnp.sum((path.x - path.b) * g, axis=-1)[0] * prompt.valid[0], f_base[0]
+    return attribution_of(path, g, prompt.valid)[0], f_base[0]
 
 
 def path_points(params, prompt: PromptArrays, x, b, inputs, *, layer: int, alphas, config: ModelConfig,

@@ -199,8 +199,8 @@ def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, confi
                            interventions=None, metric: Optional[Callable] = None):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
     (`PromptArrays`: its `tokens`, `valid` `[1, T]`; `masks`: `SkipMasks` of host arrays,
-    `skip [K, T]` float, `measure [K, T]` bool). Returns `(later [L, K, L], output [L, K])` (see
-    `skipped_runs`).
+    `skip [K, T]` float, `measure [K, T]` bool). Returns numpy `(later [L, K, L], output [L, K])`
+    (see `skipped_runs`).
 
     The forwards run in calls of `layers_per_call` skipped layers (default
     `skipped_layer_groups` within `memory_budget`: all of them where memory allows); the LM head then runs on the
@@ -231,11 +231,12 @@ def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, confi
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
         if metric is not None:
             changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
-    later, output = np.concatenate([to_host(x) for x in later]), np.concatenate([to_host(x) for x in output])
+    joined = lambda parts: np.concatenate([to_host(x) for x in parts])  # on the host: no eager programs
+    later, output = joined(later), joined(output)
     last_unmeasured = ~np.any((np.asarray(masks.skip) > 0) & measure_masks & valid_host[None], axis=1)
     output[L - 1] = np.where(last_unmeasured, 0.0, output[L - 1])
     # No such zero for the metric: it reads the positions where the last layer is skipped too.
-    return (later, output) if metric is None else (later, output, np.concatenate([to_host(x) for x in changes]))
+    return (later, output) if metric is None else (later, output, joined(changes))
 
 
 @dataclasses.dataclass

@@ -14,13 +14,13 @@ from functools import partial
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import layer_baselines, nonfinite_report, raise_or_warn
-from jaxdepth.analyses.ig.path import LayerPath, choose_backward, clean_run, path_points, weighted_gradient
+from jaxdepth.analyses.ig.path import (LayerPath, attribution_of, choose_backward, clean_run, path_points,
+                                       weighted_gradient)
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
@@ -67,22 +67,12 @@ class SiteIG:
     floored: Optional[np.ndarray] = None
 
 
-# One program each, not one per eager operation: they run once per attributed layer.
+# One program, not one per eager operation: it runs once per attributed layer.
 @partial(jax.jit, static_argnames="with_inputs")
 def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
     """The path of attributed layer `layer` (the `i`th): its x, baseline and, unless the site is
     the layer's output, its input."""
     return LayerPath(x[layer], b[i], inputs[layer] if with_inputs else None)
-
-
-@partial(jax.jit, static_argnames="per_channel")
-def _attributions(p: LayerPath, g, valid, *, per_channel: bool):
-    """(x - b) * g over valid positions: per channel `[B, T, ...]`, or summed over the site's
-    axes after the position, `[B, T]`."""
-    a = (p.x - p.b) * g
-    if per_channel:
-        return a * valid.reshape(valid.shape + (1,) * (a.ndim - 2))
-    return jnp.sum(a, axis=tuple(range(2, a.ndim))) * valid
 
 
 def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None,
@@ -121,7 +111,7 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
                                       np.asarray(weights, np.float32), config, site=site, metric=metric, aux=aux,
                                       positions=positions, chunk_size=chunk, interventions=interventions,
                                       backward=backward)
-        a = _attributions(p, g, valid, per_channel=channels_too)
+        a = attribution_of(p, g, valid, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
 
     common = dict(layers=np.asarray(layers), site=site)  # and rule, as called

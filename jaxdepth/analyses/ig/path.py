@@ -46,6 +46,18 @@ class LayerPath:
         return self.b + alpha * (self.x - self.b)
 
 
+# jitted: called once per attributed layer outside the gradient's program, it would otherwise
+# compile one program per eager operation
+@partial(jax.jit, static_argnames="per_channel")
+def attribution_of(path: LayerPath, g, valid, *, per_channel: bool = False):
+    """`(x - b) * g` over the valid positions (`valid [B, T]`), g the path-averaged gradient:
+    per channel `[B, T, ...]`, or summed over the site's axes after the position, `[B, T]`."""
+    a = (path.x - path.b) * g
+    if per_channel:
+        return a * valid.reshape(valid.shape + (1,) * (a.ndim - 2))
+    return jnp.sum(a, axis=tuple(range(2, a.ndim))) * valid
+
+
 def per_prompt(value, batch: int):
     """A metric's value as one number per prompt `[B]`: a scalar (one prompt) or `[B]`. Anything
     else is refused at trace time: F, its path and its completeness gap are per prompt."""
