@@ -17,7 +17,7 @@ import numpy as np
 
 from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.lab.loaded_model import Model
+from jaxdepth.core.weights import ModelWeights
 from jaxdepth.core.model import check_params
 
 MARKER = "jaxdepth.json"
@@ -28,7 +28,7 @@ def is_converted_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def save_converted(converted: Model, out_dir: str, *, overwrite: bool = False) -> str:
+def save_converted(converted: ModelWeights, out_dir: str, *, overwrite: bool = False) -> str:
     """Write `converted` to `out_dir` atomically and return its absolute path."""
     import orbax.checkpoint as ocp
 
@@ -75,7 +75,7 @@ def _sharded_target(config: ModelConfig, meta: dict, mesh):
                         abstract, param_shardings(abstract, mesh))
 
 
-def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> Model:
+def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> ModelWeights:
     """Read a folder written by `save_converted`.
 
     With a `mesh`, every parameter is restored straight into its sharded layout
@@ -102,4 +102,4 @@ def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> M
     if load_tokenizer and meta.get("has_tokenizer"):
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
-    return Model(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))
+    return ModelWeights(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))

@@ -12,9 +12,9 @@ import os
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.lab.loaded_model import Model
 from conversion.layout import GGUF_NAMES, assemble_params
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
+from jaxdepth.core.weights import ModelWeights
 
 # Per-architecture metadata keys (after the "<arch>." prefix) read or known to be inert.
 _HANDLED_KEYS = {
@@ -74,7 +74,7 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> Model:
+def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> ModelWeights:
     """Convert a GGUF file; the tokenizer is rebuilt from its metadata (no torch needed)."""
     import gguf
 
@@ -102,4 +102,4 @@ def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) ->
         from conversion.gguf_tokenizer import gguf_tokenizer
 
         tokenizer = gguf_tokenizer(reader)
-    return Model(params=params, config=config, tokenizer=tokenizer, source=os.path.abspath(path))
+    return ModelWeights(params=params, config=config, tokenizer=tokenizer, source=os.path.abspath(path))

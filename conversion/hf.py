@@ -8,10 +8,10 @@ import os
 import numpy as np
 
 from conversion.errors import ConversionError
-from jaxdepth.lab.loaded_model import Model
 from conversion.layout import HF_NAMES, assemble_params
 from conversion.safetensors_io import read_safetensors
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.weights import ModelWeights
 
 # What a hub download fetches: config, weights and tokenizer, nothing else (no .bin/.pt copies).
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*",
@@ -65,7 +65,7 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def convert_hf_folder(folder: str, *, dtype=np.float32) -> Model:
+def convert_hf_folder(folder: str, *, dtype=np.float32) -> ModelWeights:
     """Convert a local HF folder (`config.json` + safetensors + tokenizer files)."""
     if not os.path.isdir(folder):
         raise ConversionError(f"not a folder: {folder}")
@@ -77,11 +77,11 @@ def convert_hf_folder(folder: str, *, dtype=np.float32) -> Model:
                 raise ConversionError(f"tensor {name!r} appears in more than one shard")
             tensors[name] = array
     params = assemble_params(config, tensors.keys(), tensors.__getitem__, HF_NAMES, dtype=dtype)
-    return Model(params=params, config=config, tokenizer=load_tokenizer(folder),
+    return ModelWeights(params=params, config=config, tokenizer=load_tokenizer(folder),
                      source=os.path.abspath(folder))
 
 
-def convert_hf(source: str, *, dtype=np.float32, revision: str | None = None) -> Model:
+def convert_hf(source: str, *, dtype=np.float32, revision: str | None = None) -> ModelWeights:
     """Convert a local HF folder or, when `source` is not a local path, a hub id."""
     if os.path.isdir(source):
         return convert_hf_folder(source, dtype=dtype)

@@ -1,17 +1,21 @@
-"""The package's imports point one way: the shell (`jaxdepth.lab`) over the analyses
-(`jaxdepth.analyses`) over the core (`jaxdepth.core`), with no cycles and no module reaching for
+"""The repository's imports point one way: the experiments over the shell (`jaxdepth.lab`) over
+the analyses (`jaxdepth.analyses`) over the core (`jaxdepth.core`), and the converters
+(`conversion/`) beside the analyses, on the core only; no cycles, and no module reaching for
 another module's private names.
 
-Every module under `jaxdepth/` and `conversion/` is parsed (`ast`, nothing is imported) and every
-import is collected, at module level or inside a function: `import a.b`, `from a import b` (an
-edge to the submodule `a.b` when that is a module, else to `a`) and relative imports. Then:
+Every module under `jaxdepth/`, `conversion/` and `experiments/` is parsed (`ast`, nothing is
+imported) and every import is collected, at module level or inside a function: `import a.b`,
+`from a import b` (an edge to the submodule `a.b` when that is a module, else to `a`) and
+relative imports. The experiments are scripts run with `experiments/` on the path, so
+`experiments/benchmarking/case.py` is the module `benchmarking.case`. Then:
 
-- no import cycle between modules (a strongly connected component of more than one module);
+- no import cycle between modules (a strongly connected component of more than one module), nor
+  between layers (core, analyses, lab, conversion, experiments; the facade aside);
 - no arrow core -> analyses, core -> lab, analyses -> lab, nor from the core or the analyses to
   the package facade `jaxdepth/__init__.py` (which re-exports from every layer and is exempt from
   the layering rule as an importer);
-- `conversion/` does not import the shell, but for the `Model` type (`jaxdepth.lab.loaded_model`),
-  nor the facade;
+- `conversion/` imports the core only: not the analyses, the shell or the facade;
+- nothing but the experiments imports the experiments;
 - no module imports another module's private name (`_name`, not a dunder), or reads one as an
   attribute of a module it imported (`plots._helper`).
 """
@@ -23,12 +27,15 @@ import dataclasses
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("jaxdepth", "conversion")
+PACKAGES = ("jaxdepth", "conversion", "experiments")
+SCRIPT_ROOTS = ("experiments",)  # folders whose files are imported relative to themselves
 FACADE = "jaxdepth"
+LAYERS = ("core", "analyses", "lab", "conversion", "experiments")
 # (importer's layer, imported layer) pairs that point the wrong way
 FORBIDDEN = {("core", "analyses"), ("core", "lab"), ("analyses", "lab"),
-             ("core", "facade"), ("analyses", "facade"), ("conversion", "lab"), ("conversion", "facade")}
-ALLOWED = {("conversion", "jaxdepth.lab.loaded_model")}  # the Model type every converter returns
+             ("core", "facade"), ("analyses", "facade"),
+             ("conversion", "analyses"), ("conversion", "lab"), ("conversion", "facade")}
+FORBIDDEN |= {(importer, "experiments") for importer in LAYERS + ("facade",) if importer != "experiments"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +50,10 @@ class Edge:
 
 def module_name(path: str) -> tuple[str, bool]:
     """`jaxdepth/lab/cli.py` -> ("jaxdepth.lab.cli", False); `jaxdepth/lab/__init__.py` ->
-    ("jaxdepth.lab", True)."""
+    ("jaxdepth.lab", True); `experiments/benchmarking/case.py` -> ("benchmarking.case", False)."""
     parts = path[:-len(".py")].replace(os.sep, "/").split("/")
+    if parts[0] in SCRIPT_ROOTS and len(parts) > 1:
+        parts = parts[1:]
     if parts[-1] == "__init__":
         return ".".join(parts[:-1]), True
     return ".".join(parts), False
@@ -54,7 +63,11 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def layer(module: str) -> str:
+def layer(module: str, path: str | None = None) -> str:
+    """The layer of `module` (at `path`, when known): "facade", "core", "analyses", "lab",
+    "experiments", or the first part of its name ("conversion", a top-level module)."""
+    if path is not None and path.replace(os.sep, "/").split("/")[0] in SCRIPT_ROOTS:
+        return "experiments"
     if module == FACADE:
         return "facade"
     for name in ("core", "analyses", "lab"):
@@ -191,15 +204,28 @@ def cycles(edges: list[Edge]) -> list[list[Edge]]:
     return found
 
 
+def layer_edges(edges: list[Edge], paths: dict[str, str]) -> list[Edge]:
+    """The module edges as edges between layers (one per pair, the first seen; the facade aside,
+    since it re-exports every layer by design), for the cycle check between layers."""
+    found = {}
+    for e in edges:
+        pair = (layer(e.importer, paths[e.importer]), layer(e.target, paths[e.target]))
+        if pair[0] != pair[1] and "facade" not in pair:
+            found.setdefault(pair, Edge(pair[0], pair[1], e.line))
+    return list(found.values())
+
+
 def problems(files: dict[str, str]) -> list[str]:
     """Every breach of the rules above, each a sentence naming the files and lines."""
     edges, found, paths = analyse(files)
     for cycle in cycles(edges):
         chain = " -> ".join([cycle[0].importer] + [e.target for e in cycle])
         found.append(f"import cycle {chain} ({'; '.join(e.where(paths) for e in cycle)})")
+    for cycle in cycles(layer_edges(edges, paths)):
+        found.append(f"import cycle between layers {' -> '.join([cycle[0].importer] + [e.target for e in cycle])}")
     for e in edges:
-        pair = (layer(e.importer), layer(e.target))
-        if pair in FORBIDDEN and (pair[0], e.target) not in ALLOWED:
+        pair = (layer(e.importer, paths[e.importer]), layer(e.target, paths[e.target]))
+        if pair in FORBIDDEN:
             found.append(f"{e.where(paths)}: {e.importer} imports {e.target}: {pair[0]} must not import {pair[1]}")
     return found
 
@@ -219,7 +245,9 @@ def package_files() -> dict[str, str]:
 
 def test_imports_point_one_way_without_cycles_or_private_names():
     files = package_files()
-    assert "jaxdepth/lab/cli.py" in files and "jaxdepth/core/model.py" in files
+    for path in ("jaxdepth/lab/cli.py", "jaxdepth/core/model.py", "conversion/hf.py", "experiments/benchmark.py",
+                 "experiments/benchmarking/case.py"):
+        assert path in files
     found = problems(files)
     assert not found, "\n".join(found)
 
@@ -235,8 +263,12 @@ def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
         "jaxdepth/lab/__init__.py": "",
         "jaxdepth/lab/cli.py": "from jaxdepth.core import a\n",
         "conversion/__init__.py": "",
-        "conversion/c.py": "from jaxdepth.lab.loaded_model import Model\nfrom jaxdepth.lab import cli\n",
-        "jaxdepth/lab/loaded_model.py": "from ..analyses import x\n",
+        "conversion/c.py": "from jaxdepth.core import b\nfrom jaxdepth.lab import cli\n",
+        "jaxdepth/lab/loaded_model.py": "from ..analyses import x\nimport conversion.c\n",
+        "experiments/run.py": "import jaxdepth\nfrom benchmarking import case\n",
+        "experiments/benchmarking/__init__.py": "",
+        "experiments/benchmarking/case.py": "from jaxdepth.lab import cli\n",
+        "jaxdepth/analyses/y.py": "from benchmarking.case import Bench\n",
     }
     found = problems(files)
     text = "\n".join(found)
@@ -245,11 +277,31 @@ def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
     assert "jaxdepth/analyses/x.py:2: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
     assert "jaxdepth/analyses/x.py:3: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
     assert "conversion/c.py:2: conversion.c imports jaxdepth.lab.cli: conversion must not import lab" in text, text
-    # the facade may import every layer; relative imports and the allowed Model import are edges, not errors
-    assert len(found) == 5, text
+    assert ("jaxdepth/analyses/y.py:1: jaxdepth.analyses.y imports benchmarking.case: "
+            "analyses must not import experiments") in text, text
+    # the wrong-way arrows join every layer into one cycle of layers, reported once (its shortest loop)
+    assert [p for p in found if p.startswith("import cycle between layers")] == [
+        "import cycle between layers analyses -> core -> lab -> analyses"], text
+    # the facade may import every layer and the experiments may import anything of the package:
+    # relative imports, the facade's and the experiments' imports are edges, not errors
+    assert len(found) == 7, text
     edges, _, _ = analyse(files)
     assert Edge("jaxdepth.lab.loaded_model", "jaxdepth.analyses.x", 1) in edges
     assert Edge("jaxdepth.core.b", "jaxdepth.core.a", 1) in edges
+    assert Edge("run", "benchmarking.case", 2) in edges
+
+
+def test_a_cycle_of_layers_without_a_cycle_of_modules_is_reported():
+    # lab.sources -> conversion.hf -> lab.loaded_model: no module is on a cycle, but the two layers are
+    files = {
+        "jaxdepth/__init__.py": "", "jaxdepth/lab/__init__.py": "", "conversion/__init__.py": "",
+        "jaxdepth/lab/sources.py": "from conversion.hf import convert\n",
+        "conversion/hf.py": "from jaxdepth.lab.loaded_model import Model\n",
+        "jaxdepth/lab/loaded_model.py": "",
+    }
+    assert problems(files) == [
+        "import cycle between layers conversion -> lab -> conversion",
+        "conversion/hf.py:1: conversion.hf imports jaxdepth.lab.loaded_model: conversion must not import lab"]
 
 
 MAX_POSITIONAL = 8  # what a function takes beyond that is an option: keyword-only

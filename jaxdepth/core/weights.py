@@ -1,0 +1,41 @@
+"""`ModelWeights`: a converted model as plain data (params, config, tokenizer, source).
+
+Every converter (`conversion.hf`, `conversion.gguf_file`, `conversion.checkpoint`) returns one;
+`jaxdepth.load` wraps it in the shell's `jaxdepth.Model`, which adds conveniences over the pure
+functions. Defining the record here, below both, lets the converters depend on the core only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import Params
+
+
+@dataclasses.dataclass
+class ModelWeights:
+    """A converted model: params pytree, config, tokenizer (None if the source had none).
+
+    `params`: the nested dict of arrays that the pure functions and every analysis take
+    (`jaxdepth.core.model.param_shapes` gives its structure; per-layer weights are stacked on a
+    leading layer axis): host numpy arrays straight from a converter, device arrays after
+    `jaxdepth.load`. `config`: its `ModelConfig`. `tokenizer`: a Hugging Face tokenizer
+    (`transformers`), or None. `source`: where it came from (the folder, `.gguf` file or hub id
+    as resolved; for a converted folder, the source recorded when it was converted)."""
+
+    params: Params
+    config: ModelConfig
+    tokenizer: Optional[Any]
+    source: str
+
+    def astype(self, dtype):
+        """A copy (of the same class) with params cast to `dtype` (e.g. 'bfloat16': weights and
+        activations in bf16; norms, softmaxes, logits and every statistic stay float32); this one
+        is left as it is. The cast params are device arrays."""
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
+        return dataclasses.replace(self, params=params)
