@@ -21,7 +21,7 @@ from jaxdepth.analyses.ig.checks import ig_baseline
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.compilation import jit
-from jaxdepth.core.interventions import replace_residual
+from jaxdepth.core import sites
 from jaxdepth.lab.sources import load
 from jaxdepth.core.model import embed, forward, residual_stream, run_layers, unembed
 from jaxdepth.lab.prompts import encode, load_prompts
@@ -41,7 +41,7 @@ def plain_erasure(params, tokens, valid, answer_mask, baseline, config, chunk_si
 
     def member(m):
         boundary, position = m
-        iv = replace_residual(boundary, jnp.arange(T) == position, baseline[boundary])
+        iv = sites.replace("resid_pre", boundary, jnp.arange(T) == position, baseline[boundary])
         h, _ = run_layers(params, h0, config, valid=valid, interventions=iv)
         probs = jax.nn.softmax(unembed(params, h, config), -1)
         reach = jnp.where(boundary == L, jnp.arange(T) == position, jnp.arange(T) >= position)
@@ -62,7 +62,7 @@ def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
 
     def objective(z, layer):
         h, _ = run_layers(params, h0, config, valid=valid, remat=True,
-                          interventions=replace_residual(layer + 1, jnp.ones(T), z))
+                          interventions=sites.replace("resid_pre", layer + 1, jnp.ones(T), z))
         p = jax.nn.softmax(unembed(params, h, config), -1)
         return jnp.sum(jnp.where(answer_mask, jnp.take_along_axis(p, target[..., None], -1)[..., 0], 0.0))
 

@@ -2,8 +2,8 @@
 
 The top level holds what most code needs: `load` (a `Model` from a converted folder, a Hugging
 Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
-(`forward`, `run_layers`, `residual_stream`), named sites and interventions (`sites`, and
-`Interventions`, the studies' bundle of them), and gradients at any site (`site_gradients`;
+(`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
+`skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients at any site (`site_gradients`;
 `integrated_gradients`, which returns a `SiteIG`). Each analysis of the studies is a module of
 `jaxdepth.analyses`; files, the command line and the study runner are in `jaxdepth.lab`.
 
@@ -15,13 +15,12 @@ prompts, T positions, L layers, D residual width, V vocabulary, ...).
 
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
-from jaxdepth.core.interventions import Interventions
 from jaxdepth.core.model import forward, residual_stream, run_layers
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
 
-__all__ = ["ModelConfig", "UnsupportedConfigError", "Interventions", "Model", "load", "forward",
+__all__ = ["ModelConfig", "UnsupportedConfigError", "Model", "load", "forward",
            "residual_stream", "run_layers", "sites", "site_gradients", "integrated_gradients", "SiteIG",
            "NonFiniteAttributionError"]

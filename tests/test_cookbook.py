@@ -69,7 +69,6 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     np.testing.assert_allclose(ns["kl_ablated"][L // 2 + 1], kl, rtol=1e-3, atol=1e-4)
     assert np.abs(np.asarray(ns["kl_ablated"]) - np.asarray(ns["kl_clean"])).max() > 1e-4
     # 5. layer skip: the change of skipping layer s before a split, against the forward with that skip
-    from jaxdepth.core.interventions import skip_layer
 
     skips, one = ns["skips"], ns["batch"].single(0)
     n = len(ns["long_prompt"])
@@ -78,7 +77,7 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     pos = np.arange(one.tokens.shape[1])
     for s in (0, L // 2):
         t = int(skips.split_positions[0, 0])
-        iv = skip_layer(L, s, ((pos >= 1) & (pos < t)).astype(np.float32))
+        iv = sites.skip("delta", s, ((pos >= 1) & (pos < t)).astype(np.float32))
         assert float(skips.metric_change_per_prompt[0, s, 0]) == pytest.approx(
             float(read(params, iv) - read(params, None)), abs=1e-3)
     assert np.all(np.abs(skips.metric_change) >= np.nanmax(np.abs(skips.metric_change_per_prompt[0]), -1) - 1e-6)

@@ -35,15 +35,15 @@ from tqdm.auto import tqdm
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import LayerRecord, layer_inputs, run_layers_from, unembed
-from jaxdepth.core.sites import as_interventions
+from jaxdepth.core.sites import as_interventions, skip as skip_at
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
 
-SUBLAYERS = ("layer", "attn", "mlp")
+# what each sublayer's skip removes: the layer's whole contribution, or one sublayer's output
+SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
 MODES = ("future", "current")
 SPLITS = ("sampled", "answer_start")
 
@@ -124,7 +124,7 @@ def skipped_runs(params, prompt: PromptArrays, layers, masks: SkipMasks, config:
         def member(m):
             skip, measure = m
             h, later = run_layers_from(params, starts[layer], layer, config, valid=valid,
-                                       interventions=(*ivs, skip_layer(L, layer, skip, sublayer)),
+                                       interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, skip)),
                                        tap=_tap_relative_change(measure[None] & valid), tap_inputs=clean_deltas)
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
@@ -326,7 +326,7 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
     padding, and a metric should read only positions every prompt has.
     """
     if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
-        raise ValueError(f"sublayer must be one of {SUBLAYERS}, mode one of {MODES} and splits one of {SPLITS}")
+        raise ValueError(f"sublayer must be one of {tuple(SUBLAYERS)}, mode one of {MODES} and splits one of {SPLITS}")
     if mode == "current" and splits != "sampled":
         raise ValueError(f"splits={splits!r} needs mode='future': the 'current' mode skips every position but 0 "
                          "and has no split position")
@@ -407,14 +407,14 @@ class LayerSkipBySublayer(SavedResult):
 
 
 def layer_skip_sublayers(params, batch: PromptBatch, config: ModelConfig, *,
-                         sublayers: Sequence[str] = SUBLAYERS, settings=None, interventions=None,
+                         sublayers: Sequence[str] = tuple(SUBLAYERS), settings=None, interventions=None,
                          metric: Optional[Callable] = None, **kwargs) -> LayerSkipBySublayer:
     """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
     arguments as `layer_skip`: `mode`, `splits`, `seed`, ...). `interventions` and `metric` as
     in `layer_skip`: the user's interventions first, then each skip."""
     sublayers = list(sublayers)
     if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
-        raise ValueError(f"sublayers must be distinct names among {SUBLAYERS}, got {sublayers}")
+        raise ValueError(f"sublayers must be distinct names among {tuple(SUBLAYERS)}, got {sublayers}")
     parts = [layer_skip(params, batch, config, sublayer=s, interventions=interventions, metric=metric, **kwargs)
              for s in sublayers]
     stack = lambda name: np.stack([getattr(p, name) for p in parts])

@@ -37,15 +37,14 @@ def compiler_options() -> dict[str, Any]:
 
 
 def _is_interventions(x) -> bool:
-    return isinstance(x, Intervention) or hasattr(x, "site_interventions")
+    return isinstance(x, Intervention)
 
 
 def check_interventions(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`args` and `kwargs` of a call with every intervention among them checked against the
     model config among them (`jaxdepth.core.sites.check_layer_indices`): inside the jitted
-    function the layer indices are traced and could no longer be checked. A bundle
-    (`Interventions`) becomes its tuple of site interventions. Calls without exactly one
-    `ModelConfig` are left as they are."""
+    function the layer indices are traced and could no longer be checked. Calls without exactly
+    one `ModelConfig` are left as they are."""
     configs = [v for v in (*args, *kwargs.values()) if isinstance(v, ModelConfig)]
     if len(configs) != 1 or not any(_is_interventions(leaf) for leaf in
                                     jax.tree.leaves((args, kwargs), is_leaf=_is_interventions)):

@@ -312,8 +312,8 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
                interventions: InterventionsLike = None,
                tap: Optional[Tap] = None, tap_inputs: Any = None, remat: bool = False):
     """Run every decoder layer on the residual `h0` (one `lax.scan` over `layer_step`),
-    applying `interventions`: an `Interventions` bundle, a site `Intervention`
-    (`jaxdepth.core.sites`), or a sequence of them.
+    applying `interventions`: a site `Intervention` (`jaxdepth.core.sites`) or a sequence of
+    them.
 
     `tap(record, x)` is called inside the scan for every layer with that layer's `LayerRecord`
     and the layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its

@@ -38,7 +38,7 @@ compiles anew. Write `fn` with `where` and multiplications, not Python `if` on v
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -177,19 +177,19 @@ class Intervention:
 jax.tree_util.register_dataclass(Intervention, data_fields=["data"],
                                  meta_fields=["site", "fn", "layer_data", "layer_index"])
 
-InterventionsLike = Union[None, Intervention, Iterable[Any]]
+InterventionsLike = Union[None, Intervention, Sequence[Any]]
 
 
 def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ...]:
-    """A flat tuple of `Intervention`s from None, one intervention, a bundle with a
-    `site_interventions()` method (`jaxdepth.core.interventions.Interventions`), or a (nested)
-    sequence of these."""
+    """A flat tuple of `Intervention`s from None, one intervention, or a (nested) sequence of
+    them. Anything else is a `TypeError`."""
     if interventions is None:
         return ()
     if isinstance(interventions, Intervention):
         return (interventions,)
-    if hasattr(interventions, "site_interventions"):
-        return tuple(interventions.site_interventions())
+    if not isinstance(interventions, (tuple, list)):
+        raise TypeError(f"interventions must be None, an Intervention (jaxdepth.sites) or a sequence of them, "
+                        f"got {type(interventions).__name__}")
     return tuple(iv for item in interventions for iv in as_interventions(item))
 
 
@@ -259,7 +259,7 @@ def _multiply(value, layer, masks):
 
 def keep(site: str, masks: Float[Array, "layer *bt"]) -> Intervention:
     """Multiply the value at `site` by `masks[l]` at every layer l: 1 keeps it, 0 removes it
-    (the `Interventions` keep-masks).
+    (`skip` is the same for one layer).
 
     Args:
         site: a name of `SITES`.
@@ -270,6 +270,30 @@ def keep(site: str, masks: Float[Array, "layer *bt"]) -> Intervention:
     Example: `keep("delta", 1 - jnp.eye(L)[:, :1] * np.ones(T))` skips layer 0 at every position.
     """
     return Intervention(site, _multiply, jnp.asarray(masks, jnp.float32), layer_data=True)
+
+
+def _skip(value, layer, data):
+    at, positions = data
+    return value * _expand(jnp.where(layer == at, 1.0 - positions, 1.0), value, "positions")
+
+
+def skip(site: str, layer, positions) -> Intervention:
+    """Remove the value at `site` of one layer where `positions` is 1 (multiply it by
+    1 - positions there, by 1 elsewhere): at `delta` the whole layer is skipped (its residual
+    passes through unchanged), at `attn_out` or `mlp_out` one sublayer. Zeroing `attn_out` also
+    changes the MLP's input, exactly as zeroing the attention output in a hook does.
+
+    Args:
+        site: a name of `SITES` (the studies skip at `delta`, `attn_out` and `mlp_out`).
+        layer: int in 0..L-1, or negative from the end (-1 is the last layer). An int array of
+            them stacks interventions for `vmap`; a traced index sweeps layers in one program.
+            Out of range is an `InterventionError` (module docstring, "Layer indices").
+        positions: float `[T]` or `[B, T]`: 1 skips, 0 keeps (fractions scale).
+
+    Example: `skip("delta", 3, np.arange(T) >= 1)` skips layer 3 at every position but the first.
+    """
+    return Intervention(site, _skip, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32)),
+                        layer_index=0)
 
 
 def _replace(value, layer, data):

@@ -49,8 +49,8 @@ class Model(ModelWeights):
 
         `valid` (bool `[B, T]`, default all true) marks the real tokens of right-padded prompts:
         no position attends to padding, and the logits at padded positions are meaningless.
-        `interventions`: anything `jaxdepth.core.sites.as_interventions` takes (one
-        `Intervention`, an `Interventions` bundle, a list of them). Jitted once per shape and
+        `interventions`: one `jaxdepth.sites.Intervention` or a list of them
+        (`jaxdepth.core.sites.as_interventions`). Jitted once per shape and
         intervention structure; params are an argument, never closed over."""
         tokens, valid = self._checked(token_ids, valid)
         return np.asarray(_jit_forward(self.params, tokens, self.config, valid, interventions))

@@ -14,7 +14,7 @@ from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core import sites
 from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import replace_residual, skip_layer
+from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core.model import forward, random_params, residual_stream, run_layers, embed
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -195,7 +195,7 @@ def _skip_reference(params, one, layer, split, sublayer):
     length = int(one.lengths[0])
     pos = np.arange(T)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    iv = skip_layer(CONFIG.num_layers, layer, ((pos >= 1) & (pos < split)).astype(np.float32), sublayer)
+    iv = sites.skip(SUBLAYERS[sublayer], layer, ((pos >= 1) & (pos < split)).astype(np.float32))
     d_clean, d_skip = deltas(params, tokens, valid), deltas(params, tokens, valid, iv)
     ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
     future = (pos >= split) & (pos < length)
@@ -272,7 +272,7 @@ def test_current_mode_equals_one_at_a_time_with_the_diagonal_measured(params, ba
         tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
         ref = np.zeros((L, L))
         for s in range(L):
-            iv = skip_layer(L, s, ((pos >= 1) & (pos < length)).astype(np.float32), sublayer)
+            iv = sites.skip(SUBLAYERS[sublayer], s, ((pos >= 1) & (pos < length)).astype(np.float32))
             d_clean, d_skip = deltas(params, tokens, valid), deltas(params, tokens, valid, iv)
             ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
             ref[s] = np.where(np.arange(L) >= s, ratio[:, 0, :length].max(-1), 0.0)
@@ -290,7 +290,7 @@ def test_current_mode_skips_all_but_position_zero(params, batch):
     one = batch.single(0)
     pos = np.arange(one.tokens.shape[1])
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    iv = skip_layer(CONFIG.num_layers, 1, (pos >= 1).astype(np.float32))
+    iv = sites.skip("delta", 1, (pos >= 1).astype(np.float32))
     out = np.linalg.norm(probs(params, tokens, valid) - probs(params, tokens, valid, iv), axis=-1)[0, :30].max()
     np.testing.assert_allclose(result.output[1], out, atol=2e-6)
 
@@ -316,7 +316,7 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
     length = int(one.lengths[0])
     for l in range(CONFIG.num_layers + 1):
         for t in range(length):
-            iv = replace_residual(l, np.arange(one.tokens.shape[1]) == t, baseline[l])
+            iv = sites.replace("resid_pre", l, np.arange(one.tokens.shape[1]) == t, baseline[l])
             diff = np.linalg.norm(probs(params, tokens, valid, iv) - clean, axis=-1)[0]
             assert result.effects[i, l, t] == pytest.approx(diff[answer].max(), abs=2e-6)
     # after the last answer-predicting position nothing can change: exact zeros
@@ -329,7 +329,7 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
 @jax.jit
 def _objective_arrays(params, tokens, valid, answer, layer, z):
     T = tokens.shape[1]
-    iv = replace_residual(layer + 1, jnp.ones(T, jnp.float32), z)
+    iv = sites.replace("resid_pre", layer + 1, jnp.ones(T, jnp.float32), z)
     p = jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=iv), -1)[0]
     target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
     return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))

@@ -14,7 +14,6 @@ from jaxdepth.analyses import attribution, contributions, erasure, layer_skip, l
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, run_layers
 from jaxdepth.lab.results import load_result
 
@@ -91,7 +90,7 @@ def test_contributions_under_interventions_equal_a_tap_of_the_intervened_run(par
     """The statistics of the intervened run's own h_l, a_l and m_l. With a whole-layer skip (at
     `delta`, after the sublayers) the layer's contribution is h_{l+1} - h_l, 0 where skipped."""
     batch = prompts((16, 13), None)  # both prompts padded to 16: a [L, 16] skip mask fits every group
-    ivs = [ablation()] + ([skip_layer(L, 1, (np.arange(16) >= 1).astype(np.float32))] if with_skip else [])
+    ivs = [ablation()] + ([sites.skip("delta", 1, (np.arange(16) >= 1).astype(np.float32))] if with_skip else [])
     result = contributions.contributions(params, batch, CONFIG, interventions=ivs)
     h, a, m, out = (np.asarray(x, np.float64) for x in _tapped(params, jnp.asarray(batch.tokens),
                                                                 jnp.asarray(batch.valid), ivs))
@@ -120,7 +119,7 @@ def _log_softmax(x):
 
 def test_logit_lens_under_a_layer_skip_reads_the_intervened_stream(params):
     batch = prompts((16, 13), None)
-    skip = skip_layer(L, 1, (np.arange(16) >= 1).astype(np.float32))  # layer 1 at all positions but 0
+    skip = sites.skip("delta", 1, (np.arange(16) >= 1).astype(np.float32))  # layer 1 at all positions but 0
     result = logit_lens.logit_lens(params, batch, CONFIG, interventions=skip)
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid),
                                     interventions=skip), np.float64)
@@ -180,7 +179,7 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
         later, output = np.zeros((L, L)), np.zeros(L)
         for s in range(L):
             for k, t in enumerate(splits):
-                both = user + [skip_layer(L, s, ((pos >= 1) & (pos < t)).astype(np.float32))]
+                both = user + [sites.skip("delta", s, ((pos >= 1) & (pos < t)).astype(np.float32))]
                 skipped = logits(params, one, both)
                 change = last_logit_difference(skipped) - last_logit_difference(clean)
                 assert result.metric_change_per_prompt[i, s, k] == pytest.approx(change, abs=2e-5), (i, s, t)

@@ -11,7 +11,6 @@ from jaxdepth.analyses import attribution, erasure
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import replace_residual, skip_layer
 from jaxdepth.core.model import forward, random_params, residual_stream
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -50,7 +49,7 @@ def objective(one):
 def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
     tokens, valid, _, _ = arrays(one)
     metric = objective(one)
-    skip = skip_layer(L, 1, jnp.ones(tokens.shape[1]))  # gradients under an intervention, as the model ran
+    skip = sites.skip("delta", 1, jnp.ones(tokens.shape[1]))  # gradients under an intervention, as the model ran
     g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, metric, (site,), valid=valid,
                                                      interventions=skip))(params)
     rows = L + (site == "resid_pre")
@@ -126,7 +125,7 @@ def test_exact_scalar_erasure_equals_one_at_a_time(params, one):
     T = tokens.shape[1]
     for l in range(L + 1):
         for t in range(21):
-            iv = replace_residual(l, np.arange(T) == t, baseline[l])
+            iv = sites.replace("resid_pre", l, np.arange(T) == t, baseline[l])
             exact = float(_answer_probability(params, tokens, valid, positions, real, iv)) - clean
             assert result.effects[0, l, t] == pytest.approx(exact, abs=2e-6), (l, t)
     assert np.all(result.effects[0, :, 20:] == 0.0)  # after the last answer prediction: exact zeros

@@ -10,7 +10,8 @@ import pytest
 from jaxdepth.analyses import layer_skip
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import skip_layer
+from jaxdepth.analyses.layer_skip import SUBLAYERS
+from jaxdepth.core import sites
 from jaxdepth.core.model import embed, forward, random_params, run_layers
 from jaxdepth.lab.registry import analysis
 from jaxdepth.lab.study import StudySettings
@@ -52,7 +53,7 @@ def _one_at_a_time(params, one, layer, split, sublayer):
     T, length = one.tokens.shape[1], int(one.lengths[0])
     pos = np.arange(T)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    iv = skip_layer(CONFIG.num_layers, layer, ((pos >= 1) & (pos < split)).astype(np.float32), sublayer)
+    iv = sites.skip(SUBLAYERS[sublayer], layer, ((pos >= 1) & (pos < split)).astype(np.float32))
     d_clean, d_skip = (np.asarray(_deltas(params, tokens, valid, x)) for x in (None, iv))
     ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
     future = (pos >= split) & (pos < length)

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import assert_close, assert_moved
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.interventions import Interventions, replace_residual, skip_layer
+from jaxdepth.core import sites
 from jaxdepth.core.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
                                  mlp, random_params, residual_stream, rms_norm, rotary_tables, run_layers,
                                  run_layers_from, unembed)
@@ -33,6 +33,8 @@ P_PER_ROW = np.zeros((B, T), np.float32)
 P_PER_ROW[0, [2, 9]] = 1.0
 P_PER_ROW[1, [5, 6, 11]] = 1.0
 POSITION_SETS = {"shared": P_SHARED, "per_row": P_PER_ROW}
+# where each skip acts: the whole layer's contribution, or one sublayer's output
+SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
 
 CONFIGS = {
     "qwen2_untied": ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64,
@@ -159,7 +161,7 @@ def test_skip_matches_reference(setup, sublayer, positions):
     kind = {"layer": "skip", "attn": "zero_attn", "mlp": "zero_mlp"}[sublayer]
     first_hit = _bt(P).argmax(axis=1)  # per row, the first intervened position
     for s in range(config.num_layers):
-        iv = skip_layer(config.num_layers, s, P, sublayer=sublayer)
+        iv = sites.skip(SUBLAYERS[sublayer], s, P)
         got = jit_forward(params, tokens, config, iv)
         ref, _, _ = reference(params, tokens, config, **{kind: [(s, P)]})
         assert_close(got, ref, f"{sublayer} of layer {s} at {positions} positions")
@@ -169,8 +171,8 @@ def test_skip_matches_reference(setup, sublayer, positions):
 
 
 def test_several_keep_masks_at_once(setup):
-    """keep_layer, keep_attn and keep_mlp combined, on different layers and positions, with
-    [L, B, T] masks."""
+    """Keep-masks of whole layers, attention and MLP outputs combined, on different layers and
+    positions, with [L, B, T] masks."""
     params, tokens, config = setup
     L = config.num_layers
     keep_layer, keep_attn, keep_mlp = (np.ones((L, B, T), np.float32) for _ in range(3))
@@ -178,8 +180,7 @@ def test_several_keep_masks_at_once(setup):
     keep_layer[1] = 1 - _bt(P_SHARED)
     keep_mlp[2] = 1 - P_PER_ROW
     keep_mlp[0] = 1 - _bt(P_SHARED)
-    iv = Interventions(keep_layer=jnp.asarray(keep_layer), keep_attn=jnp.asarray(keep_attn),
-                       keep_mlp=jnp.asarray(keep_mlp))
+    iv = [sites.keep("delta", keep_layer), sites.keep("attn_out", keep_attn), sites.keep("mlp_out", keep_mlp)]
     ref, _, _ = reference(params, tokens, config, zero_attn=[(0, P_PER_ROW)], skip=[(1, P_SHARED)],
                           zero_mlp=[(2, P_PER_ROW), (0, P_SHARED)])
     assert_close(jit_forward(params, tokens, config, iv), ref, "combined keep masks")
@@ -189,7 +190,7 @@ def test_skipping_a_layer_everywhere_equals_deleting_it(setup_one):
     params, tokens, config = setup_one
     shorter_config = dataclasses.replace(config, num_layers=config.num_layers - 1)
     for s in range(config.num_layers):
-        got = jit_forward(params, tokens, config, skip_layer(config.num_layers, s, np.ones(T, np.float32)))
+        got = jit_forward(params, tokens, config, sites.skip("delta", s, np.ones(T, np.float32)))
         kept = np.array([l for l in range(config.num_layers) if l != s])
         shorter = {**params, "layers": {k: v[kept] for k, v in params["layers"].items()}}
         assert_close(got, jit_forward(shorter, tokens, shorter_config), f"layer {s} skipped everywhere vs removed")
@@ -202,7 +203,7 @@ def test_replace_residual_matches_writing_by_hand(setup, positions):
     clean = jit_forward(params, tokens, config)
     value = jax.random.normal(jax.random.key(7), (B, T, config.hidden_size))
     for boundary in range(config.num_layers + 1):
-        got = jit_forward(params, tokens, config, replace_residual(boundary, P, value))
+        got = jit_forward(params, tokens, config, sites.replace("resid_pre", boundary, P, value))
         ref, _, _ = reference(params, tokens, config, writes=[(boundary, P, value)])
         assert_close(got, ref, f"h_{boundary} replaced at {positions} positions")
         assert_moved(got, clean, f"h_{boundary} replaced")
@@ -210,41 +211,36 @@ def test_replace_residual_matches_writing_by_hand(setup, positions):
     # Boundary 0 is the embeddings: same as running the layers on edited embeddings.
     h0 = jnp.where(hit, value, embed(params, tokens))
     by_hand = jax.jit(lambda p, h: unembed(p, run_layers(p, h, config)[0], config))(params, h0)
-    assert_close(jit_forward(params, tokens, config, replace_residual(0, P, value)), by_hand, "h_0")
+    assert_close(jit_forward(params, tokens, config, sites.replace("resid_pre", 0, P, value)), by_hand, "h_0")
     # Boundary L is the input of the final norm: the logits there are the lens of the value.
-    got = jit_forward(params, tokens, config, replace_residual(config.num_layers, P, value))
+    got = jit_forward(params, tokens, config, sites.replace("resid_pre", config.num_layers, P, value))
     assert_close(got, jnp.where(hit, unembed(params, value, config), clean), "h_L")
 
 
 def test_replace_residual_broadcasts_one_vector(setup_one):
     params, tokens, config = setup_one
     v = jax.random.normal(jax.random.key(8), (config.hidden_size,))
-    got = jit_forward(params, tokens, config, replace_residual(1, P_SHARED, v))
+    got = jit_forward(params, tokens, config, sites.replace("resid_pre", 1, P_SHARED, v))
     ref, _, _ = reference(params, tokens, config, writes=[(1, P_SHARED, v)])
     assert_close(got, ref, "one vector broadcast to the hit positions")
-
-
-def test_edit_boundary_minus_one_replaces_nothing(setup_one):
-    params, tokens, config = setup_one
-    iv = replace_residual(-1, np.ones(T, np.float32), jnp.full((config.hidden_size,), 3.0))
-    assert np.array_equal(jit_forward(params, tokens, config, iv), jit_forward(params, tokens, config))
 
 
 def test_noop_interventions_are_exact(setup):
     params, tokens, config = setup
     L = config.num_layers
     ones = jnp.ones((L, T), jnp.float32)
-    noop = Interventions(keep_layer=ones, keep_attn=ones, keep_mlp=ones, edit_boundary=jnp.asarray(1),
-                         edit_mask=jnp.zeros((B, T)),
-                         edit_value=jax.random.normal(jax.random.key(9), (B, T, config.hidden_size)))
+    noop = [sites.keep("delta", ones), sites.keep("attn_out", ones), sites.keep("mlp_out", ones),
+            sites.skip("delta", 1, np.zeros(T, np.float32)),
+            sites.replace("resid_pre", 1, jnp.zeros((B, T)),
+                          jax.random.normal(jax.random.key(9), (B, T, config.hidden_size)))]
     clean = jit_forward(params, tokens, config)
     assert np.array_equal(jit_forward(params, tokens, config, noop), clean)
-    assert np.array_equal(jit_forward(params, tokens, config, Interventions()), clean)
+    assert np.array_equal(jit_forward(params, tokens, config, []), clean)
 
 
 def test_taps_see_the_intervened_sublayers(setup_one):
     params, tokens, config = setup_one
-    iv = skip_layer(config.num_layers, 1, P_PER_ROW, sublayer="attn")
+    iv = sites.skip(SUBLAYERS["attn"], 1, P_PER_ROW)
     _, hs, sub = reference(params, tokens, config, zero_attn=[(1, P_PER_ROW)])
 
     def tap(record: LayerRecord, _):
@@ -271,7 +267,7 @@ def _stack(ivs):
 def test_vmap_over_a_stack_of_interventions(setup_one):
     params, tokens, config = setup_one
     L = config.num_layers
-    ivs = [skip_layer(L, s, P) for s in range(L) for P in (P_SHARED, 1 - P_SHARED)]
+    ivs = [sites.skip("delta", s, P) for s in range(L) for P in (P_SHARED, 1 - P_SHARED)]
     batched = jax.jit(jax.vmap(lambda iv, p, t: forward(p, t, config, interventions=iv),
                                in_axes=(0, None, None)))(_stack(ivs), params, tokens)
     assert batched.shape == (len(ivs), B, T, config.vocab_size)
@@ -287,9 +283,9 @@ def test_vmap_over_layers_and_boundaries_with_traced_indices(setup_one):
     @jax.jit
     def sweep(params, tokens, value):
         skips = jax.vmap(lambda s: forward(params, tokens, config,
-                                           interventions=skip_layer(L, s, P_PER_ROW, "mlp")))(jnp.arange(L))
+                                           interventions=sites.skip(SUBLAYERS["mlp"], s, P_PER_ROW)))(jnp.arange(L))
         edits = jax.vmap(lambda b: forward(params, tokens, config,
-                                           interventions=replace_residual(b, P_SHARED, value)))(jnp.arange(L + 1))
+                                           interventions=sites.replace("resid_pre", b, P_SHARED, value)))(jnp.arange(L + 1))
         return skips, edits
 
     skips, edits = sweep(params, tokens, value)
@@ -315,7 +311,7 @@ def test_suffix_run_with_clean_prefix_keys_equals_the_full_forward(setup, start,
     @jax.jit
     def suffix_logits(h_start, keys, values, where, value):
         h, _ = run_layers_from(params, h_start, start, config, prefix=(keys, values),
-                               interventions=replace_residual(start, where, value))
+                               interventions=sites.replace("resid_pre", start, where, value))
         return unembed(params, h, config)
 
     got = suffix_logits(clean_hs[start][:, prefix_len:], keys[:, :, :prefix_len], values[:, :, :prefix_len],
@@ -332,7 +328,7 @@ def _loss(logits):
 @partial(jax.jit, static_argnames="config")
 def _edit_value_grad(params, tokens, config, boundary, positions, value):
     return jax.grad(lambda v: _loss(forward(params, tokens, config,
-                                            interventions=replace_residual(boundary, positions, v))))(value)
+                                            interventions=sites.replace("resid_pre", boundary, positions, v))))(value)
 
 
 @partial(jax.jit, static_argnames="config")
@@ -376,12 +372,11 @@ def test_new_intervention_values_do_not_recompile(setup_one):
         return forward(params, tokens, config, interventions=iv)
 
     value = jax.random.normal(jax.random.key(12), (B, T, config.hidden_size))
-    first = skip_layer(L, 0, P_SHARED), replace_residual(0, P_SHARED, value)
-    second = skip_layer(L, 2, P_PER_ROW[0]), replace_residual(L, P_PER_ROW[1], 2 * value)
+    first = sites.skip("delta", 0, P_SHARED), sites.replace("resid_pre", 0, P_SHARED, value)
+    second = sites.skip("delta", 2, P_PER_ROW[0]), sites.replace("resid_pre", L, P_PER_ROW[1], 2 * value)
     outs = []
     for skip, edit in (first, second):
-        iv = dataclasses.replace(edit, keep_layer=skip.keep_layer)
-        outs.append(run(params, tokens, iv))
+        outs.append(run(params, tokens, [skip, edit]))
     assert len(traces) == 1, f"traced {len(traces)} times for two intervention values"
     # ... and the second call really used the second values.
     ref0, _, _ = reference(params, tokens, config, skip=[(0, P_SHARED)], writes=[(0, P_SHARED, value)])
@@ -392,13 +387,12 @@ def test_new_intervention_values_do_not_recompile(setup_one):
 
 # ----------------------------------------------------------------------------- validation
 
-def test_edit_fields_must_come_together():
-    with pytest.raises(ValueError, match="together"):
-        Interventions(edit_boundary=jnp.asarray(0), edit_mask=jnp.ones(T))
-    with pytest.raises(ValueError, match="together"):
-        Interventions(edit_value=jnp.ones(4))
+def test_a_skip_at_an_unknown_site_is_refused():
+    with pytest.raises(ValueError, match="unknown intervention site 'norm'"):
+        sites.skip("norm", 0, P_SHARED)
 
 
-def test_skip_layer_rejects_unknown_sublayer():
-    with pytest.raises(ValueError, match="sublayer"):
-        skip_layer(3, 0, P_SHARED, sublayer="norm")
+def test_anything_but_interventions_is_refused_as_interventions(setup_one):
+    params, tokens, config = setup_one
+    with pytest.raises(TypeError, match="interventions must be None, an Intervention"):
+        forward(params, tokens, config, interventions="skip")

@@ -18,7 +18,6 @@ from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt
-from jaxdepth.core.interventions import skip_layer
 from jaxdepth.core.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
                                  residual_stream, rms_norm, rotary_tables, run_layers, unembed)
 
@@ -184,7 +183,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     tokens, valid = tokens[:1], jnp.ones((1, T), bool)
     s, l, steps = 0, 1, 4
     if kind == "skip":
-        iv = skip_layer(L, s, np.r_[0.0, np.ones(T - 1)].astype(np.float32))
+        iv = sites.skip("delta", s, np.r_[0.0, np.ones(T - 1)].astype(np.float32))
     else:
         vector = 0.5 * np.random.default_rng(5).standard_normal(CONFIG.hidden_size).astype(np.float32)
         iv = sites.add("resid_pre", l + 1, vector, jnp.ones(T))
