@@ -48,9 +48,13 @@ def save_converted(converted: ModelWeights, out_dir: str, *, overwrite: bool = F
         if converted.tokenizer is not None:
             converted.tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(converted.params)})
-        meta = {"format": FORMAT_VERSION, "config": converted.config.to_dict(),
-                "source": converted.source, "dtypes": dtypes,
-                "has_tokenizer": converted.tokenizer is not None}
+        meta = {
+            "format": FORMAT_VERSION,
+            "config": converted.config.to_dict(),
+            "source": converted.source,
+            "dtypes": dtypes,
+            "has_tokenizer": converted.tokenizer is not None,
+        }
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(meta, f, indent=2)
         if os.path.exists(out_dir):
@@ -69,10 +73,14 @@ def _sharded_target(config: ModelConfig, meta: dict, mesh):
     if len(meta["dtypes"]) != 1:
         raise ConversionError(f"sharded restore expects one parameter dtype, the checkpoint has {meta['dtypes']}")
     dtype = np.dtype(meta["dtypes"][0]) if meta["dtypes"][0] != "bfloat16" else jax.numpy.bfloat16
-    abstract = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
-                            is_leaf=lambda x: isinstance(x, tuple))
-    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        abstract, param_shardings(abstract, mesh))
+    abstract = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        abstract,
+        param_shardings(abstract, mesh),
+    )
 
 
 def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> ModelWeights:
@@ -95,11 +103,11 @@ def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> M
     if mesh is None:
         params = jax.tree.map(np.asarray, ocp.StandardCheckpointer().restore(os.path.join(path, "params")))
     else:
-        params = ocp.StandardCheckpointer().restore(os.path.join(path, "params"),
-                                                    _sharded_target(config, meta, mesh))
+        params = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), _sharded_target(config, meta, mesh))
     check_params(params, config)
     tokenizer = None
     if load_tokenizer and meta.get("has_tokenizer"):
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
     return ModelWeights(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))

@@ -18,10 +18,18 @@ from jaxdepth.core.weights import ModelWeights
 
 # Per-architecture metadata keys (after the "<arch>." prefix) read or known to be inert.
 _HANDLED_KEYS = {
-    "block_count", "context_length", "embedding_length", "feed_forward_length",
-    "attention.head_count", "attention.head_count_kv", "rope.freq_base",
-    "attention.layer_norm_rms_epsilon", "vocab_size", "rope.dimension_count",
-    "attention.key_length", "attention.value_length",
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.freq_base",
+    "attention.layer_norm_rms_epsilon",
+    "vocab_size",
+    "rope.dimension_count",
+    "attention.key_length",
+    "attention.value_length",
 }
 
 
@@ -41,19 +49,20 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise UnsupportedConfigError(
-            f"GGUF key 'general.architecture' = {arch!r} is not supported (llama, qwen2 are)")
+        raise UnsupportedConfigError(f"GGUF key 'general.architecture' = {arch!r} is not supported (llama, qwen2 are)")
     for key in reader.fields:
-        if key.startswith(arch + ".") and key[len(arch) + 1:] not in _HANDLED_KEYS:
+        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in _HANDLED_KEYS:
             raise UnsupportedConfigError(
-                f"GGUF key {key!r} = {_field(reader, key)!r} is not handled by jaxdepth; refusing to ignore it")
+                f"GGUF key {key!r} = {_field(reader, key)!r} is not handled by jaxdepth; refusing to ignore it"
+            )
     get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedConfigError(
             f"GGUF key '{arch}.rope.dimension_count' = {get('rope.dimension_count')}: partial rotary "
-            f"embeddings (head_dim {head_dim}) are not implemented")
+            f"embeddings (head_dim {head_dim}) are not implemented"
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
     names = {t.name for t in reader.tensors}

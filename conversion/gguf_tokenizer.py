@@ -64,7 +64,8 @@ def gguf_tokenizer(reader):
         # older releases keep the converter elsewhere, or under another name
         raise ConversionError(
             f"building a GGUF file's tokenizer needs transformers >= 5.23 (installed: {transformers.__version__}), "
-            "whose torch-free converter it uses: pip install 'transformers>=5.23'") from None
+            "whose torch-free converter it uses: pip install 'transformers>=5.23'"
+        ) from None
 
     architecture, tokenizer_dict, config = tokenizer_metadata(reader)
     try:

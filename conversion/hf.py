@@ -14,8 +14,16 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.weights import ModelWeights
 
 # What a hub download fetches: config, weights and tokenizer, nothing else (no .bin/.pt copies).
-HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*",
-                "vocab.json", "merges.txt", "special_tokens_map.json", "generation_config.json"]
+HUB_PATTERNS = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "generation_config.json",
+]
 
 
 def download_from_hub(repo_id: str, revision: str | None = None) -> str:
@@ -27,7 +35,8 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> str:
     except Exception as e:  # huggingface_hub raises many types for offline / missing / gated
         raise ConversionError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-            "Without network access, pass a local folder or a converted checkpoint instead.") from e
+            "Without network access, pass a local folder or a converted checkpoint instead."
+        ) from e
 
 
 def read_hf_config(folder: str) -> ModelConfig:
@@ -52,8 +61,8 @@ def _weight_files(folder: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise ConversionError(
-        f"no model.safetensors or model.safetensors.index.json in {folder} "
-        "(only safetensors checkpoints are supported)")
+        f"no model.safetensors or model.safetensors.index.json in {folder} (only safetensors checkpoints are supported)"
+    )
 
 
 def load_tokenizer(folder: str):
@@ -77,8 +86,7 @@ def convert_hf_folder(folder: str, *, dtype=np.float32) -> ModelWeights:
                 raise ConversionError(f"tensor {name!r} appears in more than one shard")
             tensors[name] = array
     params = assemble_params(config, tensors.keys(), tensors.__getitem__, HF_NAMES, dtype=dtype)
-    return ModelWeights(params=params, config=config, tokenizer=load_tokenizer(folder),
-                     source=os.path.abspath(folder))
+    return ModelWeights(params=params, config=config, tokenizer=load_tokenizer(folder), source=os.path.abspath(folder))
 
 
 def convert_hf(source: str, *, dtype=np.float32, revision: str | None = None) -> ModelWeights:

@@ -61,8 +61,9 @@ GGUF_NAMES = {
 }
 
 
-def assemble_params(config: ModelConfig, available: Iterable[str], get: Callable[[str], np.ndarray],
-                    names: Mapping, dtype=np.float32) -> dict:
+def assemble_params(
+    config: ModelConfig, available: Iterable[str], get: Callable[[str], np.ndarray], names: Mapping, dtype=np.float32
+) -> dict:
     """Build the params pytree for `config` from source tensors.
 
     `available` lists every tensor name in the source, `get(name)` returns it as an array in
@@ -86,20 +87,17 @@ def assemble_params(config: ModelConfig, available: Iterable[str], get: Callable
             raise ConversionError(f"tensor {name!r} has shape {x.shape} (as {key!r}); expected {tuple(want_shape)}")
         return x.astype(dtype)
 
-    params = {
-        key: fetch(names[key], key, shape)
-        for key, shape in shapes.items() if key != "layers"
-    }
+    params = {key: fetch(names[key], key, shape) for key, shape in shapes.items() if key != "layers"}
     params["layers"] = {
-        key: np.stack([fetch(names["layers"][key].format(i=i), key, shape[1:])
-                       for i in range(config.num_layers)])
+        key: np.stack([fetch(names["layers"][key].format(i=i), key, shape[1:]) for i in range(config.num_layers)])
         for key, shape in shapes["layers"].items()
     }
     if config.tie_word_embeddings and names["lm_head"] in available:
         head = np.asarray(get(names["lm_head"]))
         if head.shape != params["embed"].shape or not np.array_equal(head.astype(dtype), params["embed"]):
             raise ConversionError(
-                f"config says tie_word_embeddings but {names['lm_head']!r} differs from the embeddings")
+                f"config says tie_word_embeddings but {names['lm_head']!r} differs from the embeddings"
+            )
         used.add(names["lm_head"])
     unused = sorted(available - used)
     if unused:

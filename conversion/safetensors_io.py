@@ -16,8 +16,16 @@ import numpy as np
 from conversion.errors import ConversionError
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -48,6 +56,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         if not (0 <= begin <= end and data_start + end <= size) or end - begin != dtype.itemsize * int(np.prod(shape)):
             raise ConversionError(
                 f"corrupt safetensors file {path}: tensor {name!r} offsets {begin}..{end} do not fit "
-                f"its shape {shape} {info['dtype']} within a file of {size} bytes (truncated?)")
-        tensors[name] = mm[data_start + begin:data_start + end].view(dtype).reshape(shape)
+                f"its shape {shape} {info['dtype']} within a file of {size} bytes (truncated?)"
+            )
+        tensors[name] = mm[data_start + begin : data_start + end].view(dtype).reshape(shape)
     return tensors

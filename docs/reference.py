@@ -54,6 +54,7 @@ class Section:
 
 # ----------------------------------------------------------------------------- what is public
 
+
 def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
     """The public functions and classes `module` defines, in the order it defines them."""
     found = []
@@ -68,8 +69,12 @@ def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
 def analyses_modules() -> list[ModuleType]:
     """Every module of `jaxdepth.analyses`, subpackages' modules included, by name."""
     package = importlib.import_module("jaxdepth.analyses")
-    return [importlib.import_module(info.name) for info in sorted(
-        pkgutil.walk_packages(package.__path__, prefix="jaxdepth.analyses."), key=lambda info: info.name)]
+    return [
+        importlib.import_module(info.name)
+        for info in sorted(
+            pkgutil.walk_packages(package.__path__, prefix="jaxdepth.analyses."), key=lambda info: info.name
+        )
+    ]
 
 
 def sections() -> list[Section]:
@@ -77,8 +82,11 @@ def sections() -> list[Section]:
     import jaxdepth
     from jaxdepth import sites
 
-    top = tuple(Entry(f"jaxdepth.{name}", getattr(jaxdepth, name)) for name in jaxdepth.__all__
-                if not inspect.ismodule(getattr(jaxdepth, name)))
+    top = tuple(
+        Entry(f"jaxdepth.{name}", getattr(jaxdepth, name))
+        for name in jaxdepth.__all__
+        if not inspect.ismodule(getattr(jaxdepth, name))
+    )
     full = {id(entry.obj): entry.name for entry in top}
 
     def entries(public: str, module: ModuleType) -> tuple:
@@ -95,8 +103,9 @@ def members(cls: type) -> list[tuple[str, Any]]:
     for name, value in vars(cls).items():
         if name.startswith("_") or name in fields:
             continue
-        if isinstance(value, (property, functools.cached_property, classmethod, staticmethod)) or \
-                inspect.isfunction(value):
+        if isinstance(value, (property, functools.cached_property, classmethod, staticmethod)) or inspect.isfunction(
+            value
+        ):
             found.append((name, value))
     return found
 
@@ -135,6 +144,7 @@ def docstring(obj: Any) -> str:
 
 # ----------------------------------------------------------------------------- signatures
 
+
 class _Text:
     """Renders as its text: string annotations (`from __future__ import annotations`) and
     defaults written as code, not as their repr."""
@@ -168,8 +178,9 @@ def _public_path(obj: Any) -> str:
 
 def _default(value: Any) -> _Text:
     if inspect.isclass(value) or inspect.isroutine(value):
-        return _Text(value.__qualname__ if getattr(value, "__module__", "").startswith("jaxdepth")
-                     else _public_path(value))
+        return _Text(
+            value.__qualname__ if getattr(value, "__module__", "").startswith("jaxdepth") else _public_path(value)
+        )
     if dataclasses.is_dataclass(value) and not inspect.isclass(value):
         try:
             if value == type(value)():
@@ -198,8 +209,9 @@ def _parameters(signature: inspect.Signature) -> tuple[list[str], str]:
         if p.kind is p.KEYWORD_ONLY and not star:
             parts.append("*")
         star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
-        p = p.replace(annotation=_annotation(p.annotation),
-                      default=p.default if p.default is p.empty else _default(p.default))
+        p = p.replace(
+            annotation=_annotation(p.annotation), default=p.default if p.default is p.empty else _default(p.default)
+        )
         parts.append(str(p))
         if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
             parts.append("/")
@@ -236,8 +248,11 @@ def _signature(obj: Callable, *, drop_first: bool = False) -> Optional[inspect.S
 
 def _bases(cls: type) -> str:
     bases = [b for b in cls.__bases__ if b is not object]
-    return "" if not bases else "(" + ", ".join(
-        b.__name__ if b.__module__ == cls.__module__ else _public_path(b) for b in bases) + ")"
+    return (
+        ""
+        if not bases
+        else "(" + ", ".join(b.__name__ if b.__module__ == cls.__module__ else _public_path(b) for b in bases) + ")"
+    )
 
 
 def class_signature(cls: type) -> str:
@@ -286,11 +301,13 @@ def jit_note(obj: Any) -> str:
     static = options.get("static_argnames", ())
     static = (static,) if isinstance(static, str) else tuple(static)
     names = ", ".join(f"`{name}`" for name in static)
-    return "Jitted (`jaxdepth.core.compilation.jit`)" + (f"; static arguments (a new value compiles anew): {names}."
-                                                         if static else ".")
+    return "Jitted (`jaxdepth.core.compilation.jit`)" + (
+        f"; static arguments (a new value compiles anew): {names}." if static else "."
+    )
 
 
 # ----------------------------------------------------------------------------- docstrings as Markdown
+
 
 def anchor(heading: str) -> str:
     """The anchor GitHub and mkdocs both give a heading made of one code span of a dotted name."""
@@ -310,12 +327,12 @@ def _escape_text(text: str) -> str:
 def _escape_line_starts(line: str) -> str:
     """A line that Markdown would read as a heading, a quote, a list item or a numbered item,
     escaped (a docstring's own `- ` items are kept)."""
-    indent, stripped = line[:len(line) - len(line.lstrip())], line.lstrip()
+    indent, stripped = line[: len(line) - len(line.lstrip())], line.lstrip()
     if stripped[:1] in ("#", ">", "+"):
         return f"{indent}\\{stripped}"
     number = re.match(r"(\d+)([.)])(\s|$)", stripped)
     if number:
-        return f"{indent}{number.group(1)}\\{stripped[len(number.group(1)):]}"
+        return f"{indent}{number.group(1)}\\{stripped[len(number.group(1)) :]}"
     return line
 
 
@@ -340,7 +357,7 @@ def _paragraph(lines: list[str]) -> str:
             if i in starts:
                 own = re.match(LIST_ITEM, line)
                 indent = " " * (own.end() if own else 2)
-                out.append(marker(own.group(0) if own else "- ") + line[own.end() if own else 0:].strip())
+                out.append(marker(own.group(0) if own else "- ") + line[own.end() if own else 0 :].strip())
             else:
                 out.append(marker(indent) + line.strip())
         lines = out
@@ -445,8 +462,13 @@ def _entry(entry: Entry, top: bool) -> list[str]:
             out.append(_heading(4, f"{obj.__name__}.{name}"))
             out.append("```text\n" + member_signature(obj.__name__, name, value) + "\n```")
             out.append(_described(value, f"{entry.name}.{name}"))
-        inherited = [f"`{name}`" for base in obj.__mro__[1:] if base.__module__.startswith("jaxdepth")
-                     for name, _ in members(base) if name not in vars(obj)]
+        inherited = [
+            f"`{name}`"
+            for base in obj.__mro__[1:]
+            if base.__module__.startswith("jaxdepth")
+            for name, _ in members(base)
+            if name not in vars(obj)
+        ]
         if inherited:
             out.append(f"Inherited: {', '.join(dict.fromkeys(inherited))}.")
     return out
@@ -468,8 +490,9 @@ def render() -> str:
             parts.append(_described(section.module, section.name))
         if section.name == "jaxdepth":
             modules = [name for name in section.module.__all__ if inspect.ismodule(getattr(section.module, name))]
-            parts.append(" ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})."
-                                  for name in modules))
+            parts.append(
+                " ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})." for name in modules)
+            )
         for entry in section.entries:
             parts.extend(_entry(entry, top=section.name == "jaxdepth"))
     page = "\n\n".join(part for part in parts if part) + "\n"

@@ -56,8 +56,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL")
     parser.add_argument("--prompts", type=int, default=5, help="the first N rows of --data")
-    parser.add_argument("--rows", help="comma-separated row indices instead of the first --prompts (the exact "
-                                       "erasure costs about T^2: long prompts take tens of minutes on a small CPU)")
+    parser.add_argument(
+        "--rows",
+        help="comma-separated row indices instead of the first --prompts (the exact "
+        "erasure costs about T^2: long prompts take tens of minutes on a small CPU)",
+    )
     parser.add_argument("--out", default="results/attribution_patching.json")
     args = parser.parse_args(argv)
 
@@ -82,21 +85,34 @@ def main(argv=None) -> int:
         exact = erasure.residual_erasure(p, one, c, baseline, effect="answer_probability_change", progress=False)
         exact_s = time.perf_counter() - start
         last = int(one.lengths[0]) - 2  # the last answer-predicting position
-        e, x = est.patching[0, :, :last + 1].ravel(), exact.effects[0, :, :last + 1].ravel()
-        g = est.grad_x_act[0, :, :last + 1].ravel()
-        row = dict(prompt=chosen[i], tokens=int(one.lengths[0]), cells=len(x), f_input=float(est.f_input[0]),
-                   spearman=spearman(e, x), top5_share=top_share(e, x),
-                   grad_x_act_spearman=spearman(g, x), grad_x_act_top5_share=top_share(g, x),
-                   max_abs_exact=float(np.abs(x).max()), estimate_s=est_s, exact_s=exact_s)
+        e, x = est.patching[0, :, : last + 1].ravel(), exact.effects[0, :, : last + 1].ravel()
+        g = est.grad_x_act[0, :, : last + 1].ravel()
+        row = dict(
+            prompt=chosen[i],
+            tokens=int(one.lengths[0]),
+            cells=len(x),
+            f_input=float(est.f_input[0]),
+            spearman=spearman(e, x),
+            top5_share=top_share(e, x),
+            grad_x_act_spearman=spearman(g, x),
+            grad_x_act_top5_share=top_share(g, x),
+            max_abs_exact=float(np.abs(x).max()),
+            estimate_s=est_s,
+            exact_s=exact_s,
+        )
         report.append(row)
         print(json.dumps(row))
-    print("\n| row | tokens | F(x) | Spearman (patching) | top-5% share (patching) | Spearman (grad x act) "
-          "| top-5% share (grad x act) | patching (s) | exact erasure (s) |")
+    print(
+        "\n| row | tokens | F(x) | Spearman (patching) | top-5% share (patching) | Spearman (grad x act) "
+        "| top-5% share (grad x act) | patching (s) | exact erasure (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in report:
-        print(f"| {r['prompt']} | {r['tokens']} | {r['f_input']:.3f} | {r['spearman']:.3f} | {r['top5_share']:.2f} "
-              f"| {r['grad_x_act_spearman']:.3f} | {r['grad_x_act_top5_share']:.2f} | {r['estimate_s']:.2f} "
-              f"| {r['exact_s']:.0f} |")
+        print(
+            f"| {r['prompt']} | {r['tokens']} | {r['f_input']:.3f} | {r['spearman']:.3f} | {r['top5_share']:.2f} "
+            f"| {r['grad_x_act_spearman']:.3f} | {r['grad_x_act_top5_share']:.2f} | {r['estimate_s']:.2f} "
+            f"| {r['exact_s']:.0f} |"
+        )
     with atomic_write(args.out, "w") as f:
         json.dump(dict(model=args.model, data=args.data, rows=report), f, indent=1)
     print(f"wrote {args.out}")

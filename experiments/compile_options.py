@@ -29,9 +29,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmarking.machine import cpu_description  # noqa: E402
 
 # SmolLM2-135M's shape (the embedded default model).
-CONFIG = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                     num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     max_position_embeddings=8192, tie_word_embeddings=True, qkv_bias=False)
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
 OPTION_SETS = {
     "default": {},
     "ynn_dot": dict(CPU_COMPILER_OPTIONS),
@@ -63,6 +75,7 @@ def measure(options: dict, params, rng, config: ModelConfig = CONFIG) -> dict:
     def ig_chunk(params, zs):
         def objective(h):  # a stand-in for F: one token's probability at the last 4 positions
             return jnp.sum(jax.nn.softmax(unembed(params, h[:, -4:], config), -1)[..., 7])
+
         return jax.vmap(lambda z: suffix_value_and_grad(params, z, 1, config, objective)[1])(zs)
 
     run_forward = jit(lambda p, t: forward(p, t, config))

@@ -50,8 +50,20 @@ from jaxdepth.lab.study import StudySettings, run_study, saved_model_name, slug
 
 DIFFICULTY_DATASETS = ("math", "mquake")
 STUDY_ORDER_SEED = 42  # the study's code shuffles each level's rows with random.Random(42)
-CSV_FIELDS = ("model", "dataset", "subject", "difficulty", "label", "group", "prompts", "measured_prompts",
-              "depth_score", "low", "high", "num_layers")
+CSV_FIELDS = (
+    "model",
+    "dataset",
+    "subject",
+    "difficulty",
+    "label",
+    "group",
+    "prompts",
+    "measured_prompts",
+    "depth_score",
+    "low",
+    "high",
+    "num_layers",
+)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -59,13 +71,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2", help="anything jaxdepth.lab.sources.load accepts")
     parser.add_argument("--dataset", default="mquake", choices=DIFFICULTY_DATASETS)
     parser.add_argument("--data", help="local JSONL (or .json list) rows instead of the hub")
-    parser.add_argument("--subject", choices=MATH_SUBJECTS,
-                        help="MATH only: one subject (the study's: intermediate_algebra); default: all")
+    parser.add_argument(
+        "--subject",
+        choices=MATH_SUBJECTS,
+        help="MATH only: one subject (the study's: intermediate_algebra); default: all",
+    )
     parser.add_argument("--levels", type=int, nargs="+", help="difficulties to run (default: all of the dataset)")
     parser.add_argument("--prompts", type=int, default=20, help="prompts per difficulty")
     parser.add_argument("--max-tokens", type=int, help="skip prompts longer than this many tokens")
-    parser.add_argument("--resamples", type=int, default=uncertainty.DEFAULT_RESAMPLES,
-                        help="bootstrap resamples of each group's prompts (0: no interval)")
+    parser.add_argument(
+        "--resamples",
+        type=int,
+        default=uncertainty.DEFAULT_RESAMPLES,
+        help="bootstrap resamples of each group's prompts (0: no interval)",
+    )
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     parser.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x8 for a 70B model on 8 devices")
     parser.add_argument("--memory-budget", type=int, help="bytes of device memory a sweep may use")
@@ -118,10 +137,18 @@ def group_summary(result, *, resamples: int) -> dict:
         interval = uncertainty.depth_score_interval(part, resamples=resamples)
         low, high, level = interval.low, interval.high, interval.level
     effect = ed.depth_effects(part.later)
-    return {"prompts": int(part.later_per_prompt.shape[0]), "measured_prompts": measured, "depth_score": score,
-            "low": low, "high": high, "interval_level": level,
-            "resamples": resamples, "num_layers": L, "layer_effect": effect.tolist(),
-            "output_effect": np.asarray(part.output, np.float64).tolist()}
+    return {
+        "prompts": int(part.later_per_prompt.shape[0]),
+        "measured_prompts": measured,
+        "depth_score": score,
+        "low": low,
+        "high": high,
+        "interval_level": level,
+        "resamples": resamples,
+        "num_layers": L,
+        "layer_effect": effect.tolist(),
+        "output_effect": np.asarray(part.output, np.float64).tolist(),
+    }
 
 
 def depth_vs_difficulty_figure(rows: Sequence[dict], *, title: str):
@@ -143,8 +170,9 @@ def depth_vs_difficulty_figure(rows: Sequence[dict], *, title: str):
     ax.set(ylabel="depth score (layer)", ylim=(0, rows[0]["num_layers"] - 1))
     ax.grid(axis="y", alpha=0.3)
     level = next((r["interval_level"] for r in rows if r["interval_level"] is not None), None)
-    ax.set_title(title + ("" if level is None else f"\n(error bars: {level:.0%} bootstrap interval over prompts)"),
-                 fontsize=10)
+    ax.set_title(
+        title + ("" if level is None else f"\n(error bars: {level:.0%} bootstrap interval over prompts)"), fontsize=10
+    )
     return fig
 
 
@@ -165,8 +193,13 @@ def write_summary(rows: Sequence[dict], base: str, meta: dict) -> list[str]:
 def run_groups(model, args, groups: dict[int, list[Prompt]], levels: Sequence[int]) -> list[dict]:
     """Layer skip at the answer start on each difficulty group through `run_study` (cached and
     resumed); one summary row per group that has prompts."""
-    settings = StudySettings(num_prompts=args.prompts, skip_sublayers=("layer",), skip_mode="future",
-                             skip_split="answer_start", memory_budget=args.memory_budget)
+    settings = StudySettings(
+        num_prompts=args.prompts,
+        skip_sublayers=("layer",),
+        skip_mode="future",
+        skip_split="answer_start",
+        memory_budget=args.memory_budget,
+    )
     spec = DATASETS[args.dataset]
     rows = []
     for level in levels:
@@ -174,16 +207,37 @@ def run_groups(model, args, groups: dict[int, list[Prompt]], levels: Sequence[in
         if not groups.get(level):
             print(f"{label}: no prompt of this difficulty in the data; skipped")
             continue
-        batch = encode(model.tokenizer, groups[level], max_tokens=args.max_tokens,
-                       context=model.config.max_position_embeddings, limit=args.prompts)
+        batch = encode(
+            model.tokenizer,
+            groups[level],
+            max_tokens=args.max_tokens,
+            context=model.config.max_position_embeddings,
+            limit=args.prompts,
+        )
         name = group_name(args.dataset, args.subject, level)
-        results = run_study(model, saved_model_name(args.model, args.dtype), name, batch, args.out,
-                            analyses=("layer_skip",), settings=settings)
-        row = {"model": args.model, "dataset": args.dataset, "subject": args.subject or "all", "difficulty": level,
-               "label": label, "group": name, **group_summary(results["layer_skip"], resamples=args.resamples)}
+        results = run_study(
+            model,
+            saved_model_name(args.model, args.dtype),
+            name,
+            batch,
+            args.out,
+            analyses=("layer_skip",),
+            settings=settings,
+        )
+        row = {
+            "model": args.model,
+            "dataset": args.dataset,
+            "subject": args.subject or "all",
+            "difficulty": level,
+            "label": label,
+            "group": name,
+            **group_summary(results["layer_skip"], resamples=args.resamples),
+        }
         score = "undefined" if row["depth_score"] is None else f"{row['depth_score']:.2f}"
-        print(f"{label}: depth score {score} on {row['measured_prompts']} prompts"
-              + ("" if row["low"] is None else f" [{row['low']:.2f}, {row['high']:.2f}]"))
+        print(
+            f"{label}: depth score {score} on {row['measured_prompts']} prompts"
+            + ("" if row["low"] is None else f" [{row['low']:.2f}, {row['high']:.2f}]")
+        )
         rows.append(row)
     return rows
 
@@ -219,10 +273,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     tag = dataset_tag(args.dataset, args.subject)
     base = os.path.join(args.out, slug(saved_model_name(args.model, args.dtype)), f"{tag}_depth_vs_difficulty")
-    meta = {"model": args.model, "dataset": args.dataset, "subject": args.subject or "all", "data": args.data,
-            "prompts_per_group": args.prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
-            "layer_skip": {"mode": "future", "splits": "answer_start", "sublayer": "layer"},
-            "order": f"file order shuffled by random.Random({STUDY_ORDER_SEED}), first N"}
+    meta = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "subject": args.subject or "all",
+        "data": args.data,
+        "prompts_per_group": args.prompts,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "layer_skip": {"mode": "future", "splits": "answer_start", "sublayer": "layer"},
+        "order": f"file order shuffled by random.Random({STUDY_ORDER_SEED}), first N",
+    }
     paths = write_summary(rows, base, meta)
     shown = os.path.basename(os.path.normpath(args.model)) if os.path.exists(args.model) else args.model
     fig = depth_vs_difficulty_figure(rows, title=f"{shown} on {tag}: depth score against difficulty")

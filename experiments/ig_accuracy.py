@@ -20,7 +20,8 @@ measured time per evaluation of the adaptive calls. Neither counts compilation.
 
     python experiments/ig_accuracy.py                  # the arithmetic prompt, N = 256 (2 CPU cores: ~30 min)
     python experiments/ig_accuracy.py --no-arithmetic --max-steps 1024 --gauss-max 64 \\
-        --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,3   # the GSM8K table (2 CPU cores: ~3 h per row; an H200: ~4 min)
+        --data ../shared/data/gsm8k_test_sample.jsonl --rows 0,1,3
+    # the GSM8K table (2 CPU cores: ~3 h per row; an H200: ~4 min)
 
 Per-layer evaluations are cached in the output folder (`--out`), so a killed run resumes where it
 stopped; each prompt's finished rows are written to `--summaries` (a small JSON per prompt, kept
@@ -164,10 +165,16 @@ class SharedNodes:
     def save(self) -> None:
         keys = sorted(self.values)
         with atomic_write(self.path, "wb") as f:
-            np.savez(f, layer=np.array([l for l, _ in keys], np.int32), alpha=np.array([a for _, a in keys]),
-                     phi=np.array([self.values[k][0] for k in keys], np.float32),
-                     integrand=np.stack([self.values[k][1] for k in keys]), seconds=self.seconds,
-                     evaluated=self.evaluated, device=self.device)
+            np.savez(
+                f,
+                layer=np.array([l for l, _ in keys], np.int32),
+                alpha=np.array([a for _, a in keys]),
+                phi=np.array([self.values[k][0] for k in keys], np.float32),
+                integrand=np.stack([self.values[k][1] for k in keys]),
+                seconds=self.seconds,
+                evaluated=self.evaluated,
+                device=self.device,
+            )
         self._saved = time.monotonic()
 
     @property
@@ -185,15 +192,34 @@ def errors(attributions: np.ndarray, f_input: float, f_baseline: np.ndarray, ref
 
 def summary_row(rule: str, steps, evaluations: int, seconds: float, per_layer: dict, note: str = "") -> dict:
     gap, error = per_layer["gap"], per_layer["error"]
-    return dict(rule=rule, steps=steps, evaluations=int(evaluations), seconds=float(seconds),
-                max_gap=float(gap.max()), worst_gap_layer=int(gap.argmax()), layers_gap_over_1pct=int((gap > 0.01).sum()),
-                max_error=float(error.max()), median_error=float(np.median(error)), note=note,
-                gap=gap.tolist(), error=error.tolist())
+    return dict(
+        rule=rule,
+        steps=steps,
+        evaluations=int(evaluations),
+        seconds=float(seconds),
+        max_gap=float(gap.max()),
+        worst_gap_layer=int(gap.argmax()),
+        layers_gap_over_1pct=int((gap > 0.01).sum()),
+        max_error=float(error.max()),
+        median_error=float(np.median(error)),
+        note=note,
+        gap=gap.tolist(),
+        error=error.tolist(),
+    )
 
 
-def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, tolerances, out: str,
-                       reference_tolerance: float = REFERENCE_TOLERANCE, budget: int = REFERENCE_BUDGET,
-                       model_name: str = "") -> dict:
+def accuracy_of_prompt(
+    model,
+    batch,
+    name: str,
+    max_steps: int,
+    gauss_max: int,
+    tolerances,
+    out: str,
+    reference_tolerance: float = REFERENCE_TOLERANCE,
+    budget: int = REFERENCE_BUDGET,
+    model_name: str = "",
+) -> dict:
     p, config, L = model.params, model.config, model.config.num_layers
     prompt = batch.prompt(0, LengthBuckets(4, geometric=False))  # every rule at this length: the least padding
     x, b, inputs, f_input = ig_inputs(p, prompt, config)
@@ -204,17 +230,29 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     # padded length, and the adaptive rule's version; any other model or prompt starts afresh.
     key = hashlib.sha256(repr((model_name, prompt.tokens.tolist(), RULE_VERSION)).encode()).hexdigest()[:12]
     stem = os.path.join(out, f"{name}_{key}")
-    shared = SharedNodes(f"{stem}_adaptive_nodes.npz", lambda layer, alphas, grad, chunk: path_points(
-        p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk),
-        device)
+    shared = SharedNodes(
+        f"{stem}_adaptive_nodes.npz",
+        lambda layer, alphas, grad, chunk: path_points(
+            p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk
+        ),
+        device,
+    )
 
     def adaptive(tolerance, on_layer):
         """The adaptive rule's result, cached in `out` (a rerun resumes), its nodes shared."""
         path = f"{stem}_adaptive_{tolerance:g}_{budget}.npz"
         if os.path.exists(path):
             return dict(np.load(path))
-        rules = run_rule(shared, range(L), f_input, prompt.tokens.shape[1], config, tolerance=np.full(L, tolerance),
-                         max_evaluations=budget, on_layer=on_layer)
+        rules = run_rule(
+            shared,
+            range(L),
+            f_input,
+            prompt.tokens.shape[1],
+            config,
+            tolerance=np.full(L, tolerance),
+            max_evaluations=budget,
+            on_layer=on_layer,
+        )
         shared.save()
         r = summarise(rules)
         with atomic_write(path, "wb") as f:
@@ -222,8 +260,9 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
         return r
 
     nodes, rules = fixed_nodes(max_steps, gauss_max)
-    phi, integrand, per_eval = evaluate_layers((p, prompt), x, b, inputs, config, nodes, f"{stem}_nodes.npz",
-                                               f"{name}: fixed-rule nodes (layers)", device)
+    phi, integrand, per_eval = evaluate_layers(
+        (p, prompt), x, b, inputs, config, nodes, f"{stem}_nodes.npz", f"{name}: fixed-rule nodes (layers)", device
+    )
     adaptive_runs = {}
     with tqdm(total=L * (len(tolerances) + 1), desc=f"{name}: adaptive runs (layers)") as bar:
         for tolerance in [reference_tolerance] + list(tolerances):
@@ -239,30 +278,58 @@ def accuracy_of_prompt(model, batch, name: str, max_steps: int, gauss_max: int, 
     for rule, n in sorted(rules):
         index, weights = rules[(rule, n)]
         attributions = np.einsum("k,lkt->lt", weights, integrand[:, index])
-        rows.append(summary_row(rule, n, n * L, n * L * per_eval, errors(attributions, f_input, f_baseline, ref),
-                                "time = evaluations x measured seconds per evaluation"))
+        rows.append(
+            summary_row(
+                rule,
+                n,
+                n * L,
+                n * L * per_eval,
+                errors(attributions, f_input, f_baseline, ref),
+                "time = evaluations x measured seconds per evaluation",
+            )
+        )
 
     adaptive_rows = {}
     for tolerance in tolerances:
         r = adaptive_runs[tolerance]
         evaluations = r["evaluations"].sum()
-        adaptive_rows[tolerance] = summary_row("adaptive", tolerance, evaluations, evaluations * adaptive_per_eval,
-                                               errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
-                                               f"{int(r['converged'].sum())}/{L} layers converged")
+        adaptive_rows[tolerance] = summary_row(
+            "adaptive",
+            tolerance,
+            evaluations,
+            evaluations * adaptive_per_eval,
+            errors(r["attributions"].astype(np.float64), f_input, f_baseline, ref),
+            f"{int(r['converged'].sum())}/{L} layers converged",
+        )
     rows += adaptive_rows.values()
-    reference_row = summary_row("adaptive (reference)", reference_tolerance, reference["evaluations"].sum(),
-                                reference["evaluations"].sum() * adaptive_per_eval, errors(ref, f_input, f_baseline, ref),
-                                f"{int(reference['converged'].sum())}/{L} layers converged")
-    return dict(prompt=name, tokens=int(prompt.valid.sum()), device=device, f_input=f_input,
-                f_baseline=f_baseline.tolist(),
-                seconds_per_evaluation=per_eval, adaptive_seconds_per_evaluation=adaptive_per_eval, reference=dict(
-                    tolerance=reference_tolerance, budget=budget,
-                    converged=reference["converged"].tolist(), evaluations=reference["evaluations"].tolist(),
-                    bound=(reference["bound"] / np.abs(f_input - f_baseline)).tolist(),
-                    # How far the reference's per-token values can still move: its difference from
-                    # the next looser tolerance, relative to max |A_ref| per layer.
-                    self_consistency=adaptive_rows[min(tolerances)]["error"] if tolerances else None),
-                rows=rows + [reference_row])
+    reference_row = summary_row(
+        "adaptive (reference)",
+        reference_tolerance,
+        reference["evaluations"].sum(),
+        reference["evaluations"].sum() * adaptive_per_eval,
+        errors(ref, f_input, f_baseline, ref),
+        f"{int(reference['converged'].sum())}/{L} layers converged",
+    )
+    return dict(
+        prompt=name,
+        tokens=int(prompt.valid.sum()),
+        device=device,
+        f_input=f_input,
+        f_baseline=f_baseline.tolist(),
+        seconds_per_evaluation=per_eval,
+        adaptive_seconds_per_evaluation=adaptive_per_eval,
+        reference=dict(
+            tolerance=reference_tolerance,
+            budget=budget,
+            converged=reference["converged"].tolist(),
+            evaluations=reference["evaluations"].tolist(),
+            bound=(reference["bound"] / np.abs(f_input - f_baseline)).tolist(),
+            # How far the reference's per-token values can still move: its difference from
+            # the next looser tolerance, relative to max |A_ref| per layer.
+            self_consistency=adaptive_rows[min(tolerances)]["error"] if tolerances else None,
+        ),
+        rows=rows + [reference_row],
+    )
 
 
 def device_description() -> str:
@@ -275,15 +342,20 @@ def device_description() -> str:
 def markdown(report: dict) -> str:
     lines = []
     for prompt in report["prompts"]:
-        lines += [f"### {prompt['prompt']} ({prompt['tokens']} tokens, F(x) = {prompt['f_input']:.3f}; "
-                  f"times on {prompt.get('device', 'an unrecorded device')})", "",
-                  "| rule | steps / tolerance | gradient evaluations | time (s) | largest gap (layer) "
-                  "| layers with gap > 1% | largest attribution error | median attribution error |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {prompt['prompt']} ({prompt['tokens']} tokens, F(x) = {prompt['f_input']:.3f}; "
+            f"times on {prompt.get('device', 'an unrecorded device')})",
+            "",
+            "| rule | steps / tolerance | gradient evaluations | time (s) | largest gap (layer) "
+            "| layers with gap > 1% | largest attribution error | median attribution error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in prompt["rows"]:
-            lines.append(f"| {r['rule']} | {r['steps']} | {r['evaluations']:,} | {r['seconds']:.0f} "
-                         f"| {100 * r['max_gap']:.2f}% ({r['worst_gap_layer']}) | {r['layers_gap_over_1pct']} "
-                         f"| {100 * r['max_error']:.2f}% | {100 * r['median_error']:.2f}% |")
+            lines.append(
+                f"| {r['rule']} | {r['steps']} | {r['evaluations']:,} | {r['seconds']:.0f} "
+                f"| {100 * r['max_gap']:.2f}% ({r['worst_gap_layer']}) | {r['layers_gap_over_1pct']} "
+                f"| {100 * r['max_error']:.2f}% | {100 * r['median_error']:.2f}% |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -303,16 +375,19 @@ def figure(report: dict):
             gap_ax.plot(evaluations, [max(r["max_gap"], 1e-6) for r in rows], style, label=rule, ms=4)
             err_ax.plot(evaluations, [max(r["max_error"], 1e-6) for r in rows], style, label=rule, ms=4)
         published = next((r for r in prompt["rows"] if r["rule"] == "left" and r["steps"] == 256), None)
-        for ax, key, label in ((gap_ax, "max_gap", "largest |completeness gap| / |F(x) - F(b)|"),
-                               (err_ax, "max_error", "largest attribution error (of max |A_ref|)")):
+        for ax, key, label in (
+            (gap_ax, "max_gap", "largest |completeness gap| / |F(x) - F(b)|"),
+            (err_ax, "max_error", "largest attribution error (of max |A_ref|)"),
+        ):
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("gradient evaluations per prompt (all layers)")
             ax.set_ylabel(label)
             ax.axhline(0.01, color="0.6", lw=0.8, ls="--")
             if published is not None:
-                ax.plot([published["evaluations"]], [max(published[key], 1e-6)], "k*", ms=12,
-                        label="published (left, 256)")
+                ax.plot(
+                    [published["evaluations"]], [max(published[key], 1e-6)], "k*", ms=12, label="published (left, 256)"
+                )
             ax.grid(True, which="both", alpha=0.3)
         gap_ax.set_title(f"{prompt['prompt']}: worst layer's completeness gap")
         err_ax.set_title("worst layer's attribution error against the reference")
@@ -323,23 +398,35 @@ def figure(report: dict):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--max-steps", type=int, default=256, help="left Riemann up to this many steps, "
-                        "midpoint up to half of it (a power of two)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=256,
+        help="left Riemann up to this many steps, midpoint up to half of it (a power of two)",
+    )
     parser.add_argument("--gauss-max", type=int, default=32, help="Gauss-Legendre up to this many steps")
-    parser.add_argument("--tolerances", default=",".join(map(str, TOLERANCES)),
-                        help="the adaptive rule's tolerances")
+    parser.add_argument("--tolerances", default=",".join(map(str, TOLERANCES)), help="the adaptive rule's tolerances")
     parser.add_argument("--reference-tolerance", type=float, default=REFERENCE_TOLERANCE)
-    parser.add_argument("--budget", type=int, default=REFERENCE_BUDGET,
-                        help="gradient evaluations per layer at most, for every adaptive run")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=REFERENCE_BUDGET,
+        help="gradient evaluations per layer at most, for every adaptive run",
+    )
     parser.add_argument("--no-arithmetic", action="store_true", help="leave out the arithmetic prompt")
     parser.add_argument("--data", help="GSM8K JSONL: its --rows join the prompts")
     parser.add_argument("--rows", default="0,1,2", help="GSM8K rows (with --data)")
     parser.add_argument("--out", default="results/ig_accuracy", help="the evaluation caches (large)")
-    parser.add_argument("--summaries", default="experiments/results/ig_accuracy",
-                        help="each prompt's finished rows, the table, its figure")
-    parser.add_argument("--only-finished", action="store_true",
-                        help="write the table and figure of the prompts already finished (with these settings) "
-                             "and compute nothing")
+    parser.add_argument(
+        "--summaries",
+        default="experiments/results/ig_accuracy",
+        help="each prompt's finished rows, the table, its figure",
+    )
+    parser.add_argument(
+        "--only-finished",
+        action="store_true",
+        help="write the table and figure of the prompts already finished (with these settings) and compute nothing",
+    )
     args = parser.parse_args(argv)
     if args.max_steps < 16 or args.max_steps & (args.max_steps - 1):
         parser.error("--max-steps must be a power of two >= 16")
@@ -354,8 +441,15 @@ def main(argv=None) -> int:
     tolerances = sorted((float(t) for t in args.tolerances.split(",")), reverse=True)
     report = dict(model=args.model, max_steps=args.max_steps, gauss_max=args.gauss_max, prompts=[])
     for name, prompt in prompts:
-        settings = dict(model=args.model, prompt=prompt.question + prompt.answer, max_steps=args.max_steps, gauss_max=args.gauss_max,
-                        tolerances=tolerances, reference_tolerance=args.reference_tolerance, budget=args.budget)
+        settings = dict(
+            model=args.model,
+            prompt=prompt.question + prompt.answer,
+            max_steps=args.max_steps,
+            gauss_max=args.gauss_max,
+            tolerances=tolerances,
+            reference_tolerance=args.reference_tolerance,
+            budget=args.budget,
+        )
         summary = os.path.join(args.summaries, f"{name}.json")
         done = json.load(open(summary)) if os.path.exists(summary) else None
         if done is not None and done.get("settings") != settings:
@@ -365,9 +459,21 @@ def main(argv=None) -> int:
             continue
         if done is None:
             batch = encode(model.tokenizer, [prompt], context=model.config.max_position_embeddings)
-            done = dict(accuracy_of_prompt(model, batch, name, args.max_steps, args.gauss_max, tolerances, args.out,
-                                           args.reference_tolerance, args.budget, model_name=args.model),
-                        settings=settings)
+            done = dict(
+                accuracy_of_prompt(
+                    model,
+                    batch,
+                    name,
+                    args.max_steps,
+                    args.gauss_max,
+                    tolerances,
+                    args.out,
+                    args.reference_tolerance,
+                    args.budget,
+                    model_name=args.model,
+                ),
+                settings=settings,
+            )
             with atomic_write(summary, "w") as f:
                 json.dump(done, f, indent=1)
         report["prompts"].append(done)

@@ -38,14 +38,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=64, help="left-Riemann steps of each timed call")
     parser.add_argument("--widths", default="8,16,32", help="vmap widths to time; 'auto' is the memory bound")
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--quiet-timeout", type=float, default=120.0,
-                        help="seconds to wait for a quiet machine before each timed call (0: do not wait)")
+    parser.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for a quiet machine before each timed call (0: do not wait)",
+    )
     args = parser.parse_args(argv)
 
     model = load(args.model)
     p, config = model.params, model.config
-    batch = encode(model.tokenizer, [format_short(read_rows("gsm8k", args.data)[args.row])],
-                   context=config.max_position_embeddings)
+    batch = encode(
+        model.tokenizer, [format_short(read_rows("gsm8k", args.data)[args.row])], context=config.max_position_embeddings
+    )
     prompt = batch.prompt(0, LengthBuckets(4, geometric=False))
     T = prompt.tokens.shape[1]
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
@@ -53,17 +58,20 @@ def main(argv=None) -> int:
     path = ig.study_path(x, b, inputs, args.layer, "layer")
     bound = auto_chunk_size(config, T, args.steps, grad=True)
     clock = Clock(quiet_s=args.quiet_timeout, repeat=args.repeat)
-    print(f"{cpu_description()}; {T} positions (padded), layer {args.layer}, {args.steps} steps; "
-          f"memory bound {bound}")
-    print("| width asked | chunks | members per chunk | ms per gradient evaluation | others' cores |\n"
-          "|---|---|---|---|---|")
+    print(f"{cpu_description()}; {T} positions (padded), layer {args.layer}, {args.steps} steps; memory bound {bound}")
+    print(
+        "| width asked | chunks | members per chunk | ms per gradient evaluation | others' cores |\n"
+        "|---|---|---|---|---|"
+    )
     for width in [bound if w == "auto" else int(w) for w in args.widths.split(",")]:
-        run = lambda: jax.block_until_ready(ig.ig_of_layer(  # noqa: E731
-            p, prompt, jnp.int32(args.layer), path, config, alphas=alphas, weights=weights, chunk_size=width))
+        run = lambda: jax.block_until_ready(
+            ig.ig_of_layer(  # noqa: E731
+                p, prompt, jnp.int32(args.layer), path, config, alphas=alphas, weights=weights, chunk_size=width
+            )
+        )
         t = clock.compiled(f"width {width}", run)
         chunks, members = chunk_layout(args.steps, width)  # as the sweep splits them
-        print(f"| {width} | {chunks} | {members} | {1e3 * t.run_s / args.steps:.0f} "
-              f"| {t.others_all} |", flush=True)
+        print(f"| {width} | {chunks} | {members} | {1e3 * t.run_s / args.steps:.0f} | {t.others_all} |", flush=True)
     return 0
 
 

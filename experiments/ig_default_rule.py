@@ -39,9 +39,11 @@ from jaxdepth.lab.sources import load
 # The adaptive rule runs with a budget of 2048 evaluations per layer, the one its recorded results
 # were measured with (the library's default is now the fixed rule's 256: never dearer); the
 # "adaptive-1%-budget-512" rule left early layers of GSM8K prompts uncertified.
-RULES = {"left-256": dict(rule="left", steps=256),
-         "adaptive-1%": dict(rule="adaptive", tolerance=0.01, max_evaluations=2048),
-         "adaptive-1%-budget-512": dict(rule="adaptive", tolerance=0.01, max_evaluations=512)}
+RULES = {
+    "left-256": dict(rule="left", steps=256),
+    "adaptive-1%": dict(rule="adaptive", tolerance=0.01, max_evaluations=2048),
+    "adaptive-1%-budget-512": dict(rule="adaptive", tolerance=0.01, max_evaluations=512),
+}
 DEFAULT_RULES = ("left-256", "adaptive-1%")
 
 
@@ -56,16 +58,26 @@ def compile_rule(model, batch, spec: dict) -> float:
     if spec["rule"] == "adaptive":
         largest = ig_rules.largest_call(config, prompt.tokens.shape[1])
         for size in sorted({s for n in range(1, 4 * largest) for s in ig_rules.call_sizes(n, largest)}):
-            jax.block_until_ready(ig.path_points(p, prompt, x, b, inputs, layer=last,
-                                                 alphas=np.linspace(0, 1, size), config=config, chunk_size=size))
+            jax.block_until_ready(
+                ig.path_points(
+                    p, prompt, x, b, inputs, layer=last, alphas=np.linspace(0, 1, size), config=config, chunk_size=size
+                )
+            )
     else:
         alphas, weights = ig_rules.quadrature(spec["rule"], spec["steps"])
         chunk = auto_chunk_size(config, prompt.tokens.shape[1], spec["steps"], grad=True)
-        jax.block_until_ready(ig.ig_of_layer(p, prompt, jax.numpy.int32(last),
-                                             ig.study_path(x, b, inputs, last, "layer"), config,
-                                             alphas=jax.numpy.asarray(alphas, jax.numpy.float32),
-                                             weights=jax.numpy.asarray(weights, jax.numpy.float32),
-                                             chunk_size=chunk))
+        jax.block_until_ready(
+            ig.ig_of_layer(
+                p,
+                prompt,
+                jax.numpy.int32(last),
+                ig.study_path(x, b, inputs, last, "layer"),
+                config,
+                alphas=jax.numpy.asarray(alphas, jax.numpy.float32),
+                weights=jax.numpy.asarray(weights, jax.numpy.float32),
+                chunk_size=chunk,
+            )
+        )
     return time.perf_counter() - start
 
 
@@ -79,22 +91,36 @@ def run_rule(model, batch, spec: dict) -> dict:
     finished = []  # the fixed rule's layers, as they finish
     with CpuMeter() as meter:
         if spec["rule"] == "adaptive":
-            r = ig.integrated_gradients(p, batch, config, rule="adaptive", tolerance=spec["tolerance"],
-                                        max_evaluations=spec["max_evaluations"])
+            r = ig.integrated_gradients(
+                p, batch, config, rule="adaptive", tolerance=spec["tolerance"], max_evaluations=spec["max_evaluations"]
+            )
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
             per_layer = dict(layer_evaluations=r.evaluations[0].tolist())
         else:
             start = time.perf_counter()
-            r = ig.integrated_gradients(p, batch, config, rule=spec["rule"], steps=spec["steps"],
-                                        on_layer=lambda: finished.append(time.perf_counter()))
+            r = ig.integrated_gradients(
+                p,
+                batch,
+                config,
+                rule=spec["rule"],
+                steps=spec["steps"],
+                on_layer=lambda: finished.append(time.perf_counter()),
+            )
             evaluations, converged = spec["steps"] * config.num_layers, None
             per_layer = dict(layer_seconds=np.diff([start] + finished).tolist())
     delta = np.abs(r.f_input[0] - r.f_baseline[0].astype(np.float64))
     relative_gap = np.abs(r.gap[0]) / delta
-    return dict(seconds=meter.wall, other_processes_cores=meter.others, evaluations=evaluations,
-                ms_per_evaluation=1000 * meter.wall / evaluations, converged_layers=converged,
-                largest_relative_gap=float(relative_gap.max()), median_relative_gap=float(np.median(relative_gap)),
-                layers_with_gap_over_1pct=int((relative_gap > 0.01).sum()), **per_layer)
+    return dict(
+        seconds=meter.wall,
+        other_processes_cores=meter.others,
+        evaluations=evaluations,
+        ms_per_evaluation=1000 * meter.wall / evaluations,
+        converged_layers=converged,
+        largest_relative_gap=float(relative_gap.max()),
+        median_relative_gap=float(np.median(relative_gap)),
+        layers_with_gap_over_1pct=int((relative_gap > 0.01).sum()),
+        **per_layer,
+    )
 
 
 def layer_matched_seconds(fixed: dict, adaptive: dict) -> Optional[float]:
@@ -108,26 +134,33 @@ def layer_matched_seconds(fixed: dict, adaptive: dict) -> Optional[float]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"CPU: {report['cpu']}", "",
-             "| prompt | tokens | rule | wall-clock (s) | gradient evaluations | ms / evaluation "
-             "| largest gap | layers with gap > 1% | layers certified | speed-up over left-256 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {report['cpu']}",
+        "",
+        "| prompt | tokens | rule | wall-clock (s) | gradient evaluations | ms / evaluation "
+        "| largest gap | layers with gap > 1% | layers certified | speed-up over left-256 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in report["prompts"].items():
         base = row["rules"].get("left-256", {}).get("seconds")
         for rule, r in row["rules"].items():
             speedup = f"{base / r['seconds']:.2f}x" if base else ""
             certified = "-" if r["converged_layers"] is None else r["converged_layers"]
-            lines.append(f"| {name} | {row['tokens']} | {rule} | {r['seconds']:.0f} | {r['evaluations']:,} "
-                         f"| {r['ms_per_evaluation']:.0f} | {100 * r['largest_relative_gap']:.2f}% "
-                         f"| {r['layers_with_gap_over_1pct']} | {certified} | {speedup} |")
+            lines.append(
+                f"| {name} | {row['tokens']} | {rule} | {r['seconds']:.0f} | {r['evaluations']:,} "
+                f"| {r['ms_per_evaluation']:.0f} | {100 * r['largest_relative_gap']:.2f}% "
+                f"| {r['layers_with_gap_over_1pct']} | {certified} | {speedup} |"
+            )
     for name, row in report["prompts"].items():
         fixed = row["rules"].get("left-256")
         for rule, r in row["rules"].items():
             matched = layer_matched_seconds(fixed, r) if fixed and rule != "left-256" else None
             if matched:
-                lines.append(f"\n{name}, {rule}: {r['seconds']:.0f} s against {matched:.0f} s for the same "
-                             f"evaluations at left-256's measured cost per evaluation of each layer "
-                             f"({r['seconds'] / matched:.2f}x the fixed rule's time per evaluation)")
+                lines.append(
+                    f"\n{name}, {rule}: {r['seconds']:.0f} s against {matched:.0f} s for the same "
+                    f"evaluations at left-256's measured cost per evaluation of each layer "
+                    f"({r['seconds'] / matched:.2f}x the fixed rule's time per evaluation)"
+                )
     return "\n".join(lines)
 
 
@@ -138,8 +171,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="0,1,3")
     parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"among {', '.join(RULES)}")
     parser.add_argument("--out", default="experiments/results/ig_default_rule.json")
-    parser.add_argument("--quiet-timeout", type=float, default=600.0,
-                        help="seconds to wait for a quiet machine before each run")
+    parser.add_argument(
+        "--quiet-timeout", type=float, default=600.0, help="seconds to wait for a quiet machine before each run"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.rules.split(",")) - set(RULES))
     if unknown:
@@ -166,8 +200,9 @@ def main(argv=None) -> int:
             compile_seconds = compile_rule(model, batch, spec)
             waited = wait_quiet(args.quiet_timeout)
             result = run_rule(model, batch, spec)
-            entry["rules"][rule] = dict(result, settings=spec, compile_seconds=compile_seconds,
-                                        quiet=waited is not None)
+            entry["rules"][rule] = dict(
+                result, settings=spec, compile_seconds=compile_seconds, quiet=waited is not None
+            )
             with atomic_write(args.out, "w") as f:
                 json.dump(report, f, indent=1)
             print(f"{name} {rule}: {result['seconds']:.0f} s, {result['evaluations']} evaluations", flush=True)

@@ -58,9 +58,16 @@ def run_ig(model, batch, steps: int, path: str, precision: str) -> dict:
     n = int(batch.lengths[0])
     if np.any(r.attributions[0, :, n:]):
         raise RuntimeError("integrated gradients attributed something to padding")
-    result = dict(tokens=np.asarray(batch.tokens[0, :n]), attributions=r.attributions[0, :, :n],
-                  gap=r.gap[0], f_input=r.f_input[0], f_baseline=r.f_baseline[0], seconds=np.float64(seconds),
-                  cpu=np.array(cpu_description()), precision=np.array(precision))
+    result = dict(
+        tokens=np.asarray(batch.tokens[0, :n]),
+        attributions=r.attributions[0, :, :n],
+        gap=r.gap[0],
+        f_input=r.f_input[0],
+        f_baseline=r.f_baseline[0],
+        seconds=np.float64(seconds),
+        cpu=np.array(cpu_description()),
+        precision=np.array(precision),
+    )
     with atomic_write(path, "wb") as f:
         np.savez(f, **result)
     return result
@@ -75,23 +82,33 @@ def compare(f32: dict, bf16: dict) -> dict:
     own = {}
     for name, r in (("float32", f32), ("bfloat16", bf16)):
         delta = np.abs(float(r["f_input"]) - r["f_baseline"].astype(np.float64))
-        own[name] = dict(f_input=float(r["f_input"]), f_baseline=r["f_baseline"].tolist(),
-                         gap=(np.abs(r["gap"].astype(np.float64)) / delta).tolist(),
-                         seconds=float(r["seconds"]), cpu=str(r["cpu"]))
+        own[name] = dict(
+            f_input=float(r["f_input"]),
+            f_baseline=r["f_baseline"].tolist(),
+            gap=(np.abs(r["gap"].astype(np.float64)) / delta).tolist(),
+            seconds=float(r["seconds"]),
+            cpu=str(r["cpu"]),
+        )
     scale = np.abs(float(f32["f_input"]) - f32["f_baseline"].astype(np.float64))
     error = np.abs(a16 - a32).max(-1) / scale
     s32, s16 = a32.sum(0), a16.sum(0)
     token_sum_error = np.abs(s16 - s32) / np.abs(s32).max()
     with np.errstate(divide="ignore", invalid="ignore"):
         token_sum_own_error = np.abs(s16 - s32) / np.abs(s32)
-    return dict(**own, attribution_error=error.tolist(), max_attribution_error=float(error.max()),
-                median_attribution_error=float(np.median(error)), worst_layer=int(error.argmax()),
-                f_input_relative_difference=abs(own["bfloat16"]["f_input"] - own["float32"]["f_input"])
-                / abs(own["float32"]["f_input"]),
-                token_sum_error=token_sum_error.tolist(), max_token_sum_error=float(token_sum_error.max()),
-                median_token_sum_error=float(np.median(token_sum_error)),
-                median_token_sum_own_error=float(np.nanmedian(token_sum_own_error)),
-                token_sum_own_error=[None if not np.isfinite(e) else float(e) for e in token_sum_own_error])
+    return dict(
+        **own,
+        attribution_error=error.tolist(),
+        max_attribution_error=float(error.max()),
+        median_attribution_error=float(np.median(error)),
+        worst_layer=int(error.argmax()),
+        f_input_relative_difference=abs(own["bfloat16"]["f_input"] - own["float32"]["f_input"])
+        / abs(own["float32"]["f_input"]),
+        token_sum_error=token_sum_error.tolist(),
+        max_token_sum_error=float(token_sum_error.max()),
+        median_token_sum_error=float(np.median(token_sum_error)),
+        median_token_sum_own_error=float(np.nanmedian(token_sum_own_error)),
+        token_sum_own_error=[None if not np.isfinite(e) else float(e) for e in token_sum_own_error],
+    )
 
 
 def layer_groups(prompts: dict, width: int) -> list:
@@ -109,43 +126,66 @@ def layer_groups(prompts: dict, width: int) -> list:
 
         error = pick(lambda p: p["attribution_error"])
         gap32, gap16 = pick(lambda p: p["float32"]["gap"]), pick(lambda p: p["bfloat16"]["gap"])
-        groups.append(dict(layers=f"{first}-{last - 1}", max_error=float(error.max()),
-                           median_error=float(np.median(error)),
-                           max_gap_f32=float(gap32.max()), median_gap_f32=float(np.median(gap32)),
-                           max_gap_bf16=float(gap16.max()), median_gap_bf16=float(np.median(gap16))))
+        groups.append(
+            dict(
+                layers=f"{first}-{last - 1}",
+                max_error=float(error.max()),
+                median_error=float(np.median(error)),
+                max_gap_f32=float(gap32.max()),
+                median_gap_f32=float(np.median(gap32)),
+                max_gap_bf16=float(gap16.max()),
+                median_gap_bf16=float(np.median(gap16)),
+            )
+        )
     return groups
 
 
 def table(report: dict) -> str:
     """A compact plain-text table: per prompt, then per group of layers over all prompts."""
+
     def pct(v):
         return f"{100 * v:.2f}%"
 
-    lines = [f"{report['model']}, left rule, {report['steps']} steps; CPU: {report['cpu']}", "",
-             f"{'prompt':<12} {'tokens':>6} {'f32 F(x)':>9} {'bf16 F(x)':>9} {'max err':>8} {'(layer)':>7} "
-             f"{'med err':>8} {'max gap32':>9} {'max gap16':>9} {'s f32':>6} {'s bf16':>6}"]
+    lines = [
+        f"{report['model']}, left rule, {report['steps']} steps; CPU: {report['cpu']}",
+        "",
+        f"{'prompt':<12} {'tokens':>6} {'f32 F(x)':>9} {'bf16 F(x)':>9} {'max err':>8} {'(layer)':>7} "
+        f"{'med err':>8} {'max gap32':>9} {'max gap16':>9} {'s f32':>6} {'s bf16':>6}",
+    ]
     for name, p in report["prompts"].items():
         f32, bf16 = p["float32"], p["bfloat16"]
-        lines.append(f"{name:<12} {p['tokens']:>6} {f32['f_input']:>9.4f} {bf16['f_input']:>9.4f} "
-                     f"{pct(p['max_attribution_error']):>8} {p['worst_layer']:>7} "
-                     f"{pct(p['median_attribution_error']):>8} {pct(max(f32['gap'])):>9} {pct(max(bf16['gap'])):>9} "
-                     f"{f32['seconds']:>6.0f} {bf16['seconds']:>6.0f}")
-    lines += ["", f"{'layers':<8} {'max err':>8} {'med err':>8} {'max gap32':>9} {'max gap16':>9} "
-                  f"{'med gap32':>9} {'med gap16':>9}"]
+        lines.append(
+            f"{name:<12} {p['tokens']:>6} {f32['f_input']:>9.4f} {bf16['f_input']:>9.4f} "
+            f"{pct(p['max_attribution_error']):>8} {p['worst_layer']:>7} "
+            f"{pct(p['median_attribution_error']):>8} {pct(max(f32['gap'])):>9} {pct(max(bf16['gap'])):>9} "
+            f"{f32['seconds']:>6.0f} {bf16['seconds']:>6.0f}"
+        )
+    lines += [
+        "",
+        f"{'layers':<8} {'max err':>8} {'med err':>8} {'max gap32':>9} {'max gap16':>9} "
+        f"{'med gap32':>9} {'med gap16':>9}",
+    ]
     for g in report["layer_groups"]:
-        lines.append(f"{g['layers']:<8} {pct(g['max_error']):>8} {pct(g['median_error']):>8} "
-                     f"{pct(g['max_gap_f32']):>9} {pct(g['max_gap_bf16']):>9} "
-                     f"{pct(g['median_gap_f32']):>9} {pct(g['median_gap_bf16']):>9}")
-    lines.append("err: max_t |IG_bf16 - IG_f32| / |F_f32(x) - F_f32(b)|; gap: |completeness gap| / |F(x) - F(b)| "
-                 "in that precision; seconds include compilation")
+        lines.append(
+            f"{g['layers']:<8} {pct(g['max_error']):>8} {pct(g['median_error']):>8} "
+            f"{pct(g['max_gap_f32']):>9} {pct(g['max_gap_bf16']):>9} "
+            f"{pct(g['median_gap_f32']):>9} {pct(g['median_gap_bf16']):>9}"
+        )
+    lines.append(
+        "err: max_t |IG_bf16 - IG_f32| / |F_f32(x) - F_f32(b)|; gap: |completeness gap| / |F(x) - F(b)| "
+        "in that precision; seconds include compilation"
+    )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--data", default=os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl"),
-                        help="GSM8K JSONL")
+    parser.add_argument(
+        "--data",
+        default=os.path.join(HERE, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl"),
+        help="GSM8K JSONL",
+    )
     parser.add_argument("--rows", default="0,1", help="GSM8K rows, comma-separated")
     parser.add_argument("--steps", type=int, default=64, help="left Riemann steps")
     parser.add_argument("--group", type=int, default=10, help="layers per group in the summary")
@@ -157,12 +197,19 @@ def main(argv=None) -> int:
     f32 = jaxdepth.load(args.model, dtype="float32")
     bf16 = None  # loaded when a bf16 result is not cached
     rows = read_rows("gsm8k", args.data)
-    report = dict(model=args.model, steps=args.steps, rule="left", cpu=cpu_description(),
-                  data=os.path.basename(args.data), prompts={}, layer_groups=[])
+    report = dict(
+        model=args.model,
+        steps=args.steps,
+        rule="left",
+        cpu=cpu_description(),
+        data=os.path.basename(args.data),
+        prompts={},
+        layer_groups=[],
+    )
     for i in map(int, args.rows.split(",")):
         name, prompt = f"gsm8k_row{i}", format_short(rows[i])
         batch = encode(f32.tokenizer, [prompt], context=f32.config.max_position_embeddings)
-        tokens = batch.tokens[0, :int(batch.lengths[0])]
+        tokens = batch.tokens[0, : int(batch.lengths[0])]
         results = {}
         for precision in PRECISIONS:
             path = cache_path(args.cache, args.model, tokens, args.steps, precision)
@@ -170,10 +217,15 @@ def main(argv=None) -> int:
                 bf16 = jaxdepth.load(args.model, dtype="bfloat16")
             model = f32 if precision == "float32" else bf16
             results[precision] = run_ig(model, batch, args.steps, path, precision)
-            print(f"{name} {precision}: {float(results[precision]['seconds']):.0f} s "
-                  f"on {results[precision]['cpu']}", flush=True)
-        report["prompts"][name] = dict(tokens=len(tokens), prompt=prompt.question + prompt.answer,
-                                       **compare(results["float32"], results["bfloat16"]))
+            print(
+                f"{name} {precision}: {float(results[precision]['seconds']):.0f} s on {results[precision]['cpu']}",
+                flush=True,
+            )
+        report["prompts"][name] = dict(
+            tokens=len(tokens),
+            prompt=prompt.question + prompt.answer,
+            **compare(results["float32"], results["bfloat16"]),
+        )
         report["layer_groups"] = layer_groups(report["prompts"], args.group)
         with atomic_write(args.out, "w") as f:
             json.dump(report, f, indent=1)

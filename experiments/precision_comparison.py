@@ -45,13 +45,17 @@ def main():
         agree.append(np.asarray(a.argmax(-1) == b.argmax(-1))[one.valid])
     kl, agree = np.concatenate(kls), np.concatenate(agree)
     print(f"{args.model}, {len(batch)} GSM8K prompts, {kl.size} tokens")
-    print(f"per-token KL(P_f32 || P_bf16) in nats: mean {kl.mean():.2e}, median {np.median(kl):.2e}, "
-          f"p99 {np.quantile(kl, 0.99):.2e}, max {kl.max():.2e}; top-1 agreement {agree.mean():.4f}")
+    print(
+        f"per-token KL(P_f32 || P_bf16) in nats: mean {kl.mean():.2e}, median {np.median(kl):.2e}, "
+        f"p99 {np.quantile(kl, 0.99):.2e}, max {kl.max():.2e}; top-1 agreement {agree.mean():.4f}"
+    )
     for name, model in (("float32", f32), ("bfloat16", bf16)):
         c = contributions.contributions(model.params, batch, model.config)
         lens = logit_lens.logit_lens(model.params, batch, model.config)
-        print(f"{name:9s} cosine ED {ed.cosine_effective_depth(c.mean_cosine)}; KL ED "
-              f"{ed.kl_effective_depth(lens.kl)}; overlap ED {ed.overlap_effective_depth(lens.overlap)}")
+        print(
+            f"{name:9s} cosine ED {ed.cosine_effective_depth(c.mean_cosine)}; KL ED "
+            f"{ed.kl_effective_depth(lens.kl)}; overlap ED {ed.overlap_effective_depth(lens.overlap)}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,11 @@ import numpy as np
 
 from jaxdepth.lab.optional import require
 
-torch = require("torch", purpose="the PyTorch reference (experiments/reference_torch.py)",
-                install="pip install torch==2.13.0 accelerate (the CPU build; or the README's test set-up)")
+torch = require(
+    "torch",
+    purpose="the PyTorch reference (experiments/reference_torch.py)",
+    install="pip install torch==2.13.0 accelerate (the CPU build; or the README's test set-up)",
+)
 
 NORM_EPS = 1e-6
 TOP_K = 5
@@ -51,8 +54,9 @@ def load_hf_model(gguf_path: str):
     """transformers' own float32 model, read from the same GGUF file jaxdepth converts."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
     model.eval()
     model.requires_grad_(False)  # gradients are only ever taken w.r.t. injected activations
     return model
@@ -117,6 +121,7 @@ class Reference:
         def rec(index):
             def pre_hook(module, args):
                 store[index] = args[0].detach()[0].float()
+
             return pre_hook
 
         modules = list(self.layers) + [self.final_norm]
@@ -137,7 +142,9 @@ class Reference:
             def cap(store, index, pre=False):
                 if pre:
                     return lambda mod, args: store.__setitem__(index, args[0][0].float())
-                return lambda mod, args, out: store.__setitem__(index, (out[0] if isinstance(out, tuple) else out)[0].float())
+                return lambda mod, args, out: store.__setitem__(
+                    index, (out[0] if isinstance(out, tuple) else out)[0].float()
+                )
 
             handles = []
             for i, layer in enumerate(self.layers):
@@ -149,8 +156,19 @@ class Reference:
             stats = []
             for hl, al, ml in zip(h, a, m):
                 mid, lay = hl + al, al + ml
-                stats.append(torch.stack([_rel_norm(al, hl), _rel_norm(ml, mid), _rel_norm(lay, hl),
-                                          _cos(al, hl), _cos(ml, mid), _cos(lay, hl)], dim=-1))
+                stats.append(
+                    torch.stack(
+                        [
+                            _rel_norm(al, hl),
+                            _rel_norm(ml, mid),
+                            _rel_norm(lay, hl),
+                            _cos(al, hl),
+                            _cos(ml, mid),
+                            _cos(lay, hl),
+                        ],
+                        dim=-1,
+                    )
+                )
             per_prompt.append(_host(torch.stack(stats)))  # [L, T, 6]
         allv = np.concatenate(per_prompt, axis=1)  # [L, sum T, 6]
         names = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
@@ -176,9 +194,12 @@ class Reference:
                 ov_p.append((top[:, :, None] == final_top[:, None, :]).sum((-2, -1)).float() / TOP_K)
             kls.append(_host(torch.stack(kl_p)))
             overlaps.append(_host(torch.stack(ov_p)))
-        return {"kl": np.mean([k.mean(axis=1) for k in kls], axis=0),
-                "overlap": np.mean([o.mean(axis=1) for o in overlaps], axis=0),
-                "kl_per_token": kls, "overlap_per_token": overlaps}
+        return {
+            "kl": np.mean([k.mean(axis=1) for k in kls], axis=0),
+            "overlap": np.mean([o.mean(axis=1) for o in overlaps], axis=0),
+            "kl_per_token": kls,
+            "overlap_per_token": overlaps,
+        }
 
     # ------------------------------------------------------------------ §3
     @torch.no_grad()
@@ -198,6 +219,7 @@ class Reference:
             clean_delta = torch.stack([hs[j + 1] - hs[j] for j in range(L)])  # [L, T, D]
             for s in range(L):
                 for t in splits[i]:
+
                     def skip(module, args, out, t=t):
                         new = out.clone()
                         new[:, 1:t] = args[0][:, 1:t]
@@ -211,8 +233,12 @@ class Reference:
                     later[i, s] = np.maximum(later[i, s], _host(change.max(dim=1).values))
                     out_change = (probs - clean_probs)[t:].norm(dim=-1).max().item()
                     output[i, s] = max(output[i, s], out_change)
-        return {"later": later.max(axis=0), "output": output.max(axis=0),
-                "later_per_prompt": later, "output_per_prompt": output}
+        return {
+            "later": later.max(axis=0),
+            "output": output.max(axis=0),
+            "later_per_prompt": later,
+            "output_per_prompt": output,
+        }
 
     # ------------------------------------------------------------------ §4
     @torch.no_grad()
@@ -229,6 +255,7 @@ class Reference:
             effects = np.zeros((self.L + 1, T), np.float32)
             for l in range(self.L + 1):
                 for t in range(T):
+
                     def erase(module, args, l=l, t=t):
                         h = args[0].clone()
                         h[:, t] = base[l]
@@ -261,6 +288,7 @@ class Reference:
                         h = h.detach().requires_grad_(True)
                     boundaries[index] = h
                     return (h,) + tuple(args[1:])
+
                 return pre_hook
 
             with torch.enable_grad(), hooks(*[m.register_forward_pre_hook(keep(i)) for i, m in enumerate(modules)]):
@@ -290,8 +318,9 @@ class Reference:
         self.forwards += 1
         return self.model.lm_head(self.final_norm(h))
 
-    def integrated_gradients(self, token_lists, answer_starts: Sequence[int], steps: int,
-                             block: int = IG_BLOCK) -> dict:
+    def integrated_gradients(
+        self, token_lists, answer_starts: Sequence[int], steps: int, block: int = IG_BLOCK
+    ) -> dict:
         """Left-Riemann IG with the per-channel mean baseline, batched as the published code:
         one forward and one backward per block of `block` steps, starting after layer l. Per
         prompt: `attributions [L, T]`, `f_input` = F(x), `f_baseline [L]` = F(b), completeness
@@ -318,7 +347,7 @@ class Reference:
                     f_baseline[l] = objective(self._run_from(b.expand_as(x)[None], l + 1)).item()
                 total = torch.zeros_like(x)
                 for first in range(0, steps, block):
-                    a = alphas[first:first + block][:, None, None]
+                    a = alphas[first : first + block][:, None, None]
                     z = (b + a * (x - b)).requires_grad_(True)  # [block, T, D]
                     (g,) = torch.autograd.grad(objective(self._run_from(z, l + 1)).sum(), z)
                     self.backwards += 1
@@ -376,6 +405,7 @@ class Reference:
 # ---------------------------------------------------------------------- effective depth (§6)
 # The reference rules, written out independently of jaxdepth.analyses.effective_depth; -1 = no layer
 # qualifies (the published code's convention for KL and overlap; it raises for cosine).
+
 
 def _add_ig_prompt(out: dict, attributions, f_input, f_baseline):
     """Append one prompt's IG to `out`, with its completeness gap per layer."""

@@ -40,11 +40,19 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 1x8 for a 32B model on 8 devices")
     parser.add_argument("--local-dir", help="folder holding <model name>/ HF checkpoints instead of the hub")
-    parser.add_argument("--data", nargs="*", default=[], metavar="NAME=PATH",
-                        help="local JSONL files instead of the hub, e.g. gsm8k=../shared/data/gsm8k_test_sample.jsonl")
+    parser.add_argument(
+        "--data",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="local JSONL files instead of the hub, e.g. gsm8k=../shared/data/gsm8k_test_sample.jsonl",
+    )
     parser.add_argument("--out", default="results/table1")
-    parser.add_argument("--published-only", action="store_true",
-                        help="draw the base vs long-CoT figure of the published numbers only (no model is loaded)")
+    parser.add_argument(
+        "--published-only",
+        action="store_true",
+        help="draw the base vs long-CoT figure of the published numbers only (no model is loaded)",
+    )
     args = parser.parse_args(argv)
 
     if args.published_only:
@@ -57,13 +65,20 @@ def main(argv=None):
         source = os.path.join(args.local_dir, name.split("/")[-1]) if args.local_dir else name
         model = load(source, dtype=args.dtype, mesh=mesh)
         for dataset in args.datasets:
-            prompts = load_prompts(dataset, data.get(dataset),
-                                   limit=None if DATASETS[dataset].max_tokens else args.prompts)
-            batch = encode(model.tokenizer, prompts, max_tokens=DATASETS[dataset].max_tokens,
-                           context=model.config.max_position_embeddings, limit=args.prompts)
+            prompts = load_prompts(
+                dataset, data.get(dataset), limit=None if DATASETS[dataset].max_tokens else args.prompts
+            )
+            batch = encode(
+                model.tokenizer,
+                prompts,
+                max_tokens=DATASETS[dataset].max_tokens,
+                context=model.config.max_position_embeddings,
+                limit=args.prompts,
+            )
             with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-                run_study(model, name, dataset, batch, args.out, analyses=("contributions", "logit_lens"),
-                          settings=settings)
+                run_study(
+                    model, name, dataset, batch, args.out, analyses=("contributions", "logit_lens"), settings=settings
+                )
         del model
 
     rows = collect([args.out])
@@ -75,16 +90,22 @@ def main(argv=None):
     print("\njaxdepth vs published (8-bit weights there: expect agreement within a few layers):")
     print(comparison, end="")
     # every model with results under --out, not only this run's: runs on several machines fill in
-    write_table1_figures(args.out, {"published": published.published_rows(), "jaxdepth": rows}, args.datasets,
-                         sorted({r["model"] for r in rows}))
+    write_table1_figures(
+        args.out,
+        {"published": published.published_rows(), "jaxdepth": rows},
+        args.datasets,
+        sorted({r["model"] for r in rows}),
+    )
 
 
 def write_table1_figures(out, sources, datasets, models):
     """The paired base vs long-CoT figure, and each dataset's curves of every model on a
     relative depth axis (from the saved results of `models`)."""
     figures = os.path.join(out, "figures")
-    plots.save_figure(plots.long_cot_figure(sources, published.LONG_COT_PAIRS, datasets=datasets),
-                      os.path.join(figures, "base_vs_long_cot"))
+    plots.save_figure(
+        plots.long_cot_figure(sources, published.LONG_COT_PAIRS, datasets=datasets),
+        os.path.join(figures, "base_vs_long_cot"),
+    )
     for dataset in datasets:
         for kind in ("contributions", "logit_lens"):
             curves = {}
@@ -93,9 +114,12 @@ def write_table1_figures(out, sources, datasets, models):
                 if os.path.isfile(path):
                     curves[name.split("/")[-1]] = load_result(path)
             if curves:
-                plots.save_figure(plots.relative_depth_figure(curves, title=f"{kind} on {dataset}"),
-                                  os.path.join(figures, f"{kind}_{dataset}_relative_depth"))
+                plots.save_figure(
+                    plots.relative_depth_figure(curves, title=f"{kind} on {dataset}"),
+                    os.path.join(figures, f"{kind}_{dataset}_relative_depth"),
+                )
     print(f"figures in {figures}")
+
 
 if __name__ == "__main__":
     main()

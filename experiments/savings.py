@@ -14,7 +14,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdepth.analyses import erasure, integrated_gradients as ig
 from jaxdepth.analyses.ig.checks import ig_baseline
@@ -61,8 +60,14 @@ def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
     x = x[:, 0]
 
     def objective(z, layer):
-        h, _ = run_layers(params, h0, config, valid=valid, remat=True,
-                          interventions=sites.replace("resid_pre", layer + 1, jnp.ones(T), z))
+        h, _ = run_layers(
+            params,
+            h0,
+            config,
+            valid=valid,
+            remat=True,
+            interventions=sites.replace("resid_pre", layer + 1, jnp.ones(T), z),
+        )
         p = jax.nn.softmax(unembed(params, h, config), -1)
         return jnp.sum(jnp.where(answer_mask, jnp.take_along_axis(p, target[..., None], -1)[..., 0], 0.0))
 
@@ -103,25 +108,33 @@ def main():
     positions, real = one.answer_positions(0)
     prompt = PromptArrays(tokens, valid, jnp.asarray(positions), jnp.asarray(real))
     baseline = jnp.asarray(erasure.mean_residuals(p, batch, c))
-    print(f"{args.model}, one prompt of {n} tokens ({int(real.sum())} answer predictions), "
-          f"L={c.num_layers}, chunk {args.chunk}")
+    print(
+        f"{args.model}, one prompt of {n} tokens ({int(real.sum())} answer predictions), "
+        f"L={c.num_layers}, chunk {args.chunk}"
+    )
 
     plain, t_plain = timed(lambda: plain_erasure(p, tokens, valid, answer_mask, baseline, c, args.chunk))
     print(f"erasure, plain: {t_plain:7.1f} s")
     for blocks in (1, erasure.default_blocks(tokens.shape[1])):
-        ours, t_ours = timed(lambda: erasure.erasure_of_prompt(p, prompt, baseline, c, chunk_size=args.chunk,
-                                                               blocks=blocks))
+        ours, t_ours = timed(
+            lambda: erasure.erasure_of_prompt(p, prompt, baseline, c, chunk_size=args.chunk, blocks=blocks)
+        )
         what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position pieces)"
-        print(f"erasure, {what}: {t_ours:7.1f} s, saving x{t_plain / t_ours:.2f}; "
-              f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}")
+        print(
+            f"erasure, {what}: {t_ours:7.1f} s, saving x{t_plain / t_ours:.2f}; "
+            f"max |difference| {float(jnp.abs(ours - plain).max()):.2e}"
+        )
 
     alphas, _ = quadrature("left", args.ig_steps)
     ours, t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, steps=args.ig_steps, chunk_size=args.chunk))
     a_ours = ours.per_position[:, 0]
-    a_plain, t_plain = timed(lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c,
-                                              args.chunk))
-    print(f"IG ({args.ig_steps} steps): plain {t_plain:7.1f} s, jaxdepth {t_ours:7.1f} s, saving "
-          f"x{t_plain / t_ours:.2f}; max |difference| {float(jnp.abs(a_ours - a_plain * valid[0]).max()):.2e}")
+    a_plain, t_plain = timed(
+        lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c, args.chunk)
+    )
+    print(
+        f"IG ({args.ig_steps} steps): plain {t_plain:7.1f} s, jaxdepth {t_ours:7.1f} s, saving "
+        f"x{t_plain / t_ours:.2f}; max |difference| {float(jnp.abs(a_ours - a_plain * valid[0]).max()):.2e}"
+    )
 
 
 if __name__ == "__main__":

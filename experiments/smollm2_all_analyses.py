@@ -32,12 +32,17 @@ def main():
     args = parser.parse_args()
 
     model = load(args.model)
-    batch = encode(model.tokenizer, load_prompts("gsm8k", args.data, limit=args.prompts),
-                   context=model.config.max_position_embeddings)
+    batch = encode(
+        model.tokenizer,
+        load_prompts("gsm8k", args.data, limit=args.prompts),
+        context=model.config.max_position_embeddings,
+    )
     settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, ig_steps=args.ig_steps)
-    print(f"{args.model}: L={model.config.num_layers}; {len(batch)} GSM8K prompts, "
-          f"{int(batch.valid.sum())} tokens (mean {batch.lengths.mean():.0f}); erasure/IG on "
-          f"{args.detail_prompts} prompt(s), IG {args.ig_steps} steps")
+    print(
+        f"{args.model}: L={model.config.num_layers}; {len(batch)} GSM8K prompts, "
+        f"{int(batch.valid.sum())} tokens (mean {batch.lengths.mean():.0f}); erasure/IG on "
+        f"{args.detail_prompts} prompt(s), IG {args.ig_steps} steps"
+    )
     times = {}
     for name in args.analyses.split(","):
         start = time.perf_counter()

@@ -3,9 +3,10 @@
 The top level holds what most code needs: `load` (a `Model` from a converted folder, a Hugging
 Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
 (`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
-`skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients at any site (`site_gradients`;
-`integrated_gradients`, which returns a `SiteIG`). Each analysis of the studies is a module of
-`jaxdepth.analyses`; files, the command line and the study runner are in `jaxdepth.lab`.
+`skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients
+at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`). Each analysis
+of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
+are in `jaxdepth.lab`.
 
 The functions take `params` (`Model.params`: a nested dict of arrays, per-layer weights stacked
 on a leading layer axis) as an argument and the `ModelConfig` as a static argument (hashable: a
@@ -21,6 +22,17 @@ from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
 
-__all__ = ["ModelConfig", "UnsupportedConfigError", "Model", "load", "forward",
-           "residual_stream", "run_layers", "sites", "site_gradients", "integrated_gradients", "SiteIG",
-           "NonFiniteAttributionError"]
+__all__ = [
+    "ModelConfig",
+    "UnsupportedConfigError",
+    "Model",
+    "load",
+    "forward",
+    "residual_stream",
+    "run_layers",
+    "sites",
+    "site_gradients",
+    "integrated_gradients",
+    "SiteIG",
+    "NonFiniteAttributionError",
+]

@@ -44,8 +44,13 @@ if jax.config.jax_compilation_cache_dir in (None, "", os.environ.get("JAXDEPTH_T
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXDEPTH_TESTS_XLA_CACHE"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
+
+# CI's time budget: the slow tests run last, and under JAXDEPTH_TEST_DEADLINE only while they fit.
+pytest_plugins = ["time_budget"]
+
 
 # The real dataset samples beside this project's checkouts (not part of the repository).
 SHARED_DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
@@ -100,29 +105,67 @@ def assert_moved(actual, clean, what: str = "", tol: float = 1e-5):
 # parity tolerance for the parity tests to be a sharp check; with 0.1 such mistakes move them by
 # ~0.5 (checked by test_parity.py::test_parity_is_sensitive).
 TINY_VARIANTS: dict[str, dict[str, Any]] = {
-    "qwen2_gqa_untied": dict(arch="qwen2", num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen2_gqa_tied": dict(arch="qwen2", num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2_mha_untied": dict(arch="qwen2", num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=4, tie_word_embeddings=False),
-    "llama_gqa_untied": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5),
-    "llama_mha_tied": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "qwen2_gqa_untied": dict(
+        arch="qwen2", num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    "qwen2_gqa_tied": dict(
+        arch="qwen2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    "qwen2_mha_untied": dict(
+        arch="qwen2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False
+    ),
+    "llama_gqa_untied": dict(
+        arch="llama",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    ),
+    "llama_mha_tied": dict(
+        arch="llama",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
     # Llama 3.1's rope scaling with a short original context, so that the 300-token parity
     # prompts reach far into the rescaled frequencies.
-    "llama31_rope_scaled": dict(arch="llama", num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama31_rope_scaled": dict(
+        arch="llama",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # Qwen3: q/k RMSNorm per head, and a head_dim that is not hidden_size / heads.
-    "qwen3_gqa": dict(arch="qwen3", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=24, tie_word_embeddings=False),
+    "qwen3_gqa": dict(
+        arch="qwen3",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+    ),
 }
 
-TINY_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128,
-                   max_position_embeddings=512, rope_theta=12345.0, initializer_range=0.1)
+TINY_COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    rope_theta=12345.0,
+    initializer_range=0.1,
+)
 
 
 @dataclasses.dataclass
@@ -225,12 +268,14 @@ def smollm2_hf(smollm2_gguf_path):
     transformers = pytest.importorskip("transformers")
     path = smollm2_gguf_path
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     model.eval()
     return model
 
 
 # ----------------------------------------------------------------------------- GGUF writing
+
 
 def _bytes_to_unicode():
     """GPT-2's byte-level alphabet (byte -> printable character)."""
@@ -251,9 +296,15 @@ def _llama_cpp_permute(w, n_head):
 
 
 _GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -274,8 +325,8 @@ def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    pairs = ([("Ġ", c) for c in string.ascii_lowercase] + [("t", c) for c in string.ascii_lowercase])
-    pairs = pairs[:cfg.vocab_size - 257]
+    pairs = [("Ġ", c) for c in string.ascii_lowercase] + [("t", c) for c in string.ascii_lowercase]
+    pairs = pairs[: cfg.vocab_size - 257]
     tokens = _bytes_to_unicode() + ["<|endoftext|>"] + [a + b for a, b in pairs]
     assert len(tokens) == cfg.vocab_size
     writer.add_tokenizer_model("gpt2")
@@ -291,8 +342,11 @@ def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         else:
             _, _, i, *rest = name.split(".")
             gname = f"blk.{i}.{_GGUF_LAYER_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
@@ -310,6 +364,7 @@ def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
 
 # ----------------------------------------------------------------------------- a checkpoint for the CLI
 
+
 def tiny_tokenizer():
     """A small byte-level BPE tokenizer trained here (no file from outside the repository)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -321,12 +376,17 @@ def tiny_tokenizer():
     texts = [p.text for p in load_prompts("default")] + [
         "A man is standing in a kitchen. He picks up a knife and starts cutting vegetables, then",
         "She walks the dog along the river, stops at the bridge, and looks at the water.",
-        "The children are playing football in the park while their parents watch from a bench."] * 4
+        "The children are playing football in the park while their parents watch from a bench.",
+    ] * 4
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>"]))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>"]
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
 
 
@@ -339,8 +399,19 @@ def save_tiny_checkpoint(folder, context):
     from jaxdepth.lab.loaded_model import Model
 
     tokenizer = tiny_tokenizer()
-    config = ModelConfig(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
-                         rms_norm_eps=1e-5, max_position_embeddings=context, tie_word_embeddings=True,
-                         qkv_bias=False)
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+    )
     return save_converted(Model(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)

@@ -22,7 +22,7 @@ def test_the_cookbook_has_at_least_eight_recipes():
     assert len(python_blocks("docs/cookbook.md")) >= 9  # set-up and one block per recipe
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=290)
 def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     from jaxdepth import sites
     from jaxdepth.core.model import forward, residual_stream, unembed
@@ -38,8 +38,18 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     finally:  # recipe 9 registers an analysis: other tests in this process see the built-in suite
         ANALYSES.pop("final_entropy", None)
     printed = capsys.readouterr().out
-    for line in ("logit difference:", "steering moves", "heads whose patch", "IG per (layer, head)",
-                 "lens KL", "skipping layer s moves the difference by at most", "erasing h_l[t]", "correlation", "projecting", "final entropy:"):
+    for line in (
+        "logit difference:",
+        "steering moves",
+        "heads whose patch",
+        "IG per (layer, head)",
+        "lens KL",
+        "skipping layer s moves the difference by at most",
+        "erasing h_l[t]",
+        "correlation",
+        "projecting",
+        "final entropy:",
+    ):
         assert line in printed, line
     params, config, tokens, metric = ns["params"], ns["config"], ns["tokens"], ns["paris_vs_rome"]
     L, H, T = ns["L"], ns["H"], ns["T"]
@@ -64,31 +74,37 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     # 4. the lens after the ablation: from the intervened residual stream, by hand
     hs = residual_stream(params, tokens, config, interventions=ns["ablate"])
     final = unembed(params, hs[-1], config)
-    kl, _ = lens_statistics(unembed(params, hs[L // 2 + 1], config), jax.nn.log_softmax(final, -1),
-                            jax.lax.top_k(final, 5)[1])
+    kl, _ = lens_statistics(
+        unembed(params, hs[L // 2 + 1], config), jax.nn.log_softmax(final, -1), jax.lax.top_k(final, 5)[1]
+    )
     np.testing.assert_allclose(ns["kl_ablated"][L // 2 + 1], kl, rtol=1e-3, atol=1e-4)
     assert np.abs(np.asarray(ns["kl_ablated"]) - np.asarray(ns["kl_clean"])).max() > 1e-4
     # 5. layer skip: the change of skipping layer s before a split, against the forward with that skip
 
     skips, one = ns["skips"], ns["batch"].single(0)
     n = len(ns["long_prompt"])
-    read = jax.jit(lambda p, iv: ns["paris_vs_rome_at"](n - 1)(forward(p, jnp.asarray(one.tokens), config,
-                                                                    valid=jnp.asarray(one.valid), interventions=iv)))
+    read = jax.jit(
+        lambda p, iv: ns["paris_vs_rome_at"](n - 1)(
+            forward(p, jnp.asarray(one.tokens), config, valid=jnp.asarray(one.valid), interventions=iv)
+        )
+    )
     pos = np.arange(one.tokens.shape[1])
     for s in (0, L // 2):
         t = int(skips.split_positions[0, 0])
         iv = sites.skip("delta", s, ((pos >= 1) & (pos < t)).astype(np.float32))
         assert float(skips.metric_change_per_prompt[0, s, 0]) == pytest.approx(
-            float(read(params, iv) - read(params, None)), abs=1e-3)
+            float(read(params, iv) - read(params, None)), abs=1e-3
+        )
     assert np.all(np.abs(skips.metric_change) >= np.nanmax(np.abs(skips.metric_change_per_prompt[0]), -1) - 1e-6)
     # 6. erasure: the change of h_l[t] erased, against a forward with the replacement by hand
     change = ns["erased"].metric_change[0]
-    answered = jnp.asarray(ns["short"].tokens[:, :T + 1])
+    answered = jnp.asarray(ns["short"].tokens[:, : T + 1])
     at_question_end = jax.jit(lambda p, iv: metric(forward(p, answered, config, interventions=iv)[:, :T]))
     for layer, t in ((0, T - 1), (L // 2, 3)):
         iv = sites.replace("resid_pre", layer, (jnp.arange(T + 1) == t).astype(jnp.float32), ns["baseline"][layer])
-        assert float(change[layer, t]) == pytest.approx(float(at_question_end(params, iv) - at_question_end(params, None)),
-                                                        abs=1e-3)
+        assert float(change[layer, t]) == pytest.approx(
+            float(at_question_end(params, iv) - at_question_end(params, None)), abs=1e-3
+        )
     # 7. exact patching against the forward with h_l[t] from the corrupted run; the estimate's shape
     other = ns["other_h"]
     for layer, t in ((1, 2), (L - 1, T - 1)):
@@ -107,5 +123,6 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     assert saved.exists()
     logits = ns["model"].logits(ns["short"].tokens, ns["short"].valid)[0, ns["short"].lengths[0] - 1]
     logp = jax.nn.log_softmax(jnp.asarray(logits))
-    assert float(ns["results"]["final_entropy"].entropy[0]) == pytest.approx(float(-(jnp.exp(logp) * logp).sum()),
-                                                                            abs=1e-4)
+    assert float(ns["results"]["final_entropy"].entropy[0]) == pytest.approx(
+        float(-(jnp.exp(logp) * logp).sum()), abs=1e-4
+    )

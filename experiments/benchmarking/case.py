@@ -65,9 +65,10 @@ def settings(bench: Bench):
 
 def via_registry(name: str):
     """jaxdepth's side of a case: the registered analysis, run as `jaxdepth run` runs it."""
+
     def run(bench: Bench, w: Workload):
         from jaxdepth.lab.registry import RunInputs, analysis
 
-        return analysis(name).run(RunInputs(model=bench.model, batch=w.batch, settings=settings(bench),
-                                            progress=False))
+        return analysis(name).run(RunInputs(model=bench.model, batch=w.batch, settings=settings(bench), progress=False))
+
     return run

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 def layer_flops(c, queries: int, keys: int, layers: int) -> float:
     """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`."""
-    layer_params = (c.hidden_size * c.num_heads * c.head_dim + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-                    + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    layer_params = (
+        c.hidden_size * c.num_heads * c.head_dim
+        + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+        + c.num_heads * c.head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size
+    )
     return layers * (2.0 * queries * layer_params + 4.0 * queries * keys * c.num_heads * c.head_dim)
 
 

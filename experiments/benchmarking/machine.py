@@ -49,9 +49,12 @@ def matmul_peak(config=None, repeats: int = 7):
 def best_peak(before: dict, after: dict) -> dict:
     """The peak the tables use: the best of the measurements before and after the timings."""
     peaks = {k: max(before[k], after.get(k, 0)) for k in before}
-    return {"jax": max(v for k, v in peaks.items() if k.startswith("jax")),
-            "torch": max((v for k, v in peaks.items() if k.startswith("torch")), default=None),
-            "before": before, "after": after}
+    return {
+        "jax": max(v for k, v in peaks.items() if k.startswith("jax")),
+        "torch": max((v for k, v in peaks.items() if k.startswith("torch")), default=None),
+        "before": before,
+        "after": after,
+    }
 
 
 class CpuMeter:
@@ -180,6 +183,8 @@ class Clock:
     def matmul_peak(self, config, again: bool = False) -> dict:
         self.gate("the matmul peak")
         peaks = matmul_peak(config)
-        log(f"matmul peak{' again' if again else ''} (best of 7, float32): "
-            + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()))
+        log(
+            f"matmul peak{' again' if again else ''} (best of 7, float32): "
+            + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+        )
         return peaks

@@ -41,15 +41,43 @@ from .report import log, write_json_atomic
 SHAPES = {
     # a few layers and small widths, for the CPU test (a larger init range makes the attention
     # far from uniform, so the agreement check is sharp)
-    "tiny": dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, vocab_size=512,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
-                 rms_norm_eps=1e-6, max_position_embeddings=4096, initializer_range=0.1),
-    "qwen2.5-1.5b": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, vocab_size=151936,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
-                         rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen2.5-7b": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6,
-                       rms_norm_eps=1e-6, max_position_embeddings=131072),
+    "tiny": dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+    ),
+    "qwen2.5-1.5b": dict(
+        num_hidden_layers=28,
+        hidden_size=1536,
+        intermediate_size=8960,
+        vocab_size=151936,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-7b": dict(
+        num_hidden_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        vocab_size=152064,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+    ),
 }
 
 ANALYSES = ("integrated_gradients", "erasure", "layer_skip")
@@ -61,16 +89,46 @@ ALIASES = {"ig": "integrated_gradients", "skip": "layer_skip"}
 # tokens); erasure and layer skip are cut to 64 tokens, as the reference runs one forward pass
 # per boundary x position (per layer x split) and its time grows with both.
 PRESETS = {
-    "default": dict(ig_steps=256, ig_prompts=1, ig_max_tokens=None, erasure_prompts=1, erasure_max_tokens=64,
-                    skip_prompts=2, skip_max_tokens=64, baseline_prompts=10, repeat=2, ref_repeat=1),
-    "quick": dict(ig_steps=32, ig_prompts=1, ig_max_tokens=64, erasure_prompts=1, erasure_max_tokens=32,
-                  skip_prompts=1, skip_max_tokens=64, baseline_prompts=2, repeat=1, ref_repeat=1),
+    "default": dict(
+        ig_steps=256,
+        ig_prompts=1,
+        ig_max_tokens=None,
+        erasure_prompts=1,
+        erasure_max_tokens=64,
+        skip_prompts=2,
+        skip_max_tokens=64,
+        baseline_prompts=10,
+        repeat=2,
+        ref_repeat=1,
+    ),
+    "quick": dict(
+        ig_steps=32,
+        ig_prompts=1,
+        ig_max_tokens=64,
+        erasure_prompts=1,
+        erasure_max_tokens=32,
+        skip_prompts=1,
+        skip_max_tokens=64,
+        baseline_prompts=2,
+        repeat=1,
+        ref_repeat=1,
+    ),
 }
 
 # Lengths and answer starts of GSM8K test rows 0-9 under the embedded tokenizer: random ids of
 # these shapes (when no tokenizer is at hand) give the same workload as the real prompts.
-GSM8K_SHAPES = [(176, 110), (121, 71), (318, 102), (130, 80), (268, 155), (283, 101), (205, 89), (315, 116),
-                (349, 150), (270, 103)]
+GSM8K_SHAPES = [
+    (176, 110),
+    (121, 71),
+    (318, 102),
+    (130, 80),
+    (268, 155),
+    (283, 101),
+    (205, 89),
+    (315, 116),
+    (349, 150),
+    (270, 103),
+]
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.normpath(os.path.join(EXPERIMENTS, "..", "..", "shared", "data", "gsm8k_test_sample.jsonl"))
@@ -80,54 +138,98 @@ PEAK_SIZE = {"cuda": 8192, "cpu": 1024}  # square matmul of the peak measurement
 
 # ----------------------------------------------------------------------------- command line
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Benchmark on one device: jaxdepth against the PyTorch reference on a "
-                                            "GPU or the CPU, on random weights of a named Hugging Face shape.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b",
-                   help="the Hugging Face configuration whose random weights both sides run")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="the reference's torch device (auto: cuda when torch sees a GPU); jaxdepth runs on "
-                        "jax's default backend, which must be the same kind of device")
-    p.add_argument("--quick", action="store_true",
-                   help="the quick preset (a check that everything runs, estimated at 2-3 minutes on an H100): " +
-                        ", ".join(f"{k}={v}" for k, v in PRESETS["quick"].items()))
+    p = argparse.ArgumentParser(
+        description="Benchmark on one device: jaxdepth against the PyTorch reference on a "
+        "GPU or the CPU, on random weights of a named Hugging Face shape.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen2.5-1.5b",
+        help="the Hugging Face configuration whose random weights both sides run",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="the reference's torch device (auto: cuda when torch sees a GPU); jaxdepth runs on "
+        "jax's default backend, which must be the same kind of device",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick preset (a check that everything runs, estimated at 2-3 minutes on an H100): "
+        + ", ".join(f"{k}={v}" for k, v in PRESETS["quick"].items()),
+    )
     p.add_argument("--analyses", default=",".join(ANALYSES), help="comma-separated subset of " + ", ".join(ANALYSES))
     prompts = p.add_argument_group("prompts (token ids prepared without any network)")
-    prompts.add_argument("--ids", default=None,
-                         help="token ids prepared ahead (--prepare-ids): a .json file with token_ids and "
-                              "answer_starts, or a .npy int array [prompts, tokens] right-padded with -1 (its "
-                              "answers: the last quarter of each prompt)")
-    prompts.add_argument("--prepare-ids", metavar="OUT", default=None,
-                         help="write the token ids to OUT (.json, or .npy without the answer starts) and stop")
-    prompts.add_argument("--prompt-source", choices=("auto", "gsm8k", "default", "random"), default="auto",
-                         help="without --ids: GSM8K rows of --data tokenized by the embedded tokenizer; jaxdepth's "
-                              "embedded default prompts; or deterministic random ids of GSM8K rows 0-9's lengths "
-                              "(auto: the first of these that is available)")
+    prompts.add_argument(
+        "--ids",
+        default=None,
+        help="token ids prepared ahead (--prepare-ids): a .json file with token_ids and "
+        "answer_starts, or a .npy int array [prompts, tokens] right-padded with -1 (its "
+        "answers: the last quarter of each prompt)",
+    )
+    prompts.add_argument(
+        "--prepare-ids",
+        metavar="OUT",
+        default=None,
+        help="write the token ids to OUT (.json, or .npy without the answer starts) and stop",
+    )
+    prompts.add_argument(
+        "--prompt-source",
+        choices=("auto", "gsm8k", "default", "random"),
+        default="auto",
+        help="without --ids: GSM8K rows of --data tokenized by the embedded tokenizer; jaxdepth's "
+        "embedded default prompts; or deterministic random ids of GSM8K rows 0-9's lengths "
+        "(auto: the first of these that is available)",
+    )
     prompts.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
     prompts.add_argument("--seed", type=int, default=123, help="random weights, random ids and layer-skip splits")
     work = p.add_argument_group("workload (default: the default preset, or --quick's)")
     work.add_argument("--ig-steps", type=int, help="integrated-gradients steps (left Riemann)")
     work.add_argument("--ig-prompts", type=int, help="prompts for integrated gradients")
     work.add_argument("--ig-max-tokens", type=int, help="token cap for integrated gradients (0: none)")
-    work.add_argument("--ig-backward", choices=("auto", "recompute", "stored"), default=None,
-                      help="jaxdepth's IG backward, where its integrated_gradients takes a `backward` option")
-    work.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
-                      help="bfloat16: also run jaxdepth's IG on bfloat16 params, and report its attributions "
-                           "against the float32 run's")
+    work.add_argument(
+        "--ig-backward",
+        choices=("auto", "recompute", "stored"),
+        default=None,
+        help="jaxdepth's IG backward, where its integrated_gradients takes a `backward` option",
+    )
+    work.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16: also run jaxdepth's IG on bfloat16 params, and report its attributions "
+        "against the float32 run's",
+    )
     work.add_argument("--erasure-prompts", type=int, help="prompts for residual erasure")
     work.add_argument("--erasure-max-tokens", type=int, help="token cap for residual erasure (0: none)")
     work.add_argument("--skip-prompts", type=int, help="prompts for layer skip")
     work.add_argument("--skip-max-tokens", type=int, help="token cap for layer skip (0: none)")
-    work.add_argument("--baseline-prompts", type=int,
-                      help="erasure baseline: mean residuals over the first N prompts (full length; untimed)")
+    work.add_argument(
+        "--baseline-prompts",
+        type=int,
+        help="erasure baseline: mean residuals over the first N prompts (full length; untimed)",
+    )
     work.add_argument("--repeat", type=int, help="warm jaxdepth calls per analysis (their median is reported)")
     work.add_argument("--ref-repeat", type=int, help="reference calls per analysis (their median is reported)")
-    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
-                   help="TF32 matmuls on both sides (default: on for cuda; JAX's float32 default on NVIDIA "
-                        "GPUs); --no-tf32 runs both at full float32")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch's intra-op threads on the CPU (default: torch's own choice)")
+    p.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TF32 matmuls on both sides (default: on for cuda; JAX's float32 default on NVIDIA "
+        "GPUs); --no-tf32 runs both at full float32",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads on the CPU (default: torch's own choice)",
+    )
     p.add_argument("--no-reference", action="store_true", help="time jaxdepth only (no agreement check)")
     p.add_argument("--out", default="results/benchmark_on_device.json", help="JSON report (written after every row)")
     args = p.parse_args(argv)
@@ -149,6 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- prompts
+
 
 @dataclasses.dataclass
 class PromptIds:
@@ -196,8 +299,9 @@ def load_ids(path: str) -> PromptIds:
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"{path}: want an int array [prompts, tokens], got {ids.dtype} {ids.shape}")
         lists = [[int(t) for t in row if t >= 0] for row in ids]
-        return PromptIds(lists, [last_quarter(len(t)) for t in lists],
-                         f"{path} (answers: the last quarter of each prompt)")
+        return PromptIds(
+            lists, [last_quarter(len(t)) for t in lists], f"{path} (answers: the last quarter of each prompt)"
+        )
     raise ValueError(f"--ids {path}: want a .json or .npy file")
 
 
@@ -209,14 +313,16 @@ def save_ids(path: str, ids: PromptIds) -> None:
         width = max(len(t) for t in ids.token_lists)
         array = np.full((len(ids.token_lists), width), -1, np.int64)
         for i, tokens in enumerate(ids.token_lists):
-            array[i, :len(tokens)] = tokens
+            array[i, : len(tokens)] = tokens
         with atomic_write(path, "wb") as f:
             np.save(f, array)
     elif path.endswith(".json"):
         rows = ",\n".join(json.dumps(t, separators=(",", ":")) for t in ids.token_lists)
         with atomic_write(path, "w") as f:
-            f.write(f'{{"source": {json.dumps(ids.source)},\n"answer_starts": {json.dumps(ids.answer_starts)},\n'
-                    f'"token_ids": [\n{rows}\n]}}\n')
+            f.write(
+                f'{{"source": {json.dumps(ids.source)},\n"answer_starts": {json.dumps(ids.answer_starts)},\n'
+                f'"token_ids": [\n{rows}\n]}}\n'
+            )
     else:
         raise ValueError(f"--prepare-ids {path}: want a .json or .npy file")
 
@@ -241,9 +347,12 @@ def embedded_tokenizer():
 def random_ids(count: int, vocab: int, seed: int) -> PromptIds:
     rng = np.random.default_rng(seed)
     shapes = [GSM8K_SHAPES[i % len(GSM8K_SHAPES)] for i in range(count)]
-    return PromptIds([rng.integers(0, vocab, n).tolist() for n, _ in shapes], [s for _, s in shapes],
-                     f"deterministic random ids (seed {seed}) of the lengths and answer starts of GSM8K test rows "
-                     "0-9 under the embedded tokenizer")
+    return PromptIds(
+        [rng.integers(0, vocab, n).tolist() for n, _ in shapes],
+        [s for _, s in shapes],
+        f"deterministic random ids (seed {seed}) of the lengths and answer starts of GSM8K test rows "
+        "0-9 under the embedded tokenizer",
+    )
 
 
 def prepare_ids(args, vocab: int) -> PromptIds:
@@ -267,11 +376,15 @@ def prepare_ids(args, vocab: int) -> PromptIds:
         prompts, what = load_prompts("default", limit=count), "jaxdepth's embedded default prompts"
     batch = encode(tokenizer, prompts)
     lengths = [int(n) for n in batch.lengths]
-    return PromptIds([batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)],
-                     [int(s) for s in batch.answer_start], f"{what}, tokenized by the embedded tokenizer")
+    return PromptIds(
+        [batch.tokens[i, :n].tolist() for i, n in enumerate(lengths)],
+        [int(s) for s in batch.answer_start],
+        f"{what}, tokenized by the embedded tokenizer",
+    )
 
 
 # ----------------------------------------------------------------------------- machine
+
 
 def cpu_model() -> str:
     """The CPU's model name as lscpu gives it, with its family and model numbers where lscpu
@@ -283,8 +396,9 @@ def cpu_model() -> str:
             key, _, value = line.partition(":")
             fields.setdefault(key.strip(), value.strip())
         if fields.get("Model name"):
-            numbers = [f"{label} {fields[k]}" for k, label in (("CPU family", "family"), ("Model", "model"))
-                       if fields.get(k)]
+            numbers = [
+                f"{label} {fields[k]}" for k, label in (("CPU family", "family"), ("Model", "model")) if fields.get(k)
+            ]
             return fields["Model name"] + (f" ({', '.join(numbers)})" if numbers else "")
     except (OSError, subprocess.SubprocessError):
         pass
@@ -318,7 +432,7 @@ def matmul_peaks(device: str, dtypes) -> dict:
     import torch
 
     n, sync, out = PEAK_SIZE[device], synchronizer(device), {}
-    flops = 2.0 * n ** 3
+    flops = 2.0 * n**3
     for dtype in dtypes:
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
         dot = jax.jit(jnp.dot)
@@ -332,6 +446,7 @@ def matmul_peaks(device: str, dtypes) -> dict:
     def mm():
         torch.mm(t, t)
         sync()
+
     out["torch_float32"] = flops / min(_seconds(mm) for _ in range(5))
     return out
 
@@ -343,6 +458,7 @@ def _seconds(fn) -> float:
 
 
 # ----------------------------------------------------------------------------- the model
+
 
 def build_models(shape: str, device: str, seed: int):
     """transformers' `Qwen2ForCausalLM` of `shape` with random weights, built on `device` (float32,
@@ -379,6 +495,7 @@ def build_models(shape: str, device: str, seed: int):
 
 
 # ----------------------------------------------------------------------------- timing
+
 
 @dataclasses.dataclass
 class Timed:
@@ -422,6 +539,7 @@ def time_reference(fn: Callable, repeat: int, sync: Callable) -> Timed:
 
 # ----------------------------------------------------------------------------- the run
 
+
 def integrated_gradients_function():
     """jaxdepth's study IG (`integrated_gradients(params, batch, config, *, steps, rule, ...)`),
     the one place this module names where it lives."""
@@ -440,8 +558,7 @@ def ig_options(backward: Optional[str]) -> dict:
 
 
 def run_ig(params, batch, config, steps: int, options: dict):
-    return integrated_gradients_function()(params, batch, config, steps=steps, rule="left", progress=False,
-                                           **options)
+    return integrated_gradients_function()(params, batch, config, steps=steps, rule="left", progress=False, **options)
 
 
 def run_layer_skip(bench, w):
@@ -449,8 +566,9 @@ def run_layer_skip(bench, w):
     # the plotting module (matplotlib), which a lent GPU machine does not have.
     from jaxdepth.analyses.layer_skip import layer_skip_sublayers
 
-    return layer_skip_sublayers(bench.model.params, w.batch, bench.config, sublayers=("layer",),
-                                seed=bench.args.seed, progress=False)
+    return layer_skip_sublayers(
+        bench.model.params, w.batch, bench.config, sublayers=("layer",), seed=bench.args.seed, progress=False
+    )
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -475,40 +593,62 @@ def fmt_s(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.3f}"
 
 
-def make_row(name, w, jax_t: Timed, ref_t: Optional[Timed], agreement: list, model_flops, executed, peak,
-             note="") -> dict:
+def make_row(
+    name, w, jax_t: Timed, ref_t: Optional[Timed], agreement: list, model_flops, executed, peak, note=""
+) -> dict:
     ref_s = None if ref_t is None else ref_t.median_s
     warm = jax_t.median_s
     diffs = [a["max_abs_diff"] for a in agreement if a.get("max_abs_diff") is not None]
     checked = [a["ok"] for a in agreement if a["ok"] is not None]  # None: reported, no tolerance
-    return dict(analysis=name, workload=w.describe(), prompts=len(w.lengths), lengths=w.lengths,
-                jax_first_s=jax_t.first_s, jax_warm_s=warm, jax_warm_runs_s=jax_t.runs_s,
-                ref_s=ref_s, ref_runs_s=None if ref_t is None else ref_t.runs_s,
-                speedup=None if ref_s is None else ref_s / warm,
-                max_abs_diff=agreement[0].get("max_abs_diff") if agreement else None,
-                largest_abs_diff=max(diffs) if diffs else None,
-                agree=all(checked) if checked else None,
-                agreement=agreement, model_flops=model_flops, executed_flops=executed,
-                jax_executed_flops_per_s=None if executed is None else executed / warm,
-                jax_fraction_of_peak=None if not peak or executed is None else executed / warm / peak,
-                jax_model_flops_per_s=model_flops / warm,
-                ref_model_flops_per_s=None if ref_s is None else model_flops / ref_s, note=note)
+    return dict(
+        analysis=name,
+        workload=w.describe(),
+        prompts=len(w.lengths),
+        lengths=w.lengths,
+        jax_first_s=jax_t.first_s,
+        jax_warm_s=warm,
+        jax_warm_runs_s=jax_t.runs_s,
+        ref_s=ref_s,
+        ref_runs_s=None if ref_t is None else ref_t.runs_s,
+        speedup=None if ref_s is None else ref_s / warm,
+        max_abs_diff=agreement[0].get("max_abs_diff") if agreement else None,
+        largest_abs_diff=max(diffs) if diffs else None,
+        agree=all(checked) if checked else None,
+        agreement=agreement,
+        model_flops=model_flops,
+        executed_flops=executed,
+        jax_executed_flops_per_s=None if executed is None else executed / warm,
+        jax_fraction_of_peak=None if not peak or executed is None else executed / warm / peak,
+        jax_model_flops_per_s=model_flops / warm,
+        ref_model_flops_per_s=None if ref_s is None else model_flops / ref_s,
+        note=note,
+    )
 
 
 def print_row(row: dict) -> None:
     ratio = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
     peak = "" if row["jax_fraction_of_peak"] is None else f", {100 * row['jax_fraction_of_peak']:.0f}% of jax's peak"
     print(f"  {row['analysis']}: {row['workload']}{row['note']}")
-    print(f"    jaxdepth   first call {fmt_s(row['jax_first_s'])} s (compile + run); warm {fmt_s(row['jax_warm_s'])} s "
-          f"(median of {len(row['jax_warm_runs_s'])}: {', '.join(fmt_s(s) for s in row['jax_warm_runs_s'])})")
+    print(
+        f"    jaxdepth   first call {fmt_s(row['jax_first_s'])} s (compile + run); warm {fmt_s(row['jax_warm_s'])} s "
+        f"(median of {len(row['jax_warm_runs_s'])}: {', '.join(fmt_s(s) for s in row['jax_warm_runs_s'])})"
+    )
     if row["ref_s"] is not None:
-        print(f"    reference  {fmt_s(row['ref_s'])} s (median of {len(row['ref_runs_s'])}); "
-              f"reference / jaxdepth warm = {ratio}")
-    executes = ("" if row["executed_flops"] is None else f"jaxdepth executes {fmt_flops(row['executed_flops'])}, "
-                f"{fmt_rate(row['jax_executed_flops_per_s'])} warm{peak}; ")
-    print(f"    FLOPs      {executes}the reference's formulation {fmt_flops(row['model_flops'])}, "
-          f"{fmt_rate(row['jax_model_flops_per_s'])} in jaxdepth's warm time" +
-          ("" if row["ref_s"] is None else f", {fmt_rate(row['ref_model_flops_per_s'])} in the reference's"))
+        print(
+            f"    reference  {fmt_s(row['ref_s'])} s (median of {len(row['ref_runs_s'])}); "
+            f"reference / jaxdepth warm = {ratio}"
+        )
+    executes = (
+        ""
+        if row["executed_flops"] is None
+        else f"jaxdepth executes {fmt_flops(row['executed_flops'])}, "
+        f"{fmt_rate(row['jax_executed_flops_per_s'])} warm{peak}; "
+    )
+    print(
+        f"    FLOPs      {executes}the reference's formulation {fmt_flops(row['model_flops'])}, "
+        f"{fmt_rate(row['jax_model_flops_per_s'])} in jaxdepth's warm time"
+        + ("" if row["ref_s"] is None else f", {fmt_rate(row['ref_model_flops_per_s'])} in the reference's")
+    )
     for a in row["agreement"]:
         ok = "reported" if a["ok"] is None else "ok" if a["ok"] else "DIFFERS"
         if "max_abs_diff" in a:
@@ -516,15 +656,18 @@ def print_row(row: dict) -> None:
             s = "-" if a.get("scale") is None else f"{a['scale']:.3g}"
             print(f"    agreement  {a['quantity']:<34} max |diff| {d:>10} (scale {s}) {ok} ({a['note']})")
         else:
-            print(f"    agreement  {a['quantity']:<34} jax {a['jaxdepth']} / reference {a['reference']} {ok} "
-                  f"{a['note']}")
+            print(
+                f"    agreement  {a['quantity']:<34} jax {a['jaxdepth']} / reference {a['reference']} {ok} {a['note']}"
+            )
     sys.stdout.flush()
 
 
 def oom(report: dict, analysis: str, side: str, e: BaseException) -> None:
     first = (str(e).strip().splitlines() or [""])[0][:300]
-    log(f"{analysis}: {side} ran out of device memory ({type(e).__name__}: {first}); "
-        + ("the analysis is skipped" if side == "jaxdepth" else "its row has no reference time"))
+    log(
+        f"{analysis}: {side} ran out of device memory ({type(e).__name__}: {first}); "
+        + ("the analysis is skipped" if side == "jaxdepth" else "its row has no reference time")
+    )
     report["out_of_memory"].append(dict(analysis=analysis, side=side, error=f"{type(e).__name__}: {first}"))
     write_json_atomic(report["args"]["out"], report)
 
@@ -534,8 +677,10 @@ def main(argv=None) -> int:
     if args.prepare_ids:
         ids = prepare_ids(args, SHAPES[args.shape]["vocab_size"])
         save_ids(args.prepare_ids, ids)
-        log(f"wrote {len(ids.token_lists)} prompts' token ids (lengths {[len(t) for t in ids.token_lists]}) from "
-            f"{ids.source} to {args.prepare_ids}")
+        log(
+            f"wrote {len(ids.token_lists)} prompts' token ids (lengths {[len(t) for t in ids.token_lists]}) from "
+            f"{ids.source} to {args.prepare_ids}"
+        )
         return 0
     wall_start = time.perf_counter()
     device = resolve_device(args.device)
@@ -560,8 +705,11 @@ def main(argv=None) -> int:
         jax.config.update("jax_default_matmul_precision", "highest")
     backend = jax.default_backend()
     if (backend == "gpu") != (device == "cuda"):
-        print(f"error: jax's default backend is {backend} but the reference runs on {device}: the times would "
-              "compare different devices (jax's CUDA plugin missing, or a GPU hidden from torch?)", file=sys.stderr)
+        print(
+            f"error: jax's default backend is {backend} but the reference runs on {device}: the times would "
+            "compare different devices (jax's CUDA plugin missing, or a GPU hidden from torch?)",
+            file=sys.stderr,
+        )
         return 2
     options = ig_options(args.ig_backward)
 
@@ -569,32 +717,43 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     named = gpu or cpu
     jax_devices = [f"{d.platform}:{d.device_kind}" for d in jax.devices()]
-    matmuls = (f"TF32 on both sides (torch allow_tf32={torch.backends.cuda.matmul.allow_tf32}; jax float32 at its "
-               "default precision, TF32 on NVIDIA GPUs)" if tf32 else
-               "full float32 on both sides" + (" (torch allow_tf32=False; jax precision highest)"
-                                               if device == "cuda" else ""))
-    log(f"device: {named}" + (f" (host CPU: {cpu})" if gpu else "") + f"; torch {torch.__version__} on {device}, "
-        f"jax {jax.__version__} on its {backend} backend {jax_devices}")
+    matmuls = (
+        f"TF32 on both sides (torch allow_tf32={torch.backends.cuda.matmul.allow_tf32}; jax float32 at its "
+        "default precision, TF32 on NVIDIA GPUs)"
+        if tf32
+        else "full float32 on both sides"
+        + (" (torch allow_tf32=False; jax precision highest)" if device == "cuda" else "")
+    )
+    log(
+        f"device: {named}" + (f" (host CPU: {cpu})" if gpu else "") + f"; torch {torch.__version__} on {device}, "
+        f"jax {jax.__version__} on its {backend} backend {jax_devices}"
+    )
     log(f"matmuls: {matmuls}")
     load_before = os.getloadavg()
     if device == "cpu":
         log(f"{os.cpu_count()} cores, torch with {torch.get_num_threads()} threads; load average {load_before[0]:.2f}")
         if load_before[0] > 0.5 * os.cpu_count():
-            log("WARNING: the machine is busy (load average above half the cores): other processes compete for "
-                "the CPU and the times below are inflated by them, torch's multi-threaded ones most")
+            log(
+                "WARNING: the machine is busy (load average above half the cores): other processes compete for "
+                "the CPU and the times below are inflated by them, torch's multi-threaded ones most"
+            )
     if device == "cuda":
         fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-        log(f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" +
-            (" (jax was imported before it was set: the pool may be jax's default)" if jax_was_imported else ""))
+        log(
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}"
+            + (" (jax was imported before it was set: the pool may be jax's default)" if jax_was_imported else "")
+        )
 
     start = time.perf_counter()
     hf, model = build_models(args.shape, device, args.seed)
     c = model.config
     build_s = time.perf_counter() - start
-    log(f"{args.shape}: random weights built by transformers on {device} and converted by conversion.layout "
+    log(
+        f"{args.shape}: random weights built by transformers on {device} and converted by conversion.layout "
         f"in {build_s:.1f} s (excluded): L={c.num_layers}, D={c.hidden_size}, F={c.intermediate_size}, "
         f"V={c.vocab_size}, heads {c.num_heads}/{c.num_kv_heads}, tied {c.tie_word_embeddings}, "
-        f"attention {hf.config._attn_implementation}")
+        f"attention {hf.config._attn_implementation}"
+    )
 
     ids = prepare_ids(args, c.vocab_size)
     folded = any(t >= c.vocab_size for tokens in ids.token_lists for t in tokens)
@@ -606,9 +765,11 @@ def main(argv=None) -> int:
     from jaxdepth.core.batch import make_batch
 
     full = make_batch(ids.token_lists, ids.answer_starts, pad_id=0)
-    caps = dict(integrated_gradients=(args.ig_prompts, args.ig_max_tokens),
-                erasure=(args.erasure_prompts, args.erasure_max_tokens),
-                layer_skip=(args.skip_prompts, args.skip_max_tokens))
+    caps = dict(
+        integrated_gradients=(args.ig_prompts, args.ig_max_tokens),
+        erasure=(args.erasure_prompts, args.erasure_max_tokens),
+        layer_skip=(args.skip_prompts, args.skip_max_tokens),
+    )
     workloads = {a: truncate(full, range(min(caps[a][0], len(full))), caps[a][1], 0, a) for a in args.analyses}
     bench = Bench(model, args)
     if "erasure" in workloads:
@@ -618,8 +779,12 @@ def main(argv=None) -> int:
 
     dtypes = ["float32"] + (["bfloat16"] if args.precision == "bfloat16" else [])
     peaks = matmul_peaks(device, dtypes)
-    log("matmul peak (best of 5, square " + str(PEAK_SIZE[device]) + "): " +
-        ", ".join(f"{k} {fmt_rate(v)}" for k, v in peaks.items()))
+    log(
+        "matmul peak (best of 5, square "
+        + str(PEAK_SIZE[device])
+        + "): "
+        + ", ".join(f"{k} {fmt_rate(v)}" for k, v in peaks.items())
+    )
 
     ref, sync = None, synchronizer(device)
     if not args.no_reference:
@@ -628,17 +793,37 @@ def main(argv=None) -> int:
         ref = Reference(hf)
 
     command = sys.argv if argv is None else ["benchmark_on_device.py", *argv]
-    report = dict(command=" ".join(command), args=vars(args), device=dict(
-                      name=named, torch_device=device, gpu=gpu, cpu=cpu, cores=os.cpu_count(), jax_backend=backend,
-                      jax_devices=jax_devices, tf32=tf32, matmuls=matmuls,
-                      xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") if device == "cuda" else None),
-                  versions=dict(jax=jax.__version__, torch=torch.__version__,
-                                transformers=sys.modules["transformers"].__version__, python=sys.version.split()[0]),
-                  shape=args.shape, model_config=c.to_dict(), prompts=dict(source=ids.source,
-                                                                            lengths=[len(t) for t in ids.token_lists]),
-                  excluded_s=dict(build_and_convert=build_s, **bench.excluded_s), peak_flops=peaks,
-                  load_average_before=load_before, torch_threads=torch.get_num_threads(), rows=[],
-                  out_of_memory=[])
+    report = dict(
+        command=" ".join(command),
+        args=vars(args),
+        device=dict(
+            name=named,
+            torch_device=device,
+            gpu=gpu,
+            cpu=cpu,
+            cores=os.cpu_count(),
+            jax_backend=backend,
+            jax_devices=jax_devices,
+            tf32=tf32,
+            matmuls=matmuls,
+            xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") if device == "cuda" else None,
+        ),
+        versions=dict(
+            jax=jax.__version__,
+            torch=torch.__version__,
+            transformers=sys.modules["transformers"].__version__,
+            python=sys.version.split()[0],
+        ),
+        shape=args.shape,
+        model_config=c.to_dict(),
+        prompts=dict(source=ids.source, lengths=[len(t) for t in ids.token_lists]),
+        excluded_s=dict(build_and_convert=build_s, **bench.excluded_s),
+        peak_flops=peaks,
+        load_average_before=load_before,
+        torch_threads=torch.get_num_threads(),
+        rows=[],
+        out_of_memory=[],
+    )
     print(f"\nROWS ({args.shape}, float32 params; {matmuls}; on {named}):", flush=True)
 
     def finish(row):
@@ -676,8 +861,7 @@ def main(argv=None) -> int:
         if ref is not None:
             log(f"{name}: reference, {args.ref_repeat} call(s)")
             try:
-                ref_t = time_reference(lambda w=w, case=case: case.CASE.reference(ref, bench, w), args.ref_repeat,
-                                       sync)
+                ref_t = time_reference(lambda w=w, case=case: case.CASE.reference(ref, bench, w), args.ref_repeat, sync)
                 agreement = case.CASE.agreement(jax_t.result, ref_t.result, w, c)
             except Exception as e:
                 if not out_of_memory(e):
@@ -692,13 +876,30 @@ def main(argv=None) -> int:
             low = model.astype("bfloat16")
             log("integrated_gradients: jaxdepth on bfloat16 params")
             bf_t = time_jaxdepth(lambda w=w: run_ig(low.params, w.batch, c, steps, options), args.repeat)
-            diff = diff_row("integrated_gradients[bfloat16]", "attributions vs jaxdepth float32",
-                            bf_t.result.attributions, jax_t.result.attributions)
-            diff.update(ok=None, relative=diff["max_abs_diff"] / max(diff["scale"], 1e-30),
-                        note="bfloat16 against float32: reported, no tolerance")
-            finish(make_row("integrated_gradients[bfloat16]", w, bf_t, ref_t, [diff], flops, executed,
-                            peaks.get("jax_bfloat16"), note + "; jaxdepth params in bfloat16, the reference in "
-                                                              "float32"))
+            diff = diff_row(
+                "integrated_gradients[bfloat16]",
+                "attributions vs jaxdepth float32",
+                bf_t.result.attributions,
+                jax_t.result.attributions,
+            )
+            diff.update(
+                ok=None,
+                relative=diff["max_abs_diff"] / max(diff["scale"], 1e-30),
+                note="bfloat16 against float32: reported, no tolerance",
+            )
+            finish(
+                make_row(
+                    "integrated_gradients[bfloat16]",
+                    w,
+                    bf_t,
+                    ref_t,
+                    [diff],
+                    flops,
+                    executed,
+                    peaks.get("jax_bfloat16"),
+                    note + "; jaxdepth params in bfloat16, the reference in float32",
+                )
+            )
             del low
 
     rows = report["rows"]
@@ -706,21 +907,27 @@ def main(argv=None) -> int:
     report["all_agree"] = all(r["agree"] for r in checked) if checked else None
     report["benchmark_wall_s"] = time.perf_counter() - wall_start
     report["load_average_after"] = os.getloadavg()
-    print(f"\n{'analysis':<32}{'jax 1st s':>10}{'jax warm s':>11}{'ref s':>9}{'ref/warm':>9}"
-          f"{'max |diff|':>12}{'executed':>14}{'jax rate':>17}")
+    print(
+        f"\n{'analysis':<32}{'jax 1st s':>10}{'jax warm s':>11}{'ref s':>9}{'ref/warm':>9}"
+        f"{'max |diff|':>12}{'executed':>14}{'jax rate':>17}"
+    )
     for r in rows:
         d = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}"
         ratio = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        print(f"{r['analysis']:<32}{fmt_s(r['jax_first_s']):>10}{fmt_s(r['jax_warm_s']):>11}{fmt_s(r['ref_s']):>9}"
-              f"{ratio:>9}{d:>12}{fmt_flops(r['executed_flops']):>14}{fmt_rate(r['jax_executed_flops_per_s']):>17}")
+        print(
+            f"{r['analysis']:<32}{fmt_s(r['jax_first_s']):>10}{fmt_s(r['jax_warm_s']):>11}{fmt_s(r['ref_s']):>9}"
+            f"{ratio:>9}{d:>12}{fmt_flops(r['executed_flops']):>14}{fmt_rate(r['jax_executed_flops_per_s']):>17}"
+        )
     print(f"on {named}; {matmuls}; wall time {report['benchmark_wall_s']:.0f} s (model building included)")
     write_json_atomic(args.out, report)
     print(f"wrote {args.out}")
     if report["all_agree"] is False:
         what = "; ".join(f"{a['analysis']} {a['quantity']}" for r in rows for a in r["agreement"] if a["ok"] is False)
         if tf32:
-            print(f"NOTE: beyond the float32 tolerances under TF32 matmuls (expected: TF32 keeps 10 mantissa bits): "
-                  f"{what}; --no-tf32 checks agreement at full float32")
+            print(
+                f"NOTE: beyond the float32 tolerances under TF32 matmuls (expected: TF32 keeps 10 mantissa bits): "
+                f"{what}; --no-tf32 checks agreement at full float32"
+            )
             return 0
         print(f"WARNING: the implementations DISAGREE on: {what}")
         return 1

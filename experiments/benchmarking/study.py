@@ -21,8 +21,18 @@ def full_study(rows: list, full, c, seed: int) -> dict:
         a = r["analysis"]
         f = workload_flops(a, c, study_lengths, splits=study_splits, steps=256)
         e = executed_flops(a, c, study_batch, splits=study_splits, steps=256)
-        study.append(dict(analysis=a, model_flops=f, executed_flops=e, jax_s=e / r["executed_flops_per_s"],
-                          ref_s=None if r["ref_flops_per_s"] is None else f / r["ref_flops_per_s"]))
-    return dict(description=f"{len(study_lengths)} prompts at full length (lengths {study_lengths}), layer skip with "
-                            "4 split positions each, erasure at every boundary x position, IG 256 steps x every layer",
-                rows=study, total=study_total(study))
+        study.append(
+            dict(
+                analysis=a,
+                model_flops=f,
+                executed_flops=e,
+                jax_s=e / r["executed_flops_per_s"],
+                ref_s=None if r["ref_flops_per_s"] is None else f / r["ref_flops_per_s"],
+            )
+        )
+    return dict(
+        description=f"{len(study_lengths)} prompts at full length (lengths {study_lengths}), layer skip with "
+        "4 split positions each, erasure at every boundary x position, IG 256 steps x every layer",
+        rows=study,
+        total=study_total(study),
+    )

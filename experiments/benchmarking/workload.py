@@ -26,8 +26,10 @@ class Workload:
         if self.cap:
             s += f" (cap {self.cap} tokens)"
         if self.answer_replaced:
-            s += (f"; {self.answer_replaced} answer(s) cut off by the cap: their last quarter of tokens "
-                  "stands in as the answer")
+            s += (
+                f"; {self.answer_replaced} answer(s) cut off by the cap: their last quarter of tokens "
+                "stands in as the answer"
+            )
         return s
 
 
@@ -69,6 +71,7 @@ def build_workloads(model, args, cases: dict):
     need = max(list(counts.values()) + [10, args.baseline_prompts])
     full = encode(model.tokenizer, load_prompts("gsm8k", args.data, limit=need))
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    workloads = {a: truncate(full, range(min(counts[a], len(full))), case.cap(args), pad_id, a)
-                 for a, case in cases.items()}
+    workloads = {
+        a: truncate(full, range(min(counts[a], len(full))), case.cap(args), pad_id, a) for a, case in cases.items()
+    }
     return full, workloads

@@ -73,13 +73,24 @@ class SiteGradients:
     taps: object = None
 
 
-jax.tree_util.register_dataclass(SiteGradients, data_fields=["value", "gradients", "activations", "taps"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    SiteGradients, data_fields=["value", "gradients", "activations", "taps"], meta_fields=[]
+)
 
 
-def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites: Sequence[str] = ("resid_pre",), *,
-                   valid=None, interventions=None, tap=None, positions=None,
-                   remat: Optional[bool] = None) -> SiteGradients:
+def site_gradients(
+    params,
+    tokens,
+    config: ModelConfig,
+    metric: Callable,
+    sites: Sequence[str] = ("resid_pre",),
+    *,
+    valid=None,
+    interventions=None,
+    tap=None,
+    positions=None,
+    remat: Optional[bool] = None,
+) -> SiteGradients:
     """The gradient of the scalar `metric` with respect to the value at each of `sites` of every
     layer, and those values, from one forward and one backward pass.
 
@@ -103,8 +114,9 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
 
     def value(probes):
         ivs = base + tuple(Intervention(s, _probe, probes[s], layer_data=True) for s in sites)
-        h, (values, taps) = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs,
-                                       tap=read, remat=remat)
+        h, (values, taps) = run_layers(
+            params, embed(params, tokens), config, valid=valid, interventions=ivs, tap=read, remat=remat
+        )
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
         logits = unembed(params, h if positions is None else h[:, positions], config)
@@ -115,6 +127,7 @@ def site_gradients(params, tokens, config: ModelConfig, metric: Callable, sites:
 
 
 # ----------------------------------------------------------------------------- attribution patching
+
 
 def answer_probability(tokens, answer_positions, answer_real):
     """F: the summed teacher-forced probability of the answer tokens of one prompt (`tokens
@@ -131,8 +144,9 @@ def answer_probability(tokens, answer_positions, answer_real):
 
 
 @partial(jit, static_argnames="config")
-def residual_attribution(params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig,
-                         interventions=None):
+def residual_attribution(
+    params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig, interventions=None
+):
     """For one prompt (`tokens [1, T]`): F(x), gradient x activation `[L+1, T]`
     (`grad_l[t] . h_l[t]`) and the attribution-patching estimate `[L+1, T]`
     (`grad_l[t] . (b_l - h_l[t])`, the first-order change of F when h_l[t] is replaced by
@@ -144,11 +158,22 @@ def residual_attribution(params, tokens, valid, answer_positions, answer_real, b
     the estimate is that of replacing it there, after them (the user's interventions first,
     then the replacement: what `jaxdepth.analyses.erasure.residual_erasure(...,
     interventions=...)` computes exactly)."""
-    g = site_gradients(params, tokens, config, answer_probability(tokens, answer_positions, answer_real),
-                       ("resid_pre",), valid=valid, positions=answer_positions, interventions=interventions)
+    g = site_gradients(
+        params,
+        tokens,
+        config,
+        answer_probability(tokens, answer_positions, answer_real),
+        ("resid_pre",),
+        valid=valid,
+        positions=answer_positions,
+        interventions=interventions,
+    )
     grad, h = g.gradients["resid_pre"][:, 0], g.activations["resid_pre"][:, 0].astype(jnp.float32)
-    return (g.value, jnp.sum(grad * h, axis=-1),
-            jnp.sum(grad * (baseline[:, None, :].astype(jnp.float32) - h), axis=-1))
+    return (
+        g.value,
+        jnp.sum(grad * h, axis=-1),
+        jnp.sum(grad * (baseline[:, None, :].astype(jnp.float32) - h), axis=-1),
+    )
 
 
 @dataclasses.dataclass
@@ -167,8 +192,16 @@ class AttributionResult(SavedResult):
     settings: dict
 
 
-def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
-                         progress: bool = True, settings=None, interventions=None) -> AttributionResult:
+def attribution_patching(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    baseline: np.ndarray,
+    *,
+    progress: bool = True,
+    settings=None,
+    interventions=None,
+) -> AttributionResult:
     """Attribution patching and gradient x activation of every (boundary, position) of every
     prompt of `batch`, one forward and one backward pass per prompt (a screening mode): an
     `AttributionResult`. `baseline [L+1, D]` is what each h_l[t] is replaced by, as in the
@@ -190,9 +223,15 @@ def attribution_patching(params, batch: PromptBatch, config: ModelConfig, baseli
         one = batch.single(i)
         Ti = one.tokens.shape[1]
         positions, real = one.answer_positions(0)
-        f, g, p = residual_attribution(params, one.tokens, one.valid, positions, real, baseline, config,
-                                       interventions)
+        f, g, p = residual_attribution(params, one.tokens, one.valid, positions, real, baseline, config, interventions)
         # Padding positions come after every answer position: causality gives them zero gradient.
         f_input[i], gxa[i, :, :Ti], patching[i, :, :Ti] = to_host(f), to_host(g), to_host(p)
-    return AttributionResult(patching=patching, grad_x_act=gxa, f_input=f_input, tokens=batch.tokens,
-                             lengths=batch.lengths, answer_start=batch.answer_start, settings=dict(settings or {}))
+    return AttributionResult(
+        patching=patching,
+        grad_x_act=gxa,
+        f_input=f_input,
+        tokens=batch.tokens,
+        lengths=batch.lengths,
+        answer_start=batch.answer_start,
+        settings=dict(settings or {}),
+    )

@@ -32,10 +32,17 @@ def _tap_contributions(r: LayerRecord, _, *, layer_from_residual: bool = False):
     # Without interventions after the sublayers, h_{l+1} - h_l is a_l + m_l (up to rounding):
     # the sum is what the studies compute.
     layer = r.delta if layer_from_residual else r.attn + r.mlp
-    return jnp.stack([
-        relative_norm(r.attn, r.h), relative_norm(r.mlp, h_mid), relative_norm(layer, r.h),
-        cosine(r.attn, r.h), cosine(r.mlp, h_mid), cosine(layer, r.h),
-    ], axis=-1)
+    return jnp.stack(
+        [
+            relative_norm(r.attn, r.h),
+            relative_norm(r.mlp, h_mid),
+            relative_norm(layer, r.h),
+            cosine(r.attn, r.h),
+            cosine(r.mlp, h_mid),
+            cosine(layer, r.h),
+        ],
+        axis=-1,
+    )
 
 
 @partial(jit, static_argnames="config")
@@ -99,8 +106,9 @@ class ContributionResult(SavedResult):
         return (self.cos_attn_per_prompt + self.cos_mlp_per_prompt + self.cos_layer_per_prompt) / 3
 
 
-def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=None,
-                  interventions=None) -> ContributionResult:
+def contributions(
+    params, batch: PromptBatch, config: ModelConfig, *, settings=None, interventions=None
+) -> ContributionResult:
     """Relative norms and cosines of attention, MLP and whole-layer outputs, per layer, over all
     prompts and per prompt: a `ContributionResult` (definitions there) over every valid
     position of `batch` (a `PromptBatch`). `settings` (a dict) is stored in the result.
@@ -117,14 +125,16 @@ def contributions(params, batch: PromptBatch, config: ModelConfig, *, settings=N
     stats = np.zeros((L, len(batch), T, len(STATISTICS)), np.float32)
     for index, group in batch.groups():
         Tg = group.tokens.shape[1]
-        group_stats = contribution_stats(params, group.tokens, group.valid, config,
-                                         interventions)
-        stats[:, index, :Tg] = to_host(group_stats)[:, :len(index)]
+        group_stats = contribution_stats(params, group.tokens, group.valid, config, interventions)
+        stats[:, index, :Tg] = to_host(group_stats)[:, : len(index)]
     values = np.moveaxis(stats, -1, 0)  # [6, L, N, T]
     curves = token_mean(values, batch.valid)  # [6, L]
     # Per-prompt means from the same per-token statistics (no second pass through the model).
     per_prompt = np.swapaxes(per_prompt_mean(values, batch.valid), -1, -2)  # [6, N, L]
-    return ContributionResult(**dict(zip(STATISTICS, curves)), num_tokens=int(batch.valid.sum()),
-                              settings=dict(settings or {}),
-                              **{f"{name}_per_prompt": c for name, c in zip(STATISTICS, per_prompt)},
-                              tokens_per_prompt=batch.lengths.astype(np.int64))
+    return ContributionResult(
+        **dict(zip(STATISTICS, curves)),
+        num_tokens=int(batch.valid.sum()),
+        settings=dict(settings or {}),
+        **{f"{name}_per_prompt": c for name, c in zip(STATISTICS, per_prompt)},
+        tokens_per_prompt=batch.lengths.astype(np.int64),
+    )

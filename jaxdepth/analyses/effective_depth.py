@@ -64,15 +64,15 @@ def cosine_effective_depth(mean_cosine) -> EffectiveDepth:
 def kl_effective_depth(kl, fraction: float = 0.5) -> EffectiveDepth:
     """The first l <= L-2 with KL[l] < fraction * max(KL)."""
     c = _curve(kl)
-    return EffectiveDepth(_first(np.nonzero(c[:-1] < fraction * c.max())[0]), len(c),
-                          f"KL: first KL[l] < {fraction} max KL")
+    return EffectiveDepth(
+        _first(np.nonzero(c[:-1] < fraction * c.max())[0]), len(c), f"KL: first KL[l] < {fraction} max KL"
+    )
 
 
 def overlap_effective_depth(overlap, threshold: float = 0.3) -> EffectiveDepth:
     """The first l <= L-2 with top-5 overlap[l] > threshold."""
     c = _curve(overlap)
-    return EffectiveDepth(_first(np.nonzero(c[:-1] > threshold)[0]), len(c),
-                          f"overlap: first overlap[l] > {threshold}")
+    return EffectiveDepth(_first(np.nonzero(c[:-1] > threshold)[0]), len(c), f"overlap: first overlap[l] > {threshold}")
 
 
 def depth_effects(later) -> np.ndarray:

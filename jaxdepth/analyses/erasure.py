@@ -31,8 +31,15 @@ from tqdm.auto import tqdm
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (final_residual, layer_inputs, layer_params, layer_step, piece_context,
-                                 residual_stream, unembed)
+from jaxdepth.core.model import (
+    final_residual,
+    layer_inputs,
+    layer_params,
+    layer_step,
+    piece_context,
+    residual_stream,
+    unembed,
+)
 from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
@@ -47,8 +54,9 @@ def _residual_sums(params, tokens, valid, config: ModelConfig, interventions=Non
     return jnp.sum(hs * valid[None, :, :, None], axis=(1, 2))
 
 
-def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_size: int = 8,
-                   interventions=None) -> np.ndarray:
+def mean_residuals(
+    params, batch: PromptBatch, config: ModelConfig, *, batch_size: int = 8, interventions=None
+) -> np.ndarray:
     """Baseline `[L+1, D]`: the mean residual at every boundary over all valid tokens of `batch`
     (a BOS token counts where the tokenizer added one).
 
@@ -61,8 +69,9 @@ def mean_residuals(params, batch: PromptBatch, config: ModelConfig, *, batch_siz
     for i in range(0, len(batch), size):
         part = batch.select(slice(i, i + size))
         rows = ((0, size - len(part)), (0, 0))
-        total += to_host(_residual_sums(params, np.pad(part.tokens, rows), np.pad(part.valid, rows), config,
-                                        interventions))
+        total += to_host(
+            _residual_sums(params, np.pad(part.tokens, rows), np.pad(part.valid, rows), config, interventions)
+        )
     return (total / batch.valid.sum()).astype(np.float32)
 
 
@@ -114,8 +123,9 @@ def clean_run(params, prompt: PromptArrays, config: ModelConfig, *, intervention
     h_0..h_L; under interventions, before each layer's own, `layer_inputs`), every layer's keys
     and values (read off the run: the prefix of a suffix run), and the clean answer
     distributions `[1, A, V]`."""
-    hs, final, (keys, values) = layer_inputs(params, prompt.tokens, config, valid=prompt.valid,
-                                             interventions=interventions, tap=lambda r, _: (r.k, r.v))
+    hs, final, (keys, values) = layer_inputs(
+        params, prompt.tokens, config, valid=prompt.valid, interventions=interventions, tap=lambda r, _: (r.k, r.v)
+    )
     clean = jax.nn.softmax(unembed(params, final[:, prompt.answer_positions], config), axis=-1)
     return hs, keys, values, clean
 
@@ -136,12 +146,24 @@ def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
     T, S = clean_logits.shape[1], logits.shape[1]
     pos = jnp.arange(T)
     changed = jnp.where(boundary == num_layers, pos == position, pos >= position)
-    suffix = jnp.concatenate([clean_logits[:, :T - S], logits], axis=1)
+    suffix = jnp.concatenate([clean_logits[:, : T - S], logits], axis=1)
     return jnp.where(changed[None, :, None], suffix, clean_logits)
 
 
-def erased_final_residual(params, clean_state, valid, boundary, position, value, *, first_piece, last_piece,
-                          width: int, config: ModelConfig, interventions=()):
+def erased_final_residual(
+    params,
+    clean_state,
+    valid,
+    boundary,
+    position,
+    value,
+    *,
+    first_piece,
+    last_piece,
+    width: int,
+    config: ModelConfig,
+    interventions=(),
+):
     """The final residual `[1, T, D]` of the run in which h_boundary[position] is `value`, under
     `interventions` (checked; applied first, the replacement after them), computed for the
     positions of pieces `first_piece..last_piece` only (`width` positions each; positions
@@ -163,8 +185,15 @@ def erased_final_residual(params, clean_state, valid, boundary, position, value,
             h, k_buf, v_buf = carry
             start = j * width
             x = jax.lax.dynamic_slice_in_dim(h, start, width, axis=1)
-            r = layer_step(p, x, i, piece_context(valid, start, width, config), config,
-                           (*interventions, erase_rows(start + jnp.arange(width))), prefix=(k_buf, v_buf))
+            r = layer_step(
+                p,
+                x,
+                i,
+                piece_context(valid, start, width, config),
+                config,
+                (*interventions, erase_rows(start + jnp.arange(width))),
+                prefix=(k_buf, v_buf),
+            )
             put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=1)
             return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:])
 
@@ -175,9 +204,19 @@ def erased_final_residual(params, clean_state, valid, boundary, position, value,
 
 
 @partial(jit, static_argnames=("config", "width", "chunk_size", "effect", "metric"))
-def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: ModelConfig, *, width: int,
-                  chunk_size: Optional[int] = None, effect=probability_shift, interventions=None,
-                  metric: Optional[Callable] = None):
+def erasure_sweep(
+    params,
+    clean_state,
+    prompt: PromptArrays,
+    baseline,
+    config: ModelConfig,
+    *,
+    width: int,
+    chunk_size: Optional[int] = None,
+    effect=probability_shift,
+    interventions=None,
+    metric: Optional[Callable] = None,
+):
     """`[L+1, T]` effects of erasing h_l[t] for every boundary l and position t of `prompt`
     (`PromptArrays`, T a multiple of `width`), from `clean_state = clean_run(params, prompt,
     config, interventions=...)`, as one compiled computation. `effect(probs, clean, reach,
@@ -206,9 +245,19 @@ def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: M
     def piece_effects(k, out):
         def boundary_effects(boundary):
             def member(position):
-                h = erased_final_residual(params, clean_state, valid, boundary, position, baseline[boundary],
-                                          first_piece=k, last_piece=last_piece, width=width, config=config,
-                                          interventions=ivs)
+                h = erased_final_residual(
+                    params,
+                    clean_state,
+                    valid,
+                    boundary,
+                    position,
+                    baseline[boundary],
+                    first_piece=k,
+                    last_piece=last_piece,
+                    width=width,
+                    config=config,
+                    interventions=ivs,
+                )
                 # Causality: an erasure at t changes no position before t, and at the last boundary
                 # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
                 reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
@@ -220,6 +269,7 @@ def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: M
                     return value
                 erased = erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
                 return value, metric_value(metric, erased) - clean_metric
+
             return sweep(member, k * width + jnp.arange(width), chunk_size)
 
         part = jax.lax.map(boundary_effects, jnp.arange(L + 1))
@@ -229,9 +279,18 @@ def erasure_sweep(params, clean_state, prompt: PromptArrays, baseline, config: M
     return jax.lax.fori_loop(0, last_piece + 1, piece_effects, zeros if metric is None else (zeros, zeros))
 
 
-def erasure_of_prompt(params, prompt: PromptArrays, baseline, config: ModelConfig, *,
-                      chunk_size: Optional[int] = None, blocks: Optional[int] = None, effect=probability_shift,
-                      interventions=None, metric: Optional[Callable] = None):
+def erasure_of_prompt(
+    params,
+    prompt: PromptArrays,
+    baseline,
+    config: ModelConfig,
+    *,
+    chunk_size: Optional[int] = None,
+    blocks: Optional[int] = None,
+    effect=probability_shift,
+    interventions=None,
+    metric: Optional[Callable] = None,
+):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
     `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
     the real ones marked by `answer_real [A]`, default all), measured by `effect` (see
@@ -254,11 +313,22 @@ def erasure_of_prompt(params, prompt: PromptArrays, baseline, config: ModelConfi
     width = piece_width(T, blocks)
     pad = -T % width
     if pad:  # whole pieces: positions that no valid key or answer reads
-        prompt = dataclasses.replace(prompt, tokens=jnp.pad(prompt.tokens, ((0, 0), (0, pad))),
-                                     valid=jnp.pad(prompt.valid, ((0, 0), (0, pad))))
+        prompt = dataclasses.replace(
+            prompt, tokens=jnp.pad(prompt.tokens, ((0, 0), (0, pad))), valid=jnp.pad(prompt.valid, ((0, 0), (0, pad)))
+        )
     state = clean_run(params, prompt, config, interventions=interventions)
-    out = erasure_sweep(params, state, prompt, baseline, config, width=width, chunk_size=chunk_size, effect=effect,
-                        interventions=interventions, metric=metric)
+    out = erasure_sweep(
+        params,
+        state,
+        prompt,
+        baseline,
+        config,
+        width=width,
+        chunk_size=chunk_size,
+        effect=effect,
+        interventions=interventions,
+        metric=metric,
+    )
     return jax.tree.map(lambda x: x[:, :T], out)
 
 
@@ -282,10 +352,21 @@ class ErasureResult(SavedResult):
     metric_change: Optional[np.ndarray] = None
 
 
-def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: np.ndarray, *,
-                     chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-                     blocks: Optional[int] = None, effect: str = "probability_shift", progress: bool = True,
-                     settings=None, interventions=None, metric: Optional[Callable] = None) -> ErasureResult:
+def residual_erasure(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    baseline: np.ndarray,
+    *,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    blocks: Optional[int] = None,
+    effect: str = "probability_shift",
+    progress: bool = True,
+    settings=None,
+    interventions=None,
+    metric: Optional[Callable] = None,
+) -> ErasureResult:
     """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
     position pieces of `erasure_of_prompt`; the result does not depend on it). `effect` names
     what is measured (`EFFECTS`): METHODS' 'probability_shift' (default) or
@@ -321,8 +402,17 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
         prompt = batch.prompt(i)
         Ti = prompt.tokens.shape[1]
         chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-        out = erasure_of_prompt(params, prompt, baseline, config, chunk_size=chunk, blocks=blocks,
-                                effect=EFFECTS[effect], interventions=interventions, metric=metric)
+        out = erasure_of_prompt(
+            params,
+            prompt,
+            baseline,
+            config,
+            chunk_size=chunk,
+            blocks=blocks,
+            effect=EFFECTS[effect],
+            interventions=interventions,
+            metric=metric,
+        )
         if metric is not None:
             out, change = out
             n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
@@ -331,5 +421,11 @@ def residual_erasure(params, batch: PromptBatch, config: ModelConfig, baseline: 
     settings = dict(settings or {})
     if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
         settings["effect"] = effect
-    return ErasureResult(effects=effects, tokens=batch.tokens, lengths=batch.lengths,
-                         answer_start=batch.answer_start, settings=settings, metric_change=changes)
+    return ErasureResult(
+        effects=effects,
+        tokens=batch.tokens,
+        lengths=batch.lengths,
+        answer_start=batch.answer_start,
+        settings=settings,
+        metric_change=changes,
+    )

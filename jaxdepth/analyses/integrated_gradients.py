@@ -25,8 +25,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import (BASELINES, check_backward, check_nonfinite_option, check_rule, ig_baseline,
-                                         warn_if_zero_baseline_diverges)
+from jaxdepth.analyses.ig.checks import (
+    BASELINES,
+    check_backward,
+    check_nonfinite_option,
+    check_rule,
+    ig_baseline,
+    warn_if_zero_baseline_diverges,
+)
 from jaxdepth.analyses.ig.engine import attribute
 from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, metric_head, weighted_gradient
 from jaxdepth.analyses.ig.path import path_points as site_path_points
@@ -70,13 +76,27 @@ def _answer_metric(prompt: PromptArrays) -> dict:
 
 
 @partial(jit, static_argnames=("config", "baseline", "target"))
-def ig_inputs(params, prompt: PromptArrays, config: ModelConfig, *, baseline: str = "channel_mean",
-              interventions=None, target: str = "layer"):
+def ig_inputs(
+    params,
+    prompt: PromptArrays,
+    config: ModelConfig,
+    *,
+    baseline: str = "channel_mean",
+    interventions=None,
+    target: str = "layer",
+):
     """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    x, inputs, f_input = clean_values(params, prompt.tokens, prompt.valid, config, site=TARGETS[target],
-                                      interventions=interventions, **_answer_metric(prompt))
+    x, inputs, f_input = clean_values(
+        params,
+        prompt.tokens,
+        prompt.valid,
+        config,
+        site=TARGETS[target],
+        interventions=interventions,
+        **_answer_metric(prompt),
+    )
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
     return x[:, 0], b[:, 0], inputs[:, 0], f_input[0]
 
@@ -86,37 +106,96 @@ def study_path(x, b, inputs, layer, target: str) -> LayerPath:
     return LayerPath(x[layer][None], b[layer][None], None if target == "layer" else inputs[layer][None])
 
 
-def ig_of_layer(params, prompt: PromptArrays, layer, path: LayerPath, config: ModelConfig, *, alphas, weights,
-                chunk_size: Optional[int] = None, interventions=None, target: str = "layer",
-                backward: str = "recompute"):
+def ig_of_layer(
+    params,
+    prompt: PromptArrays,
+    layer,
+    path: LayerPath,
+    config: ModelConfig,
+    *,
+    alphas,
+    weights,
+    chunk_size: Optional[int] = None,
+    interventions=None,
+    target: str = "layer",
+    backward: str = "recompute",
+):
     """IG of one layer along `path` (`study_path`) with the rule `alphas`, `weights`:
     `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F (the
     computation the engine compiles: `backward` passed on as it passes it)."""
-    g, f_base = weighted_gradient(params, prompt.valid, layer, path, alphas, weights, config, site=TARGETS[target],
-                                  chunk_size=chunk_size, interventions=interventions, backward=backward,
-                                  **_answer_metric(prompt))
+    g, f_base = weighted_gradient(
+        params,
+        prompt.valid,
+        layer,
+        path,
+        alphas,
+        weights,
+        config,
+        site=TARGETS[target],
+        chunk_size=chunk_size,
+        interventions=interventions,
+        backward=backward,
+        **_answer_metric(prompt),
+    )
     return attribution_of(path, g, prompt.valid)[0], f_base[0]
 
 
-def path_points(params, prompt: PromptArrays, x, b, inputs, *, layer: int, alphas, config: ModelConfig,
-                interventions=None, target: str = "layer", grad: bool = True, chunk_size: Optional[int] = None,
-                backward: str = "recompute"):
+def path_points(
+    params,
+    prompt: PromptArrays,
+    x,
+    b,
+    inputs,
+    *,
+    layer: int,
+    alphas,
+    config: ModelConfig,
+    interventions=None,
+    target: str = "layer",
+    grad: bool = True,
+    chunk_size: Optional[int] = None,
+    backward: str = "recompute",
+):
     """The adaptive rule's evaluations (`jaxdepth.analyses.ig.path.path_points`) of layer `layer`
     for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`).
     `backward` is always passed on, as the engine passes it: a static argument given or left to
     its default would be two compilations."""
-    return site_path_points(params, prompt.valid, np.int32(layer), study_path(x, b, inputs, layer, target),
-                            np.asarray(alphas, np.float32), config, site=TARGETS[target],
-                            interventions=interventions, grad=grad, chunk_size=chunk_size, backward=backward,
-                            **_answer_metric(prompt))
+    return site_path_points(
+        params,
+        prompt.valid,
+        np.int32(layer),
+        study_path(x, b, inputs, layer, target),
+        np.asarray(alphas, np.float32),
+        config,
+        site=TARGETS[target],
+        interventions=interventions,
+        grad=grad,
+        chunk_size=chunk_size,
+        backward=backward,
+        **_answer_metric(prompt),
+    )
 
 
-def ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, rule: str = "left",
-                 steps: int = rules.DEFAULT_STEPS, tolerance=None, max_evaluations: Optional[int] = None,
-                 baseline: str = "channel_mean", target: str = "layer", chunk_size: Optional[int] = None,
-                 memory_budget: Optional[int] = None, interventions=None, nonfinite: str = "raise",
-                 on_layer: Optional[Callable[[], None]] = None, label=None, adaptive_options=None,
-                 backward: str = "auto"):
+def ig_of_prompt(
+    params,
+    prompt: PromptArrays,
+    config: ModelConfig,
+    *,
+    rule: str = "left",
+    steps: int = rules.DEFAULT_STEPS,
+    tolerance=None,
+    max_evaluations: Optional[int] = None,
+    baseline: str = "channel_mean",
+    target: str = "layer",
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    interventions=None,
+    nonfinite: str = "raise",
+    on_layer: Optional[Callable[[], None]] = None,
+    label=None,
+    adaptive_options=None,
+    backward: str = "auto",
+):
     """IG of every layer for one prompt (`PromptArrays`, batch 1): the engine's `SiteIG` with
     the studies' F (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...).
 
@@ -125,12 +204,29 @@ def ig_of_prompt(params, prompt: PromptArrays, config: ModelConfig, *, rule: str
     (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l). `on_layer()` is called after each layer;
     `backward` as `jaxdepth.integrated_gradients`."""
     _check_target(target)
-    return attribute(params, prompt.tokens, prompt.valid, config, site=TARGETS[target],
-                     layers=list(range(config.num_layers)), baseline=baseline, rule=rule, steps=steps,
-                     tolerance=tolerance, max_evaluations=max_evaluations, interventions=interventions,
-                     per_channel=False, chunk_size=chunk_size, memory_budget=memory_budget, nonfinite=nonfinite,
-                     on_layer=on_layer, label=label, adaptive_options=adaptive_options, backward=backward,
-                     **_answer_metric(prompt))
+    return attribute(
+        params,
+        prompt.tokens,
+        prompt.valid,
+        config,
+        site=TARGETS[target],
+        layers=list(range(config.num_layers)),
+        baseline=baseline,
+        rule=rule,
+        steps=steps,
+        tolerance=tolerance,
+        max_evaluations=max_evaluations,
+        interventions=interventions,
+        per_channel=False,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        nonfinite=nonfinite,
+        on_layer=on_layer,
+        label=label,
+        adaptive_options=adaptive_options,
+        backward=backward,
+        **_answer_metric(prompt),
+    )
 
 
 @dataclasses.dataclass
@@ -173,15 +269,29 @@ class IntegratedGradientsResult(SavedResult):
             return self.gap / (self.f_input[:, None] - self.f_baseline)
 
 
-def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, steps: int = rules.DEFAULT_STEPS,
-                         rule: str = "left", tolerance: Union[None, float, Sequence[float]] = None,
-                         max_evaluations: Optional[int] = None, baseline: str = "channel_mean",
-                         target: str = "layer", chunk_size: Optional[int] = None,
-                         memory_budget: Optional[int] = None, progress: bool = True, settings=None,
-                         interventions=None, on_layer: Optional[Callable[[], None]] = None,
-                         nonfinite: str = "raise", atol: float = rules.ATOL, grid_points: int = rules.GRID_POINTS,
-                         initial_intervals: int = rules.INITIAL_INTERVALS,
-                         backward: str = "auto") -> IntegratedGradientsResult:
+def integrated_gradients(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    *,
+    steps: int = rules.DEFAULT_STEPS,
+    rule: str = "left",
+    tolerance: Union[None, float, Sequence[float]] = None,
+    max_evaluations: Optional[int] = None,
+    baseline: str = "channel_mean",
+    target: str = "layer",
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    progress: bool = True,
+    settings=None,
+    interventions=None,
+    on_layer: Optional[Callable[[], None]] = None,
+    nonfinite: str = "raise",
+    atol: float = rules.ATOL,
+    grid_points: int = rules.GRID_POINTS,
+    initial_intervals: int = rules.INITIAL_INTERVALS,
+    backward: str = "auto",
+) -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
@@ -205,8 +315,9 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     adaptive = rule == "adaptive"
     if adaptive and tolerances is not None and np.any(tolerances <= 0):
         raise ValueError("tolerance must be > 0")
-    first, max_evaluations = check_rule(rule, steps, None if tolerances is None else float(tolerances.max()),
-                                        max_evaluations, 1)
+    first, max_evaluations = check_rule(
+        rule, steps, None if tolerances is None else float(tolerances.max()), max_evaluations, 1
+    )
     if adaptive and tolerances is None:
         tolerances = np.full(L, first)
     check_nonfinite_option(nonfinite)
@@ -219,6 +330,7 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     bound, floored = np.zeros((P, L), np.float32), np.zeros((P, L), bool)
     desc = "adaptive integrated gradients (layers)" if adaptive else f"integrated gradients ({steps} steps, layers)"
     with tqdm(total=P * L, desc=desc, disable=not progress) as bar:
+
         def layer_done():
             bar.update()
             if on_layer is not None:
@@ -227,11 +339,25 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
         for i in range(P):
             prompt = batch.prompt(i)
             Ti = prompt.tokens.shape[1]
-            r = ig_of_prompt(params, prompt, config, rule=rule, steps=steps, tolerance=tolerances,
-                             max_evaluations=max_evaluations, baseline=baseline, target=target,
-                             chunk_size=chunk_size, memory_budget=memory_budget, interventions=interventions,
-                             nonfinite=nonfinite, on_layer=layer_done, label=[i], adaptive_options=options,
-                             backward=backward)
+            r = ig_of_prompt(
+                params,
+                prompt,
+                config,
+                rule=rule,
+                steps=steps,
+                tolerance=tolerances,
+                max_evaluations=max_evaluations,
+                baseline=baseline,
+                target=target,
+                chunk_size=chunk_size,
+                memory_budget=memory_budget,
+                interventions=interventions,
+                nonfinite=nonfinite,
+                on_layer=layer_done,
+                label=[i],
+                adaptive_options=options,
+                backward=backward,
+            )
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = r.per_position[:, 0], r.f_input[0], r.f_baseline[:, 0]
             evaluations[i] = r.evaluations[:, 0]
             if adaptive:
@@ -239,15 +365,32 @@ def integrated_gradients(params, batch: PromptBatch, config: ModelConfig, *, ste
     if adaptive:
         gap = attributions.astype(np.float64).sum(axis=-1) - (f_input[:, None].astype(np.float64) - f_baseline)
         tol_setting = float(tolerances[0]) if np.all(tolerances == tolerances[0]) else tolerances.tolist()
-        rule_settings = {"rule": "adaptive", "tolerance": tol_setting, "max_evaluations": max_evaluations,
-                         "atol": atol, "grid_points": grid_points, "initial_intervals": initial_intervals,
-                         "floor_share": rules.FLOOR_SHARE}
+        rule_settings = {
+            "rule": "adaptive",
+            "tolerance": tol_setting,
+            "max_evaluations": max_evaluations,
+            "atol": atol,
+            "grid_points": grid_points,
+            "initial_intervals": initial_intervals,
+            "floor_share": rules.FLOOR_SHARE,
+        }
         extra = dict(evaluations=evaluations, converged=converged, bound=bound, floored=floored)
     else:
         gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
         rule_settings, extra = {"steps": steps, "rule": rule}, {}
     return IntegratedGradientsResult(
-        attributions=attributions, gap=gap.astype(np.float32), f_input=f_input, f_baseline=f_baseline,
-        tokens=batch.tokens, lengths=batch.lengths, answer_start=batch.answer_start,
-        settings={**(settings or {}), **rule_settings, "baseline": baseline,
-                  **({} if target == "layer" else {"target": target})}, **extra)
+        attributions=attributions,
+        gap=gap.astype(np.float32),
+        f_input=f_input,
+        f_baseline=f_baseline,
+        tokens=batch.tokens,
+        lengths=batch.lengths,
+        answer_start=batch.answer_start,
+        settings={
+            **(settings or {}),
+            **rule_settings,
+            "baseline": baseline,
+            **({} if target == "layer" else {"target": target}),
+        },
+        **extra,
+    )

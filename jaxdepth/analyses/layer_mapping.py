@@ -75,8 +75,9 @@ class MappingStatistics:
     xy: Float[Array, "Ms Ds Ml Dl"]
 
 
-def empty_statistics(small_boundaries: int, small_width: int, large_boundaries: int,
-                     large_width: int) -> MappingStatistics:
+def empty_statistics(
+    small_boundaries: int, small_width: int, large_boundaries: int, large_width: int
+) -> MappingStatistics:
     """Statistics of no tokens, to accumulate into."""
     Ms, Ds, Ml, Dl = small_boundaries, small_width, large_boundaries, large_width
     z = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
@@ -87,8 +88,9 @@ def _batch_mean(x: Float[Array, "M N D"], mask: Bool[Array, "N"], count) -> Floa
     return jnp.sum(jnp.where(mask[None, :, None], x, 0.0), axis=1) / jnp.maximum(count, 1.0)
 
 
-def accumulate_statistics(stats: MappingStatistics, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"],
-                          mask: Bool[Array, "N"]) -> MappingStatistics:
+def accumulate_statistics(
+    stats: MappingStatistics, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, "N"]
+) -> MappingStatistics:
     """`stats` with the tokens where `mask` is true added: `xs` are the small model's residuals
     at every boundary, `ys` the large model's, for the same N tokens (any dtype; float32 here).
 
@@ -105,7 +107,8 @@ def accumulate_statistics(stats: MappingStatistics, xs: Float[Array, "Ms N Ds"],
     dx, dy = x_b - stats.x_mean, y_b - stats.y_mean
     scale = jnp.sqrt(stats.count * n_b / jnp.maximum(n, 1.0))
     rows = lambda h, mean, d: jnp.concatenate(  # noqa: E731  centered rows, then the merge row
-        [jnp.where(mask[None, :, None], h - mean[:, None], 0.0), scale * d[:, None]], axis=1)
+        [jnp.where(mask[None, :, None], h - mean[:, None], 0.0), scale * d[:, None]], axis=1
+    )
     x_rows, y_rows = rows(xs, x_b, dx), rows(ys, y_b, dy)  # [Ms, N+1, Ds], [Ml, N+1, Dl]
     xx = stats.xx + jnp.einsum("mnd,mne->mde", x_rows, x_rows, precision=HIGHEST)
 
@@ -148,7 +151,8 @@ def linear_maps(fit: MappingFit) -> tuple[Float[Array, "Ms Ds Ml Dl"], Float[Arr
     As large as the statistics: the error functions do without it."""
     Ms, Ds, Ml, Dl = fit.xy.shape
     weight = jax.vmap(lambda c, xy: jax.scipy.linalg.cho_solve((c, True), xy.reshape(Ds, Ml * Dl)))(
-        fit.cholesky, fit.xy).reshape(Ms, Ds, Ml, Dl)
+        fit.cholesky, fit.xy
+    ).reshape(Ms, Ds, Ml, Dl)
     bias = fit.y_mean[None] - jnp.einsum("md,mdle->mle", fit.x_mean, weight, precision=HIGHEST)
     return weight, bias
 
@@ -172,8 +176,9 @@ def empty_errors(small_boundaries: int, large_boundaries: int) -> ErrorSums:
     return ErrorSums(z(small_boundaries, large_boundaries), z(large_boundaries), z(large_boundaries), z())
 
 
-def accumulate_errors(sums: ErrorSums, fit: MappingFit, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"],
-                      mask: Bool[Array, "N"]) -> ErrorSums:
+def accumulate_errors(
+    sums: ErrorSums, fit: MappingFit, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, "N"]
+) -> ErrorSums:
     """`sums` plus the squared errors of every pair's map on the tokens where `mask` is true.
 
     Per small boundary m (`lax.map`, so one `[N, Ml, Dl]` prediction exists at a time): the
@@ -191,9 +196,12 @@ def accumulate_errors(sums: ErrorSums, fit: MappingFit, xs: Float[Array, "Ms N D
 
     error = jax.lax.map(one_boundary, (xs, fit.x_mean, fit.cholesky, fit.xy))
     target = jnp.sum(jnp.where(keep[None], jnp.square(ys), 0.0), axis=(1, 2))
-    return ErrorSums(sums.error + error, sums.target + target,
-                     sums.baseline + jnp.sum(jnp.square(ys_centered), axis=(1, 2)),
-                     sums.count + jnp.sum(keep, dtype=jnp.float32))
+    return ErrorSums(
+        sums.error + error,
+        sums.target + target,
+        sums.baseline + jnp.sum(jnp.square(ys_centered), axis=(1, 2)),
+        sums.count + jnp.sum(keep, dtype=jnp.float32),
+    )
 
 
 def relative_errors(sums: ErrorSums) -> tuple[np.ndarray, np.ndarray]:
@@ -256,12 +264,29 @@ class LayerMappingResult(SavedResult):
         return self.best_match - equal_relative_depth(self.small_layers, self.large_layers)
 
 
-def mapping_result(sums: ErrorSums, *, small_model: str, large_model: str, dataset: str, train_tokens: int,
-                   train_prompts: int, heldout_prompts: int, settings: Optional[dict] = None) -> LayerMappingResult:
+def mapping_result(
+    sums: ErrorSums,
+    *,
+    small_model: str,
+    large_model: str,
+    dataset: str,
+    train_tokens: int,
+    train_prompts: int,
+    heldout_prompts: int,
+    settings: Optional[dict] = None,
+) -> LayerMappingResult:
     """The result from accumulated held-out error sums (host arrays)."""
     errors, baseline = relative_errors(sums)
-    return LayerMappingResult(errors=errors.astype(np.float32), best_match=best_match(errors),
-                              baseline_errors=baseline.astype(np.float32), small_model=small_model,
-                              large_model=large_model, dataset=dataset, train_tokens=int(train_tokens),
-                              heldout_tokens=int(np.asarray(sums.count)), train_prompts=int(train_prompts),
-                              heldout_prompts=int(heldout_prompts), settings=dict(settings or {}))
+    return LayerMappingResult(
+        errors=errors.astype(np.float32),
+        best_match=best_match(errors),
+        baseline_errors=baseline.astype(np.float32),
+        small_model=small_model,
+        large_model=large_model,
+        dataset=dataset,
+        train_tokens=int(train_tokens),
+        heldout_tokens=int(np.asarray(sums.count)),
+        train_prompts=int(train_prompts),
+        heldout_prompts=int(heldout_prompts),
+        settings=dict(settings or {}),
+    )

@@ -48,8 +48,9 @@ MODES = ("future", "current")
 SPLITS = ("sampled", "answer_start")
 
 
-def sample_split_positions(lengths: Sequence[int], *, seed: int = 123, per_prompt: int = 4,
-                           start: int = 8, stride: int = 8, margin: int = 4) -> list[list[int]]:
+def sample_split_positions(
+    lengths: Sequence[int], *, seed: int = 123, per_prompt: int = 4, start: int = 8, stride: int = 8, margin: int = 4
+) -> list[list[int]]:
     """Per prompt, candidates `range(8, T-4, 8)` shuffled by one seeded generator for the whole
     run (as the reference seeds Python's `random` once), the first `per_prompt` kept."""
     rng = random.Random(seed)
@@ -61,8 +62,7 @@ def sample_split_positions(lengths: Sequence[int], *, seed: int = 123, per_promp
     return chosen
 
 
-def split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123,
-                        per_prompt: int = 4) -> list[list[int]]:
+def split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123, per_prompt: int = 4) -> list[list[int]]:
     """The split positions t_s of every prompt: `sample_split_positions` ('sampled'), or the
     prompt's answer start ('answer_start'; none where the answer is empty, nothing to measure)."""
     if splits == "sampled":
@@ -87,13 +87,23 @@ def _tap_relative_change(measure):
     def tap(r: LayerRecord, clean_delta):
         change = relative_norm(clean_delta - r.delta, clean_delta)  # [1, T]
         return masked_max(change, measure)
+
     return tap
 
 
 @partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
-def skipped_runs(params, prompt: PromptArrays, layers, masks: SkipMasks, config: ModelConfig, *,
-                 sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
-                 interventions=None):
+def skipped_runs(
+    params,
+    prompt: PromptArrays,
+    layers,
+    masks: SkipMasks,
+    config: ModelConfig,
+    *,
+    sublayer: str = "layer",
+    chunk_size: Optional[int] = None,
+    mode: str = "future",
+    interventions=None,
+):
     """Skip `sublayer` of each layer s of `layers [G]` under K position masks, on one prompt
     (`PromptArrays`: its `tokens`, `valid` `[1, T]`): every layer-skip forward, without the LM
     head.
@@ -117,18 +127,27 @@ def skipped_runs(params, prompt: PromptArrays, layers, masks: SkipMasks, config:
     L, tokens, valid = config.num_layers, prompt.tokens, prompt.valid
     ivs = as_interventions(interventions)
     # Without interventions, each layer's input is h_l of the residual stream and Δ_j = h_{j+1} - h_j.
-    starts, clean_final, clean_deltas = layer_inputs(params, tokens, config, valid=valid, interventions=ivs,
-                                                     tap=lambda r, _: r.delta)
+    starts, clean_final, clean_deltas = layer_inputs(
+        params, tokens, config, valid=valid, interventions=ivs, tap=lambda r, _: r.delta
+    )
 
     def runs_of_layer(layer):
         def member(m):
             skip, measure = m
-            h, later = run_layers_from(params, starts[layer], layer, config, valid=valid,
-                                       interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, skip)),
-                                       tap=_tap_relative_change(measure[None] & valid), tap_inputs=clean_deltas)
+            h, later = run_layers_from(
+                params,
+                starts[layer],
+                layer,
+                config,
+                valid=valid,
+                interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, skip)),
+                tap=_tap_relative_change(measure[None] & valid),
+                tap_inputs=clean_deltas,
+            )
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction
             return later, h[0]
+
         return sweep(member, (masks.skip, masks.measure), chunk_size)
 
     later, final = jax.lax.map(runs_of_layer, layers)
@@ -183,8 +202,9 @@ def measured_rows(measure_masks: np.ndarray, valid: np.ndarray) -> tuple[np.ndar
     return rows, np.concatenate([members, np.full(pad, K)]).astype(np.int32)
 
 
-def skipped_layer_groups(config: ModelConfig, T: int, n_members: int, *, memory_budget: Optional[int] = None,
-                         bytes_per: int = 4) -> int:
+def skipped_layer_groups(
+    config: ModelConfig, T: int, n_members: int, *, memory_budget: Optional[int] = None, bytes_per: int = 4
+) -> int:
     """Skipped layers per `skipped_runs` call: all L unless their last residuals `[G, K, T, D]`
     would take more than a quarter of `memory_budget` (default: the free memory's share that
     sweeps use)."""
@@ -193,10 +213,20 @@ def skipped_layer_groups(config: ModelConfig, T: int, n_members: int, *, memory_
     return int(np.clip(budget // 4 // per_layer, 1, config.num_layers))
 
 
-def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, config: ModelConfig, *,
-                           sublayer: str = "layer", chunk_size: Optional[int] = None, mode: str = "future",
-                           layers_per_call: Optional[int] = None, memory_budget: Optional[int] = None,
-                           interventions=None, metric: Optional[Callable] = None):
+def skip_effects_of_prompt(
+    params,
+    prompt: PromptArrays,
+    masks: SkipMasks,
+    config: ModelConfig,
+    *,
+    sublayer: str = "layer",
+    chunk_size: Optional[int] = None,
+    mode: str = "future",
+    layers_per_call: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    interventions=None,
+    metric: Optional[Callable] = None,
+):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
     (`PromptArrays`: its `tokens`, `valid` `[1, T]`; `masks`: `SkipMasks` of host arrays,
     `skip [K, T]` float, `measure [K, T]` bool). Returns numpy `(later [L, K, L], output [L, K])`
@@ -223,9 +253,17 @@ def skip_effects_of_prompt(params, prompt: PromptArrays, masks: SkipMasks, confi
     later, output, changes = [], [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
-        part_later, final, clean_final = skipped_runs(params, prompt, layers, device_masks, config,
-                                                      sublayer=sublayer, chunk_size=chunk_size, mode=mode,
-                                                      interventions=interventions)
+        part_later, final, clean_final = skipped_runs(
+            params,
+            prompt,
+            layers,
+            device_masks,
+            config,
+            sublayer=sublayer,
+            chunk_size=chunk_size,
+            mode=mode,
+            interventions=interventions,
+        )
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
@@ -290,11 +328,23 @@ def member_masks(length: int, T: int, splits: Sequence[int], mode: str):
     return [(pos >= 1) & (pos < t) for t in splits], [(pos >= t) & (pos < length) for t in splits]
 
 
-def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str = "layer",
-               mode: str = "future", splits: str = "sampled", seed: int = 123, splits_per_prompt: int = 4,
-               chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-               progress: bool = True, settings=None, interventions=None,
-               metric: Optional[Callable] = None) -> LayerSkipResult:
+def layer_skip(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    *,
+    sublayer: str = "layer",
+    mode: str = "future",
+    splits: str = "sampled",
+    seed: int = 123,
+    splits_per_prompt: int = 4,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    progress: bool = True,
+    settings=None,
+    interventions=None,
+    metric: Optional[Callable] = None,
+) -> LayerSkipResult:
     """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
     prompts of the same padded length. Returns a `LayerSkipResult` (its effects defined there).
 
@@ -328,8 +378,10 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
     if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
         raise ValueError(f"sublayer must be one of {tuple(SUBLAYERS)}, mode one of {MODES} and splits one of {SPLITS}")
     if mode == "current" and splits != "sampled":
-        raise ValueError(f"splits={splits!r} needs mode='future': the 'current' mode skips every position but 0 "
-                         "and has no split position")
+        raise ValueError(
+            f"splits={splits!r} needs mode='future': the 'current' mode skips every position but 0 "
+            "and has no split position"
+        )
     L = config.num_layers
     lengths = batch.lengths
     if splits == "answer_start":
@@ -352,25 +404,47 @@ def layer_skip(params, batch: PromptBatch, config: ModelConfig, *, sublayer: str
         measure += [measure[0]] * (n_splits - len(measure))
         chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
         later, output, *change = skip_effects_of_prompt(
-            params, PromptArrays(*jax.device_put((one.tokens, one.valid))),
-            SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure)), config, sublayer=sublayer,
-            chunk_size=chunk, mode=mode, memory_budget=memory_budget, interventions=interventions, metric=metric)
+            params,
+            PromptArrays(*jax.device_put((one.tokens, one.valid))),
+            SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure)),
+            config,
+            sublayer=sublayer,
+            chunk_size=chunk,
+            mode=mode,
+            memory_budget=memory_budget,
+            interventions=interventions,
+            metric=metric,
+        )
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)
         if metric is not None:
             real = 1 if mode == "current" else len(positions[i])  # the padding members repeat split 0
             metric_pp[i, :, :real] = to_host(change[0])[:, :real]
         if mode == "future":
-            used[i, :len(positions[i])] = positions[i]
+            used[i, : len(positions[i])] = positions[i]
     if mode == "future" and (used < 0).all():
-        raise ValueError("no prompt has an answer token to measure" if splits == "answer_start" else
-                         "every prompt is too short for a split position (needs more than 12 tokens)")
+        raise ValueError(
+            "no prompt has an answer token to measure"
+            if splits == "answer_start"
+            else "every prompt is too short for a split position (needs more than 12 tokens)"
+        )
     return LayerSkipResult(
-        later=later_pp.max(axis=0), output=output_pp.max(axis=0), later_per_prompt=later_pp,
-        output_per_prompt=output_pp, split_positions=used,
-        settings={**(settings or {}), "sublayer": sublayer, "mode": mode, "splits": splits, "seed": seed,
-                  "splits_per_prompt": splits_per_prompt},
-        metric_change=None if metric is None else largest_change(metric_pp), metric_change_per_prompt=metric_pp)
+        later=later_pp.max(axis=0),
+        output=output_pp.max(axis=0),
+        later_per_prompt=later_pp,
+        output_per_prompt=output_pp,
+        split_positions=used,
+        settings={
+            **(settings or {}),
+            "sublayer": sublayer,
+            "mode": mode,
+            "splits": splits,
+            "seed": seed,
+            "splits_per_prompt": splits_per_prompt,
+        },
+        metric_change=None if metric is None else largest_change(metric_pp),
+        metric_change_per_prompt=metric_pp,
+    )
 
 
 @dataclasses.dataclass
@@ -395,33 +469,53 @@ class LayerSkipBySublayer(SavedResult):
             raise KeyError(f"no layer-skip result for sublayer {sublayer!r}; this one has {self.sublayers}")
         i = list(self.sublayers).index(sublayer)
         row = lambda x: None if x is None else x[i]
-        return LayerSkipResult(later=self.later[i], output=self.output[i], later_per_prompt=self.later_per_prompt[i],
-                               output_per_prompt=self.output_per_prompt[i], split_positions=self.split_positions,
-                               settings={**self.settings, "sublayer": sublayer},
-                               metric_change=row(self.metric_change),
-                               metric_change_per_prompt=row(self.metric_change_per_prompt))
+        return LayerSkipResult(
+            later=self.later[i],
+            output=self.output[i],
+            later_per_prompt=self.later_per_prompt[i],
+            output_per_prompt=self.output_per_prompt[i],
+            split_positions=self.split_positions,
+            settings={**self.settings, "sublayer": sublayer},
+            metric_change=row(self.metric_change),
+            metric_change_per_prompt=row(self.metric_change_per_prompt),
+        )
 
     def parts(self) -> dict[str, LayerSkipResult]:
         """`{sublayer: LayerSkipResult}` in order (what `plots.layer_skip_figure` draws as rows)."""
         return {s: self.part(s) for s in self.sublayers}
 
 
-def layer_skip_sublayers(params, batch: PromptBatch, config: ModelConfig, *,
-                         sublayers: Sequence[str] = tuple(SUBLAYERS), settings=None, interventions=None,
-                         metric: Optional[Callable] = None, **kwargs) -> LayerSkipBySublayer:
+def layer_skip_sublayers(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    *,
+    sublayers: Sequence[str] = tuple(SUBLAYERS),
+    settings=None,
+    interventions=None,
+    metric: Optional[Callable] = None,
+    **kwargs,
+) -> LayerSkipBySublayer:
     """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
     arguments as `layer_skip`: `mode`, `splits`, `seed`, ...). `interventions` and `metric` as
     in `layer_skip`: the user's interventions first, then each skip."""
     sublayers = list(sublayers)
     if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
         raise ValueError(f"sublayers must be distinct names among {tuple(SUBLAYERS)}, got {sublayers}")
-    parts = [layer_skip(params, batch, config, sublayer=s, interventions=interventions, metric=metric, **kwargs)
-             for s in sublayers]
+    parts = [
+        layer_skip(params, batch, config, sublayer=s, interventions=interventions, metric=metric, **kwargs)
+        for s in sublayers
+    ]
     stack = lambda name: np.stack([getattr(p, name) for p in parts])
     common = {k: v for k, v in parts[0].settings.items() if k != "sublayer"}
-    return LayerSkipBySublayer(sublayers=sublayers, later=stack("later"), output=stack("output"),
-                               later_per_prompt=stack("later_per_prompt"), output_per_prompt=stack("output_per_prompt"),
-                               split_positions=parts[0].split_positions,
-                               settings={**(settings or {}), **common, "sublayers": sublayers},
-                               metric_change=None if metric is None else stack("metric_change"),
-                               metric_change_per_prompt=None if metric is None else stack("metric_change_per_prompt"))
+    return LayerSkipBySublayer(
+        sublayers=sublayers,
+        later=stack("later"),
+        output=stack("output"),
+        later_per_prompt=stack("later_per_prompt"),
+        output_per_prompt=stack("output_per_prompt"),
+        split_positions=parts[0].split_positions,
+        settings={**(settings or {}), **common, "sublayers": sublayers},
+        metric_change=None if metric is None else stack("metric_change"),
+        metric_change_per_prompt=None if metric is None else stack("metric_change_per_prompt"),
+    )

@@ -60,8 +60,10 @@ def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None,
     final_top = jax.lax.top_k(final, TOP_K)[1]
     if translators is None:
         return jax.lax.map(lambda h: lens_statistics(unembed(params, h, config), final_logp, final_top), hs[:-1])
-    return jax.lax.map(lambda x: lens_statistics(unembed(params, translate(*x), config), final_logp, final_top),
-                       (hs[:-1], translators["weight"], translators["bias"]))
+    return jax.lax.map(
+        lambda x: lens_statistics(unembed(params, translate(*x), config), final_logp, final_top),
+        (hs[:-1], translators["weight"], translators["bias"]),
+    )
 
 
 @dataclasses.dataclass
@@ -85,8 +87,16 @@ class LogitLensResult(SavedResult):
     tokens_per_prompt: Optional[np.ndarray] = None
 
 
-def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: str = "prompt",
-               translators=None, settings=None, interventions=None) -> LogitLensResult:
+def logit_lens(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    *,
+    weighting: str = "prompt",
+    translators=None,
+    settings=None,
+    interventions=None,
+) -> LogitLensResult:
     """KL(P_l || P) and top-5 overlap of h_0..h_{L-1} over every valid position of `batch` (a
     `PromptBatch`, e.g. from `jaxdepth.lab.prompts.encode`): a `LogitLensResult` of curves
     `[L]`. `weighting` is 'prompt' (mean over positions, then over prompts: the default) or
@@ -109,15 +119,17 @@ def logit_lens(params, batch: PromptBatch, config: ModelConfig, *, weighting: st
     L, T = config.num_layers, batch.tokens.shape[1]
     kl, overlap = np.zeros((L, len(batch), T), np.float32), np.zeros((L, len(batch), T), np.float32)
     for index, group in batch.groups():
-        k, o = lens_per_token(params, group.tokens, group.valid, config, translators,
-                              interventions)
+        k, o = lens_per_token(params, group.tokens, group.valid, config, translators, interventions)
         Tg = group.tokens.shape[1]
-        kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k)[:, :len(index)], to_host(o)[:, :len(index)]
+        kl[:, index, :Tg], overlap[:, index, :Tg] = to_host(k)[:, : len(index)], to_host(o)[:, : len(index)]
     agg = aggregate[weighting]
     # Per-prompt means from the same per-position statistics (no second pass through the model).
     per_prompt = lambda x: per_prompt_mean(x, batch.valid).T  # [N, L]
-    return LogitLensResult(kl=agg(kl, batch.valid), overlap=agg(overlap, batch.valid),
-                           settings={**(settings or {}), "weighting": weighting,
-                                     "lens": "logit" if translators is None else "tuned"},
-                           kl_per_prompt=per_prompt(kl), overlap_per_prompt=per_prompt(overlap),
-                           tokens_per_prompt=batch.lengths.astype(np.int64))
+    return LogitLensResult(
+        kl=agg(kl, batch.valid),
+        overlap=agg(overlap, batch.valid),
+        settings={**(settings or {}), "weighting": weighting, "lens": "logit" if translators is None else "tuned"},
+        kl_per_prompt=per_prompt(kl),
+        overlap_per_prompt=per_prompt(overlap),
+        tokens_per_prompt=batch.lengths.astype(np.int64),
+    )

@@ -52,6 +52,8 @@ def metric_value(metric: Callable, logits):
     returns anything but a scalar is refused at trace time (`ValueError`)."""
     value = metric(logits)
     if jnp.shape(value) != ():
-        raise ValueError(f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
-                         f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}")
+        raise ValueError(
+            f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
+            f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}"
+        )
     return jnp.asarray(value, jnp.float32)

@@ -55,8 +55,10 @@ class TunedLens(nnx.Module):
 def identity_translators(num_layers: int, hidden_size: int, dtype=jnp.float32) -> Translators:
     """Translators that change nothing, `{"weight": zeros [L, D, D], "bias": zeros [L, D]}`: the
     lens they make is the logit lens (`translate` is `h + h @ weight + bias`)."""
-    return {"weight": jnp.zeros((num_layers, hidden_size, hidden_size), dtype),
-            "bias": jnp.zeros((num_layers, hidden_size), dtype)}
+    return {
+        "weight": jnp.zeros((num_layers, hidden_size, hidden_size), dtype),
+        "bias": jnp.zeros((num_layers, hidden_size), dtype),
+    }
 
 
 def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[Array, "D"]) -> Float[Array, "*b D"]:
@@ -68,11 +70,14 @@ def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[
 
 # ----------------------------------------------------------------------------- training
 
-def lens_kl(translators: Translators, params, hs: Float[Array, "L N D"], final_logp: Float[Array, "N V"],
-            config: ModelConfig) -> Float[Array, "L N"]:
+
+def lens_kl(
+    translators: Translators, params, hs: Float[Array, "L N D"], final_logp: Float[Array, "N V"], config: ModelConfig
+) -> Float[Array, "L N"]:
     """KL(P || P_l^tuned) per layer and token: the training objective (Belrose et al.: the
     final distribution first, so the lens is pulled to cover everything the model predicts).
     Layers are decoded one at a time (`lax.map`): one `[N, V]` logit buffer at once."""
+
     def one_layer(args):
         h, w, b = args
         logp = jax.nn.log_softmax(unembed(params, translate(h, w, b), config), axis=-1)
@@ -98,8 +103,9 @@ class LensTrainingSettings:
 def _optimizer(s: LensTrainingSettings):
     import optax
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, s.learning_rate, min(s.warmup, s.steps - 1) or 1,
-                                                  s.steps, s.learning_rate / 10)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, s.learning_rate, min(s.warmup, s.steps - 1) or 1, s.steps, s.learning_rate / 10
+    )
     return optax.adam(schedule)
 
 
@@ -137,8 +143,9 @@ def residual_tokens(params, batch: PromptBatch, config: ModelConfig, *, progress
     return ResidualTokens(np.concatenate(hs, axis=1), np.concatenate(final, axis=0))
 
 
-_residual_stream = jit(lambda params, tokens, valid, config: residual_stream(params, tokens, config, valid=valid),
-                       static_argnames="config")
+_residual_stream = jit(
+    lambda params, tokens, valid, config: residual_stream(params, tokens, config, valid=valid), static_argnames="config"
+)
 
 
 def _draw(step: int, seed: int, n: int, k: int) -> np.ndarray:
@@ -146,10 +153,17 @@ def _draw(step: int, seed: int, n: int, k: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, step]).choice(n, size=min(k, n), replace=False))
 
 
-def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig,
-                     settings: LensTrainingSettings = LensTrainingSettings(), *,
-                     checkpoint_dir: Optional[str] = None, data_identity: Optional[dict] = None,
-                     stop_after: Optional[int] = None, progress: bool = True) -> tuple[TunedLens, np.ndarray]:
+def train_tuned_lens(
+    params,
+    data: ResidualTokens,
+    config: ModelConfig,
+    settings: LensTrainingSettings = LensTrainingSettings(),
+    *,
+    checkpoint_dir: Optional[str] = None,
+    data_identity: Optional[dict] = None,
+    stop_after: Optional[int] = None,
+    progress: bool = True,
+) -> tuple[TunedLens, np.ndarray]:
     """Train a tuned lens on `data`; returns it and the training loss per step run.
 
     With `checkpoint_dir`, the translators and optimizer state are saved there (orbax, every
@@ -180,8 +194,15 @@ def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig,
     with tqdm(total=settings.steps, initial=start, desc="tuned lens (steps)", disable=not progress) as bar:
         for step in range(start, end):
             idx = _draw(step, settings.seed, len(data), settings.tokens_per_step)
-            translators, opt_state, loss = _train_step(translators, opt_state, params, jnp.asarray(data.hs[:, idx]),
-                                                       jnp.asarray(data.final[idx]), config, optimizer)
+            translators, opt_state, loss = _train_step(
+                translators,
+                opt_state,
+                params,
+                jnp.asarray(data.hs[:, idx]),
+                jnp.asarray(data.final[idx]),
+                config,
+                optimizer,
+            )
             losses.append(float(loss))
             bar.update(1)
             bar.set_postfix(kl=f"{losses[-1]:.3f}")
@@ -194,8 +215,9 @@ def train_tuned_lens(params, data: ResidualTokens, config: ModelConfig,
     return TunedLens(L, D, translators=translators), np.asarray(losses, np.float32)
 
 
-def trained_lens(path: str, config: ModelConfig, settings: LensTrainingSettings,
-                 data_identity: Optional[dict] = None) -> Optional[TunedLens]:
+def trained_lens(
+    path: str, config: ModelConfig, settings: LensTrainingSettings, data_identity: Optional[dict] = None
+) -> Optional[TunedLens]:
     """The finished lens in `path` when it was trained to `settings.steps` with these settings on
     this data, else None (nothing there yet, or unfinished: train or resume). Different settings
     or data are an error, as in `train_tuned_lens`."""
@@ -219,8 +241,10 @@ def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: O
     wanted = _lens_json(settings, data_identity)
     for key, what in (("settings", "other settings"), ("data", "other data")):
         if saved.get(key) != wanted[key]:
-            raise ValueError(f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
-                             "use another folder or remove it")
+            raise ValueError(
+                f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
+                "use another folder or remove it"
+            )
 
 
 def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
@@ -251,7 +275,10 @@ def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
         state = manager.restore(step)
     w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
     if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
-        raise ValueError(f"{path}: translators of shape {w.shape} do not fit this model "
-                         f"(L={config.num_layers}, D={config.hidden_size})")
-    return TunedLens(config.num_layers, config.hidden_size,
-                     translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)})
+        raise ValueError(
+            f"{path}: translators of shape {w.shape} do not fit this model "
+            f"(L={config.num_layers}, D={config.hidden_size})"
+        )
+    return TunedLens(
+        config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)}
+    )

@@ -29,6 +29,7 @@ WEIGHTINGS = ("prompt", "token")
 
 # ----------------------------------------------------------------------------- resampling
 
+
 def resample_indices(num_prompts: int, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> np.ndarray:
     """`[resamples, num_prompts]` prompt indices drawn with replacement by one
     `numpy.random.default_rng(seed)`: row r is the r-th bootstrap sample of the prompts."""
@@ -65,8 +66,7 @@ def aggregate(per_prompt: np.ndarray, counts: np.ndarray, weighting: str) -> np.
     return np.sum(w[:, None] * per_prompt, axis=0) / w.sum()
 
 
-def resampled_curves(per_prompt: np.ndarray, counts: np.ndarray, weighting: str,
-                     indices: np.ndarray) -> np.ndarray:
+def resampled_curves(per_prompt: np.ndarray, counts: np.ndarray, weighting: str, indices: np.ndarray) -> np.ndarray:
     """`[R, L]`: the aggregate curve of each resample of `indices [R, N]`, a prompt drawn k
     times counting k times (as `aggregate` would count k copies of it)."""
     per_prompt = np.asarray(per_prompt, np.float64)
@@ -76,6 +76,7 @@ def resampled_curves(per_prompt: np.ndarray, counts: np.ndarray, weighting: str,
 
 
 # ----------------------------------------------------------------------------- summaries
+
 
 def _bounds(level: float) -> tuple[float, float]:
     if not 0 < level < 1:
@@ -124,8 +125,14 @@ class DepthInterval:
         return self.shares.get(layer, 0.0)
 
 
-def depth_interval(method: str, point: EffectiveDepth, resampled: Sequence[Optional[int]], *,
-                   level: float = DEFAULT_LEVEL, num_prompts: int) -> DepthInterval:
+def depth_interval(
+    method: str,
+    point: EffectiveDepth,
+    resampled: Sequence[Optional[int]],
+    *,
+    level: float = DEFAULT_LEVEL,
+    num_prompts: int,
+) -> DepthInterval:
     """Summarise resampled depths (None where no layer qualifies) as a `DepthInterval`."""
     if len(resampled) == 0:
         raise ValueError("no resampled depths")
@@ -137,9 +144,16 @@ def depth_interval(method: str, point: EffectiveDepth, resampled: Sequence[Optio
     low, high = (int(np.percentile(values, q, method=m)) for q, m in ((lo, "lower"), (hi, "higher")))
     layers, counts = np.unique(values, return_counts=True)
     shares = {None if v == L else int(v): float(c / len(values)) for v, c in zip(layers, counts)}
-    return DepthInterval(method=method, point=point, low=None if low == L else low,
-                         high=None if high == L else high, level=level, shares=shares,
-                         resamples=len(values), num_prompts=num_prompts)
+    return DepthInterval(
+        method=method,
+        point=point,
+        low=None if low == L else low,
+        high=None if high == L else high,
+        level=level,
+        shares=shares,
+        resamples=len(values),
+        num_prompts=num_prompts,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,10 +202,13 @@ class ScoreInterval:
 
 # ----------------------------------------------------------------------------- results
 
+
 def _rules(kl_fraction: float, overlap_threshold: float) -> dict[str, Callable[[np.ndarray], EffectiveDepth]]:
-    return {"cosine": ed.cosine_effective_depth,
-            "kl": lambda c: ed.kl_effective_depth(c, kl_fraction),
-            "overlap": lambda c: ed.overlap_effective_depth(c, overlap_threshold)}
+    return {
+        "cosine": ed.cosine_effective_depth,
+        "kl": lambda c: ed.kl_effective_depth(c, kl_fraction),
+        "overlap": lambda c: ed.overlap_effective_depth(c, overlap_threshold),
+    }
 
 
 def has_per_prompt(result) -> bool:
@@ -204,21 +221,32 @@ def _series(result) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], np.ndarra
     """`({method: (per-prompt curves [N, L], aggregate curve [L])}, token counts [N], weighting)`:
     what each effective depth reads, and how the result aggregates it."""
     if not has_per_prompt(result):
-        raise ValueError(f"this {type(result).__name__} has no per-prompt curves (saved by an older "
-                         "version): rerun the analysis to bootstrap it")
+        raise ValueError(
+            f"this {type(result).__name__} has no per-prompt curves (saved by an older "
+            "version): rerun the analysis to bootstrap it"
+        )
     counts = np.asarray(result.tokens_per_prompt)
     if hasattr(result, "cos_layer"):  # ContributionResult: the mean over every token
         return {"cosine": (result.mean_cosine_per_prompt, result.mean_cosine)}, counts, "token"
     if hasattr(result, "kl"):  # LogitLensResult: as its settings say
         weighting = result.settings.get("weighting", "prompt")
-        return ({"kl": (result.kl_per_prompt, result.kl), "overlap": (result.overlap_per_prompt, result.overlap)},
-                counts, weighting)
+        return (
+            {"kl": (result.kl_per_prompt, result.kl), "overlap": (result.overlap_per_prompt, result.overlap)},
+            counts,
+            weighting,
+        )
     raise TypeError(f"no effective depth is read from a {type(result).__name__}")
 
 
-def effective_depth_intervals(result, *, kl_fraction: float = 0.5, overlap_threshold: float = 0.3,
-                              resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                              level: float = DEFAULT_LEVEL) -> dict[str, DepthInterval]:
+def effective_depth_intervals(
+    result,
+    *,
+    kl_fraction: float = 0.5,
+    overlap_threshold: float = 0.3,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+    level: float = DEFAULT_LEVEL,
+) -> dict[str, DepthInterval]:
     """Bootstrap intervals of the effective depths a result gives: `{'cosine': ...}` for a
     ContributionResult (token-weighted re-aggregation), `{'kl': ..., 'overlap': ...}` for a
     LogitLensResult (its own weighting). Each resample re-aggregates the per-prompt curves of
@@ -235,22 +263,28 @@ def effective_depth_intervals(result, *, kl_fraction: float = 0.5, overlap_thres
     return out
 
 
-def curve_bands(result, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                level: float = DEFAULT_LEVEL) -> dict[str, CurveBand]:
+def curve_bands(
+    result, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL
+) -> dict[str, CurveBand]:
     """Per-layer bootstrap bands of a result's aggregate curves (for figures): every statistic
     and 'mean_cosine' of a ContributionResult, 'kl' and 'overlap' of a LogitLensResult."""
     series, counts, weighting = _series(result)
     if hasattr(result, "cos_layer"):
         names = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
-        series = {**{n: (getattr(result, f"{n}_per_prompt"), getattr(result, n)) for n in names},
-                  "mean_cosine": series["cosine"]}
+        series = {
+            **{n: (getattr(result, f"{n}_per_prompt"), getattr(result, n)) for n in names},
+            "mean_cosine": series["cosine"],
+        }
     indices = resample_indices(len(counts), resamples=resamples, seed=seed)
-    return {name: curve_band(resampled_curves(per_prompt, counts, weighting, indices), level=level)
-            for name, (per_prompt, _) in series.items()}
+    return {
+        name: curve_band(resampled_curves(per_prompt, counts, weighting, indices), level=level)
+        for name, (per_prompt, _) in series.items()
+    }
 
 
-def per_prompt_depths(result, *, kl_fraction: float = 0.5,
-                      overlap_threshold: float = 0.3) -> dict[str, list[EffectiveDepth]]:
+def per_prompt_depths(
+    result, *, kl_fraction: float = 0.5, overlap_threshold: float = 0.3
+) -> dict[str, list[EffectiveDepth]]:
     """Each prompt's own effective depths: its per-prompt curve through the same rule, the
     spread the mean curve hides. Keys as in `effective_depth_intervals`."""
     series, _, _ = _series(result)
@@ -265,8 +299,9 @@ def _score(later: np.ndarray) -> float:
         return float("nan")
 
 
-def depth_score_interval(result, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
-                         level: float = DEFAULT_LEVEL) -> ScoreInterval:
+def depth_score_interval(
+    result, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED, level: float = DEFAULT_LEVEL
+) -> ScoreInterval:
     """Bootstrap interval of the depth score of a LayerSkipResult: each resample takes the max
     over its prompts' `later_per_prompt` (as the result aggregates them) and scores it with
     `effective_depth.depth_score`. A result of several sublayers is bootstrapped one sublayer
@@ -283,5 +318,11 @@ def depth_score_interval(result, *, resamples: int = DEFAULT_RESAMPLES, seed: in
     ranked = np.where(np.isnan(samples), np.inf, samples)  # undefined sorts last
     low, high = (float(np.percentile(ranked, q, method=m)) for q, m in ((lo, "lower"), (hi, "higher")))
     undefined = lambda x: None if not np.isfinite(x) else x
-    return ScoreInterval(point=undefined(point), low=undefined(low), high=undefined(high), level=level,
-                         samples=samples, num_prompts=per_prompt.shape[0])
+    return ScoreInterval(
+        point=undefined(point),
+        low=undefined(low),
+        high=undefined(high),
+        level=level,
+        samples=samples,
+        num_prompts=per_prompt.shape[0],
+    )

@@ -65,7 +65,7 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     for name in os.listdir(folder):
         if not name.startswith(TEMP_PREFIX) or not os.path.isfile(os.path.join(folder, name)):
             continue
-        pid = name[len(TEMP_PREFIX):].split("-", 1)[0]
+        pid = name[len(TEMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(folder, name))
@@ -167,6 +167,7 @@ def _lock(path: str, owner: str) -> Callable[[], None]:
                 os.remove(path)
         finally:
             os.close(fd)  # lets go of the lock
+
     return release
 
 
@@ -186,8 +187,9 @@ def _busy(folder: str, owner: str) -> FolderBusyError:
             who = f.read().strip()
     except OSError:
         who = "another process"
-    return FolderBusyError(f"the results folder {folder} is in use by {who}: wait for that run to end, or "
-                           f"write to another folder")
+    return FolderBusyError(
+        f"the results folder {folder} is in use by {who}: wait for that run to end, or write to another folder"
+    )
 
 
 def _now() -> str:

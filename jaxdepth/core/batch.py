@@ -52,8 +52,10 @@ class LengthBuckets:
         """'geometric' or 'geometric:N' (the ladder from N), 'multiple:N' (every multiple of N)."""
         kind, colon, smallest = str(text).partition(":")
         if kind not in ("geometric", "multiple") or (colon and not smallest.isdigit()):
-            raise ValueError(f"length buckets must be 'geometric', 'geometric:N' or 'multiple:N' (N a positive "
-                             f"integer), got {text!r}")
+            raise ValueError(
+                f"length buckets must be 'geometric', 'geometric:N' or 'multiple:N' (N a positive "
+                f"integer), got {text!r}"
+            )
         return cls(int(smallest or cls.smallest), geometric=kind == "geometric")
 
 
@@ -89,8 +91,9 @@ class PromptBatch:
         and prompts of similar lengths share a compiled computation."""
         return self._trimmed(np.array([i]), buckets or self.buckets)
 
-    def groups(self, max_tokens: int = GROUP_TOKENS,
-               buckets: Optional[LengthBuckets] = None) -> list[tuple[np.ndarray, "PromptBatch"]]:
+    def groups(
+        self, max_tokens: int = GROUP_TOKENS, buckets: Optional[LengthBuckets] = None
+    ) -> list[tuple[np.ndarray, "PromptBatch"]]:
         """The prompts packed into sub-batches of similar length: `[(indices, sub-batch), ...]`;
         the sub-batch's first `len(indices)` rows are those prompts, and its row count is a power
         of two (the last prompt repeated): a sweep compiles once per (rows, bucket).
@@ -133,8 +136,9 @@ class PromptBatch:
         real = np.arange(A) < len(positions)
         return np.concatenate([positions, np.full(A - len(positions), positions[-1])]).astype(np.int32), real
 
-    def prompt(self, i: int, buckets: Optional[LengthBuckets] = None,
-               answer_buckets: LengthBuckets = ANSWER_BUCKETS) -> "PromptArrays":
+    def prompt(
+        self, i: int, buckets: Optional[LengthBuckets] = None, answer_buckets: LengthBuckets = ANSWER_BUCKETS
+    ) -> "PromptArrays":
         """Prompt i as the per-prompt sweeps take it: `single(i, buckets)` with its answer
         positions (`answer_positions(answer_buckets)`)."""
         one = self.single(i, buckets)
@@ -172,9 +176,14 @@ def _next_tokens(tokens, positions):
     return tokens[0, jax.numpy.minimum(positions + 1, tokens.shape[1] - 1)]
 
 
-def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Sequence[int]] = None,
-               *, buckets: LengthBuckets = LengthBuckets(), pad_id: int = 0,
-               max_length: Optional[int] = None) -> PromptBatch:
+def make_batch(
+    token_lists: Sequence[Sequence[int]],
+    answer_starts: Optional[Sequence[int]] = None,
+    *,
+    buckets: LengthBuckets = LengthBuckets(),
+    pad_id: int = 0,
+    max_length: Optional[int] = None,
+) -> PromptBatch:
     """Right-pad token lists into a batch whose length is the longest list's bucket (`buckets`,
     kept by the batch for taking it apart), so that prompts of similar lengths share one
     compiled computation. `max_length` (the model's context): no padding beyond it, whatever
@@ -190,8 +199,8 @@ def make_batch(token_lists: Sequence[Sequence[int]], answer_starts: Optional[Seq
     tokens = np.full((len(token_lists), T), pad_id, np.int32)
     valid = np.zeros((len(token_lists), T), bool)
     for i, t in enumerate(token_lists):
-        tokens[i, :len(t)] = t
-        valid[i, :len(t)] = True
+        tokens[i, : len(t)] = t
+        valid[i, : len(t)] = True
     starts = np.asarray(lengths if answer_starts is None else answer_starts, np.int64)
     if np.any(starts < 1) or np.any(starts > np.asarray(lengths)):
         raise ValueError("answer_start must lie in 1..length (the answer needs a preceding position)")

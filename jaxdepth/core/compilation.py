@@ -46,8 +46,9 @@ def check_interventions(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     function the layer indices are traced and could no longer be checked. Calls without exactly
     one `ModelConfig` are left as they are."""
     configs = [v for v in (*args, *kwargs.values()) if isinstance(v, ModelConfig)]
-    if len(configs) != 1 or not any(_is_interventions(leaf) for leaf in
-                                    jax.tree.leaves((args, kwargs), is_leaf=_is_interventions)):
+    if len(configs) != 1 or not any(
+        _is_interventions(leaf) for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_interventions)
+    ):
         return args, kwargs
     L = configs[0].num_layers
     check = lambda x: check_layer_indices(x, L) if _is_interventions(x) else x
@@ -88,8 +89,11 @@ def jit(fun: Callable | None = None, **jit_kwargs):
 
 # jax.monitoring events of one compilation: tracing to a jaxpr, lowering to MLIR, and XLA's
 # compilation (or its retrieval from the persistent cache, counted apart as a cache hit).
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
 BACKEND_COMPILE_EVENT = COMPILE_EVENTS[-1]
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 

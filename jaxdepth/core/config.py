@@ -68,21 +68,26 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
-                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}")
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_type not in ROPE_TYPES:
             raise UnsupportedConfigError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
-        if self.rope_type == "llama3" and not (self.rope_factor > 0 and self.rope_original_max_position > 0
-                                               and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+        if self.rope_type == "llama3" and not (
+            self.rope_factor > 0
+            and self.rope_original_max_position > 0
+            and self.rope_high_freq_factor > self.rope_low_freq_factor > 0
+        ):
             raise UnsupportedConfigError(
                 "llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 and "
                 f"high_freq_factor > low_freq_factor > 0; got {self.rope_factor}, {self.rope_original_max_position}, "
-                f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}")
+                f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (this class's field names, not Hugging Face's keys)."""
@@ -113,7 +118,8 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"config key 'model_type' = {model_type!r} is not supported; supported: "
                 f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', Qwen3 is "
-                "'qwen3', SmolLM2/Llama 3 are 'llama')")
+                "'qwen3', SmolLM2/Llama 3 are 'llama')"
+            )
         _check_hf_features(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -140,24 +146,58 @@ class ModelConfig:
 # Keys that describe shapes/numerics read above, or carry no numerical meaning (bookkeeping,
 # generation defaults, dropout that is inactive at inference, init scales).
 _READ_KEYS = {
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters",
-    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_parameters",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
 }
 _INERT_KEYS = {
-    "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-    "attention_dropout", "output_hidden_states", "output_attentions", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "max_window_layers", "tokenizer_class", "_attn_implementation_autoset", "tf_legacy_loss",
-    "use_bfloat16", "is_llama_config", "transformers.js_config",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "attention_dropout",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "max_window_layers",
+    "tokenizer_class",
+    "_attn_implementation_autoset",
+    "tf_legacy_loss",
+    "use_bfloat16",
+    "is_llama_config",
+    "transformers.js_config",
 }
 
 
 # The keys of a 'llama3' rope scaling, as HF names them, and the config fields they fill.
-_LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_original_max_position"}
+_LLAMA3_ROPE = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position",
+}
 
 
 def _rope_spec(hf: Mapping[str, Any]) -> tuple[str, dict]:
@@ -179,6 +219,7 @@ def _rope_scaling(hf: Mapping[str, Any]) -> dict:
 
 def _check_hf_features(hf: Mapping[str, Any]) -> None:
     """Raise on any config feature whose effect this implementation does not reproduce."""
+
     def refuse(key, why):
         raise UnsupportedConfigError(f"config key {key!r} = {hf[key]!r}: {why}")
 
@@ -188,12 +229,16 @@ def _check_hf_features(hf: Mapping[str, Any]) -> None:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: {', '.join(ROPE_TYPES)})")
-    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"} | (set(_LLAMA3_ROPE) if rope_type == "llama3"
-                                                                             else set())
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"} | (
+        set(_LLAMA3_ROPE) if rope_type == "llama3" else set()
+    )
     missing = set(_LLAMA3_ROPE) - set(params) if rope_type == "llama3" else set()
     if set(params) - known or missing or params.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(key, "only full rotary embeddings of rope_type 'default', or 'llama3' with exactly "
-                    f"{', '.join(sorted(_LLAMA3_ROPE))}, are implemented")
+        refuse(
+            key,
+            "only full rotary embeddings of rope_type 'default', or 'llama3' with exactly "
+            f"{', '.join(sorted(_LLAMA3_ROPE))}, are implemented",
+        )
     if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
         refuse("use_sliding_window", "sliding-window attention is not implemented")
     layer_types = hf.get("layer_types")
@@ -209,9 +254,18 @@ def _check_hf_features(hf: Mapping[str, Any]) -> None:
         refuse("rope_interleaved", "interleaved rotary embeddings are not implemented (HF Llama/Qwen2 rotate halves)")
     if hf.get("quantization_config"):
         refuse("quantization_config", "quantized HF checkpoints are not supported; use float weights")
-    handled_flags = {"hidden_act", "rope_scaling", "use_sliding_window", "sliding_window",
-                     "layer_types", "mlp_bias", "pretraining_tp", "quantization_config",
-                     "use_mrope", "rope_interleaved"}
+    handled_flags = {
+        "hidden_act",
+        "rope_scaling",
+        "use_sliding_window",
+        "sliding_window",
+        "layer_types",
+        "mlp_bias",
+        "pretraining_tp",
+        "quantization_config",
+        "use_mrope",
+        "rope_interleaved",
+    }
     for key in hf:
         if key not in _READ_KEYS | _INERT_KEYS | handled_flags:
             refuse(key, "this config key is not handled by jaxdepth; refusing to ignore it silently")

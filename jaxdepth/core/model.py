@@ -44,8 +44,15 @@ def param_shapes(config: ModelConfig) -> Params:
     L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layers = {
-        "attn_norm": (L, D), "q": (L, D, q), "k": (L, D, kv), "v": (L, D, kv), "o": (L, q, D),
-        "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+        "attn_norm": (L, D),
+        "q": (L, D, q),
+        "k": (L, D, kv),
+        "v": (L, D, kv),
+        "o": (L, q, D),
+        "mlp_norm": (L, D),
+        "gate": (L, D, F),
+        "up": (L, D, F),
+        "down": (L, F, D),
     }
     if c.qkv_bias:
         layers.update({"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)})
@@ -61,8 +68,11 @@ def check_params(params: Params, config: ModelConfig) -> None:
     """Raise if the params pytree does not have exactly the structure and shapes of `config`."""
     expected = param_shapes(config)
     got = jax.tree.map(lambda x: tuple(x.shape), params)
-    if jax.tree.structure(expected, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.structure(
-            got, is_leaf=lambda x: isinstance(x, tuple)) or expected != got:
+    if (
+        jax.tree.structure(expected, is_leaf=lambda x: isinstance(x, tuple))
+        != jax.tree.structure(got, is_leaf=lambda x: isinstance(x, tuple))
+        or expected != got
+    ):
         raise ValueError(f"params do not match the config.\nexpected: {expected}\ngot:      {got}")
 
 
@@ -80,6 +90,7 @@ def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05, dtype
 
 
 # ----------------------------------------------------------------------------- building blocks
+
 
 def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "*b D"]:
     x32 = x.astype(jnp.float32)
@@ -152,8 +163,15 @@ def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfi
     return apply_rotary(k, cos, sin), v.reshape(B, T, K, Dh)
 
 
-def attention_heads(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
-                    config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None):
+def attention_heads(
+    p: Params,
+    x: Float[Array, "B S D"],
+    cos,
+    sin,
+    mask: Bool[Array, "B S T"],
+    config: ModelConfig,
+    prefix: Optional[tuple[Array, Array]] = None,
+):
     """Causal grouped-query self-attention of one layer (`p` holds that layer's weights), up to
     the heads' outputs: `(q [B,S,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], probs [B,H,S,T],
     heads [B,S,H,Dh])`, keys and values including the prefix.
@@ -176,15 +194,22 @@ def attention_heads(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Ar
     # Group query heads by the kv head they read: head h = kv * G + g.
     grouped = q.reshape(B, S, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
+    scores = scores * (Dh**-0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
     return q, k, v, weights.reshape(B, H, S, -1), heads
 
 
-def attention(p: Params, x: Float[Array, "B S D"], cos, sin, mask: Bool[Array, "B S T"],
-              config: ModelConfig, prefix: Optional[tuple[Array, Array]] = None) -> Float[Array, "B S D"]:
+def attention(
+    p: Params,
+    x: Float[Array, "B S D"],
+    cos,
+    sin,
+    mask: Bool[Array, "B S T"],
+    config: ModelConfig,
+    prefix: Optional[tuple[Array, Array]] = None,
+) -> Float[Array, "B S D"]:
     """The attention output a (after o_proj) of one layer; `prefix` as in `attention_heads`."""
     heads = attention_heads(p, x, cos, sin, mask, config, prefix)[-1]
     return heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
@@ -207,6 +232,7 @@ def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B
 
 
 # ----------------------------------------------------------------------------- the layer loop
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +271,15 @@ class LayerRecord:
 Tap = Callable[[LayerRecord, Any], Any]
 
 
-def layer_step(p: Params, h: Float[Array, "B S D"], index, context, config: ModelConfig,
-               interventions: tuple[Intervention, ...] = (), prefix=None) -> LayerRecord:
+def layer_step(
+    p: Params,
+    h: Float[Array, "B S D"],
+    index,
+    context,
+    config: ModelConfig,
+    interventions: tuple[Intervention, ...] = (),
+    prefix=None,
+) -> LayerRecord:
     """One pre-norm decoder layer (`p` holds its weights) with every intervention at its site:
     `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + a + m`. The one layer body of every
     driver (the scanned stack, suffix runs, the gradient path).
@@ -263,8 +296,9 @@ def layer_step(p: Params, h: Float[Array, "B S D"], index, context, config: Mode
     hidden = at("mlp_hidden", mlp_hidden(p, rms_norm(h + a, p["mlp_norm"], eps)))
     m = at("mlp_out", hidden @ p["down"])
     out = at("resid_post", h + at("delta", a + m))
-    return LayerRecord(index=index, h=h, attn=a, mlp=m, out=out, q=q, k=k, v=v, attn_probs=probs,
-                       head_out=heads, mlp_hidden=hidden)
+    return LayerRecord(
+        index=index, h=h, attn=a, mlp=m, out=out, q=q, k=k, v=v, attn_probs=probs, head_out=heads, mlp_hidden=hidden
+    )
 
 
 def layer_context(h, valid, config, offset: int = 0):
@@ -307,10 +341,17 @@ def final_residual(h_last, config: ModelConfig, interventions):
     return apply_at("resid_pre", h_last, L, check_layer_indices(interventions, L), L, final=True)
 
 
-def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *,
-               valid: Optional[Bool[Array, "B T"]] = None,
-               interventions: InterventionsLike = None,
-               tap: Optional[Tap] = None, tap_inputs: Any = None, remat: bool = False):
+def run_layers(
+    params: Params,
+    h0: Float[Array, "B T D"],
+    config: ModelConfig,
+    *,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    tap: Optional[Tap] = None,
+    tap_inputs: Any = None,
+    remat: bool = False,
+):
     """Run every decoder layer on the residual `h0` (one `lax.scan` over `layer_step`),
     applying `interventions`: a site `Intervention` (`jaxdepth.core.sites`) or a sequence of
     them.
@@ -339,11 +380,18 @@ def run_layers(params: Params, h0: Float[Array, "B T D"], config: ModelConfig, *
     return final_residual(h_last, config, ivs), taps
 
 
-def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, config: ModelConfig, *,
-                    valid: Optional[Bool[Array, "B T"]] = None,
-                    interventions: InterventionsLike = None,
-                    tap: Optional[Tap] = None, tap_inputs: Any = None,
-                    prefix: Optional[tuple[Array, Array]] = None):
+def run_layers_from(
+    params: Params,
+    h_start: Float[Array, "B S D"],
+    start,
+    config: ModelConfig,
+    *,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    tap: Optional[Tap] = None,
+    tap_inputs: Any = None,
+    prefix: Optional[tuple[Array, Array]] = None,
+):
     """`run_layers` from boundary `start` on: `h_start` is h_start, layers start..L-1 run.
 
     The layers before `start` are not computed at all, which is the saving when an
@@ -368,8 +416,9 @@ def run_layers_from(params: Params, h_start: Float[Array, "B S D"], start, confi
     context = layer_context(h_start, valid, config, offset)
 
     def record(i, h):
-        return layer_step(layer_params(params, i), h, i, context, config, ivs,
-                          None if prefix is None else _index(prefix, i))
+        return layer_step(
+            layer_params(params, i), h, i, context, config, ivs, None if prefix is None else _index(prefix, i)
+        )
 
     if tap is None:
         h_last = jax.lax.fori_loop(start, config.num_layers, lambda i, h: record(i, h).out, h_start)
@@ -396,8 +445,10 @@ def check_layer_rows(tree, num_layers: int, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shape = jnp.shape(leaf)
         if not shape or shape[0] != num_layers:
-            raise ValueError(f"{what}{jax.tree_util.keystr(path)} must have a leading layer axis of {num_layers} "
-                             f"(one row per layer), got shape {shape}")
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} must have a leading layer axis of {num_layers} "
+                f"(one row per layer), got shape {shape}"
+            )
 
 
 def _index(tree, i):
@@ -413,8 +464,9 @@ def layer_params(params: Params, i) -> Params:
 def check_tokens(tokens, config: ModelConfig) -> None:
     """Clear errors for token ids the model cannot take."""
     if tokens.shape[-1] > config.max_position_embeddings:
-        raise ValueError(f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of "
-                         f"{config.max_position_embeddings}")
+        raise ValueError(
+            f"sequence of {tokens.shape[-1]} tokens exceeds the model's context of {config.max_position_embeddings}"
+        )
     if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
@@ -431,9 +483,14 @@ def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Flo
     return jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
-            valid: Optional[Bool[Array, "B T"]] = None,
-            interventions: InterventionsLike = None) -> Float[Array, "B T V"]:
+def forward(
+    params: Params,
+    tokens: Int[Array, "B T"],
+    config: ModelConfig,
+    *,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+) -> Float[Array, "B T V"]:
     """Logits of the model on `tokens`, under `interventions` (none by default)."""
     h, _ = run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions)
     return unembed(params, h, config)
@@ -460,9 +517,11 @@ def tap_residual(record: LayerRecord, _) -> Float[Array, "B T D"]:
     return record.h
 
 
-def residual_stream(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *,
-                    valid=None, interventions=None) -> Float[Array, "Lp1 B T D"]:
+def residual_stream(
+    params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *, valid=None, interventions=None
+) -> Float[Array, "Lp1 B T D"]:
     """All L+1 residual boundaries h_0..h_L, stacked on a leading axis."""
-    h_last, hs = run_layers(params, embed(params, tokens), config, valid=valid,
-                            interventions=interventions, tap=tap_residual)
+    h_last, hs = run_layers(
+        params, embed(params, tokens), config, valid=valid, interventions=interventions, tap=tap_residual
+    )
     return jnp.concatenate([hs, h_last[None]], axis=0)

@@ -63,7 +63,7 @@ def abstract_decoder(config: ModelConfig, dtype) -> Decoder:
 
     from jaxdepth.core.model import param_shapes
 
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
     return Decoder(shapes, config)
-

@@ -92,14 +92,18 @@ def _result_type(path: str, name: str, module: Optional[str], qualname: Optional
     if module is None:
         raise UnknownResultTypeError(
             f"{path}: unknown result type {name!r}; the file does not record the module that defines it (it was "
-            f"saved by an older jaxdepth): import that module, then load the file again")
+            f"saved by an older jaxdepth): import that module, then load the file again"
+        )
     if import_error is not None:
         raise UnknownResultTypeError(
             f"{path}: result type {name!r} is defined in the module {module!r}, which cannot be imported "
             f"({type(import_error).__name__}: {import_error}): install the package that provides it or put it on "
-            f"sys.path (PYTHONPATH), so that `import {module}` works") from import_error
-    raise UnknownResultTypeError(f"{path}: result type {name!r}: the module {module!r} defines no SavedResult "
-                                 f"{place[1]} (renamed or removed since the file was saved?)")
+            f"sys.path (PYTHONPATH), so that `import {module}` works"
+        ) from import_error
+    raise UnknownResultTypeError(
+        f"{path}: result type {name!r}: the module {module!r} defines no SavedResult "
+        f"{place[1]} (renamed or removed since the file was saved?)"
+    )
 
 
 def _jsonable(x):

@@ -23,23 +23,23 @@ DATA, MODEL = "data", "model"
 # Column-parallel projections split their output, row-parallel ones their input, so each
 # attention head / MLP unit lives on one device and only o_proj / down_proj outputs are reduced.
 PARTITION_RULES = {
-    "embed": P(MODEL, None),          # [V, D]: vocabulary split
-    "lm_head": P(None, MODEL),        # [D, V]
-    "final_norm": P(None),            # [D]
-    "attn_norm": P(None, None),       # [L, D]
-    "q_norm": P(None, None),          # [L, Dh] (Qwen3)
+    "embed": P(MODEL, None),  # [V, D]: vocabulary split
+    "lm_head": P(None, MODEL),  # [D, V]
+    "final_norm": P(None),  # [D]
+    "attn_norm": P(None, None),  # [L, D]
+    "q_norm": P(None, None),  # [L, Dh] (Qwen3)
     "k_norm": P(None, None),
     "mlp_norm": P(None, None),
-    "q": P(None, None, MODEL),        # [L, D, H*Dh]: heads split
+    "q": P(None, None, MODEL),  # [L, D, H*Dh]: heads split
     "k": P(None, None, MODEL),
     "v": P(None, None, MODEL),
-    "q_bias": P(None, MODEL),         # [L, H*Dh]
+    "q_bias": P(None, MODEL),  # [L, H*Dh]
     "k_bias": P(None, MODEL),
     "v_bias": P(None, MODEL),
-    "o": P(None, MODEL, None),        # [L, H*Dh, D]
-    "gate": P(None, None, MODEL),     # [L, D, F]: MLP width split
+    "o": P(None, MODEL, None),  # [L, H*Dh, D]
+    "gate": P(None, None, MODEL),  # [L, D, F]: MLP width split
     "up": P(None, None, MODEL),
-    "down": P(None, MODEL, None),     # [L, F, D]
+    "down": P(None, MODEL, None),  # [L, F, D]
 }
 
 
@@ -81,14 +81,14 @@ def param_spec(name: str, shape, mesh: Mesh) -> P:
     spec = PARTITION_RULES[name]
     if len(spec) != len(shape):
         raise ValueError(f"partition rule for {name!r} has rank {len(spec)}, the parameter {len(shape)}")
-    return P(*(axis if axis is None or shape[i] % mesh.shape[axis] == 0 else None
-               for i, axis in enumerate(spec)))
+    return P(*(axis if axis is None or shape[i] % mesh.shape[axis] == 0 else None for i, axis in enumerate(spec)))
 
 
 def param_shardings(params_or_shapes, mesh: Mesh):
     """A pytree of `NamedSharding`s matching the params (arrays or ShapeDtypeStructs)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh)), params_or_shapes)
+        lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh)), params_or_shapes
+    )
 
 
 def shard_params(params, mesh: Mesh):

@@ -23,8 +23,8 @@ runs on it outside `jit`, or when it is handed to any jitted function of jaxdept
 the interventions among their arguments against the model's config before tracing,
 `check_layer_indices`). Inside a `jit` or `vmap` of your own the index is traced: negatives are
 still counted from the end, but an out-of-range traced index matches no layer and so edits
-nothing; check concrete indices yourself first with `check_layer_indices(ivs, L)`. Taps (see `jaxdepth.core.model.LayerRecord`)
-also read the queries, keys, values and attention probabilities.
+nothing; check concrete indices yourself first with `check_layer_indices(ivs, L)`. Taps (see
+`jaxdepth.core.model.LayerRecord`) also read the queries, keys, values and attention probabilities.
 
 An `Intervention` is a site name, a pure function `fn(value, layer, data) -> value` and `data`,
 a pytree of arrays. `layer` is the (traced) layer index, so one intervention can act on any
@@ -98,23 +98,33 @@ class Intervention:
             try:
                 parts = [(f"data[{key!r}]", self.data[key]) for key in self.layer_data]
             except (KeyError, IndexError, TypeError) as e:
-                raise InterventionError(f"{self._name()}: layer_data names {self.layer_data}, "
-                                        f"not entries of its data ({e})") from None
-        leaves = [(name + jax.tree_util.keystr(path), leaf) for name, part in parts
-                  for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]]
+                raise InterventionError(
+                    f"{self._name()}: layer_data names {self.layer_data}, not entries of its data ({e})"
+                ) from None
+        leaves = [
+            (name + jax.tree_util.keystr(path), leaf)
+            for name, part in parts
+            for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]
+        ]
         allowed = (num_layers, num_layers + 1) if self.site == "resid_pre" else (num_layers,)
-        expected = (f"{num_layers} (one per layer) or {num_layers + 1} (boundaries h_0..h_L, the last the "
-                    f"final residual)" if self.site == "resid_pre" else f"{num_layers} (one per layer)")
+        expected = (
+            f"{num_layers} (one per layer) or {num_layers + 1} (boundaries h_0..h_L, the last the final residual)"
+            if self.site == "resid_pre"
+            else f"{num_layers} (one per layer)"
+        )
         rows = set()
         for name, leaf in leaves:
             shape = jnp.shape(leaf)
             if not shape or shape[0] not in allowed:
-                raise InterventionError(f"{self._name()}: data indexed by layer must have {expected} rows; "
-                                        f"{name} has shape {shape}")
+                raise InterventionError(
+                    f"{self._name()}: data indexed by layer must have {expected} rows; {name} has shape {shape}"
+                )
             rows.add(shape[0])
         if len(rows) > 1:
-            raise InterventionError(f"{self._name()}: its layer-indexed data disagree on the number of rows: "
-                                    + ", ".join(f"{name} {jnp.shape(leaf)}" for name, leaf in leaves))
+            raise InterventionError(
+                f"{self._name()}: its layer-indexed data disagree on the number of rows: "
+                + ", ".join(f"{name} {jnp.shape(leaf)}" for name, leaf in leaves)
+            )
         return rows.pop() if rows else None
 
     def _layer_entry(self):
@@ -123,8 +133,9 @@ class Intervention:
         try:
             return self.data[self.layer_index]
         except (KeyError, IndexError, TypeError) as e:
-            raise InterventionError(f"{self._name()}: layer_index names {self.layer_index!r}, not an entry of its "
-                                    f"data ({e})") from None
+            raise InterventionError(
+                f"{self._name()}: layer_index names {self.layer_index!r}, not an entry of its data ({e})"
+            ) from None
 
     def _with_layer_entry(self, index) -> "Intervention":
         if self.layer_index is True:
@@ -150,11 +161,12 @@ class Intervention:
         top = num_layers if self.site == "resid_pre" else num_layers - 1
         bad = values[(values < -num_layers) | (values > top)]
         if bad.size:
-            final = (f"; {num_layers} is the final residual h_{num_layers}" if self.site == "resid_pre" else "")
+            final = f"; {num_layers} is the final residual h_{num_layers}" if self.site == "resid_pre" else ""
             raise InterventionError(
                 f"{self._name()}: layer index {bad.ravel()[0]} is out of range for a model of {num_layers} layers: "
                 f"valid are 0..{top}, or -{num_layers}..-1 counting from the end (-1 is layer {num_layers - 1})"
-                f"{final}")
+                f"{final}"
+            )
         if not (values < 0).any():
             return self
         return self._with_layer_entry(jnp.asarray(np.where(values < 0, values + num_layers, values), values.dtype))
@@ -167,15 +179,17 @@ class Intervention:
         except InterventionError as e:
             raise InterventionError(f"{self._name()}: {e}") from None
         if jnp.shape(out) != value.shape:
-            raise InterventionError(f"{self._name()}: returned shape {jnp.shape(out)}, but the site's value "
-                                    f"has shape {value.shape}")
+            raise InterventionError(
+                f"{self._name()}: returned shape {jnp.shape(out)}, but the site's value has shape {value.shape}"
+            )
         if not jnp.issubdtype(jnp.result_type(out), jnp.inexact):
             raise InterventionError(f"{self._name()}: returned {jnp.result_type(out)}, a float is needed")
         return out.astype(value.dtype)
 
 
-jax.tree_util.register_dataclass(Intervention, data_fields=["data"],
-                                 meta_fields=["site", "fn", "layer_data", "layer_index"])
+jax.tree_util.register_dataclass(
+    Intervention, data_fields=["data"], meta_fields=["site", "fn", "layer_data", "layer_index"]
+)
 
 InterventionsLike = Union[None, Intervention, Sequence[Any]]
 
@@ -188,8 +202,10 @@ def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ..
     if isinstance(interventions, Intervention):
         return (interventions,)
     if not isinstance(interventions, (tuple, list)):
-        raise TypeError(f"interventions must be None, an Intervention (jaxdepth.sites) or a sequence of them, "
-                        f"got {type(interventions).__name__}")
+        raise TypeError(
+            f"interventions must be None, an Intervention (jaxdepth.sites) or a sequence of them, "
+            f"got {type(interventions).__name__}"
+        )
     return tuple(iv for item in interventions for iv in as_interventions(item))
 
 
@@ -201,8 +217,9 @@ def check_layer_indices(interventions: InterventionsLike, num_layers: int) -> tu
     return tuple(iv.with_layer_index_checked(num_layers) for iv in as_interventions(interventions))
 
 
-def apply_at(site: str, value: Array, layer, interventions: tuple[Intervention, ...], num_layers: int, *,
-             final: bool = False) -> Array:
+def apply_at(
+    site: str, value: Array, layer, interventions: tuple[Intervention, ...], num_layers: int, *, final: bool = False
+) -> Array:
     """`value` at `site` of `layer` after every intervention on that site, in order.
 
     `final=True` is boundary L (the final residual, `site` 'resid_pre', `layer` = L): there,
@@ -292,8 +309,9 @@ def skip(site: str, layer, positions) -> Intervention:
 
     Example: `skip("delta", 3, np.arange(T) >= 1)` skips layer 3 at every position but the first.
     """
-    return Intervention(site, _skip, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32)),
-                        layer_index=0)
+    return Intervention(
+        site, _skip, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32)), layer_index=0
+    )
 
 
 def _replace(value, layer, data):
@@ -317,8 +335,12 @@ def replace(site: str, layer, positions, value) -> Intervention:
 
     Example: `replace("resid_pre", 3, np.arange(T) == 5, mean_h3)` erases position 5 of h_3.
     """
-    return Intervention(site, _replace, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                         _float(value, "the replacement value")), layer_index=0)
+    return Intervention(
+        site,
+        _replace,
+        (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32), _float(value, "the replacement value")),
+        layer_index=0,
+    )
 
 
 def _add(value, layer, data):
@@ -341,16 +363,22 @@ def add(site: str, layer, vector, positions) -> Intervention:
 
     Example: `add("resid_post", -1, 4.0 * direction, np.ones(T))` steers the last layer's output.
     """
-    return Intervention(site, _add, (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32),
-                                     _float(vector, "the added vector")), layer_index=0)
+    return Intervention(
+        site,
+        _add,
+        (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32), _float(vector, "the added vector")),
+        layer_index=0,
+    )
 
 
 def _patch(value, layer, data):
     cached, where = data
     row = cached[layer]
     if row.ndim != value.ndim or row.shape[2:] != value.shape[2:]:
-        raise InterventionError(f"a row of cached has shape {row.shape}; the site's value is {value.shape} "
-                                f"(rows must be [B, T, {', '.join(map(str, value.shape[2:]))}], B and T may be 1)")
+        raise InterventionError(
+            f"a row of cached has shape {row.shape}; the site's value is {value.shape} "
+            f"(rows must be [B, T, {', '.join(map(str, value.shape[2:]))}], B and T may be 1)"
+        )
     _check_broadcast(row.shape, value.shape, "a row of cached")
     _check_broadcast(where[layer].shape, value.shape, "a row of where")
     return jnp.where(where[layer], row.astype(value.dtype), value)
@@ -380,8 +408,7 @@ def _ablate_heads(value, layer, data):
     heads, means = data
     H, Dh = value.shape[2:]
     if heads.shape[1:] != (H,) or means.shape[1:] != (H, Dh):
-        raise InterventionError(f"heads must be [L, {H}] and means [L, {H}, {Dh}], got {heads.shape} and "
-                                f"{means.shape}")
+        raise InterventionError(f"heads must be [L, {H}] and means [L, {H}, {Dh}], got {heads.shape} and {means.shape}")
     hit = heads[layer][None, None, :, None]
     return jnp.where(hit > 0, means[layer][None, None].astype(value.dtype), value)
 

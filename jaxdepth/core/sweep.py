@@ -80,9 +80,9 @@ def _vmapped_chunk(fn):
 
     def run_chunk(xs):
         if data > 1:
-            xs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-                x, P(DATA, *([None] * (x.ndim - 1)))), xs)
+            xs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(DATA, *([None] * (x.ndim - 1)))), xs)
         return jax.vmap(fn)(xs)
+
     return run_chunk
 
 
@@ -131,8 +131,9 @@ def _data_axis_size() -> int:
     return mesh.shape[DATA]
 
 
-def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, stored: bool = False,
-                 bytes_per: int = 4) -> int:
+def member_bytes(
+    config: ModelConfig, seq_len: int, *, grad: bool = False, stored: bool = False, bytes_per: int = 4
+) -> int:
     """Rough peak activation bytes of one sweep member (one forward at batch 1, `seq_len` tokens).
 
     Counts the live layer activations (residual, q/k/v, MLP hidden, attention scores) and the
@@ -141,20 +142,31 @@ def member_bytes(config: ModelConfig, seq_len: int, *, grad: bool = False, store
     layer's matmul outputs (`jaxdepth.analyses.ig.path.suffix_value_and_grad`'s 'stored').
     """
     c = config
-    per_layer = seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                           + 3 * c.intermediate_size) + c.num_heads * seq_len * seq_len
+    per_layer = (
+        seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
+        + c.num_heads * seq_len * seq_len
+    )
     out = 3 * seq_len * c.vocab_size
     total = per_layer + out
     if grad:
-        matmul_outputs = seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                                    + 2 * c.intermediate_size) + c.num_heads * seq_len * seq_len
+        matmul_outputs = (
+            seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.intermediate_size)
+            + c.num_heads * seq_len * seq_len
+        )
         kept = c.num_layers * (matmul_outputs if stored else seq_len * c.hidden_size) + per_layer
         total += kept + out
     return total * bytes_per
 
 
-def auto_chunk_size(config: ModelConfig, seq_len: int, n_members: int, *, grad: bool = False,
-                    stored: bool = False, memory_budget: Optional[int] = None) -> int:
+def auto_chunk_size(
+    config: ModelConfig,
+    seq_len: int,
+    n_members: int,
+    *,
+    grad: bool = False,
+    stored: bool = False,
+    memory_budget: Optional[int] = None,
+) -> int:
     """The largest chunk of sweep members whose activations fit in `memory_budget` bytes
     (default: `available_memory_budget()`, read when the sweep starts)."""
     budget = available_memory_budget() if memory_budget is None else memory_budget

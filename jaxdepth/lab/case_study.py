@@ -21,8 +21,14 @@ CASE_ANALYSES = ("erasure", "integrated_gradients")
 ARITHMETIC_PROMPT = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")  # the first study's case
 
 
-def case_prompt(*, question: Optional[str] = None, answer: Optional[str] = None, dataset: Optional[str] = None,
-                row: Optional[int] = None, data_path: Optional[str] = None) -> tuple[Prompt, str]:
+def case_prompt(
+    *,
+    question: Optional[str] = None,
+    answer: Optional[str] = None,
+    dataset: Optional[str] = None,
+    row: Optional[int] = None,
+    data_path: Optional[str] = None,
+) -> tuple[Prompt, str]:
     """The prompt of a case study and its name (the dataset folder of its results).
 
     Either `question` and `answer` (the answer is what is teacher-forced and attributed), or a
@@ -55,8 +61,10 @@ def check_answer_tokens(batch, prompt: Prompt) -> int:
     of whitespace a tokenizer drops, say), since then nothing would be attributed."""
     count = int(batch.lengths[0] - batch.answer_start[0])
     if count <= 0:
-        raise ValueError(f"the answer {prompt.answer!r} encodes to no token after the question "
-                         f"{prompt.question[-20:]!r}: nothing would be attributed")
+        raise ValueError(
+            f"the answer {prompt.answer!r} encodes to no token after the question "
+            f"{prompt.question[-20:]!r}: nothing would be attributed"
+        )
     return count
 
 
@@ -65,10 +73,14 @@ def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[st
     figure, tokens aligned, the answer start marked in both."""
     from jaxdepth.lab import plots
 
-    return plots.stacked_token_figure([plots.erasure_panel(erasure_result, 0, tokenizer=tokenizer),
-                                       plots.integrated_gradients_panel(ig_result, 0, tokenizer=tokenizer)],
-                                      title=title or "Case study: residual erasure and integrated gradients",
-                                      settings=erasure_result.settings)
+    return plots.stacked_token_figure(
+        [
+            plots.erasure_panel(erasure_result, 0, tokenizer=tokenizer),
+            plots.integrated_gradients_panel(ig_result, 0, tokenizer=tokenizer),
+        ],
+        title=title or "Case study: residual erasure and integrated gradients",
+        settings=erasure_result.settings,
+    )
 
 
 def write_case_figures(results: dict, folder: str, tokenizer=None) -> list[str]:
@@ -96,6 +108,8 @@ def check_analyses(names: Sequence[str]) -> list[str]:
         raise ValueError(f"unknown analyses {unknown}; known: {', '.join(ANALYSES)}")
     not_per_prompt = [n for n in names if not ANALYSES[n].detail]
     if not_per_prompt:
-        raise ValueError(f"{', '.join(not_per_prompt)} describe a prompt set, not one prompt; a case runs the "
-                         f"per-prompt analyses: {', '.join(n for n, a in ANALYSES.items() if a.detail)}")
+        raise ValueError(
+            f"{', '.join(not_per_prompt)} describe a prompt set, not one prompt; a case runs the "
+            f"per-prompt analyses: {', '.join(n for n, a in ANALYSES.items() if a.detail)}"
+        )
     return names

@@ -24,13 +24,16 @@ def _convert(args) -> int:
     dtype = {"float32": np.float32, "bfloat16": "bfloat16"}[args.dtype]
     if dtype == "bfloat16":
         import ml_dtypes
+
         dtype = ml_dtypes.bfloat16
     start = time.perf_counter()
     converted = convert_source(args.source, dtype=dtype)
     path = save_converted(converted, args.out_dir, overwrite=args.overwrite)
     c = converted.config
-    print(f"converted {args.source} ({c.model_type}, {c.num_layers} layers, d={c.hidden_size}) "
-          f"to {path} in {time.perf_counter() - start:.1f} s")
+    print(
+        f"converted {args.source} ({c.model_type}, {c.num_layers} layers, d={c.hidden_size}) "
+        f"to {path} in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
@@ -63,11 +66,15 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
         return load_prompts("gsm8k", baseline_data, BASELINE_PROMPTS), f"gsm8k[:10] from {baseline_data}"
     if "gsm8k" in datasets:
         source = paths.get("gsm8k")
-        return (load_prompts("gsm8k", source, BASELINE_PROMPTS),
-                f"gsm8k[:10] from {source or 'the hub'} (the run's own GSM8K prompts)")
+        return (
+            load_prompts("gsm8k", source, BASELINE_PROMPTS),
+            f"gsm8k[:10] from {source or 'the hub'} (the run's own GSM8K prompts)",
+        )
     if "default" in datasets:
-        return (load_prompts("default", None, BASELINE_PROMPTS),
-                "default[:10] (the embedded prompts, offline; the studies use GSM8K test[:10]: --baseline-data)")
+        return (
+            load_prompts("default", None, BASELINE_PROMPTS),
+            "default[:10] (the embedded prompts, offline; the studies use GSM8K test[:10]: --baseline-data)",
+        )
     try:
         return load_prompts("gsm8k", None, BASELINE_PROMPTS), "gsm8k[:10] from the hub"
     except DatasetError as e:
@@ -93,11 +100,19 @@ def _study_settings(args, **kwargs):
     from jaxdepth.lab.study import StudySettings
 
     if args.ig_max_evaluations is not None and args.ig_rule != "adaptive":
-        print(f"warning: --ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule "
-              f"{args.ig_rule}", file=sys.stderr)
-    return StudySettings(seed=args.seed, ig_steps=args.ig_steps, ig_rule=args.ig_rule, ig_target=args.ig_target,
-                         ig_tolerance=args.ig_tolerance, **kwargs,
-                         **({} if args.ig_max_evaluations is None else {"ig_max_evaluations": args.ig_max_evaluations}))
+        print(
+            f"warning: --ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule {args.ig_rule}",
+            file=sys.stderr,
+        )
+    return StudySettings(
+        seed=args.seed,
+        ig_steps=args.ig_steps,
+        ig_rule=args.ig_rule,
+        ig_target=args.ig_target,
+        ig_tolerance=args.ig_tolerance,
+        **kwargs,
+        **({} if args.ig_max_evaluations is None else {"ig_max_evaluations": args.ig_max_evaluations}),
+    )
 
 
 def _run(args) -> int:
@@ -114,9 +129,11 @@ def _run(args) -> int:
     not_loaded = [p for p in plugins if p.error is not None]
     if not_loaded:  # stop now: a misspelt plugin should cost a second, not a run of the whole suite
         _report_plugin_failures([(p.label, "failed to load", p.error) for p in not_loaded])
-        print(f"error: nothing was run; plugins that failed to load: {', '.join(p.label for p in not_loaded)} "
-              "(correct the --plugin MODULE:OBJECT, or fix or uninstall the distribution of an entry point)",
-              file=sys.stderr)
+        print(
+            f"error: nothing was run; plugins that failed to load: {', '.join(p.label for p in not_loaded)} "
+            "(correct the --plugin MODULE:OBJECT, or fix or uninstall the distribution of an entry point)",
+            file=sys.stderr,
+        )
         return 2
     plugin_of = owners(plugins)
     failures = Failures(isolated=plugin_of)  # a plugin's analysis may fail; the others' results are kept
@@ -125,33 +142,62 @@ def _run(args) -> int:
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
     if "layer_skip" in analyses and args.skip_mode == "current" and args.skip_split != "sampled":
-        raise ValueError("--skip-split applies to --skip-mode future; the current mode skips and measures every position")
+        raise ValueError(
+            "--skip-split applies to --skip-mode future; the current mode skips and measures every position"
+        )
     paths = _data_paths(args.data, args.dataset)
     # Read every prompt set before the model: a bad file should fail in a second, not after a load.
-    texts = {name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
-             for name in args.dataset}
-    baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
-                                     if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
+    texts = {
+        name: load_prompts(name, paths.get(name), limit=None if DATASETS[name].max_tokens else args.prompts)
+        for name in args.dataset
+    }
+    baseline_texts, baseline_name = (
+        erasure_baseline_prompts(args.baseline_data, args.dataset, paths)
+        if any(ANALYSES[a].uses_baseline for a in analyses)
+        else (None, None)
+    )
     mesh = mesh_from_args(args)
     model, model_name = _load_model(args, mesh, start)
 
     def encoded(name, prompts, limit):
-        return encode(model.tokenizer, prompts, max_tokens=DATASETS[name].max_tokens,
-                      context=model.config.max_position_embeddings, limit=limit, buckets=args.length_buckets)
+        return encode(
+            model.tokenizer,
+            prompts,
+            max_tokens=DATASETS[name].max_tokens,
+            context=model.config.max_position_embeddings,
+            limit=limit,
+            buckets=args.length_buckets,
+        )
 
     baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, BASELINE_PROMPTS)
     sublayers = tuple(args.skip_sublayers.split(","))
     if not set(sublayers) <= {"layer", "attn", "mlp"}:
         raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
-    settings = _study_settings(args, num_prompts=args.prompts, detail_prompts=args.detail_prompts,
-                               skip_sublayers=sublayers, skip_mode=args.skip_mode, skip_split=args.skip_split)
+    settings = _study_settings(
+        args,
+        num_prompts=args.prompts,
+        detail_prompts=args.detail_prompts,
+        skip_sublayers=sublayers,
+        skip_mode=args.skip_mode,
+        skip_split=args.skip_split,
+    )
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
         print(f"{name}: {len(batch)} prompts, {int(batch.valid.sum())} tokens")
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-            results = run_study(model, model_name, name, batch, args.out, analyses=analyses, settings=settings,
-                                baseline_batch=baseline, baseline_name=baseline_name, failures=failures)
+            results = run_study(
+                model,
+                model_name,
+                name,
+                batch,
+                args.out,
+                analyses=analyses,
+                settings=settings,
+                baseline_batch=baseline,
+                baseline_name=baseline_name,
+                failures=failures,
+            )
         if not is_writer():  # multi-host: process 0 alone writes figures, the summary and the table
             continue
         if not args.no_figures:
@@ -198,22 +244,38 @@ def _case(args) -> int:
         raise ValueError(f"two models given: {args.source} and --model {args.model}")
     args.model = args.model or args.source or "smollm2"
     analyses = check_analyses(args.analyses.split(","))
-    prompt, name = case_prompt(question=args.prompt, answer=args.answer, dataset=args.dataset, row=args.row,
-                               data_path=args.data)
+    prompt, name = case_prompt(
+        question=args.prompt, answer=args.answer, dataset=args.dataset, row=args.row, data_path=args.data
+    )
     datasets = [args.dataset or "default"]
-    baseline_texts, baseline_name = (erasure_baseline_prompts(args.baseline_data, datasets, {args.dataset: args.data})
-                                     if any(ANALYSES[a].uses_baseline for a in analyses) else (None, None))
+    baseline_texts, baseline_name = (
+        erasure_baseline_prompts(args.baseline_data, datasets, {args.dataset: args.data})
+        if any(ANALYSES[a].uses_baseline for a in analyses)
+        else (None, None)
+    )
     model, model_name = _load_model(args, None, start)
     context = model.config.max_position_embeddings
     batch = encode(model.tokenizer, [prompt], context=context, buckets=args.length_buckets)
-    baseline = None if baseline_texts is None else encode(model.tokenizer, baseline_texts, context=context,
-                                                          buckets=args.length_buckets,
-                                                          limit=BASELINE_PROMPTS)
+    baseline = (
+        None
+        if baseline_texts is None
+        else encode(
+            model.tokenizer, baseline_texts, context=context, buckets=args.length_buckets, limit=BASELINE_PROMPTS
+        )
+    )
     answer_tokens = check_answer_tokens(batch, prompt)
     print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
-    results = run_study(model, model_name, name, batch, args.out, analyses=analyses,
-                        settings=_study_settings(args, num_prompts=1), baseline_batch=baseline,
-                        baseline_name=baseline_name)
+    results = run_study(
+        model,
+        model_name,
+        name,
+        batch,
+        args.out,
+        analyses=analyses,
+        settings=_study_settings(args, num_prompts=1),
+        baseline_batch=baseline,
+        baseline_name=baseline_name,
+    )
     if baseline_name is not None:
         print(f"erasure baseline: {baseline_name}")
     for analysis_name, result in results.items():
@@ -247,22 +309,31 @@ def _tuned_lens(args) -> int:
     prompts = load_prompts(args.dataset, args.data)
     train, held_out = prompts[train_rows], prompts[eval_rows]
     if not train or not held_out:
-        raise ValueError(f"{args.dataset} has {len(prompts)} rows: rows {args.train_rows} (training) and "
-                         f"{args.eval_rows} (evaluation) must both select some")
+        raise ValueError(
+            f"{args.dataset} has {len(prompts)} rows: rows {args.train_rows} (training) and "
+            f"{args.eval_rows} (evaluation) must both select some"
+        )
     rows = lambda s: set(range(*s.indices(len(prompts))))  # noqa: E731
     if rows(train_rows) & rows(eval_rows):
         raise ValueError("the training and evaluation rows overlap: a lens must be read on prompts it never saw")
     model = load(args.model)
     context = model.config.max_position_embeddings
-    settings = LensTrainingSettings(steps=args.steps, tokens_per_step=args.tokens_per_step,
-                                    learning_rate=args.learning_rate, seed=args.seed)
+    settings = LensTrainingSettings(
+        steps=args.steps, tokens_per_step=args.tokens_per_step, learning_rate=args.learning_rate, seed=args.seed
+    )
     out = os.path.join(args.out, slug(args.model), slug(args.dataset))
-    print(f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
-          f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}")
-    comparison = compare_lenses(model, encode(model.tokenizer, train, context=context, buckets=args.length_buckets),
-                                encode(model.tokenizer, held_out, context=context, buckets=args.length_buckets),
-                                settings,
-                                os.path.join(out, "lens"), weighting=args.weighting)
+    print(
+        f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
+        f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}"
+    )
+    comparison = compare_lenses(
+        model,
+        encode(model.tokenizer, train, context=context, buckets=args.length_buckets),
+        encode(model.tokenizer, held_out, context=context, buckets=args.length_buckets),
+        settings,
+        os.path.join(out, "lens"),
+        weighting=args.weighting,
+    )
     for path in save_comparison(comparison, out, figures=not args.no_figures, resamples=args.bootstrap):
         print(f"wrote {path}")
     print(comparison_markdown(comparison.results, resamples=args.bootstrap), end="")
@@ -284,21 +355,37 @@ def _dataset_names() -> list[str]:
 
 def _ig_arguments(parser):
     parser.add_argument("--ig-steps", type=int, default=256, help="integration steps (default 256, the studies')")
-    parser.add_argument("--ig-rule", choices=["left", "midpoint", "gauss", "adaptive"], default="left",
-                        help="quadrature: left Riemann (default, the published rule), midpoint, Gauss-Legendre "
-                             "(all --ig-steps nodes), or adaptive: nodes placed per layer until a certified "
-                             "completeness bound is below --ig-tolerance (its figure marks layers that did not get "
-                             "there within the budget)")
-    parser.add_argument("--ig-tolerance", type=float, default=0.01,
-                        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, "
-                             "or to a tenth of |F(x)| where F moves less along the path (default 0.01)")
-    parser.add_argument("--ig-max-evaluations", type=_evaluation_budget, metavar="N",
-                        help="--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not "
-                             "reached --ig-tolerance by then is reported as not converged (default: --ig-steps, "
-                             "never more than the fixed rule)")
-    parser.add_argument("--ig-target", choices=["layer", "attn", "mlp"], default="layer",
-                        help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
-                             "attention output a_l or its MLP output m_l")
+    parser.add_argument(
+        "--ig-rule",
+        choices=["left", "midpoint", "gauss", "adaptive"],
+        default="left",
+        help="quadrature: left Riemann (default, the published rule), midpoint, Gauss-Legendre "
+        "(all --ig-steps nodes), or adaptive: nodes placed per layer until a certified "
+        "completeness bound is below --ig-tolerance (its figure marks layers that did not get "
+        "there within the budget)",
+    )
+    parser.add_argument(
+        "--ig-tolerance",
+        type=float,
+        default=0.01,
+        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, "
+        "or to a tenth of |F(x)| where F moves less along the path (default 0.01)",
+    )
+    parser.add_argument(
+        "--ig-max-evaluations",
+        type=_evaluation_budget,
+        metavar="N",
+        help="--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not "
+        "reached --ig-tolerance by then is reported as not converged (default: --ig-steps, "
+        "never more than the fixed rule)",
+    )
+    parser.add_argument(
+        "--ig-target",
+        choices=["layer", "attn", "mlp"],
+        default="layer",
+        help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
+        "attention output a_l or its MLP output m_l",
+    )
 
 
 def _evaluation_budget(text: str) -> int:
@@ -313,22 +400,35 @@ def _evaluation_budget(text: str) -> int:
 
 
 def _dtype_argument(parser):
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="bfloat16: weights and activations in bf16, statistics in float32")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16: weights and activations in bf16, statistics in float32",
+    )
 
 
 def _compiling_arguments(parser):
     """Options of the commands that compile: the persistent compilation cache and the length
     buckets prompts are padded to."""
-    parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
-                        help="compile everything anew, keeping nothing (default: compiled programs are kept in "
-                             "$JAXDEPTH_CACHE/xla and reused by any later run of the same shapes)")
-    parser.add_argument("--length-buckets", type=_length_buckets, default="geometric", metavar="POLICY",
-                        help="the lengths prompts are padded to, so that prompts of many lengths share a few "
-                             "compiled sweeps: 'geometric' (default: 16, 24, 32, 48, 64, 96, ..., padding a prompt "
-                             "by a fifth on average, at most a half), 'geometric:N' (the same ladder from N) or "
-                             "'multiple:N' (every multiple of N: the least padding, the most compilations). "
-                             "Results do not depend on it")
+    parser.add_argument(
+        "--no-compilation-cache",
+        dest="compilation_cache",
+        action="store_false",
+        help="compile everything anew, keeping nothing (default: compiled programs are kept in "
+        "$JAXDEPTH_CACHE/xla and reused by any later run of the same shapes)",
+    )
+    parser.add_argument(
+        "--length-buckets",
+        type=_length_buckets,
+        default="geometric",
+        metavar="POLICY",
+        help="the lengths prompts are padded to, so that prompts of many lengths share a few "
+        "compiled sweeps: 'geometric' (default: 16, 24, 32, 48, 64, 96, ..., padding a prompt "
+        "by a fifth on average, at most a half), 'geometric:N' (the same ladder from N) or "
+        "'multiple:N' (every multiple of N: the least padding, the most compilations). "
+        "Results do not depend on it",
+    )
 
 
 def _length_buckets(text: str):
@@ -342,9 +442,14 @@ def _length_buckets(text: str):
 
 
 def _bootstrap_argument(parser):
-    parser.add_argument("--bootstrap", type=int, default=1000, metavar="N",
-                        help="bootstrap resamples of the prompts for the effective depths' 95%% intervals in the "
-                             "table (seeded; default 1000; 0: bare integers, no intervals)")
+    parser.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="bootstrap resamples of the prompts for the effective depths' 95%% intervals in the "
+        "table (seeded; default 1000; 0: bare integers, no intervals)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,93 +465,160 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the analyses on a model and prompt set")
     run.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
-    run.add_argument("--dataset", nargs="+", default=["default"], choices=_dataset_names(),
-                     help="default: short arithmetic prompts shipped with jaxdepth (no network needed)")
-    run.add_argument("--data", action="append", metavar="[NAME=]PATH",
-                     help="local JSONL file for a dataset (default: the hub via `datasets`)")
+    run.add_argument(
+        "--dataset",
+        nargs="+",
+        default=["default"],
+        choices=_dataset_names(),
+        help="default: short arithmetic prompts shipped with jaxdepth (no network needed)",
+    )
+    run.add_argument(
+        "--data",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="local JSONL file for a dataset (default: the hub via `datasets`)",
+    )
     run.add_argument("--prompts", type=int, default=10)
-    run.add_argument("--detail-prompts", type=int,
-                     help="prompts for erasure and integrated gradients, the per-position sweeps (default: all)")
-    run.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
-                     "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub")
-    run.add_argument("--analyses", help="comma-separated subset of the registered analyses: "
-                     f"{','.join(_analysis_names())} and the plugins' (default: all). attribution_patching and "
-                     "grad_x_act are first-order screening estimates (one backward pass per prompt): confirm what "
-                     "they find with the exact erasure")
-    run.add_argument("--plugin", action="append", metavar="MODULE:OBJECT",
-                     help="add the analysis of a plugin (repeatable): OBJECT, an attribute of the importable "
-                          "MODULE, must be a jaxdepth.lab.registry.Analysis; it is registered and runs, caches, "
-                          "resumes, draws and sums up like a built-in one. The entry points of the group "
-                          "'jaxdepth.analyses' of installed distributions (NAME = MODULE:OBJECT) are loaded too. "
-                          "A name taken by a built-in or another plugin, or a plugin that fails to load, stops the "
-                          "run before any analysis runs (exit status 2); a plugin whose analysis raises is "
-                          "reported and the others' results are kept, with exit status 1")
+    run.add_argument(
+        "--detail-prompts",
+        type=int,
+        help="prompts for erasure and integrated gradients, the per-position sweeps (default: all)",
+    )
+    run.add_argument(
+        "--baseline-data",
+        help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
+        "default: the run's GSM8K prompts, else the embedded prompts (offline), else the hub",
+    )
+    run.add_argument(
+        "--analyses",
+        help="comma-separated subset of the registered analyses: "
+        f"{','.join(_analysis_names())} and the plugins' (default: all). attribution_patching and "
+        "grad_x_act are first-order screening estimates (one backward pass per prompt): confirm what "
+        "they find with the exact erasure",
+    )
+    run.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE:OBJECT",
+        help="add the analysis of a plugin (repeatable): OBJECT, an attribute of the importable "
+        "MODULE, must be a jaxdepth.lab.registry.Analysis; it is registered and runs, caches, "
+        "resumes, draws and sums up like a built-in one. The entry points of the group "
+        "'jaxdepth.analyses' of installed distributions (NAME = MODULE:OBJECT) are loaded too. "
+        "A name taken by a built-in or another plugin, or a plugin that fails to load, stops the "
+        "run before any analysis runs (exit status 2); a plugin whose analysis raises is "
+        "reported and the others' results are kept, with exit status 1",
+    )
     run.add_argument("--seed", type=int, default=123)
-    run.add_argument("--skip-sublayers", default="layer,attn,mlp",
-                     help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)")
-    run.add_argument("--skip-mode", choices=["future", "current"], default="future",
-                     help="layer skip: 'future' skips before split positions (--skip-split) and measures after them "
-                          "(the first study's main analysis); 'current' skips every position but 0 and measures "
-                          "every position")
-    run.add_argument("--skip-split", choices=["sampled", "answer_start"], default="sampled",
-                     help="future layer skip: split at 4 sampled positions per prompt (default, METHODS §3) or at "
-                          "the start of the answer (the first study's depth-against-difficulty runs)")
+    run.add_argument(
+        "--skip-sublayers",
+        default="layer,attn,mlp",
+        help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)",
+    )
+    run.add_argument(
+        "--skip-mode",
+        choices=["future", "current"],
+        default="future",
+        help="layer skip: 'future' skips before split positions (--skip-split) and measures after them "
+        "(the first study's main analysis); 'current' skips every position but 0 and measures "
+        "every position",
+    )
+    run.add_argument(
+        "--skip-split",
+        choices=["sampled", "answer_start"],
+        default="sampled",
+        help="future layer skip: split at 4 sampled positions per prompt (default, METHODS §3) or at "
+        "the start of the answer (the first study's depth-against-difficulty runs)",
+    )
     _ig_arguments(run)
     run.add_argument("--out", default="results")
     _bootstrap_argument(run)
     run.add_argument("--no-figures", action="store_true", help="save results only")
     run.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 2x4 (default: one device)")
-    run.add_argument("--distributed", action="store_true",
-                     help="multi-host: call jax.distributed.initialize() first (TPU pods, multi-node GPU); every "
-                          "process runs the same command, process 0 alone writes")
-    run.add_argument("--coordinator", metavar="HOST:PORT",
-                     help="with --distributed, where cluster auto-detection does not apply: process 0's address")
+    run.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first (TPU pods, multi-node GPU); every "
+        "process runs the same command, process 0 alone writes",
+    )
+    run.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="with --distributed, where cluster auto-detection does not apply: process 0's address",
+    )
     run.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
     run.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
     _dtype_argument(run)
     _compiling_arguments(run)
     run.set_defaults(func=_run)
 
-    case = sub.add_parser("case", help="one prompt looked at closely: residual erasure and integrated gradients of "
-                                       "a question and its answer, with figures")
+    case = sub.add_parser(
+        "case",
+        help="one prompt looked at closely: residual erasure and integrated gradients of "
+        "a question and its answer, with figures",
+    )
     case.add_argument("source", nargs="?", metavar="MODEL", help="anything jaxdepth.load accepts (default: smollm2)")
     case.add_argument("--model", help="the model, as `run` takes it (instead of the positional MODEL)")
-    case.add_argument("--prompt", help="the question text, exactly as the model reads it (e.g. '5 + 7 + 5 + 3 + 1 + 7 = ')")
+    case.add_argument(
+        "--prompt", help="the question text, exactly as the model reads it (e.g. '5 + 7 + 5 + 3 + 1 + 7 = ')"
+    )
     case.add_argument("--answer", help="the answer that follows it, teacher-forced and attributed (e.g. 28)")
-    case.add_argument("--dataset", choices=_dataset_names(),
-                      help="instead of --prompt: a row of a dataset, formatted as the studies do")
+    case.add_argument(
+        "--dataset",
+        choices=_dataset_names(),
+        help="instead of --prompt: a row of a dataset, formatted as the studies do",
+    )
     case.add_argument("--row", type=int, help="with --dataset: the row, 0-based")
     case.add_argument("--data", metavar="PATH", help="with --dataset: a local JSONL file (default: the hub)")
-    case.add_argument("--analyses", default="erasure,integrated_gradients",
-                      help="per-prompt analyses to run (default: erasure,integrated_gradients; also "
-                           "attribution_patching, grad_x_act)")
-    case.add_argument("--baseline-data", help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
-                      "default: as `run` (the dataset's GSM8K prompts, else the embedded prompts)")
+    case.add_argument(
+        "--analyses",
+        default="erasure,integrated_gradients",
+        help="per-prompt analyses to run (default: erasure,integrated_gradients; also "
+        "attribution_patching, grad_x_act)",
+    )
+    case.add_argument(
+        "--baseline-data",
+        help="GSM8K JSONL for the erasure baseline (its first 10 prompts); "
+        "default: as `run` (the dataset's GSM8K prompts, else the embedded prompts)",
+    )
     case.add_argument("--seed", type=int, default=123)
     _ig_arguments(case)
     _dtype_argument(case)
-    case.add_argument("--out", default="results", help="results under OUT/<model>/case_<prompt>/, figures in its "
-                      "figures/ (case.png: erasure above IG); a rerun reuses them")
+    case.add_argument(
+        "--out",
+        default="results",
+        help="results under OUT/<model>/case_<prompt>/, figures in its "
+        "figures/ (case.png: erasure above IG); a rerun reuses them",
+    )
     case.add_argument("--no-figures", action="store_true", help="save results only")
     _compiling_arguments(case)
     case.set_defaults(func=_case)
 
-    lens = sub.add_parser("tuned-lens",
-                          help="train a tuned lens and read held-out prompts through it and the logit lens")
+    lens = sub.add_parser(
+        "tuned-lens", help="train a tuned lens and read held-out prompts through it and the logit lens"
+    )
     lens.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
     lens.add_argument("--dataset", default="gsm8k", choices=_dataset_names())
     lens.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")
     lens.add_argument("--train-rows", default="10:250", help="rows to train on, START:STOP (default 10:250)")
     lens.add_argument("--eval-rows", default="0:10", help="held-out rows to read, START:STOP (default 0:10)")
     lens.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    lens.add_argument("--tokens-per-step", type=int, default=64,
-                      help="tokens drawn per step, all layers of each (default 64)")
+    lens.add_argument(
+        "--tokens-per-step", type=int, default=64, help="tokens drawn per step, all layers of each (default 64)"
+    )
     lens.add_argument("--learning-rate", type=float, default=1e-3, help="Adam peak learning rate (default 1e-3)")
     lens.add_argument("--seed", type=int, default=0, help="token-draw seed (default 0)")
-    lens.add_argument("--weighting", choices=["prompt", "token"], default="prompt",
-                      help="how the held-out curves average over prompts (as `run`)")
-    lens.add_argument("--out", default="results", help="the lens, both results, table and figure go under "
-                      "OUT/<model>/<dataset>/; a rerun resumes the training from its last checkpoint")
+    lens.add_argument(
+        "--weighting",
+        choices=["prompt", "token"],
+        default="prompt",
+        help="how the held-out curves average over prompts (as `run`)",
+    )
+    lens.add_argument(
+        "--out",
+        default="results",
+        help="the lens, both results, table and figure go under "
+        "OUT/<model>/<dataset>/; a rerun resumes the training from its last checkpoint",
+    )
     _bootstrap_argument(lens)
     lens.add_argument("--no-figures", action="store_true")
     _compiling_arguments(lens)

@@ -18,6 +18,7 @@ from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effect
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings
 from jaxdepth.core.batch import PromptBatch
 
+
 @dataclasses.dataclass
 class LensComparison:
     """Both lenses' results on the held-out prompts, the training loss per step run now and the
@@ -37,8 +38,16 @@ def parse_rows(spec: str) -> slice:
     return slice(start, stop)
 
 
-def compare_lenses(model, train: PromptBatch, held_out: PromptBatch, settings: LensTrainingSettings, lens_dir: str,
-                   *, weighting: str = "prompt", progress: bool = True) -> LensComparison:
+def compare_lenses(
+    model,
+    train: PromptBatch,
+    held_out: PromptBatch,
+    settings: LensTrainingSettings,
+    lens_dir: str,
+    *,
+    weighting: str = "prompt",
+    progress: bool = True,
+) -> LensComparison:
     """Train (or resume, or reuse) the tuned lens in `lens_dir` on `train`, then read `held_out`
     through the logit lens and the tuned lens. The lens folder records what it was trained on
     (the training tokens and the model's config): other data or another model is an error."""
@@ -52,16 +61,23 @@ def compare_lenses(model, train: PromptBatch, held_out: PromptBatch, settings: L
         data = tuned_lens.residual_tokens(params, train, config, progress=progress)
         seconds["residuals"] = time.perf_counter() - start
         start = time.perf_counter()
-        lens, losses = tuned_lens.train_tuned_lens(params, data, config, settings, checkpoint_dir=lens_dir,
-                                                   data_identity=identity, progress=progress)
+        lens, losses = tuned_lens.train_tuned_lens(
+            params, data, config, settings, checkpoint_dir=lens_dir, data_identity=identity, progress=progress
+        )
         seconds["training"] = time.perf_counter() - start
         del data
     start = time.perf_counter()
-    meta = {"train_tokens": int(train.valid.sum()), "train_prompts": len(train),
-            "training": dataclasses.asdict(settings)}
-    results = {"logit lens": logit_lens.logit_lens(params, held_out, config, weighting=weighting, settings=meta),
-               "tuned lens": logit_lens.logit_lens(params, held_out, config, weighting=weighting, settings=meta,
-                                                   translators=lens.translators())}
+    meta = {
+        "train_tokens": int(train.valid.sum()),
+        "train_prompts": len(train),
+        "training": dataclasses.asdict(settings),
+    }
+    results = {
+        "logit lens": logit_lens.logit_lens(params, held_out, config, weighting=weighting, settings=meta),
+        "tuned lens": logit_lens.logit_lens(
+            params, held_out, config, weighting=weighting, settings=meta, translators=lens.translators()
+        ),
+    }
     seconds["evaluation"] = time.perf_counter() - start
     return LensComparison(results, losses, seconds)
 
@@ -69,26 +85,34 @@ def compare_lenses(model, train: PromptBatch, held_out: PromptBatch, settings: L
 def _cell(point, interval: Optional[uncertainty.DepthInterval]) -> str:
     if not point.found:
         return "none"
-    bounds = "" if interval is None else " [{}, {}]".format(*("none" if b is None else b
-                                                             for b in (interval.low, interval.high)))
+    bounds = (
+        ""
+        if interval is None
+        else " [{}, {}]".format(*("none" if b is None else b for b in (interval.low, interval.high)))
+    )
     return f"{point.layer}{bounds} ({point.ratio:.2f})"
 
 
 def comparison_markdown(results: dict, *, resamples: int = uncertainty.DEFAULT_RESAMPLES) -> str:
     """One row per lens: its KL and overlap effective depths, with bootstrap intervals over the
     prompts when `resamples > 0`."""
-    lines = ["| lens | KL ED [95%] (ratio) | overlap ED [95%] (ratio) | KL at l=0 | KL at l=L/2 |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| lens | KL ED [95%] (ratio) | overlap ED [95%] (ratio) | KL at l=0 | KL at l=L/2 |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         intervals = uncertainty.effective_depth_intervals(r, resamples=resamples) if resamples else {}
         kl, overlap = kl_effective_depth(r.kl), overlap_effective_depth(r.overlap)
-        lines.append(f"| {name} | {_cell(kl, intervals.get('kl'))} | {_cell(overlap, intervals.get('overlap'))} "
-                     f"| {r.kl[0]:.2f} | {r.kl[len(r.kl) // 2]:.2f} |")
+        lines.append(
+            f"| {name} | {_cell(kl, intervals.get('kl'))} | {_cell(overlap, intervals.get('overlap'))} "
+            f"| {r.kl[0]:.2f} | {r.kl[len(r.kl) // 2]:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def save_comparison(comparison: LensComparison, out_dir: str, *, figures: bool = True,
-                    resamples: int = uncertainty.DEFAULT_RESAMPLES) -> list[str]:
+def save_comparison(
+    comparison: LensComparison, out_dir: str, *, figures: bool = True, resamples: int = uncertainty.DEFAULT_RESAMPLES
+) -> list[str]:
     """Both results (`.npz`), the table (`.md`) and the figure (`.png`, `.pdf`) into `out_dir`,
     each written atomically; returns the paths."""
     from jaxdepth.core.atomic import atomic_write
@@ -105,4 +129,3 @@ def save_comparison(comparison: LensComparison, out_dir: str, *, figures: bool =
         fig = plots.lens_comparison_figure(comparison.results, resamples=resamples)
         paths.extend(plots.save_figure(fig, os.path.join(out_dir, "lens_comparison")))
     return paths
-

@@ -33,8 +33,11 @@ class Model(ModelWeights):
     @classmethod
     def of(cls, weights: ModelWeights) -> "Model":
         """The converted `weights` as a `Model` (the same arrays, no copy)."""
-        return weights if isinstance(weights, cls) else cls(**{f.name: getattr(weights, f.name)
-                                                               for f in dataclasses.fields(ModelWeights)})
+        return (
+            weights
+            if isinstance(weights, cls)
+            else cls(**{f.name: getattr(weights, f.name) for f in dataclasses.fields(ModelWeights)})
+        )
 
     @functools.cached_property
     def module(self):
@@ -72,8 +75,9 @@ class Model(ModelWeights):
 
         return integrated_gradients(self.params, token_ids, self.config, metric, **options)
 
-    def site_gradients(self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None,
-                       positions=None):
+    def site_gradients(
+        self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None, positions=None
+    ):
         """`jaxdepth.analyses.attribution.site_gradients` on this model, jitted: a
         `SiteGradients` with the gradient of the scalar `metric(logits)` at each of `sites` of
         every layer, and the values there, each `[L, B, T, ...]` (`resid_pre`: L+1 rows, the
@@ -82,8 +86,9 @@ class Model(ModelWeights):
         `metric` is static: define it once."""
         tokens, valid = self._checked(token_ids, valid)
         positions = None if positions is None else jnp.asarray(positions, jnp.int32)
-        return _jit_site_gradients(self.params, tokens, self.config, metric, tuple(sites), valid, interventions,
-                                   positions)
+        return _jit_site_gradients(
+            self.params, tokens, self.config, metric, tuple(sites), valid, interventions, positions
+        )
 
     def _checked(self, token_ids, valid):
         tokens = np.asarray(token_ids)
@@ -115,5 +120,6 @@ def _jit_run(params, tokens, config, valid, interventions, tap):
 def _jit_site_gradients(params, tokens, config, metric, sites, valid, interventions, positions):
     from jaxdepth.analyses.attribution import site_gradients
 
-    return site_gradients(params, tokens, config, metric, sites, valid=valid, interventions=interventions,
-                          positions=positions)
+    return site_gradients(
+        params, tokens, config, metric, sites, valid=valid, interventions=interventions, positions=positions
+    )

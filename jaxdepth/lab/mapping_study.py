@@ -62,6 +62,7 @@ class MappingSettings:
 
 # ----------------------------------------------------------------------------- tokenizers
 
+
 def check_same_tokenizer(small: Model, large: Model, small_batch: PromptBatch, large_batch: PromptBatch) -> None:
     """Raise a ValueError unless both models have a tokenizer with the same vocabulary and the
     prompts encode to the same token ids (only then is token t the same input to both)."""
@@ -73,17 +74,25 @@ def check_same_tokenizer(small: Model, large: Model, small_batch: PromptBatch, l
         differing = sorted(set(vocab_s.items()) ^ set(vocab_l.items()), key=lambda kv: kv[1])[:3]
         raise ValueError(
             f"the models' tokenizers differ ({small.source}: {len(vocab_s)} tokens, {large.source}: {len(vocab_l)} "
-            f"tokens; e.g. {differing}): a layer mapping needs two models that read the same tokens")
-    same = (small_batch.valid.shape == large_batch.valid.shape and np.array_equal(small_batch.valid, large_batch.valid)
-            and np.array_equal(small_batch.tokens[small_batch.valid], large_batch.tokens[large_batch.valid]))
+            f"tokens; e.g. {differing}): a layer mapping needs two models that read the same tokens"
+        )
+    same = (
+        small_batch.valid.shape == large_batch.valid.shape
+        and np.array_equal(small_batch.valid, large_batch.valid)
+        and np.array_equal(small_batch.tokens[small_batch.valid], large_batch.tokens[large_batch.valid])
+    )
     if not same:
-        raise ValueError(f"the prompts encode to different token ids with the tokenizers of {small.source} and "
-                         f"{large.source}: a layer mapping needs two models that read the same tokens")
+        raise ValueError(
+            f"the prompts encode to different token ids with the tokenizers of {small.source} and "
+            f"{large.source}: a layer mapping needs two models that read the same tokens"
+        )
     ids = small_batch.tokens[small_batch.valid]
     for model in (small, large):
         if ids.size and ids.max() >= model.config.vocab_size:
-            raise ValueError(f"token id {ids.max()} is outside the embedding of {model.source} "
-                             f"(vocab_size {model.config.vocab_size})")
+            raise ValueError(
+                f"token id {ids.max()} is outside the embedding of {model.source} "
+                f"(vocab_size {model.config.vocab_size})"
+            )
 
 
 def _vocabulary(tokenizer) -> Optional[dict]:
@@ -92,6 +101,7 @@ def _vocabulary(tokenizer) -> Optional[dict]:
 
 
 # ----------------------------------------------------------------------------- the computation
+
 
 def _flat_residuals(params, tokens, valid, config: ModelConfig):
     """Every boundary's residual as `[L+1, B*T, D]` (tokens flattened, B = 1 here)."""
@@ -112,8 +122,7 @@ def _train_step(stats, small_params, large_params, tokens, valid, small_config, 
 
 
 @partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="sums")
-def _heldout_step(sums, fit, small_params, large_params, tokens, valid, *, small_config, large_config,
-                  first_position):
+def _heldout_step(sums, fit, small_params, large_params, tokens, valid, *, small_config, large_config, first_position):
     """Both models' residual streams of one held-out prompt, their map errors added to the sums."""
     xs = _flat_residuals(small_params, tokens, valid, small_config)
     ys = _flat_residuals(large_params, tokens, valid, large_config)
@@ -135,52 +144,82 @@ def _place_statistics(stats: layer_mapping.MappingStatistics, mesh) -> layer_map
     if stats.xy.shape[-1] % mesh.size:
         # Replicating the cross-products would put all of them on every device: for 1.5B -> 14B
         # that is 45 GB each, so refuse rather than fail later for memory.
-        raise ValueError(f"the larger model's width {stats.xy.shape[-1]} does not divide over the mesh's "
-                         f"{mesh.size} devices; choose a mesh whose size divides it")
+        raise ValueError(
+            f"the larger model's width {stats.xy.shape[-1]} does not divide over the mesh's "
+            f"{mesh.size} devices; choose a mesh whose size divides it"
+        )
 
     def sharding(x, split: bool):
         return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes)) if split else NamedSharding(mesh, P())
 
-    return jax.device_put(stats, layer_mapping.MappingStatistics(
-        sharding(stats.count, False), sharding(stats.x_mean, False), sharding(stats.y_mean, True),
-        sharding(stats.xx, False), sharding(stats.xy, True)))
+    return jax.device_put(
+        stats,
+        layer_mapping.MappingStatistics(
+            sharding(stats.count, False),
+            sharding(stats.x_mean, False),
+            sharding(stats.y_mean, True),
+            sharding(stats.xx, False),
+            sharding(stats.xy, True),
+        ),
+    )
 
 
-def compute_mapping(small: Model, large: Model, train: PromptBatch, held_out: PromptBatch,
-                    settings: MappingSettings = MappingSettings(), *, mesh=None, progress: bool = True,
-                    names: tuple[str, str, str] = ("small", "large", "prompts")) -> LayerMappingResult:
+def compute_mapping(
+    small: Model,
+    large: Model,
+    train: PromptBatch,
+    held_out: PromptBatch,
+    settings: MappingSettings = MappingSettings(),
+    *,
+    mesh=None,
+    progress: bool = True,
+    names: tuple[str, str, str] = ("small", "large", "prompts"),
+) -> LayerMappingResult:
     """Fit on `train`, measure on `held_out` (batches with the same token ids for both models),
     one jitted call per prompt; `names` = (small model, large model, dataset) for the result."""
     cs, cl = small.config, large.config
-    stats = _place_statistics(layer_mapping.empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1,
-                                                             cl.hidden_size), mesh)
+    stats = _place_statistics(
+        layer_mapping.empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1, cl.hidden_size), mesh
+    )
     step = dict(small_config=cs, large_config=cl, first_position=settings.first_position)
     for i in tqdm(range(len(train)), desc="layer mapping: fit", disable=not progress):
         one = train.single(i, PAD_TO)
         stats = _train_step(stats, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step)
     train_tokens = int(to_host(stats.count))
     if train_tokens == 0:
-        raise ValueError(f"no training token: {len(train)} prompt(s), none with a position >= "
-                         f"{settings.first_position}")
+        raise ValueError(
+            f"no training token: {len(train)} prompt(s), none with a position >= {settings.first_position}"
+        )
     fit = _fit(stats, ridge=settings.ridge)
     del stats  # its cross-products live on in the fit (the same array)
     sums = layer_mapping.empty_errors(cs.num_layers + 1, cl.num_layers + 1)
     for i in tqdm(range(len(held_out)), desc="layer mapping: held out", disable=not progress):
         one = held_out.single(i, PAD_TO)
-        sums = _heldout_step(sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid),
-                             **step)
+        sums = _heldout_step(
+            sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step
+        )
     sums = jax.tree.map(to_host, sums)
     result = layer_mapping.mapping_result(
-        sums, small_model=names[0], large_model=names[1], dataset=names[2], train_tokens=train_tokens,
-        train_prompts=len(train), heldout_prompts=len(held_out), settings=dataclasses.asdict(settings))
+        sums,
+        small_model=names[0],
+        large_model=names[1],
+        dataset=names[2],
+        train_tokens=train_tokens,
+        train_prompts=len(train),
+        heldout_prompts=len(held_out),
+        settings=dataclasses.asdict(settings),
+    )
     if not np.all(np.isfinite(result.errors)):
-        raise ValueError(f"the layer mapping gave NaN or infinite errors (ridge {settings.ridge:g}): with fewer "
-                         f"training tokens ({train_tokens}) than residual width ({cs.hidden_size}) or a very small "
-                         "ridge the Gram matrix is singular; use more training prompts or a larger ridge")
+        raise ValueError(
+            f"the layer mapping gave NaN or infinite errors (ridge {settings.ridge:g}): with fewer "
+            f"training tokens ({train_tokens}) than residual width ({cs.hidden_size}) or a very small "
+            "ridge the Gram matrix is singular; use more training prompts or a larger ridge"
+        )
     return result
 
 
 # ----------------------------------------------------------------------------- on disk
+
 
 def mapping_folder(out_dir: str, small_name: str, large_name: str, dataset: str) -> str:
     """`OUT/<small>__<large>/<dataset>`: where a mapping's result and figure go."""
@@ -206,8 +245,9 @@ def _reusable(path: str, identity: dict) -> Optional[LayerMappingResult]:
     return result if result.settings.get("identity") == json.loads(json.dumps(identity)) else None
 
 
-def encode_both(small: Model, large: Model, prompts, *, max_tokens: Optional[int] = None,
-                limit: Optional[int] = None) -> PromptBatch:
+def encode_both(
+    small: Model, large: Model, prompts, *, max_tokens: Optional[int] = None, limit: Optional[int] = None
+) -> PromptBatch:
     """Encode `prompts` with both tokenizers, check they agree (`check_same_tokenizer`) and
     return the batch; prompts longer than either model's context are an error."""
     from jaxdepth.lab.prompts import encode
@@ -216,16 +256,31 @@ def encode_both(small: Model, large: Model, prompts, *, max_tokens: Optional[int
         if model.tokenizer is None:
             raise ValueError(f"the model from {model.source} has no tokenizer; its prompts cannot be encoded")
     context = min(small.config.max_position_embeddings, large.config.max_position_embeddings)
-    batches = [encode(m.tokenizer, prompts, max_tokens=max_tokens, context=context, limit=limit,
-                      buckets=PAD_TO) for m in (small, large)]
+    batches = [
+        encode(m.tokenizer, prompts, max_tokens=max_tokens, context=context, limit=limit, buckets=PAD_TO)
+        for m in (small, large)
+    ]
     check_same_tokenizer(small, large, *batches)
     return batches[0]
 
 
-def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, small_name: str, large_name: str,
-               dataset: str, settings: MappingSettings = MappingSettings(), max_tokens: Optional[int] = None,
-               limit: Optional[int] = None, mesh=None, figures: bool = True, progress: bool = True,
-               log: Callable[[str], None] = print) -> LayerMappingResult:
+def map_models(
+    small: Model,
+    large: Model,
+    prompts: Sequence,
+    out_dir: str,
+    *,
+    small_name: str,
+    large_name: str,
+    dataset: str,
+    settings: MappingSettings = MappingSettings(),
+    max_tokens: Optional[int] = None,
+    limit: Optional[int] = None,
+    mesh=None,
+    figures: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> LayerMappingResult:
     """Map every boundary of `small` onto every boundary of `large` on `prompts`
     (`jaxdepth.lab.prompts.Prompt`s; encoded with both tokenizers, which must agree: ValueError
     otherwise), the first `settings.train_prompts` fitting and the rest held out.
@@ -239,15 +294,24 @@ def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, s
     batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
     k = settings.train_prompts
     if not 0 < k < len(batch):
-        raise ValueError(f"train_prompts={k} must leave prompts on both sides of the split: {len(batch)} prompt(s) "
-                         "were encoded (the rest are held out)")
+        raise ValueError(
+            f"train_prompts={k} must leave prompts on both sides of the split: {len(batch)} prompt(s) "
+            "were encoded (the rest are held out)"
+        )
     train, held_out = batch.select(slice(0, k)), batch.select(slice(k, None))
     folder = mapping_folder(out_dir, small_name, large_name, dataset)
     path = os.path.join(folder, f"{RESULT_NAME}.npz")
-    identity = {"small": small_name, "large": large_name, "dataset": dataset, "format": MAPPING_FORMAT,
-                "settings": dataclasses.asdict(settings), "train_tokens_sha": batch_digest(train),
-                "heldout_tokens_sha": batch_digest(held_out), "small_config": small.config.to_dict(),
-                "large_config": large.config.to_dict()}
+    identity = {
+        "small": small_name,
+        "large": large_name,
+        "dataset": dataset,
+        "format": MAPPING_FORMAT,
+        "settings": dataclasses.asdict(settings),
+        "train_tokens_sha": batch_digest(train),
+        "heldout_tokens_sha": batch_digest(held_out),
+        "small_config": small.config.to_dict(),
+        "large_config": large.config.to_dict(),
+    }
     cached = _reusable(path, identity)
     # With several processes, process 0 (the writer) decides for all, so their collectives meet.
     if writer_decides(cached is not None):
@@ -256,8 +320,16 @@ def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, s
     else:
         start = time.perf_counter()
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-            result = compute_mapping(small, large, train, held_out, settings, mesh=mesh, progress=progress,
-                                     names=(small_name, large_name, dataset))
+            result = compute_mapping(
+                small,
+                large,
+                train,
+                held_out,
+                settings,
+                mesh=mesh,
+                progress=progress,
+                names=(small_name, large_name, dataset),
+            )
         seconds = time.perf_counter() - start
         result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
         if is_writer():
@@ -272,6 +344,7 @@ def map_models(small: Model, large: Model, prompts: Sequence, out_dir: str, *, s
 
 
 # ----------------------------------------------------------------------------- figure and summary
+
 
 def mapping_figure(result: LayerMappingResult, *, title: Optional[str] = None):
     """Heatmap of the held-out relative error (small boundary m up, large boundary l across),
@@ -291,17 +364,40 @@ def mapping_figure(result: LayerMappingResult, *, title: Optional[str] = None):
     image = ax.imshow(result.errors, origin="lower", aspect="auto", cmap="viridis", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=r"held-out $\|h_l - f(h_m)\| \,/\, \|h_l\|$")
     # white with a dark outline: visible on the dark cells of the map and in the legend outside it
-    ax.plot([0, Ll], [0, Ls], color="white", linestyle="--", linewidth=1.2, label="equal relative depth",
-            path_effects=[patheffects.withStroke(linewidth=2.4, foreground="0.2")])
-    ax.scatter(result.best_match, np.arange(Ls + 1), marker="x", color="red", s=28, linewidths=1.5, zorder=3,
-               label="best match of each row")
-    ax.set(xlabel=f"{large} boundary l (0 = embeddings)", ylabel=f"{small} boundary m",
-           xlim=(-0.5, Ll + 0.5), ylim=(-0.5, Ls + 0.5))
+    ax.plot(
+        [0, Ll],
+        [0, Ls],
+        color="white",
+        linestyle="--",
+        linewidth=1.2,
+        label="equal relative depth",
+        path_effects=[patheffects.withStroke(linewidth=2.4, foreground="0.2")],
+    )
+    ax.scatter(
+        result.best_match,
+        np.arange(Ls + 1),
+        marker="x",
+        color="red",
+        s=28,
+        linewidths=1.5,
+        zorder=3,
+        label="best match of each row",
+    )
+    ax.set(
+        xlabel=f"{large} boundary l (0 = embeddings)",
+        ylabel=f"{small} boundary m",
+        xlim=(-0.5, Ll + 0.5),
+        ylim=(-0.5, Ls + 0.5),
+    )
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_locator(MaxNLocator(integer=True))
     fig.legend(loc="outside lower center", ncols=2, fontsize=8)  # outside: no cell of the map hidden
-    fig.suptitle(title or f"Linear maps {small} ({Ls} layers) -> {large} ({Ll} layers), {result.dataset}\n"
-                          f"{result.train_tokens} training / {result.heldout_tokens} held-out tokens", fontsize=10)
+    fig.suptitle(
+        title
+        or f"Linear maps {small} ({Ls} layers) -> {large} ({Ll} layers), {result.dataset}\n"
+        f"{result.train_tokens} training / {result.heldout_tokens} held-out tokens",
+        fontsize=10,
+    )
     return fig
 
 
@@ -311,17 +407,22 @@ def summary(result: LayerMappingResult) -> str:
     rows = np.arange(len(result.best_match))
     best = result.errors[rows, result.best_match]
     offset = result.diagonal_offset()
-    return "\n".join([
-        f"{result.small_model} -> {result.large_model} on {result.dataset}: {result.train_tokens} training tokens "
-        f"({result.train_prompts} prompts), {result.heldout_tokens} held-out tokens ({result.heldout_prompts} prompts)",
-        "best large boundary per small boundary m: " + " ".join(f"{m}:{l}" for m, l in zip(rows, result.best_match)),
-        f"error at the best match: min {best.min():.4f}, median {np.median(best):.4f}, max {best.max():.4f}",
-        f"best match - equal relative depth: mean |offset| {np.abs(offset).mean():.2f} layers, "
-        f"max {np.abs(offset).max():.2f}",
-    ])
+    return "\n".join(
+        [
+            f"{result.small_model} -> {result.large_model} on {result.dataset}: {result.train_tokens} training tokens "
+            f"({result.train_prompts} prompts), {result.heldout_tokens} held-out tokens "
+            f"({result.heldout_prompts} prompts)",
+            "best large boundary per small boundary m: "
+            + " ".join(f"{m}:{l}" for m, l in zip(rows, result.best_match)),
+            f"error at the best match: min {best.min():.4f}, median {np.median(best):.4f}, max {best.max():.4f}",
+            f"best match - equal relative depth: mean |offset| {np.abs(offset).mean():.2f} layers, "
+            f"max {np.abs(offset).max():.2f}",
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------- command line
+
 
 def _map(args) -> int:
     from jaxdepth.lab.meshes import mesh_from_args
@@ -330,8 +431,10 @@ def _map(args) -> int:
     from jaxdepth.lab.study import saved_model_name
 
     if not 0 < args.train_prompts < args.prompts:
-        raise ValueError(f"--train-prompts ({args.train_prompts}) must lie between 0 and --prompts ({args.prompts}): "
-                         "the prompts after the training ones are held out")
+        raise ValueError(
+            f"--train-prompts ({args.train_prompts}) must lie between 0 and --prompts ({args.prompts}): "
+            "the prompts after the training ones are held out"
+        )
     max_tokens = DATASETS[args.dataset].max_tokens
     # Read the prompts before the models: a bad file should fail in a second, not after a load.
     prompts = load_prompts(args.dataset, args.data, limit=None if max_tokens else args.prompts)
@@ -341,9 +444,20 @@ def _map(args) -> int:
     small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
     print(f"loaded {args.small} and {args.large} in {time.perf_counter() - start:.1f} s")
     settings = MappingSettings(train_prompts=args.train_prompts, ridge=args.ridge, first_position=args.first_position)
-    result = map_models(small, large, prompts, args.out, small_name=saved_model_name(args.small, args.dtype),
-                        large_name=saved_model_name(args.large, args.dtype), dataset=args.dataset, settings=settings,
-                        max_tokens=max_tokens, limit=args.prompts, mesh=mesh, figures=not args.no_figures)
+    result = map_models(
+        small,
+        large,
+        prompts,
+        args.out,
+        small_name=saved_model_name(args.small, args.dtype),
+        large_name=saved_model_name(args.large, args.dtype),
+        dataset=args.dataset,
+        settings=settings,
+        max_tokens=max_tokens,
+        limit=args.prompts,
+        mesh=mesh,
+        figures=not args.no_figures,
+    )
     if is_writer():
         print(summary(result))
     return 0
@@ -354,29 +468,50 @@ def add_parser(subparsers) -> None:
     from jaxdepth.lab.prompts import DATASETS
 
     p = subparsers.add_parser(
-        "map", help="fit linear maps from every layer of a smaller model to every layer of a larger one (same "
-                    "tokenizer) and report their held-out relative errors")
+        "map",
+        help="fit linear maps from every layer of a smaller model to every layer of a larger one (same "
+        "tokenizer) and report their held-out relative errors",
+    )
     p.add_argument("small", help="the smaller model: anything jaxdepth.load accepts")
     p.add_argument("large", help="the larger model; its tokenizer must equal the smaller one's")
     p.add_argument("--dataset", default="gsm8k", choices=list(DATASETS))
     p.add_argument("--data", metavar="PATH", help="local JSONL file of the dataset (default: the hub)")
     p.add_argument("--prompts", type=int, default=100, help="prompts in all, training and held out (default 100)")
-    p.add_argument("--train-prompts", type=int, default=MappingSettings.train_prompts,
-                   help=f"the first K prompts fit the maps, the rest measure them (default "
-                        f"{MappingSettings.train_prompts})")
-    p.add_argument("--ridge", type=float, default=MappingSettings.ridge,
-                   help="ridge relative to the mean eigenvalue of each Gram matrix (default %(default)g)")
-    p.add_argument("--first-position", type=int, default=MappingSettings.first_position,
-                   help="positions before this one are left out (default 1: position 0, an attention sink with a "
-                        "huge residual norm, is excluded)")
-    p.add_argument("--out", default="results",
-                   help="the result and its heatmap go under OUT/<small>__<large>/<dataset>/")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="both models' weights and activations; the statistics are float32 either way")
+    p.add_argument(
+        "--train-prompts",
+        type=int,
+        default=MappingSettings.train_prompts,
+        help=f"the first K prompts fit the maps, the rest measure them (default {MappingSettings.train_prompts})",
+    )
+    p.add_argument(
+        "--ridge",
+        type=float,
+        default=MappingSettings.ridge,
+        help="ridge relative to the mean eigenvalue of each Gram matrix (default %(default)g)",
+    )
+    p.add_argument(
+        "--first-position",
+        type=int,
+        default=MappingSettings.first_position,
+        help="positions before this one are left out (default 1: position 0, an attention sink with a "
+        "huge residual norm, is excluded)",
+    )
+    p.add_argument(
+        "--out", default="results", help="the result and its heatmap go under OUT/<small>__<large>/<dataset>/"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="both models' weights and activations; the statistics are float32 either way",
+    )
     p.add_argument("--no-figures", action="store_true", help="save the result only")
     p.add_argument("--mesh", metavar="DATAxMODEL", help="device mesh, e.g. 8x1 or 1x8 (default: one device)")
-    p.add_argument("--distributed", action="store_true",
-                   help="multi-host: call jax.distributed.initialize() first; process 0 alone writes")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first; process 0 alone writes",
+    )
     p.add_argument("--coordinator", metavar="HOST:PORT", help="with --distributed: process 0's address")
     p.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
     p.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")

@@ -11,12 +11,22 @@ def mesh_from_args(args):
     from jaxdepth.core import sharding
 
     if args.distributed:
-        sharding.initialize_distributed(**{k: v for k, v in (("coordinator_address", args.coordinator),
-                                                             ("num_processes", args.num_processes),
-                                                             ("process_id", args.process_id)) if v is not None})
+        sharding.initialize_distributed(
+            **{
+                k: v
+                for k, v in (
+                    ("coordinator_address", args.coordinator),
+                    ("num_processes", args.num_processes),
+                    ("process_id", args.process_id),
+                )
+                if v is not None
+            }
+        )
     if not args.mesh:
         return None
     mesh = sharding.mesh_from_spec(args.mesh)
-    print(f"mesh {args.mesh} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
-          f"processes; this is process {jax.process_index()}")
+    print(
+        f"mesh {args.mesh} (data x model) over {jax.device_count()} devices in {jax.process_count()} "
+        f"processes; this is process {jax.process_index()}"
+    )
     return mesh

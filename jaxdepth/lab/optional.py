@@ -16,5 +16,6 @@ def require(module: str, *, purpose: str, install: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingDependencyError(f"{purpose} needs the package {module!r}, which is not installed: "
-                                     f"{install}") from None
+        raise MissingDependencyError(
+            f"{purpose} needs the package {module!r}, which is not installed: {install}"
+        ) from None

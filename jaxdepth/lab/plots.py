@@ -26,14 +26,26 @@ from matplotlib.patches import Rectangle
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.analyses.attribution import AttributionResult
 from jaxdepth.analyses.contributions import ContributionResult
-from jaxdepth.analyses.effective_depth import (EffectiveDepth, cosine_effective_depth, depth_score,
-                                               kl_effective_depth, overlap_effective_depth)
+from jaxdepth.analyses.effective_depth import (
+    EffectiveDepth,
+    cosine_effective_depth,
+    depth_score,
+    kl_effective_depth,
+    overlap_effective_depth,
+)
 from jaxdepth.analyses.erasure import ErasureResult
 from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
 from jaxdepth.analyses.layer_skip import LayerSkipResult
 from jaxdepth.analyses.logit_lens import LogitLensResult
-from jaxdepth.analyses.uncertainty import (DEFAULT_RESAMPLES, DEFAULT_SEED, CurveBand, DepthInterval,
-                                           curve_bands, effective_depth_intervals, has_per_prompt)
+from jaxdepth.analyses.uncertainty import (
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    CurveBand,
+    DepthInterval,
+    curve_bands,
+    effective_depth_intervals,
+    has_per_prompt,
+)
 
 DPI = 150
 MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th
@@ -46,6 +58,7 @@ class ResultTypeError(TypeError, ValueError):
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def _new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -78,8 +91,11 @@ def _depth(rule: Callable[..., EffectiveDepth], curve, *args) -> Optional[Effect
 def _depth_text(name: str, ed: Optional[EffectiveDepth], interval: Optional[DepthInterval] = None) -> str:
     if ed is None:
         return f"{name} ED: n/a"
-    bounds = "" if interval is None else " [{}, {}]".format(*("none" if b is None else b
-                                                             for b in (interval.low, interval.high)))
+    bounds = (
+        ""
+        if interval is None
+        else " [{}, {}]".format(*("none" if b is None else b for b in (interval.low, interval.high)))
+    )
     return f"{name} ED: {ed.layer}{bounds} (ratio {ed.ratio:.2f})" if ed.found else f"{name} ED: no crossing{bounds}"
 
 
@@ -89,8 +105,10 @@ def _bootstrap(result, resamples: int, seed: int, **thresholds):
     if resamples <= 0 or not has_per_prompt(result):
         return {}, {}
     try:
-        return (curve_bands(result, resamples=resamples, seed=seed),
-                effective_depth_intervals(result, resamples=resamples, seed=seed, **thresholds))
+        return (
+            curve_bands(result, resamples=resamples, seed=seed),
+            effective_depth_intervals(result, resamples=resamples, seed=seed, **thresholds),
+        )
     except ValueError:
         return {}, {}
 
@@ -98,8 +116,15 @@ def _bootstrap(result, resamples: int, seed: int, **thresholds):
 def _draw_band(ax, layers, band: Optional[CurveBand], color: str, label: bool = True):
     """The bootstrap band of an aggregate curve, shaded; labelled once per panel."""
     if band is not None:
-        ax.fill_between(layers, band.low, band.high, color=color, alpha=0.2, linewidth=0,
-                        label=f"{band.level:.0%} bootstrap band ({band.resamples} resamples)" if label else None)
+        ax.fill_between(
+            layers,
+            band.low,
+            band.high,
+            color=color,
+            alpha=0.2,
+            linewidth=0,
+            label=f"{band.level:.0%} bootstrap band ({band.resamples} resamples)" if label else None,
+        )
 
 
 def _draw_per_prompt(ax, layers, per_prompt: Optional[np.ndarray], color: str):
@@ -108,9 +133,16 @@ def _draw_per_prompt(ax, layers, per_prompt: Optional[np.ndarray], color: str):
     if per_prompt is None:
         return
     segments = [np.column_stack([layers, c]) for c in np.asarray(per_prompt)]
-    ax.add_collection(LineCollection(segments, colors=color, linewidths=0.7, zorder=1,
-                                     alpha=float(np.clip(3.0 / len(segments), 0.08, 0.35)),
-                                     label=f"per prompt (N={len(segments)})"))
+    ax.add_collection(
+        LineCollection(
+            segments,
+            colors=color,
+            linewidths=0.7,
+            zorder=1,
+            alpha=float(np.clip(3.0 / len(segments), 0.08, 0.35)),
+            label=f"per prompt (N={len(segments)})",
+        )
+    )
     ax.autoscale_view()
 
 
@@ -167,8 +199,9 @@ TOKEN_HEATMAP_PERCENTILE = 95.0
 LAYER_SKIP_PERCENTILE = 90.0
 
 
-def robust_limit(values: np.ndarray, percentile: float = TOKEN_HEATMAP_PERCENTILE,
-                 dominance: float = 2.0) -> tuple[float, bool]:
+def robust_limit(
+    values: np.ndarray, percentile: float = TOKEN_HEATMAP_PERCENTILE, dominance: float = 2.0
+) -> tuple[float, bool]:
     """An upper colour limit for |values| that a single extreme cell does not set: the largest
     |value|, unless it exceeds `dominance` x the `percentile`-th percentile, then that percentile
     (returned with True: the scale is clipped). Non-finite cells are ignored."""
@@ -183,8 +216,11 @@ def robust_limit(values: np.ndarray, percentile: float = TOKEN_HEATMAP_PERCENTIL
 
 
 def _clipped_label(label: str, limit: float, top: float, clipped: bool, percentile: float) -> str:
-    return f"{label}\n(scale clipped at the {percentile:g}th percentile |value| {limit:.3g}; max {top:.3g})" \
-        if clipped else label
+    return (
+        f"{label}\n(scale clipped at the {percentile:g}th percentile |value| {limit:.3g}; max {top:.3g})"
+        if clipped
+        else label
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +243,7 @@ class TokenPanel:
 
 def _panel_size(panel: TokenPanel) -> tuple[float, float]:
     rows, n = panel.values.shape
-    return (min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0),
-            min(max(2.5 + 0.14 * rows, 4.0), 11.0))
+    return (min(max(4.0 + 0.13 * min(n, MAX_TOKEN_LABELS * 2), 7.0), 20.0), min(max(2.5 + 0.14 * rows, 4.0), 11.0))
 
 
 def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
@@ -220,8 +255,9 @@ def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
     vmin, vmax = (-limit if panel.symmetric else 0.0), limit
     colorbar_label = _clipped_label(panel.colorbar_label, limit, top, clipped, TOKEN_HEATMAP_PERCENTILE)
     n = values.shape[1]
-    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
-                      cmap=panel.cmap, vmin=vmin, vmax=vmax)
+    image = ax.imshow(
+        values, aspect="auto", origin="lower", interpolation="nearest", cmap=panel.cmap, vmin=vmin, vmax=vmax
+    )
     step = max(1, -(-n // MAX_TOKEN_LABELS))
     ticks = np.arange(0, n, step)
     ax.set_xticks(ticks, [panel.labels[t] for t in ticks], rotation=90, fontsize=7)
@@ -231,16 +267,37 @@ def _draw_token_panel(fig: Figure, ax, panel: TokenPanel):
     if panel.caption:
         ax.set_title(panel.caption, fontsize=10)
     for k, row in enumerate(panel.flagged_rows):
-        ax.add_patch(Rectangle((-0.5, row - 0.5), n, 1, fill=False, edgecolor="lime", linewidth=1.2, linestyle="--",
-                               label=panel.flag_label if k == 0 else None))
+        ax.add_patch(
+            Rectangle(
+                (-0.5, row - 0.5),
+                n,
+                1,
+                fill=False,
+                edgecolor="lime",
+                linewidth=1.2,
+                linestyle="--",
+                label=panel.flag_label if k == 0 else None,
+            )
+        )
     if 0 < panel.answer_start < n or panel.flagged_rows:
         # A white halo keeps the line visible on dark (magma) and on white (RdBu centre) cells.
         if 0 < panel.answer_start < n:
-            ax.axvline(panel.answer_start - 0.5, color="k", linewidth=1.5, linestyle="--", label="answer start",
-                       path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
+            ax.axvline(
+                panel.answer_start - 0.5,
+                color="k",
+                linewidth=1.5,
+                linestyle="--",
+                label="answer start",
+                path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")],
+            )
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-    fig.colorbar(image, ax=ax, label=colorbar_label, pad=0.01,
-                 extend=("both" if panel.symmetric else "max") if clipped else "neither")
+    fig.colorbar(
+        image,
+        ax=ax,
+        label=colorbar_label,
+        pad=0.01,
+        extend=("both" if panel.symmetric else "max") if clipped else "neither",
+    )
 
 
 def _token_heatmap(panel: TokenPanel) -> Figure:
@@ -250,8 +307,9 @@ def _token_heatmap(panel: TokenPanel) -> Figure:
     return fig
 
 
-def stacked_token_figure(panels: Sequence[TokenPanel], *, title: Optional[str] = None,
-                         settings: Optional[dict] = None) -> Figure:
+def stacked_token_figure(
+    panels: Sequence[TokenPanel], *, title: Optional[str] = None, settings: Optional[dict] = None
+) -> Figure:
     """Token panels one above the other, on one token axis each (e.g. a case study's erasure and
     integrated gradients of the same prompt). `settings` (a result's) name the model and
     dataset in the default title."""
@@ -268,8 +326,14 @@ def stacked_token_figure(panels: Sequence[TokenPanel], *, title: Optional[str] =
 
 # ----------------------------------------------------------------------------- figures
 
-def contributions_figure(result: ContributionResult, *, title: Optional[str] = None,
-                         resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Figure:
+
+def contributions_figure(
+    result: ContributionResult,
+    *,
+    title: Optional[str] = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Figure:
     """Cosine of the attention, MLP and layer outputs with the residual (and their mean, which the
     cosine effective depth reads) and their relative norms, per layer; the cosine ED is a vertical
     line in both panels. Where the result has per-prompt curves, each prompt's mean cosine is a
@@ -304,9 +368,15 @@ def contributions_figure(result: ContributionResult, *, title: Optional[str] = N
     return fig
 
 
-def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, overlap_threshold: float = 0.3,
-                      title: Optional[str] = None, resamples: int = DEFAULT_RESAMPLES,
-                      seed: int = DEFAULT_SEED) -> Figure:
+def logit_lens_figure(
+    result: LogitLensResult,
+    *,
+    kl_fraction: float = 0.5,
+    overlap_threshold: float = 0.3,
+    title: Optional[str] = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Figure:
     """KL(P_l || P) and top-5 overlap with the final output per layer, with the thresholds of the
     KL and overlap effective depths (horizontal) and the depths themselves (vertical). Where the
     result has per-prompt curves, each prompt's curves are faint lines and, with `resamples > 0`,
@@ -317,16 +387,14 @@ def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, over
     layers = np.arange(L)
     kl_ed = _depth(kl_effective_depth, result.kl, kl_fraction)
     overlap_ed = _depth(overlap_effective_depth, result.overlap, overlap_threshold)
-    bands, intervals = _bootstrap(result, resamples, seed, kl_fraction=kl_fraction,
-                                  overlap_threshold=overlap_threshold)
+    bands, intervals = _bootstrap(result, resamples, seed, kl_fraction=kl_fraction, overlap_threshold=overlap_threshold)
     fig = _new_figure(11, 4.2)
     kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
     _draw_per_prompt(kl_ax, layers, result.kl_per_prompt, "C0")
     _draw_per_prompt(overlap_ax, layers, result.overlap_per_prompt, "C1")
     kl_ax.plot(layers, result.kl, marker=".", color="C0", label="KL")
     _draw_band(kl_ax, layers, bands.get("kl"), "C0")
-    kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color="grey", linestyle="--",
-                  label=f"{kl_fraction:g} x max KL")
+    kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color="grey", linestyle="--", label=f"{kl_fraction:g} x max KL")
     _mark_depth(kl_ax, kl_ed, "KL ED")
     overlap_ax.plot(layers, result.overlap, marker=".", color="C1", label="top-5 overlap")
     _draw_band(overlap_ax, layers, bands.get("overlap"), "C1")
@@ -343,9 +411,15 @@ def logit_lens_figure(result: LogitLensResult, *, kl_fraction: float = 0.5, over
     return fig
 
 
-def lens_comparison_figure(results: Mapping[str, LogitLensResult], *, kl_fraction: float = 0.5,
-                           overlap_threshold: float = 0.3, title: Optional[str] = None,
-                           resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Figure:
+def lens_comparison_figure(
+    results: Mapping[str, LogitLensResult],
+    *,
+    kl_fraction: float = 0.5,
+    overlap_threshold: float = 0.3,
+    title: Optional[str] = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Figure:
     """Several readings of the same residual streams side by side (e.g. `{"logit lens": ...,
     "tuned lens": ...}`): KL(P_l || P) and top-5 overlap per layer, one colour per lens, with
     bootstrap bands, each lens's effective depths (vertical) and the thresholds (horizontal)."""
@@ -355,11 +429,13 @@ def lens_comparison_figure(results: Mapping[str, LogitLensResult], *, kl_fractio
     kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
     for k, (name, result) in enumerate(results.items()):
         color, layers = f"C{k}", np.arange(len(result.kl))
-        bands, intervals = _bootstrap(result, resamples, seed, kl_fraction=kl_fraction,
-                                      overlap_threshold=overlap_threshold)
-        for ax, curve, method, rule, arg in ((kl_ax, result.kl, "kl", kl_effective_depth, kl_fraction),
-                                             (overlap_ax, result.overlap, "overlap", overlap_effective_depth,
-                                              overlap_threshold)):
+        bands, intervals = _bootstrap(
+            result, resamples, seed, kl_fraction=kl_fraction, overlap_threshold=overlap_threshold
+        )
+        for ax, curve, method, rule, arg in (
+            (kl_ax, result.kl, "kl", kl_effective_depth, kl_fraction),
+            (overlap_ax, result.overlap, "overlap", overlap_effective_depth, overlap_threshold),
+        ):
             ed = _depth(rule, curve, arg)
             label = _depth_text(method if method == "overlap" else "KL", ed, intervals.get(method))
             ax.plot(layers, curve, marker=".", color=color, label=f"{name}: {label}")
@@ -379,8 +455,9 @@ def lens_comparison_figure(results: Mapping[str, LogitLensResult], *, kl_fractio
     return fig
 
 
-def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResult]], *,
-                      title: Optional[str] = None) -> Figure:
+def layer_skip_figure(
+    results: Union[LayerSkipResult, Mapping[str, LayerSkipResult]], *, title: Optional[str] = None
+) -> Figure:
     """Effect of skipping layer s on every later layer's contribution (heatmap, s on the y axis,
     measured layer j on the x axis) and on the output (bars sharing the s axis), one row per
     sublayer when given a dict `name -> LayerSkipResult`. Cells zero by construction (j <= s in
@@ -389,8 +466,9 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     if isinstance(results, LayerSkipResult):
         results = {results.settings.get("sublayer", "layer"): results}
     if not isinstance(results, Mapping):
-        raise ResultTypeError(f"layer_skip_figure needs a LayerSkipResult or a dict of them, "
-                              f"got {type(results).__name__}")
+        raise ResultTypeError(
+            f"layer_skip_figure needs a LayerSkipResult or a dict of them, got {type(results).__name__}"
+        )
     rows = dict(results)
     if not rows:
         raise ValueError("layer_skip_figure needs at least one LayerSkipResult")
@@ -401,8 +479,9 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     # rest of the matrix one colour.
     # Grey: zero by causality (j <= s in the 'future' mode, j < s in the 'current' one).
     first = lambda r: 0 if r.settings.get("mode") == "current" else 1
-    shown = {name: np.where(np.triu(np.ones_like(r.later, bool), k=first(r)), r.later, np.nan)
-             for name, r in rows.items()}
+    shown = {
+        name: np.where(np.triu(np.ones_like(r.later, bool), k=first(r)), r.later, np.nan) for name, r in rows.items()
+    }
     measured = np.concatenate([m[np.isfinite(m)] for m in shown.values()])
     vmax, clipped = robust_limit(measured, LAYER_SKIP_PERCENTILE)
     top = float(measured.max()) if measured.size else 0.0
@@ -413,25 +492,36 @@ def layer_skip_figure(results: Union[LayerSkipResult, Mapping[str, LayerSkipResu
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=[3, 1])
     for (name, result), (heat_ax, out_ax) in zip(rows.items(), axes):
         n = len(result.output)
-        image = heat_ax.imshow(shown[name], origin="upper", interpolation="nearest", aspect="auto",
-                               cmap=_SKIP_CMAP, vmin=0.0, vmax=vmax)
+        image = heat_ax.imshow(
+            shown[name], origin="upper", interpolation="nearest", aspect="auto", cmap=_SKIP_CMAP, vmin=0.0, vmax=vmax
+        )
         try:
             score = f"depth score {depth_score(result.later):.2f}"
         except ValueError:
             score = "depth score undefined"
         mode = result.settings.get("mode")
-        heat_ax.set(xlabel="measured layer j", ylabel="skipped layer s",
-                    title=f"{name}{f' ({mode})' if mode else ''}: later layers, {score}")
+        heat_ax.set(
+            xlabel="measured layer j",
+            ylabel="skipped layer s",
+            title=f"{name}{f' ({mode})' if mode else ''}: later layers, {score}",
+        )
         # Horizontal bars share the skipped-layer axis, so row s of the heatmap and bar s align.
         out_ax.sharey(heat_ax)
         out_ax.barh(np.arange(n), result.output, color="C3", height=0.8)
         out_ax.set(xlabel=r"$\|y - \bar{y}\|_2$ (max)", title="output", xlim=(0, out_max * 1.05))
         out_ax.grid(axis="x", alpha=0.3)
     # Below the heatmap column: to its right it would sit between heatmaps and bars.
-    fig.colorbar(image, ax=axes[:, 0].tolist(), location="bottom", shrink=0.8, aspect=40,
-                 extend="max" if clipped else "neither",
-                 label=_clipped_label(r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped,
-                                      LAYER_SKIP_PERCENTILE))
+    fig.colorbar(
+        image,
+        ax=axes[:, 0].tolist(),
+        location="bottom",
+        shrink=0.8,
+        aspect=40,
+        extend="max" if clipped else "neither",
+        label=_clipped_label(
+            r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped, LAYER_SKIP_PERCENTILE
+        ),
+    )
     _title(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
     return fig
 
@@ -441,14 +531,19 @@ def erasure_panel(result: ErasureResult, prompt: int = 0, *, tokenizer=None) -> 
     _expect(result, ErasureResult, "erasure_panel")
     p = _prompt_index(result, prompt)
     n = int(result.lengths[p])
-    return TokenPanel(result.effects[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
-                      row_label="erased boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
-                      cmap="magma", symmetric=False, colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$",
-                      caption="residual erasure")
+    return TokenPanel(
+        result.effects[p, :, :n],
+        _token_labels(result.tokens[p, :n], tokenizer),
+        row_label="erased boundary l (0 = embeddings)",
+        answer_start=int(result.answer_start[p]),
+        cmap="magma",
+        symmetric=False,
+        colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$",
+        caption="residual erasure",
+    )
 
 
-def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
-                   title: Optional[str] = None) -> Figure:
+def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None, title: Optional[str] = None) -> Figure:
     """Residual erasure of one prompt: the effect on the answer predictions of erasing h_l[t],
     boundary l = 0..L (y) by token t (x). `tokenizer` (its `decode`, else `convert_ids_to_tokens`)
     labels the tokens; None labels positions."""
@@ -457,8 +552,11 @@ def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None,
     return fig
 
 
-_IG_ROWS = {"layer": r"layer l (output $h_{l+1}$)", "attn": r"layer l (attention output $a_l$)",
-            "mlp": r"layer l (MLP output $m_l$)"}
+_IG_ROWS = {
+    "layer": r"layer l (output $h_{l+1}$)",
+    "attn": r"layer l (attention output $a_l$)",
+    "mlp": r"layer l (MLP output $m_l$)",
+}
 
 
 def relative_gaps(result: IntegratedGradientsResult, prompt: int = 0) -> np.ndarray:
@@ -472,33 +570,42 @@ def relative_gaps(result: IntegratedGradientsResult, prompt: int = 0) -> np.ndar
 
 def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrated gradients") -> str:
     relative = relative_gaps(result, p)
-    share = (f", up to {100 * np.nanmax(relative):.3g}% of |F(x) \N{MINUS SIGN} F(b)|"
-             if np.isfinite(relative).any() else "")
+    share = (
+        f", up to {100 * np.nanmax(relative):.3g}% of |F(x) \N{MINUS SIGN} F(b)|" if np.isfinite(relative).any() else ""
+    )
     gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}{share}"
     converged = getattr(result, "converged", None)  # the adaptive rule's result
     if converged is not None:
-        return (f"{name}, {result.rule}: {int(converged[p].sum())} of {converged.shape[1]} layers converged, "
-                f"{int(result.evaluations[p].sum())} gradient evaluations; {gap}")
+        return (
+            f"{name}, {result.rule}: {int(converged[p].sum())} of {converged.shape[1]} layers converged, "
+            f"{int(result.evaluations[p].sum())} gradient evaluations; {gap}"
+        )
     return f"{name}, {result.rule}: {gap}"
 
 
-def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *,
-                               tokenizer=None) -> TokenPanel:
+def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None) -> TokenPanel:
     """The IG heatmap of one prompt as a `TokenPanel` (see `integrated_gradients_figure`)."""
     _expect(result, IntegratedGradientsResult, "integrated_gradients_panel")
     p = _prompt_index(result, prompt)
     converged = getattr(result, "converged", None)  # the adaptive rule's result
     n = int(result.lengths[p])
-    return TokenPanel(result.attributions[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
-                      row_label=_IG_ROWS[result.settings.get("target", "layer")],
-                      answer_start=int(result.answer_start[p]), cmap="RdBu_r", symmetric=True,
-                      colorbar_label="attribution to F (answer probability)", caption=_ig_caption(result, p),
-                      flagged_rows=tuple(np.flatnonzero(~converged[p])) if converged is not None else (),
-                      flag_label="not converged (budget spent)")
+    return TokenPanel(
+        result.attributions[p, :, :n],
+        _token_labels(result.tokens[p, :n], tokenizer),
+        row_label=_IG_ROWS[result.settings.get("target", "layer")],
+        answer_start=int(result.answer_start[p]),
+        cmap="RdBu_r",
+        symmetric=True,
+        colorbar_label="attribution to F (answer probability)",
+        caption=_ig_caption(result, p),
+        flagged_rows=tuple(np.flatnonzero(~converged[p])) if converged is not None else (),
+        flag_label="not converged (budget spent)",
+    )
 
 
-def integrated_gradients_figure(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None,
-                                title: Optional[str] = None) -> Figure:
+def integrated_gradients_figure(
+    result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None, title: Optional[str] = None
+) -> Figure:
     """Integrated-gradients attribution of the answer probability to each token of each layer's
     output, for one prompt (diverging colours centred at 0), and beside it each layer's
     completeness gap as a share of what F moved, |gap_l| / |F(x) - F(b_l)|: a layer whose gap is
@@ -537,28 +644,50 @@ def _draw_gap_panel(ax, result: IntegratedGradientsResult, p: int):
     if np.isfinite(percent).any():
         worst = int(np.nanargmax(percent))
         ax.set_xlim(0, max(1.25 * percent[worst], 1.0))
-        ax.annotate(f"{percent[worst]:.3g}%", (percent[worst], worst), xytext=(2, 0), textcoords="offset points",
-                    va="center", fontsize=7)
+        ax.annotate(
+            f"{percent[worst]:.3g}%",
+            (percent[worst], worst),
+            xytext=(2, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+        )
     ax.grid(axis="x", alpha=0.3)
 
 
-def attribution_patching_figure(result: AttributionResult, prompt: int = 0, *, tokenizer=None,
-                                title: Optional[str] = None, quantity: str = "patching") -> Figure:
+def attribution_patching_figure(
+    result: AttributionResult,
+    prompt: int = 0,
+    *,
+    tokenizer=None,
+    title: Optional[str] = None,
+    quantity: str = "patching",
+) -> Figure:
     """Attribution patching of one prompt: the first-order estimate of how erasing h_l[t]
     (boundary l = 0..L, y; token t, x) changes F, the summed answer probability (diverging
     colours centred at 0). A screening estimate: the exact erasure confirms it. `quantity`
     'grad_x_act' draws gradient x activation instead."""
     _expect(result, AttributionResult, "attribution_patching_figure")
-    what = {"patching": ("Attribution patching (first-order screening)", r"estimated change of F, $g \cdot (b - h)$"),
-            "grad_x_act": ("Gradient x activation", r"$g \cdot h$, gradient of F times $h_l[t]$")}
+    what = {
+        "patching": ("Attribution patching (first-order screening)", r"estimated change of F, $g \cdot (b - h)$"),
+        "grad_x_act": ("Gradient x activation", r"$g \cdot h$, gradient of F times $h_l[t]$"),
+    }
     if quantity not in what:
         raise ValueError(f"quantity must be one of {', '.join(what)}, got {quantity!r}")
     name, label = what[quantity]
     p = _prompt_index(result, prompt)
     n = int(result.lengths[p])
-    fig = _token_heatmap(TokenPanel(getattr(result, quantity)[p, :, :n], _token_labels(result.tokens[p, :n], tokenizer),
-                                    row_label="boundary l (0 = embeddings)", answer_start=int(result.answer_start[p]),
-                                    cmap="RdBu_r", symmetric=True, colorbar_label=label))
+    fig = _token_heatmap(
+        TokenPanel(
+            getattr(result, quantity)[p, :, :n],
+            _token_labels(result.tokens[p, :n], tokenizer),
+            row_label="boundary l (0 = embeddings)",
+            answer_start=int(result.answer_start[p]),
+            cmap="RdBu_r",
+            symmetric=True,
+            colorbar_label=label,
+        )
+    )
     _title(fig, f"{name}, prompt {p}: F(x) = {result.f_input[p]:.3g}", title, result.settings)
     return fig
 
@@ -571,9 +700,14 @@ _QUANTITIES = {
 }
 
 
-def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitLensResult]],
-                          quantity: Optional[str] = None, *, kl_fraction: float = 0.5,
-                          overlap_threshold: float = 0.3, title: Optional[str] = None) -> Figure:
+def relative_depth_figure(
+    results: Mapping[str, Union[ContributionResult, LogitLensResult]],
+    quantity: Optional[str] = None,
+    *,
+    kl_fraction: float = 0.5,
+    overlap_threshold: float = 0.3,
+    title: Optional[str] = None,
+) -> Figure:
     """Several models' curves on one relative-depth axis (l + 1) / L in (0, 1], so models of
     different depths compare; each model's effective depth is a marker on its curve.
 
@@ -585,8 +719,10 @@ def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitL
         raise ValueError("relative_depth_figure needs at least one result")
     kinds = {type(r) for r in results.values()}
     if len(kinds) != 1 or not kinds <= {ContributionResult, LogitLensResult}:
-        raise ResultTypeError("relative_depth_figure needs only ContributionResults or only LogitLensResults, got "
-                              + ", ".join(sorted(k.__name__ for k in kinds)))
+        raise ResultTypeError(
+            "relative_depth_figure needs only ContributionResults or only LogitLensResults, got "
+            + ", ".join(sorted(k.__name__ for k in kinds))
+        )
     kind = kinds.pop()
     available = [q for q, spec in _QUANTITIES.items() if spec[0] is kind]
     if quantity is not None and quantity not in available:
@@ -595,9 +731,11 @@ def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitL
     fig = _new_figure(5.5 * len(quantities) + 0.5, 4.2)
     axes = np.atleast_1d(fig.subplots(1, len(quantities), sharex=True))
     # (effective-depth rule, threshold line): KL's threshold depends on each curve's maximum.
-    rules = {"mean_cosine": (cosine_effective_depth, 0.0),
-             "kl": (lambda c: kl_effective_depth(c, kl_fraction), None),
-             "overlap": (lambda c: overlap_effective_depth(c, overlap_threshold), overlap_threshold)}
+    rules = {
+        "mean_cosine": (cosine_effective_depth, 0.0),
+        "kl": (lambda c: kl_effective_depth(c, kl_fraction), None),
+        "overlap": (lambda c: overlap_effective_depth(c, overlap_threshold), overlap_threshold),
+    }
     for ax, q in zip(axes, quantities):
         _, panel, ylabel = _QUANTITIES[q]
         rule, threshold = rules[q]
@@ -610,8 +748,12 @@ def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitL
                 ax.plot(x[ed.layer], curve[ed.layer], "o", color=f"C{i}", markersize=7, markeredgecolor="k")
         if threshold is not None:
             ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8)
-        ax.set(xlabel="relative depth (l + 1) / L", ylabel=ylabel, xlim=(0, 1.01),
-               title=f"{panel} (markers: effective depth)")
+        ax.set(
+            xlabel="relative depth (l + 1) / L",
+            ylabel=ylabel,
+            xlim=(0, 1.01),
+            title=f"{panel} (markers: effective depth)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     _title(fig, "Across models, on a relative depth axis", title)
@@ -621,8 +763,13 @@ def relative_depth_figure(results: Mapping[str, Union[ContributionResult, LogitL
 _METHOD_NAMES = {"cosine": "cosine ED", "kl": "KL ED", "overlap": "top-5 overlap ED"}
 
 
-def long_cot_figure(sources: Mapping[str, Sequence[dict]], pairs: Sequence[tuple[str, str, str]], *,
-                    datasets: Sequence[str] = ("gsm8k",), title: Optional[str] = None) -> Figure:
+def long_cot_figure(
+    sources: Mapping[str, Sequence[dict]],
+    pairs: Sequence[tuple[str, str, str]],
+    *,
+    datasets: Sequence[str] = ("gsm8k",),
+    title: Optional[str] = None,
+) -> Figure:
     """Base model against its long-CoT distillation, per model size: the effective-depth ratio
     of each (a row of panels per dataset, a column per method), the pair joined by a line so a
     rise or fall reads at a glance.
@@ -659,11 +806,13 @@ def _draw_pairs(ax, xs, pairs, ratio: Mapping[str, Optional[float]], label: str,
             ax.plot([x, x], [ratio[base], ratio[cot]], color=color, linewidth=1, alpha=0.6)
     for index, marker, kind, face in ((1, "o", "base", color), (2, "s", "long-CoT", "white")):
         ys = np.array([np.nan if ratio.get(p[index]) is None else ratio[p[index]] for p in pairs], float)
-        ax.plot(xs, ys, marker, color=color, markersize=7, markerfacecolor=face, linestyle="none",
-                label=f"{label}: {kind}")
+        ax.plot(
+            xs, ys, marker, color=color, markersize=7, markerfacecolor=face, linestyle="none", label=f"{label}: {kind}"
+        )
 
 
 # ----------------------------------------------------------------------------- saving
+
 
 def save_figure(fig: Figure, path_without_extension: str, *, dpi: int = DPI) -> tuple[str, str]:
     """Write `fig` as PATH.png (at `dpi`) and PATH.pdf, each atomically (a temporary file in the

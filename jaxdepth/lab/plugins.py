@@ -70,11 +70,13 @@ def load_plugins(specs: Sequence[str] = (), *, entry_points: bool = True) -> lis
     for spec in specs:
         if not SPEC.fullmatch(spec):
             raise ValueError(f"--plugin takes MODULE:OBJECT (e.g. mypackage.analyses:ENTROPY), got {spec!r}")
-    sources = [(spec, importlib.metadata.EntryPoint(name=spec, value=spec, group=ENTRY_POINT_GROUP).load)
-               for spec in specs]
+    sources = [
+        (spec, importlib.metadata.EntryPoint(name=spec, value=spec, group=ENTRY_POINT_GROUP).load) for spec in specs
+    ]
     if entry_points:
-        sources += [(_entry_point_label(ep), ep.load)
-                    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+        sources += [
+            (_entry_point_label(ep), ep.load) for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        ]
     plugins = []
     for label, load in sources:
         if label not in LOADED:
@@ -118,17 +120,26 @@ def _checked(obj) -> Analysis:
             what = f"the {type(obj).__name__} {getattr(obj, '__qualname__', repr(obj))}"
         else:
             what = f"a {type(obj).__name__}"
-        raise TypeError(f"{what} is not a jaxdepth.lab.registry.Analysis: a plugin names an Analysis "
-                        "object (see jaxdepth.lab.plugins)")
+        raise TypeError(
+            f"{what} is not a jaxdepth.lab.registry.Analysis: a plugin names an Analysis "
+            "object (see jaxdepth.lab.plugins)"
+        )
     if not isinstance(obj.name, str) or not NAME.fullmatch(obj.name):
-        raise ValueError(f"analysis name {obj.name!r}: letters, digits, '_', '.' and '-' only, a letter or digit "
-                         "first (it names the result file)")
+        raise ValueError(
+            f"analysis name {obj.name!r}: letters, digits, '_', '.' and '-' only, a letter or digit "
+            "first (it names the result file)"
+        )
     result_type = obj.result_type
-    if not (isinstance(result_type, type) and issubclass(result_type, SavedResult)
-            and dataclasses.is_dataclass(result_type)
-            and "settings" in {f.name for f in dataclasses.fields(result_type)}):
-        raise TypeError(f"analysis {obj.name!r}: its result_type {result_type!r} must be a dataclass inheriting "
-                        "jaxdepth.core.saved_result.SavedResult with a `settings` dict field")
+    if not (
+        isinstance(result_type, type)
+        and issubclass(result_type, SavedResult)
+        and dataclasses.is_dataclass(result_type)
+        and "settings" in {f.name for f in dataclasses.fields(result_type)}
+    ):
+        raise TypeError(
+            f"analysis {obj.name!r}: its result_type {result_type!r} must be a dataclass inheriting "
+            "jaxdepth.core.saved_result.SavedResult with a `settings` dict field"
+        )
     return obj
 
 
@@ -141,12 +152,16 @@ def _register(plugins: Sequence[Plugin]) -> None:
             continue
         other = new.get(entry.name)
         if other is not None and other.analysis is not entry:
-            raise ValueError(f"plugins {other.label} and {plugin.label} both add an analysis named {entry.name!r}: "
-                             "remove or rename one")
+            raise ValueError(
+                f"plugins {other.label} and {plugin.label} both add an analysis named {entry.name!r}: "
+                "remove or rename one"
+            )
         registered = ANALYSES.get(entry.name)
         if registered is not None and registered is not entry:
-            raise ValueError(f"plugin {plugin.label} adds an analysis named {entry.name!r}, which "
-                             f"{_owner(entry.name)} has already: remove or rename one")
+            raise ValueError(
+                f"plugin {plugin.label} adds an analysis named {entry.name!r}, which "
+                f"{_owner(entry.name)} has already: remove or rename one"
+            )
         new.setdefault(entry.name, plugin)
     for name, plugin in new.items():
         if name not in ANALYSES:  # (a plugin loaded before, or a module that registered its own object)

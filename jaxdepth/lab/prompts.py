@@ -14,13 +14,14 @@ import json
 import os
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 
 from jaxdepth.core.batch import LengthBuckets, PromptBatch, make_batch
 
-INSTRUCTION = ("Given the following problem, reason and give a final answer to the problem.\n"
-               "Problem: {problem}\nYour response should end with \"{ending}\" where [answer] is the "
-               "response to the problem.\n")
+INSTRUCTION = (
+    "Given the following problem, reason and give a final answer to the problem.\n"
+    'Problem: {problem}\nYour response should end with "{ending}" where [answer] is the '
+    "response to the problem.\n"
+)
 AIME_MAX_TOKENS = 400
 
 
@@ -95,8 +96,15 @@ def _text(row: dict, name: str) -> str:
 
 
 MATH_LEVELS = (1, 2, 3, 4, 5)
-MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-                 "prealgebra", "precalculus")
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
 
 
 def math_level(row: dict) -> Optional[int]:
@@ -109,7 +117,7 @@ def math_level(row: dict) -> Optional[int]:
             return None
         if not text.startswith("Level "):
             raise ValueError(f"level must look like 'Level 3', got {level!r}")
-        text = text[len("Level "):]
+        text = text[len("Level ") :]
         level = int(text) if text.isdigit() else text
     if isinstance(level, bool) or not isinstance(level, int) or level not in MATH_LEVELS:
         raise ValueError(f"level must be one of {MATH_LEVELS}, got {level!r}")
@@ -174,12 +182,14 @@ DATASETS = {
     "hellaswag": DatasetSpec(format_hellaswag, ("Rowan/hellaswag", None, "validation")),
     "aime24": DatasetSpec(format_aime, ("Maxwell-Jia/AIME_2024", None, "train"), AIME_MAX_TOKENS),
     # The test split of every subject, concatenated in the order of MATH_SUBJECTS.
-    "math": DatasetSpec(format_math, ("EleutherAI/hendrycks_math", MATH_SUBJECTS, "test"),
-                        levels=MATH_LEVELS, level_format="Level {}"),
+    "math": DatasetSpec(
+        format_math, ("EleutherAI/hendrycks_math", MATH_SUBJECTS, "test"), levels=MATH_LEVELS, level_format="Level {}"
+    ),
     # MQuAKE-CF-3k as the first study's code reads it: from MQuAKE-Remastered, a corrected
     # release of the MQuAKE benchmark.
-    "mquake": DatasetSpec(format_mquake, ("henryzhongsc/MQuAKE-Remastered", None, "CF3k"),
-                          levels=(2, 3, 4), level_format="{} hops"),
+    "mquake": DatasetSpec(
+        format_mquake, ("henryzhongsc/MQuAKE-Remastered", None, "CF3k"), levels=(2, 3, 4), level_format="{} hops"
+    ),
 }
 
 
@@ -202,8 +212,10 @@ def _load_hub(hub_path: str, config: Optional[str], split: str) -> list[dict]:
         return list(datasets.load_dataset(hub_path, config, split=split))
     except Exception as e:
         which = hub_path if config is None else f"{hub_path} (config {config})"
-        raise DatasetError(f"could not load {which} from the hub or the local cache "
-                           f"({type(e).__name__}: {e}); pass a local JSONL file instead") from e
+        raise DatasetError(
+            f"could not load {which} from the hub or the local cache "
+            f"({type(e).__name__}: {e}); pass a local JSONL file instead"
+        ) from e
 
 
 def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
@@ -232,8 +244,14 @@ def read_rows(name: str, path: Optional[str] = None) -> list[dict]:
     return [row for c in configs for row in _load_hub(hub_path, c, split)]
 
 
-def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = None, *,
-                 difficulty: Optional[int] = None, where: Optional[Callable[[dict], bool]] = None) -> list[Prompt]:
+def load_prompts(
+    name: str,
+    path: Optional[str] = None,
+    limit: Optional[int] = None,
+    *,
+    difficulty: Optional[int] = None,
+    where: Optional[Callable[[dict], bool]] = None,
+) -> list[Prompt]:
     """Formatted prompts of dataset `name` (a key of `DATASETS`), in file order.
 
     `difficulty`: keep only the prompts of that difficulty (MATH level 1-5, MQuAKE hops 2-4);
@@ -243,9 +261,14 @@ def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = N
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     spec = DATASETS[name]
     if difficulty is not None and difficulty not in spec.levels:
-        raise DatasetError(f"{name} has no difficulty {difficulty!r}" +
-                           (f"; its levels: {', '.join(map(str, spec.levels))}" if spec.levels
-                            else ": its prompts carry no difficulty"))
+        raise DatasetError(
+            f"{name} has no difficulty {difficulty!r}"
+            + (
+                f"; its levels: {', '.join(map(str, spec.levels))}"
+                if spec.levels
+                else ": its prompts carry no difficulty"
+            )
+        )
     prompts = []
     for number, row in enumerate(read_rows(name, path), 1):
         try:
@@ -262,12 +285,19 @@ def load_prompts(name: str, path: Optional[str] = None, limit: Optional[int] = N
     return prompts
 
 
-def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = None,
-           context: Optional[int] = None, limit: Optional[int] = None,
-           buckets: LengthBuckets = LengthBuckets()) -> PromptBatch:
+def encode(
+    tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    max_tokens: Optional[int] = None,
+    context: Optional[int] = None,
+    limit: Optional[int] = None,
+    buckets: LengthBuckets = LengthBuckets(),
+) -> PromptBatch:
     """Tokenize with the tokenizer's defaults; the answer starts at the first token that carries
-    answer text (ends after the question text: a token straddling the two is answer). Prompts over `max_tokens` are skipped (the AIME
-    rule); a prompt over the model's `context` is an error."""
+    answer text (ends after the question text: a token straddling the two is answer). Prompts
+    over `max_tokens` are skipped (the AIME rule); a prompt over the model's `context` is an
+    error."""
     token_lists, starts = [], []
     for prompt in prompts:
         enc = tokenizer(prompt.text, return_offsets_mapping=True)
@@ -275,8 +305,9 @@ def encode(tokenizer, prompts: Sequence[Prompt], *, max_tokens: Optional[int] = 
         if max_tokens is not None and len(ids) > max_tokens:
             continue
         if context is not None and len(ids) > context:
-            raise ValueError(f"a prompt of {len(ids)} tokens exceeds the model's context of {context}: "
-                             f"{prompt.text[:80]!r}...")
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens exceeds the model's context of {context}: {prompt.text[:80]!r}..."
+            )
         boundary = len(prompt.question)
         # The answer starts at the first token carrying answer text: one that ends after the
         # question. A token straddling the boundary (' 28' after a question ending in '= ') is

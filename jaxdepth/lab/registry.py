@@ -73,9 +73,9 @@ def analysis(name: str) -> Analysis:
 
 # ----------------------------------------------------------------------------- the built-in suite
 
+
 def _register_builtins():
-    from jaxdepth.analyses import (attribution, contributions, erasure, integrated_gradients, layer_skip,
-                                   logit_lens)
+    from jaxdepth.analyses import attribution, contributions, erasure, integrated_gradients, layer_skip, logit_lens
     from jaxdepth.lab import plots
     from jaxdepth.analyses import effective_depth as ed
     from jaxdepth.analyses.ig import rules as ig_rules
@@ -84,96 +84,172 @@ def _register_builtins():
         def figures(result, tokenizer, detail_prompts):
             count = min(detail_prompts, len(result.lengths))
             return {f"prompt{i}": draw(result, i, tokenizer=tokenizer) for i in range(count)}
+
         return figures
 
-    register(Analysis(
-        name="contributions", result_type=contributions.ContributionResult, identity=lambda s: {},
-        run=lambda x: contributions.contributions(x.model.params, x.batch, x.model.config),
-        figures=lambda r, tokenizer, n: {"": plots.contributions_figure(r)},
-        summary=lambda r: [f"cosine ED {ed.cosine_effective_depth(r.mean_cosine)}"],
-        feeds_table=True))
-    register(Analysis(
-        name="logit_lens", result_type=logit_lens.LogitLensResult,
-        identity=lambda s: {"lens_weighting": s.lens_weighting},
-        run=lambda x: logit_lens.logit_lens(x.model.params, x.batch, x.model.config,
-                                            weighting=x.settings.lens_weighting),
-        figures=lambda r, tokenizer, n: {"": plots.logit_lens_figure(r)},
-        summary=lambda r: [f"KL ED {ed.kl_effective_depth(r.kl)}", f"overlap ED {ed.overlap_effective_depth(r.overlap)}"],
-        feeds_table=True))
-    register(Analysis(
-        name="layer_skip", result_type=layer_skip.LayerSkipBySublayer,
-        identity=lambda s: {"seed": s.seed, "skip_sublayers": list(s.skip_sublayers), "skip_mode": s.skip_mode,
-                            # only when not the default: earlier results stay valid
-                            **({} if s.skip_split == "sampled" else {"skip_split": s.skip_split})},
-        run=lambda x: layer_skip.layer_skip_sublayers(
-            x.model.params, x.batch, x.model.config, sublayers=x.settings.skip_sublayers, seed=x.settings.seed,
-            mode=x.settings.skip_mode, splits=x.settings.skip_split, memory_budget=x.settings.memory_budget,
-            progress=x.progress),
-        figures=lambda r, tokenizer, n: {"": plots.layer_skip_figure(r.parts())},
-        summary=lambda r: [f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}"
-                           for s, part in r.parts().items()]))
+    register(
+        Analysis(
+            name="contributions",
+            result_type=contributions.ContributionResult,
+            identity=lambda s: {},
+            run=lambda x: contributions.contributions(x.model.params, x.batch, x.model.config),
+            figures=lambda r, tokenizer, n: {"": plots.contributions_figure(r)},
+            summary=lambda r: [f"cosine ED {ed.cosine_effective_depth(r.mean_cosine)}"],
+            feeds_table=True,
+        )
+    )
+    register(
+        Analysis(
+            name="logit_lens",
+            result_type=logit_lens.LogitLensResult,
+            identity=lambda s: {"lens_weighting": s.lens_weighting},
+            run=lambda x: logit_lens.logit_lens(
+                x.model.params, x.batch, x.model.config, weighting=x.settings.lens_weighting
+            ),
+            figures=lambda r, tokenizer, n: {"": plots.logit_lens_figure(r)},
+            summary=lambda r: [
+                f"KL ED {ed.kl_effective_depth(r.kl)}",
+                f"overlap ED {ed.overlap_effective_depth(r.overlap)}",
+            ],
+            feeds_table=True,
+        )
+    )
+    register(
+        Analysis(
+            name="layer_skip",
+            result_type=layer_skip.LayerSkipBySublayer,
+            identity=lambda s: {
+                "seed": s.seed,
+                "skip_sublayers": list(s.skip_sublayers),
+                "skip_mode": s.skip_mode,
+                # only when not the default: earlier results stay valid
+                **({} if s.skip_split == "sampled" else {"skip_split": s.skip_split}),
+            },
+            run=lambda x: layer_skip.layer_skip_sublayers(
+                x.model.params,
+                x.batch,
+                x.model.config,
+                sublayers=x.settings.skip_sublayers,
+                seed=x.settings.seed,
+                mode=x.settings.skip_mode,
+                splits=x.settings.skip_split,
+                memory_budget=x.settings.memory_budget,
+                progress=x.progress,
+            ),
+            figures=lambda r, tokenizer, n: {"": plots.layer_skip_figure(r.parts())},
+            summary=lambda r: [
+                f"depth score ({s} skipped) {ed.depth_score(part.later):.2f}" for s, part in r.parts().items()
+            ],
+        )
+    )
 
     def erasure_baseline(x):
         batch = x.baseline_batch if x.baseline_batch is not None else x.batch
         return erasure.mean_residuals(x.model.params, batch, x.model.config)
 
     def run_erasure(x):
-        return erasure.residual_erasure(x.model.params, x.batch, x.model.config, erasure_baseline(x),
-                                        memory_budget=x.settings.memory_budget, progress=x.progress)
+        return erasure.residual_erasure(
+            x.model.params,
+            x.batch,
+            x.model.config,
+            erasure_baseline(x),
+            memory_budget=x.settings.memory_budget,
+            progress=x.progress,
+        )
 
-    register(Analysis(
-        name="erasure", result_type=erasure.ErasureResult, identity=lambda s: {"detail_prompts": s.detail_prompts},
-        run=run_erasure, figures=per_prompt_figures(plots.erasure_figure),
-        summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"], detail=True, uses_baseline=True))
+    register(
+        Analysis(
+            name="erasure",
+            result_type=erasure.ErasureResult,
+            identity=lambda s: {"detail_prompts": s.detail_prompts},
+            run=run_erasure,
+            figures=per_prompt_figures(plots.erasure_figure),
+            summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"],
+            detail=True,
+            uses_baseline=True,
+        )
+    )
+
     def ig_identity(s):
         if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
             budget = ig_rules.default_budget(s.ig_steps) if s.ig_max_evaluations is None else s.ig_max_evaluations
-            rule = {"ig_rule": "adaptive", "ig_tolerance": s.ig_tolerance, "ig_max_evaluations": budget,
-                    "ig_rule_version": ig_rules.RULE_VERSION}
+            rule = {
+                "ig_rule": "adaptive",
+                "ig_tolerance": s.ig_tolerance,
+                "ig_max_evaluations": budget,
+                "ig_rule_version": ig_rules.RULE_VERSION,
+            }
         else:
             rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
-        return {"detail_prompts": s.detail_prompts, **rule, "ig_baseline": s.ig_baseline,
-                # only when not the default: earlier results stay valid
-                **({} if s.ig_target == "layer" else {"ig_target": s.ig_target})}
+        return {
+            "detail_prompts": s.detail_prompts,
+            **rule,
+            "ig_baseline": s.ig_baseline,
+            # only when not the default: earlier results stay valid
+            **({} if s.ig_target == "layer" else {"ig_target": s.ig_target}),
+        }
 
     def run_ig(x):
         s, m = x.settings, x.model
         common = dict(baseline=s.ig_baseline, target=s.ig_target, memory_budget=s.memory_budget, progress=x.progress)
         if s.ig_rule == "adaptive":
             common.update(tolerance=s.ig_tolerance, max_evaluations=s.ig_max_evaluations)
-        return integrated_gradients.integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule,
-                                                         **common)
+        return integrated_gradients.integrated_gradients(
+            m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule, **common
+        )
 
     def ig_summary(r):
         line = [f"IG ({r.rule}) max |completeness gap| {abs(r.gap).max():.2g}"]
         if r.converged is not None:
-            line.append(f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
-                        f"{int(r.evaluations.sum())} gradient evaluations")
+            line.append(
+                f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
+                f"{int(r.evaluations.sum())} gradient evaluations"
+            )
         return line
 
-    register(Analysis(
-        name="integrated_gradients", result_type=integrated_gradients.IntegratedGradientsResult,
-        identity=ig_identity, run=run_ig, figures=per_prompt_figures(plots.integrated_gradients_figure),
-        summary=ig_summary, detail=True))
+    register(
+        Analysis(
+            name="integrated_gradients",
+            result_type=integrated_gradients.IntegratedGradientsResult,
+            identity=ig_identity,
+            run=run_ig,
+            figures=per_prompt_figures(plots.integrated_gradients_figure),
+            summary=ig_summary,
+            detail=True,
+        )
+    )
 
     def run_attribution(x):
-        return attribution.attribution_patching(x.model.params, x.batch, x.model.config, erasure_baseline(x),
-                                                progress=x.progress)
+        return attribution.attribution_patching(
+            x.model.params, x.batch, x.model.config, erasure_baseline(x), progress=x.progress
+        )
 
     # One forward and one backward pass per prompt give both; each is its own analysis so either
     # can be asked for alone.
-    register(Analysis(
-        name="attribution_patching", result_type=attribution.AttributionResult,
-        identity=lambda s: {"detail_prompts": s.detail_prompts}, run=run_attribution,
-        figures=per_prompt_figures(plots.attribution_patching_figure),
-        summary=lambda r: [f"attribution patching (screening) max |estimate| {float(abs(r.patching).max()):.3g}"],
-        detail=True, uses_baseline=True))
-    register(Analysis(
-        name="grad_x_act", result_type=attribution.AttributionResult,
-        identity=lambda s: {"detail_prompts": s.detail_prompts}, run=run_attribution,
-        figures=per_prompt_figures(partial(plots.attribution_patching_figure, quantity="grad_x_act")),
-        summary=lambda r: [f"grad x act max |value| {float(abs(r.grad_x_act).max()):.3g}"],
-        detail=True))  # g . h does not read the baseline: it is no part of this cache identity
+    register(
+        Analysis(
+            name="attribution_patching",
+            result_type=attribution.AttributionResult,
+            identity=lambda s: {"detail_prompts": s.detail_prompts},
+            run=run_attribution,
+            figures=per_prompt_figures(plots.attribution_patching_figure),
+            summary=lambda r: [f"attribution patching (screening) max |estimate| {float(abs(r.patching).max()):.3g}"],
+            detail=True,
+            uses_baseline=True,
+        )
+    )
+    register(
+        Analysis(
+            name="grad_x_act",
+            result_type=attribution.AttributionResult,
+            identity=lambda s: {"detail_prompts": s.detail_prompts},
+            run=run_attribution,
+            figures=per_prompt_figures(partial(plots.attribution_patching_figure, quantity="grad_x_act")),
+            summary=lambda r: [f"grad x act max |value| {float(abs(r.grad_x_act).max()):.3g}"],
+            detail=True,
+        )
+    )  # g . h does not read the baseline: it is no part of this cache identity
+
 
 _register_builtins()
 

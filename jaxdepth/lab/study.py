@@ -30,6 +30,7 @@ from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.registry import ANALYSES, RunInputs, analysis
 from jaxdepth.lab.results import RESULT_FORMAT, load_result
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudySettings:
     """Everything that changes a result. Part of every saved result's settings."""
@@ -102,26 +103,43 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", base).strip("_") or "model"
 
 
-def run_analysis(name: str, model: Model, batch: PromptBatch, settings: StudySettings,
-                 baseline_batch: Optional[PromptBatch] = None, progress: bool = True):
+def run_analysis(
+    name: str,
+    model: Model,
+    batch: PromptBatch,
+    settings: StudySettings,
+    baseline_batch: Optional[PromptBatch] = None,
+    progress: bool = True,
+):
     """Run the registered analysis `name` (`jaxdepth.lab.registry`) and return its result; a
     per-position sweep (erasure, IG) runs on the first `settings.detail_prompts` prompts only."""
     entry = analysis(name)
     if entry.detail and settings.detail_prompts is not None:
         batch = batch.select(slice(0, settings.detail_prompts))
-    return entry.run(RunInputs(model=model, batch=batch, settings=settings, baseline_batch=baseline_batch,
-                               progress=progress))
+    return entry.run(
+        RunInputs(model=model, batch=batch, settings=settings, baseline_batch=baseline_batch, progress=progress)
+    )
 
 
 def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
     return os.path.join(out_dir, slug(model_name), slug(dataset))
 
 
-def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, out_dir: str, *,
-              analyses: Optional[Sequence[str]] = None, settings: StudySettings = StudySettings(),
-              baseline_batch: Optional[PromptBatch] = None, baseline_name: Optional[str] = None,
-              progress: bool = True, log: Callable[[str], None] = print,
-              failures: Optional[Failures] = None) -> dict:
+def run_study(
+    model: Model,
+    model_name: str,
+    dataset: str,
+    batch: PromptBatch,
+    out_dir: str,
+    *,
+    analyses: Optional[Sequence[str]] = None,
+    settings: StudySettings = StudySettings(),
+    baseline_batch: Optional[PromptBatch] = None,
+    baseline_name: Optional[str] = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    failures: Optional[Failures] = None,
+) -> dict:
     """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
     With several processes (multi-host), every process computes and only process 0 saves.
 
@@ -133,8 +151,13 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     failures = Failures() if failures is None else failures
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     folder = result_folder(out_dir, model_name, dataset)
-    common = {"model": model_name, "dataset": dataset, "num_prompts": settings.num_prompts,
-              "prompt_tokens_sha": batch_digest(batch), "result_format": RESULT_FORMAT}
+    common = {
+        "model": model_name,
+        "dataset": dataset,
+        "num_prompts": settings.num_prompts,
+        "prompt_tokens_sha": batch_digest(batch),
+        "result_format": RESULT_FORMAT,
+    }
     weights = str(np.dtype(model.params["embed"].dtype))
     if weights != "float32":  # only then, so float32 results saved before this key existed stay valid
         common["weights_dtype"] = weights
@@ -164,16 +187,23 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
                 _check_finite(entry.name, result)
                 # compilation and computation apart: a first run pays compiles a rerun or the
                 # persistent compilation cache does not
-                result.settings.update(identity=identity, versions=software_versions(), seconds=seconds,
-                                       compile_seconds=compiling.seconds, compute_seconds=seconds - compiling.seconds,
-                                       compilations=compiling.compilations,
-                                       compilation_cache_hits=compiling.cache_hits)
+                result.settings.update(
+                    identity=identity,
+                    versions=software_versions(),
+                    seconds=seconds,
+                    compile_seconds=compiling.seconds,
+                    compute_seconds=seconds - compiling.seconds,
+                    compilations=compiling.compilations,
+                    compilation_cache_hits=compiling.cache_hits,
+                )
                 if entry.uses_baseline:
                     result.settings["baseline"] = baseline_name or "the dataset's own prompts"
                 if is_writer():
                     result.save(path)
-                log(f"{entry.name}: {seconds:.1f} s ({compiling.seconds:.1f} s compiling {compiling.compilations} "
-                    f"programs, {compiling.cache_hits} read from the compilation cache) -> {folder}")
+                log(
+                    f"{entry.name}: {seconds:.1f} s ({compiling.seconds:.1f} s compiling {compiling.compilations} "
+                    f"programs, {compiling.cache_hits} read from the compilation cache) -> {folder}"
+                )
                 results[entry.name] = result
             if len(failures.records) > failed_before:
                 error = failures.records[-1].error
@@ -181,8 +211,9 @@ def run_study(model: Model, model_name: str, dataset: str, batch: PromptBatch, o
     return results
 
 
-def write_figures(results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1,
-                  failures: Optional[Failures] = None) -> list[str]:
+def write_figures(
+    results: dict, folder: str, tokenizer=None, *, detail_prompts: int = 1, failures: Optional[Failures] = None
+) -> list[str]:
     """Every registered figure of `results` (analysis name -> result) as PNG and PDF under
     `folder/figures`; the per-prompt heatmaps (erasure, IG) for the first `detail_prompts`. An
     analysis that `failures` isolates may fail to draw (its error recorded) without stopping the others."""
@@ -203,8 +234,10 @@ def _check_finite(name: str, result) -> None:
     for field in dataclasses.fields(result):
         value = getattr(result, field.name)
         if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.all(np.isfinite(value)):
-            raise ValueError(f"{name}: {field.name} contains NaN or infinite values (check the model's "
-                             "weights, its dtype, and the prompts); nothing was saved")
+            raise ValueError(
+                f"{name}: {field.name} contains NaN or infinite values (check the model's "
+                "weights, its dtype, and the prompts); nothing was saved"
+            )
 
 
 def _load_matching(path, identity, result_type):

@@ -21,8 +21,9 @@ PER_PROMPT_SUFFIX = "_per_prompt.csv"  # `write_table` writes `<out_prefix>_per_
 LEVEL = uncertainty.DEFAULT_LEVEL
 
 
-def collect(roots: Iterable[str], *, resamples: int = uncertainty.DEFAULT_RESAMPLES,
-            seed: int = uncertainty.DEFAULT_SEED) -> list[dict]:
+def collect(
+    roots: Iterable[str], *, resamples: int = uncertainty.DEFAULT_RESAMPLES, seed: int = uncertainty.DEFAULT_SEED
+) -> list[dict]:
     """One row per (model, dataset, method) for every `<model>/<dataset>/` folder under `roots`
     (a root may also be a model folder or a dataset folder itself).
 
@@ -69,12 +70,20 @@ def _rows_for(folder: str, files, resamples: int, seed: int) -> list[dict]:
     rows = []
     for m, d in depths.items():
         interval = intervals.get(m)
-        rows.append({"model": model, "dataset": dataset, "method": m, "layers": d.num_layers,
-                     "ed": d.layer, "ratio": None if d.ratio is None else round(d.ratio, 4),
-                     "ed_low": None if interval is None else interval.low,
-                     "ed_high": None if interval is None else interval.high,
-                     "resamples": 0 if interval is None else interval.resamples,
-                     "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]]})
+        rows.append(
+            {
+                "model": model,
+                "dataset": dataset,
+                "method": m,
+                "layers": d.num_layers,
+                "ed": d.layer,
+                "ratio": None if d.ratio is None else round(d.ratio, 4),
+                "ed_low": None if interval is None else interval.low,
+                "ed_high": None if interval is None else interval.high,
+                "resamples": 0 if interval is None else interval.resamples,
+                "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]],
+            }
+        )
     return rows
 
 
@@ -85,8 +94,12 @@ def per_prompt_rows(roots: Iterable[str]) -> list[dict]:
 
 
 def _per_prompt_rows(rows: list[dict]) -> list[dict]:
-    return [{"model": r["model"], "dataset": r["dataset"], "method": r["method"], "prompt": i, "ed": layer}
-            for r in rows if r.get("per_prompt") is not None for i, layer in enumerate(r["per_prompt"])]
+    return [
+        {"model": r["model"], "dataset": r["dataset"], "method": r["method"], "prompt": i, "ed": layer}
+        for r in rows
+        if r.get("per_prompt") is not None
+        for i, layer in enumerate(r["per_prompt"])
+    ]
 
 
 def _csv(rows: list[dict], columns) -> str:
@@ -128,15 +141,17 @@ def to_markdown(rows: list[dict]) -> str:
     keys = sorted({(r["model"], r["dataset"]) for r in rows})
     resamples = max((r.get("resamples", 0) for r in rows), default=0)
     what = f"ED [{LEVEL:.0%}] (ratio)" if resamples else "ED (ratio)"
-    lines = [f"| model | dataset | L | cosine {what} | KL {what} | overlap {what} |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| model | dataset | L | cosine {what} | KL {what} | overlap {what} |", "|---|---|---|---|---|---|"]
     for model, dataset in keys:
         layers = next(r["layers"] for r in rows if (r["model"], r["dataset"]) == (model, dataset))
         entries = [_cell(cells.get((model, dataset, method))) for method in METHODS]
         lines.append(f"| {model} | {dataset} | {layers} | " + " | ".join(entries) + " |")
     if resamples:
-        lines += ["", f"[low, high]: {LEVEL:.0%} percentile interval of the effective depth over "
-                      f"{resamples} bootstrap resamples of the prompts; 'none': no layer qualifies."]
+        lines += [
+            "",
+            f"[low, high]: {LEVEL:.0%} percentile interval of the effective depth over "
+            f"{resamples} bootstrap resamples of the prompts; 'none': no layer qualifies.",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -14,9 +14,21 @@ from jaxdepth.core.model import random_params
 
 # Weights at scale 1 make the path of layer 0 strongly nonlinear (its integrand is peaked), so
 # the rule must refine there well beyond its initial partition.
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 TOLERANCE = 1e-3
 REFERENCE_STEPS = 16384
 
@@ -74,8 +86,9 @@ def test_adaptive_reaches_the_tolerance_and_equals_a_fine_fixed_rule(params, bat
     assert adaptive.evaluations[0, 0] > 3 * (2 * aig.INITIAL_INTERVALS + 1)
     assert np.all(adaptive.evaluations <= 2048)
 
-    fixed = ig.integrated_gradients(params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", chunk_size=512,
-                                    progress=False)
+    fixed = ig.integrated_gradients(
+        params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", chunk_size=512, progress=False
+    )
     assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
     np.testing.assert_allclose(adaptive.f_baseline, fixed.f_baseline, atol=1e-6)
     difference = np.abs(adaptive.attributions - fixed.attributions).max(axis=-1)
@@ -102,11 +115,22 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
     # Every call size a run may use, compiled up front: which sizes a run uses depends on its rounds.
     prompt = batch.prompt(0)  # padded as the study pads it, with the backward it chooses
     backward = ig_path.choose_backward("auto", CONFIG, prompt.tokens.shape[1], aig.DEFAULT_STEPS)
-    x, b, inputs, _ = ig.ig_inputs(params, prompt, CONFIG, baseline="channel_mean", interventions=None,
-                                   target="layer")  # as the rule calls it
+    x, b, inputs, _ = ig.ig_inputs(
+        params, prompt, CONFIG, baseline="channel_mean", interventions=None, target="layer"
+    )  # as the rule calls it
     for size in (8, 16, 32):
-        ig.path_points(params, prompt, x, b, inputs, layer=0, alphas=np.linspace(0, 1, size), config=CONFIG,
-                        chunk_size=size, backward=backward)
+        ig.path_points(
+            params,
+            prompt,
+            x,
+            b,
+            inputs,
+            layer=0,
+            alphas=np.linspace(0, 1, size),
+            config=CONFIG,
+            chunk_size=size,
+            backward=backward,
+        )
     first = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33, progress=False)
     assert first.converged.all()
     before = [f._cache_size() for f in functions]
@@ -140,8 +164,9 @@ def test_sublayer_target_converges_to_the_fixed_rule(params, batch):
     assert result.converged.all() and result.settings["target"] == "attn"
     delta, scale = _delta(result), _scale(result)
     assert np.all(np.abs(result.gap) <= TOLERANCE * scale)
-    fixed = ig.integrated_gradients(params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", target="attn",
-                                    chunk_size=512, progress=False)
+    fixed = ig.integrated_gradients(
+        params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", target="attn", chunk_size=512, progress=False
+    )
     assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
     assert np.all(np.abs(result.attributions - fixed.attributions).max(axis=-1) <= TOLERANCE * scale)
 
@@ -164,7 +189,7 @@ def test_splits_take_the_largest_errors_and_stop_at_float32_resolution():
     # the unsplittable -0.5 stays: every other interval is split
     assert aig.choose_splits(errors, np.array([True, False, True, True]), 0.0, 0.3, 10) == [3, 0, 2]
     assert aig.choose_splits(errors, can, 0.0, target=2.0, max_splits=10) == []
-    assert aig.splittable(0.5, 0.5 + 2.0 ** -22) and not aig.splittable(0.5, 0.5 + 2.0 ** -23)
+    assert aig.splittable(0.5, 0.5 + 2.0**-22) and not aig.splittable(0.5, 0.5 + 2.0**-23)
     # rounded up to a multiple with the next largest errors, within the budget
     assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=10, multiple=3) == [1, 3, 0]
     assert aig.choose_splits(errors, can, 0.0, target=0.3, max_splits=2, multiple=4) == [1, 3]
@@ -183,9 +208,21 @@ def test_call_sizes_fill_wide_calls_and_pad_only_below_the_smallest():
 
 # Tiny weights: every layer's path moves F by a few 1e-7, about what float32 resolves of F's own
 # size, as on random weights of a real model's shape.
-FLAT = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                   max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+FLAT = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 
 
 def test_a_path_where_f_barely_moves_is_certified_at_the_floor_within_the_fixed_rules_budget():
@@ -197,8 +234,9 @@ def test_a_path_where_f_barely_moves_is_certified_at_the_floor_within_the_fixed_
     prompt = _prompt(3).prompt(0, LengthBuckets(4, geometric=False))
     with jax.default_matmul_precision("highest"):
         floored = ig.ig_of_prompt(params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64)
-        bare = ig.ig_of_prompt(params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64,
-                               adaptive_options={"floor_share": 0.0})
+        bare = ig.ig_of_prompt(
+            params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64, adaptive_options={"floor_share": 0.0}
+        )
     delta = np.abs(floored.f_input[0] - floored.f_baseline[:, 0].astype(np.float64))
     assert np.all(delta < 1e-3 * abs(floored.f_input[0])), delta  # F barely moves: the case of the floor
     assert floored.converged.all() and floored.floored.all()

@@ -17,9 +17,21 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core.model import forward, random_params, residual_stream, run_layers, embed
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +56,9 @@ def _probs(params, tokens, valid, interventions):
 
 @jax.jit
 def _deltas(params, tokens, valid, interventions):
-    return run_layers(params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions,
-                      tap=lambda r, _: r.delta)[1]
+    return run_layers(
+        params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions, tap=lambda r, _: r.delta
+    )[1]
 
 
 def probs(params, tokens, valid, interventions=None):
@@ -60,11 +73,17 @@ def deltas(params, tokens, valid, interventions=None):
 
 # ----------------------------------------------------------------------------- §1
 
+
 def test_contributions_match_numpy(params, batch):
     result = contributions.contributions(params, batch, CONFIG)
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid)))
-    _, (a, m) = run_layers(params, embed(params, jnp.asarray(batch.tokens)), CONFIG,
-                           valid=jnp.asarray(batch.valid), tap=lambda r, _: (r.attn, r.mlp))
+    _, (a, m) = run_layers(
+        params,
+        embed(params, jnp.asarray(batch.tokens)),
+        CONFIG,
+        valid=jnp.asarray(batch.valid),
+        tap=lambda r, _: (r.attn, r.mlp),
+    )
     a, m, h = np.asarray(a, np.float64), np.asarray(m, np.float64), hs[:-1].astype(np.float64)
     v = batch.valid
     n = lambda x: np.linalg.norm(x, axis=-1)
@@ -87,6 +106,7 @@ def test_contributions_match_numpy(params, batch):
 
 
 # ----------------------------------------------------------------------------- §2
+
 
 def _log_softmax(x):
     x = x - x.max(-1, keepdims=True)
@@ -117,8 +137,9 @@ def test_logit_lens_matches_numpy(params, batch):
     result = logit_lens.logit_lens(params, batch, CONFIG)
     np.testing.assert_allclose(result.kl, prompt_weighted, rtol=1e-4)
     np.testing.assert_allclose(result.overlap, ((overlap * v).sum(-1) / v.sum(-1)).mean(-1), atol=1e-6)
-    np.testing.assert_allclose(logit_lens.logit_lens(params, batch, CONFIG, weighting="token").kl,
-                               token_weighted, rtol=1e-4)
+    np.testing.assert_allclose(
+        logit_lens.logit_lens(params, batch, CONFIG, weighting="token").kl, token_weighted, rtol=1e-4
+    )
     assert not np.allclose(prompt_weighted, token_weighted)  # the two weightings really differ
     np.testing.assert_allclose(result.kl_per_prompt, ((kl * v).sum(-1) / v.sum(-1)).T, rtol=1e-4)
     np.testing.assert_allclose(result.overlap_per_prompt, ((overlap * v).sum(-1) / v.sum(-1)).T, atol=1e-6)
@@ -140,20 +161,32 @@ def test_per_prompt_curves_reaggregate_to_the_stored_curves(params, batch):
         for name in contributions.STATISTICS:
             np.testing.assert_allclose(
                 uncertainty.aggregate(getattr(result, f"{name}_per_prompt"), result.tokens_per_prompt, "token"),
-                getattr(result, name), rtol=1e-6, atol=1e-6)
+                getattr(result, name),
+                rtol=1e-6,
+                atol=1e-6,
+            )
         np.testing.assert_allclose(
             uncertainty.aggregate(result.mean_cosine_per_prompt, result.tokens_per_prompt, "token"),
-            result.mean_cosine, rtol=1e-6, atol=1e-6)
+            result.mean_cosine,
+            rtol=1e-6,
+            atol=1e-6,
+        )
         lenses = {w: logit_lens.logit_lens(params, prompts, CONFIG, weighting=w) for w in ("prompt", "token")}
         for name in ("kl", "overlap"):
             per_prompt = getattr(lenses["prompt"], f"{name}_per_prompt")
             # the per-prompt curves do not depend on the weighting, only their aggregation does
             np.testing.assert_array_equal(getattr(lenses["token"], f"{name}_per_prompt"), per_prompt)
             for layout in (per_prompt, np.ascontiguousarray(per_prompt), np.asfortranarray(per_prompt)):
-                np.testing.assert_array_equal(uncertainty.aggregate(layout, lenses["prompt"].tokens_per_prompt,
-                                                                    "prompt"), getattr(lenses["prompt"], name))
-            np.testing.assert_allclose(uncertainty.aggregate(per_prompt, lenses["token"].tokens_per_prompt, "token"),
-                                       getattr(lenses["token"], name), rtol=1e-6, atol=1e-6)
+                np.testing.assert_array_equal(
+                    uncertainty.aggregate(layout, lenses["prompt"].tokens_per_prompt, "prompt"),
+                    getattr(lenses["prompt"], name),
+                )
+            np.testing.assert_allclose(
+                uncertainty.aggregate(per_prompt, lenses["token"].tokens_per_prompt, "token"),
+                getattr(lenses["token"], name),
+                rtol=1e-6,
+                atol=1e-6,
+            )
 
 
 def test_prompt_groups_partition_the_batch_and_give_each_prompt_its_own_result(params):
@@ -171,7 +204,7 @@ def test_prompt_groups_partition_the_batch_and_give_each_prompt_its_own_result(p
         rows, T = group.tokens.shape
         assert T == prompts.buckets.padded(prompts.lengths[index].max())
         assert rows == 1 or rows * T <= 64
-        np.testing.assert_array_equal(group.tokens[:len(index)], prompts.tokens[index, :T])
+        np.testing.assert_array_equal(group.tokens[: len(index)], prompts.tokens[index, :T])
     assert max(len(index) for index, _ in groups) > 1 and any(len(index) == 1 for index, _ in groups)
 
     together = contributions.contributions(params, prompts, CONFIG)
@@ -180,14 +213,16 @@ def test_prompt_groups_partition_the_batch_and_give_each_prompt_its_own_result(p
         alone = prompts.select([i])
         one = contributions.contributions(params, alone, CONFIG)
         for name in contributions.STATISTICS:
-            np.testing.assert_allclose(getattr(together, f"{name}_per_prompt")[i],
-                                       getattr(one, f"{name}_per_prompt")[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                getattr(together, f"{name}_per_prompt")[i], getattr(one, f"{name}_per_prompt")[0], rtol=1e-5, atol=1e-6
+            )
         one_lens = logit_lens.logit_lens(params, alone, CONFIG)
         np.testing.assert_allclose(lens.kl_per_prompt[i], one_lens.kl_per_prompt[0], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(lens.overlap_per_prompt[i], one_lens.overlap_per_prompt[0], atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- §3
+
 
 def _skip_reference(params, one, layer, split, sublayer):
     """The same skip intervention through the plain forward, one at a time, numpy statistics."""
@@ -236,12 +271,14 @@ def test_layer_skip_exact_zeros_and_chunking(params, batch):
     # memory budget makes them, give what one call over all L gives
     one, T = batch.single(0), batch.single(0).tokens.shape[1]
     pos = np.arange(T)
-    masks = layer_skip.SkipMasks(np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32),
-                                 np.asarray([pos >= t for t in (8, 12)]))
+    masks = layer_skip.SkipMasks(
+        np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32), np.asarray([pos >= t for t in (8, 12)])
+    )
     args = (params, PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid)), masks, CONFIG)
     assert layer_skip.skipped_layer_groups(CONFIG, T, 2, memory_budget=4 * 2 * T * CONFIG.hidden_size * 4 * 3) == 3
-    for whole, grouped in zip(layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(
-            *args, layers_per_call=3)):
+    for whole, grouped in zip(
+        layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(*args, layers_per_call=3)
+    ):
         assert grouped.shape == whole.shape
         np.testing.assert_allclose(grouped, whole, atol=1e-7)
 
@@ -297,11 +334,13 @@ def test_current_mode_skips_all_but_position_zero(params, batch):
 
 # ----------------------------------------------------------------------------- §4
 
+
 def test_erasure_sweep_equals_one_at_a_time(params, batch):
     baseline = erasure.mean_residuals(params, batch, CONFIG)
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid)))
-    np.testing.assert_allclose(baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(), rtol=1e-5, atol=1e-6
+    )
     result = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False)
     # other chunks and pieces of 11 positions (the prompt padded to 33), or one piece: the same numbers
     chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=7, blocks=3)
@@ -320,11 +359,12 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
             diff = np.linalg.norm(probs(params, tokens, valid, iv) - clean, axis=-1)[0]
             assert result.effects[i, l, t] == pytest.approx(diff[answer].max(), abs=2e-6)
     # after the last answer-predicting position nothing can change: exact zeros
-    assert np.all(result.effects[i, :, length - 1:] == 0.0)
-    assert np.all(result.effects[0, :, int(batch.lengths[0]) - 1:] == 0.0)
+    assert np.all(result.effects[i, :, length - 1 :] == 0.0)
+    assert np.all(result.effects[0, :, int(batch.lengths[0]) - 1 :] == 0.0)
 
 
 # ----------------------------------------------------------------------------- §5
+
 
 @jax.jit
 def _objective_arrays(params, tokens, valid, answer, layer, z):
@@ -340,17 +380,25 @@ _objective_grad = jax.jit(jax.grad(_objective_arrays, argnums=5))
 
 def _objective(params, one, layer, z, grad=False):
     """F: summed teacher-forced answer probabilities with h_{layer+1} set to z (or its gradient)."""
-    args = (params, jnp.asarray(one.tokens), jnp.asarray(one.valid), jnp.asarray(one.answer_prediction_mask()[0]),
-            layer, z)
+    args = (
+        params,
+        jnp.asarray(one.tokens),
+        jnp.asarray(one.valid),
+        jnp.asarray(one.answer_prediction_mask()[0]),
+        layer,
+        z,
+    )
     return (_objective_grad if grad else _objective_arrays)(*args)
 
 
 def test_integrated_gradients_equal_one_at_a_time(params, batch):
     steps = 6
-    result = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
-                                     progress=False)
-    chunked = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
-                                      progress=False, chunk_size=5)
+    result = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False
+    )
+    chunked = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False, chunk_size=5
+    )
     np.testing.assert_allclose(chunked.attributions, result.attributions, rtol=1e-5, atol=1e-8)
     one = batch.single(1)
     hs = residual_stream(params, jnp.asarray(one.tokens), CONFIG, valid=jnp.asarray(one.valid))
@@ -362,7 +410,7 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
         grads = [_objective(params, one, layer, b + a * (x - b), grad=True) for a in alphas]
         mean_grad = sum(w * g for w, g in zip(weights, grads))[0]
         expected = np.sum((np.asarray(x[0]) - b) * np.asarray(mean_grad), -1) * one.valid[0]
-        np.testing.assert_allclose(result.attributions[0, layer, :len(expected)], expected, atol=1e-6)
+        np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=1e-6)
         f_b = _objective(params, one, layer, jnp.broadcast_to(b, x.shape))
         assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
@@ -378,8 +426,9 @@ def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backw
     hs = residual_stream(params, tokens, CONFIG, valid=valid)
     for start in range(CONFIG.num_layers + 1):
         z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident
-        value, grad = jax.jit(lambda z, s: suffix_value_and_grad(params, z, s, CONFIG, objective, valid=valid,
-                                                                 backward=backward))(z, start)
+        value, grad = jax.jit(
+            lambda z, s: suffix_value_and_grad(params, z, s, CONFIG, objective, valid=valid, backward=backward)
+        )(z, start)
         if start > 0:  # boundary `start` = the output of layer start - 1
             assert float(value) == pytest.approx(float(_objective(params, one, start - 1, z)), abs=1e-6)
             np.testing.assert_allclose(grad, _objective(params, one, start - 1, z, grad=True), atol=1e-6)
@@ -410,34 +459,46 @@ _objective_at_site_grad = jax.jit(jax.grad(_objective_at_site, argnums=5), stati
 @pytest.mark.parametrize("target,site", [("attn", "attn_out"), ("mlp", "mlp_out")])
 def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target, site):
     steps = 5
-    result = ig.integrated_gradients(params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint",
-                                     target=target, progress=False)
+    result = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", target=target, progress=False
+    )
     assert result.settings["target"] == target
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     answer = jnp.asarray(one.answer_prediction_mask()[0])
-    _, xs = run_layers(params, embed(params, tokens), CONFIG, valid=valid,
-                       tap=lambda r, _: r.attn if target == "attn" else r.mlp)
+    _, xs = run_layers(
+        params, embed(params, tokens), CONFIG, valid=valid, tap=lambda r, _: r.attn if target == "attn" else r.mlp
+    )
     alphas, weights = quadrature("midpoint", steps)
     v = one.valid[0][:, None]
     for layer in range(CONFIG.num_layers):
         x = np.asarray(xs[layer])
         b = (x[0] * v).sum(0, keepdims=True) / v.sum()
-        grads = [_objective_at_site_grad(params, tokens, valid, answer, layer, jnp.asarray(b + a * (x - b)), site)
-                 for a in alphas]
+        grads = [
+            _objective_at_site_grad(params, tokens, valid, answer, layer, jnp.asarray(b + a * (x - b)), site)
+            for a in alphas
+        ]
         expected = np.sum((x[0] - b) * np.asarray(sum(w * g for w, g in zip(weights, grads))[0]), -1) * one.valid[0]
-        np.testing.assert_allclose(result.attributions[0, layer, :len(expected)], expected, atol=1e-6)
+        np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=1e-6)
         f_b = _objective_at_site(params, tokens, valid, answer, layer, jnp.broadcast_to(b, x.shape), site)
         assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
     # completeness: the gap shrinks with the steps, as for the layer target
-    gaps = [np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n, target=target,
-                                           progress=False).gap).max() for n in (2, 8, 32)]
+    gaps = [
+        np.abs(
+            ig.integrated_gradients(
+                params, batch.select(slice(0, 1)), CONFIG, steps=n, target=target, progress=False
+            ).gap
+        ).max()
+        for n in (2, 8, 32)
+    ]
     assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0, gaps
 
 
 def test_ig_completeness_gap_shrinks_with_steps(params, batch):
-    gaps = [np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n,
-                                           progress=False).gap).max() for n in (2, 8, 32)]
+    gaps = [
+        np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n, progress=False).gap).max()
+        for n in (2, 8, 32)
+    ]
     assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0
 
 
@@ -445,8 +506,8 @@ def test_ig_zero_where_the_output_cannot_depend(params, batch):
     result = ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
     last_prediction = int(batch.lengths[0]) - 2
     # positions after the last answer prediction reach no measured output: exactly zero
-    assert np.all(result.attributions[0, :, last_prediction + 1:] == 0.0)
-    assert np.any(result.attributions[0, :, :last_prediction + 1] != 0.0)
+    assert np.all(result.attributions[0, :, last_prediction + 1 :] == 0.0)
+    assert np.any(result.attributions[0, :, : last_prediction + 1] != 0.0)
     # a model whose output ignores the residual (zero final norm): every layer's attribution is 0
     dead = {**params, "final_norm": jnp.zeros_like(params["final_norm"])}
     flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
@@ -460,10 +521,11 @@ def test_quadrature_rules_integrate_exactly():
     a, w = quadrature("left", 4)
     np.testing.assert_array_equal(a, [0, 0.25, 0.5, 0.75])
     a, w = quadrature("gauss", 3)
-    assert np.isclose(np.sum(w * a ** 5), 1 / 6)  # exact for polynomials up to degree 5
+    assert np.isclose(np.sum(w * a**5), 1 / 6)  # exact for polynomials up to degree 5
 
 
 # ----------------------------------------------------------------------------- compilation
+
 
 def test_new_intervention_values_do_not_recompile(params, batch):
     """New split positions are new mask values and new measured rows (within one padded row
@@ -483,6 +545,7 @@ def test_new_intervention_values_do_not_recompile(params, batch):
 
 
 # ----------------------------------------------------------------------------- bf16
+
 
 def test_bfloat16_mode_stays_close_to_float32(params, batch):
     """bf16 weights and activations, float32 statistics: per-token KL to the float32 output

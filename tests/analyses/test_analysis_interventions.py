@@ -17,9 +17,21 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, run_layers
 from jaxdepth.lab.results import load_result
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 L, H, D = CONFIG.num_layers, CONFIG.num_heads, CONFIG.hidden_size
 
 # Compare at full float32 matmul precision (as the references compute).
@@ -48,8 +60,10 @@ def steering():
     residual h_L. Adding is not idempotent: a suffix run that started from h_1 after the
     addition and added it again would be caught."""
     v = np.random.default_rng(5).standard_normal((2, D)).astype(np.float32)
-    return [sites.add("resid_pre", 1, v[0], np.ones(1, np.float32)),
-            sites.add("resid_pre", L, v[1], np.ones(1, np.float32))]
+    return [
+        sites.add("resid_pre", 1, v[0], np.ones(1, np.float32)),
+        sites.add("resid_pre", L, v[1], np.ones(1, np.float32)),
+    ]
 
 
 def last_logit_difference(logits):
@@ -79,10 +93,17 @@ def softmax(x):
 
 # ----------------------------------------------------------------------------- §1
 
+
 @jax.jit
 def _tapped(params, tokens, valid, interventions):
-    return run_layers(params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions,
-                      tap=lambda r, _: (r.h, r.attn, r.mlp, r.out))[1]
+    return run_layers(
+        params,
+        embed(params, tokens),
+        CONFIG,
+        valid=valid,
+        interventions=interventions,
+        tap=lambda r, _: (r.h, r.attn, r.mlp, r.out),
+    )[1]
 
 
 @pytest.mark.parametrize("with_skip", [False, True])
@@ -92,8 +113,9 @@ def test_contributions_under_interventions_equal_a_tap_of_the_intervened_run(par
     batch = prompts((16, 13), None)  # both prompts padded to 16: a [L, 16] skip mask fits every group
     ivs = [ablation()] + ([sites.skip("delta", 1, (np.arange(16) >= 1).astype(np.float32))] if with_skip else [])
     result = contributions.contributions(params, batch, CONFIG, interventions=ivs)
-    h, a, m, out = (np.asarray(x, np.float64) for x in _tapped(params, jnp.asarray(batch.tokens),
-                                                                jnp.asarray(batch.valid), ivs))
+    h, a, m, out = (
+        np.asarray(x, np.float64) for x in _tapped(params, jnp.asarray(batch.tokens), jnp.asarray(batch.valid), ivs)
+    )
     layer = out - h if with_skip else a + m
     if with_skip:
         assert np.all(layer[1, :, 1:] == 0.0)  # the skipped positions add nothing
@@ -101,8 +123,14 @@ def test_contributions_under_interventions_equal_a_tap_of_the_intervened_run(par
     cos = lambda x, y: np.sum(x * y, -1) / np.maximum(n(x) * n(y), 1e-6)
     v = batch.valid
     per_prompt = lambda x: ((x * v).sum(axis=2) / v.sum(axis=1)).T  # [N, L]
-    expected = {"norm_attn": n(a) / n(h), "norm_mlp": n(m) / n(h + a), "norm_layer": n(layer) / n(h),
-                "cos_attn": cos(a, h), "cos_mlp": cos(m, h + a), "cos_layer": cos(layer, h)}
+    expected = {
+        "norm_attn": n(a) / n(h),
+        "norm_mlp": n(m) / n(h + a),
+        "norm_layer": n(layer) / n(h),
+        "cos_attn": cos(a, h),
+        "cos_mlp": cos(m, h + a),
+        "cos_layer": cos(layer, h),
+    }
     for name, x in expected.items():
         assert_close(getattr(result, f"{name}_per_prompt"), per_prompt(x), name, tol=1e-5)
         assert_close(getattr(result, name), (x * v).sum(axis=(1, 2)) / v.sum(), name, tol=1e-5)
@@ -111,6 +139,7 @@ def test_contributions_under_interventions_equal_a_tap_of_the_intervened_run(par
 
 
 # ----------------------------------------------------------------------------- §2
+
 
 def _log_softmax(x):
     x = x - x.max(-1, keepdims=True)
@@ -121,8 +150,10 @@ def test_logit_lens_under_a_layer_skip_reads_the_intervened_stream(params):
     batch = prompts((16, 13), None)
     skip = sites.skip("delta", 1, (np.arange(16) >= 1).astype(np.float32))  # layer 1 at all positions but 0
     result = logit_lens.logit_lens(params, batch, CONFIG, interventions=skip)
-    hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid),
-                                    interventions=skip), np.float64)
+    hs = np.asarray(
+        residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid), interventions=skip),
+        np.float64,
+    )
     assert np.all(hs[2, :, 1:] == hs[1, :, 1:])  # the skip really acted on the stream
     p = {k: np.asarray(v, np.float64) for k, v in params.items() if k != "layers"}
 
@@ -147,10 +178,12 @@ def test_logit_lens_under_a_layer_skip_reads_the_intervened_stream(params):
 
 # ----------------------------------------------------------------------------- §3
 
+
 @jax.jit
 def _deltas(params, tokens, valid, interventions):
-    return run_layers(params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions,
-                      tap=lambda r, _: r.delta)[1][:, 0]
+    return run_layers(
+        params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions, tap=lambda r, _: r.delta
+    )[1][:, 0]
 
 
 def deltas(params, one, interventions):
@@ -164,8 +197,9 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
     against plain forwards under the user's interventions alone."""
     batch = prompts((32, 16), None)  # each prompt alone is padded to exactly its length: -1 is real
     user = [ablation(), *steering()]
-    result = layer_skip.layer_skip(params, batch, CONFIG, interventions=user, metric=last_logit_difference,
-                                   progress=False)
+    result = layer_skip.layer_skip(
+        params, batch, CONFIG, interventions=user, metric=last_logit_difference, progress=False
+    )
     assert result.metric_change_per_prompt.shape == (2, L, 4)
 
     for i in range(len(batch)):
@@ -185,10 +219,11 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
                 assert result.metric_change_per_prompt[i, s, k] == pytest.approx(change, abs=2e-5), (i, s, t)
                 output[s] = max(output[s], np.linalg.norm(softmax(skipped) - softmax(clean), axis=-1)[0, t:].max())
                 d = deltas(params, one, both)
-                ratio = np.linalg.norm(clean_deltas - d, axis=-1) / np.maximum(np.linalg.norm(clean_deltas, axis=-1),
-                                                                             1e-6)
+                ratio = np.linalg.norm(clean_deltas - d, axis=-1) / np.maximum(
+                    np.linalg.norm(clean_deltas, axis=-1), 1e-6
+                )
                 later[s] = np.maximum(later[s], np.where(np.arange(L) > s, ratio[:, t:].max(-1), 0.0))
-        assert np.all(np.isnan(result.metric_change_per_prompt[i, :, len(splits):]))  # splits it does not have
+        assert np.all(np.isnan(result.metric_change_per_prompt[i, :, len(splits) :]))  # splits it does not have
         assert_close(result.output_per_prompt[i], output, "output shift", tol=2e-6)
         assert_close(result.later_per_prompt[i], later, "later layers", tol=2e-5)
     changes = result.metric_change_per_prompt
@@ -197,14 +232,18 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
         real = changes[:, s][~np.isnan(changes[:, s])]
         assert result.metric_change[s] == real[np.argmax(np.abs(real))]
     # the built-in measures are those of the intervened model, not of the clean one
-    assert_moved(result.output_per_prompt, layer_skip.layer_skip(params, batch, CONFIG, progress=False)
-                 .output_per_prompt, "output shift")
+    assert_moved(
+        result.output_per_prompt,
+        layer_skip.layer_skip(params, batch, CONFIG, progress=False).output_per_prompt,
+        "output shift",
+    )
     loaded = load_result(result.save(str(tmp_path / "skip.npz")))
     np.testing.assert_array_equal(loaded.metric_change_per_prompt, changes)
     np.testing.assert_array_equal(loaded.metric_change, result.metric_change)
 
 
 # ----------------------------------------------------------------------------- §4
+
 
 @pytest.mark.parametrize("steer", [False, True])
 def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, steer):
@@ -216,8 +255,9 @@ def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, st
     baseline = erasure.mean_residuals(params, batch, CONFIG, interventions=user)
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, interventions=user))
     assert_close(baseline, hs[:, 0].mean(1), "baseline under the interventions", tol=1e-6)
-    result = erasure.residual_erasure(params, batch, CONFIG, baseline, interventions=user,
-                                      metric=last_logit_difference, progress=False)
+    result = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, interventions=user, metric=last_logit_difference, progress=False
+    )
     assert erasure.piece_width(16) == 8  # two pieces: the second reads the first one's clean keys and values
     one = batch.single(0)
     T = one.tokens.shape[1]
@@ -232,14 +272,16 @@ def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, st
             assert result.effects[0, l, t] == pytest.approx(shift, abs=2e-6), (l, t)
     assert np.abs(result.metric_change).max() > 1e-2
     # erasing h_L[t] changes the logits at t alone: the metric, read at the last position, by exactly 0
-    assert np.all(result.metric_change[0, L, :T - 1] == 0.0) and result.metric_change[0, L, T - 1] != 0.0
+    assert np.all(result.metric_change[0, L, : T - 1] == 0.0) and result.metric_change[0, L, T - 1] != 0.0
     plain = erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_logit_difference, progress=False)
     assert_moved(result.metric_change, plain.metric_change, "erasure metric")
-    np.testing.assert_array_equal(plain.effects, erasure.residual_erasure(params, batch, CONFIG, baseline,
-                                                                          progress=False).effects)
+    np.testing.assert_array_equal(
+        plain.effects, erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False).effects
+    )
 
 
 # ----------------------------------------------------------------------------- attribution
+
 
 def test_attribution_patching_under_interventions_equals_site_gradients_by_hand(params):
     batch = prompts((16,), [10])
@@ -260,6 +302,7 @@ def test_attribution_patching_under_interventions_equals_site_gradients_by_hand(
 
 
 # ----------------------------------------------------------------------------- refusals
+
 
 def test_a_metric_that_is_not_a_scalar_is_refused(params):
     batch = prompts((16,), [10])

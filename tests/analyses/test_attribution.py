@@ -13,9 +13,21 @@ from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, residual_stream
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 L = CONFIG.num_layers
 
 
@@ -50,8 +62,9 @@ def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
     tokens, valid, _, _ = arrays(one)
     metric = objective(one)
     skip = sites.skip("delta", 1, jnp.ones(tokens.shape[1]))  # gradients under an intervention, as the model ran
-    g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, metric, (site,), valid=valid,
-                                                     interventions=skip))(params)
+    g = jax.jit(
+        lambda p: attribution.site_gradients(p, tokens, CONFIG, metric, (site,), valid=valid, interventions=skip)
+    )(params)
     rows = L + (site == "resid_pre")
     assert g.gradients[site].shape == (rows,) + attribution.site_shape(site, CONFIG, 1, tokens.shape[1])
     clean = metric(forward(params, tokens, CONFIG, valid=valid, interventions=skip))
@@ -62,50 +75,61 @@ def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
         def f(vector):
             iv = sites.add(site, layer, vector, jnp.ones(tokens.shape))
             return metric(forward(params, tokens, CONFIG, valid=valid, interventions=[skip, iv]))
+
         zero = jnp.zeros(g.gradients[site].shape[1:])
         expected = np.asarray(jax.jit(jax.grad(f))(zero))
-        np.testing.assert_allclose(np.asarray(g.gradients[site][layer]), expected, rtol=1e-4, atol=1e-7,
-                                   err_msg=f"{site} layer {layer}")
+        np.testing.assert_allclose(
+            np.asarray(g.gradients[site][layer]), expected, rtol=1e-4, atol=1e-7, err_msg=f"{site} layer {layer}"
+        )
     assert np.abs(np.asarray(g.gradients[site])).max() > 1e-3  # not a vacuous comparison of zeros
 
 
 def test_site_gradients_with_and_without_remat_agree(params, one):
     """Recomputing each layer in the backward (what long prompts get) changes no gradient."""
     tokens, valid, _, _ = arrays(one)
-    run = lambda remat: jax.jit(lambda p: attribution.site_gradients(
-        p, tokens, CONFIG, objective(one), ("resid_pre", "mlp_hidden"), valid=valid, remat=remat))(params)
+    run = lambda remat: jax.jit(
+        lambda p: attribution.site_gradients(
+            p, tokens, CONFIG, objective(one), ("resid_pre", "mlp_hidden"), valid=valid, remat=remat
+        )
+    )(params)
     stored, recomputed = run(False), run(True)
     for site in ("resid_pre", "mlp_hidden"):
-        np.testing.assert_allclose(np.asarray(stored.gradients[site]), np.asarray(recomputed.gradients[site]),
-                                   rtol=1e-5, atol=1e-7)  # float32 sums in another order, as above
+        np.testing.assert_allclose(
+            np.asarray(stored.gradients[site]), np.asarray(recomputed.gradients[site]), rtol=1e-5, atol=1e-7
+        )  # float32 sums in another order, as above
     assert np.abs(np.asarray(stored.gradients["mlp_hidden"])).max() > 1e-3
 
 
 def test_site_activations_are_the_forward_values(params, one):
     tokens, valid, _, _ = arrays(one)
-    g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, objective(one), ("resid_pre", "resid_post"),
-                                                     valid=valid))(params)
+    g = jax.jit(
+        lambda p: attribution.site_gradients(
+            p, tokens, CONFIG, objective(one), ("resid_pre", "resid_post"), valid=valid
+        )
+    )(params)
     hs = np.asarray(residual_stream(params, tokens, CONFIG, valid=valid))
     # Two differently fused float32 programs over 4 layers: compared at the residual's scale
     # (elementwise relative errors of entries near 0 measure only the rounding of the larger ones).
     np.testing.assert_allclose(np.asarray(g.activations["resid_pre"]), hs, rtol=0, atol=4e-6 * np.abs(hs).max())
     # h_{l+1} is both layer l's resid_post and layer l+1's resid_pre: the same gradient.
-    np.testing.assert_allclose(np.asarray(g.gradients["resid_post"]), np.asarray(g.gradients["resid_pre"][1:]),
-                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        np.asarray(g.gradients["resid_post"]), np.asarray(g.gradients["resid_pre"][1:]), rtol=1e-5, atol=1e-8
+    )
 
 
 def test_patching_and_grad_x_act_follow_their_formulas(params, one):
     tokens, valid, positions, real = arrays(one)
     baseline = np.asarray(erasure.mean_residuals(params, make_batch([one.tokens[0, :21].tolist()], [14]), CONFIG))
-    f, gxa, patch = attribution.residual_attribution(params, tokens, valid, positions, real, jnp.asarray(baseline),
-                                                     CONFIG)
+    f, gxa, patch = attribution.residual_attribution(
+        params, tokens, valid, positions, real, jnp.asarray(baseline), CONFIG
+    )
     g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, objective(one), valid=valid))(params)
     grad, h = np.asarray(g.gradients["resid_pre"][:, 0]), np.asarray(g.activations["resid_pre"][:, 0])
     np.testing.assert_allclose(np.asarray(gxa), (grad * h).sum(-1), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(patch), (grad * (baseline[:, None] - h)).sum(-1), rtol=1e-5, atol=1e-7)
     # Nothing after the last answer-predicting position can move F: exact zeros.
     last = int(one.lengths[0]) - 2
-    assert np.all(np.asarray(patch)[:, last + 1:] == 0.0) and np.all(np.asarray(gxa)[:, last + 1:] == 0.0)
+    assert np.all(np.asarray(patch)[:, last + 1 :] == 0.0) and np.all(np.asarray(gxa)[:, last + 1 :] == 0.0)
 
 
 @jax.jit
@@ -117,8 +141,9 @@ def _answer_probability(params, tokens, valid, positions, real, interventions):
 def test_exact_scalar_erasure_equals_one_at_a_time(params, one):
     batch = make_batch([one.tokens[0, :21].tolist()], [14])
     baseline = erasure.mean_residuals(params, batch, CONFIG)
-    result = erasure.residual_erasure(params, batch, CONFIG, baseline, effect="answer_probability_change",
-                                      progress=False, blocks=2)
+    result = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, effect="answer_probability_change", progress=False, blocks=2
+    )
     assert result.settings["effect"] == "answer_probability_change"
     tokens, valid, positions, real = arrays(one)
     clean = float(_answer_probability(params, tokens, valid, positions, real, None))
@@ -142,8 +167,9 @@ def test_attribution_patching_is_first_order_exact(params, one):
     for eps in (1e-2, 1e-3):
         baseline = hs[:, 0, t] + eps * direction  # erasing position t moves it by eps * direction
         est = attribution.attribution_patching(params, batch, CONFIG, baseline, progress=False)
-        exact = erasure.residual_erasure(params, batch, CONFIG, baseline, effect="answer_probability_change",
-                                         progress=False)
+        exact = erasure.residual_erasure(
+            params, batch, CONFIG, baseline, effect="answer_probability_change", progress=False
+        )
         e, x = est.patching[0, :L, t], exact.effects[0, :L, t]
         assert np.abs(x).min() > 0  # every boundary's erasure moves F
         relative.append(np.abs(e - x).max() / np.abs(x).max())

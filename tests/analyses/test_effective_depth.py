@@ -48,7 +48,7 @@ def test_depth_score():
     L = 4
     D = np.zeros((L, L))
     D[0, 1:] = [1.0, 1.0, 1.0]  # e_0 = 3/3 = 1
-    D[2, 3] = 2.0               # e_2 = 2/1 = 2
+    D[2, 3] = 2.0  # e_2 = 2/1 = 2
     assert ed.depth_score(D) == pytest.approx((0 * 1 + 2 * 2) / 3)
     D[3, :] = 0
     with pytest.raises(ValueError):
@@ -64,6 +64,7 @@ def test_result_round_trip(tmp_path):
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["lens.npz"]  # no temporary left
     with pytest.raises(TypeError):
         from jaxdepth.analyses.contributions import ContributionResult
+
         ContributionResult.load(path)
 
 
@@ -74,19 +75,24 @@ def test_per_prompt_curves_round_trip_and_older_files_load_without_them(tmp_path
 
     rng = np.random.default_rng(0)
     per_prompt = {f"{name}_per_prompt": rng.random((3, 5)) for name in STATISTICS}
-    r = ContributionResult(**{name: rng.random(5) for name in STATISTICS}, num_tokens=12, settings={"n": 3},
-                           **per_prompt, tokens_per_prompt=np.array([2, 4, 6]))
+    r = ContributionResult(
+        **{name: rng.random(5) for name in STATISTICS},
+        num_tokens=12,
+        settings={"n": 3},
+        **per_prompt,
+        tokens_per_prompt=np.array([2, 4, 6]),
+    )
     back = load_result(r.save(tmp_path / "contributions.npz"))
     for name, value in per_prompt.items():
         np.testing.assert_array_equal(getattr(back, name), value)
     np.testing.assert_array_equal(back.tokens_per_prompt, [2, 4, 6])
-    np.testing.assert_allclose(back.mean_cosine_per_prompt, sum(per_prompt[f"cos_{n}_per_prompt"]
-                                                                 for n in ("attn", "mlp", "layer")) / 3)
+    np.testing.assert_allclose(
+        back.mean_cosine_per_prompt, sum(per_prompt[f"cos_{n}_per_prompt"] for n in ("attn", "mlp", "layer")) / 3
+    )
     # a file written before per-prompt curves existed: its JSON header and arrays lack them
     meta = {"type": "LogitLensResult", "settings": {"weighting": "prompt"}}
     with open(tmp_path / "old.npz", "wb") as f:
-        np.savez(f, kl=np.arange(4.0), overlap=np.zeros(4),
-                 __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+        np.savez(f, kl=np.arange(4.0), overlap=np.zeros(4), __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8))
     old = load_result(str(tmp_path / "old.npz"))
     assert isinstance(old, LogitLensResult)
     assert old.kl_per_prompt is None and old.overlap_per_prompt is None and old.tokens_per_prompt is None

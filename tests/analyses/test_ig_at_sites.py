@@ -22,9 +22,21 @@ from jaxdepth.core.model import forward, random_params, run_layers, embed
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.lab.loaded_model import Model
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0, rms_norm_eps=1e-6,
-                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=12345.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 L, T = CONFIG.num_layers, 9
 CORRECT, WRONG = 5, 11
 
@@ -78,22 +90,36 @@ def test_against_a_hand_written_riemann_sum(site):
         assert result.f_input[0] == pytest.approx(f_x, abs=1e-5)
         assert result.f_baseline[layer, 0] == pytest.approx(f_b, abs=1e-5)
         # the gap is the attributions' sum against F(x) - F(b), computed directly
-        assert result.gap[layer, 0] == pytest.approx(float(np.sum(result.per_position[layer, 0])) - (f_x - f_b),
-                                                     abs=1e-5)
-        np.testing.assert_allclose(result.per_position[layer, 0], np.asarray(expected).reshape(T, -1).sum(-1),
-                                   atol=1e-5 * float(np.max(np.abs(expected))) * 10)
+        assert result.gap[layer, 0] == pytest.approx(
+            float(np.sum(result.per_position[layer, 0])) - (f_x - f_b), abs=1e-5
+        )
+        np.testing.assert_allclose(
+            result.per_position[layer, 0],
+            np.asarray(expected).reshape(T, -1).sum(-1),
+            atol=1e-5 * float(np.max(np.abs(expected))) * 10,
+        )
 
 
 def test_a_subset_of_layers_other_rules_and_baselines_at_mlp_hidden():
     params, tokens = _setup()
     one = tokens[1:]
-    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, site="mlp_hidden",
-                                           layers=[2, 0], rule="gauss", steps=4, baseline="zero")
+    result = jaxdepth.integrated_gradients(
+        params,
+        one,
+        CONFIG,
+        logit_difference_of_one,
+        site="mlp_hidden",
+        layers=[2, 0],
+        rule="gauss",
+        steps=4,
+        baseline="zero",
+    )
     alphas, weights = quadrature("gauss", 4)
     for i, layer in enumerate([2, 0]):
         x = run_layers(params, embed(params, one), CONFIG, tap=lambda r, _: r.mlp_hidden)[1][layer]
         F = lambda z: logit_difference_of_one(
-            forward(params, one, CONFIG, interventions=sites.replace("mlp_hidden", layer, jnp.ones(T), z)))
+            forward(params, one, CONFIG, interventions=sites.replace("mlp_hidden", layer, jnp.ones(T), z))
+        )
         expected = x * sum(w * jax.grad(F)(a * x) for a, w in zip(alphas, weights))
         assert _relative_error(result.attributions[i], expected) <= 1e-4, f"layer {layer}"
 
@@ -110,9 +136,14 @@ def test_prompts_of_a_batch_are_attributed_independently():
     both = jaxdepth.integrated_gradients(params, tokens, CONFIG, last_real, valid=valid, steps=4, site="attn_out")
     for i in range(2):
         n = int(valid[i].sum())
-        alone = jaxdepth.integrated_gradients(params, tokens[i:i + 1, :n], CONFIG,
-                                              lambda logits: logits[0, -1, CORRECT] - logits[0, -1, WRONG],
-                                              steps=4, site="attn_out")
+        alone = jaxdepth.integrated_gradients(
+            params,
+            tokens[i : i + 1, :n],
+            CONFIG,
+            lambda logits: logits[0, -1, CORRECT] - logits[0, -1, WRONG],
+            steps=4,
+            site="attn_out",
+        )
         assert_close(both.attributions[:, i, :n], alone.attributions[:, 0], f"prompt {i}", tol=1e-5)
         assert_close(both.gap[:, i], alone.gap[:, 0], f"gap of prompt {i}")
         assert np.all(both.attributions[:, i, n:] == 0), "padding positions must attribute exactly 0"
@@ -121,15 +152,17 @@ def test_prompts_of_a_batch_are_attributed_independently():
 def test_adaptive_rule_certifies_its_gap_and_its_channels_sum_to_its_positions():
     params, tokens = _setup()
     one = tokens[:1]
-    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, rule="adaptive",
-                                           tolerance=1e-3, site="mlp_out")
+    result = jaxdepth.integrated_gradients(
+        params, one, CONFIG, logit_difference_of_one, rule="adaptive", tolerance=1e-3, site="mlp_out"
+    )
     assert result.converged.all() and result.converged.shape == (L, 1)
     assert np.all(np.abs(result.gap) <= result.bound + 1e-6)
     assert np.all(result.bound <= 1e-3 * np.abs(result.f_input[None] - result.f_baseline) + 1e-6)
     np.testing.assert_allclose(result.attributions.sum(-1), result.per_position, atol=1e-5)
     # a fine fixed rule agrees within the certified tolerance
-    fine = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, rule="midpoint", steps=256,
-                                         site="mlp_out")
+    fine = jaxdepth.integrated_gradients(
+        params, one, CONFIG, logit_difference_of_one, rule="midpoint", steps=256, site="mlp_out"
+    )
     scale = np.abs(result.f_input[None] - result.f_baseline)[..., None]
     assert np.max(np.abs(fine.per_position - result.per_position) / scale) < 5e-3
 
@@ -138,12 +171,14 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
     params, tokens = _setup()
     one = tokens[:1]
     ablate = sites.ablate_heads(np.eye(L, CONFIG.num_heads, dtype=np.float32), head_dim=CONFIG.head_dim)
-    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, steps=4, interventions=ablate,
-                                           layers=[1])
+    result = jaxdepth.integrated_gradients(
+        params, one, CONFIG, logit_difference_of_one, steps=4, interventions=ablate, layers=[1]
+    )
     x = run_layers(params, embed(params, one), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
     b = jnp.broadcast_to(x.mean(axis=1, keepdims=True), x.shape)
-    F = lambda z: logit_difference_of_one(forward(params, one, CONFIG, interventions=[
-        ablate, sites.replace("resid_post", 1, jnp.ones(T), z)]))
+    F = lambda z: logit_difference_of_one(
+        forward(params, one, CONFIG, interventions=[ablate, sites.replace("resid_post", 1, jnp.ones(T), z)])
+    )
     alphas, weights = quadrature("left", 4)
     expected = (x - b) * sum(w * jax.grad(F)(b + a * (x - b)) for a, w in zip(alphas, weights))
     assert _relative_error(result.attributions[0], expected) <= 1e-4
@@ -174,8 +209,9 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
     params, tokens = _setup()
     model = Model(params=params, config=CONFIG, tokenizer=None, source="random")
     skip = sites.keep("delta", np.ones((L, T), np.float32) * (np.arange(L) != 1)[:, None])
-    assert_close(model.logits(tokens, interventions=skip), forward(params, tokens, CONFIG, interventions=skip),
-                 "logits")
+    assert_close(
+        model.logits(tokens, interventions=skip), forward(params, tokens, CONFIG, interventions=skip), "logits"
+    )
     h, tapped = model.run(tokens, tap=tap_mlp_norm, interventions=skip)
     ref_h, ref_t = run_layers(params, embed(params, tokens), CONFIG, interventions=skip, tap=tap_mlp_norm)
     assert_close(h, ref_h, "h_L")
@@ -201,9 +237,21 @@ def tap_mlp_norm(record, _):
 # Twelve layers without q/k/v biases: from h = 0 every layer's output stays 0 and each RMSNorm
 # multiplies the gradient by 1/sqrt(eps) = 1000, so a zero baseline at resid_pre of the first
 # layers overflows to inf and NaN, as on the embedded model's 30 layers.
-DEEP = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=12,
-                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                   max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False)
+DEEP = ModelConfig(
+    model_type="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=12,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+)
 
 
 def answer_log_probability(logits):
@@ -218,19 +266,31 @@ def _deep_setup():
 def test_a_zero_baseline_at_the_residual_is_warned_about_and_its_nan_raised():
     params, tokens = _deep_setup()
     with pytest.warns(UserWarning, match=r"baseline='zero'.*1/sqrt\(eps\).*Use baseline='channel_mean'"):
-        with pytest.raises(jaxdepth.NonFiniteAttributionError,
-                           match=r"at 'resid_pre' are not finite \(NaN or inf\) at:\n  layer 0, prompt 0: "
-                                 r"the attributions at positions 0"):
-            jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
-                                          layers=[0, 1], steps=8, baseline="zero")
+        with pytest.raises(
+            jaxdepth.NonFiniteAttributionError,
+            match=r"at 'resid_pre' are not finite \(NaN or inf\) at:\n  layer 0, prompt 0: "
+            r"the attributions at positions 0",
+        ):
+            jaxdepth.integrated_gradients(
+                params, tokens, DEEP, answer_log_probability, site="resid_pre", layers=[0, 1], steps=8, baseline="zero"
+            )
 
 
 @pytest.mark.filterwarnings("ignore:integrated gradients at 'resid_pre' with baseline='zero'")
 def test_nonfinite_warn_names_every_such_layer_and_returns_the_values():
     params, tokens = _deep_setup()
     with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions at positions 0\n"):
-        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
-                                               layers=[0, 1, 11], steps=8, baseline="zero", nonfinite="warn")
+        result = jaxdepth.integrated_gradients(
+            params,
+            tokens,
+            DEEP,
+            answer_log_probability,
+            site="resid_pre",
+            layers=[0, 1, 11],
+            steps=8,
+            baseline="zero",
+            nonfinite="warn",
+        )
     assert not np.all(np.isfinite(result.per_position[0]))
     assert np.all(np.isfinite(result.per_position[2])), "layer 11 has one norm left: finite"
 
@@ -240,14 +300,24 @@ def test_the_adaptive_rule_stops_a_layer_at_its_first_nonfinite_evaluation():
     """One round (the initial 23 nodes), not the budget of 2048: converged False, bound NaN."""
     params, tokens = _deep_setup()
     with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions"):
-        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
-                                               layers=[0], rule="adaptive", baseline="zero", nonfinite="warn",
-                                               per_channel=False)
+        result = jaxdepth.integrated_gradients(
+            params,
+            tokens,
+            DEEP,
+            answer_log_probability,
+            site="resid_pre",
+            layers=[0],
+            rule="adaptive",
+            baseline="zero",
+            nonfinite="warn",
+            per_channel=False,
+        )
     assert result.evaluations[0, 0] <= 23
     assert not result.converged[0, 0] and np.isnan(result.bound[0, 0])
     with pytest.raises(jaxdepth.NonFiniteAttributionError, match=r"layer 0, prompt 0"):
-        jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="resid_pre",
-                                      layers=[0], rule="adaptive", baseline="zero")
+        jaxdepth.integrated_gradients(
+            params, tokens, DEEP, answer_log_probability, site="resid_pre", layers=[0], rule="adaptive", baseline="zero"
+        )
 
 
 def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
@@ -257,8 +327,9 @@ def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
     params, tokens = _deep_setup()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, site="attn_out",
-                                               layers=[0], steps=8, baseline="zero")
+        result = jaxdepth.integrated_gradients(
+            params, tokens, DEEP, answer_log_probability, site="attn_out", layers=[0], steps=8, baseline="zero"
+        )
     assert np.all(np.isfinite(result.per_position))
 
 
@@ -291,8 +362,9 @@ def test_a_stored_backward_takes_an_intervention_with_python_scalar_data():
     halve = sites.Intervention("attn_out", _scale, 0.5)
     options = dict(site="resid_post", layers=[0], steps=4, interventions=(halve,))
     stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, backward="stored", **options)
-    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, backward="recompute",
-                                               **options)
+    recomputed = jaxdepth.integrated_gradients(
+        params, tokens, CONFIG, logit_difference, backward="recompute", **options
+    )
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
 
 

@@ -19,15 +19,28 @@ pytestmark = pytest.mark.usefixtures("highest_precision")
 
 EPS32 = float(np.finfo(np.float32).eps)
 # A wider-and-deeper partner for the tiny qwen2 model (3 layers, width 64): another width and depth.
-LARGE = ModelConfig(model_type="llama", vocab_size=300, hidden_size=48, intermediate_size=96, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=12, rope_theta=1e4, rms_norm_eps=1e-5,
-                    max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False)
+LARGE = ModelConfig(
+    model_type="llama",
+    vocab_size=300,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    rope_theta=1e4,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+)
 
 _accumulate = jax.jit(lm.accumulate_statistics)
 _errors = jax.jit(lm.accumulate_errors)
-_residuals = jax.jit(lambda params, tokens, valid, config: residual_stream(params, tokens[None], config,
-                                                                            valid=valid[None])[:, 0],
-                     static_argnames="config")
+_residuals = jax.jit(
+    lambda params, tokens, valid, config: residual_stream(params, tokens[None], config, valid=valid[None])[:, 0],
+    static_argnames="config",
+)
 PAD = 72  # every prompt right-padded to one length: one compilation per model, and padding exercised
 
 
@@ -49,9 +62,9 @@ def residuals(params, config, tokens, *, padded=False):
     """`[L+1, T, D]` float32 residuals of one prompt, run right-padded to PAD tokens; the padded
     rows are returned with `padded=True`, else cut off."""
     ids, valid = np.zeros(PAD, np.int32), np.arange(PAD) < len(tokens)
-    ids[:len(tokens)] = tokens
+    ids[: len(tokens)] = tokens
     h = np.asarray(_residuals(params, jnp.asarray(ids), jnp.asarray(valid), config), np.float32)
-    return h if padded else h[:, :len(tokens)]
+    return h if padded else h[:, : len(tokens)]
 
 
 def mask(tokens, first_position=1):
@@ -63,8 +76,12 @@ def statistics(small_model, large_params, large_config, train=TRAIN):
     s, c = small_model.config, large_config
     stats = lm.empty_statistics(s.num_layers + 1, s.hidden_size, c.num_layers + 1, c.hidden_size)
     for tokens in train:
-        stats = _accumulate(stats, residuals(small_model.params, s, tokens, padded=True),
-                            residuals(large_params, c, tokens, padded=True), mask(tokens))
+        stats = _accumulate(
+            stats,
+            residuals(small_model.params, s, tokens, padded=True),
+            residuals(large_params, c, tokens, padded=True),
+            mask(tokens),
+        )
     return stats
 
 
@@ -72,8 +89,13 @@ def held_out_errors(small_model, large_params, large_config, ridge, train=TRAIN,
     fit = lm.fit_maps(statistics(small_model, large_params, large_config, train), ridge)
     sums = lm.empty_errors(small_model.config.num_layers + 1, large_config.num_layers + 1)
     for tokens in held_out:
-        sums = _errors(sums, fit, residuals(small_model.params, small_model.config, tokens, padded=True),
-                       residuals(large_params, large_config, tokens, padded=True), mask(tokens))
+        sums = _errors(
+            sums,
+            fit,
+            residuals(small_model.params, small_model.config, tokens, padded=True),
+            residuals(large_params, large_config, tokens, padded=True),
+            mask(tokens),
+        )
     return lm.relative_errors(sums)
 
 
@@ -102,6 +124,7 @@ def test_model_onto_itself_is_exact_on_the_diagonal(small):
 def with_identity_layer(model, k: int):
     """`model` with a layer inserted before layer k whose attention output projection and MLP
     down projection are zero: it adds nothing, so large boundary k+1 equals boundary k."""
+
     def insert(name, w):
         inserted = w[min(k, w.shape[0] - 1)][None]
         if name in ("o", "down"):
@@ -131,6 +154,7 @@ def test_an_inserted_identity_layer_shifts_the_diagonal_after_it(small, k):
 def numpy_errors(small_model, large_params, large_config, ridge):
     """The reference: every token in float64, centered with the training means, the ridge
     normal equations solved (or `lstsq` without a ridge), the errors summed over held-out tokens."""
+
     def tokens(model_params, config, prompt_set):
         rows = [residuals(model_params, config, t)[:, 1:] for t in prompt_set]
         return np.concatenate(rows, axis=1).astype(np.float64)
@@ -151,7 +175,7 @@ def numpy_errors(small_model, large_params, large_config, ridge):
                 w = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), x.T @ (ys[l] - my))
             predicted = (xh[m] - mx) @ w + my
             errors[m, l] = np.sqrt(np.sum((yh[l] - predicted) ** 2) / np.sum(yh[l] ** 2))
-    baseline = np.sqrt(np.sum((yh - ys.mean(axis=1, keepdims=True)) ** 2, axis=(1, 2)) / np.sum(yh ** 2, axis=(1, 2)))
+    baseline = np.sqrt(np.sum((yh - ys.mean(axis=1, keepdims=True)) ** 2, axis=(1, 2)) / np.sum(yh**2, axis=(1, 2)))
     return errors, baseline
 
 
@@ -191,9 +215,12 @@ def test_streamed_statistics_equal_those_of_all_tokens(small):
     y = np.concatenate([residuals(large_params, LARGE, t)[:, 1:] for t in TRAIN], axis=1).astype(np.float64)
     xc, yc = x - x.mean(axis=1, keepdims=True), y - y.mean(axis=1, keepdims=True)
     assert float(stats.count) == x.shape[1] == sum(len(t) - 1 for t in TRAIN)
-    for got, want, what in ((stats.x_mean, x.mean(axis=1), "x mean"), (stats.y_mean, y.mean(axis=1), "y mean"),
-                            (stats.xx, np.einsum("mnd,mne->mde", xc, xc), "centered Gram"),
-                            (stats.xy, np.einsum("mnd,lne->mdle", xc, yc), "centered cross-products")):
+    for got, want, what in (
+        (stats.x_mean, x.mean(axis=1), "x mean"),
+        (stats.y_mean, y.mean(axis=1), "y mean"),
+        (stats.xx, np.einsum("mnd,mne->mde", xc, xc), "centered Gram"),
+        (stats.xy, np.einsum("mnd,lne->mdle", xc, yc), "centered cross-products"),
+    ):
         scale = np.abs(want).max()
         assert_close(np.asarray(got) / scale, want / scale, what, tol=1e-6)  # float32 sums, relative to the largest
 
@@ -221,9 +248,18 @@ def test_masked_tokens_never_count(small):
 
 def test_equal_relative_depth_and_offsets():
     assert np.allclose(lm.equal_relative_depth(2, 4), [0, 2, 4])
-    result = lm.LayerMappingResult(errors=np.zeros((3, 5), np.float32), best_match=np.array([0, 3, 4]),
-                                   baseline_errors=np.ones(5, np.float32), small_model="s", large_model="l",
-                                   dataset="d", train_tokens=1, heldout_tokens=1, train_prompts=1, heldout_prompts=1,
-                                   settings={})
+    result = lm.LayerMappingResult(
+        errors=np.zeros((3, 5), np.float32),
+        best_match=np.array([0, 3, 4]),
+        baseline_errors=np.ones(5, np.float32),
+        small_model="s",
+        large_model="l",
+        dataset="d",
+        train_tokens=1,
+        heldout_tokens=1,
+        train_prompts=1,
+        heldout_prompts=1,
+        settings={},
+    )
     assert (result.small_layers, result.large_layers) == (2, 4)
     np.testing.assert_array_equal(result.diagonal_offset(), [0, 1, 0])

@@ -16,9 +16,21 @@ from jaxdepth.core.model import embed, forward, random_params, run_layers
 from jaxdepth.lab.registry import analysis
 from jaxdepth.lab.study import StudySettings
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 
 # Compare at full float32 matmul precision (as the references compute).
 pytestmark = pytest.mark.usefixtures("highest_precision")
@@ -32,8 +44,10 @@ def params():
 @pytest.fixture(scope="module")
 def batch():
     rng = np.random.default_rng(0)
-    return make_batch([rng.integers(0, 97, 30).tolist(), rng.integers(0, 97, 23).tolist(),
-                       rng.integers(0, 97, 9).tolist()], [20, 15, 6])
+    return make_batch(
+        [rng.integers(0, 97, 30).tolist(), rng.integers(0, 97, 23).tolist(), rng.integers(0, 97, 9).tolist()],
+        [20, 15, 6],
+    )
 
 
 @jax.jit
@@ -43,8 +57,9 @@ def _probs(params, tokens, valid, interventions):
 
 @jax.jit
 def _deltas(params, tokens, valid, interventions):
-    return run_layers(params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions,
-                      tap=lambda r, _: r.delta)[1]
+    return run_layers(
+        params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions, tap=lambda r, _: r.delta
+    )[1]
 
 
 def _one_at_a_time(params, one, layer, split, sublayer):
@@ -100,8 +115,9 @@ def test_a_prompt_without_answer_tokens_is_left_out(params):
 
 
 def test_sublayers_share_the_answer_start(params, batch):
-    both = layer_skip.layer_skip_sublayers(params, batch, CONFIG, sublayers=["layer", "mlp"], splits="answer_start",
-                                           progress=False)
+    both = layer_skip.layer_skip_sublayers(
+        params, batch, CONFIG, sublayers=["layer", "mlp"], splits="answer_start", progress=False
+    )
     alone = layer_skip.layer_skip(params, batch, CONFIG, sublayer="mlp", splits="answer_start", progress=False)
     np.testing.assert_array_equal(both.part("mlp").later, alone.later)
     np.testing.assert_array_equal(both.split_positions, batch.answer_start[:, None])

@@ -14,9 +14,21 @@ from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 SETTINGS = LensTrainingSettings(steps=6, tokens_per_step=32, learning_rate=1e-2, warmup=2, checkpoint_every=2)
 
 
@@ -73,8 +85,9 @@ def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
     whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, progress=False)
     folder = str(tmp_path / "lens")
     # Interrupted after step 3: the last checkpoint is step 2 (every 2 steps), so step 3 is redone.
-    _, first = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=3,
-                                           progress=False)
+    _, first = tuned_lens.train_tuned_lens(
+        params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=3, progress=False
+    )
     assert tuned_lens.trained_lens(folder, CONFIG, SETTINGS) is None  # unfinished
     resumed, rest = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, progress=False)
     assert len(first) == 3 and len(rest) == 4  # resumed at step 2, not from scratch
@@ -92,8 +105,9 @@ def test_bad_inputs(params, data, tmp_path):
     folder = str(tmp_path / "lens")
     tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=2, progress=False)
     with pytest.raises(ValueError, match="other settings"):
-        tuned_lens.train_tuned_lens(params, data, CONFIG, LensTrainingSettings(steps=7), checkpoint_dir=folder,
-                                    progress=False)
+        tuned_lens.train_tuned_lens(
+            params, data, CONFIG, LensTrainingSettings(steps=7), checkpoint_dir=folder, progress=False
+        )
     with pytest.raises(ValueError, match="other data"):  # a lens is never reused on other prompts
         tuned_lens.trained_lens(folder, CONFIG, SETTINGS, {"train_tokens_sha": "another"})
     with pytest.raises(FileNotFoundError, match="no tuned lens"):

@@ -21,9 +21,14 @@ def lens_result(kl_per_prompt, overlap_per_prompt, counts=None, weighting="promp
     """A LogitLensResult aggregated from per-prompt curves exactly as `logit_lens` does."""
     kl, overlap = np.asarray(kl_per_prompt, np.float64), np.asarray(overlap_per_prompt, np.float64)
     counts = np.full(len(kl), 10) if counts is None else np.asarray(counts)
-    return LogitLensResult(kl=u.aggregate(kl, counts, weighting), overlap=u.aggregate(overlap, counts, weighting),
-                           settings={"weighting": weighting}, kl_per_prompt=kl, overlap_per_prompt=overlap,
-                           tokens_per_prompt=counts)
+    return LogitLensResult(
+        kl=u.aggregate(kl, counts, weighting),
+        overlap=u.aggregate(overlap, counts, weighting),
+        settings={"weighting": weighting},
+        kl_per_prompt=kl,
+        overlap_per_prompt=overlap,
+        tokens_per_prompt=counts,
+    )
 
 
 def contribution_result(cos_per_prompt, counts):
@@ -31,9 +36,13 @@ def contribution_result(cos_per_prompt, counts):
     cos = np.asarray(cos_per_prompt, np.float64)
     counts = np.asarray(counts)
     per_prompt = {name: (cos if name.startswith("cos") else np.ones_like(cos)) for name in STATISTICS}
-    return ContributionResult(**{n: u.aggregate(c, counts, "token") for n, c in per_prompt.items()},
-                              num_tokens=int(counts.sum()), settings={},
-                              **{f"{n}_per_prompt": c for n, c in per_prompt.items()}, tokens_per_prompt=counts)
+    return ContributionResult(
+        **{n: u.aggregate(c, counts, "token") for n, c in per_prompt.items()},
+        num_tokens=int(counts.sum()),
+        settings={},
+        **{f"{n}_per_prompt": c for n, c in per_prompt.items()},
+        tokens_per_prompt=counts,
+    )
 
 
 KL_DECAY = np.array([4.0, 3.0, 1.0, 0.5, 0.2, 0.1])  # first below 0.5 * 4 = 2 at l = 2
@@ -41,6 +50,7 @@ OVERLAP_RISE = np.array([0.0, 0.1, 0.2, 0.5, 0.8, 1.0])  # first above 0.3 at l 
 
 
 # ----------------------------------------------------------------------------- degenerate cases
+
 
 def test_identical_prompts_give_a_degenerate_interval():
     N = 7
@@ -70,6 +80,7 @@ def test_one_prompt_gives_every_resample_equal():
 
 # ----------------------------------------------------------------------------- a known distribution
 
+
 def _two_kinds(N, n1, late):
     """Overlap curves of N prompts: n1 of kind 1 (0.8 from layer 1 on), the rest of kind 0 (0 up
     to `late`, then 0.8). The prompt-weighted mean exceeds 0.3 at layer 1 exactly when at least
@@ -83,7 +94,7 @@ def _two_kinds(N, n1, late):
 
 
 def _binomial_at_least(k, n, p):
-    return sum(math.comb(n, x) * p ** x * (1 - p) ** (n - x) for x in range(k, n + 1))
+    return sum(math.comb(n, x) * p**x * (1 - p) ** (n - x) for x in range(k, n + 1))
 
 
 def test_share_of_a_depth_is_the_binomial_probability():
@@ -115,8 +126,7 @@ def test_resamples_without_a_crossing_are_counted_under_none():
     assert d.ratio_low == 2 / 6 and d.ratio_high is None
     assert [p.layer for p in u.per_prompt_depths(r)["overlap"]] == [1] * 3 + [None] * 7
     # a bound lands on None only when more than 2.5% of resamples have no crossing
-    rare = u.depth_interval("overlap", overlap_effective_depth(OVERLAP_RISE), [3] * 980 + [None] * 20,
-                            num_prompts=10)
+    rare = u.depth_interval("overlap", overlap_effective_depth(OVERLAP_RISE), [3] * 980 + [None] * 20, num_prompts=10)
     assert (rare.low, rare.high, rare.share(None)) == (3, 3, 0.02)
 
 
@@ -137,6 +147,7 @@ def test_token_weighting_counts_each_token():
 
 
 # ----------------------------------------------------------------------------- seeding
+
 
 def test_same_seed_same_result_different_seed_different_draws():
     r = _two_kinds(10, 3, late=4)
@@ -182,10 +193,17 @@ def test_bad_arguments_are_refused():
 
 # ----------------------------------------------------------------------------- depth score
 
+
 def _skip_result(later_per_prompt):
     N, L, _ = later_per_prompt.shape
-    return LayerSkipResult(later=later_per_prompt.max(0), output=np.zeros(L), later_per_prompt=later_per_prompt,
-                           output_per_prompt=np.zeros((N, L)), split_positions=np.zeros((N, 4)), settings={})
+    return LayerSkipResult(
+        later=later_per_prompt.max(0),
+        output=np.zeros(L),
+        later_per_prompt=later_per_prompt,
+        output_per_prompt=np.zeros((N, L)),
+        split_positions=np.zeros((N, 4)),
+        settings={},
+    )
 
 
 def test_depth_score_interval_follows_the_max_over_drawn_prompts():
@@ -200,7 +218,7 @@ def test_depth_score_interval_follows_the_max_over_drawn_prompts():
     with_big = depth_score(later.max(0))
     assert with_big > 1 and s.point == with_big and s.undefined_share == 0.0
     assert set(np.unique(s.samples)) == {0.0, with_big}
-    expected = 1 - 0.9 ** 10
+    expected = 1 - 0.9**10
     assert abs(np.mean(s.samples == with_big) - expected) < 4 * math.sqrt(expected * (1 - expected) / 1000)
     assert (s.low, s.high) == (0.0, with_big) and s.resamples == 1000
 
@@ -212,7 +230,7 @@ def test_depth_score_undefined_resamples_are_counted():
     later = np.zeros((N, L, L))
     later[0, 2, 3] = 5.0
     s = u.depth_score_interval(_skip_result(later))
-    expected = 0.9 ** 10
+    expected = 0.9**10
     assert abs(s.undefined_share - expected) < 4 * math.sqrt(expected * (1 - expected) / 1000)
     assert s.point == s.low == depth_score(later[0]) and s.high is None
     assert u.depth_score_interval(_skip_result(np.zeros((3, L, L)))).point is None
@@ -223,9 +241,15 @@ def test_depth_score_of_several_sublayers_is_taken_one_at_a_time():
 
     L, N = 4, 5
     later = np.triu(np.random.default_rng(0).random((2, N, L, L)), k=1)
-    both = LayerSkipBySublayer(sublayers=["attn", "mlp"], later=later.max(1), output=np.zeros((2, L)),
-                               later_per_prompt=later, output_per_prompt=np.zeros((2, N, L)),
-                               split_positions=np.zeros((N, 4)), settings={})
+    both = LayerSkipBySublayer(
+        sublayers=["attn", "mlp"],
+        later=later.max(1),
+        output=np.zeros((2, L)),
+        later_per_prompt=later,
+        output_per_prompt=np.zeros((2, N, L)),
+        split_positions=np.zeros((N, 4)),
+        settings={},
+    )
     with pytest.raises(ValueError, match=r"part\(sublayer\)"):
         u.depth_score_interval(both)
     s = u.depth_score_interval(both.part("mlp"), resamples=10)
@@ -233,6 +257,7 @@ def test_depth_score_of_several_sublayers_is_taken_one_at_a_time():
 
 
 # ----------------------------------------------------------------------------- the table
+
 
 def _folder(tmp_path, name, *, per_prompt=True, late=4):
     folder = tmp_path / "model" / name
@@ -257,7 +282,9 @@ def test_table_with_intervals_and_per_prompt_depths(tmp_path):
     parsed = list(csv.DictReader(io.StringIO(table.to_csv(rows))))
     assert list(parsed[0]) == ["model", "dataset", "method", "layers", "ed", "ratio", "ed_low", "ed_high"]
     assert [(p["method"], p["ed"], p["ed_low"], p["ed_high"]) for p in parsed] == [
-        ("kl", "2", "2", "2"), ("overlap", "4", "1", "4")]
+        ("kl", "2", "2", "2"),
+        ("overlap", "4", "1", "4"),
+    ]
 
     md_path, csv_path = table.write_table(rows, str(tmp_path / "out" / "t"))
     assert (md_path, csv_path) == (str(tmp_path / "out" / "t.md"), str(tmp_path / "out" / "t.csv"))
@@ -278,7 +305,8 @@ def test_table_without_bootstrap_is_unchanged(tmp_path):
         "| model | dataset | L | cosine ED (ratio) | KL ED (ratio) | overlap ED (ratio) |\n"
         "|---|---|---|---|---|---|\n"
         "| model | data | 6 | - | 2 (0.50) | none |\n"
-        "| model | old | 6 | - | 2 (0.50) | 4 (0.83) |\n")
+        "| model | old | 6 | - | 2 (0.50) | 4 (0.83) |\n"
+    )
     assert all(r["ed_low"] == r["ed_high"] == "" for r in csv.DictReader(io.StringIO(table.to_csv(off))))
     # bootstrapped: the result without per-prompt curves keeps its bare cell, the other gets intervals
     on = table.collect([str(tmp_path)])

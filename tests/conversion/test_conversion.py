@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def assert_params_identical(a, b):
     """Same tree, same dtypes, bit-identical values."""
     assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -66,15 +67,18 @@ def rewrite_safetensors(path, edit):
 
 # ----------------------------------------------------------------------------- imports
 
+
 @pytest.mark.parametrize("module", ["conversion", "conversion.hf", "conversion.gguf_file"])
 def test_conversion_package_imports_on_its_own(module):
     """`import conversion...` in a fresh interpreter, before anything imported jaxdepth."""
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- HF folders
+
 
 @pytest.mark.parametrize("variant", ["qwen2_gqa_untied", "qwen2_gqa_tied", "llama_gqa_untied"])
 def test_hf_conversion_layout(tiny_model, variant):
@@ -89,10 +93,17 @@ def test_hf_conversion_layout(tiny_model, variant):
         assert "lm_head" not in c.params
     else:
         np.testing.assert_array_equal(c.params["lm_head"], sd["lm_head.weight"].T)
-    hf = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-          "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-          "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
-          "mlp_norm": "post_attention_layernorm.weight"}
+    hf = {
+        "q": "self_attn.q_proj.weight",
+        "k": "self_attn.k_proj.weight",
+        "v": "self_attn.v_proj.weight",
+        "o": "self_attn.o_proj.weight",
+        "gate": "mlp.gate_proj.weight",
+        "up": "mlp.up_proj.weight",
+        "down": "mlp.down_proj.weight",
+        "attn_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+    }
     if c.config.qkv_bias:
         hf.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias", v_bias="self_attn.v_proj.bias")
     assert set(c.params["layers"]) == set(hf)
@@ -128,6 +139,7 @@ def test_bfloat16_conversion(tiny_model):
 
 # ----------------------------------------------------------------------------- orbax
 
+
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
 def test_orbax_round_trip_is_bit_identical(tiny_model, tmp_path, dtype):
     tiny = tiny_model("qwen2_gqa_untied")
@@ -159,6 +171,7 @@ def test_restore_rejects_a_folder_that_is_not_converted(tiny_model):
 
 # ----------------------------------------------------------------------------- GGUF
 
+
 @pytest.mark.parametrize("variant", ["llama_gqa_untied", "llama_mha_tied"])
 def test_gguf_conversion_undoes_llama_cpp_permutation(tiny_model, tmp_path, variant):
     tiny = tiny_model(variant)
@@ -175,8 +188,9 @@ def test_gguf_bad_input(tiny_model, tmp_path):
     import gguf
 
     tiny = tiny_model("llama_gqa_untied")
-    scaled = write_tiny_gguf(tiny, str(tmp_path / "scaled.gguf"),
-                             extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
+    scaled = write_tiny_gguf(
+        tiny, str(tmp_path / "scaled.gguf"), extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    )
     with pytest.raises(UnsupportedConfigError, match="llama.rope.scaling.type"):
         convert_gguf(scaled, load_tokenizer=False)
     other_arch = write_tiny_gguf(tiny, str(tmp_path / "other.gguf"), arch="gpt2")
@@ -233,6 +247,7 @@ def test_model_logits_checks_its_input(tiny_model):
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 def test_missing_folder(tmp_path):
     missing = str(tmp_path / "nope")
@@ -291,8 +306,12 @@ def test_corrupt_safetensors(tiny_model, tmp_path, damage):
         f.seek(8)
         f.write(b"\x00garbage\xfe\xff{{" * 4)
 
-    damages = dict(truncated=truncated, truncated_in_header=truncated_in_header,
-                   header_length=header_length, header_json=header_json)
+    damages = dict(
+        truncated=truncated,
+        truncated_in_header=truncated_in_header,
+        header_length=header_length,
+        header_json=header_json,
+    )
     folder = _corrupt(tiny_model("qwen2_gqa_tied"), tmp_path, damage, damages[damage])
     with pytest.raises(ConversionError, match="corrupt") as info:
         convert_hf_folder(folder)
@@ -307,14 +326,18 @@ def test_unsupported_architecture(tiny_model, tmp_path):
     assert "gpt2" in str(info.value)
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 12345.0, "factor": 4.0}}, "rope_parameters"),
-    ({"foo_bar": 1}, "foo_bar"),
-    ({"use_sliding_window": True, "sliding_window": 16}, "sliding"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-], ids=["rope_scaling", "rope_parameters_yarn", "unknown_key", "sliding_window", "hidden_act", "layer_types"])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 12345.0, "factor": 4.0}}, "rope_parameters"),
+        ({"foo_bar": 1}, "foo_bar"),
+        ({"use_sliding_window": True, "sliding_window": 16}, "sliding"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+    ids=["rope_scaling", "rope_parameters_yarn", "unknown_key", "sliding_window", "hidden_act", "layer_types"],
+)
 def test_unhandled_config_is_refused(tiny_model, tmp_path, changes, named):
     folder = copy_folder(tiny_model("qwen2_gqa_tied"), tmp_path)
     edit_config(folder, **changes)
@@ -332,16 +355,17 @@ def test_inactive_sliding_window_is_accepted(tiny_model, tmp_path):
 
 def test_extra_tensor_is_refused(tiny_model, tmp_path):
     folder = copy_folder(tiny_model("qwen2_gqa_tied"), tmp_path)
-    rewrite_safetensors(os.path.join(folder, "model.safetensors"),
-                        lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}))
+    rewrite_safetensors(
+        os.path.join(folder, "model.safetensors"),
+        lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}),
+    )
     with pytest.raises(ConversionError, match="not used.*o_proj.bias"):
         convert_hf_folder(folder)
 
 
 def test_missing_tensor_is_refused(tiny_model, tmp_path):
     folder = copy_folder(tiny_model("qwen2_gqa_tied"), tmp_path)
-    rewrite_safetensors(os.path.join(folder, "model.safetensors"),
-                        lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    rewrite_safetensors(os.path.join(folder, "model.safetensors"), lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ConversionError, match="model.layers.1.mlp.up_proj.weight"):
         convert_hf_folder(folder)
 

@@ -18,9 +18,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Text that tokenizers get wrong in different ways: runs of spaces and newlines, digits, unicode
 # punctuation and accents, emoji (several bytes per character), a control token written inline.
 TRICKY = [
-    "", " ", "  two  spaces", "\n\nnewlines\n", "\ttab", "5 + 7 + 5 + 3 + 1 + 7 = 28",
-    "1234567890 12,345.67 $8", "Janet\u2019s ducks \u2014 na\u00efve caf\u00e9", "emoji \U0001F600\U0001F680!",
-    "<|im_start|>user\nhi<|im_end|>", "Ca\u00f1\u00f3n \u4e2d\u6587 \u0440\u0443\u0441\u0441\u043a\u0438\u0439",
+    "",
+    " ",
+    "  two  spaces",
+    "\n\nnewlines\n",
+    "\ttab",
+    "5 + 7 + 5 + 3 + 1 + 7 = 28",
+    "1234567890 12,345.67 $8",
+    "Janet\u2019s ducks \u2014 na\u00efve caf\u00e9",
+    "emoji \U0001f600\U0001f680!",
+    "<|im_start|>user\nhi<|im_end|>",
+    "Ca\u00f1\u00f3n \u4e2d\u6587 \u0440\u0443\u0441\u0441\u043a\u0438\u0439",
     "<<24-15=9>>9 muffins left.\n#### 9",
 ]
 
@@ -89,8 +97,9 @@ def test_gguf_model_loads_where_torch_cannot_be_imported(tiny_model, tmp_path):
         "print(json.dumps(model.encode('the cat sat').tolist()))\n"
     )
     env = {**os.environ, "JAXDEPTH_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ids == _transformers_gguf_tokenizer(path)("the cat sat")["input_ids"]

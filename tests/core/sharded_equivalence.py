@@ -17,9 +17,21 @@ from jaxdepth.core.config import ModelConfig  # noqa: E402
 from jaxdepth.core.model import forward, random_params  # noqa: E402
 from jaxdepth.core.sharding import make_mesh, shard_params  # noqa: E402
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 
 
 def scale_hidden(value, layer, data):

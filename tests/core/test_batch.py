@@ -9,9 +9,21 @@ from jaxdepth.core.batch import ANSWER_BUCKETS, LengthBuckets, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
 
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 EXACT = LengthBuckets(1, geometric=False)  # every prompt at its own length: no padding at all
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
@@ -76,9 +88,10 @@ def test_groups_have_power_of_two_rows_with_the_prompts_first():
         rows, T = group.tokens.shape
         assert rows & (rows - 1) == 0 and rows >= len(index) and (rows == 1 or rows * T <= 64)
         assert T == LengthBuckets().padded(batch.lengths[index].max())
-        np.testing.assert_array_equal(group.tokens[:len(index)], batch.tokens[index, :T])
-        np.testing.assert_array_equal(group.tokens[len(index):], np.repeat(group.tokens[len(index) - 1:len(index)],
-                                                                           rows - len(index), axis=0))
+        np.testing.assert_array_equal(group.tokens[: len(index)], batch.tokens[index, :T])
+        np.testing.assert_array_equal(
+            group.tokens[len(index) :], np.repeat(group.tokens[len(index) - 1 : len(index)], rows - len(index), axis=0)
+        )
         seen.extend(index)
     assert sorted(seen) == list(range(len(lengths)))
     three = make_batch([rng.integers(0, 97, n).tolist() for n in (17, 20, 25)])
@@ -102,27 +115,34 @@ def runs():
             layer_skip=layer_skip.layer_skip(params, batch, CONFIG, progress=False),
             ig=ig.integrated_gradients(params, batch, CONFIG, steps=4, progress=False),
             lens=logit_lens.logit_lens(params, batch, CONFIG),
-            contributions=contributions.contributions(params, batch, CONFIG))
+            contributions=contributions.contributions(params, batch, CONFIG),
+        )
 
     return run(LengthBuckets()), run(EXACT)
 
 
+@pytest.mark.slow(seconds=130)
 def test_results_do_not_depend_on_the_buckets(runs):
     (padded_batch, padded), (exact_batch, exact) = runs
     assert padded_batch.tokens.shape[1] == 48 and exact_batch.tokens.shape[1] == 37
     lengths = exact_batch.lengths
     for i, n in enumerate(lengths):  # per position, on each prompt's real positions
-        np.testing.assert_allclose(padded["erasure"].effects[i, :, :n], exact["erasure"].effects[i, :, :n],
-                                   rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(padded["ig"].attributions[i, :, :n], exact["ig"].attributions[i, :, :n],
-                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            padded["erasure"].effects[i, :, :n], exact["erasure"].effects[i, :, :n], rtol=1e-4, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            padded["ig"].attributions[i, :, :n], exact["ig"].attributions[i, :, :n], rtol=1e-4, atol=1e-6
+        )
         # exact zeros stay exact: erasing the last position changes no answer prediction
-        assert np.all(padded["erasure"].effects[i, :, n - 1] == 0) and np.all(exact["erasure"].effects[i, :, n - 1] == 0)
+        assert np.all(padded["erasure"].effects[i, :, n - 1] == 0) and np.all(
+            exact["erasure"].effects[i, :, n - 1] == 0
+        )
     np.testing.assert_allclose(padded["ig"].f_baseline, exact["ig"].f_baseline, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(padded["layer_skip"].later, exact["layer_skip"].later, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(padded["layer_skip"].output, exact["layer_skip"].output, rtol=1e-4, atol=1e-6)
     for name in ("kl", "overlap"):
         np.testing.assert_allclose(getattr(padded["lens"], name), getattr(exact["lens"], name), rtol=1e-4, atol=1e-6)
     for name in contributions.STATISTICS:
-        np.testing.assert_allclose(getattr(padded["contributions"], name), getattr(exact["contributions"], name),
-                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            getattr(padded["contributions"], name), getattr(exact["contributions"], name), rtol=1e-4, atol=1e-6
+        )

@@ -12,52 +12,124 @@ from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 
 # A transformers-5 style Qwen2 config.json (as written by save_pretrained).
 QWEN2_V5 = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": None,
-    "dtype": "float32", "eos_token_id": None, "hidden_act": "silu", "hidden_size": 64,
-    "initializer_range": 0.02, "intermediate_size": 128,
-    "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 512,
-    "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2,
-    "num_key_value_heads": 2, "pad_token_id": None, "rms_norm_eps": 1e-06,
-    "rope_parameters": {"rope_theta": 12345.0, "rope_type": "default"}, "sliding_window": None,
-    "tie_word_embeddings": False, "transformers_version": "5.23.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 300,
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "dtype": "float32",
+    "eos_token_id": None,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "layer_types": ["full_attention", "full_attention"],
+    "max_position_embeddings": 512,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 12345.0, "rope_type": "default"},
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.23.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 300,
 }
 
 # Published config.json files of models the project targets (transformers-4 era: top-level
 # rope_theta). DeepSeek-R1-Distill-Qwen-7B:
 DEEPSEEK_R1_DISTILL_QWEN_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 10000, "sliding_window": 4096,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.44.0",
-    "use_cache": True, "use_mrope": False, "use_sliding_window": False, "vocab_size": 152064,
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.44.0",
+    "use_cache": True,
+    "use_mrope": False,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
 }
 # Qwen2.5-0.5B:
 QWEN25_05B = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
-    "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 # HuggingFaceTB/SmolLM2-135M (the embedded model's base, in its HF form):
 SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
-    "initializer_range": 0.041666666666666664, "intermediate_size": 1536, "is_llama_config": True,
-    "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 9,
-    "num_hidden_layers": 30, "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": True, "vocab_size": 49152,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536,
+    "is_llama_config": True,
+    "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_interleaved": False,
+    "rope_scaling": None,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "vocab_size": 49152,
 }
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def with_changes(base, drop=(), **changes):
@@ -70,10 +142,21 @@ def with_changes(base, drop=(), **changes):
 
 def test_transformers_5_qwen2_config():
     c = ModelConfig.from_hf(QWEN2_V5)
-    assert c == ModelConfig(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=12345.0,
-                            rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
-                            qkv_bias=True)
+    assert c == ModelConfig(
+        model_type="qwen2",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    )
 
 
 def test_from_hf_does_not_modify_its_input():
@@ -102,8 +185,13 @@ def test_head_dim_and_kv_heads_defaults():
 
 def test_biases_and_tying():
     assert ModelConfig.from_hf(QWEN2_V5).qkv_bias
-    llama = with_changes(QWEN2_V5, drop=["max_window_layers", "use_sliding_window", "sliding_window"],
-                         model_type="llama", attention_bias=False, architectures=["LlamaForCausalLM"])
+    llama = with_changes(
+        QWEN2_V5,
+        drop=["max_window_layers", "use_sliding_window", "sliding_window"],
+        model_type="llama",
+        attention_bias=False,
+        architectures=["LlamaForCausalLM"],
+    )
     assert not ModelConfig.from_hf(llama).qkv_bias
     assert ModelConfig.from_hf(with_changes(llama, attention_bias=True)).qkv_bias
     assert not ModelConfig.from_hf(with_changes(QWEN2_V5, drop=["tie_word_embeddings"])).tie_word_embeddings
@@ -113,18 +201,30 @@ def test_biases_and_tying():
 def test_configs_written_by_transformers_are_accepted(tmp_path):
     transformers = pytest.importorskip("transformers")
     for cls, kwargs in [(transformers.Qwen2Config, {}), (transformers.LlamaConfig, {"attention_bias": False})]:
-        cls(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rope_theta=4321.0, **kwargs).save_pretrained(tmp_path)
+        cls(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=4321.0,
+            **kwargs,
+        ).save_pretrained(tmp_path)
         with open(tmp_path / "config.json") as f:
             c = ModelConfig.from_hf(json.load(f))
         assert (c.rope_theta, c.num_kv_heads, c.head_dim, c.num_layers) == (4321.0, 2, 16, 2)
 
 
-@pytest.mark.parametrize("hf, theta, tied", [
-    (QWEN25_05B, 1e6, True),
-    (DEEPSEEK_R1_DISTILL_QWEN_7B, 1e4, False),
-    (SMOLLM2_135M, 1e5, True),
-], ids=["Qwen2.5-0.5B", "DeepSeek-R1-Distill-Qwen-7B", "SmolLM2-135M"])
+@pytest.mark.parametrize(
+    "hf, theta, tied",
+    [
+        (QWEN25_05B, 1e6, True),
+        (DEEPSEEK_R1_DISTILL_QWEN_7B, 1e4, False),
+        (SMOLLM2_135M, 1e5, True),
+    ],
+    ids=["Qwen2.5-0.5B", "DeepSeek-R1-Distill-Qwen-7B", "SmolLM2-135M"],
+)
 def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
     """Keys that are present but switch nothing on (use_mrope false, rope_interleaved false,
     bookkeeping markers) must not make a target model unloadable."""
@@ -134,36 +234,50 @@ def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
     assert c.head_dim == hf["hidden_size"] // hf["num_attention_heads"]
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
-    ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4, "beta_fast": 32}}, "rope_parameters"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_parameters"),
-    ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"pretraining_tp": 2}, "pretraining_tp"),
-    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-    ({"use_mrope": True}, "use_mrope"),
-    ({"rope_interleaved": True}, "rope_interleaved"),
-    ({"foo_bar": 1}, "foo_bar"),
-])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
+        ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4, "beta_fast": 32}}, "rope_parameters"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "rope_parameters",
+        ),
+        ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"pretraining_tp": 2}, "pretraining_tp"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"use_mrope": True}, "use_mrope"),
+        ({"rope_interleaved": True}, "rope_interleaved"),
+        ({"foo_bar": 1}, "foo_bar"),
+    ],
+)
 def test_unhandled_features_are_refused_by_name(changes, named):
     with pytest.raises(UnsupportedConfigError, match=named):
         ModelConfig.from_hf(with_changes(QWEN2_V5, **changes))
 
 
 def test_llama3_rope_scaling_from_rope_parameters_and_from_rope_scaling():
-    new = ModelConfig.from_hf(with_changes(QWEN2_V5, model_type="llama", rope_parameters={**LLAMA3_ROPE,
-                                                                                          "rope_theta": 5e5}))
-    old = ModelConfig.from_hf(with_changes(QWEN2_V5, model_type="llama", drop=["rope_parameters"], rope_theta=5e5,
-                                           rope_scaling=LLAMA3_ROPE))
+    new = ModelConfig.from_hf(
+        with_changes(QWEN2_V5, model_type="llama", rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5})
+    )
+    old = ModelConfig.from_hf(
+        with_changes(QWEN2_V5, model_type="llama", drop=["rope_parameters"], rope_theta=5e5, rope_scaling=LLAMA3_ROPE)
+    )
     assert new == old
-    assert (new.rope_type, new.rope_factor, new.rope_low_freq_factor, new.rope_high_freq_factor,
-            new.rope_original_max_position, new.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 8192, 5e5)
+    assert (
+        new.rope_type,
+        new.rope_factor,
+        new.rope_low_freq_factor,
+        new.rope_high_freq_factor,
+        new.rope_original_max_position,
+        new.rope_theta,
+    ) == ("llama3", 8.0, 1.0, 4.0, 8192, 5e5)
     plain = ModelConfig.from_hf(QWEN2_V5)
     assert plain.rope_type == "default" and not plain.qk_norm
 

@@ -20,9 +20,22 @@ import pytest
 from conftest import assert_close, assert_moved
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core import sites
-from jaxdepth.core.model import (LayerRecord, attention, attention_mask, clean_key_values, embed, forward,
-                                 mlp, random_params, residual_stream, rms_norm, rotary_tables, run_layers,
-                                 run_layers_from, unembed)
+from jaxdepth.core.model import (
+    LayerRecord,
+    attention,
+    attention_mask,
+    clean_key_values,
+    embed,
+    forward,
+    mlp,
+    random_params,
+    residual_stream,
+    rms_norm,
+    rotary_tables,
+    run_layers,
+    run_layers_from,
+    unembed,
+)
 
 TOL = 1e-5
 B, T = 2, 12
@@ -37,14 +50,36 @@ POSITION_SETS = {"shared": P_SHARED, "per_row": P_PER_ROW}
 SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
 
 CONFIGS = {
-    "qwen2_untied": ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64,
-                                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0,
-                                rms_norm_eps=1e-6, max_position_embeddings=64,
-                                tie_word_embeddings=False, qkv_bias=True),
-    "llama_tied": ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                              num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
-                              rms_norm_eps=1e-5, max_position_embeddings=64,
-                              tie_word_embeddings=True, qkv_bias=False),
+    "qwen2_untied": ModelConfig(
+        model_type="qwen2",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    ),
+    "llama_tied": ModelConfig(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+    ),
 }
 
 
@@ -82,6 +117,7 @@ def jit_forward(params, tokens, config, interventions=None):
 
 # ----------------------------------------------------------------------------- the reference
 
+
 def _bt(mask) -> np.ndarray:
     """A [T] or [B, T] position mask as a boolean [B, T]."""
     return np.broadcast_to(np.asarray(mask) > 0, (B, T))
@@ -109,8 +145,17 @@ def reference(params, tokens, config, *, skip=(), zero_attn=(), zero_mlp=(), wri
         write_mask[boundary] |= hit
         write_value[boundary] = np.where(hit[..., None], np.broadcast_to(value, (B, T, D)), write_value[boundary])
     bump = jnp.zeros((L + 1, B, T, D)) if bump is None else bump
-    return _reference(params, tokens, config, _dense(skip, L), _dense(zero_attn, L), _dense(zero_mlp, L),
-                      write_mask, write_value, bump)
+    return _reference(
+        params,
+        tokens,
+        config,
+        _dense(skip, L),
+        _dense(zero_attn, L),
+        _dense(zero_mlp, L),
+        write_mask,
+        write_value,
+        bump,
+    )
 
 
 @partial(jax.jit, static_argnames="config")
@@ -142,6 +187,7 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
 
 # ----------------------------------------------------------------------------- tests
 
+
 def test_reference_equals_clean_forward(setup):
     params, tokens, config = setup
     ref, hs, _ = reference(params, tokens, config)
@@ -167,7 +213,7 @@ def test_skip_matches_reference(setup, sublayer, positions):
         assert_close(got, ref, f"{sublayer} of layer {s} at {positions} positions")
         assert_moved(got, clean, f"{sublayer} of layer {s}")
         for b in range(B):  # causality: positions before the first hit are untouched
-            np.testing.assert_allclose(got[b, :first_hit[b]], clean[b, :first_hit[b]], rtol=0, atol=TOL)
+            np.testing.assert_allclose(got[b, : first_hit[b]], clean[b, : first_hit[b]], rtol=0, atol=TOL)
 
 
 def test_several_keep_masks_at_once(setup):
@@ -181,8 +227,14 @@ def test_several_keep_masks_at_once(setup):
     keep_mlp[2] = 1 - P_PER_ROW
     keep_mlp[0] = 1 - _bt(P_SHARED)
     iv = [sites.keep("delta", keep_layer), sites.keep("attn_out", keep_attn), sites.keep("mlp_out", keep_mlp)]
-    ref, _, _ = reference(params, tokens, config, zero_attn=[(0, P_PER_ROW)], skip=[(1, P_SHARED)],
-                          zero_mlp=[(2, P_PER_ROW), (0, P_SHARED)])
+    ref, _, _ = reference(
+        params,
+        tokens,
+        config,
+        zero_attn=[(0, P_PER_ROW)],
+        skip=[(1, P_SHARED)],
+        zero_mlp=[(2, P_PER_ROW), (0, P_SHARED)],
+    )
     assert_close(jit_forward(params, tokens, config, iv), ref, "combined keep masks")
 
 
@@ -229,10 +281,15 @@ def test_noop_interventions_are_exact(setup):
     params, tokens, config = setup
     L = config.num_layers
     ones = jnp.ones((L, T), jnp.float32)
-    noop = [sites.keep("delta", ones), sites.keep("attn_out", ones), sites.keep("mlp_out", ones),
-            sites.skip("delta", 1, np.zeros(T, np.float32)),
-            sites.replace("resid_pre", 1, jnp.zeros((B, T)),
-                          jax.random.normal(jax.random.key(9), (B, T, config.hidden_size)))]
+    noop = [
+        sites.keep("delta", ones),
+        sites.keep("attn_out", ones),
+        sites.keep("mlp_out", ones),
+        sites.skip("delta", 1, np.zeros(T, np.float32)),
+        sites.replace(
+            "resid_pre", 1, jnp.zeros((B, T)), jax.random.normal(jax.random.key(9), (B, T, config.hidden_size))
+        ),
+    ]
     clean = jit_forward(params, tokens, config)
     assert np.array_equal(jit_forward(params, tokens, config, noop), clean)
     assert np.array_equal(jit_forward(params, tokens, config, []), clean)
@@ -247,7 +304,8 @@ def test_taps_see_the_intervened_sublayers(setup_one):
         return record.index, record.h, record.attn, record.mlp, record.out, record.delta
 
     h_last, (index, h, a, m, out, delta) = jax.jit(
-        lambda p, t, iv: run_layers(p, embed(p, t), config, interventions=iv, tap=tap))(params, tokens, iv)
+        lambda p, t, iv: run_layers(p, embed(p, t), config, interventions=iv, tap=tap)
+    )(params, tokens, iv)
     np.testing.assert_array_equal(index, np.arange(config.num_layers))
     assert_close(h_last, hs[-1], "h_L")
     for l in range(config.num_layers):
@@ -260,6 +318,7 @@ def test_taps_see_the_intervened_sublayers(setup_one):
 
 # ----------------------------------------------------------------------------- transformations
 
+
 def _stack(ivs):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *ivs)
 
@@ -268,8 +327,9 @@ def test_vmap_over_a_stack_of_interventions(setup_one):
     params, tokens, config = setup_one
     L = config.num_layers
     ivs = [sites.skip("delta", s, P) for s in range(L) for P in (P_SHARED, 1 - P_SHARED)]
-    batched = jax.jit(jax.vmap(lambda iv, p, t: forward(p, t, config, interventions=iv),
-                               in_axes=(0, None, None)))(_stack(ivs), params, tokens)
+    batched = jax.jit(jax.vmap(lambda iv, p, t: forward(p, t, config, interventions=iv), in_axes=(0, None, None)))(
+        _stack(ivs), params, tokens
+    )
     assert batched.shape == (len(ivs), B, T, config.vocab_size)
     for i, iv in enumerate(ivs):
         assert_close(batched[i], jit_forward(params, tokens, config, iv), f"vmapped member {i}")
@@ -282,10 +342,12 @@ def test_vmap_over_layers_and_boundaries_with_traced_indices(setup_one):
 
     @jax.jit
     def sweep(params, tokens, value):
-        skips = jax.vmap(lambda s: forward(params, tokens, config,
-                                           interventions=sites.skip(SUBLAYERS["mlp"], s, P_PER_ROW)))(jnp.arange(L))
-        edits = jax.vmap(lambda b: forward(params, tokens, config,
-                                           interventions=sites.replace("resid_pre", b, P_SHARED, value)))(jnp.arange(L + 1))
+        skips = jax.vmap(
+            lambda s: forward(params, tokens, config, interventions=sites.skip(SUBLAYERS["mlp"], s, P_PER_ROW))
+        )(jnp.arange(L))
+        edits = jax.vmap(
+            lambda b: forward(params, tokens, config, interventions=sites.replace("resid_pre", b, P_SHARED, value))
+        )(jnp.arange(L + 1))
         return skips, edits
 
     skips, edits = sweep(params, tokens, value)
@@ -310,12 +372,23 @@ def test_suffix_run_with_clean_prefix_keys_equals_the_full_forward(setup, start,
 
     @jax.jit
     def suffix_logits(h_start, keys, values, where, value):
-        h, _ = run_layers_from(params, h_start, start, config, prefix=(keys, values),
-                               interventions=sites.replace("resid_pre", start, where, value))
+        h, _ = run_layers_from(
+            params,
+            h_start,
+            start,
+            config,
+            prefix=(keys, values),
+            interventions=sites.replace("resid_pre", start, where, value),
+        )
         return unembed(params, h, config)
 
-    got = suffix_logits(clean_hs[start][:, prefix_len:], keys[:, :, :prefix_len], values[:, :, :prefix_len],
-                        where[prefix_len:], value[:, prefix_len:])
+    got = suffix_logits(
+        clean_hs[start][:, prefix_len:],
+        keys[:, :, :prefix_len],
+        values[:, :, :prefix_len],
+        where[prefix_len:],
+        value[:, prefix_len:],
+    )
     assert_close(got, expected[:, prefix_len:], f"suffix from {prefix_len} at boundary {start}")
     assert_moved(got, jit_forward(params, tokens, config)[:, prefix_len:], "suffix write")
 
@@ -327,8 +400,11 @@ def _loss(logits):
 
 @partial(jax.jit, static_argnames="config")
 def _edit_value_grad(params, tokens, config, boundary, positions, value):
-    return jax.grad(lambda v: _loss(forward(params, tokens, config,
-                                            interventions=sites.replace("resid_pre", boundary, positions, v))))(value)
+    return jax.grad(
+        lambda v: _loss(
+            forward(params, tokens, config, interventions=sites.replace("resid_pre", boundary, positions, v))
+        )
+    )(value)
 
 
 @partial(jax.jit, static_argnames="config")
@@ -338,8 +414,11 @@ def _reference_boundary_grads(params, tokens, config):
     no = jnp.zeros((L, B, T), bool)
 
     def loss(bump):
-        return _loss(_reference(params, tokens, config, no, no, no, jnp.zeros((L + 1, B, T), bool),
-                                jnp.zeros((L + 1, B, T, D)), bump)[0])
+        return _loss(
+            _reference(
+                params, tokens, config, no, no, no, jnp.zeros((L + 1, B, T), bool), jnp.zeros((L + 1, B, T, D)), bump
+            )[0]
+        )
 
     return jax.grad(loss)(jnp.zeros((L + 1, B, T, D)))
 
@@ -357,8 +436,9 @@ def test_grad_with_respect_to_edit_value(setup_one):
         assert np.all(g[~hit] == 0.0), f"h_{boundary}: gradient leaked to positions the edit mask excludes"
         assert np.all(np.abs(g[hit]).max(axis=-1) > 0), f"h_{boundary}: no gradient at an edited position"
         scale = max(float(np.abs(g_ref[boundary]).max()), 1.0)
-        np.testing.assert_allclose(g[hit], g_ref[boundary][hit], rtol=0, atol=TOL * scale,
-                                   err_msg=f"gradient wrt h_{boundary}")
+        np.testing.assert_allclose(
+            g[hit], g_ref[boundary][hit], rtol=0, atol=TOL * scale, err_msg=f"gradient wrt h_{boundary}"
+        )
 
 
 def test_new_intervention_values_do_not_recompile(setup_one):
@@ -386,6 +466,7 @@ def test_new_intervention_values_do_not_recompile(setup_one):
 
 
 # ----------------------------------------------------------------------------- validation
+
 
 def test_a_skip_at_an_unknown_site_is_refused():
     with pytest.raises(ValueError, match="unknown intervention site 'norm'"):

@@ -18,14 +18,36 @@ from jaxdepth.core.module import Decoder, abstract_decoder, partition_specs
 from jaxdepth.core.sharding import PARTITION_RULES
 
 CONFIGS = {
-    "qwen2_untied": ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64,
-                                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0,
-                                rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
-                                qkv_bias=True),
-    "llama_tied": ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                              num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4,
-                              rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=True,
-                              qkv_bias=False),
+    "qwen2_untied": ModelConfig(
+        model_type="qwen2",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    ),
+    "llama_tied": ModelConfig(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+    ),
 }
 
 
@@ -56,8 +78,10 @@ def test_calling_the_module_equals_the_pure_forward_bit_for_bit(setup):
     pure = jax.jit(forward, static_argnames="config")
     np.testing.assert_array_equal(nnx.jit(lambda m, t: m(t))(decoder, tokens), pure(params, tokens, config))
     iv = sites.keep("mlp_out", np.ones((config.num_layers, 9), np.float32) * np.r_[1, 0, 1, 1, 0, 1, 1, 1, 1])
-    np.testing.assert_array_equal(nnx.jit(lambda m, t, iv: m(t, interventions=iv))(decoder, tokens, iv),
-                                  jax.jit(lambda p, t, iv: forward(p, t, config, interventions=iv))(params, tokens, iv))
+    np.testing.assert_array_equal(
+        nnx.jit(lambda m, t, iv: m(t, interventions=iv))(decoder, tokens, iv),
+        jax.jit(lambda p, t, iv: forward(p, t, config, interventions=iv))(params, tokens, iv),
+    )
 
 
 def test_params_carry_the_partition_table(setup):

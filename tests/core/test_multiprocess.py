@@ -29,13 +29,30 @@ def _free_port() -> int:
 
 def _launch(model, out, port, process_id):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "jaxdepth.lab.cli", "run", "--model", model, *ARGS, "--out", out,
-               "--mesh", "2x4", "--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-               "--process-id", str(process_id)]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxdepth.lab.cli",
+        "run",
+        "--model",
+        model,
+        *ARGS,
+        "--out",
+        out,
+        "--mesh",
+        "2x4",
+        "--distributed",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(process_id),
+    ]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=220)
 def test_two_processes_equal_one_and_only_process_0_writes(tmp_path, capsys):
     model = save_tiny_checkpoint(str(tmp_path / "model"), context=1024)
     assert main(["run", "--model", model, *ARGS, "--out", str(tmp_path / "single")]) == 0
@@ -58,8 +75,9 @@ def test_two_processes_equal_one_and_only_process_0_writes(tmp_path, capsys):
     assert "2 processes" in outputs[0] and "8 devices" in outputs[0], outputs[0][-2000:]
 
     # process 1 wrote nothing at all; process 0 wrote every result, figure and the table
-    assert not (tmp_path / "out1").exists() or not any((tmp_path / "out1").rglob("*")), \
-        sorted(str(p) for p in (tmp_path / "out1").rglob("*"))
+    assert not (tmp_path / "out1").exists() or not any((tmp_path / "out1").rglob("*")), sorted(
+        str(p) for p in (tmp_path / "out1").rglob("*")
+    )
     folder, single = tmp_path / "out0" / "model" / "default", tmp_path / "single" / "model" / "default"
     assert (tmp_path / "out0" / "effective_depth_table.md").exists()
     figures = lambda root: sorted(p.name for p in (root / "figures").iterdir())  # noqa: E731

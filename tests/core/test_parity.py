@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +32,11 @@ _forward = jax.jit(forward, static_argnames="config")
 
 def jax_logits(params, tokens, config, valid=None) -> np.ndarray:
     with jax.default_matmul_precision("highest"):
-        return np.asarray(_forward(params, jnp.asarray(tokens, jnp.int32), config,
-                                   valid=None if valid is None else jnp.asarray(valid)))
+        return np.asarray(
+            _forward(
+                params, jnp.asarray(tokens, jnp.int32), config, valid=None if valid is None else jnp.asarray(valid)
+            )
+        )
 
 
 def hf_logits(model, tokens) -> np.ndarray:
@@ -63,8 +65,10 @@ def test_tiny_model_logits_match_hf(tiny_model, variant):
     assert ours.shape == ref.shape == (2, 300, config.vocab_size)
     by_position = np.abs(ours - ref).max(axis=(0, 2))
     # a difference that grows with the position points at the rotary angles
-    assert diff <= TOL_TINY, (f"max |logit diff| {diff:.3e} at position {int(by_position.argmax())}; "
-                              f"first 50 positions {by_position[:50].max():.3e}, last 50 {by_position[-50:].max():.3e}")
+    assert diff <= TOL_TINY, (
+        f"max |logit diff| {diff:.3e} at position {int(by_position.argmax())}; "
+        f"first 50 positions {by_position[:50].max():.3e}, last 50 {by_position[-50:].max():.3e}"
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
@@ -78,22 +82,24 @@ def test_right_padded_batch_matches_each_prompt_alone(tiny_model, variant):
     valid = np.zeros((2, T), bool)
     tokens = np.zeros((2, T), np.int64)
     for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
-        valid[b, :len(p)] = True
-    tokens[1, lengths[1]:] = rng.integers(0, config.vocab_size, size=T - lengths[1])
+        tokens[b, : len(p)] = p
+        valid[b, : len(p)] = True
+    tokens[1, lengths[1] :] = rng.integers(0, config.vocab_size, size=T - lengths[1])
     ours = jax_logits(params, tokens, config, valid)
     diffs = []
     for b, p in enumerate(prompts):
         ref = hf_logits(tiny.model, p[None])[0]
-        diffs.append(float(np.abs(ours[b, :len(p)] - ref).max()))
-    print(f"\n[parity] {variant} padded batch {lengths}: max |logit diff| per row = "
-          + ", ".join(f"{d:.3e}" for d in diffs))
+        diffs.append(float(np.abs(ours[b, : len(p)] - ref).max()))
+    print(
+        f"\n[parity] {variant} padded batch {lengths}: max |logit diff| per row = "
+        + ", ".join(f"{d:.3e}" for d in diffs)
+    )
     assert max(diffs) <= TOL_TINY
     # What the padding holds must not matter at all to the valid positions.
     other = tokens.copy()
-    other[1, lengths[1]:] = (other[1, lengths[1]:] + 7) % config.vocab_size
+    other[1, lengths[1] :] = (other[1, lengths[1] :] + 7) % config.vocab_size
     again = jax_logits(params, other, config, valid)
-    assert np.array_equal(again[1, :lengths[1]], ours[1, :lengths[1]])
+    assert np.array_equal(again[1, : lengths[1]], ours[1, : lengths[1]])
     assert np.array_equal(again[0], ours[0])
 
 
@@ -111,7 +117,10 @@ def test_parity_is_sensitive(tiny_model):
     mistakes = {
         "default rope_theta": (params, dataclasses.replace(config, rope_theta=10000.0)),
         "q bias dropped": (_with_layer(params, "q_bias", jnp.zeros_like(params["layers"]["q_bias"])), config),
-        "norm weights ignored": (_with_layer(params, "attn_norm", jnp.ones_like(params["layers"]["attn_norm"])), config),
+        "norm weights ignored": (
+            _with_layer(params, "attn_norm", jnp.ones_like(params["layers"]["attn_norm"])),
+            config,
+        ),
         "kv heads swapped": (_with_layer(params, "k", _swap_kv_heads(params["layers"]["k"], config)), config),
     }
     for name, (p, c) in mistakes.items():
@@ -120,8 +129,9 @@ def test_parity_is_sensitive(tiny_model):
         assert e > 100 * TOL_TINY, name
 
 
-@pytest.mark.parametrize("variant,mistake", [("llama31_rope_scaled", "rope scaling ignored"),
-                                             ("qwen3_gqa", "q/k norm weights ignored")])
+@pytest.mark.parametrize(
+    "variant,mistake", [("llama31_rope_scaled", "rope scaling ignored"), ("qwen3_gqa", "q/k norm weights ignored")]
+)
 def test_parity_is_sensitive_to_rope_scaling_and_qk_norms(tiny_model, variant, mistake):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
@@ -141,12 +151,21 @@ def test_parity_is_sensitive_to_rope_scaling_and_qk_norms(tiny_model, variant, m
 
 
 # Rotary settings of the studied families and of the tiny variants: (rope_theta, head_dim, llama3 scaling).
-_LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+_LLAMA31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 ROTARY_SETTINGS = {
-    "qwen2.5": (1e6, 128, None), "qwen2.5-math": (1e4, 128, None), "smollm2": (1e5, 64, None),
-    "llama3.1": (5e5, 128, _LLAMA31), "llama3.2-1b": (5e5, 64, {**_LLAMA31, "factor": 32.0}),
-    "tiny": (12345.0, 16, None), "tiny-qwen3": (12345.0, 24, None),
+    "qwen2.5": (1e6, 128, None),
+    "qwen2.5-math": (1e4, 128, None),
+    "smollm2": (1e5, 64, None),
+    "llama3.1": (5e5, 128, _LLAMA31),
+    "llama3.2-1b": (5e5, 64, {**_LLAMA31, "factor": 32.0}),
+    "tiny": (12345.0, 16, None),
+    "tiny-qwen3": (12345.0, 24, None),
     "tiny-llama31": (12345.0, 16, TINY_VARIANTS["llama31_rope_scaled"]["rope_scaling"]),
     "odd": (1234567.0, 80, {**_LLAMA31, "factor": 6.0, "original_max_position_embeddings": 4096}),
 }
@@ -161,20 +180,29 @@ def test_rotary_frequencies_are_hf_bits(name):
     import transformers
 
     theta, head_dim, scaling = ROTARY_SETTINGS[name]
-    hf_config = transformers.LlamaConfig(vocab_size=8, hidden_size=4 * head_dim, intermediate_size=8,
-                                         num_attention_heads=4, num_hidden_layers=1, rope_theta=theta,
-                                         max_position_embeddings=131072, rope_scaling=scaling)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=8,
+        hidden_size=4 * head_dim,
+        intermediate_size=8,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        rope_theta=theta,
+        max_position_embeddings=131072,
+        rope_scaling=scaling,
+    )
     hf = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config).inv_freq.numpy()
     ours = rotary_frequencies(ModelConfig.from_hf(hf_config.to_dict()))
     assert isinstance(ours, np.ndarray) and ours.dtype == np.float32 and ours.shape == hf.shape
 
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    torch_power = (theta ** exponents).numpy()
+    torch_power = (theta**exponents).numpy()
     rounded_power = (np.float64(np.float32(theta)) ** exponents.numpy().astype(np.float64)).astype(np.float32)
     near_ties = torch_power != rounded_power
     ulps = np.abs(ours.view(np.int32).astype(np.int64) - hf.view(np.int32))
-    print(f"\n[parity] rotary frequencies, {name}: {int((ulps > 0).sum())} of {ulps.size} differ "
-          f"(at most {int(ulps.max())} ulps); torch's power is not correctly rounded at {int(near_ties.sum())}")
+    print(
+        f"\n[parity] rotary frequencies, {name}: {int((ulps > 0).sum())} of {ulps.size} differ "
+        f"(at most {int(ulps.max())} ulps); torch's power is not correctly rounded at {int(near_ties.sum())}"
+    )
     assert not (ulps > 0)[~near_ties].any()
     assert ulps.max() <= (1 if scaling is None else 2)
 
@@ -204,12 +232,15 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tiny_model, tmp_path, varian
     original = hf_logits(tiny.model, tokens)
     via_hf_gguf = hf_logits(hf, tokens)
     d_hf, d_orig = float(np.abs(ours - via_hf_gguf).max()), float(np.abs(ours - original).max())
-    print(f"\n[parity] {variant} via GGUF: max |logit diff| vs transformers' GGUF loader = {d_hf:.3e}, "
-          f"vs the original model = {d_orig:.3e}")
+    print(
+        f"\n[parity] {variant} via GGUF: max |logit diff| vs transformers' GGUF loader = {d_hf:.3e}, "
+        f"vs the original model = {d_orig:.3e}"
+    )
     assert d_hf <= TOL_TINY and d_orig <= TOL_TINY
 
 
 # ----------------------------------------------------------------------------- real model
+
 
 def _gsm8k_text(tokenizer, min_tokens: int = 128) -> str:
     with open(shared_data_path("gsm8k_test_sample.jsonl")) as f:
@@ -222,7 +253,7 @@ def _gsm8k_text(tokenizer, min_tokens: int = 128) -> str:
     raise AssertionError("GSM8K sample too short")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)  # loading the GGUF through transformers: about 70 s
 def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_hf):
     assert smollm2.tokenizer is not None
     text = _gsm8k_text(smollm2.tokenizer)
@@ -234,20 +265,26 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_hf):
     assert ours.shape == ref.shape == (1, len(ids), smollm2.config.vocab_size)
     diff = float(np.abs(ours - ref).max())
     agree = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
-    print(f"\n[parity] SmolLM2-135M-Instruct Q4_1 GGUF, T={len(ids)}: max |logit diff| = {diff:.3e}, "
-          f"argmax agreement = {agree:.4f} (logit scale {np.abs(ref).max():.1f})")
+    print(
+        f"\n[parity] SmolLM2-135M-Instruct Q4_1 GGUF, T={len(ids)}: max |logit diff| = {diff:.3e}, "
+        f"argmax agreement = {agree:.4f} (logit scale {np.abs(ref).max():.1f})"
+    )
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
     assert diff <= TOL_SMOLLM2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)
 def test_smollm2_config_matches_transformers(smollm2, smollm2_hf):
     hf = smollm2_hf.config
     c = smollm2.config
     assert c.model_type == "llama" and not c.qkv_bias
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (
-        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
-        hf.intermediate_size)
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.intermediate_size,
+    )
     theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", None))
     assert c.rope_theta == pytest.approx(theta) == 100000.0
     assert c.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)

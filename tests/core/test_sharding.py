@@ -17,10 +17,21 @@ from jaxdepth.core.sharding import PARTITION_RULES, make_mesh, param_spec
 
 @pytest.mark.parametrize("qkv_bias,tied", [(True, True), (False, False)])
 def test_partition_table_covers_every_parameter(qkv_bias, tied):
-    config = ModelConfig(model_type="qwen2" if qkv_bias else "llama", vocab_size=64, hidden_size=32,
-                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                         rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=64,
-                         tie_word_embeddings=tied, qkv_bias=qkv_bias)
+    config = ModelConfig(
+        model_type="qwen2" if qkv_bias else "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        qkv_bias=qkv_bias,
+    )
     shapes = param_shapes(config)
     names = set(shapes) - {"layers"} | set(shapes["layers"])
     assert names <= set(PARTITION_RULES)
@@ -36,6 +47,7 @@ def test_unknown_parameter_and_uneven_axes():
     assert param_spec("q", (2, 32, 24), mesh) == P(None, None, "model")
 
 
+@pytest.mark.slow(seconds=150)
 def test_sharded_analyses_equal_single_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     script = os.path.join(os.path.dirname(__file__), "sharded_equivalence.py")

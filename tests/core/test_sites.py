@@ -18,13 +18,36 @@ from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt
-from jaxdepth.core.model import (attention_heads, attention_mask, embed, forward, mlp_hidden, random_params,
-                                 residual_stream, rms_norm, rotary_tables, run_layers, unembed)
+from jaxdepth.core.model import (
+    attention_heads,
+    attention_mask,
+    embed,
+    forward,
+    mlp_hidden,
+    random_params,
+    residual_stream,
+    rms_norm,
+    rotary_tables,
+    run_layers,
+    unembed,
+)
 
 B, T = 2, 10
-CONFIG = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=12345.0, rms_norm_eps=1e-6,
-                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True)
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=12345.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
 L, H, Dh = CONFIG.num_layers, CONFIG.num_heads, CONFIG.head_dim
 
 
@@ -95,11 +118,20 @@ def test_a_stack_vmaps_and_new_values_never_recompile():
 
     members = [(layer, factor) for layer in range(L) for factor in (0.0, 3.0)]
     for layer, factor in members:
-        counted(params, tokens, sites.Intervention("mlp_hidden", scale_hidden,
-                                                   {"layer": jnp.int32(layer), "factor": jnp.float32(factor)}))
+        counted(
+            params,
+            tokens,
+            sites.Intervention("mlp_hidden", scale_hidden, {"layer": jnp.int32(layer), "factor": jnp.float32(factor)}),
+        )
     assert len(traces) == 1, f"traced {len(traces)} times for {len(members)} intervention values"
-    stack = sites.Intervention("mlp_hidden", scale_hidden, {"layer": jnp.array([m[0] for m in members], jnp.int32),
-                                                            "factor": jnp.array([m[1] for m in members], jnp.float32)})
+    stack = sites.Intervention(
+        "mlp_hidden",
+        scale_hidden,
+        {
+            "layer": jnp.array([m[0] for m in members], jnp.int32),
+            "factor": jnp.array([m[1] for m in members], jnp.float32),
+        },
+    )
     batched = jax.jit(jax.vmap(lambda iv: forward(params, tokens, CONFIG, interventions=iv)))(stack)
     for i, (layer, factor) in enumerate(members):
         one = reference(params, tokens, (((layer, "mlp_hidden"), lambda v, f=factor: f * v),))
@@ -118,8 +150,9 @@ def test_head_ablation_equals_zeroing_that_head():
     means = jax.random.normal(jax.random.key(0), (L, H, Dh))
     ours = run(params, tokens, sites.ablate_heads(heads, means))
     mean = lambda l, h: lambda v: v.at[:, :, h].set(means[l, h])
-    assert_close(ours, reference(params, tokens, (((0, "head_out"), mean(0, 3)), ((2, "head_out"), mean(2, 1)))),
-                 "mean ablation")
+    assert_close(
+        ours, reference(params, tokens, (((0, "head_out"), mean(0, 3)), ((2, "head_out"), mean(2, 1)))), "mean ablation"
+    )
 
 
 def test_several_layers_and_sites_in_one_forward():
@@ -127,11 +160,21 @@ def test_several_layers_and_sites_in_one_forward():
     vector = jax.random.normal(jax.random.key(1), (CONFIG.hidden_size,))
     positions = np.zeros(T, np.float32)
     positions[[2, 5]] = 1.0
-    ivs = [sites.add("resid_pre", 0, vector, positions), sites.add("resid_pre", 2, -vector, positions),
-           sites.keep("attn_out", np.stack([np.ones(T), 1 - positions, np.ones(T)]).astype(np.float32))]
+    ivs = [
+        sites.add("resid_pre", 0, vector, positions),
+        sites.add("resid_pre", 2, -vector, positions),
+        sites.keep("attn_out", np.stack([np.ones(T), 1 - positions, np.ones(T)]).astype(np.float32)),
+    ]
     steer = lambda s: lambda v: v + s * positions[None, :, None] * vector
-    expected = reference(params, tokens, (((0, "resid_pre"), steer(1.0)), ((2, "resid_pre"), steer(-1.0)),
-                                          ((1, "attn_out"), lambda v: v * (1 - positions)[None, :, None])))
+    expected = reference(
+        params,
+        tokens,
+        (
+            ((0, "resid_pre"), steer(1.0)),
+            ((2, "resid_pre"), steer(-1.0)),
+            ((1, "attn_out"), lambda v: v * (1 - positions)[None, :, None]),
+        ),
+    )
     assert_close(run(params, tokens, ivs), expected, "two boundaries and a sublayer")
 
 
@@ -143,19 +186,36 @@ def test_activation_patching_of_every_layer_and_head_in_one_vmapped_call():
     where = np.zeros((len(pairs), L, 1, 1, H, 1), bool)
     for i, (l, h) in enumerate(pairs):
         where[i, l, :, :, h] = True
-    patched = jax.jit(jax.vmap(lambda w: forward(params, clean, CONFIG,
-                                                 interventions=sites.patch("head_out", cached, w))))(where)
+    patched = jax.jit(
+        jax.vmap(lambda w: forward(params, clean, CONFIG, interventions=sites.patch("head_out", cached, w)))
+    )(where)
     for i, (l, h) in enumerate(pairs):
-        expected = reference(params, clean, (((l, "head_out"), lambda v, l=l, h=h: v.at[:, :, h].set(cached[l, :, :, h])),))
+        expected = reference(
+            params, clean, (((l, "head_out"), lambda v, l=l, h=h: v.at[:, :, h].set(cached[l, :, :, h])),)
+        )
         assert_close(patched[i], expected, f"patched layer {l} head {h}")
     assert_moved(patched[0], reference(params, clean), "patching")
 
 
 def test_taps_read_every_site():
     params, tokens, _ = _setup()
-    _, t = run_layers(params, embed(params, tokens), CONFIG, tap=lambda r, _: {
-        "q": r.q, "k": r.k, "v": r.v, "probs": r.attn_probs, "heads": r.head_out, "hidden": r.mlp_hidden,
-        "mlp_out": r.mlp_out, "attn_out": r.attn_out, "pre": r.resid_pre, "post": r.resid_post})
+    _, t = run_layers(
+        params,
+        embed(params, tokens),
+        CONFIG,
+        tap=lambda r, _: {
+            "q": r.q,
+            "k": r.k,
+            "v": r.v,
+            "probs": r.attn_probs,
+            "heads": r.head_out,
+            "hidden": r.mlp_hidden,
+            "mlp_out": r.mlp_out,
+            "attn_out": r.attn_out,
+            "pre": r.resid_pre,
+            "post": r.resid_post,
+        },
+    )
     assert t["q"].shape == (L, B, T, H, Dh) and t["k"].shape == t["v"].shape == (L, B, T, CONFIG.num_kv_heads, Dh)
     probs = np.asarray(t["probs"])
     assert probs.shape == (L, B, H, T, T)
@@ -169,8 +229,11 @@ def test_taps_read_every_site():
         # a head's output is its attention over the values of its kv head
         group = H // CONFIG.num_kv_heads
         for h in range(H):
-            assert_close(jnp.einsum("bts,bsd->btd", t["probs"][l, :, h], t["v"][l, :, :, h // group]),
-                         t["heads"][l, :, :, h], f"layer {l} head {h}")
+            assert_close(
+                jnp.einsum("bts,bsd->btd", t["probs"][l, :, h], t["v"][l, :, :, h // group]),
+                t["heads"][l, :, :, h],
+                f"layer {l} head {h}",
+            )
     assert_close(t["post"], t["pre"] + t["attn_out"] + t["mlp_out"], "resid_post")
 
 
@@ -198,6 +261,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     def F(x):  # the objective with layer l's output h_{l+1} = x; the intervention acts on top
         def write(value, layer, data):
             return jnp.where(layer == l + 1, data, value)
+
         logits = forward(params, tokens, CONFIG, interventions=[sites.Intervention("resid_pre", write, x[None]), iv])
         probs = jax.nn.softmax(logits[0, answer_positions], axis=-1)
         return jnp.sum(probs[jnp.arange(len(answer_positions)), targets])
@@ -224,6 +288,7 @@ def test_unknown_site_is_refused():
 # Data indexed by layer has L rows (every site), or L+1 at resid_pre (boundaries h_0..h_L). L rows
 # never touch the final residual h_L; L+1 rows edit it with row L. Each built-in kind at the last
 # layer, against the forward edited by hand.
+
 
 def _position(t):
     return (np.arange(T) == t).astype(np.float32)
@@ -268,16 +333,24 @@ def test_replace_and_add_at_the_last_layer_and_the_final_residual(kind, layer):
     vector = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
     positions = _position(5)
     # the argument orders differ: replace(site, layer, positions, value), add(site, layer, vector, positions)
-    make = ((lambda site: sites.replace(site, layer, positions, vector)) if kind == "replace" else
-            (lambda site: sites.add(site, layer, vector, positions)))
+    make = (
+        (lambda site: sites.replace(site, layer, positions, vector))
+        if kind == "replace"
+        else (lambda site: sites.add(site, layer, vector, positions))
+    )
     iv = make("resid_pre")
-    edit = (lambda v: v.at[:, 5].set(vector)) if kind == "replace" else (lambda v: v + positions[None, :, None] * vector)
+    edit = (
+        (lambda v: v.at[:, 5].set(vector)) if kind == "replace" else (lambda v: v + positions[None, :, None] * vector)
+    )
     expected = reference(params, tokens, (((layer, "resid_pre"), edit),))
     assert_close(run(params, tokens, iv), expected, f"{kind} at resid_pre of layer {layer}")
     assert_moved(expected, reference(params, tokens), kind)
     if layer == L - 1:  # the same at a site with L layers only
-        assert_close(run(params, tokens, make("mlp_out")), reference(params, tokens, (((layer, "mlp_out"), edit),)),
-                     f"{kind} at mlp_out of the last layer")
+        assert_close(
+            run(params, tokens, make("mlp_out")),
+            reference(params, tokens, (((layer, "mlp_out"), edit),)),
+            f"{kind} at mlp_out of the last layer",
+        )
 
 
 def test_head_ablation_at_the_last_layer():
@@ -285,8 +358,11 @@ def test_head_ablation_at_the_last_layer():
     heads = np.zeros((L, H), np.float32)
     heads[L - 1, 2] = 1.0
     ours = run(params, tokens, sites.ablate_heads(heads, head_dim=Dh))
-    assert_close(ours, reference(params, tokens, (((L - 1, "head_out"), lambda v: v.at[:, :, 2].set(0.0)),)),
-                 "last layer's head 2")
+    assert_close(
+        ours,
+        reference(params, tokens, (((L - 1, "head_out"), lambda v: v.at[:, :, 2].set(0.0)),)),
+        "last layer's head 2",
+    )
     assert_moved(ours, reference(params, tokens), "head ablation")
 
 
@@ -305,40 +381,62 @@ def test_a_user_defined_kind_declares_its_layer_indexed_data(rows):
 
 
 REFUSALS = {
-    "keep with L-1 rows": (lambda: sites.keep("resid_pre", np.ones((L - 1, T))),
-                           r"site 'resid_pre': data indexed by layer must have 3 \(one per layer\) or 4 "
-                           r"\(boundaries h_0..h_L, the last the final residual\) rows; data has shape \(2, 10\)"),
-    "keep with L+1 rows at attn_out": (lambda: sites.keep("attn_out", np.ones((L + 1, T))),
-                                       r"site 'attn_out': data indexed by layer must have 3 \(one per layer\) rows; "
-                                       r"data has shape \(4, 10\)"),
-    "a mask that does not broadcast": (lambda: sites.keep("mlp_out", np.ones((L, T + 1))),
-                                       r"a row of masks of shape \(11,\) does not broadcast to \(2, 10\)"),
-    "a patch with the wrong width": (lambda: sites.patch("resid_post", np.ones((L, B, T, 1), np.float32),
-                                                         np.ones((L, 1, T, 1), bool)),
-                                     r"site 'resid_post': a row of cached has shape \(2, 10, 1\); the site's value "
-                                     r"is \(2, 10, 32\)"),
-    "a patch with L+2 rows": (lambda: sites.patch("resid_pre", np.ones((L + 2, B, T, 32), np.float32),
-                                                  np.ones((L + 2, 1, T, 1), bool)),
-                              r"must have 3 \(one per layer\) or 4 .* rows; data\[0\] has shape \(5, 2, 10, 32\)"),
-    "rows that disagree": (lambda: sites.patch("resid_pre", np.ones((L + 1, B, T, 32), np.float32),
-                                               np.ones((L, 1, T, 1), bool)),
-                           r"its layer-indexed data disagree on the number of rows"),
-    "head masks of the wrong width": (lambda: sites.ablate_heads(np.ones((L, H + 1)), head_dim=Dh),
-                                      r"heads must be \[L, 4\] and means \[L, 4, 8\], got \(3, 5\) and \(3, 5, 8\)"),
-    "an int replacement": (lambda: sites.replace("resid_pre", 1, np.ones(T), np.ones(32, np.int32)),
-                           r"the replacement value must be a float array, got int32"),
-    "an int steering vector": (lambda: sites.add("resid_pre", 1, np.ones(32, np.int32), np.ones(T)),
-                               r"the added vector must be a float array, got int32"),
-    "an int patch": (lambda: sites.patch("mlp_out", np.ones((L, B, T, 32), np.int32), np.ones((L, 1, T, 1), bool)),
-                     r"cached must be a float array, got int32"),
-    "a vector of the wrong width": (lambda: sites.add("resid_post", 1, np.ones(31, np.float32), np.ones(T)),
-                                    r"the added vector of shape \(31,\) does not broadcast to \(2, 10, 32\)"),
-    "a user kind returning the wrong shape": (lambda: sites.Intervention("mlp_out", lambda v, l, d: v[..., :4]),
-                                              r"returned shape \(2, 10, 4\), but the site's value has shape "
-                                              r"\(2, 10, 32\)"),
-    "a user kind with undeclared keys": (lambda: sites.Intervention("resid_pre", scale_by_layer, {"factors": np.ones(L)},
-                                                                    layer_data=("scales",)),
-                                         r"layer_data names \('scales',\), not entries of its data"),
+    "keep with L-1 rows": (
+        lambda: sites.keep("resid_pre", np.ones((L - 1, T))),
+        r"site 'resid_pre': data indexed by layer must have 3 \(one per layer\) or 4 "
+        r"\(boundaries h_0..h_L, the last the final residual\) rows; data has shape \(2, 10\)",
+    ),
+    "keep with L+1 rows at attn_out": (
+        lambda: sites.keep("attn_out", np.ones((L + 1, T))),
+        r"site 'attn_out': data indexed by layer must have 3 \(one per layer\) rows; "
+        r"data has shape \(4, 10\)",
+    ),
+    "a mask that does not broadcast": (
+        lambda: sites.keep("mlp_out", np.ones((L, T + 1))),
+        r"a row of masks of shape \(11,\) does not broadcast to \(2, 10\)",
+    ),
+    "a patch with the wrong width": (
+        lambda: sites.patch("resid_post", np.ones((L, B, T, 1), np.float32), np.ones((L, 1, T, 1), bool)),
+        r"site 'resid_post': a row of cached has shape \(2, 10, 1\); the site's value "
+        r"is \(2, 10, 32\)",
+    ),
+    "a patch with L+2 rows": (
+        lambda: sites.patch("resid_pre", np.ones((L + 2, B, T, 32), np.float32), np.ones((L + 2, 1, T, 1), bool)),
+        r"must have 3 \(one per layer\) or 4 .* rows; data\[0\] has shape \(5, 2, 10, 32\)",
+    ),
+    "rows that disagree": (
+        lambda: sites.patch("resid_pre", np.ones((L + 1, B, T, 32), np.float32), np.ones((L, 1, T, 1), bool)),
+        r"its layer-indexed data disagree on the number of rows",
+    ),
+    "head masks of the wrong width": (
+        lambda: sites.ablate_heads(np.ones((L, H + 1)), head_dim=Dh),
+        r"heads must be \[L, 4\] and means \[L, 4, 8\], got \(3, 5\) and \(3, 5, 8\)",
+    ),
+    "an int replacement": (
+        lambda: sites.replace("resid_pre", 1, np.ones(T), np.ones(32, np.int32)),
+        r"the replacement value must be a float array, got int32",
+    ),
+    "an int steering vector": (
+        lambda: sites.add("resid_pre", 1, np.ones(32, np.int32), np.ones(T)),
+        r"the added vector must be a float array, got int32",
+    ),
+    "an int patch": (
+        lambda: sites.patch("mlp_out", np.ones((L, B, T, 32), np.int32), np.ones((L, 1, T, 1), bool)),
+        r"cached must be a float array, got int32",
+    ),
+    "a vector of the wrong width": (
+        lambda: sites.add("resid_post", 1, np.ones(31, np.float32), np.ones(T)),
+        r"the added vector of shape \(31,\) does not broadcast to \(2, 10, 32\)",
+    ),
+    "a user kind returning the wrong shape": (
+        lambda: sites.Intervention("mlp_out", lambda v, l, d: v[..., :4]),
+        r"returned shape \(2, 10, 4\), but the site's value has shape "
+        r"\(2, 10, 32\)",
+    ),
+    "a user kind with undeclared keys": (
+        lambda: sites.Intervention("resid_pre", scale_by_layer, {"factors": np.ones(L)}, layer_data=("scales",)),
+        r"layer_data names \('scales',\), not entries of its data",
+    ),
 }
 
 
@@ -371,24 +469,39 @@ def test_a_negative_layer_index_counts_from_the_end(site):
         got = forward(params, tokens, CONFIG, interventions=sites.add(site, negative, STEER, EVERYWHERE))
         assert np.array_equal(got, want), f"{site} at layer {negative} (unjitted)"
         jitted = jitted_forward(params, tokens, CONFIG, interventions=sites.add(site, negative, STEER, EVERYWHERE))
-        assert np.array_equal(jitted, jitted_forward(params, tokens, CONFIG,
-                                                     interventions=sites.add(site, positive, STEER, EVERYWHERE)))
+        assert np.array_equal(
+            jitted, jitted_forward(params, tokens, CONFIG, interventions=sites.add(site, positive, STEER, EVERYWHERE))
+        )
     traced = jax.vmap(lambda layer: run(params, tokens, sites.add(site, layer, STEER, EVERYWHERE)))(
-        jnp.array([-1, L - 1], jnp.int32))
+        jnp.array([-1, L - 1], jnp.int32)
+    )
     assert np.array_equal(traced[0], traced[1]), f"{site}: a traced -1"
 
 
-@pytest.mark.parametrize("site, layer", [("resid_post", L), ("resid_post", 99), ("attn_out", L),
-                                         ("resid_pre", L + 1), ("resid_pre", 99), ("mlp_out", -L - 1)])
+@pytest.mark.parametrize(
+    "site, layer",
+    [
+        ("resid_post", L),
+        ("resid_post", 99),
+        ("attn_out", L),
+        ("resid_pre", L + 1),
+        ("resid_pre", 99),
+        ("mlp_out", -L - 1),
+    ],
+)
 def test_an_out_of_range_layer_index_is_refused(site, layer):
     """Unjitted, through a jaxdepth jitted function, and for a replacement as for a steering
     vector: an error naming the site, the index and the valid range, never the clean run."""
     params, tokens, _ = _setup()
     top = L if site == "resid_pre" else L - 1
-    message = (rf"at site '{site}': layer index {layer} is out of range for a model of {L} layers: "
-               rf"valid are 0\.\.{top}, or -{L}\.\.-1")
-    for make in (lambda: sites.add(site, layer, STEER, EVERYWHERE),
-                 lambda: sites.replace(site, layer, EVERYWHERE, STEER)):
+    message = (
+        rf"at site '{site}': layer index {layer} is out of range for a model of {L} layers: "
+        rf"valid are 0\.\.{top}, or -{L}\.\.-1"
+    )
+    for make in (
+        lambda: sites.add(site, layer, STEER, EVERYWHERE),
+        lambda: sites.replace(site, layer, EVERYWHERE, STEER),
+    ):
         with pytest.raises(sites.InterventionError, match=message):
             forward(params, tokens, CONFIG, interventions=make())
         with pytest.raises(sites.InterventionError, match=message):
@@ -413,15 +526,22 @@ def test_a_user_kind_declares_its_layer_index():
     """`layer_index` names the entry of data holding the index: checked and counted from the
     end like the built-in kinds'; undeclared, an index is the user's to check."""
     params, tokens, _ = _setup()
-    make = lambda at: sites.Intervention("mlp_out", scale_at, {"at": jnp.int32(at), "factor": jnp.float32(3.0)},
-                                         layer_index="at")
-    assert np.array_equal(forward(params, tokens, CONFIG, interventions=make(-1)),
-                          forward(params, tokens, CONFIG, interventions=make(L - 1)))
+    make = lambda at: sites.Intervention(
+        "mlp_out", scale_at, {"at": jnp.int32(at), "factor": jnp.float32(3.0)}, layer_index="at"
+    )
+    assert np.array_equal(
+        forward(params, tokens, CONFIG, interventions=make(-1)),
+        forward(params, tokens, CONFIG, interventions=make(L - 1)),
+    )
     with pytest.raises(sites.InterventionError, match=r"layer index 7 is out of range"):
         forward(params, tokens, CONFIG, interventions=make(7))
     with pytest.raises(sites.InterventionError, match=r"layer_index names 'layer', not an entry of its data"):
-        forward(params, tokens, CONFIG, interventions=sites.Intervention("mlp_out", scale_at, {"at": 0, "factor": 1.0},
-                                                                         layer_index="layer"))
+        forward(
+            params,
+            tokens,
+            CONFIG,
+            interventions=sites.Intervention("mlp_out", scale_at, {"at": 0, "factor": 1.0}, layer_index="layer"),
+        )
 
 
 def test_tap_inputs_without_a_row_per_layer_are_refused():

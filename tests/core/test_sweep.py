@@ -19,8 +19,17 @@ def _chunks_of(chunk_size, n):
     return scan.params["length"], scan.invars[-1].aval.shape[1]
 
 
-@pytest.mark.parametrize("n, bound, expected", [(256, 253, (2, 128)), (256, 29, (9, 29)), (256, 200, (2, 128)),
-                                                (10, 4, (3, 4)), (256, 256, (1, 256)), (7, 1, (7, 1))])
+@pytest.mark.parametrize(
+    "n, bound, expected",
+    [
+        (256, 253, (2, 128)),
+        (256, 29, (9, 29)),
+        (256, 200, (2, 128)),
+        (10, 4, (3, 4)),
+        (256, 256, (1, 256)),
+        (7, 1, (7, 1)),
+    ],
+)
 def test_chunks_are_as_few_and_as_equal_as_the_bound_allows(n, bound, expected):
     chunks, size = _chunks_of(bound, n)
     assert (chunks, size) == expected == chunk_layout(n, bound)  # the program runs the layout it says

@@ -31,28 +31,63 @@ def test_only_layer_skip_reads_the_split_positions():
     from benchmarking.flops import forward_flops
     from jaxdepth.core.config import ModelConfig
 
-    c = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                    max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False)
+    c = ModelConfig(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+    )
     splits = [[3, 5], [4]]
     assert workload_flops("contributions", c, [16] * 10, splits=splits) == pytest.approx(
-        10 * forward_flops(c, 16, lm_head=False))
+        10 * forward_flops(c, 16, lm_head=False)
+    )
     assert workload_flops("layer_skip", c, [16, 20], splits=splits) == pytest.approx(
-        (1 + 3 * 2) * forward_flops(c, 16) + (1 + 3 * 1) * forward_flops(c, 20))
+        (1 + 3 * 2) * forward_flops(c, 16) + (1 + 3 * 1) * forward_flops(c, 20)
+    )
     with pytest.raises(ValueError, match="split positions"):
         workload_flops("layer_skip", c, [16] * 10, splits=splits)
 
 
 @pytest.mark.parity
+@pytest.mark.slow(seconds=120)
 def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_path, capsys):
     gguf_path = write_tiny_gguf(tiny_model("llama_gqa_untied"), str(tmp_path / "tiny.gguf"))
     data = tmp_path / "gsm8k.jsonl"
-    rows = [dict(question=f"a cat has {n} legs and a bat has two.", answer=f"it is {n} plus two\n#### {n + 2}")
-            for n in range(3)]
+    rows = [
+        dict(question=f"a cat has {n} legs and a bat has two.", answer=f"it is {n} plus two\n#### {n + 2}")
+        for n in range(3)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "benchmark.json"
-    code = benchmark.main(["--model", gguf_path, "--data", str(data), "--prompts", "2", "--skip-prompts", "2",
-                           "--max-tokens", "40", "--ig-steps", "4", "--baseline-prompts", "2", "--out", str(out)])
+    code = benchmark.main(
+        [
+            "--model",
+            gguf_path,
+            "--data",
+            str(data),
+            "--prompts",
+            "2",
+            "--skip-prompts",
+            "2",
+            "--max-tokens",
+            "40",
+            "--ig-steps",
+            "4",
+            "--baseline-prompts",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     failed = [f"{a['analysis']} {a['quantity']}: {a.get('note')}" for a in report["agreement"] if not a["ok"]]
     assert code == 0 and report["all_agree"], failed
@@ -70,7 +105,9 @@ def test_benchmark_agrees_with_the_reference_on_a_tiny_model(tiny_model, tmp_pat
         assert adaptive["max_relative_gap"] <= adaptive["tolerance"]
     # milliseconds per gradient evaluation of each rule, from its time and its evaluations
     assert adaptive["ms_per_evaluation"] == pytest.approx(1e3 * adaptive["jax_run_s"] / adaptive["evaluations"])
-    assert adaptive["fixed_ms_per_evaluation"] == pytest.approx(1e3 * fixed["jax_run_s"] / adaptive["fixed_evaluations"])
+    assert adaptive["fixed_ms_per_evaluation"] == pytest.approx(
+        1e3 * fixed["jax_run_s"] / adaptive["fixed_evaluations"]
+    )
     # the FLOP rates weigh each evaluation by the layers it crosses: per evaluation, the adaptive
     # rule's work is positive and at most the dearest layer's, which is under twice the mean over
     # all layers (the fixed rule's: an evaluation's cost falls linearly with its layer)

@@ -47,23 +47,42 @@ def _env():
 def test_module_level_imports_are_the_standard_library_and_numpy():
     """jax must start after the script sets XLA_PYTHON_CLIENT_MEM_FRACTION, and nothing a lent
     machine lacks may be imported before the run decides what it needs."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import benchmark_on_device; "
-            "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
-            "print(' '.join(sorted(new - set(sys.stdlib_module_names))))")
-    out = subprocess.run([sys.executable, "-c", code, EXPERIMENTS], capture_output=True, text=True, env=_env(),
-                         check=True).stdout.split()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import benchmark_on_device; "
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+        "print(' '.join(sorted(new - set(sys.stdlib_module_names))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, EXPERIMENTS], capture_output=True, text=True, env=_env(), check=True
+    ).stdout.split()
     assert set(out) <= {"benchmark_on_device", "benchmarking", "numpy"}, out
 
 
 def test_shapes_are_the_hugging_face_configurations():
     assert on_device.SHAPES["qwen2.5-1.5b"] == dict(
-        num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, vocab_size=151936, num_attention_heads=12,
-        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=32768)
+        num_hidden_layers=28,
+        hidden_size=1536,
+        intermediate_size=8960,
+        vocab_size=151936,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    )
     assert on_device.SHAPES["qwen2.5-7b"] == dict(
-        num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, vocab_size=152064, num_attention_heads=28,
-        num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=131072)
+        num_hidden_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        vocab_size=152064,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+    )
 
 
 def test_prepared_ids_round_trip(tmp_path):
@@ -106,16 +125,54 @@ def test_tiny_shape_on_the_cpu_agrees_with_the_reference(tmp_path):
     pytest.importorskip("transformers")
     rng = np.random.default_rng(0)
     ids = tmp_path / "ids.json"
-    ids.write_text(json.dumps(dict(token_ids=[rng.integers(0, 512, n).tolist() for n in (40, 28, 33)],
-                                   answer_starts=[24, 20, 21], source="random test ids")))
+    ids.write_text(
+        json.dumps(
+            dict(
+                token_ids=[rng.integers(0, 512, n).tolist() for n in (40, 28, 33)],
+                answer_starts=[24, 20, 21],
+                source="random test ids",
+            )
+        )
+    )
     out, modules = tmp_path / "report.json", tmp_path / "modules.json"
     # one torch thread: a second one stalls at every OpenMP barrier while the test's neighbours
     # hold the cores
-    args = ["--shape", "tiny", "--device", "cpu", "--ids", str(ids), "--ig-steps", "8", "--ig-max-tokens", "24",
-            "--erasure-max-tokens", "16", "--skip-prompts", "1", "--skip-max-tokens", "32", "--baseline-prompts", "2",
-            "--repeat", "2", "--precision", "bfloat16", "--torch-threads", "1", "--out", str(out)]
-    run = subprocess.run([sys.executable, "-c", RUNNER, SCRIPT, str(modules), *args], capture_output=True, text=True,
-                         env=_env(), cwd=str(tmp_path), timeout=600)
+    args = [
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--ids",
+        str(ids),
+        "--ig-steps",
+        "8",
+        "--ig-max-tokens",
+        "24",
+        "--erasure-max-tokens",
+        "16",
+        "--skip-prompts",
+        "1",
+        "--skip-max-tokens",
+        "32",
+        "--baseline-prompts",
+        "2",
+        "--repeat",
+        "2",
+        "--precision",
+        "bfloat16",
+        "--torch-threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", RUNNER, SCRIPT, str(modules), *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=str(tmp_path),
+        timeout=600,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
 
     report = json.loads(out.read_text())
@@ -131,11 +188,15 @@ def test_tiny_shape_on_the_cpu_agrees_with_the_reference(tmp_path):
             assert on_device.fmt_s(seconds) in run.stdout, name
 
     # every float32 comparison within the cases' tolerances and within float32's
-    float32_rows = [a for name, row in rows.items() if name != "integrated_gradients[bfloat16]"
-                    for a in row["agreement"]]
+    float32_rows = [
+        a for name, row in rows.items() if name != "integrated_gradients[bfloat16]" for a in row["agreement"]
+    ]
     assert {a["analysis"] for a in float32_rows} == {"integrated_gradients", "erasure", "layer_skip"}
-    failed = [f"{a['analysis']} {a['quantity']}: {a.get('max_abs_diff')} ({a['note']})" for a in float32_rows
-              if not a["ok"] or ("max_abs_diff" in a and a["max_abs_diff"] > FLOAT32_TOL)]
+    failed = [
+        f"{a['analysis']} {a['quantity']}: {a.get('max_abs_diff')} ({a['note']})"
+        for a in float32_rows
+        if not a["ok"] or ("max_abs_diff" in a and a["max_abs_diff"] > FLOAT32_TOL)
+    ]
     assert not failed and report["all_agree"], failed
     # the attributions are not all ~0 (the check would be vacuous)
     assert rows["integrated_gradients"]["agreement"][0]["scale"] > 100 * FLOAT32_TOL

@@ -18,9 +18,15 @@ import depth_vs_difficulty as experiment  # noqa: E402
 
 
 def _math_rows(path):
-    rows = [{"problem": f"What is {a} + {b}?", "level": f"Level {level}", "type": "Prealgebra",
-             "solution": f"We add the two: {a} + {b} = {a + b}, so it is $\\boxed{{{a + b}}}$."}
-            for level, (a, b) in [(1, (3, 4)), (3, (12, 9)), (1, (5, 8)), (3, (7, 30))]]
+    rows = [
+        {
+            "problem": f"What is {a} + {b}?",
+            "level": f"Level {level}",
+            "type": "Prealgebra",
+            "solution": f"We add the two: {a} + {b} = {a + b}, so it is $\\boxed{{{a + b}}}$.",
+        }
+        for level, (a, b) in [(1, (3, 4)), (3, (12, 9)), (1, (5, 8)), (3, (7, 30))]
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -28,8 +34,20 @@ def _math_rows(path):
 def test_depth_against_two_math_levels_and_resume(tmp_path, capsys):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=1024)
     out = tmp_path / "out"
-    args = ["--model", checkpoint, "--dataset", "math", "--data", _math_rows(tmp_path / "math.jsonl"),
-            "--prompts", "2", "--resamples", "50", "--out", str(out)]
+    args = [
+        "--model",
+        checkpoint,
+        "--dataset",
+        "math",
+        "--data",
+        _math_rows(tmp_path / "math.jsonl"),
+        "--prompts",
+        "2",
+        "--resamples",
+        "50",
+        "--out",
+        str(out),
+    ]
     assert experiment.main(args) == 0
     printed = capsys.readouterr().out
     assert "Level 2: no prompt of this difficulty" in printed
@@ -61,8 +79,9 @@ def test_depth_against_two_math_levels_and_resume(tmp_path, capsys):
 
 
 def test_bad_arguments_are_refused(tmp_path, capsys):
-    assert experiment.main(["--dataset", "math", "--data", str(tmp_path / "missing.jsonl"),
-                            "--out", str(tmp_path)]) == 2
+    assert (
+        experiment.main(["--dataset", "math", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
+    )
     assert "dataset file not found" in capsys.readouterr().err
     rows = _math_rows(tmp_path / "math.jsonl")
     assert experiment.main(["--dataset", "math", "--data", rows, "--levels", "5", "--out", str(tmp_path)]) == 2

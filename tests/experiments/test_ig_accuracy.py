@@ -6,9 +6,7 @@ import json
 import os
 import sys
 
-import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
@@ -25,8 +23,11 @@ import ig_accuracy as experiment  # noqa: E402
 
 def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
     nodes, rules = experiment.fixed_nodes(64, 16)
-    assert sorted(rules) == sorted([("left", n) for n in (8, 16, 32, 64)] + [("midpoint", n) for n in (8, 16, 32)]
-                                   + [("gauss", n) for n in (8, 16)])
+    assert sorted(rules) == sorted(
+        [("left", n) for n in (8, 16, 32, 64)]
+        + [("midpoint", n) for n in (8, 16, 32)]
+        + [("gauss", n) for n in (8, 16)]
+    )
     assert len(nodes) == 64 + 8 + 16  # the grid once, Gauss-Legendre beside it
     for (rule, n), (index, weights) in rules.items():
         expected_nodes, expected_weights = quadrature(rule, n)
@@ -44,18 +45,31 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
 
     def evaluate(layer, alphas, grad, chunk):
         calls.append((layer, len(alphas)))
-        return path_points(p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad,
-                           chunk_size=chunk)
+        return path_points(
+            p, prompt, x, b, inputs, layer=layer, alphas=alphas, config=config, grad=grad, chunk_size=chunk
+        )
 
     path = str(tmp_path / "shared.npz")
     shared = experiment.SharedNodes(path, evaluate, "this machine")
-    run = lambda call, tolerance: summarise(run_rule(call, range(L), float(f_input), prompt.tokens.shape[1], config,
-                                                     tolerance=np.full(L, tolerance), max_evaluations=2048))
+    run = lambda call, tolerance: summarise(
+        run_rule(
+            call,
+            range(L),
+            float(f_input),
+            prompt.tokens.shape[1],
+            config,
+            tolerance=np.full(L, tolerance),
+            max_evaluations=2048,
+        )
+    )
 
     def check_against_the_rule(result, tolerance):
         direct = ig_of_prompt(p, prompt, config, rule="adaptive", tolerance=np.full(L, tolerance), max_evaluations=2048)
-        direct = dict(evaluations=direct.evaluations[:, 0], converged=direct.converged[:, 0],
-                      attributions=direct.per_position[:, 0])
+        direct = dict(
+            evaluations=direct.evaluations[:, 0],
+            converged=direct.converged[:, 0],
+            attributions=direct.per_position[:, 0],
+        )
         assert np.array_equal(result["evaluations"], direct["evaluations"])
         np.testing.assert_array_equal(result["converged"], direct["converged"])
         np.testing.assert_allclose(result["attributions"], direct["attributions"], rtol=1e-5, atol=1e-7)
@@ -84,8 +98,24 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
 def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     out = tmp_path / "out"
-    argv = ["--model", checkpoint, "--max-steps", "16", "--gauss-max", "8", "--tolerances", "0.1,0.01",
-            "--reference-tolerance", "0.001", "--budget", "2048", "--out", str(out), "--summaries", str(out)]
+    argv = [
+        "--model",
+        checkpoint,
+        "--max-steps",
+        "16",
+        "--gauss-max",
+        "8",
+        "--tolerances",
+        "0.1,0.01",
+        "--reference-tolerance",
+        "0.001",
+        "--budget",
+        "2048",
+        "--out",
+        str(out),
+        "--summaries",
+        str(out),
+    ]
     assert experiment.main(argv) == 0
     report = json.loads((out / "ig_accuracy.json").read_text())
     (prompt,) = report["prompts"]
@@ -125,8 +155,15 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
 
     # --only-finished: the table of the finished prompts, computing nothing; an unfinished one is left out.
     data = tmp_path / "gsm8k.jsonl"
-    data.write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-                                "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}) + "\n")
+    data.write_text(
+        json.dumps(
+            {
+                "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+                "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
+            }
+        )
+        + "\n"
+    )
     gsm8k = ["--data", str(data), "--rows", "0", "--only-finished"]
     assert experiment.main(argv + gsm8k) == 0
     assert not (out / "gsm8k_row0.json").exists()

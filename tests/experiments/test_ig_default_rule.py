@@ -16,8 +16,10 @@ from jaxdepth.lab.sources import load
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_default_rule as experiment  # noqa: E402
 
-ROW = {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-       "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}
+ROW = {
+    "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
+}
 
 
 def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
@@ -35,8 +37,15 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     L = model.config.num_layers
     fixed = integrated_gradients(model.params, batch, model.config, steps=256, rule="left", progress=False)
     spec = experiment.RULES["adaptive-1%"]
-    adaptive = integrated_gradients(model.params, batch, model.config, rule="adaptive", tolerance=spec["tolerance"],
-                                    max_evaluations=spec["max_evaluations"], progress=False)
+    adaptive = integrated_gradients(
+        model.params,
+        batch,
+        model.config,
+        rule="adaptive",
+        tolerance=spec["tolerance"],
+        max_evaluations=spec["max_evaluations"],
+        progress=False,
+    )
     for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
         gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])
         # the chunk size follows the free memory at the time, and the chunking the float32 sums
@@ -76,8 +85,11 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     # another model's report is refused; another row text under the same name is measured anew
     with pytest.raises(SystemExit):
         experiment.main(["--model", "smollm2"] + argv[2:])
-    other = dict(ROW, question="Ann has 5 pears and eats 2. How many pears are left?",
-                 answer="Ann has 5 - 2 = <<5-2=3>>3 pears.\n#### 3")
+    other = dict(
+        ROW,
+        question="Ann has 5 pears and eats 2. How many pears are left?",
+        answer="Ann has 5 - 2 = <<5-2=3>>3 pears.\n#### 3",
+    )
     data.write_text(json.dumps(other) + "\n")
     assert experiment.main(argv + ["--rules", "left-256"]) == 0
     renewed = json.loads(out.read_text())["prompts"]["gsm8k_row0"]

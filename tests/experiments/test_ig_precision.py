@@ -16,16 +16,32 @@ from jaxdepth.lab.sources import load
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_precision as experiment  # noqa: E402
 
-ROW = {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-       "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"}
+ROW = {
+    "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
+}
 
 
 def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp_path, monkeypatch):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     data, out, cache = tmp_path / "gsm8k.jsonl", tmp_path / "report.json", tmp_path / "cache"
     data.write_text(json.dumps(ROW) + "\n")
-    argv = ["--model", checkpoint, "--data", str(data), "--rows", "0", "--steps", "2", "--group", "2",
-            "--cache", str(cache), "--out", str(out)]
+    argv = [
+        "--model",
+        checkpoint,
+        "--data",
+        str(data),
+        "--rows",
+        "0",
+        "--steps",
+        "2",
+        "--group",
+        "2",
+        "--cache",
+        str(cache),
+        "--out",
+        str(out),
+    ]
     assert experiment.main(argv) == 0
     report = json.loads(out.read_text())
     assert (report["model"], report["steps"], report["rule"]) == (checkpoint, 2, "left") and report["cpu"]
@@ -42,8 +58,8 @@ def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp
     delta = np.abs(direct.f_input[0] - direct.f_baseline[0].astype(np.float64))
     # the chunk size follows the free memory at the time, and the chunking the float32 sums
     np.testing.assert_allclose(f32["gap"], np.abs(direct.gap[0]) / delta, rtol=1e-4, atol=1e-6)
-    cached = np.load(experiment.cache_path(str(cache), checkpoint, batch.tokens[0, :row["tokens"]], 2, "float32"))
-    np.testing.assert_allclose(cached["attributions"], direct.attributions[0, :, :row["tokens"]], rtol=1e-4, atol=1e-6)
+    cached = np.load(experiment.cache_path(str(cache), checkpoint, batch.tokens[0, : row["tokens"]], 2, "float32"))
+    np.testing.assert_allclose(cached["attributions"], direct.attributions[0, :, : row["tokens"]], rtol=1e-4, atol=1e-6)
 
     # bf16 against float32: finite errors of the right shapes, and the bf16 run's own F values.
     for key in ("attribution_error", "token_sum_error"):

@@ -25,8 +25,18 @@ def _case_folder(out):
 
 
 def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
-    args = ["case", tiny, "--prompt", ARITHMETIC_PROMPT.question, "--answer", ARITHMETIC_PROMPT.answer,
-            "--ig-steps", "4", "--out", str(tmp_path)]
+    args = [
+        "case",
+        tiny,
+        "--prompt",
+        ARITHMETIC_PROMPT.question,
+        "--answer",
+        ARITHMETIC_PROMPT.answer,
+        "--ig-steps",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     folder, prompt = _case_folder(tmp_path)
     erasure, ig = load_result(str(folder / "erasure.npz")), load_result(str(folder / "integrated_gradients.npz"))
@@ -37,12 +47,13 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
     model = load(tiny)
     batch = encode(model.tokenizer, [prompt])
     baseline = encode(model.tokenizer, load_prompts("default", limit=10))  # the embedded prompts (offline)
-    expected_erasure = residual_erasure(model.params, batch, model.config,
-                                        mean_residuals(model.params, baseline, model.config), progress=False)
+    expected_erasure = residual_erasure(
+        model.params, batch, model.config, mean_residuals(model.params, baseline, model.config), progress=False
+    )
     expected_ig = integrated_gradients(model.params, batch, model.config, steps=4, progress=False)
     np.testing.assert_array_equal(erasure.effects, expected_erasure.effects)
     np.testing.assert_array_equal(ig.attributions, expected_ig.attributions)
-    answer = erasure.tokens[0, erasure.answer_start[0]:erasure.lengths[0]]
+    answer = erasure.tokens[0, erasure.answer_start[0] : erasure.lengths[0]]
     assert model.tokenizer.decode(answer).strip() == ARITHMETIC_PROMPT.answer  # '28', and only it, is attributed
     assert "embedded prompts" in capsys.readouterr().out
 
@@ -52,26 +63,45 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
 
 
 def test_case_dataset_row(tiny, tmp_path):
-    assert main(["case", tiny, "--dataset", "default", "--row", "2", "--analyses", "erasure", "--out",
-                 str(tmp_path), "--no-figures"]) == 0
+    assert (
+        main(
+            [
+                "case",
+                tiny,
+                "--dataset",
+                "default",
+                "--row",
+                "2",
+                "--analyses",
+                "erasure",
+                "--out",
+                str(tmp_path),
+                "--no-figures",
+            ]
+        )
+        == 0
+    )
     result = load_result(str(tmp_path / "model" / "case_default_row2" / "erasure.npz"))
     model = load(tiny)
     expected = encode(model.tokenizer, [load_prompts("default")[2]])
     np.testing.assert_array_equal(result.tokens, expected.tokens)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt", "1 + 1 = "], "--answer"),
-    (["--prompt", "1 + 1 = ", "--answer", "2", "--dataset", "default", "--row", "0"], "either a prompt"),
-    ([], "either a prompt"),
-    (["--dataset", "default", "--row", "100000"], "does not exist"),
-    (["--dataset", "default"], "row number"),
-    (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "contributions"], "not one prompt"),
-    (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "nonsense"], "unknown analyses"),
-    (["--prompt", "1 + 1 = ", "--answer", "2", "--row", "3"], "go with --dataset"),
-    (["--dataset", "default", "--row", "0", "--answer", "2"], "brings its own answer"),
-    (["--model", "elsewhere", "--prompt", "1 + 1 = ", "--answer", "2"], "two models given"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "1 + 1 = "], "--answer"),
+        (["--prompt", "1 + 1 = ", "--answer", "2", "--dataset", "default", "--row", "0"], "either a prompt"),
+        ([], "either a prompt"),
+        (["--dataset", "default", "--row", "100000"], "does not exist"),
+        (["--dataset", "default"], "row number"),
+        (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "contributions"], "not one prompt"),
+        (["--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "nonsense"], "unknown analyses"),
+        (["--prompt", "1 + 1 = ", "--answer", "2", "--row", "3"], "go with --dataset"),
+        (["--dataset", "default", "--row", "0", "--answer", "2"], "brings its own answer"),
+        (["--model", "elsewhere", "--prompt", "1 + 1 = ", "--answer", "2"], "two models given"),
+    ],
+)
 def test_case_errors(tiny, tmp_path, capsys, args, message):
     assert main(["case", tiny, "--out", str(tmp_path), *args]) != 0
     assert message in capsys.readouterr().err
@@ -89,8 +119,25 @@ def test_a_prompt_without_answer_tokens_is_refused():
 
 
 def test_case_accepts_the_model_as_an_option(tiny, tmp_path):
-    assert main(["case", "--model", tiny, "--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "erasure",
-                 "--out", str(tmp_path), "--no-figures"]) == 0
+    assert (
+        main(
+            [
+                "case",
+                "--model",
+                tiny,
+                "--prompt",
+                "1 + 1 = ",
+                "--answer",
+                "2",
+                "--analyses",
+                "erasure",
+                "--out",
+                str(tmp_path),
+                "--no-figures",
+            ]
+        )
+        == 0
+    )
     assert len(list((tmp_path / "model").glob("case_*/erasure.npz"))) == 1
 
 

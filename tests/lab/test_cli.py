@@ -29,15 +29,42 @@ def tiny(tmp_path_factory):
 
 
 def _run_args(model, out, *extra, datasets=("default",), data=()):
-    return ["run", "--model", model, "--dataset", *datasets, *(a for d in data for a in ("--data", d)),
-            "--prompts", "2", "--detail-prompts", "1", "--ig-steps", "2", "--out", str(out), *extra]
+    return [
+        "run",
+        "--model",
+        model,
+        "--dataset",
+        *datasets,
+        *(a for d in data for a in ("--data", d)),
+        "--prompts",
+        "2",
+        "--detail-prompts",
+        "1",
+        "--ig-steps",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
+@pytest.mark.slow(seconds=140)
 def test_run_end_to_end(tiny, tmp_path, capsys):
     hellaswag = shared_data_path("hellaswag_val_sample.jsonl")
     gsm8k = shared_data_path("gsm8k_test_sample.jsonl")
-    assert main(_run_args(tiny, tmp_path, "--baseline-data", gsm8k, datasets=("default", "hellaswag"),
-                          data=[f"hellaswag={hellaswag}"])) == 0
+    assert (
+        main(
+            _run_args(
+                tiny,
+                tmp_path,
+                "--baseline-data",
+                gsm8k,
+                datasets=("default", "hellaswag"),
+                data=[f"hellaswag={hellaswag}"],
+            )
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"erasure baseline: gsm8k[:10] from {gsm8k}" in printed
     for dataset in ("default", "hellaswag"):
@@ -45,8 +72,14 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
         for name in ANALYSES:
             assert (folder / f"{name}.npz").stat().st_size > 0
         figures = sorted(p.name for p in (folder / "figures").iterdir())
-        for name in ("contributions", "logit_lens", "layer_skip", "erasure_prompt0", "integrated_gradients_prompt0",
-                     "attribution_patching_prompt0"):
+        for name in (
+            "contributions",
+            "logit_lens",
+            "layer_skip",
+            "erasure_prompt0",
+            "integrated_gradients_prompt0",
+            "attribution_patching_prompt0",
+        ):
             assert f"{name}.png" in figures and f"{name}.pdf" in figures
         assert all((folder / "figures" / f).stat().st_size > 1000 for f in figures)
         erasure = load_result(str(folder / "erasure.npz"))
@@ -56,15 +89,16 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
     # the table holds exactly what the saved curves give
     with open(tmp_path / "effective_depth_table.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["dataset"], r["method"]) for r in rows} == {(d, m) for d in ("default", "hellaswag")
-                                                           for m in ("cosine", "kl", "overlap")}
+    assert {(r["dataset"], r["method"]) for r in rows} == {
+        (d, m) for d in ("default", "hellaswag") for m in ("cosine", "kl", "overlap")
+    }
     for r in rows:
         folder = tmp_path / "model" / r["dataset"]
         if r["method"] == "cosine":
             depth = ed.cosine_effective_depth(load_result(str(folder / "contributions.npz")).mean_cosine)
         else:
             lens = load_result(str(folder / "logit_lens.npz"))
-            depth = (ed.kl_effective_depth(lens.kl) if r["method"] == "kl" else ed.overlap_effective_depth(lens.overlap))
+            depth = ed.kl_effective_depth(lens.kl) if r["method"] == "kl" else ed.overlap_effective_depth(lens.overlap)
         assert r["ed"] == ("none" if depth.layer is None else str(depth.layer))
         assert r["layers"] == "3"
     md = (tmp_path / "effective_depth_table.md").read_text()
@@ -80,7 +114,8 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
     with open(tmp_path / "effective_depth_table_per_prompt.csv") as f:
         per_prompt = list(csv.DictReader(f))
     assert {(r["dataset"], r["method"], r["prompt"]) for r in per_prompt} == {
-        (d, m, str(i)) for d in ("default", "hellaswag") for m in ("cosine", "kl", "overlap") for i in range(2)}
+        (d, m, str(i)) for d in ("default", "hellaswag") for m in ("cosine", "kl", "overlap") for i in range(2)
+    }
 
 
 def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
@@ -107,8 +142,13 @@ def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
     # without a JAX compilation cache of the caller's, the programs go to $JAXDEPTH_CACHE/xla
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAXDEPTH_CACHE"] = str(tmp_path / "cache")
-    again = subprocess.run([*args, "--seed", "7", "--analyses", "contributions,layer_skip", "--skip-sublayers",
-                            "layer"], capture_output=True, text=True, timeout=600, env=env)
+    again = subprocess.run(
+        [*args, "--seed", "7", "--analyses", "contributions,layer_skip", "--skip-sublayers", "layer"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "contributions: reusing" in again.stdout and "layer_skip: reusing" not in again.stdout
     assert any((tmp_path / "cache" / "xla").iterdir()), "no compiled program was kept"
@@ -123,30 +163,50 @@ def test_dataset_rows_are_formatted_exactly(shared_data):
         "Problem: Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes "
         "muffins for her friends every day with four. She sells the remainder at the farmers' market daily for "
         "$2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?\n"
-        "Your response should end with \"The final answer is [answer]\" where [answer] is the response to the "
-        "problem.\n\n")
-    assert gsm.answer == ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
-                          "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n"
-                          "The final answer is 18")
+        'Your response should end with "The final answer is [answer]" where [answer] is the response to the '
+        "problem.\n\n"
+    )
+    assert gsm.answer == (
+        "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+        "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n"
+        "The final answer is 18"
+    )
     rows = load_prompts("hellaswag", HELLASWAG)
     import json
+
     raw = [json.loads(line) for line in open(HELLASWAG)]
     for prompt, row in zip(rows, raw):
         sep = "" if row["ending"].startswith(",") else " "
         assert prompt.text == row["ctx"] + sep + row["ending"] and prompt.question == row["ctx"]
     from jaxdepth.lab.prompts import format_hellaswag
+
     assert format_hellaswag({"ctx": "He stops", "ending": ", then runs."}).text == "He stops, then runs."
     assert format_hellaswag({"ctx": "He stops", "ending": "and runs."}).text == "He stops and runs."
     aime = load_prompts("aime24", AIME)[0]
     raw = json.loads(open(AIME).readline())
-    assert aime.question.endswith("should end with \"\\boxed{[answer]}\" where [answer] is the response to "
-                                  "the problem.\n\n\n")
+    assert aime.question.endswith(
+        'should end with "\\boxed{[answer]}" where [answer] is the response to the problem.\n\n\n'
+    )
     assert aime.answer == raw["solution"] and raw["problem"] in aime.question
 
 
 def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
-    assert main(["run", "--model", tiny, "--dataset", "gsm8k", "--data", str(tmp_path / "missing.jsonl"),
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                tiny,
+                "--dataset",
+                "gsm8k",
+                "--data",
+                str(tmp_path / "missing.jsonl"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "not found" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q?", "answer": "no final answer here"}\n')
@@ -160,15 +220,47 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path, capsys):
     assert "neither an existing folder" in capsys.readouterr().err
     assert main(["run", "--model", tiny, "--analyses", "contributions,bogus", "--out", str(tmp_path)]) == 2
     assert "unknown analyses" in capsys.readouterr().err
-    assert main(["run", "--model", tiny, "--analyses", "layer_skip", "--skip-mode", "current", "--skip-split",
-                 "answer_start", "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                tiny,
+                "--analyses",
+                "layer_skip",
+                "--skip-mode",
+                "current",
+                "--skip-split",
+                "answer_start",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "--skip-split applies to --skip-mode future" in capsys.readouterr().err
 
 
 def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys):
     short = save_tiny_checkpoint(str(tmp_path / "short"), context=16)
-    assert main(["run", "--model", short, "--dataset", "default", "--prompts", "1",
-                 "--analyses", "contributions", "--out", str(tmp_path / "out")]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                short,
+                "--dataset",
+                "default",
+                "--prompts",
+                "1",
+                "--analyses",
+                "contributions",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     assert "exceeds the model's context of 16" in capsys.readouterr().err
 
 
@@ -189,16 +281,55 @@ def test_every_skip_sublayer_subset_runs_through_the_cli(tiny, tmp_path, capsys)
 
     for k in (1, 2, 3):
         for subset in combinations(("layer", "attn", "mlp"), k):
-            assert main(["run", "--model", tiny, "--dataset", "default", "--prompts", "1", "--analyses",
-                         "layer_skip", "--skip-sublayers", ",".join(subset), "--no-figures",
-                         "--out", str(tmp_path)]) == 0, subset
+            assert (
+                main(
+                    [
+                        "run",
+                        "--model",
+                        tiny,
+                        "--dataset",
+                        "default",
+                        "--prompts",
+                        "1",
+                        "--analyses",
+                        "layer_skip",
+                        "--skip-sublayers",
+                        ",".join(subset),
+                        "--no-figures",
+                        "--out",
+                        str(tmp_path),
+                    ]
+                )
+                == 0
+            ), subset
             printed = capsys.readouterr().out
             for sublayer in ("layer", "attn", "mlp"):
                 expected = sublayer in subset
                 assert (f"depth score ({sublayer} skipped)" in printed) == expected, (subset, printed)
     # --skip-mode reaches the saved result and is part of its cache identity
-    assert main(["run", "--model", tiny, "--dataset", "default", "--prompts", "1", "--analyses", "layer_skip",
-                 "--skip-sublayers", "layer", "--skip-mode", "current", "--no-figures", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                tiny,
+                "--dataset",
+                "default",
+                "--prompts",
+                "1",
+                "--analyses",
+                "layer_skip",
+                "--skip-sublayers",
+                "layer",
+                "--skip-mode",
+                "current",
+                "--no-figures",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "layer_skip: reusing" not in capsys.readouterr().out
     saved = load_result(str(tmp_path / "model" / "default" / "layer_skip.npz"))
     assert saved.settings["mode"] == "current" and saved.settings["identity"]["skip_mode"] == "current"
@@ -223,8 +354,12 @@ def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, c
     assert "warning: erasure baseline falls back" in capsys.readouterr().err
 
     # the main command's case, through the CLI: said in the output and in the saved settings
-    assert main(["run", "--model", tiny, "--prompts", "1", "--analyses", "erasure", "--no-figures",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            ["run", "--model", tiny, "--prompts", "1", "--analyses", "erasure", "--no-figures", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "erasure baseline: default[:10] (the embedded prompts, offline" in printed
     saved = load_result(str(tmp_path / "model" / "default" / "erasure.npz"))
@@ -233,8 +368,25 @@ def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, c
 
 def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
     out = str(tmp_path / "lens_out")
-    args = ["tuned-lens", "--model", tiny, "--dataset", "default", "--train-rows", "3:12", "--eval-rows", "0:3",
-            "--steps", "6", "--tokens-per-step", "16", "--bootstrap", "50", "--out", out]
+    args = [
+        "tuned-lens",
+        "--model",
+        tiny,
+        "--dataset",
+        "default",
+        "--train-rows",
+        "3:12",
+        "--eval-rows",
+        "0:3",
+        "--steps",
+        "6",
+        "--tokens-per-step",
+        "16",
+        "--bootstrap",
+        "50",
+        "--out",
+        out,
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     folder = os.path.join(out, "model", "default")
@@ -256,8 +408,19 @@ def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
 
 def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
     # a budget for the tolerance: the default, the fixed rule's --ig-steps 2, is far too small
-    args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive",
-                     "--ig-max-evaluations", "512", "--ig-tolerance", "0.05", "--no-figures")
+    args = _run_args(
+        tiny,
+        tmp_path,
+        "--analyses",
+        "integrated_gradients",
+        "--ig-rule",
+        "adaptive",
+        "--ig-max-evaluations",
+        "512",
+        "--ig-tolerance",
+        "0.05",
+        "--no-figures",
+    )
     assert main(args) == 0
     result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
     assert result.converged is not None and result.settings["rule"] == "adaptive"
@@ -286,7 +449,9 @@ def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, ca
     args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive", "--no-figures")
     assert main(args) == 0
     path = str(tmp_path / "model" / "default" / "integrated_gradients.npz")
-    assert load_result(path).settings["identity"]["ig_max_evaluations"] == 3  # --ig-steps 2: the fixed rule's, at least 3
+    assert (
+        load_result(path).settings["identity"]["ig_max_evaluations"] == 3
+    )  # --ig-steps 2: the fixed rule's, at least 3
     capsys.readouterr()
     # another budget, below the first round's 23 nodes: run again, within it
     assert main(args + ["--ig-max-evaluations", "9"]) == 0
@@ -313,14 +478,18 @@ def test_a_run_compiles_few_programs_and_a_second_one_none(tiny, tmp_path):
         args = [sys.executable, "-m", "jaxdepth.lab.cli", *_run_args(tiny, tmp_path / out, "--no-figures", *extra)]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        return {a: load_result(str(tmp_path / out / "model" / "default" / f"{a}.npz")).settings
-                for a in ANALYSES if os.path.exists(tmp_path / out / "model" / "default" / f"{a}.npz")}
+        return {
+            a: load_result(str(tmp_path / out / "model" / "default" / f"{a}.npz")).settings
+            for a in ANALYSES
+            if os.path.exists(tmp_path / out / "model" / "default" / f"{a}.npz")
+        }
 
     first = run("first")  # `compilations` counts the programs read from the cache too
     assert set(first) == set(ANALYSES)
     counts = {a: s["compilations"] for a, s in first.items()}
-    assert all(counts[a] > 0 for a in ("contributions", "logit_lens", "layer_skip", "erasure",
-                                       "integrated_gradients")), counts
+    assert all(
+        counts[a] > 0 for a in ("contributions", "logit_lens", "layer_skip", "erasure", "integrated_gradients")
+    ), counts
     assert sum(counts.values()) <= 24, counts
     second = run("second")
     for analysis, settings in second.items():

@@ -52,8 +52,9 @@ SETUP = textwrap.dedent("""
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SETUP + textwrap.dedent(script), *args], stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SETUP + textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for(proc: subprocess.Popen, line: str) -> None:
@@ -65,13 +66,23 @@ def _wait_for(proc: subprocess.Popen, line: str) -> None:
 
 def test_a_second_run_on_the_same_folder_is_refused_at_once(tmp_path):
     folder = tmp_path / "tiny" / "toy"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import sys
         from jaxdepth.core.atomic import folder_lock
         with folder_lock(sys.argv[1]):
             print("held", flush=True)
             sys.stdin.read()
-    """), str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+            str(folder),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(holder, "held")
         start = time.monotonic()
@@ -87,14 +98,28 @@ def test_a_second_run_on_the_same_folder_is_refused_at_once(tmp_path):
 
 
 def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
-    child = _start("""
+    child = _start(
+        """
         run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["sleeper"], progress=False)
-    """, str(tmp_path))
+    """,
+        str(tmp_path),
+    )
     try:
         _wait_for(child, "writing")
-        second = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent("""
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                SETUP
+                + textwrap.dedent("""
             run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions"], progress=False)
-        """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+        """),
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode != 0 and f"is in use by process {child.pid}" in second.stderr, second.stderr[-2000:]
     finally:
         child.kill()
@@ -102,18 +127,32 @@ def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
 
 
 def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
-    child = _start("""
+    child = _start(
+        """
         run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "sleeper"], progress=False)
-    """, str(tmp_path))
+    """,
+        str(tmp_path),
+    )
     _wait_for(child, "writing")  # contributions saved; the sleeper is inside its atomic write
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     folder = tmp_path / "tiny" / "toy"
     assert (folder / "contributions.npz").exists() and not (folder / "partial.bin").exists()
     assert any(name.startswith(TEMP_PREFIX) for name in os.listdir(folder))  # what the kill left behind
-    rerun = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent("""
+    rerun = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SETUP
+            + textwrap.dedent("""
         run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "logit_lens"], progress=False)
-    """), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    """),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "contributions: reusing" in rerun.stdout and "logit_lens: " in rerun.stdout
     assert (folder / "logit_lens.npz").exists()

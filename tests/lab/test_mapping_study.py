@@ -24,13 +24,18 @@ INSERTED_AT = 1  # the large model is the small one with an identity layer befor
 def with_identity_layer(model, k: int):
     """`model` (3 layers) with a layer before layer k whose attention output projection and MLP
     down projection are zero: 4 layers, boundary k+1 equal to boundary k."""
+
     def insert(name, w):
         inserted = w[k][None] * (0.0 if name in ("o", "down") else 1.0)
         return jnp.concatenate([w[:k], inserted, w[k:]], axis=0)
 
     params = {**model.params, "layers": {n: insert(n, w) for n, w in model.params["layers"].items()}}
-    return dataclasses.replace(model, params=params, source="tiny-deeper",
-                               config=dataclasses.replace(model.config, num_layers=model.config.num_layers + 1))
+    return dataclasses.replace(
+        model,
+        params=params,
+        source="tiny-deeper",
+        config=dataclasses.replace(model.config, num_layers=model.config.num_layers + 1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,20 @@ def parser():
 
 
 def map_args(small, large, out, *extra):
-    return ["map", small, large, "--dataset", "default", "--prompts", "9", "--train-prompts", "7", "--out", str(out),
-            *extra]
+    return [
+        "map",
+        small,
+        large,
+        "--dataset",
+        "default",
+        "--prompts",
+        "9",
+        "--train-prompts",
+        "7",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_map_command_end_to_end_and_rerun(checkpoints, tmp_path, capsys):
@@ -101,9 +118,18 @@ def small_model(checkpoints):
 
 def test_tokenizers_must_agree(small_model, tmp_path):
     prompts = load_prompts("default", limit=4)
-    run = lambda other: map_models(small_model, other, prompts, str(tmp_path), small_name="a",  # noqa: E731
-                                   large_name="b", dataset="default", settings=MappingSettings(train_prompts=2),
-                                   progress=False, log=lambda _: None)
+    run = lambda other: map_models(
+        small_model,
+        other,
+        prompts,
+        str(tmp_path),
+        small_name="a",  # noqa: E731
+        large_name="b",
+        dataset="default",
+        settings=MappingSettings(train_prompts=2),
+        progress=False,
+        log=lambda _: None,
+    )
     extra = tiny_tokenizer()
     extra.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match="tokenizers differ"):
@@ -112,8 +138,7 @@ def test_tokenizers_must_agree(small_model, tmp_path):
     from tokenizers import processors
 
     with_bos = tiny_tokenizer()  # the same vocabulary, but every prompt gets a leading <pad>
-    with_bos._tokenizer.post_processor = processors.TemplateProcessing(single="<pad> $A",
-                                                                       special_tokens=[("<pad>", 0)])
+    with_bos._tokenizer.post_processor = processors.TemplateProcessing(single="<pad> $A", special_tokens=[("<pad>", 0)])
     assert with_bos.get_vocab() == small_model.tokenizer.get_vocab()
     with pytest.raises(ValueError, match="encode to different token ids"):
         run(dataclasses.replace(small_model, tokenizer=with_bos))
@@ -125,9 +150,19 @@ def test_tokenizers_must_agree(small_model, tmp_path):
 
 def test_figure_marks_best_matches_and_the_diagonal():
     errors = np.random.default_rng(0).uniform(0.2, 1.0, (3, 7)).astype(np.float32)
-    result = LayerMappingResult(errors=errors, best_match=np.argmin(errors, axis=1), baseline_errors=np.ones(7),
-                                small_model="s", large_model="l", dataset="d", train_tokens=10, heldout_tokens=5,
-                                train_prompts=2, heldout_prompts=1, settings={})
+    result = LayerMappingResult(
+        errors=errors,
+        best_match=np.argmin(errors, axis=1),
+        baseline_errors=np.ones(7),
+        small_model="s",
+        large_model="l",
+        dataset="d",
+        train_tokens=10,
+        heldout_tokens=5,
+        train_prompts=2,
+        heldout_prompts=1,
+        settings={},
+    )
     ax = mapping_figure(result).axes[0]
     diagonal = next(line for line in ax.get_lines() if line.get_label() == "equal relative depth")
     np.testing.assert_array_equal(diagonal.get_xdata(), [0, 6])

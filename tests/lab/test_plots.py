@@ -20,9 +20,21 @@ from jaxdepth.core.model import random_params
 def _config(num_layers):
     # Few distinct parameter shapes (no biases, tied embeddings, q/k/v/o all D x D): random_params
     # compiles its sampling once per shape, seconds each on a busy CPU.
-    return ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
-                       num_layers=num_layers, num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4,
-                       rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=False)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+    )
 
 
 CONFIG = _config(4)
@@ -52,18 +64,21 @@ def results(batch):
     """One real result of every analysis (IG with few steps: only the picture is tested here)."""
     params = random_params(CONFIG, 1, scale=0.2)
     # The shallow model is the first layers of the deep one: a second random_params costs seconds.
-    shallow = {**params, "layers": jax.tree.map(lambda x: np.asarray(x)[:SHALLOW.num_layers], params["layers"])}
+    shallow = {**params, "layers": jax.tree.map(lambda x: np.asarray(x)[: SHALLOW.num_layers], params["layers"])}
     # A zero erasure baseline rather than mean_residuals: one compilation less, the same kind of picture.
     zero_baseline = np.zeros((CONFIG.num_layers + 1, CONFIG.hidden_size), np.float32)
     return {
         "contributions": contributions.contributions(params, batch, CONFIG),
         "logit_lens": logit_lens.logit_lens(params, batch, CONFIG),
         # Two rows; one sublayer, so one compilation (the sublayer is a static argument).
-        "layer_skip": {name: layer_skip.layer_skip(params, prompts, CONFIG, progress=False)
-                       for name, prompts in (("both prompts", batch), ("prompt 1", batch.select(slice(1, 2))))},
+        "layer_skip": {
+            name: layer_skip.layer_skip(params, prompts, CONFIG, progress=False)
+            for name, prompts in (("both prompts", batch), ("prompt 1", batch.select(slice(1, 2))))
+        },
         "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline, progress=False),
         "integrated_gradients": integrated_gradients.integrated_gradients(
-            params, batch.select(slice(0, 1)), CONFIG, steps=2, progress=False),
+            params, batch.select(slice(0, 1)), CONFIG, steps=2, progress=False
+        ),
         "shallow_contributions": contributions.contributions(shallow, batch, SHALLOW),
         "shallow_logit_lens": logit_lens.logit_lens(shallow, batch, SHALLOW),
     }
@@ -76,16 +91,20 @@ FIGURES = {
     "logit_lens": lambda r: plots.logit_lens_figure(r["logit_lens"]),
     "layer_skip_rows": lambda r: plots.layer_skip_figure(r["layer_skip"]),
     "erasure": lambda r: plots.erasure_figure(r["erasure"], 1, tokenizer=FakeTokenizer()),
-    "integrated_gradients": lambda r: plots.integrated_gradients_figure(r["integrated_gradients"], 0,
-                                                                        tokenizer=FakeTokenizer()),
+    "integrated_gradients": lambda r: plots.integrated_gradients_figure(
+        r["integrated_gradients"], 0, tokenizer=FakeTokenizer()
+    ),
     "relative_lens": lambda r: plots.relative_depth_figure(
-        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}),
+        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}
+    ),
     "relative_cosine": lambda r: plots.relative_depth_figure(
-        {"deep": r["contributions"], "shallow": r["shallow_contributions"]}),
+        {"deep": r["contributions"], "shallow": r["shallow_contributions"]}
+    ),
     "layer_skip_single": lambda r: plots.layer_skip_figure(r["layer_skip"]["prompt 1"]),
     "erasure_positions": lambda r: plots.erasure_figure(r["erasure"], 0),
     "relative_overlap": lambda r: plots.relative_depth_figure(
-        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}, "overlap"),
+        {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}, "overlap"
+    ),
 }
 RENDERED = list(FIGURES)[:6]
 
@@ -168,8 +187,9 @@ def test_erasure_tick_labels_are_the_token_strings(results):
     assert labels(plots.erasure_figure(result, 1, tokenizer=DecodeOnlyTokenizer())) == [f"<{i}>" for i in ids]
     assert labels(plots.erasure_figure(result, 1)) == [str(p) for p in range(n)]
     # the heatmap holds exactly this prompt's effects, boundaries 0..L on the y axis
-    np.testing.assert_array_equal(plots.erasure_figure(result, 1).axes[0].images[0].get_array(),
-                                  result.effects[1, :, :n])
+    np.testing.assert_array_equal(
+        plots.erasure_figure(result, 1).axes[0].images[0].get_array(), result.effects[1, :, :n]
+    )
 
 
 def test_token_labels_escape_mathtext_and_show_whitespace(results, tmp_path):
@@ -191,7 +211,9 @@ def _byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = ["the cat sat on the mat\nthe end", "Janet\u2019s ducks lay 16 eggs per day.\n"] * 5
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
     return tok
 
 
@@ -238,8 +260,14 @@ def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
     L = 24
     later = np.triu(np.random.default_rng(1).random((L, L)), k=1)
     later[0, 1:] = 1e3  # skipping layer 0 changes every later layer: one dominant row
-    skip = layer_skip.LayerSkipResult(later=later, output=np.ones(L), later_per_prompt=later[None],
-                                      output_per_prompt=np.ones((1, L)), split_positions=np.zeros((1, 4)), settings={})
+    skip = layer_skip.LayerSkipResult(
+        later=later,
+        output=np.ones(L),
+        later_per_prompt=later[None],
+        output_per_prompt=np.ones((1, L)),
+        split_positions=np.zeros((1, 4)),
+        settings={},
+    )
     fig = plots.layer_skip_figure(skip)
     assert fig.axes[0].images[0].get_clim()[1] < 1.0
     assert "clipped at the 90th percentile" in fig.axes[-1].get_xlabel()
@@ -247,9 +275,13 @@ def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
 
 def test_long_prompts_get_thinned_labels():
     n, L = 150, 3
-    result = erasure.ErasureResult(effects=np.random.default_rng(0).random((1, L + 1, n), np.float32),
-                                   tokens=np.arange(n)[None] % 97, lengths=np.array([n]),
-                                   answer_start=np.array([100]), settings={})
+    result = erasure.ErasureResult(
+        effects=np.random.default_rng(0).random((1, L + 1, n), np.float32),
+        tokens=np.arange(n)[None] % 97,
+        lengths=np.array([n]),
+        answer_start=np.array([100]),
+        settings={},
+    )
     ax = plots.erasure_figure(result, 0, tokenizer=FakeTokenizer()).axes[0]
     ticks = ax.get_xticks()
     assert 30 <= len(ticks) <= plots.MAX_TOKEN_LABELS
@@ -281,11 +313,13 @@ def test_logit_lens_marks_effective_depths_and_thresholds():
 def test_contributions_mark_the_cosine_depth_only_when_found():
     curves = dict(norm_attn=np.ones(6), norm_mlp=np.ones(6), norm_layer=np.ones(6), num_tokens=1, settings={})
     crossing = np.array([0.2, -0.1, 0.1, -0.2, 0.3, 0.1])  # crossings after 1 and 3: the last one counts
-    fig = plots.contributions_figure(contributions.ContributionResult(
-        cos_attn=crossing, cos_mlp=crossing, cos_layer=crossing, **curves))
+    fig = plots.contributions_figure(
+        contributions.ContributionResult(cos_attn=crossing, cos_mlp=crossing, cos_layer=crossing, **curves)
+    )
     assert all(_vertical_line(ax, "cosine ED") == 3 for ax in fig.axes)
-    fig = plots.contributions_figure(contributions.ContributionResult(
-        cos_attn=np.ones(6), cos_mlp=np.ones(6), cos_layer=np.ones(6), **curves))
+    fig = plots.contributions_figure(
+        contributions.ContributionResult(cos_attn=np.ones(6), cos_mlp=np.ones(6), cos_layer=np.ones(6), **curves)
+    )
     assert fig.axes[0].get_title() == "cosine ED: no crossing"
     assert not any(line.get_label().startswith("cosine ED") for ax in fig.axes for line in ax.lines)
 
@@ -322,8 +356,10 @@ def _per_prompt_lines(ax):
 def _band_limits(band, layers):
     """(low, high) per layer of a filled band: its polygon's lowest and highest point at each x."""
     vertices = band.get_paths()[0].vertices
-    return (np.array([vertices[vertices[:, 0] == x, 1].min() for x in layers]),
-            np.array([vertices[vertices[:, 0] == x, 1].max() for x in layers]))
+    return (
+        np.array([vertices[vertices[:, 0] == x, 1].min() for x in layers]),
+        np.array([vertices[vertices[:, 0] == x, 1].max() for x in layers]),
+    )
 
 
 def test_bootstrap_bands_and_per_prompt_curves(results):
@@ -367,20 +403,28 @@ def test_results_without_per_prompt_curves_draw_as_before(results):
     old = dataclasses.replace(lens, kl_per_prompt=None, overlap_per_prompt=None, tokens_per_prompt=None)
     fig = plots.logit_lens_figure(old)
     assert all(not ax.collections for ax in fig.axes)
-    assert fig.axes[0].get_title() == f"KL ED: {kl_effective_depth(lens.kl).layer} (ratio " \
-                                      f"{kl_effective_depth(lens.kl).ratio:.2f})"
+    assert (
+        fig.axes[0].get_title() == f"KL ED: {kl_effective_depth(lens.kl).layer} (ratio "
+        f"{kl_effective_depth(lens.kl).ratio:.2f})"
+    )
     contrib = results["contributions"]
-    old = dataclasses.replace(contrib, **{f"{n}_per_prompt": None for n in contributions.STATISTICS},
-                              tokens_per_prompt=None)
+    old = dataclasses.replace(
+        contrib, **{f"{n}_per_prompt": None for n in contributions.STATISTICS}, tokens_per_prompt=None
+    )
     assert all(not ax.collections for ax in plots.contributions_figure(old).axes)
 
 
 def test_current_mode_heatmap_draws_the_diagonal():
     L = 5
     later = np.triu(np.random.default_rng(2).random((L, L)) + 0.5)  # diagonal measured
-    result = layer_skip.LayerSkipResult(later=later, output=np.ones(L), later_per_prompt=later[None],
-                                        output_per_prompt=np.ones((1, L)), split_positions=np.full((1, 4), -1),
-                                        settings={"mode": "current"})
+    result = layer_skip.LayerSkipResult(
+        later=later,
+        output=np.ones(L),
+        later_per_prompt=later[None],
+        output_per_prompt=np.ones((1, L)),
+        split_positions=np.full((1, 4), -1),
+        settings={"mode": "current"},
+    )
     shown = plots.layer_skip_figure(result).axes[0].images[0].get_array()
     np.testing.assert_array_equal(np.diagonal(shown), np.diagonal(later))
     assert np.all(np.ma.getmaskarray(shown)[np.tril_indices(L, -1)])
@@ -396,13 +440,21 @@ def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
     P, L, T = 1, 3, 5
     for rule, steps in [("left", 256), ("gauss", 16)]:
         result = IntegratedGradientsResult(
-            attributions=np.ones((P, L, T), np.float32), gap=np.full((P, L), 0.25, np.float32),
-            f_input=np.ones(P, np.float32), f_baseline=np.zeros((P, L), np.float32), tokens=np.arange(T)[None],
-            lengths=np.array([T]), answer_start=np.array([3]), settings={"rule": rule, "steps": steps})
+            attributions=np.ones((P, L, T), np.float32),
+            gap=np.full((P, L), 0.25, np.float32),
+            f_input=np.ones(P, np.float32),
+            f_baseline=np.zeros((P, L), np.float32),
+            tokens=np.arange(T)[None],
+            lengths=np.array([T]),
+            answer_start=np.array([3]),
+            settings={"rule": rule, "steps": steps},
+        )
         assert f"{rule} rule, {steps} steps: max |completeness gap| = 0.25" in (
-            integrated_gradients_figure(result)._suptitle.get_text())
-        assert analysis("integrated_gradients").summary(result) == [f"IG ({rule} rule, {steps} steps) max "
-                                                                    "|completeness gap| 0.25"]
+            integrated_gradients_figure(result)._suptitle.get_text()
+        )
+        assert analysis("integrated_gradients").summary(result) == [
+            f"IG ({rule} rule, {steps} steps) max |completeness gap| 0.25"
+        ]
 
 
 def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
@@ -413,10 +465,17 @@ def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     converged = np.array([[True, False, True, False]])
     result = IntegratedGradientsResult(
         attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32),
-        gap=np.zeros((P, L), np.float32), f_input=np.ones(P, np.float32), f_baseline=np.zeros((P, L), np.float32),
-        tokens=np.arange(T)[None], lengths=np.array([T]), answer_start=np.array([4]),
-        evaluations=np.full((P, L), 17), converged=converged, bound=np.zeros((P, L), np.float32),
-        settings={"rule": "adaptive", "tolerance": 0.01})
+        gap=np.zeros((P, L), np.float32),
+        f_input=np.ones(P, np.float32),
+        f_baseline=np.zeros((P, L), np.float32),
+        tokens=np.arange(T)[None],
+        lengths=np.array([T]),
+        answer_start=np.array([4]),
+        evaluations=np.full((P, L), 17),
+        converged=converged,
+        bound=np.zeros((P, L), np.float32),
+        settings={"rule": "adaptive", "tolerance": 0.01},
+    )
     fig = integrated_gradients_figure(result)
     ax = fig.axes[0]
     flagged = [patch for patch in ax.patches if patch.get_edgecolor()[:3] == (0.0, 1.0, 0.0)]
@@ -433,26 +492,44 @@ def test_ig_figure_shows_each_layers_completeness_gap_beside_the_attributions():
     gap = np.array([[14.5, 0.1, -2.0, 0.3]], np.float32)
     f_input, f_baseline = np.array([13.0], np.float32), np.array([[0.1, 0.2, 3.0, 13.0]], np.float32)
     result = IntegratedGradientsResult(
-        attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32), gap=gap, f_input=f_input,
-        f_baseline=f_baseline, tokens=np.arange(T)[None], lengths=np.array([T]), answer_start=np.array([4]),
-        settings={"rule": "left", "steps": 8})
+        attributions=np.random.default_rng(0).normal(size=(P, L, T)).astype(np.float32),
+        gap=gap,
+        f_input=f_input,
+        f_baseline=f_baseline,
+        tokens=np.arange(T)[None],
+        lengths=np.array([T]),
+        answer_start=np.array([4]),
+        settings={"rule": "left", "steps": 8},
+    )
     fig = integrated_gradients_figure(result)
     heatmap, colorbar, panel = fig.axes
     assert colorbar.get_ylabel().startswith("attribution to F")
     # one bar per layer, on the heatmap's rows: |gap| as a share of F(x) - F(b), none where F did not move
     assert [bar.get_y() + bar.get_height() / 2 for bar in panel.patches] == list(range(L))
-    np.testing.assert_allclose([bar.get_width() for bar in panel.patches],
-                               [100 * 14.5 / 12.9, 100 * 0.1 / 12.8, 100 * 2.0 / 10.0, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(
+        [bar.get_width() for bar in panel.patches],
+        [100 * 14.5 / 12.9, 100 * 0.1 / 12.8, 100 * 2.0 / 10.0, 0.0],
+        rtol=1e-5,
+    )
     assert panel.get_ylim() == heatmap.get_ylim() == (-0.5, L - 0.5)
     assert "completeness gap" in panel.get_xlabel() and "% of |F(x)" in panel.get_xlabel()
     assert [t.get_text() for t in panel.texts] == ["112%"]  # the worst layer, written out
-    assert ("Integrated gradients, prompt 0, left rule, 8 steps: max |completeness gap| = 14.5, up to 112% of "
-            "|F(x) \N{MINUS SIGN} F(b)|") in fig.get_suptitle()
+    assert (
+        "Integrated gradients, prompt 0, left rule, 8 steps: max |completeness gap| = 14.5, up to 112% of "
+        "|F(x) \N{MINUS SIGN} F(b)|"
+    ) in fig.get_suptitle()
     _assert_labelled(fig)
 
-    adaptive = IntegratedGradientsResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)
-                                   if f.name not in ("settings", "evaluations", "converged", "bound")},
-                                evaluations=np.full((P, L), 17), converged=np.ones((P, L), bool),
-                                bound=np.zeros((P, L), np.float32), settings={"rule": "adaptive", "tolerance": 0.01})
+    adaptive = IntegratedGradientsResult(
+        **{
+            f.name: getattr(result, f.name)
+            for f in dataclasses.fields(result)
+            if f.name not in ("settings", "evaluations", "converged", "bound")
+        },
+        evaluations=np.full((P, L), 17),
+        converged=np.ones((P, L), bool),
+        bound=np.zeros((P, L), np.float32),
+        settings={"rule": "adaptive", "tolerance": 0.01},
+    )
     panel = integrated_gradients_figure(adaptive).axes[2]
     assert [line.get_xdata()[0] for line in panel.lines] == [1.0]  # the tolerance, in percent

@@ -145,8 +145,24 @@ def tiny(tmp_path_factory):
 
 
 def _run(model, out, *extra):
-    return main(["run", "--model", model, "--dataset", "default", "--prompts", "2", "--detail-prompts", "1",
-                 "--bootstrap", "0", "--out", str(out), *extra])
+    return main(
+        [
+            "run",
+            "--model",
+            model,
+            "--dataset",
+            "default",
+            "--prompts",
+            "2",
+            "--detail-prompts",
+            "1",
+            "--bootstrap",
+            "0",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_an_entry_point_plugin_runs_caches_resumes_draws_and_sums_up(tiny, installed, tmp_path, capsys):
@@ -190,19 +206,18 @@ def test_failing_plugins_are_named_and_the_other_results_kept(tiny, installed, t
     captured = capsys.readouterr()
     err = captured.err
     for line in (
-            f"error: plugin {MODULE}:BOOM (analysis 'boom') raised while running: RuntimeError: the boom plugin "
-            "exploded",
-            f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while drawing its figures: "
-            "ZeroDivisionError: no figure today",
-            f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while summing up its result: "
-            "ZeroDivisionError: no figure today"):
+        f"error: plugin {MODULE}:BOOM (analysis 'boom') raised while running: RuntimeError: the boom plugin exploded",
+        f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while drawing its figures: "
+        "ZeroDivisionError: no figure today",
+        f"error: plugin {MODULE}:BAD_FIGURE (analysis 'bad_figure') raised while summing up its result: "
+        "ZeroDivisionError: no figure today",
+    ):
         assert any(said.startswith(line) for said in err.splitlines()), line
     assert 'raise RuntimeError("the boom plugin exploded")' in err  # its traceback, for the plugin's author
     assert "boom: failed (RuntimeError: the boom plugin exploded); going on with the others" in captured.out
     # the analyses after the failing one ran; every result but the failed one is saved, drawn and summed up
     folder = tmp_path / "model" / "default"
-    assert sorted(p.name for p in folder.glob("*.npz")) == ["bad_figure.npz", "contributions.npz",
-                                                            "token_count.npz"]
+    assert sorted(p.name for p in folder.glob("*.npz")) == ["bad_figure.npz", "contributions.npz", "token_count.npz"]
     for name in ("bad_figure", "contributions", "token_count"):
         load_result(str(folder / f"{name}.npz"))
     assert sorted(p.name for p in (folder / "figures").glob("*.png")) == ["contributions.png", "token_count.png"]
@@ -226,10 +241,13 @@ def test_a_plugin_that_does_not_load_stops_the_run_before_any_analysis(tiny, ins
     assert _run(tiny, tmp_path, "--plugin", f"{MODULE}:TOKEN_CUONT") == 2  # no --analyses: the whole suite
     assert time.monotonic() - start < 30
     captured = capsys.readouterr()
-    assert (f"error: plugin {MODULE}:TOKEN_CUONT failed to load: AttributeError: module '{MODULE}' has no attribute "
-            "'TOKEN_CUONT'") in captured.err.splitlines()
+    assert (
+        f"error: plugin {MODULE}:TOKEN_CUONT failed to load: AttributeError: module '{MODULE}' has no attribute "
+        "'TOKEN_CUONT'"
+    ) in captured.err.splitlines()
     assert captured.err.splitlines()[-1].startswith(
-        f"error: nothing was run; plugins that failed to load: {MODULE}:TOKEN_CUONT (correct the --plugin")
+        f"error: nothing was run; plugins that failed to load: {MODULE}:TOKEN_CUONT (correct the --plugin"
+    )
     assert "loaded" not in captured.out and not os.path.exists(tmp_path / "model"), "the run went on"
     assert sys.modules[MODULE].CALLS == []
 
@@ -237,12 +255,13 @@ def test_a_plugin_that_does_not_load_stops_the_run_before_any_analysis(tiny, ins
     assert _run(tiny, tmp_path, "--analyses", "token_count", *(a for p in plugins for a in ("--plugin", p))) == 2
     err = capsys.readouterr().err
     for line in (
-            f"error: plugin {MODULE}:NOPE failed to load: AttributeError: module '{MODULE}' has no attribute 'NOPE'",
-            "error: plugin no_such_plugin_module:THING failed to load: ModuleNotFoundError: No module named "
-            "'no_such_plugin_module'",
-            f"error: plugin {MODULE}:NOT_AN_ANALYSIS failed to load: TypeError: the function count_tokens is not a "
-            "jaxdepth.lab.registry.Analysis",
-            f"error: nothing was run; plugins that failed to load: {', '.join(plugins)}"):
+        f"error: plugin {MODULE}:NOPE failed to load: AttributeError: module '{MODULE}' has no attribute 'NOPE'",
+        "error: plugin no_such_plugin_module:THING failed to load: ModuleNotFoundError: No module named "
+        "'no_such_plugin_module'",
+        f"error: plugin {MODULE}:NOT_AN_ANALYSIS failed to load: TypeError: the function count_tokens is not a "
+        "jaxdepth.lab.registry.Analysis",
+        f"error: nothing was run; plugins that failed to load: {', '.join(plugins)}",
+    ):
         assert any(said.startswith(line) for said in err.splitlines()), line
     assert not os.path.exists(tmp_path / "model")
 
@@ -280,16 +299,16 @@ def test_a_plugin_result_loads_in_a_process_that_never_imported_the_plugin(tiny,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == [" ".join([MODULE, "PluginTokenCount", *map(str, counts.tolist())]),
-                                       "True False"]
+    assert out.stdout.splitlines() == [" ".join([MODULE, "PluginTokenCount", *map(str, counts.tolist())]), "True False"]
 
     # without the plugin where Python finds it: an error naming the type and the module to import
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0
-    assert (f"UnknownResultTypeError: {path}: result type 'PluginTokenCount' is defined in the module '{MODULE}', "
-            f"which cannot be imported (ModuleNotFoundError: No module named '{MODULE}')") in out.stderr, \
-        out.stderr[-2000:]
+    assert (
+        f"UnknownResultTypeError: {path}: result type 'PluginTokenCount' is defined in the module '{MODULE}', "
+        f"which cannot be imported (ModuleNotFoundError: No module named '{MODULE}')"
+    ) in out.stderr, out.stderr[-2000:]
 
 
 def test_figures_are_announced_only_when_drawn_and_the_lock_goes_with_the_run(tiny, installed, tmp_path, capsys):
@@ -305,17 +324,23 @@ def test_figures_are_announced_only_when_drawn_and_the_lock_goes_with_the_run(ti
 def test_a_name_clash_or_a_malformed_plugin_stops_the_run(tiny, installed, tmp_path, capsys):
     builtin = ANALYSES["contributions"]
     assert _run(tiny, tmp_path, "--plugin", f"{MODULE}:CLASH") == 2
-    assert (f"error: plugin {MODULE}:CLASH adds an analysis named 'contributions', which the built-in suite has "
-            "already: remove or rename one") in capsys.readouterr().err
+    assert (
+        f"error: plugin {MODULE}:CLASH adds an analysis named 'contributions', which the built-in suite has "
+        "already: remove or rename one"
+    ) in capsys.readouterr().err
     assert ANALYSES["contributions"] is builtin and "token_count" not in ANALYSES  # none registered
     assert _run(tiny, tmp_path, "--plugin", f"{MODULE}:TWIN") == 2
-    assert (f"error: plugins {MODULE}:TWIN and {ENTRY_LABEL} both add an analysis named 'token_count': remove or "
-            "rename one") in capsys.readouterr().err
+    assert (
+        f"error: plugins {MODULE}:TWIN and {ENTRY_LABEL} both add an analysis named 'token_count': remove or rename one"
+    ) in capsys.readouterr().err
     assert "token_count" not in ANALYSES
     # against a plugin registered before
     [entry_point] = plugin_loader.load_plugins()
-    with pytest.raises(ValueError, match=f"plugin {MODULE}:TWIN adds an analysis named 'token_count', which plugin "
-                                         f"{re.escape(ENTRY_LABEL)} has already"):
+    with pytest.raises(
+        ValueError,
+        match=f"plugin {MODULE}:TWIN adds an analysis named 'token_count', which plugin "
+        f"{re.escape(ENTRY_LABEL)} has already",
+    ):
         plugin_loader.load_plugins([f"{MODULE}:TWIN"], entry_points=False)
     assert ANALYSES["token_count"] is entry_point.analysis is sys.modules[MODULE].TOKEN_COUNT
     assert _run(tiny, tmp_path, "--plugin", MODULE) == 2
@@ -324,10 +349,12 @@ def test_a_name_clash_or_a_malformed_plugin_stops_the_run(tiny, installed, tmp_p
 
 
 def test_plugins_are_loaded_by_a_run_once_not_on_import(installed):
-    code = ("import sys, jaxdepth, jaxdepth.lab.cli, jaxdepth.lab.study\n"
-            "from jaxdepth.lab.registry import ANALYSES\n"
-            "jaxdepth.lab.cli.build_parser()\n"
-            f"print({MODULE!r} in sys.modules, 'token_count' in ANALYSES)\n")
+    code = (
+        "import sys, jaxdepth, jaxdepth.lab.cli, jaxdepth.lab.study\n"
+        "from jaxdepth.lab.registry import ANALYSES\n"
+        "jaxdepth.lab.cli.build_parser()\n"
+        f"print({MODULE!r} in sys.modules, 'token_count' in ANALYSES)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -352,14 +379,31 @@ def test_failures_isolate_only_the_named_analyses():
     assert len(failures.records) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None or importlib.util.find_spec("pip") is None,
-                    reason="installing the plugin from its pyproject.toml needs pip and setuptools")
+@pytest.mark.skipif(
+    importlib.util.find_spec("setuptools") is None or importlib.util.find_spec("pip") is None,
+    reason="installing the plugin from its pyproject.toml needs pip and setuptools",
+)
 def test_the_plugin_installed_from_its_pyproject_is_found(plugin_package, tmp_path, monkeypatch, isolated_registry):
     """pip, offline, turns the pyproject.toml's entry point into the same installed distribution."""
     target = tmp_path / "target"
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                          "--no-build-isolation", "--target", str(target), str(plugin_package[0])],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(plugin_package[0]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     monkeypatch.syspath_prepend(str(target))
     [plugin] = plugin_loader.load_plugins()

@@ -14,17 +14,28 @@ SUBJECTS = ["Algebra", "Counting & Probability", "Geometry", "Intermediate Algeb
 
 def _math_rows():
     """One MATH-layout row per level, each of another subject."""
-    return [{"problem": f"What is ${level} + {level}$?", "level": f"Level {level}", "type": SUBJECTS[level - 1],
-             "solution": f"We add: ${level} + {level} = \\boxed{{{2 * level}}}$."} for level in range(1, 6)]
+    return [
+        {
+            "problem": f"What is ${level} + {level}$?",
+            "level": f"Level {level}",
+            "type": SUBJECTS[level - 1],
+            "solution": f"We add: ${level} + {level} = \\boxed{{{2 * level}}}$.",
+        }
+        for level in range(1, 6)
+    ]
 
 
 def _mquake_row(hops, layout="hub"):
     """A MQuAKE row of `hops` hops, its chain in the hub layout (`orig_triples`), the published
     JSON layout (`orig.triples`) or only as single-hop questions."""
     chain = [[f"Q{i}", "P17", f"Q{i + 1}"] for i in range(hops)]
-    row = {"questions": [f"Which {hops}-hop place is asked for?", "A paraphrase?", "Another?"],
-           "answer": f"Place{hops}", "answer_alias": [], "new_answer": "Elsewhere",
-           "single_hops": [{"question": f"hop {i}?", "answer": f"A{i}"} for i in range(hops)]}
+    row = {
+        "questions": [f"Which {hops}-hop place is asked for?", "A paraphrase?", "Another?"],
+        "answer": f"Place{hops}",
+        "answer_alias": [],
+        "new_answer": "Elsewhere",
+        "single_hops": [{"question": f"hop {i}?", "answer": f"A{i}"} for i in range(hops)],
+    }
     if layout == "hub":
         row["orig_triples"] = chain
     elif layout == "json":
@@ -68,7 +79,8 @@ def test_prompts_of_one_difficulty_are_selected(tmp_path):
     assert len(load_prompts("math", math, limit=2, difficulty=4)) == 2  # the limit counts kept prompts
     mquake = _write_jsonl(tmp_path / "mquake.jsonl", [_mquake_row(h) for h in (2, 3, 4, 3)])
     assert [p.question for p in load_prompts("mquake", mquake, difficulty=3)] == [
-        "Question: Which 3-hop place is asked for?\nAnswer:"] * 2
+        "Question: Which 3-hop place is asked for?\nAnswer:"
+    ] * 2
     with pytest.raises(DatasetError, match="mquake has no difficulty 5; its levels: 2, 3, 4"):
         load_prompts("mquake", mquake, difficulty=5)
     with pytest.raises(DatasetError, match="gsm8k has no difficulty 1: its prompts carry no difficulty"):
@@ -79,8 +91,13 @@ def test_rows_are_selected_by_a_predicate(tmp_path):
     path = _write_jsonl(tmp_path / "math.jsonl", _math_rows())
     kept = load_prompts("math", path, where=lambda row: math_subject(row) == "counting_and_probability")
     assert [p.difficulty for p in kept] == [2]
-    assert [math_subject(r) for r in _math_rows()] == ["algebra", "counting_and_probability", "geometry",
-                                                      "intermediate_algebra", "precalculus"]
+    assert [math_subject(r) for r in _math_rows()] == [
+        "algebra",
+        "counting_and_probability",
+        "geometry",
+        "intermediate_algebra",
+        "precalculus",
+    ]
     assert {math_subject(r) for r in _math_rows()} <= set(prompts.MATH_SUBJECTS)
 
 
@@ -97,16 +114,19 @@ def test_a_level_marked_unknown_has_no_difficulty(tmp_path):
     assert [p.difficulty for p in load_prompts("math", path, difficulty=1)] == []
 
 
-@pytest.mark.parametrize("name, row, message", [
-    ("math", {"problem": "p", "level": "Level 6", "type": "Algebra", "solution": "s"}, "level must be one of"),
-    ("math", {"problem": "p", "level": "hard", "type": "Algebra", "solution": "s"}, "level must look like"),
-    ("math", {"problem": "p", "level": "Level 2", "type": "Algebra"}, "KeyError: 'solution'"),
-    ("math", {"problem": ["p"], "level": "Level 2", "type": "Algebra", "solution": "s"}, "problem must be text"),
-    ("mquake", {"questions": [], "answer": "a", "orig_triples": [[1, 2, 3]]}, "questions must be a non-empty"),
-    ("mquake", {"questions": ["q?"], "answer": "a"}, "KeyError: 'single_hops'"),
-    ("mquake", {"questions": ["q?"], "answer": "a", "orig_triples": []}, "hop chain must be a non-empty list"),
-    ("mquake", {"questions": ["q?"], "answer": 7, "orig_triples": [[1, 2, 3]]}, "answer must be text"),
-])
+@pytest.mark.parametrize(
+    "name, row, message",
+    [
+        ("math", {"problem": "p", "level": "Level 6", "type": "Algebra", "solution": "s"}, "level must be one of"),
+        ("math", {"problem": "p", "level": "hard", "type": "Algebra", "solution": "s"}, "level must look like"),
+        ("math", {"problem": "p", "level": "Level 2", "type": "Algebra"}, "KeyError: 'solution'"),
+        ("math", {"problem": ["p"], "level": "Level 2", "type": "Algebra", "solution": "s"}, "problem must be text"),
+        ("mquake", {"questions": [], "answer": "a", "orig_triples": [[1, 2, 3]]}, "questions must be a non-empty"),
+        ("mquake", {"questions": ["q?"], "answer": "a"}, "KeyError: 'single_hops'"),
+        ("mquake", {"questions": ["q?"], "answer": "a", "orig_triples": []}, "hop chain must be a non-empty list"),
+        ("mquake", {"questions": ["q?"], "answer": 7, "orig_triples": [[1, 2, 3]]}, "answer must be text"),
+    ],
+)
 def test_malformed_rows_are_named(tmp_path, name, row, message):
     good = _math_rows()[0] if name == "math" else _mquake_row(2)
     path = _write_jsonl(tmp_path / "rows.jsonl", [good, row])
@@ -114,8 +134,10 @@ def test_malformed_rows_are_named(tmp_path, name, row, message):
         load_prompts(name, path)
 
 
-@pytest.mark.parametrize("name, hub", [("math", "EleutherAI/hendrycks_math \\(config algebra\\)"),
-                                       ("mquake", "henryzhongsc/MQuAKE-Remastered")])
+@pytest.mark.parametrize(
+    "name, hub",
+    [("math", "EleutherAI/hendrycks_math \\(config algebra\\)"), ("mquake", "henryzhongsc/MQuAKE-Remastered")],
+)
 def test_offline_hub_failure_is_a_clear_error(monkeypatch, name, hub):
     import datasets
 
@@ -126,11 +148,19 @@ def test_offline_hub_failure_is_a_clear_error(monkeypatch, name, hub):
         raise ConnectionError("offline")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DatasetError, match=f"could not load {hub} from the hub or the local cache "
-                                           r"\(ConnectionError: offline\); pass a local JSONL file instead"):
+    with pytest.raises(
+        DatasetError,
+        match=f"could not load {hub} from the hub or the local cache "
+        r"\(ConnectionError: offline\); pass a local JSONL file instead",
+    ):
         load_prompts(name)
-    assert calls[0] == {"math": ("EleutherAI/hendrycks_math", "algebra", "test"),
-                        "mquake": ("henryzhongsc/MQuAKE-Remastered", None, "CF3k")}[name]
+    assert (
+        calls[0]
+        == {
+            "math": ("EleutherAI/hendrycks_math", "algebra", "test"),
+            "mquake": ("henryzhongsc/MQuAKE-Remastered", None, "CF3k"),
+        }[name]
+    )
 
 
 def test_every_math_subject_is_loaded_and_concatenated(monkeypatch):
@@ -156,7 +186,7 @@ def test_a_token_straddling_question_and_answer_is_answer():
     tokenizer = tiny_tokenizer()
     prompt = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")
     batch = encode(tokenizer, [prompt])
-    ids = batch.tokens[0, :batch.lengths[0]]
+    ids = batch.tokens[0, : batch.lengths[0]]
     offsets = tokenizer(prompt.text, return_offsets_mapping=True)["offset_mapping"]
     first = int(batch.answer_start[0])
     assert offsets[first][0] < len(prompt.question) < offsets[first][1]  # this tokenizer does straddle

@@ -18,9 +18,21 @@ from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.results import load_result
 from jaxdepth.lab.study import StudySettings, run_study, write_figures
 
-CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
-                     num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=False)
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=8,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +68,16 @@ def token_count():
         fig.add_subplot().bar(np.arange(len(result.counts)), result.counts)
         return {"": fig}
 
-    entry = register(Analysis(name="token_count", result_type=TokenCountResult, identity=lambda s: {"seed": s.seed},
-                              run=run, figures=figures, summary=lambda r: [f"tokens {int(r.counts.sum())}"]))
+    entry = register(
+        Analysis(
+            name="token_count",
+            result_type=TokenCountResult,
+            identity=lambda s: {"seed": s.seed},
+            run=run,
+            figures=figures,
+            summary=lambda r: [f"tokens {int(r.counts.sum())}"],
+        )
+    )
     yield entry, calls
     ANALYSES.pop("token_count")
 
@@ -68,17 +88,27 @@ def test_a_registered_analysis_runs_caches_and_draws(model, batch, token_count, 
         register(entry)
     logs = []
     settings = StudySettings(seed=3)
-    first = run_study(model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings,
-                      log=logs.append)
+    first = run_study(
+        model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
+    )
     np.testing.assert_array_equal(first["token_count"].counts, [30 * 3, 23 * 3])
     saved = load_result(str(tmp_path / "tiny" / "toy" / "token_count.npz"))
     assert isinstance(saved, TokenCountResult) and saved.settings["identity"]["seed"] == 3
-    again = run_study(model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings,
-                      log=logs.append)
+    again = run_study(
+        model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
+    )
     assert calls == [2] and logs[-1].startswith("token_count: reusing")  # resumed, not recomputed
     np.testing.assert_array_equal(again["token_count"].counts, first["token_count"].counts)
-    run_study(model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"],
-              settings=StudySettings(seed=4), log=logs.append)
+    run_study(
+        model,
+        "tiny",
+        "toy",
+        batch,
+        str(tmp_path),
+        analyses=["token_count"],
+        settings=StudySettings(seed=4),
+        log=logs.append,
+    )
     assert calls == [2, 2]  # a setting in its identity changed: computed again
     paths = write_figures(again, str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["token_count.pdf", "token_count.png"]

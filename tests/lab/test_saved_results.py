@@ -17,9 +17,15 @@ from jaxdepth.lab.results import load_result
 def _result() -> IntegratedGradientsResult:
     P, L, T = 1, 2, 3
     return IntegratedGradientsResult(
-        attributions=np.ones((P, L, T), np.float32), gap=np.zeros((P, L), np.float32), f_input=np.ones(P, np.float32),
-        f_baseline=np.zeros((P, L), np.float32), tokens=np.arange(T)[None], lengths=np.array([T]),
-        answer_start=np.array([1]), settings={"rule": "left", "steps": 4})
+        attributions=np.ones((P, L, T), np.float32),
+        gap=np.zeros((P, L), np.float32),
+        f_input=np.ones(P, np.float32),
+        f_baseline=np.zeros((P, L), np.float32),
+        tokens=np.arange(T)[None],
+        lengths=np.array([T]),
+        answer_start=np.array([1]),
+        settings={"rule": "left", "steps": 4},
+    )
 
 
 def _header(path) -> dict:
@@ -47,7 +53,10 @@ def test_a_saved_result_records_its_type_module_and_qualified_name(tmp_path):
     path = _result().save(str(tmp_path / "ig.npz"))
     meta = _header(path)
     assert (meta["type"], meta["type_module"], meta["type_qualname"]) == (
-        "IntegratedGradientsResult", "jaxdepth.analyses.integrated_gradients", "IntegratedGradientsResult")
+        "IntegratedGradientsResult",
+        "jaxdepth.analyses.integrated_gradients",
+        "IntegratedGradientsResult",
+    )
     back = load_result(path)
     assert type(back) is IntegratedGradientsResult and back.settings == {"rule": "left", "steps": 4}
 
@@ -67,15 +76,24 @@ def test_a_type_whose_module_moved_loads_by_its_name(tmp_path):
 def test_a_type_that_cannot_be_found_is_an_error_naming_it_and_its_module(tmp_path):
     saved = _result().save(str(tmp_path / "ig.npz"))
     old = _rewrite_header(saved, type="GoneResult", type_module=None, type_qualname=None)
-    with pytest.raises(UnknownResultTypeError, match=r"unknown result type 'GoneResult'; the file does not record "
-                                                     r"the module that defines it"):
+    with pytest.raises(
+        UnknownResultTypeError,
+        match=r"unknown result type 'GoneResult'; the file does not record "
+        r"the module that defines it",
+    ):
         load_result(old)
     path = _rewrite_header(saved, type="GoneResult", type_module="no_such_results_module", type_qualname="GoneResult")
-    with pytest.raises(ValueError, match=r"result type 'GoneResult' is defined in the module 'no_such_results_module', "
-                                         r"which cannot be imported \(ModuleNotFoundError: .*`import "
-                                         r"no_such_results_module` works"):
+    with pytest.raises(
+        ValueError,
+        match=r"result type 'GoneResult' is defined in the module 'no_such_results_module', "
+        r"which cannot be imported \(ModuleNotFoundError: .*`import "
+        r"no_such_results_module` works",
+    ):
         load_result(path)
     path = _rewrite_header(saved, type="GoneResult", type_module="json", type_qualname="GoneResult")
-    with pytest.raises(UnknownResultTypeError, match=r"result type 'GoneResult': the module 'json' defines no "
-                                                     r"SavedResult GoneResult"):
+    with pytest.raises(
+        UnknownResultTypeError,
+        match=r"result type 'GoneResult': the module 'json' defines no "
+        r"SavedResult GoneResult",
+    ):
         load_result(path)

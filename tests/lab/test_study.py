@@ -12,9 +12,21 @@ from jaxdepth.lab.study import run_study, saved_model_name
 
 
 def _tiny():
-    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-5,
-                         max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False)
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+    )
     return Model(random_params(config, 0, scale=0.3), config, None, "tiny")
 
 

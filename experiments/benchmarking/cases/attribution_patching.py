@@ -34,21 +34,35 @@ def executed_flops(c, one, splits, steps):
 
 
 def agreement(jres, rres, w, c, name="attribution_patching"):
-    return [diff_row(name, "estimate [P,L+1,T]", cut_to_lengths(jres.patching, w.lengths),
-                     np.concatenate(rres["patching"], axis=1)),
-            diff_row(name, "grad x act [P,L+1,T]", cut_to_lengths(jres.grad_x_act, w.lengths),
-                     np.concatenate(rres["grad_x_act"], axis=1)),
-            diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"])]
+    return [
+        diff_row(
+            name,
+            "estimate [P,L+1,T]",
+            cut_to_lengths(jres.patching, w.lengths),
+            np.concatenate(rres["patching"], axis=1),
+        ),
+        diff_row(
+            name,
+            "grad x act [P,L+1,T]",
+            cut_to_lengths(jres.grad_x_act, w.lengths),
+            np.concatenate(rres["grad_x_act"], axis=1),
+        ),
+        diff_row(name, "F(x) [P]", jres.f_input, rres["f_input"]),
+    ]
 
 
 CASE = Case(
-    prompts=lambda a: a.erasure_prompts, cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
+    prompts=lambda a: a.erasure_prompts,
+    cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
     jaxdepth=run_jaxdepth,
     reference=lambda ref, bench, w: ref.attribution_patching(w.token_lists, w.answer_starts, bench.baseline),
     # one forward, one backward to the activations (about one forward again)
     model_flops=lambda c, T, splits, steps: 2 * forward_flops(c, T),
-    executed_flops=executed_flops, agreement=agreement, prepare=prepare_baseline,
-    passes=lambda bench, w: f"; {len(w.lengths)} forward+backward pass(es), the erasure's prompts")
+    executed_flops=executed_flops,
+    agreement=agreement,
+    prepare=prepare_baseline,
+    passes=lambda bench, w: f"; {len(w.lengths)} forward+backward pass(es), the erasure's prompts",
+)
 
 # the same pass, registered as its own analysis
 GRAD_X_ACT = dataclasses.replace(CASE, agreement=partial(agreement, name="grad_x_act"))

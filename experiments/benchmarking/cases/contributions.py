@@ -23,10 +23,11 @@ def agreement(jres, rres, w, c):
 
 
 CASE = Case(
-    prompts=lambda a: a.prompts, cap=lambda a: a.max_tokens,
+    prompts=lambda a: a.prompts,
+    cap=lambda a: a.max_tokens,
     jaxdepth=via_registry(NAME),
     reference=lambda ref, bench, w: ref.contributions(w.token_lists),
     model_flops=lambda c, T, splits, steps: forward_flops(c, T, lm_head=False),  # no LM head needed
-    executed_flops=lambda c, one, splits, steps: layer_flops(c, one.tokens.shape[1], one.tokens.shape[1],
-                                                             c.num_layers),
-    agreement=agreement)
+    executed_flops=lambda c, one, splits, steps: layer_flops(c, one.tokens.shape[1], one.tokens.shape[1], c.num_layers),
+    agreement=agreement,
+)

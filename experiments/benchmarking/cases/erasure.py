@@ -28,8 +28,10 @@ def prepare_baseline(bench: Bench, w: Workload, full):
     first = full.select(slice(0, bench.args.baseline_prompts))
     bench.baseline = mean_residuals(bench.model.params, first, bench.config)
     bench.excluded_s["erasure_baseline"] = seconds = time.perf_counter() - start
-    log(f"erasure baseline: mean residuals over the first {min(bench.args.baseline_prompts, len(full))} prompts "
-        f"(full length) by jaxdepth.analyses.erasure.mean_residuals in {seconds:.1f} s (excluded; both use it)")
+    log(
+        f"erasure baseline: mean residuals over the first {min(bench.args.baseline_prompts, len(full))} prompts "
+        f"(full length) by jaxdepth.analyses.erasure.mean_residuals in {seconds:.1f} s (excluded; both use it)"
+    )
 
 
 def run_jaxdepth(bench: Bench, w: Workload):
@@ -62,16 +64,22 @@ def agreement(jres, rres, w, c):
     rows = [diff_row(NAME, "effects [P,L+1,T]", np.concatenate(ours, axis=1), np.concatenate(rres, axis=1))]
     for i, n in enumerate(w.lengths):  # positions after the last answer prediction: exactly 0
         tail = slice(n - 1, n)
-        rows.append(diff_row(NAME, f"prompt {i}: erasing t=T-1 (both exact 0)", ours[i][:, tail], rres[i][:, tail],
-                             exact=True))
+        rows.append(
+            diff_row(NAME, f"prompt {i}: erasing t=T-1 (both exact 0)", ours[i][:, tail], rres[i][:, tail], exact=True)
+        )
     return rows
 
 
 CASE = Case(
-    prompts=lambda a: a.erasure_prompts, cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
+    prompts=lambda a: a.erasure_prompts,
+    cap=lambda a: combine_caps(a.max_tokens, a.erasure_max_tokens),
     jaxdepth=run_jaxdepth,
     reference=lambda ref, bench, w: ref.erasure(w.token_lists, w.answer_starts, bench.baseline),
     model_flops=lambda c, T, splits, steps: (1 + (c.num_layers + 1) * T) * forward_flops(c, T),
-    executed_flops=executed_flops, agreement=agreement, prepare=prepare_baseline,
-    passes=lambda bench, w: (f"; {(bench.config.num_layers + 1) * sum(w.lengths)} erasure passes "
-                             "(every boundary 0..L x position)"))
+    executed_flops=executed_flops,
+    agreement=agreement,
+    prepare=prepare_baseline,
+    passes=lambda bench, w: (
+        f"; {(bench.config.num_layers + 1) * sum(w.lengths)} erasure passes (every boundary 0..L x position)"
+    ),
+)

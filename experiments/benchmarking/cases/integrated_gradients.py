@@ -51,33 +51,49 @@ def executed_flops(c, one, splits, steps):
 
 
 def agreement(jres, rres, w, c):
-    return [diff_row(NAME, "attributions [P,L,T]", cut_to_lengths(jres.attributions, w.lengths),
-                     np.concatenate(rres["attributions"], axis=1), tol_rel=3e-3),
-            diff_row(NAME, "F(x) [P]", jres.f_input, rres["f_input"]),
-            diff_row(NAME, "F(b) [P,L]", jres.f_baseline, np.stack(rres["f_baseline"])),
-            diff_row(NAME, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2)]
+    return [
+        diff_row(
+            NAME,
+            "attributions [P,L,T]",
+            cut_to_lengths(jres.attributions, w.lengths),
+            np.concatenate(rres["attributions"], axis=1),
+            tol_rel=3e-3,
+        ),
+        diff_row(NAME, "F(x) [P]", jres.f_input, rres["f_input"]),
+        diff_row(NAME, "F(b) [P,L]", jres.f_baseline, np.stack(rres["f_baseline"])),
+        diff_row(NAME, "completeness gap [P,L]", jres.gap, np.stack(rres["gap"]), tol_rel=3e-2),
+    ]
 
 
 def passes(bench: Bench, w: Workload) -> str:
     steps, L = bench.args.ig_steps, bench.config.num_layers
-    return (f"; {steps} steps x {L} layers; the reference runs them in blocks of {IG_BLOCK} steps, "
-            f"{-(-steps // IG_BLOCK) * L * len(w.lengths)} forward+backward passes")
+    return (
+        f"; {steps} steps x {L} layers; the reference runs them in blocks of {IG_BLOCK} steps, "
+        f"{-(-steps // IG_BLOCK) * L * len(w.lengths)} forward+backward passes"
+    )
 
 
 CASE = Case(
-    prompts=lambda a: a.ig_prompts, cap=lambda a: combine_caps(a.max_tokens, a.ig_max_tokens),
+    prompts=lambda a: a.ig_prompts,
+    cap=lambda a: combine_caps(a.max_tokens, a.ig_max_tokens),
     jaxdepth=via_registry(NAME),
     reference=lambda ref, bench, w: ref.integrated_gradients(w.token_lists, w.answer_starts, bench.args.ig_steps),
-    model_flops=model_flops, executed_flops=executed_flops, agreement=agreement, passes=passes)
+    model_flops=model_flops,
+    executed_flops=executed_flops,
+    agreement=agreement,
+    passes=passes,
+)
 
 
 # ----------------------------------------------------------------------------- the adaptive rule
 
+
 def adaptive_jaxdepth(bench: Bench, w: Workload):
     from jaxdepth.analyses.integrated_gradients import integrated_gradients
 
-    return integrated_gradients(bench.model.params, w.batch, bench.config, rule="adaptive",
-                                tolerance=bench.args.ig_tolerance, progress=False)
+    return integrated_gradients(
+        bench.model.params, w.batch, bench.config, rule="adaptive", tolerance=bench.args.ig_tolerance, progress=False
+    )
 
 
 def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -> dict:
@@ -96,22 +112,36 @@ def time_adaptive(clock: Clock, bench: Bench, w: Workload, fixed_run_s: float) -
     fixed_ms = 1e3 * fixed_run_s / fixed_evaluations
     ones = [w.batch.single(i) for i in range(len(w.lengths))]
     # the gradient evaluations only, for both rules: the clean forward and F(b) passes aside
-    adaptive_flops = sum(int(n) * gradient_flops(c, one, l, steps) for one, row in zip(ones, result.evaluations)
-                         for l, n in enumerate(row))
+    adaptive_flops = sum(
+        int(n) * gradient_flops(c, one, l, steps)
+        for one, row in zip(ones, result.evaluations)
+        for l, n in enumerate(row)
+    )
     fixed_flops = sum(steps * gradient_flops(c, one, l, steps) for one in ones for l in range(c.num_layers))
-    adaptive = dict(tolerance=tolerance, jax_first_s=t.first_s, jax_run_s=t.run_s,
-                    evaluations=evaluations, fixed_evaluations=fixed_evaluations,
-                    layer_evaluations=result.evaluations.tolist(),
-                    ms_per_evaluation=1e3 * t.run_s / evaluations, fixed_ms_per_evaluation=fixed_ms,
-                    gflops_per_s=adaptive_flops / t.run_s / 1e9, fixed_gflops_per_s=fixed_flops / fixed_run_s / 1e9,
-                    converged=int(result.converged.sum()), layers=int(result.converged.size),
-                    max_relative_gap=float(np.nanmax(np.abs(result.relative_gap))), others_cores=t.others_all)
-    log(f"jaxdepth adaptive IG at tolerance {tolerance}: first call {t.first_s:.2f} s, then {t.run_s:.2f} s; "
+    adaptive = dict(
+        tolerance=tolerance,
+        jax_first_s=t.first_s,
+        jax_run_s=t.run_s,
+        evaluations=evaluations,
+        fixed_evaluations=fixed_evaluations,
+        layer_evaluations=result.evaluations.tolist(),
+        ms_per_evaluation=1e3 * t.run_s / evaluations,
+        fixed_ms_per_evaluation=fixed_ms,
+        gflops_per_s=adaptive_flops / t.run_s / 1e9,
+        fixed_gflops_per_s=fixed_flops / fixed_run_s / 1e9,
+        converged=int(result.converged.sum()),
+        layers=int(result.converged.size),
+        max_relative_gap=float(np.nanmax(np.abs(result.relative_gap))),
+        others_cores=t.others_all,
+    )
+    log(
+        f"jaxdepth adaptive IG at tolerance {tolerance}: first call {t.first_s:.2f} s, then {t.run_s:.2f} s; "
         f"{adaptive['evaluations']} gradient evaluations ({adaptive['converged']}/{adaptive['layers']} layers "
         f"converged, largest |gap| {100 * adaptive['max_relative_gap']:.2f}% of |F(x) - F(b)|); "
         f"{adaptive['ms_per_evaluation']:.1f} ms per gradient evaluation against the fixed rule's {fixed_ms:.1f} ms; "
         f"{adaptive['gflops_per_s']:.0f} GFLOP/s of gradient work against the fixed rule's "
-        f"{adaptive['fixed_gflops_per_s']:.0f}")
+        f"{adaptive['fixed_gflops_per_s']:.0f}"
+    )
     return adaptive
 
 

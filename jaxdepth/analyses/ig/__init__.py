@@ -20,9 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import (NonFiniteAttributionError, check_backward, check_layers,
-                                         check_nonfinite_option, check_rule, check_site, check_tokens_array,
-                                         warn_if_zero_baseline_diverges)
+from jaxdepth.analyses.ig.checks import (
+    NonFiniteAttributionError,
+    check_backward,
+    check_layers,
+    check_nonfinite_option,
+    check_rule,
+    check_site,
+    check_tokens_array,
+    warn_if_zero_baseline_diverges,
+)
 from jaxdepth.analyses.ig.engine import SiteIG, attribute
 from jaxdepth.core.config import ModelConfig
 
@@ -40,13 +47,29 @@ class LogitsMetric:
         return self.fn(logits)
 
 
-def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, *, site: str = "resid_post",
-                         layers: Optional[Sequence[int]] = None, baseline: Union[str, jax.Array] = "channel_mean",
-                         rule: str = "left", steps: int = rules.DEFAULT_STEPS, tolerance: Optional[float] = None,
-                         interventions=None, valid=None, positions=None, per_channel: bool = True,
-                         max_evaluations: Optional[int] = None, chunk_size: Optional[int] = None,
-                         memory_budget: Optional[int] = None, progress: bool = False,
-                         nonfinite: str = "raise", backward: str = "auto") -> SiteIG:
+def integrated_gradients(
+    params,
+    tokens,
+    config: ModelConfig,
+    metric: Callable,
+    *,
+    site: str = "resid_post",
+    layers: Optional[Sequence[int]] = None,
+    baseline: Union[str, jax.Array] = "channel_mean",
+    rule: str = "left",
+    steps: int = rules.DEFAULT_STEPS,
+    tolerance: Optional[float] = None,
+    interventions=None,
+    valid=None,
+    positions=None,
+    per_channel: bool = True,
+    max_evaluations: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    progress: bool = False,
+    nonfinite: str = "raise",
+    backward: str = "auto",
+) -> SiteIG:
     """Integrated gradients of `metric` with respect to the value at `site` of each of `layers`.
 
     tokens: int `[B, T]` (right-padded where `valid [B, T]` says so; default all valid).
@@ -95,8 +118,25 @@ def integrated_gradients(params, tokens, config: ModelConfig, metric: Callable, 
     warn_if_zero_baseline_diverges(baseline, site)
     B, T = tokens.shape
     valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
-    return attribute(params, jnp.asarray(tokens, jnp.int32), valid, config, site=site, metric=LogitsMetric(metric),
-                     positions=None if positions is None else jnp.asarray(positions, jnp.int32), layers=layers,
-                     baseline=baseline, rule=rule, steps=steps, tolerance=tolerance, max_evaluations=max_evaluations,
-                     interventions=interventions, per_channel=per_channel, chunk_size=chunk_size,
-                     memory_budget=memory_budget, nonfinite=nonfinite, progress=progress, backward=backward)
+    return attribute(
+        params,
+        jnp.asarray(tokens, jnp.int32),
+        valid,
+        config,
+        site=site,
+        metric=LogitsMetric(metric),
+        positions=None if positions is None else jnp.asarray(positions, jnp.int32),
+        layers=layers,
+        baseline=baseline,
+        rule=rule,
+        steps=steps,
+        tolerance=tolerance,
+        max_evaluations=max_evaluations,
+        interventions=interventions,
+        per_channel=per_channel,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        nonfinite=nonfinite,
+        progress=progress,
+        backward=backward,
+    )

@@ -54,8 +54,10 @@ def layer_baselines(x, valid, baseline, layers):
     try:
         return jnp.broadcast_to(b, target)
     except ValueError:
-        raise ValueError(f"a baseline array must broadcast to the site's values of the attributed layers "
-                         f"{target} ([layers, B, T, *trailing]); got shape {b.shape}") from None
+        raise ValueError(
+            f"a baseline array must broadcast to the site's values of the attributed layers "
+            f"{target} ([layers, B, T, *trailing]); got shape {b.shape}"
+        ) from None
 
 
 @partial(jax.jit, static_argnames=("kind", "layers"))  # one program, not one per eager operation
@@ -80,8 +82,9 @@ def check_layers(layers, num_layers: int) -> list[int]:
     return layers
 
 
-def check_rule(rule: str, steps: int, tolerance: Optional[float], max_evaluations: Optional[int],
-               prompts: int) -> tuple[Optional[float], Optional[int]]:
+def check_rule(
+    rule: str, steps: int, tolerance: Optional[float], max_evaluations: Optional[int], prompts: int
+) -> tuple[Optional[float], Optional[int]]:
     """`(tolerance, max_evaluations)` of a valid rule: the adaptive rule's defaults filled in (a
     budget of `steps` evaluations per layer: never more than the fixed rule), None for a fixed
     rule; `prompts` the batch size (the adaptive rule refines one prompt's path at a time)."""
@@ -95,8 +98,10 @@ def check_rule(rule: str, steps: int, tolerance: Optional[float], max_evaluation
         if max_evaluations < 3:
             raise ValueError(f"max_evaluations must be >= 3 (one Simpson interval), got {max_evaluations}")
         if prompts != 1:
-            raise ValueError(f"the adaptive rule refines each prompt's path on its own: give one prompt "
-                             f"(tokens [1, T]), got {prompts}")
+            raise ValueError(
+                f"the adaptive rule refines each prompt's path on its own: give one prompt "
+                f"(tokens [1, T]), got {prompts}"
+            )
         return tolerance, max_evaluations
     if tolerance is not None:
         raise ValueError(f"tolerance is the adaptive rule's; the {rule!r} rule takes steps")
@@ -135,7 +140,8 @@ ZERO_BASELINE_ADVICE = (
     "h = 0, where every RMSNorm's gradient is 1/sqrt(eps) (316 at eps = 1e-5): through a few dozen layers the "
     "gradient overflows to inf and NaN, and the norm's scale invariance puts all of F's change in a sliver of the "
     "path near alpha = 0 that no fixed rule resolves. Use baseline='channel_mean' (the default) or 'token_mean'; "
-    "a zero baseline is safe at sites inside a layer ('attn_out', 'mlp_out', 'head_out', 'mlp_hidden', 'delta')")
+    "a zero baseline is safe at sites inside a layer ('attn_out', 'mlp_out', 'head_out', 'mlp_hidden', 'delta')"
+)
 
 
 class NonFiniteAttributionError(FloatingPointError):
@@ -151,8 +157,7 @@ def check_nonfinite_option(nonfinite: str) -> None:
 def warn_if_zero_baseline_diverges(baseline, site: str) -> None:
     """Warn up front about a zero baseline at a residual site (`ZERO_BASELINE_ADVICE`)."""
     if isinstance(baseline, str) and baseline == "zero" and site in NORMALISED_SITES:
-        warnings.warn(f"integrated gradients at {site!r} with baseline='zero': {ZERO_BASELINE_ADVICE}.",
-                      stacklevel=3)
+        warnings.warn(f"integrated gradients at {site!r} with baseline='zero': {ZERO_BASELINE_ADVICE}.", stacklevel=3)
 
 
 def _spans(indices) -> str:
@@ -166,8 +171,9 @@ def _spans(indices) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
-def nonfinite_report(layers, per_position, f_input, f_baseline, *, baseline=None, site: str = "",
-                     prompts=None) -> Optional[str]:
+def nonfinite_report(
+    layers, per_position, f_input, f_baseline, *, baseline=None, site: str = "", prompts=None
+) -> Optional[str]:
     """None if every value is finite; else a message naming, per attributed layer, where F(x),
     F(b) or the attributions (`per_position [n, B, T]`, `f_baseline [n, B]`, `f_input [B]`) are
     not finite. `prompts` labels the rows of B (default 0..B-1)."""
@@ -176,8 +182,10 @@ def nonfinite_report(layers, per_position, f_input, f_baseline, *, baseline=None
     prompts = list(range(per_position.shape[1])) if prompts is None else list(prompts)
     lines = []
     if not np.all(np.isfinite(f_input)):
-        lines.append(f"F(x), the metric of the run itself, is not finite (prompts "
-                     f"{_spans(np.asarray(prompts)[~np.isfinite(f_input)])})")
+        lines.append(
+            f"F(x), the metric of the run itself, is not finite (prompts "
+            f"{_spans(np.asarray(prompts)[~np.isfinite(f_input)])})"
+        )
     for i, layer in enumerate(layers):
         for j, prompt in enumerate(prompts):
             where = []
@@ -190,10 +198,16 @@ def nonfinite_report(layers, per_position, f_input, f_baseline, *, baseline=None
                 lines.append(f"layer {layer}, prompt {prompt}: " + " and ".join(where))
     if not lines:
         return None
-    advice = (f"\n{ZERO_BASELINE_ADVICE}." if isinstance(baseline, str) and baseline == "zero" else
-              "\nCheck the metric (a log of a probability that underflows?) and the baseline.")
-    return (f"integrated gradients{f' at {site!r}' if site else ''} are not finite (NaN or inf) at:\n  "
-            + "\n  ".join(lines) + advice)
+    advice = (
+        f"\n{ZERO_BASELINE_ADVICE}."
+        if isinstance(baseline, str) and baseline == "zero"
+        else "\nCheck the metric (a log of a probability that underflows?) and the baseline."
+    )
+    return (
+        f"integrated gradients{f' at {site!r}' if site else ''} are not finite (NaN or inf) at:\n  "
+        + "\n  ".join(lines)
+        + advice
+    )
 
 
 def raise_or_warn(report: Optional[str], nonfinite: str) -> None:

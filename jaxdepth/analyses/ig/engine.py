@@ -19,8 +19,14 @@ from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import layer_baselines, nonfinite_report, raise_or_warn
-from jaxdepth.analyses.ig.path import (LayerPath, attribution_of, choose_backward, clean_run, path_points,
-                                       weighted_gradient)
+from jaxdepth.analyses.ig.path import (
+    LayerPath,
+    attribution_of,
+    choose_backward,
+    clean_run,
+    path_points,
+    weighted_gradient,
+)
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
@@ -75,13 +81,33 @@ def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
     return LayerPath(x[layer], b[i], inputs[layer] if with_inputs else None)
 
 
-def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None,
-              layers: Sequence[int], baseline="channel_mean", rule: str = "left", steps: int = rules.DEFAULT_STEPS,
-              tolerance: Optional[float] = None, max_evaluations: Optional[int] = None,
-              interventions=None, per_channel: bool = True, chunk_size: Optional[int] = None,
-              memory_budget: Optional[int] = None, nonfinite: str = "raise", progress: bool = False,
-              on_layer: Optional[Callable[[], None]] = None, label: Optional[Sequence] = None,
-              adaptive_options: Optional[dict] = None, backward: str = "auto") -> SiteIG:
+def attribute(
+    params,
+    tokens,
+    valid,
+    config: ModelConfig,
+    *,
+    site: str,
+    metric,
+    aux=None,
+    positions=None,
+    layers: Sequence[int],
+    baseline="channel_mean",
+    rule: str = "left",
+    steps: int = rules.DEFAULT_STEPS,
+    tolerance: Optional[float] = None,
+    max_evaluations: Optional[int] = None,
+    interventions=None,
+    per_channel: bool = True,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    nonfinite: str = "raise",
+    progress: bool = False,
+    on_layer: Optional[Callable[[], None]] = None,
+    label: Optional[Sequence] = None,
+    adaptive_options: Optional[dict] = None,
+    backward: str = "auto",
+) -> SiteIG:
     """Integrated gradients of `metric(logits, aux)` (at `positions`; `jaxdepth.analyses.ig.path`)
     with respect to the value at `site` of each of `layers`, arguments already checked
     (`jaxdepth.analyses.ig.checks`): tokens `[B, T]` with `valid [B, T]`; the adaptive rule
@@ -92,11 +118,21 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
     recomputed, stored or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`)."""
     B, T = tokens.shape
     backward = choose_backward(backward, config, B * T, steps, memory_budget)
-    x, inputs, f_input = clean_run(params, tokens, valid, config, site=site, metric=metric, aux=aux,
-                                   positions=positions, interventions=interventions)
+    x, inputs, f_input = clean_run(
+        params,
+        tokens,
+        valid,
+        config,
+        site=site,
+        metric=metric,
+        aux=aux,
+        positions=positions,
+        interventions=interventions,
+    )
     f_input = to_host(f_input)
     report = lambda layer_list, per_position, f_baseline: nonfinite_report(
-        layer_list, per_position, f_input, f_baseline, baseline=baseline, site=site, prompts=label)
+        layer_list, per_position, f_input, f_baseline, baseline=baseline, site=site, prompts=label
+    )
     if not np.all(np.isfinite(f_input)):
         raise_or_warn(report([], np.zeros((0, B, T)), np.zeros((0, B))), nonfinite)
     b = layer_baselines(x, valid, baseline, layers)
@@ -107,10 +143,22 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
     def weighted(i, alphas, weights, chunk, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""
         p = path(i)
-        g, f_base = weighted_gradient(params, valid, np.int32(layers[i]), p, np.asarray(alphas, np.float32),
-                                      np.asarray(weights, np.float32), config, site=site, metric=metric, aux=aux,
-                                      positions=positions, chunk_size=chunk, interventions=interventions,
-                                      backward=backward)
+        g, f_base = weighted_gradient(
+            params,
+            valid,
+            np.int32(layers[i]),
+            p,
+            np.asarray(alphas, np.float32),
+            np.asarray(weights, np.float32),
+            config,
+            site=site,
+            metric=metric,
+            aux=aux,
+            positions=positions,
+            chunk_size=chunk,
+            interventions=interventions,
+            backward=backward,
+        )
         a = attribution_of(p, g, valid, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
 
@@ -118,27 +166,53 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
     if rule == "adaptive":
         tolerance = rules.DEFAULT_TOLERANCE if tolerance is None else tolerance
         max_evaluations = rules.default_budget(steps) if max_evaluations is None else max_evaluations
+
         def call(layer, alphas, grad, chunk):
             i = layers.index(layer)
-            return path_points(params, valid, np.int32(layer), path(i), np.asarray(alphas, np.float32), config,
-                               site=site, metric=metric, aux=aux, positions=positions, interventions=interventions,
-                               grad=grad, chunk_size=chunk, backward=backward)
+            return path_points(
+                params,
+                valid,
+                np.int32(layer),
+                path(i),
+                np.asarray(alphas, np.float32),
+                config,
+                site=site,
+                metric=metric,
+                aux=aux,
+                positions=positions,
+                interventions=interventions,
+                grad=grad,
+                chunk_size=chunk,
+                backward=backward,
+            )
 
-        return _adaptive(call, weighted, layers, float(f_input[0]), T, config,
-                         tolerance=np.broadcast_to(np.asarray(tolerance, np.float64), (len(layers),)),
-                         max_evaluations=max_evaluations,
-                         options={"stored": backward == "stored", **(adaptive_options or {})}, chunk_size=chunk_size,
-                         memory_budget=memory_budget, progress=progress, per_channel=per_channel, on_layer=on_layer,
-                         common=common,
-                         check=lambda per_position, f_baseline: raise_or_warn(
-                             report(layers, per_position, f_baseline), nonfinite))
+        return _adaptive(
+            call,
+            weighted,
+            layers,
+            float(f_input[0]),
+            T,
+            config,
+            tolerance=np.broadcast_to(np.asarray(tolerance, np.float64), (len(layers),)),
+            max_evaluations=max_evaluations,
+            options={"stored": backward == "stored", **(adaptive_options or {})},
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+            progress=progress,
+            per_channel=per_channel,
+            on_layer=on_layer,
+            common=common,
+            check=lambda per_position, f_baseline: raise_or_warn(report(layers, per_position, f_baseline), nonfinite),
+        )
 
     alphas, weights = rules.quadrature(rule, steps)
-    chunk = chunk_size or auto_chunk_size(config, B * T, steps, grad=True, stored=backward == "stored",
-                                          memory_budget=memory_budget)
+    chunk = chunk_size or auto_chunk_size(
+        config, B * T, steps, grad=True, stored=backward == "stored", memory_budget=memory_budget
+    )
     per_position, attributions, f_baseline = [], [], []
-    for i in tqdm(range(len(layers)), desc=f"integrated gradients at {site} ({rule}, {steps} steps)",
-                  disable=not progress):
+    for i in tqdm(
+        range(len(layers)), desc=f"integrated gradients at {site} ({rule}, {steps} steps)", disable=not progress
+    ):
         pp, a, fb = weighted(i, alphas, weights, chunk, per_channel)
         if per_channel:
             attributions.append(to_host(a))
@@ -148,26 +222,49 @@ def attribute(params, tokens, valid, config: ModelConfig, *, site: str, metric, 
         if on_layer is not None:
             on_layer()
         if nonfinite == "raise":  # stop at the first such layer: the later ones would cost as much
-            raise_or_warn(report(layers[i:i + 1], per_position[-1][None], f_baseline[-1][None]), nonfinite)
+            raise_or_warn(report(layers[i : i + 1], per_position[-1][None], f_baseline[-1][None]), nonfinite)
     per_position, f_baseline = np.stack(per_position), np.stack(f_baseline)
     raise_or_warn(report(layers, per_position, f_baseline), nonfinite)
     with np.errstate(invalid="ignore", over="ignore"):
         gap = per_position.sum(-1) - (f_input[None] - f_baseline)
-    return SiteIG(attributions=np.stack(attributions) if per_channel else None, per_position=per_position, gap=gap,
-                  f_input=f_input, f_baseline=f_baseline, evaluations=np.full((len(layers), B), steps),
-                  rule=rule, **common)
+    return SiteIG(
+        attributions=np.stack(attributions) if per_channel else None,
+        per_position=per_position,
+        gap=gap,
+        f_input=f_input,
+        f_baseline=f_baseline,
+        evaluations=np.full((len(layers), B), steps),
+        rule=rule,
+        **common,
+    )
 
 
 def _summed(a: np.ndarray, value_ndim: int) -> np.ndarray:
     """`[..., B, T, *trailing]` -> `[..., B, T]` (a value of `value_ndim` axes); inf - inf is NaN,
     and reported as such."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return a.reshape(a.shape[:a.ndim - value_ndim + 2] + (-1,)).sum(-1)
+        return a.reshape(a.shape[: a.ndim - value_ndim + 2] + (-1,)).sum(-1)
 
 
-def _adaptive(call, weighted, layers, f_input: float, seq_len: int, config: ModelConfig, *, tolerance: np.ndarray,
-              max_evaluations: int, options: dict, chunk_size, memory_budget, progress: bool, per_channel: bool, on_layer,
-              common: dict, check) -> SiteIG:
+def _adaptive(
+    call,
+    weighted,
+    layers,
+    f_input: float,
+    seq_len: int,
+    config: ModelConfig,
+    *,
+    tolerance: np.ndarray,
+    max_evaluations: int,
+    options: dict,
+    chunk_size,
+    memory_budget,
+    progress: bool,
+    per_channel: bool,
+    on_layer,
+    common: dict,
+    check,
+) -> SiteIG:
     """The adaptive rule (one prompt): `call(layer, alphas, grad, chunk)` the rounds' evaluations
     (`path_points`), `weighted(i, alphas, weights, chunk, channels_too)` the weighted per-channel
     pass of the i-th attributed layer, `check(per_position [n, 1, T], f_baseline [n, 1])` the
@@ -180,9 +277,19 @@ def _adaptive(call, weighted, layers, f_input: float, seq_len: int, config: Mode
             on_layer()
 
     with tqdm(total=len(layers), desc=f"adaptive integrated gradients at {site}", disable=not progress) as bar:
-        finished = rules.run_rule(call, layers, f_input, seq_len, config, tolerance=tolerance,
-                                  max_evaluations=max_evaluations, chunk_size=chunk_size,
-                                  memory_budget=memory_budget, on_layer=layer_done, **options)
+        finished = rules.run_rule(
+            call,
+            layers,
+            f_input,
+            seq_len,
+            config,
+            tolerance=tolerance,
+            max_evaluations=max_evaluations,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+            on_layer=layer_done,
+            **options,
+        )
     summary = rules.summarise(finished)
     check(summary["attributions"][:, None], summary["f_baseline"][:, None])
     attributions = None
@@ -199,8 +306,16 @@ def _adaptive(call, weighted, layers, f_input: float, seq_len: int, config: Mode
     f_baseline = column(summary["f_baseline"]).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         gap = per_position.astype(np.float64).sum(-1) - (f_input - f_baseline)
-    return SiteIG(attributions=attributions, per_position=per_position, gap=gap,
-                  f_input=np.array([f_input], np.float32), f_baseline=f_baseline,
-                  evaluations=column(summary["evaluations"]), converged=column(summary["converged"]),
-                  bound=column(summary["bound"]), floored=column(summary["floored"]),
-                  rule="adaptive", **common)
+    return SiteIG(
+        attributions=attributions,
+        per_position=per_position,
+        gap=gap,
+        f_input=np.array([f_input], np.float32),
+        f_baseline=f_baseline,
+        evaluations=column(summary["evaluations"]),
+        converged=column(summary["converged"]),
+        bound=column(summary["bound"]),
+        floored=column(summary["floored"]),
+        rule="adaptive",
+        **common,
+    )

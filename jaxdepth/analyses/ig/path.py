@@ -24,8 +24,15 @@ import jax.numpy as jnp
 
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (final_residual, layer_context, layer_inputs, layer_params, layer_step,
-                                 run_layers_from, unembed)
+from jaxdepth.core.model import (
+    final_residual,
+    layer_context,
+    layer_inputs,
+    layer_params,
+    layer_step,
+    run_layers_from,
+    unembed,
+)
 from jaxdepth.core.sites import Intervention, check_layer_indices
 from jaxdepth.core.sweep import auto_chunk_size, sweep, sweep_sum
 
@@ -66,26 +73,32 @@ def per_prompt(value, batch: int):
         return value[None].astype(jnp.float32)
     if value.shape == (batch,):
         return value.astype(jnp.float32)
-    raise ValueError(f"the metric must return a scalar (for one prompt) or one value per prompt, shape "
-                     f"({batch},); it returned shape {value.shape} for a batch of {batch} prompts")
+    raise ValueError(
+        f"the metric must return a scalar (for one prompt) or one value per prompt, shape "
+        f"({batch},); it returned shape {value.shape} for a batch of {batch} prompts"
+    )
 
 
 def metric_head(params, config: ModelConfig, metric, aux, positions):
     """h_L `[B, T, D]` -> the metric per prompt `[B]`, from the logits at `positions` `[A]` only
     (all positions if None: the LM head is the largest matmul of a small model)."""
+
     def head(h_last):
         logits = unembed(params, h_last if positions is None else h_last[:, positions], config)
         return per_prompt(metric(logits, aux), h_last.shape[0])
+
     return head
 
 
-def clean_values(params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None,
-                 interventions=None):
+def clean_values(
+    params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None, interventions=None
+):
     """The clean run under `interventions`: every layer's value at `site` `[L, B, T, ...]`
     (float32, after the site's interventions), every layer's input before its interventions
     `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from) and F(x) `[B]`."""
-    inputs, h_last, x = layer_inputs(params, tokens, config, valid=valid, interventions=interventions,
-                                     tap=lambda r, _: getattr(r, site))
+    inputs, h_last, x = layer_inputs(
+        params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: getattr(r, site)
+    )
     return x.astype(jnp.float32), inputs[:-1], metric_head(params, config, metric, aux, positions)(h_last)
 
 
@@ -101,8 +114,9 @@ BACKWARDS = ("auto", "recompute", "stored")
 STORED_MIN_CHUNK = 8
 
 
-def choose_backward(backward: str, config: ModelConfig, seq_len: int, members: int,
-                    memory_budget: Optional[int] = None) -> str:
+def choose_backward(
+    backward: str, config: ModelConfig, seq_len: int, members: int, memory_budget: Optional[int] = None
+) -> str:
     """'recompute' or 'stored' for a sweep of `members` gradients over `seq_len` tokens:
     `backward` itself unless it is 'auto', which stores when `STORED_MIN_CHUNK` gradients (or
     `members`, if fewer) fit in `memory_budget` (`jaxdepth.core.sweep.auto_chunk_size`)."""
@@ -114,8 +128,9 @@ def choose_backward(backward: str, config: ModelConfig, seq_len: int, members: i
     return "stored" if fits >= min(members, STORED_MIN_CHUNK) else "recompute"
 
 
-def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=None, interventions=None,
-                          backward: str = "recompute"):
+def suffix_value_and_grad(
+    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: str = "recompute"
+):
     """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
     start..L-1 (`layer_step`, with `interventions` at their sites, as every driver).
 
@@ -131,8 +146,10 @@ def suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid=
     if backward == "stored":
         return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
     if backward != "recompute":
-        raise ValueError(f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
-                         f"`choose_backward`), got {backward!r}")
+        raise ValueError(
+            f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
+            f"`choose_backward`), got {backward!r}"
+        )
     L = config.num_layers
     ivs = check_layer_indices(interventions, L)
     context = layer_context(z, valid, config)
@@ -165,8 +182,10 @@ def _stored_suffix_value_and_grad(params, z, start, config: ModelConfig, head, *
         out, saved = layout.linearize(params, i, h, context, config, ivs)
         return out, tuple(k if k is None else k.at[i].set(r) for k, r in zip(kept, saved))
 
-    kept = tuple(None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
-                 for j, r in zip(layout.from_weights, layout.shapes))
+    kept = tuple(
+        None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
+        for j, r in zip(layout.from_weights, layout.shapes)
+    )
     h_last, kept = jax.lax.fori_loop(start, L, forward_step, (z, kept))
     value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
 
@@ -196,8 +215,9 @@ class _PullbackLayout:
         # gate) is recomputed in the backward. Half the bytes of keeping everything, and faster
         # on CPU, where writing fresh memory costs more than that arithmetic (SmolLM2-135M's
         # shape, 100 tokens, 8 steps, AMD EPYC: layer 0 4.87 s against 5.19 s keeping all).
-        step = jax.checkpoint(lambda h: layer_step(p, h, i, context, config, ivs).out,
-                              policy=jax.checkpoint_policies.dots_saveable)
+        step = jax.checkpoint(
+            lambda h: layer_step(p, h, i, context, config, ivs).out, policy=jax.checkpoint_policies.dots_saveable
+        )
         out, pullback = jax.vjp(step, h)
         saved, treedef = jax.tree_util.tree_flatten(pullback)
         weights = jax.tree_util.tree_leaves(p)
@@ -220,8 +240,11 @@ class _PullbackLayout:
         out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
         # shapes and dtypes only: eval_shape keeps weak types (a Python float in an intervention)
         signature = lambda arrays: tuple((a.shape, a.dtype) for a in arrays)  # noqa: E731
-        if (treedef.num_leaves, signature(saved), from_weights) != (self.treedef.num_leaves, signature(self.shapes),
-                                                                    self.from_weights):
+        if (treedef.num_leaves, signature(saved), from_weights) != (
+            self.treedef.num_leaves,
+            signature(self.shapes),
+            self.from_weights,
+        ):
             raise AssertionError("a layer's pullback kept different residuals in two traces of it")
         return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
 
@@ -249,19 +272,35 @@ def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, inter
     def entry(z):
         set_site = Intervention(site, _set_value, (layer, z))
         return layer_step(layer_params(params, layer), h_in, layer, context, config, ivs + (set_site,)).out
+
     return entry
 
 
 def _entry(params, layer, path: LayerPath, valid, config, site, interventions):
     dtype = params["embed"].dtype
-    return site_entry(params, layer, None if path.h_in is None else path.h_in.astype(dtype), valid, config, site,
-                      interventions)
+    return site_entry(
+        params, layer, None if path.h_in is None else path.h_in.astype(dtype), valid, config, site, interventions
+    )
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "chunk_size", "backward"))
-def weighted_gradient(params, valid, layer, path: LayerPath, alphas, weights, config: ModelConfig, *, site: str,
-                      metric, aux=None, positions=None, chunk_size: Optional[int] = None, interventions=None,
-                      backward: str = "recompute"):
+def weighted_gradient(
+    params,
+    valid,
+    layer,
+    path: LayerPath,
+    alphas,
+    weights,
+    config: ModelConfig,
+    *,
+    site: str,
+    metric,
+    aux=None,
+    positions=None,
+    chunk_size: Optional[int] = None,
+    interventions=None,
+    backward: str = "recompute",
+):
     """`(sum_k w_k dF/dz(path.at(α_k)) [B, T, ...], F(b) [B])` for the value z at `site` of
     layer `layer` along `path`; F the metric per prompt (`metric(logits, aux)` at `positions`,
     `metric_head`) under `interventions`: a fixed quadrature rule's gradient sum.
@@ -278,19 +317,35 @@ def weighted_gradient(params, valid, layer, path: LayerPath, alphas, weights, co
     def member(m):
         alpha, weight = m
         h_next, pullback = jax.vjp(entry, path.at(alpha).astype(dtype))
-        _, g = suffix_value_and_grad(params, h_next, layer + 1, config, total, valid=valid,
-                                     interventions=interventions, backward=backward)
+        _, g = suffix_value_and_grad(
+            params, h_next, layer + 1, config, total, valid=valid, interventions=interventions, backward=backward
+        )
         return weight * pullback(g)[0].astype(jnp.float32)
 
-    h_base, _ = run_layers_from(params, entry(path.b.astype(dtype)), layer + 1, config, valid=valid,
-                                interventions=interventions)
+    h_base, _ = run_layers_from(
+        params, entry(path.b.astype(dtype)), layer + 1, config, valid=valid, interventions=interventions
+    )
     return sweep_sum(member, (alphas, weights), chunk_size), head(h_base)
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size", "backward"))
-def path_points(params, valid, layer, path: LayerPath, alphas, config: ModelConfig, *, site: str, metric,
-                aux=None, positions=None, interventions=None, grad: bool = True, chunk_size: Optional[int] = None,
-                backward: str = "recompute"):
+def path_points(
+    params,
+    valid,
+    layer,
+    path: LayerPath,
+    alphas,
+    config: ModelConfig,
+    *,
+    site: str,
+    metric,
+    aux=None,
+    positions=None,
+    interventions=None,
+    grad: bool = True,
+    chunk_size: Optional[int] = None,
+    backward: str = "recompute",
+):
     """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt
     (`path` of batch 1): what the adaptive rule evaluates.
 
@@ -311,8 +366,9 @@ def path_points(params, valid, layer, path: LayerPath, alphas, config: ModelConf
             h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid, interventions=interventions)
             return objective(h_last), jnp.zeros(T, jnp.float32)
         h_next, pullback = jax.vjp(entry, z)
-        value, g = suffix_value_and_grad(params, h_next, layer + 1, config, objective, valid=valid,
-                                         interventions=interventions, backward=backward)
+        value, g = suffix_value_and_grad(
+            params, h_next, layer + 1, config, objective, valid=valid, interventions=interventions, backward=backward
+        )
         g = pullback(g)[0]
         return value, jnp.sum((path.x - path.b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
 

@@ -3,10 +3,11 @@ Gauss-Legendre) and an adaptive rule per layer that stops at a certified complet
 (METHODS §5, the accurate option). Host side: the device evaluates the nodes
 (`jaxdepth.analyses.ig.path`).
 
-Along the path of layer l, with x and b its value at the site and its baseline, let φ(α) = F(b + α(x - b)) and, per token,
-g_t(α) = sum_c (x - b)[t, c] dF/dx(b + α(x - b))[t, c], so that IG_l[t] = ∫_0^1 g_t(α) dα and
-sum_t g_t = φ'. On the embedded model φ' of early layers has sharp peaks of both signs (F rises,
-falls and rises again along the path), and no fixed rule of a few hundred steps resolves them.
+Along the path of layer l, with x and b its value at the site and its baseline, let
+φ(α) = F(b + α(x - b)) and, per token, g_t(α) = sum_c (x - b)[t, c] dF/dx(b + α(x - b))[t, c],
+so that IG_l[t] = ∫_0^1 g_t(α) dα and sum_t g_t = φ'. On the embedded model φ' of early layers has sharp
+peaks of both signs (F rises, falls and rises again along the path), and no fixed rule of a few
+hundred steps resolves them.
 
 The certificate. φ needs only forward passes, and on any interval [β, β'] the exact integral of
 sum_t g_t is φ(β') - φ(β). So the quadrature error of the token-summed integrand on interval i,
@@ -94,7 +95,7 @@ ATOL = 1e-6
 # Initial partition ends are multiples of 2^-12: their bisections stay float32 numbers (what the
 # device evaluates) for 11 levels or more; an interval whose quarter points would be rounded is
 # not split.
-_PARTITION_GRID = 2.0 ** -12
+_PARTITION_GRID = 2.0**-12
 # A layer's new nodes of a round run in calls of a power of two nodes, from _LARGEST_CALL (or
 # what fits in memory) down to _SMALLEST_CALL: a few compiled computations, each as wide a vmap
 # as the fixed rule's where the nodes fill it, and padding only below _SMALLEST_CALL.
@@ -104,6 +105,7 @@ _SMALLEST_CALL = 8
 # errors fill what would be padding of a call of 8. A constant, not the call sizes in use, so
 # that the nodes (and results) do not depend on the device's memory.
 _SPLIT_MULTIPLE = 4
+
 
 def default_budget(steps: int) -> int:
     """The adaptive rule's default gradient evaluations per layer: the fixed rule's `steps`, so it
@@ -136,6 +138,7 @@ def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------- the adaptive rule
 
+
 def simpson(a: float, b: float, fa, fm, fb):
     """Simpson's rule on [a, b] from the values at a, (a + b)/2 and b."""
     return (b - a) / 6.0 * (fa + 4.0 * fm + fb)
@@ -160,8 +163,9 @@ def splittable(a: float, b: float) -> bool:
     return all(float(np.float32(q)) == q for q in ((a + m) / 2, (m + b) / 2))
 
 
-def choose_splits(errors: np.ndarray, can_split: np.ndarray, residual: float, target: float,
-                  max_splits: int, multiple: int = 1) -> list[int]:
+def choose_splits(
+    errors: np.ndarray, can_split: np.ndarray, residual: float, target: float, max_splits: int, multiple: int = 1
+) -> list[int]:
     """Intervals to bisect: the largest |e_i| first among those `can_split`, until the others
     (with the `residual` no split can reduce) sum to at most half of `target`, then on to a
     multiple of `multiple` of them; at most `max_splits`."""
@@ -181,8 +185,15 @@ class LayerRule:
     """The adaptive rule's state for one layer of one prompt: its intervals, the values φ and
     integrands at its nodes (each node evaluated once), and whether it is done."""
 
-    def __init__(self, ends: np.ndarray, f_input: float, tolerance: float, atol: float, max_evaluations: int,
-                 floor_share: float = FLOOR_SHARE):
+    def __init__(
+        self,
+        ends: np.ndarray,
+        f_input: float,
+        tolerance: float,
+        atol: float,
+        max_evaluations: int,
+        floor_share: float = FLOOR_SHARE,
+    ):
         self.intervals = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
         self.phi: dict[float, float] = {}
         self.integrand: dict[float, np.ndarray] = {}
@@ -265,8 +276,16 @@ class LayerRule:
             self.done = self.converged = True
             return
         can_split = np.array([splittable(a, b) for a, b in self.intervals])
-        split = set(choose_splits(errors, can_split, residual, self.target,
-                                  (self.max_evaluations - self.evaluations) // 2, _SPLIT_MULTIPLE))
+        split = set(
+            choose_splits(
+                errors,
+                can_split,
+                residual,
+                self.target,
+                (self.max_evaluations - self.evaluations) // 2,
+                _SPLIT_MULTIPLE,
+            )
+        )
         if not split:
             self.done = True
             return
@@ -303,7 +322,7 @@ def _evaluate(call, requests: dict[int, list[float]], largest: int) -> dict[int,
     for layer, nodes in sorted(requests.items()):
         start = 0
         for size in call_sizes(len(nodes), largest):
-            part = nodes[start:start + size]
+            part = nodes[start : start + size]
             start += len(part)
             alphas = np.asarray(part + [part[-1]] * (size - len(part)), np.float32)
             pending.append((layer, len(part), call(layer, alphas, True, size)))
@@ -315,12 +334,14 @@ def _evaluate(call, requests: dict[int, list[float]], largest: int) -> dict[int,
     return {layer: (np.asarray(ps), np.asarray(gs)) for layer, (ps, gs) in out.items()}
 
 
-def largest_call(config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None, *,
-                 stored: bool = False) -> int:
+def largest_call(
+    config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None, *, stored: bool = False
+) -> int:
     """The largest number of nodes of one call: a power of two, at most `_LARGEST_CALL`, whose
     vmapped gradients fit in memory (`auto_chunk_size`)."""
-    return _power_of_two_floor(auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, stored=stored,
-                                               memory_budget=memory_budget))
+    return _power_of_two_floor(
+        auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, stored=stored, memory_budget=memory_budget)
+    )
 
 
 def _power_of_two_floor(n: int) -> int:
@@ -328,19 +349,32 @@ def _power_of_two_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: ModelConfig, *,
-             tolerance: np.ndarray, max_evaluations: int = MAX_EVALUATIONS, atol: float = ATOL,
-             floor_share: float = FLOOR_SHARE, grid_points: int = GRID_POINTS, initial_intervals: int = INITIAL_INTERVALS,
-             chunk_size: Optional[int] = None, memory_budget: Optional[int] = None,
-             stored: bool = False, on_layer=None) -> list[LayerRule]:
+def run_rule(
+    call,
+    layers: Sequence[int],
+    f_input: float,
+    seq_len: int,
+    config: ModelConfig,
+    *,
+    tolerance: np.ndarray,
+    max_evaluations: int = MAX_EVALUATIONS,
+    atol: float = ATOL,
+    floor_share: float = FLOOR_SHARE,
+    grid_points: int = GRID_POINTS,
+    initial_intervals: int = INITIAL_INTERVALS,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    stored: bool = False,
+    on_layer=None,
+) -> list[LayerRule]:
     """The adaptive rule on `layers` (one prompt of `seq_len` positions; `tolerance`, one per
     layer of `layers`), host side: rounds of `call(layer, alphas [n], grad, chunk) -> (phi [n],
     integrand [n, T])` (`jaxdepth.analyses.ig.path.path_points`, `chunk` nodes vmapped at a
     time) until every layer is done. `chunk_size` caps the nodes of one call (default: what fits
     in memory, at most 32; `stored`: for a call whose backward keeps the later layers' matmul
     outputs).
-    `floor_share`: the floor of the tolerance's scale (`FLOOR_SHARE`; 0 for none). Returns each layer's finished `LayerRule`; `on_layer()` is called as each layer
-    finishes."""
+    `floor_share`: the floor of the tolerance's scale (`FLOOR_SHARE`; 0 for none). Returns each
+    layer's finished `LayerRule`; `on_layer()` is called as each layer finishes."""
     if max_evaluations < 3:
         raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
     layers = [int(layer) for layer in layers]
@@ -352,10 +386,17 @@ def run_rule(call, layers: Sequence[int], f_input: float, seq_len: int, config: 
         phi_grid = np.stack([to_host(phi) for phi in calls]).astype(np.float64)
     else:  # no grid: a uniform initial partition
         grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(layers), 2))
-    rules = {layer: LayerRule(initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol,
-                              max_evaluations, floor_share) for i, layer in enumerate(layers)}
-    largest = (largest_call(config, seq_len, memory_budget, stored=stored) if chunk_size is None
-               else _power_of_two_floor(chunk_size))
+    rules = {
+        layer: LayerRule(
+            initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol, max_evaluations, floor_share
+        )
+        for i, layer in enumerate(layers)
+    }
+    largest = (
+        largest_call(config, seq_len, memory_budget, stored=stored)
+        if chunk_size is None
+        else _power_of_two_floor(chunk_size)
+    )
     while not all(r.done for r in rules.values()):
         requests = {layer: r.missing() for layer, r in rules.items() if not r.done}
         for layer, (phi, integrand) in _evaluate(call, requests, largest).items():
@@ -372,8 +413,12 @@ def summarise(rules: Sequence[LayerRule]) -> dict:
     """The finished rules of a prompt's layers as arrays: `attributions [n, T]`, `f_input []`,
     `f_baseline [n]`, `evaluations [n]`, `converged [n]`, `bound [n]` (the certificate
     sum_i |e_i| + |φ(1) - F(x)|), `floored [n]` (the floor set the layer's target)."""
-    return dict(attributions=np.stack([r.attributions() for r in rules]), f_input=rules[0].f_input,
-                f_baseline=np.array([r.f_baseline for r in rules]),
-                evaluations=np.array([r.evaluations for r in rules]),
-                converged=np.array([r.converged for r in rules]), bound=np.array([r.bound for r in rules]),
-                floored=np.array([r.floored for r in rules]))
+    return dict(
+        attributions=np.stack([r.attributions() for r in rules]),
+        f_input=rules[0].f_input,
+        f_baseline=np.array([r.f_baseline for r in rules]),
+        evaluations=np.array([r.evaluations for r in rules]),
+        converged=np.array([r.converged for r in rules]),
+        bound=np.array([r.bound for r in rules]),
+        floored=np.array([r.floored for r in rules]),
+    )
