@@ -195,9 +195,7 @@ def run_groups(model, args, groups: dict[int, list[Prompt]], levels: Sequence[in
     resumed); one summary row per group that has prompts."""
     settings = StudySettings(
         num_prompts=args.prompts,
-        skip_sublayers=("layer",),
-        skip_mode="future",
-        skip_split="answer_start",
+        options={"skip_sublayers": ("layer",), "skip_mode": "future", "skip_split": "answer_start"},
         memory_budget=args.memory_budget,
     )
     spec = DATASETS[args.dataset]

@@ -37,7 +37,9 @@ def main():
         load_prompts("gsm8k", args.data, limit=args.prompts),
         context=model.config.max_position_embeddings,
     )
-    settings = StudySettings(num_prompts=args.prompts, detail_prompts=args.detail_prompts, ig_steps=args.ig_steps)
+    settings = StudySettings(
+        num_prompts=args.prompts, detail_prompts=args.detail_prompts, options={"ig_steps": args.ig_steps}
+    )
     print(
         f"{args.model}: L={model.config.num_layers}; {len(batch)} GSM8K prompts, "
         f"{int(batch.valid.sum())} tokens (mean {batch.lengths.mean():.0f}); erasure/IG on "

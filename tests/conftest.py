@@ -390,18 +390,14 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
 
 
-def save_tiny_checkpoint(folder, context):
-    """A converted checkpoint folder of a tiny random llama with a BPE tokenizer trained on the
-    embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests."""
-    from conversion.checkpoint import save_converted
+def tiny_config(**changes):
+    """A tiny llama `ModelConfig` (3 layers, width 32, 4 query heads over 2 key/value heads,
+    tied embeddings, vocabulary 97, context 128), with `changes` applied."""
     from jaxdepth.core.config import ModelConfig
-    from jaxdepth.core.model import random_params
-    from jaxdepth.lab.loaded_model import Model
 
-    tokenizer = tiny_tokenizer()
-    config = ModelConfig(
+    base = dict(
         model_type="llama",
-        vocab_size=len(tokenizer),
+        vocab_size=97,
         hidden_size=32,
         intermediate_size=64,
         num_layers=3,
@@ -410,8 +406,20 @@ def save_tiny_checkpoint(folder, context):
         head_dim=8,
         rope_theta=1e4,
         rms_norm_eps=1e-5,
-        max_position_embeddings=context,
+        max_position_embeddings=128,
         tie_word_embeddings=True,
         qkv_bias=False,
     )
+    return ModelConfig(**{**base, **changes})
+
+
+def save_tiny_checkpoint(folder, context):
+    """A converted checkpoint folder of a tiny random llama with a BPE tokenizer trained on the
+    embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests."""
+    from conversion.checkpoint import save_converted
+    from jaxdepth.core.model import random_params
+    from jaxdepth.lab.loaded_model import Model
+
+    tokenizer = tiny_tokenizer()
+    config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=context)
     return save_converted(Model(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)

@@ -60,7 +60,7 @@ class Case:
 def settings(bench: Bench):
     from jaxdepth.lab.study import StudySettings
 
-    return StudySettings(seed=bench.args.seed, skip_sublayers=("layer",), ig_steps=bench.args.ig_steps)
+    return StudySettings(seed=bench.args.seed, options={"skip_sublayers": ("layer",), "ig_steps": bench.args.ig_steps})
 
 
 def via_registry(name: str):
@@ -69,6 +69,10 @@ def via_registry(name: str):
     def run(bench: Bench, w: Workload):
         from jaxdepth.lab.registry import RunInputs, analysis
 
-        return analysis(name).run(RunInputs(model=bench.model, batch=w.batch, settings=settings(bench), progress=False))
+        entry = analysis(name)
+        inputs = RunInputs(
+            model=bench.model, batch=w.batch, settings=settings(bench).for_analysis(entry), progress=False
+        )
+        return entry.run(inputs)
 
     return run

@@ -438,7 +438,7 @@ def matmul_peaks(device: str, dtypes) -> dict:
         dot = jax.jit(jnp.dot)
         dot(a, a).block_until_ready()
         out[f"jax_{dtype}"] = flops / min(_seconds(lambda: dot(a, a).block_until_ready()) for _ in range(5))
-        del a
+        a = None  # the device memory goes before the next dtype's matrix
     t = torch.randn(n, n, device=device)
     torch.mm(t, t)
     sync()
@@ -562,8 +562,7 @@ def run_ig(params, batch, config, steps: int, options: dict):
 
 
 def run_layer_skip(bench, w):
-    # The call the study runner makes for layer skip, made here directly: the registry imports
-    # the plotting module (matplotlib), which a lent GPU machine does not have.
+    # The call the study runner makes for layer skip (its declaration's run), made here directly.
     from jaxdepth.analyses.layer_skip import layer_skip_sublayers
 
     return layer_skip_sublayers(

@@ -2,4 +2,6 @@
 residual erasure, integrated gradients), gradient attributions (`attribution`: gradients at
 every site, gradient x activation, attribution patching) and the tuned lens, built on
 `jaxdepth.core`; effective depths and the statistics over prompts that turn their curves into
-numbers."""
+numbers. A module of the suite also draws its figures and declares itself (`suite`: its
+settings and options, cache identity, run, figures, summary), so that an analysis is one file;
+`drawing` holds the helpers its figures share."""

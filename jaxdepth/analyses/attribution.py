@@ -20,21 +20,26 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import embed, run_layers, unembed
-from jaxdepth.core.sites import SITES, Intervention, as_interventions
+from jaxdepth.core.sites import Intervention, as_interventions, site_shape
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.analyses.erasure import baseline_residuals
+from jaxdepth.analyses.suite import Analysis, per_prompt_figures
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
 
 # Activations of all layers the backward may keep (rough bytes, `member_bytes` x layers). A
 # constant, not the free memory: every process of a multi-process run must compile the same
@@ -47,14 +52,6 @@ def recomputes_layers(config: ModelConfig, tokens: int) -> bool:
     `tokens` (batch x length) positions: when all layers' activations exceed
     `STORED_ACTIVATIONS_LIMIT`."""
     return config.num_layers * member_bytes(config, tokens) > STORED_ACTIVATIONS_LIMIT
-
-
-def site_shape(site: str, config: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
-    """The value's shape at `site` of one layer, for `batch` prompts of `length` positions."""
-    trailing = {"head_out": (config.num_heads, config.head_dim), "mlp_hidden": (config.intermediate_size,)}
-    if site not in SITES:
-        raise ValueError(f"unknown site {site!r}; sites: {', '.join(SITES)}")
-    return (batch, length) + trailing.get(site, (config.hidden_size,))
 
 
 def _probe(value, layer, probes):
@@ -198,7 +195,7 @@ def attribution_patching(
     config: ModelConfig,
     baseline: np.ndarray,
     *,
-    progress: bool = True,
+    progress: ProgressLike = True,
     settings=None,
     interventions=None,
 ) -> AttributionResult:
@@ -219,7 +216,7 @@ def attribution_patching(
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     patching, gxa = np.zeros((len(batch), L + 1, T), np.float32), np.zeros((len(batch), L + 1, T), np.float32)
     f_input = np.zeros(len(batch), np.float32)
-    for i in tqdm(range(len(batch)), desc="attribution patching (prompts)", disable=not progress):
+    for i in track(range(len(batch)), progress, "attribution patching (prompts)"):
         one = batch.single(i)
         Ti = one.tokens.shape[1]
         positions, real = one.answer_positions(0)
@@ -235,3 +232,75 @@ def attribution_patching(
         answer_start=batch.answer_start,
         settings=dict(settings or {}),
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def attribution_patching_figure(
+    result: AttributionResult,
+    prompt: int = 0,
+    *,
+    tokenizer=None,
+    title: Optional[str] = None,
+    quantity: str = "patching",
+) -> Figure:
+    """Attribution patching of one prompt: the first-order estimate of how erasing h_l[t]
+    (boundary l = 0..L, y; token t, x) changes F, the summed answer probability (diverging
+    colours centred at 0). A screening estimate: the exact erasure confirms it. `quantity`
+    'grad_x_act' draws gradient x activation instead."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, AttributionResult, "attribution_patching_figure")
+    what = {
+        "patching": ("Attribution patching (first-order screening)", r"estimated change of F, $g \cdot (b - h)$"),
+        "grad_x_act": ("Gradient x activation", r"$g \cdot h$, gradient of F times $h_l[t]$"),
+    }
+    if quantity not in what:
+        raise ValueError(f"quantity must be one of {', '.join(what)}, got {quantity!r}")
+    name, label = what[quantity]
+    p = d.prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    fig = d.token_heatmap(
+        d.TokenPanel(
+            getattr(result, quantity)[p, :, :n],
+            d.token_labels(result.tokens[p, :n], tokenizer),
+            row_label="boundary l (0 = embeddings)",
+            answer_start=int(result.answer_start[p]),
+            cmap="RdBu_r",
+            symmetric=True,
+            colorbar_label=label,
+        )
+    )
+    d.title_figure(fig, f"{name}, prompt {p}: F(x) = {result.f_input[p]:.3g}", title, result.settings)
+    return fig
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+
+def _run_attribution(x):
+    return attribution_patching(x.model.params, x.batch, x.model.config, baseline_residuals(x), progress=x.progress)
+
+
+# One forward and one backward pass per prompt give both; each is its own analysis so either
+# can be asked for alone.
+ATTRIBUTION_PATCHING = Analysis(
+    name="attribution_patching",
+    result_type=AttributionResult,
+    identity=lambda s: {"detail_prompts": s.detail_prompts},
+    run=_run_attribution,
+    figures=per_prompt_figures(attribution_patching_figure),
+    summary=lambda r: [f"attribution patching (screening) max |estimate| {float(abs(r.patching).max()):.3g}"],
+    detail=True,
+    uses_baseline=True,
+)
+GRAD_X_ACT = Analysis(
+    name="grad_x_act",
+    result_type=AttributionResult,
+    identity=lambda s: {"detail_prompts": s.detail_prompts},  # g . h does not read the baseline
+    run=_run_attribution,
+    figures=per_prompt_figures(partial(attribution_patching_figure, quantity="grad_x_act")),
+    summary=lambda r: [f"grad x act max |value| {float(abs(r.grad_x_act).max()):.3g}"],
+    detail=True,
+)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +16,13 @@ from jaxdepth.core.model import LayerRecord, embed, run_layers
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.analyses.effective_depth import cosine_effective_depth
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
+from jaxdepth.analyses.suite import Analysis
+from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
 
 # Order of the statistics on the last axis of `per_token`.
 STATISTICS = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
@@ -138,3 +144,62 @@ def contributions(
         **{f"{name}_per_prompt": c for name, c in zip(STATISTICS, per_prompt)},
         tokens_per_prompt=batch.lengths.astype(np.int64),
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def contributions_figure(
+    result: ContributionResult,
+    *,
+    title: Optional[str] = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Figure:
+    """Cosine of the attention, MLP and layer outputs with the residual (and their mean, which the
+    cosine effective depth reads) and their relative norms, per layer; the cosine ED is a vertical
+    line in both panels. Where the result has per-prompt curves, each prompt's mean cosine is a
+    faint line and, with `resamples > 0`, a shaded 95% bootstrap band over prompts (`seed` as in
+    `uncertainty`) surrounds the mean cosine and the norms, and the title gives the ED's interval."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, ContributionResult, "contributions_figure")
+    L = len(result.cos_layer)
+    layers = np.arange(L)
+    ed = d.depth_or_none(cosine_effective_depth, result.mean_cosine)
+    bands, intervals = d.bootstrap(result, resamples, seed)
+    fig = d.new_figure(11, 4.2)
+    cos_ax, norm_ax = fig.subplots(1, 2, sharex=True)
+    d.draw_per_prompt(cos_ax, layers, result.mean_cosine_per_prompt, "0.5")
+    for i, name in enumerate(("attn", "mlp", "layer")):
+        cos_ax.plot(layers, getattr(result, f"cos_{name}"), marker=".", label=name)
+        norm_ax.plot(layers, getattr(result, f"norm_{name}"), marker=".", label=name)
+        d.draw_band(norm_ax, layers, bands.get(f"norm_{name}"), f"C{i}", label=i == 0)
+    cos_ax.plot(layers, result.mean_cosine, color="k", linestyle="--", label="mean")
+    d.draw_band(cos_ax, layers, bands.get("mean_cosine"), "k")
+    cos_ax.axhline(0, color="grey", linewidth=0.8)
+    for ax in (cos_ax, norm_ax):
+        d.mark_depth(ax, ed, "cosine ED")
+        d.layer_axis(ax, L)
+        ax.legend(fontsize=8)
+    cos_ax.set(ylabel="cosine with the residual", title=d.depth_text("cosine", ed, intervals.get("cosine")))
+    norm_ax.set(ylabel="||contribution|| / ||residual||", title="relative norm")
+    # The first layers' norms are often tens of times the rest: a log axis keeps both readable.
+    norms = np.stack([result.norm_attn, result.norm_mlp, result.norm_layer])
+    if np.all(norms[np.isfinite(norms)] > 0):
+        norm_ax.set_yscale("log")
+    d.title_figure(fig, "Layer contributions", title, result.settings)
+    return fig
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+ANALYSIS = Analysis(
+    name="contributions",
+    result_type=ContributionResult,
+    identity=lambda s: {},
+    run=lambda x: contributions(x.model.params, x.batch, x.model.config),
+    figures=lambda r, tokenizer, n: {"": contributions_figure(r)},
+    summary=lambda r: [f"cosine ED {cosine_effective_depth(r.mean_cosine)}"],
+    feeds_table=True,
+)

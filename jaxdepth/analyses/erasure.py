@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -43,9 +43,15 @@ from jaxdepth.core.model import (
 from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.analyses.suite import Analysis, RunInputs, per_prompt_figures
 from jaxdepth.analyses.stats import masked_max, metric_value, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
+
+    from jaxdepth.analyses.drawing import TokenPanel
 
 
 @partial(jit, static_argnames="config")
@@ -362,7 +368,7 @@ def residual_erasure(
     memory_budget: Optional[int] = None,
     blocks: Optional[int] = None,
     effect: str = "probability_shift",
-    progress: bool = True,
+    progress: ProgressLike = True,
     settings=None,
     interventions=None,
     metric: Optional[Callable] = None,
@@ -398,7 +404,7 @@ def residual_erasure(
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
     changes = None if metric is None else np.zeros((len(batch), L + 1, T), np.float32)
-    for i in tqdm(range(len(batch)), desc="residual erasure (prompts)", disable=not progress):
+    for i in track(range(len(batch)), progress, "residual erasure (prompts)"):
         prompt = batch.prompt(i)
         Ti = prompt.tokens.shape[1]
         chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
@@ -429,3 +435,66 @@ def residual_erasure(
         settings=settings,
         metric_change=changes,
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def erasure_panel(result: ErasureResult, prompt: int = 0, *, tokenizer=None) -> "TokenPanel":
+    """The erasure heatmap of one prompt as a `TokenPanel` (see `erasure_figure`)."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, ErasureResult, "erasure_panel")
+    p = d.prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    return d.TokenPanel(
+        result.effects[p, :, :n],
+        d.token_labels(result.tokens[p, :n], tokenizer),
+        row_label="erased boundary l (0 = embeddings)",
+        answer_start=int(result.answer_start[p]),
+        cmap="magma",
+        symmetric=False,
+        colorbar_label=r"max over answer of $\|y - \bar{y}\|_2$",
+        caption="residual erasure",
+    )
+
+
+def erasure_figure(result: ErasureResult, prompt: int = 0, *, tokenizer=None, title: Optional[str] = None) -> Figure:
+    """Residual erasure of one prompt: the effect on the answer predictions of erasing h_l[t],
+    boundary l = 0..L (y) by token t (x). `tokenizer` (its `decode`, else `convert_ids_to_tokens`)
+    labels the tokens; None labels positions."""
+    from jaxdepth.analyses import drawing as d
+
+    fig = d.token_heatmap(dataclasses.replace(erasure_panel(result, prompt, tokenizer=tokenizer), caption=""))
+    d.title_figure(fig, f"Residual erasure, prompt {d.prompt_index(result, prompt)}", title, result.settings)
+    return fig
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+
+def baseline_residuals(inputs: RunInputs):
+    """The erasure baseline of a study run: `mean_residuals` of its baseline prompts (its own
+    prompts when it has none)."""
+    batch = inputs.baseline_batch if inputs.baseline_batch is not None else inputs.batch
+    return mean_residuals(inputs.model.params, batch, inputs.model.config)
+
+
+ANALYSIS = Analysis(
+    name="erasure",
+    result_type=ErasureResult,
+    identity=lambda s: {"detail_prompts": s.detail_prompts},
+    run=lambda x: residual_erasure(
+        x.model.params,
+        x.batch,
+        x.model.config,
+        baseline_residuals(x),
+        memory_budget=x.settings.memory_budget,
+        progress=x.progress,
+    ),
+    figures=per_prompt_figures(erasure_figure),
+    summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"],
+    panel=erasure_panel,
+    detail=True,
+    uses_baseline=True,
+)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import (
@@ -36,10 +35,17 @@ from jaxdepth.analyses.ig.checks import (
 from jaxdepth.analyses.ig.engine import attribute
 from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, metric_head, weighted_gradient
 from jaxdepth.analyses.ig.path import path_points as site_path_points
+from jaxdepth.core.progress import ProgressLike, progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.analyses.suite import Analysis, Settings, option, per_prompt_figures
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
+
+    from jaxdepth.analyses.drawing import TokenPanel
 
 # What a layer's attribution is taken with respect to, per study target: the site of its
 # output h_{l+1}, or of one of its sublayers' outputs.
@@ -282,7 +288,7 @@ def integrated_gradients(
     target: str = "layer",
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
-    progress: bool = True,
+    progress: ProgressLike = True,
     settings=None,
     interventions=None,
     on_layer: Optional[Callable[[], None]] = None,
@@ -329,7 +335,7 @@ def integrated_gradients(
     evaluations, converged = np.zeros((P, L), np.int64), np.zeros((P, L), bool)
     bound, floored = np.zeros((P, L), np.float32), np.zeros((P, L), bool)
     desc = "adaptive integrated gradients (layers)" if adaptive else f"integrated gradients ({steps} steps, layers)"
-    with tqdm(total=P * L, desc=desc, disable=not progress) as bar:
+    with progress_bar(progress, total=P * L, desc=desc) as bar:
 
         def layer_done():
             bar.update()
@@ -394,3 +400,228 @@ def integrated_gradients(
         },
         **extra,
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+_IG_ROWS = {
+    "layer": r"layer l (output $h_{l+1}$)",
+    "attn": r"layer l (attention output $a_l$)",
+    "mlp": r"layer l (MLP output $m_l$)",
+}
+
+
+def relative_gaps(result: IntegratedGradientsResult, prompt: int = 0) -> np.ndarray:
+    """`[L]` each layer's |completeness gap| / |F(x) - F(b_l)| of one prompt (NaN where F did not
+    move): the share of the effect that the attributions fail to account for."""
+    from jaxdepth.analyses import drawing as d
+
+    p = d.prompt_index(result, prompt)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.abs(result.gap[p]) / np.abs(result.f_input[p] - result.f_baseline[p])
+    return np.where(np.isfinite(relative), relative, np.nan)
+
+
+def _ig_caption(result: IntegratedGradientsResult, p: int, name: str = "integrated gradients") -> str:
+
+    relative = relative_gaps(result, p)
+    share = (
+        f", up to {100 * np.nanmax(relative):.3g}% of |F(x) \N{MINUS SIGN} F(b)|" if np.isfinite(relative).any() else ""
+    )
+    gap = f"max |completeness gap| = {np.nanmax(np.abs(result.gap[p])):.3g}{share}"
+    converged = getattr(result, "converged", None)  # the adaptive rule's result
+    if converged is not None:
+        return (
+            f"{name}, {result.rule}: {int(converged[p].sum())} of {converged.shape[1]} layers converged, "
+            f"{int(result.evaluations[p].sum())} gradient evaluations; {gap}"
+        )
+    return f"{name}, {result.rule}: {gap}"
+
+
+def integrated_gradients_panel(result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None) -> "TokenPanel":
+    """The IG heatmap of one prompt as a `TokenPanel` (see `integrated_gradients_figure`)."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, IntegratedGradientsResult, "integrated_gradients_panel")
+    p = d.prompt_index(result, prompt)
+    converged = getattr(result, "converged", None)  # the adaptive rule's result
+    n = int(result.lengths[p])
+    return d.TokenPanel(
+        result.attributions[p, :, :n],
+        d.token_labels(result.tokens[p, :n], tokenizer),
+        row_label=_IG_ROWS[result.settings.get("target", "layer")],
+        answer_start=int(result.answer_start[p]),
+        cmap="RdBu_r",
+        symmetric=True,
+        colorbar_label="attribution to F (answer probability)",
+        caption=_ig_caption(result, p),
+        flagged_rows=tuple(np.flatnonzero(~converged[p])) if converged is not None else (),
+        flag_label="not converged (budget spent)",
+    )
+
+
+def integrated_gradients_figure(
+    result: IntegratedGradientsResult, prompt: int = 0, *, tokenizer=None, title: Optional[str] = None
+) -> Figure:
+    """Integrated-gradients attribution of the answer probability to each token of each layer's
+    output, for one prompt (diverging colours centred at 0), and beside it each layer's
+    completeness gap as a share of what F moved, |gap_l| / |F(x) - F(b_l)|: a layer whose gap is
+    large had too few integration steps, and its attributions are not to be trusted. The title
+    names the rule and steps and gives the largest |completeness gap| over layers."""
+    from jaxdepth.analyses import drawing as d
+
+    p = d.prompt_index(result, prompt)
+    panel = dataclasses.replace(integrated_gradients_panel(result, p, tokenizer=tokenizer), caption="")
+    width, height = d.panel_size(panel)
+    fig = d.new_figure(width + _GAP_PANEL_WIDTH, height)
+    grid = fig.add_gridspec(1, 2, width_ratios=[width, _GAP_PANEL_WIDTH])
+    heatmap = fig.add_subplot(grid[0])
+    d.draw_token_panel(fig, heatmap, panel)  # the heatmap and its colour bar come first in fig.axes
+    _draw_gap_panel(fig.add_subplot(grid[1], sharey=heatmap), result, p)
+    d.title_figure(fig, _ig_caption(result, p, f"Integrated gradients, prompt {p}"), title, result.settings)
+    return fig
+
+
+_GAP_PANEL_WIDTH = 1.8  # inches beside the IG heatmap
+
+
+def _draw_gap_panel(ax, result: IntegratedGradientsResult, p: int):
+    """Bars of `relative_gaps` in percent, one per layer, on the heatmap's layer axis; the worst
+    is written out, and the adaptive rule's tolerance is a dashed line."""
+    percent = 100 * relative_gaps(result, p)
+    layers = np.arange(len(percent))
+    rows = ax.get_ylim()  # the heatmap's: bars must not widen the shared layer axis
+    ax.barh(layers, np.nan_to_num(percent), height=0.7, color="0.35")
+    ax.set_ylim(rows)
+    ax.set_xlabel("|completeness gap|\n% of |F(x) \N{MINUS SIGN} F(b)|")
+    ax.tick_params(labelleft=False)
+    ax.set_title("completeness", fontsize=10)
+    tolerance = result.settings.get("tolerance")
+    if getattr(result, "converged", None) is not None and isinstance(tolerance, (int, float)):
+        ax.axvline(100 * tolerance, color="C3", linestyle="--", linewidth=1, label="tolerance")
+        ax.legend(loc="lower right", fontsize=7, framealpha=0.8)
+    if np.isfinite(percent).any():
+        worst = int(np.nanargmax(percent))
+        ax.set_xlim(0, max(1.25 * percent[worst], 1.0))
+        ax.annotate(
+            f"{percent[worst]:.3g}%",
+            (percent[worst], worst),
+            xytext=(2, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+        )
+    ax.grid(axis="x", alpha=0.3)
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+
+def evaluation_budget(text: str) -> int:
+    """`--ig-max-evaluations`: an integer >= 3 (one Simpson interval)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+    if n < 3:
+        raise ValueError(f"{n} is too few: the adaptive rule needs at least 3 (one Simpson interval)")
+    return n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IGSettings(Settings):
+    """The studies' integrated gradients in a study (`Settings` and its options). `ig_baseline`
+    is a setting but not an option of the command line."""
+
+    ig_steps: int = option(rules.DEFAULT_STEPS, "integration steps (default 256, the studies')")
+    ig_rule: str = option(
+        "left",
+        "quadrature: left Riemann (default, the published rule), midpoint, Gauss-Legendre (all --ig-steps "
+        "nodes), or adaptive: nodes placed per layer until a certified completeness bound is below "
+        "--ig-tolerance (its figure marks layers that did not get there within the budget)",
+        choices=rules.RULES,
+    )
+    ig_tolerance: float = option(
+        0.01,
+        "--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, or to a tenth of "
+        "|F(x)| where F moves less along the path (default 0.01)",
+    )
+    ig_max_evaluations: Optional[int] = option(
+        None,
+        "--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not reached "
+        "--ig-tolerance by then is reported as not converged (default: --ig-steps, never more than the fixed rule)",
+        parse=evaluation_budget,
+        metavar="N",
+    )
+    ig_target: str = option(
+        "layer",
+        "integrated gradients with respect to each layer's output h_{l+1} (default), its attention output a_l "
+        "or its MLP output m_l",
+        choices=tuple(TARGETS),
+    )
+    ig_baseline: str = "channel_mean"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ig_baseline not in BASELINES:
+            raise ValueError(f"ig_baseline must be one of {', '.join(BASELINES)}; got {self.ig_baseline!r}")
+        if self.ig_max_evaluations is not None:
+            evaluation_budget(str(self.ig_max_evaluations))
+
+    def warnings(self) -> list[str]:
+        """A budget of evaluations given to a fixed rule, which ignores it."""
+        if self.ig_max_evaluations is not None and self.ig_rule != "adaptive":
+            return [f"--ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule {self.ig_rule}"]
+        return []
+
+
+def _ig_identity(s: IGSettings) -> dict:
+    if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
+        budget = rules.default_budget(s.ig_steps) if s.ig_max_evaluations is None else s.ig_max_evaluations
+        rule = {
+            "ig_rule": "adaptive",
+            "ig_tolerance": s.ig_tolerance,
+            "ig_max_evaluations": budget,
+            "ig_rule_version": rules.RULE_VERSION,
+        }
+    else:
+        rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
+    return {
+        "detail_prompts": s.detail_prompts,
+        **rule,
+        "ig_baseline": s.ig_baseline,
+        # only when not the default: earlier results stay valid
+        **({} if s.ig_target == "layer" else {"ig_target": s.ig_target}),
+    }
+
+
+def _run_ig(x) -> IntegratedGradientsResult:
+    s, m = x.settings, x.model
+    common = dict(baseline=s.ig_baseline, target=s.ig_target, memory_budget=s.memory_budget, progress=x.progress)
+    if s.ig_rule == "adaptive":
+        common.update(tolerance=s.ig_tolerance, max_evaluations=s.ig_max_evaluations)
+    return integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule, **common)
+
+
+def _ig_summary(r: IntegratedGradientsResult) -> list:
+    line = [f"IG ({r.rule}) max |completeness gap| {abs(r.gap).max():.2g}"]
+    if r.converged is not None:
+        line.append(
+            f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
+            f"{int(r.evaluations.sum())} gradient evaluations"
+        )
+    return line
+
+
+ANALYSIS = Analysis(
+    name="integrated_gradients",
+    result_type=IntegratedGradientsResult,
+    settings=IGSettings,
+    identity=_ig_identity,
+    run=_run_ig,
+    figures=per_prompt_figures(integrated_gradients_figure),
+    summary=_ig_summary,
+    panel=integrated_gradients_panel,
+    detail=True,
+)

@@ -42,11 +42,16 @@ walks the small boundaries in a `fori_loop` writing into the carried buffer in p
 needs one `[D_s, L_l+1, D_l]` slice of scratch, not a second copy of the statistics. Products
 run at `Precision.HIGHEST`: on accelerators the default float32 matmul rounds its inputs to
 bf16 or tf32, too coarse for a Gram matrix that is then inverted.
+
+Over prompts: `compute_mapping` runs both models on each prompt (one jitted call each, prompts
+padded to `PAD_TO`), folds the training prompts into the statistics, fits, and measures the
+held-out ones; `jaxdepth map` (`jaxdepth.lab.mapping_study`) caches, saves and draws the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 import jax
@@ -54,7 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
+from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.batch import LengthBuckets, PromptBatch
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import residual_stream
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.core.sharding import to_host
 
 HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_RIDGE = 1e-3
@@ -84,12 +95,12 @@ def empty_statistics(
     return MappingStatistics(z(), z(Ms, Ds), z(Ml, Dl), z(Ms, Ds, Ds), z(Ms, Ds, Ml, Dl))
 
 
-def _batch_mean(x: Float[Array, "M N D"], mask: Bool[Array, "N"], count) -> Float[Array, "M D"]:
+def _batch_mean(x: Float[Array, "M N D"], mask: Bool[Array, " N"], count) -> Float[Array, "M D"]:
     return jnp.sum(jnp.where(mask[None, :, None], x, 0.0), axis=1) / jnp.maximum(count, 1.0)
 
 
 def accumulate_statistics(
-    stats: MappingStatistics, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, "N"]
+    stats: MappingStatistics, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, " N"]
 ) -> MappingStatistics:
     """`stats` with the tokens where `mask` is true added: `xs` are the small model's residuals
     at every boundary, `ys` the large model's, for the same N tokens (any dtype; float32 here).
@@ -133,7 +144,7 @@ class MappingFit:
     y_mean: Float[Array, "Ml Dl"]
     cholesky: Float[Array, "Ms Ds Ds"]
     xy: Float[Array, "Ms Ds Ml Dl"]
-    lam: Float[Array, "Ms"]
+    lam: Float[Array, " Ms"]
 
 
 def fit_maps(stats: MappingStatistics, ridge: float = DEFAULT_RIDGE) -> MappingFit:
@@ -165,8 +176,8 @@ class ErrorSums:
     error of the best constant map), and the token `count`."""
 
     error: Float[Array, "Ms Ml"]
-    target: Float[Array, "Ml"]
-    baseline: Float[Array, "Ml"]
+    target: Float[Array, " Ml"]
+    baseline: Float[Array, " Ml"]
     count: Float[Array, ""]
 
 
@@ -177,7 +188,7 @@ def empty_errors(small_boundaries: int, large_boundaries: int) -> ErrorSums:
 
 
 def accumulate_errors(
-    sums: ErrorSums, fit: MappingFit, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, "N"]
+    sums: ErrorSums, fit: MappingFit, xs: Float[Array, "Ms N Ds"], ys: Float[Array, "Ml N Dl"], mask: Bool[Array, " N"]
 ) -> ErrorSums:
     """`sums` plus the squared errors of every pair's map on the tokens where `mask` is true.
 
@@ -290,3 +301,150 @@ def mapping_result(
         heldout_prompts=int(heldout_prompts),
         settings=dict(settings or {}),
     )
+
+
+# Prompts run one at a time, padded to a multiple of 64: a whole dataset compiles a handful of
+# shapes, and padding (masked out of every statistic) costs at most 63 positions per prompt.
+PAD_TO = LengthBuckets(64, geometric=False)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MappingSettings:
+    """Everything that changes a mapping result besides the models and the prompts.
+
+    train_prompts: prompts 0..train_prompts-1 fit the maps, the later ones are held out (a
+        split by prompt, so no held-out token shares a context with a training token).
+    ridge: relative ridge, `lam = ridge * trace(Gram) / D_s` (`fit_maps`).
+    first_position: positions before it are left out of fitting and evaluation. Default 1:
+        position 0 (the BOS, or the first token where the tokenizer adds none, as Qwen2.5's)
+        is an attention sink whose residual norm is far larger than every other position's,
+        and it would dominate both the least squares and the norm-weighted error.
+    """
+
+    train_prompts: int = 80
+    ridge: float = DEFAULT_RIDGE
+    first_position: int = 1
+
+    def __post_init__(self):
+        if self.first_position < 0 or self.ridge < 0:
+            raise ValueError(f"first_position and ridge must be >= 0, got {self.first_position} and {self.ridge}")
+
+
+# ----------------------------------------------------------------------------- over prompts
+
+
+def _flat_residuals(params, tokens, valid, config: ModelConfig):
+    """Every boundary's residual as `[L+1, B*T, D]` (tokens flattened, B = 1 here)."""
+    hs = residual_stream(params, tokens, config, valid=valid)
+    return hs.reshape(hs.shape[0], -1, hs.shape[-1])
+
+
+def _token_mask(valid, first_position: int):
+    return (valid & (jnp.arange(valid.shape[1]) >= first_position)[None]).reshape(-1)
+
+
+@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="stats")
+def _train_step(stats, small_params, large_params, tokens, valid, small_config, large_config, first_position):
+    """Both models' residual streams of one prompt, folded into the statistics (one compiled call)."""
+    xs = _flat_residuals(small_params, tokens, valid, small_config)
+    ys = _flat_residuals(large_params, tokens, valid, large_config)
+    return accumulate_statistics(stats, xs, ys, _token_mask(valid, first_position))
+
+
+@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="sums")
+def _heldout_step(sums, fit, small_params, large_params, tokens, valid, *, small_config, large_config, first_position):
+    """Both models' residual streams of one held-out prompt, their map errors added to the sums."""
+    xs = _flat_residuals(small_params, tokens, valid, small_config)
+    ys = _flat_residuals(large_params, tokens, valid, large_config)
+    return accumulate_errors(sums, fit, xs, ys, _token_mask(valid, first_position))
+
+
+_fit = jit(fit_maps, static_argnames="ridge")
+
+
+def place_statistics(stats: MappingStatistics, mesh) -> MappingStatistics:
+    """With a mesh, split the large width D_l of the cross-products (and of the large means) over
+    all its devices; the small Gram and means, a small fraction, stay replicated."""
+    if mesh is None:
+        return stats
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    axes = tuple(mesh.axis_names)
+
+    if stats.xy.shape[-1] % mesh.size:
+        # Replicating the cross-products would put all of them on every device: for 1.5B -> 14B
+        # that is 45 GB each, so refuse rather than fail later for memory.
+        raise ValueError(
+            f"the larger model's width {stats.xy.shape[-1]} does not divide over the mesh's "
+            f"{mesh.size} devices; choose a mesh whose size divides it"
+        )
+
+    def sharding(x, split: bool):
+        return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes)) if split else NamedSharding(mesh, P())
+
+    return jax.device_put(
+        stats,
+        MappingStatistics(
+            sharding(stats.count, False),
+            sharding(stats.x_mean, False),
+            sharding(stats.y_mean, True),
+            sharding(stats.xx, False),
+            sharding(stats.xy, True),
+        ),
+    )
+
+
+def compute_mapping(
+    small,
+    large,
+    train: PromptBatch,
+    held_out: PromptBatch,
+    settings: MappingSettings = MappingSettings(),
+    *,
+    mesh=None,
+    progress: ProgressLike = True,
+    names: tuple[str, str, str] = ("small", "large", "prompts"),
+) -> LayerMappingResult:
+    """Fit on `train`, measure on `held_out` (batches with the same token ids for both models),
+    one jitted call per prompt; `small` and `large` are loaded models (`jaxdepth.Model`: params
+    and config); `names` = (small model, large model, dataset) for the result. With a `mesh`,
+    the cross-products are split over its devices (`place_statistics`)."""
+    cs, cl = small.config, large.config
+    stats = place_statistics(
+        empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1, cl.hidden_size), mesh
+    )
+    step = dict(small_config=cs, large_config=cl, first_position=settings.first_position)
+    for i in track(range(len(train)), progress, "layer mapping: fit"):
+        one = train.single(i, PAD_TO)
+        stats = _train_step(stats, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step)
+    train_tokens = int(to_host(stats.count))
+    if train_tokens == 0:
+        raise ValueError(
+            f"no training token: {len(train)} prompt(s), none with a position >= {settings.first_position}"
+        )
+    fit = _fit(stats, ridge=settings.ridge)
+    del stats  # its cross-products live on in the fit (the same array)
+    sums = empty_errors(cs.num_layers + 1, cl.num_layers + 1)
+    for i in track(range(len(held_out)), progress, "layer mapping: held out"):
+        one = held_out.single(i, PAD_TO)
+        sums = _heldout_step(
+            sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step
+        )
+    sums = jax.tree.map(to_host, sums)
+    result = mapping_result(
+        sums,
+        small_model=names[0],
+        large_model=names[1],
+        dataset=names[2],
+        train_tokens=train_tokens,
+        train_prompts=len(train),
+        heldout_prompts=len(held_out),
+        settings=dataclasses.asdict(settings),
+    )
+    if not np.all(np.isfinite(result.errors)):
+        raise ValueError(
+            f"the layer mapping gave NaN or infinite errors (ridge {settings.ridge:g}): with fewer "
+            f"training tokens ({train_tokens}) than residual width ({cs.hidden_size}) or a very small "
+            "ridge the Gram matrix is singular; use more training prompts or a larger ridge"
+        )
+    return result

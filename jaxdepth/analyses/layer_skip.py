@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -41,6 +41,11 @@ from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
+from jaxdepth.analyses.effective_depth import depth_score
+from jaxdepth.analyses.suite import Analysis, Settings, option
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
 
 # what each sublayer's skip removes: the layer's whole contribution, or one sublayer's output
 SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
@@ -340,7 +345,7 @@ def layer_skip(
     splits_per_prompt: int = 4,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
-    progress: bool = True,
+    progress: ProgressLike = True,
     settings=None,
     interventions=None,
     metric: Optional[Callable] = None,
@@ -392,7 +397,7 @@ def layer_skip(
     output_pp = np.zeros((len(batch), L), np.float32)
     metric_pp = None if metric is None else np.full((len(batch), L, n_splits), np.nan, np.float32)
     used = np.full((len(batch), splits_per_prompt), -1, np.int64)
-    for i in tqdm(range(len(batch)), desc=f"layer skip ({sublayer}, {mode})", disable=not progress):
+    for i in track(range(len(batch)), progress, f"layer skip ({sublayer}, {mode})"):
         if mode == "future" and not positions[i]:
             continue  # prompt too short for any split position: it contributes nothing
         one = batch.single(i)
@@ -519,3 +524,151 @@ def layer_skip_sublayers(
         metric_change=None if metric is None else stack("metric_change"),
         metric_change_per_prompt=None if metric is None else stack("metric_change_per_prompt"),
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+# Colour-scale percentile: one skipped-layer row of a layer-skip matrix is 2/L of its upper
+# triangle, under 10% from L = 20 on.
+LAYER_SKIP_PERCENTILE = 90.0
+
+
+def layer_skip_figure(
+    results: Union[LayerSkipResult, Mapping[str, LayerSkipResult]], *, title: Optional[str] = None
+) -> Figure:
+    """Effect of skipping layer s on every later layer's contribution (heatmap, s on the y axis,
+    measured layer j on the x axis) and on the output (bars sharing the s axis), one row per
+    sublayer when given a dict `name -> LayerSkipResult`. Cells zero by construction (j <= s in
+    the 'future' mode, j < s in the 'current' mode, whose diagonal is measured) are drawn grey;
+    all heatmaps share one colour scale so sublayers compare directly."""
+    from jaxdepth.analyses import drawing as d
+
+    if isinstance(results, LayerSkipResult):
+        results = {results.settings.get("sublayer", "layer"): results}
+    if not isinstance(results, Mapping):
+        raise d.ResultTypeError(
+            f"layer_skip_figure needs a LayerSkipResult or a dict of them, got {type(results).__name__}"
+        )
+    rows = dict(results)
+    if not rows:
+        raise ValueError("layer_skip_figure needs at least one LayerSkipResult")
+    for name, result in rows.items():
+        d.expect(result, LayerSkipResult, f"layer_skip_figure ({name!r})")
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # grey: zero by construction
+    # One scale for every sublayer, read from the cells that are not zero by construction: a
+    # single extreme cell (skipping layer 0 often changes everything) would otherwise leave the
+    # rest of the matrix one colour.
+    # Grey: zero by causality (j <= s in the 'future' mode, j < s in the 'current' one).
+    first = lambda r: 0 if r.settings.get("mode") == "current" else 1
+    shown = {
+        name: np.where(np.triu(np.ones_like(r.later, bool), k=first(r)), r.later, np.nan) for name, r in rows.items()
+    }
+    measured = np.concatenate([m[np.isfinite(m)] for m in shown.values()])
+    vmax, clipped = d.robust_limit(measured, LAYER_SKIP_PERCENTILE)
+    top = float(measured.max()) if measured.size else 0.0
+    out_max = max(float(np.nanmax(r.output)) for r in rows.values()) or 1.0
+    L = max(len(r.output) for r in rows.values())
+    size = min(max(3.0, 0.12 * L + 2.0), 6.0)
+    fig = d.new_figure(size * 1.75 + 1.5, size * len(rows) + 0.6)
+    axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=[3, 1])
+    for (name, result), (heat_ax, out_ax) in zip(rows.items(), axes):
+        n = len(result.output)
+        image = heat_ax.imshow(
+            shown[name], origin="upper", interpolation="nearest", aspect="auto", cmap=cmap, vmin=0.0, vmax=vmax
+        )
+        try:
+            score = f"depth score {depth_score(result.later):.2f}"
+        except ValueError:
+            score = "depth score undefined"
+        mode = result.settings.get("mode")
+        heat_ax.set(
+            xlabel="measured layer j",
+            ylabel="skipped layer s",
+            title=f"{name}{f' ({mode})' if mode else ''}: later layers, {score}",
+        )
+        # Horizontal bars share the skipped-layer axis, so row s of the heatmap and bar s align.
+        out_ax.sharey(heat_ax)
+        out_ax.barh(np.arange(n), result.output, color="C3", height=0.8)
+        out_ax.set(xlabel=r"$\|y - \bar{y}\|_2$ (max)", title="output", xlim=(0, out_max * 1.05))
+        out_ax.grid(axis="x", alpha=0.3)
+    # Below the heatmap column: to its right it would sit between heatmaps and bars.
+    fig.colorbar(
+        image,
+        ax=axes[:, 0].tolist(),
+        location="bottom",
+        shrink=0.8,
+        aspect=40,
+        extend="max" if clipped else "neither",
+        label=d.clipped_label(
+            r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped, LAYER_SKIP_PERCENTILE
+        ),
+    )
+    d.title_figure(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
+    return fig
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSkipSettings(Settings):
+    """Layer skip's settings in a study (`Settings` and its options)."""
+
+    skip_sublayers: tuple = option(
+        tuple(SUBLAYERS), "what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)"
+    )
+    skip_mode: str = option(
+        "future",
+        "layer skip: 'future' skips before split positions (--skip-split) and measures after them "
+        "(the first study's main analysis); 'current' skips every position but 0 and measures every position",
+        choices=MODES,
+    )
+    skip_split: str = option(
+        "sampled",
+        "future layer skip: split at 4 sampled positions per prompt (default, METHODS §3) or at the start of "
+        "the answer (the first study's depth-against-difficulty runs)",
+        choices=SPLITS,
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        sublayers = tuple(self.skip_sublayers)
+        if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
+            raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {','.join(sublayers)!r}")
+        if self.skip_mode == "current" and self.skip_split != "sampled":
+            raise ValueError(
+                "--skip-split applies to --skip-mode future; the current mode skips and measures every position"
+            )
+
+
+def _skip_identity(s: LayerSkipSettings) -> dict:
+    return {
+        "seed": s.seed,
+        "skip_sublayers": list(s.skip_sublayers),
+        "skip_mode": s.skip_mode,
+        # only when not the default: earlier results stay valid
+        **({} if s.skip_split == "sampled" else {"skip_split": s.skip_split}),
+    }
+
+
+ANALYSIS = Analysis(
+    name="layer_skip",
+    result_type=LayerSkipBySublayer,
+    settings=LayerSkipSettings,
+    identity=_skip_identity,
+    run=lambda x: layer_skip_sublayers(
+        x.model.params,
+        x.batch,
+        x.model.config,
+        sublayers=x.settings.skip_sublayers,
+        seed=x.settings.seed,
+        mode=x.settings.skip_mode,
+        splits=x.settings.skip_split,
+        memory_budget=x.settings.memory_budget,
+        progress=x.progress,
+    ),
+    figures=lambda r, tokenizer, n: {"": layer_skip_figure(r.parts())},
+    summary=lambda r: [f"depth score ({s} skipped) {depth_score(part.later):.2f}" for s, part in r.parts().items()],
+)

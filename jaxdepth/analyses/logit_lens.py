@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,13 @@ from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
+from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
 from jaxdepth.analyses.tuned_lens import translate
+from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
 
 TOP_K = 5
 
@@ -133,3 +139,79 @@ def logit_lens(
         overlap_per_prompt=per_prompt(overlap),
         tokens_per_prompt=batch.lengths.astype(np.int64),
     )
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def logit_lens_figure(
+    result: LogitLensResult,
+    *,
+    kl_fraction: float = 0.5,
+    overlap_threshold: float = 0.3,
+    title: Optional[str] = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> Figure:
+    """KL(P_l || P) and top-5 overlap with the final output per layer, with the thresholds of the
+    KL and overlap effective depths (horizontal) and the depths themselves (vertical). Where the
+    result has per-prompt curves, each prompt's curves are faint lines and, with `resamples > 0`,
+    a shaded 95% bootstrap band over prompts (`seed` as in `uncertainty`) surrounds each curve,
+    and the titles give the EDs' intervals."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, LogitLensResult, "logit_lens_figure")
+    L = len(result.kl)
+    layers = np.arange(L)
+    kl_ed = d.depth_or_none(kl_effective_depth, result.kl, kl_fraction)
+    overlap_ed = d.depth_or_none(overlap_effective_depth, result.overlap, overlap_threshold)
+    bands, intervals = d.bootstrap(
+        result, resamples, seed, kl_fraction=kl_fraction, overlap_threshold=overlap_threshold
+    )
+    fig = d.new_figure(11, 4.2)
+    kl_ax, overlap_ax = fig.subplots(1, 2, sharex=True)
+    d.draw_per_prompt(kl_ax, layers, result.kl_per_prompt, "C0")
+    d.draw_per_prompt(overlap_ax, layers, result.overlap_per_prompt, "C1")
+    kl_ax.plot(layers, result.kl, marker=".", color="C0", label="KL")
+    d.draw_band(kl_ax, layers, bands.get("kl"), "C0")
+    kl_ax.axhline(kl_fraction * np.nanmax(result.kl), color="grey", linestyle="--", label=f"{kl_fraction:g} x max KL")
+    d.mark_depth(kl_ax, kl_ed, "KL ED")
+    overlap_ax.plot(layers, result.overlap, marker=".", color="C1", label="top-5 overlap")
+    d.draw_band(overlap_ax, layers, bands.get("overlap"), "C1")
+    overlap_ax.axhline(overlap_threshold, color="grey", linestyle="--", label=f"threshold {overlap_threshold:g}")
+    d.mark_depth(overlap_ax, overlap_ed, "overlap ED")
+    overlap_ax.set_ylim(-0.02, 1.02)
+    kl_ax.set(ylabel=d.KL_LABEL, title=d.depth_text("KL", kl_ed, intervals.get("kl")))
+    overlap_ax.set(ylabel="top-5 overlap with P", title=d.depth_text("overlap", overlap_ed, intervals.get("overlap")))
+    for ax in (kl_ax, overlap_ax):
+        d.layer_axis(ax, L)
+        ax.legend(fontsize=8)
+    weighting = result.settings.get("weighting")
+    d.title_figure(fig, "Logit lens" + (f", {weighting}-weighted" if weighting else ""), title, result.settings)
+    return fig
+
+
+# ----------------------------------------------------------------------------- in the suite
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogitLensSettings(Settings):
+    """The logit lens's settings in a study (`Settings` and its options)."""
+
+    lens_weighting: str = option(
+        "prompt",
+        "logit lens: average each prompt's positions, then the prompts (default), or every token at once",
+        choices=("prompt", "token"),
+    )
+
+
+ANALYSIS = Analysis(
+    name="logit_lens",
+    result_type=LogitLensResult,
+    settings=LogitLensSettings,
+    identity=lambda s: {"lens_weighting": s.lens_weighting},
+    run=lambda x: logit_lens(x.model.params, x.batch, x.model.config, weighting=x.settings.lens_weighting),
+    figures=lambda r, tokenizer, n: {"": logit_lens_figure(r)},
+    summary=lambda r: [f"KL ED {kl_effective_depth(r.kl)}", f"overlap ED {overlap_effective_depth(r.overlap)}"],
+    feeds_table=True,
+)

@@ -9,7 +9,8 @@ IS the logit lens) and is trained to make the decoded distribution match the mod
 - `TunedLens`: an NNX module holding the translators, stacked on a layer axis.
 - `train_tuned_lens`: optax on the KL of the final distribution to the lens distribution
   (Belrose's objective), random minibatches of tokens with all layers each, deterministic per
-  step, checkpointed with orbax so a rerun resumes where a stopped one left off.
+  step, resumable from any `LensTrainingState` (`jaxdepth.lab.lens_study` checkpoints them with
+  orbax, so a rerun resumes where a stopped one left off).
 - `jaxdepth.analyses.logit_lens.logit_lens(..., translators=...)`: the KL / overlap curves read
   through it, in the same result type as the logit lens.
 """
@@ -17,18 +18,16 @@ IS the logit lens) and is trained to make the decoded distribution match the mod
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
-from tqdm.auto import tqdm
 
+from jaxdepth.core.progress import ProgressLike, progress_bar, track
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -61,7 +60,7 @@ def identity_translators(num_layers: int, hidden_size: int, dtype=jnp.float32) -
     }
 
 
-def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[Array, "D"]) -> Float[Array, "*b D"]:
+def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[Array, " D"]) -> Float[Array, "*b D"]:
     """One layer's translator, in float32, the result in h's dtype. Residual form: zero weight
     and bias give back h bit for bit (so an untrained lens decodes as the logit lens does)."""
     h32 = h.astype(jnp.float32)
@@ -131,10 +130,12 @@ class ResidualTokens:
         return self.final.shape[0]
 
 
-def residual_tokens(params, batch: PromptBatch, config: ModelConfig, *, progress: bool = True) -> ResidualTokens:
+def residual_tokens(
+    params, batch: PromptBatch, config: ModelConfig, *, progress: ProgressLike = True
+) -> ResidualTokens:
     """Run the model once per prompt (at its own length) and keep each valid token's residuals."""
     hs, final = [], []
-    for i in tqdm(range(len(batch)), desc="residual streams", disable=not progress):
+    for i in track(range(len(batch)), progress, "residual streams"):
         one = batch.single(i)
         h = np.asarray(_residual_stream(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config))
         n = int(one.valid.sum())
@@ -153,46 +154,51 @@ def _draw(step: int, seed: int, n: int, k: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, step]).choice(n, size=min(k, n), replace=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class LensTrainingState:
+    """Where a training stands: the `step`s done, the `translators` and the optimizer state.
+    `train_tuned_lens` starts from one (to resume) and hands one to `on_step` after each step
+    (to checkpoint); `jaxdepth.lab.lens_study` keeps them on disk."""
+
+    step: int
+    translators: Translators
+    opt_state: object
+
+
+def initial_state(config: ModelConfig, settings: LensTrainingSettings) -> LensTrainingState:
+    """Step 0: identity translators (the logit lens) and a fresh optimizer state."""
+    translators = identity_translators(config.num_layers, config.hidden_size)
+    return LensTrainingState(0, translators, _optimizer(settings).init(translators))
+
+
 def train_tuned_lens(
     params,
     data: ResidualTokens,
     config: ModelConfig,
     settings: LensTrainingSettings = LensTrainingSettings(),
     *,
-    checkpoint_dir: Optional[str] = None,
-    data_identity: Optional[dict] = None,
+    state: Optional[LensTrainingState] = None,
+    on_step: Optional[Callable[[LensTrainingState, float], None]] = None,
     stop_after: Optional[int] = None,
-    progress: bool = True,
+    progress: ProgressLike = True,
 ) -> tuple[TunedLens, np.ndarray]:
-    """Train a tuned lens on `data`; returns it and the training loss per step run.
+    """Train a tuned lens on `data` from `state` (default: `initial_state`) to `settings.steps`;
+    returns it and the training loss per step run.
 
-    With `checkpoint_dir`, the translators and optimizer state are saved there (orbax, every
-    `settings.checkpoint_every` steps and after the last) and a rerun resumes from the latest
-    checkpoint. The folder's `lens.json` records `settings` and `data_identity` (what the lens
-    is trained on, e.g. a digest of the training tokens and the model): a rerun with either
-    different is an error, so a lens is never silently reused on other data. `stop_after` ends
-    the run after that step without a final save, as an interruption would (tests use it)."""
-    import orbax.checkpoint as ocp
-
+    Each step's minibatch is a pure function of (seed, step), so a training resumed from a
+    state equals an uninterrupted one. `on_step(state, loss)` is called after every step (the
+    shell checkpoints there). `stop_after` ends the run after that step, as an interruption
+    would (tests use it)."""
     L, D = config.num_layers, config.hidden_size
     if data.hs.shape[0] != L or data.hs.shape[2] != D:
         raise ValueError(f"residuals of shape {data.hs.shape} do not fit a model with L={L}, D={D}")
     optimizer = _optimizer(settings)
-    translators = identity_translators(L, D)
-    opt_state = optimizer.init(translators)
-    start, manager = 0, None
-    if checkpoint_dir is not None:
-        manager = _checkpoint_manager(checkpoint_dir, settings, data_identity)
-        if manager.latest_step() is not None:
-            start = manager.latest_step()
-            state = {"translators": translators, "opt_state": opt_state}
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-            state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-            translators, opt_state = state["translators"], state["opt_state"]
+    state = initial_state(config, settings) if state is None else state
+    translators, opt_state = state.translators, state.opt_state
     end = settings.steps if stop_after is None else min(stop_after, settings.steps)
     losses = []
-    with tqdm(total=settings.steps, initial=start, desc="tuned lens (steps)", disable=not progress) as bar:
-        for step in range(start, end):
+    with progress_bar(progress, total=settings.steps, initial=state.step, desc="tuned lens (steps)") as bar:
+        for step in range(state.step, end):
             idx = _draw(step, settings.seed, len(data), settings.tokens_per_step)
             translators, opt_state, loss = _train_step(
                 translators,
@@ -206,79 +212,6 @@ def train_tuned_lens(
             losses.append(float(loss))
             bar.update(1)
             bar.set_postfix(kl=f"{losses[-1]:.3f}")
-            done = step + 1
-            if manager is not None and (done % settings.checkpoint_every == 0 or done == settings.steps):
-                manager.save(done, args=ocp.args.StandardSave({"translators": translators, "opt_state": opt_state}))
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+            if on_step is not None:
+                on_step(LensTrainingState(step + 1, translators, opt_state), losses[-1])
     return TunedLens(L, D, translators=translators), np.asarray(losses, np.float32)
-
-
-def trained_lens(
-    path: str, config: ModelConfig, settings: LensTrainingSettings, data_identity: Optional[dict] = None
-) -> Optional[TunedLens]:
-    """The finished lens in `path` when it was trained to `settings.steps` with these settings on
-    this data, else None (nothing there yet, or unfinished: train or resume). Different settings
-    or data are an error, as in `train_tuned_lens`."""
-    import orbax.checkpoint as ocp
-
-    if not os.path.exists(os.path.join(path, "lens.json")):
-        return None
-    _check_lens_json(path, settings, data_identity)
-    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
-        finished = manager.latest_step() == settings.steps
-    return load_tuned_lens(path, config) if finished else None
-
-
-def _lens_json(settings: LensTrainingSettings, data_identity: Optional[dict]) -> dict:
-    return json.loads(json.dumps({"settings": dataclasses.asdict(settings), "data": data_identity or {}}))
-
-
-def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]) -> None:
-    with open(os.path.join(path, "lens.json")) as f:
-        saved = json.load(f)
-    wanted = _lens_json(settings, data_identity)
-    for key, what in (("settings", "other settings"), ("data", "other data")):
-        if saved.get(key) != wanted[key]:
-            raise ValueError(
-                f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
-                "use another folder or remove it"
-            )
-
-
-def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
-    import orbax.checkpoint as ocp
-
-    from jaxdepth.core.atomic import atomic_write
-
-    path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
-    if os.path.exists(os.path.join(path, "lens.json")):
-        _check_lens_json(path, settings, data_identity)
-    else:
-        with atomic_write(os.path.join(path, "lens.json"), "w") as f:
-            json.dump(_lens_json(settings, data_identity), f, indent=1)
-    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-
-
-def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
-    """The translators of the latest checkpoint in `path` (written by `train_tuned_lens`)."""
-    import orbax.checkpoint as ocp
-
-    if not os.path.exists(os.path.join(path, "lens.json")):
-        raise FileNotFoundError(f"{path}: no tuned lens here (no lens.json)")
-    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
-        step = manager.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{path}: the lens has no checkpoint yet")
-        state = manager.restore(step)
-    w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
-    if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
-        raise ValueError(
-            f"{path}: translators of shape {w.shape} do not fit this model "
-            f"(L={config.num_layers}, D={config.hidden_size})"
-        )
-    return TunedLens(
-        config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)}
-    )

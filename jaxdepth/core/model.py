@@ -25,6 +25,7 @@ finite mask value.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Optional
 
 import jax
@@ -33,7 +34,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.sites import Intervention, InterventionsLike, apply_at, check_layer_indices
+from jaxdepth.core.sites import SITE_TABLE, Intervention, InterventionsLike, apply_at, check_layer_indices
 
 Params = dict[str, Any]
 
@@ -92,7 +93,7 @@ def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05, dtype
 # ----------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "*b D"]:
+def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*b D"]:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
@@ -261,12 +262,13 @@ class LayerRecord:
         """The layer's contribution to the residual, h_{l+1} - h_l."""
         return self.out - self.h
 
-    # The site names of `jaxdepth.core.sites`, for taps written with them.
-    resid_pre = property(lambda self: self.h)
-    attn_out = property(lambda self: self.attn)
-    mlp_out = property(lambda self: self.mlp)
-    resid_post = property(lambda self: self.out)
 
+# The site names of `jaxdepth.core.sites`, for taps written with them (`record.resid_pre` is
+# `record.h`): one property per site whose record field has another name, from the site table.
+for _site in SITE_TABLE:
+    if _site.name != _site.record:
+        setattr(LayerRecord, _site.name, property(operator.attrgetter(_site.record), doc=f"`{_site.record}`"))
+del _site
 
 Tap = Callable[[LayerRecord, Any], Any]
 

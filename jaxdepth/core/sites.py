@@ -45,7 +45,43 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-SITES = ("resid_pre", "head_out", "attn_out", "mlp_hidden", "mlp_out", "delta", "resid_post")
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One named site of a layer: `name`, the field of `jaxdepth.core.model.LayerRecord` that
+    holds its value (`record`; the record answers to `name` too), and `features(config)`, the
+    shape of its value after the batch and position axes."""
+
+    name: str
+    record: str
+    features: Callable[[Any], tuple]
+
+
+def _width(config) -> tuple:
+    return (config.hidden_size,)
+
+
+# The one table of sites, in the order the layer computes them: a new site is one entry here
+# (and its computation in `layer_step`); the names, shapes and the record's aliases follow.
+SITE_TABLE = (
+    Site("resid_pre", "h", _width),
+    Site("head_out", "head_out", lambda c: (c.num_heads, c.head_dim)),
+    Site("attn_out", "attn", _width),
+    Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,)),
+    Site("mlp_out", "mlp", _width),
+    Site("delta", "delta", _width),
+    Site("resid_post", "out", _width),
+)
+SITES = tuple(site.name for site in SITE_TABLE)
+_BY_NAME = {site.name: site for site in SITE_TABLE}
+
+
+def site_shape(site: str, config, batch: int, length: int) -> tuple[int, ...]:
+    """The value's shape at `site` of one layer (a `ModelConfig`'s), for `batch` prompts of
+    `length` positions."""
+    if site not in _BY_NAME:
+        raise ValueError(f"unknown site {site!r}; sites: {', '.join(SITES)}")
+    return (batch, length) + tuple(_BY_NAME[site].features(config))
 
 
 class InterventionError(ValueError):
@@ -274,7 +310,7 @@ def _multiply(value, layer, masks):
     return value * _expand(masks[layer], value, "a row of masks")
 
 
-def keep(site: str, masks: Float[Array, "layer *bt"]) -> Intervention:
+def keep(site: str, masks: Float[Array, " layer *bt"]) -> Intervention:
     """Multiply the value at `site` by `masks[l]` at every layer l: 1 keeps it, 0 removes it
     (`skip` is the same for one layer).
 

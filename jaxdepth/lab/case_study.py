@@ -4,7 +4,8 @@ addition `5 + 7 + 5 + 3 + 1 + 7 = ` / `28`, single GSM8K problems).
 
 `jaxdepth case` runs it. The prompt becomes a one-prompt dataset named after its text, so its
 results are cached, resumed and written atomically by `study.run_study` like any other run, and
-each analysis draws its usual figure; `case_figure` puts erasure and IG one above the other.
+each analysis draws its usual figure; `case_figure` stacks their per-token views (erasure above
+IG by default).
 """
 
 from __future__ import annotations
@@ -68,30 +69,34 @@ def check_answer_tokens(batch, prompt: Prompt) -> int:
     return count
 
 
-def case_figure(erasure_result, ig_result, *, tokenizer=None, title: Optional[str] = None):
-    """Residual erasure (top) and integrated gradients (bottom) of the case's prompt on one
-    figure, tokens aligned, the answer start marked in both."""
-    from jaxdepth.lab import plots
+def case_figure(results: dict, *, tokenizer=None, title: Optional[str] = None):
+    """The per-token views of the case's analyses (each `Analysis.panel`: residual erasure,
+    integrated gradients, ...) one above the other on one figure, tokens aligned, the answer
+    start marked in each, in the order of `results` (analysis name -> result). None when fewer
+    than two of them have a per-token view."""
+    from jaxdepth.analyses import drawing
+    from jaxdepth.lab.registry import analysis
 
-    return plots.stacked_token_figure(
-        [
-            plots.erasure_panel(erasure_result, 0, tokenizer=tokenizer),
-            plots.integrated_gradients_panel(ig_result, 0, tokenizer=tokenizer),
-        ],
-        title=title or "Case study: residual erasure and integrated gradients",
-        settings=erasure_result.settings,
+    drawn = {name: result for name, result in results.items() if analysis(name).panel is not None}
+    if len(drawn) < 2:
+        return None
+    panels = [analysis(name).panel(result, 0, tokenizer=tokenizer) for name, result in drawn.items()]
+    return drawing.stacked_token_figure(
+        panels,
+        title=title or "Case study: " + " and ".join(name.replace("_", " ") for name in drawn),
+        settings=next(iter(drawn.values())).settings,
     )
 
 
 def write_case_figures(results: dict, folder: str, tokenizer=None) -> list[str]:
-    """Each analysis's own figure, and the combined erasure + IG figure when both ran; returns
-    the paths written (PNG and PDF)."""
+    """Each analysis's own figure, and `case_figure`, the per-token views stacked, when two or
+    more analyses have one; returns the paths written (PNG and PDF)."""
     from jaxdepth.lab import plots
     from jaxdepth.lab.study import write_figures
 
     paths = write_figures(results, folder, tokenizer)
-    if all(name in results for name in CASE_ANALYSES):
-        fig = case_figure(results["erasure"], results["integrated_gradients"], tokenizer=tokenizer)
+    fig = case_figure(results, tokenizer=tokenizer)
+    if fig is not None:
         paths.extend(plots.save_figure(fig, os.path.join(folder, "figures", "case")))
     return paths
 

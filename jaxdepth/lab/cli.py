@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 
 from jaxdepth.lab.meshes import mesh_from_args
 from jaxdepth.lab.optional import MissingDependencyError
@@ -95,24 +96,19 @@ def _load_model(args, mesh, start: float):
     return model, saved_model_name(args.model, args.dtype)
 
 
-def _study_settings(args, **kwargs):
-    """`StudySettings` from the options `run` and `case` share."""
+def _study_settings(args, entries, **common):
+    """`StudySettings` of a run of `entries` (`Analysis` declarations): the analyses' options as
+    parsed (`analysis_options`) and the `common` settings, each analysis's own settings checked
+    now (a bad combination fails before the model loads) and their warnings printed."""
+    from jaxdepth.lab.registry import declared_options
     from jaxdepth.lab.study import StudySettings
 
-    if args.ig_max_evaluations is not None and args.ig_rule != "adaptive":
-        print(
-            f"warning: --ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule {args.ig_rule}",
-            file=sys.stderr,
-        )
-    return StudySettings(
-        seed=args.seed,
-        ig_steps=args.ig_steps,
-        ig_rule=args.ig_rule,
-        ig_target=args.ig_target,
-        ig_tolerance=args.ig_tolerance,
-        **kwargs,
-        **({} if args.ig_max_evaluations is None else {"ig_max_evaluations": args.ig_max_evaluations}),
-    )
+    options = {name: getattr(args, name) for name in declared_options(entries) if hasattr(args, name)}
+    settings = StudySettings(seed=args.seed, options=options, **common)
+    warnings = dict.fromkeys(w for own in settings.check(entries) for w in own.warnings())
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return settings
 
 
 def _run(args) -> int:
@@ -141,10 +137,9 @@ def _run(args) -> int:
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
-    if "layer_skip" in analyses and args.skip_mode == "current" and args.skip_split != "sampled":
-        raise ValueError(
-            "--skip-split applies to --skip-mode future; the current mode skips and measures every position"
-        )
+    settings = _study_settings(
+        args, [ANALYSES[a] for a in analyses], num_prompts=args.prompts, detail_prompts=args.detail_prompts
+    )
     paths = _data_paths(args.data, args.dataset)
     # Read every prompt set before the model: a bad file should fail in a second, not after a load.
     texts = {
@@ -170,17 +165,6 @@ def _run(args) -> int:
         )
 
     baseline = None if baseline_texts is None else encoded("gsm8k", baseline_texts, BASELINE_PROMPTS)
-    sublayers = tuple(args.skip_sublayers.split(","))
-    if not set(sublayers) <= {"layer", "attn", "mlp"}:
-        raise ValueError(f"--skip-sublayers takes layer, attn, mlp; got {args.skip_sublayers!r}")
-    settings = _study_settings(
-        args,
-        num_prompts=args.prompts,
-        detail_prompts=args.detail_prompts,
-        skip_sublayers=sublayers,
-        skip_mode=args.skip_mode,
-        skip_split=args.skip_split,
-    )
     summary = []
     for name in args.dataset:
         batch = encoded(name, texts[name], args.prompts)
@@ -244,6 +228,7 @@ def _case(args) -> int:
         raise ValueError(f"two models given: {args.source} and --model {args.model}")
     args.model = args.model or args.source or "smollm2"
     analyses = check_analyses(args.analyses.split(","))
+    settings = _study_settings(args, [ANALYSES[a] for a in analyses], num_prompts=1)
     prompt, name = case_prompt(
         question=args.prompt, answer=args.answer, dataset=args.dataset, row=args.row, data_path=args.data
     )
@@ -272,7 +257,7 @@ def _case(args) -> int:
         batch,
         args.out,
         analyses=analyses,
-        settings=_study_settings(args, num_prompts=1),
+        settings=settings,
         baseline_batch=baseline,
         baseline_name=baseline_name,
     )
@@ -342,9 +327,14 @@ def _tuned_lens(args) -> int:
 
 
 def _analysis_names() -> list[str]:
+    return [entry.name for entry in _registered()]
+
+
+def _registered() -> list:
+    """The registered analyses (`jaxdepth.lab.registry.ANALYSES`), built-in and plugins'."""
     from jaxdepth.lab.registry import ANALYSES
 
-    return list(ANALYSES)
+    return list(ANALYSES.values())
 
 
 def _dataset_names() -> list[str]:
@@ -353,50 +343,35 @@ def _dataset_names() -> list[str]:
     return list(DATASETS)
 
 
-def _ig_arguments(parser):
-    parser.add_argument("--ig-steps", type=int, default=256, help="integration steps (default 256, the studies')")
-    parser.add_argument(
-        "--ig-rule",
-        choices=["left", "midpoint", "gauss", "adaptive"],
-        default="left",
-        help="quadrature: left Riemann (default, the published rule), midpoint, Gauss-Legendre "
-        "(all --ig-steps nodes), or adaptive: nodes placed per layer until a certified "
-        "completeness bound is below --ig-tolerance (its figure marks layers that did not get "
-        "there within the budget)",
-    )
-    parser.add_argument(
-        "--ig-tolerance",
-        type=float,
-        default=0.01,
-        help="--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, "
-        "or to a tenth of |F(x)| where F moves less along the path (default 0.01)",
-    )
-    parser.add_argument(
-        "--ig-max-evaluations",
-        type=_evaluation_budget,
-        metavar="N",
-        help="--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not "
-        "reached --ig-tolerance by then is reported as not converged (default: --ig-steps, "
-        "never more than the fixed rule)",
-    )
-    parser.add_argument(
-        "--ig-target",
-        choices=["layer", "attn", "mlp"],
-        default="layer",
-        help="integrated gradients with respect to each layer's output h_{l+1} (default), its "
-        "attention output a_l or its MLP output m_l",
-    )
+def analysis_options(parser, entries) -> None:
+    """Add the options the settings of `entries` declare (`jaxdepth.analyses.suite.option`):
+    `--name-with-dashes`, the field's default, choices and help, its text parsed as the field
+    says."""
+    from jaxdepth.analyses.suite import option_flag
+    from jaxdepth.lab.registry import declared_options
+
+    for name, field in declared_options(entries).items():
+        spec = field.metadata["option"]
+        default = field.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(
+            option_flag(name),
+            dest=name,
+            default=default,
+            type=partial(_parsed, field),
+            choices=spec["choices"],
+            metavar=spec["metavar"] or (None if spec["choices"] else name.upper()),
+            help=spec["help"] + ("" if default is None or "default" in spec["help"] else f" (default: {shown})"),
+        )
 
 
-def _evaluation_budget(text: str) -> int:
-    """--ig-max-evaluations: an integer >= 3 (one Simpson interval)."""
+def _parsed(field, text: str):
+    from jaxdepth.analyses.suite import parse_option
+
     try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 3:
-        raise argparse.ArgumentTypeError(f"{n} is too few: the adaptive rule needs at least 3 (one Simpson interval)")
-    return n
+        return parse_option(field, text)
+    except ValueError as e:  # argparse shows the message of an ArgumentTypeError only
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype_argument(parser):
@@ -453,6 +428,8 @@ def _bootstrap_argument(parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxdepth.lab.case_study import CASE_ANALYSES
+
     parser = argparse.ArgumentParser(prog="jaxdepth", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -509,27 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reported and the others' results are kept, with exit status 1",
     )
     run.add_argument("--seed", type=int, default=123)
-    run.add_argument(
-        "--skip-sublayers",
-        default="layer,attn,mlp",
-        help="what the layer-skip analysis skips: any of layer,attn,mlp (default: all three)",
-    )
-    run.add_argument(
-        "--skip-mode",
-        choices=["future", "current"],
-        default="future",
-        help="layer skip: 'future' skips before split positions (--skip-split) and measures after them "
-        "(the first study's main analysis); 'current' skips every position but 0 and measures "
-        "every position",
-    )
-    run.add_argument(
-        "--skip-split",
-        choices=["sampled", "answer_start"],
-        default="sampled",
-        help="future layer skip: split at 4 sampled positions per prompt (default, METHODS §3) or at "
-        "the start of the answer (the first study's depth-against-difficulty runs)",
-    )
-    _ig_arguments(run)
+    analysis_options(run, _registered())
     run.add_argument("--out", default="results")
     _bootstrap_argument(run)
     run.add_argument("--no-figures", action="store_true", help="save results only")
@@ -571,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     case.add_argument("--data", metavar="PATH", help="with --dataset: a local JSONL file (default: the hub)")
     case.add_argument(
         "--analyses",
-        default="erasure,integrated_gradients",
+        default=",".join(CASE_ANALYSES),
         help="per-prompt analyses to run (default: erasure,integrated_gradients; also "
         "attribution_patching, grad_x_act)",
     )
@@ -581,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default: as `run` (the dataset's GSM8K prompts, else the embedded prompts)",
     )
     case.add_argument("--seed", type=int, default=123)
-    _ig_arguments(case)
+    analysis_options(case, [entry for entry in _registered() if entry.detail])
     _dtype_argument(case)
     case.add_argument(
         "--out",
@@ -651,9 +608,28 @@ def _keep_compiled_programs(keep: bool) -> None:
     use_compilation_cache(os.path.join(cache_dir(), "xla"))
 
 
+def _load_plugins_named_in(argv) -> None:
+    """For `jaxdepth run`: load (and register) the plugins its arguments name and the installed
+    ones, so that the parser offers their options; a plugin that fails to load is reported by
+    the run itself (`_run`), which loads the same plugins again (each is loaded once)."""
+    if not argv or argv[0] != "run":
+        return
+    from jaxdepth.lab.plugins import load_plugins
+
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--plugin", action="append", default=[])
+    load_plugins(early.parse_known_args(argv[1:])[0].plugin)
+
+
 def main(argv=None) -> int:
     # jaxdepth never needs torch: transformers' advice that it is missing is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _load_plugins_named_in(argv)  # before the parser: a plugin's analysis brings its options
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         if args.func is not _table:  # the others compile

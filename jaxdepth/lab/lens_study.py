@@ -1,5 +1,8 @@
 """The logit lens and a tuned lens side by side: train a tuned lens on some prompts (resumable),
 read held-out prompts through both, and report both lenses' KL and overlap effective depths.
+The lens lives on disk here: orbax checkpoints and the `lens.json` that says what it was trained
+on (`train_resumably`, `trained_lens`, `load_tuned_lens`); the training itself is
+`jaxdepth.analyses.tuned_lens`.
 
 `jaxdepth tuned-lens` runs it; the figure and the table are what the README shows.
 """
@@ -7,16 +10,20 @@ read held-out prompts through both, and report both lenses' KL and overlap effec
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses import logit_lens, tuned_lens, uncertainty
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
-from jaxdepth.analyses.tuned_lens import LensTrainingSettings
+from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -55,14 +62,14 @@ def compare_lenses(
 
     params, config, seconds = model.params, model.config, {}
     identity = {"train_tokens_sha": batch_digest(train), "model_config": config.to_dict()}
-    lens, losses = tuned_lens.trained_lens(lens_dir, config, settings, identity), np.zeros(0, np.float32)
+    lens, losses = trained_lens(lens_dir, config, settings, identity), np.zeros(0, np.float32)
     if lens is None:
         start = time.perf_counter()
         data = tuned_lens.residual_tokens(params, train, config, progress=progress)
         seconds["residuals"] = time.perf_counter() - start
         start = time.perf_counter()
-        lens, losses = tuned_lens.train_tuned_lens(
-            params, data, config, settings, checkpoint_dir=lens_dir, data_identity=identity, progress=progress
+        lens, losses = train_resumably(
+            params, data, config, settings, lens_dir, data_identity=identity, progress=progress
         )
         seconds["training"] = time.perf_counter() - start
         del data
@@ -129,3 +136,117 @@ def save_comparison(
         fig = plots.lens_comparison_figure(comparison.results, resamples=resamples)
         paths.extend(plots.save_figure(fig, os.path.join(out_dir, "lens_comparison")))
     return paths
+
+
+# ----------------------------------------------------------------------------- the lens on disk
+
+
+def train_resumably(
+    params,
+    data: tuned_lens.ResidualTokens,
+    config: ModelConfig,
+    settings: LensTrainingSettings,
+    lens_dir: str,
+    *,
+    data_identity: Optional[dict] = None,
+    stop_after: Optional[int] = None,
+    progress: bool = True,
+) -> tuple[TunedLens, np.ndarray]:
+    """`tuned_lens.train_tuned_lens`, checkpointed in `lens_dir`: the translators and optimizer
+    state are saved there (orbax, every `settings.checkpoint_every` steps and after the last)
+    and a rerun resumes from the latest checkpoint. The folder's `lens.json` records `settings`
+    and `data_identity` (what the lens is trained on, e.g. a digest of the training tokens and
+    the model): a rerun with either different is an error, so a lens is never silently reused
+    on other data. `stop_after` ends the run after that step without a final save, as an
+    interruption would (tests use it)."""
+    import orbax.checkpoint as ocp
+
+    manager = _checkpoint_manager(lens_dir, settings, data_identity)
+    state = tuned_lens.initial_state(config, settings)
+    if manager.latest_step() is not None:
+        saved = {"translators": state.translators, "opt_state": state.opt_state}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, saved)
+        saved = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+        state = tuned_lens.LensTrainingState(manager.latest_step(), saved["translators"], saved["opt_state"])
+
+    def checkpoint(state: tuned_lens.LensTrainingState, loss: float) -> None:
+        if state.step % settings.checkpoint_every == 0 or state.step == settings.steps:
+            saved = {"translators": state.translators, "opt_state": state.opt_state}
+            manager.save(state.step, args=ocp.args.StandardSave(saved))
+
+    try:
+        return tuned_lens.train_tuned_lens(
+            params, data, config, settings, state=state, on_step=checkpoint, stop_after=stop_after, progress=progress
+        )
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+
+
+def trained_lens(
+    path: str, config: ModelConfig, settings: LensTrainingSettings, data_identity: Optional[dict] = None
+) -> Optional[TunedLens]:
+    """The finished lens in `path` when it was trained to `settings.steps` with these settings on
+    this data, else None (nothing there yet, or unfinished: train or resume). Different settings
+    or data are an error, as in `train_resumably`."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.exists(os.path.join(path, "lens.json")):
+        return None
+    _check_lens_json(path, settings, data_identity)
+    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
+        finished = manager.latest_step() == settings.steps
+    return load_tuned_lens(path, config) if finished else None
+
+
+def _lens_json(settings: LensTrainingSettings, data_identity: Optional[dict]) -> dict:
+    return json.loads(json.dumps({"settings": dataclasses.asdict(settings), "data": data_identity or {}}))
+
+
+def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]) -> None:
+    with open(os.path.join(path, "lens.json")) as f:
+        saved = json.load(f)
+    wanted = _lens_json(settings, data_identity)
+    for key, what in (("settings", "other settings"), ("data", "other data")):
+        if saved.get(key) != wanted[key]:
+            raise ValueError(
+                f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
+                "use another folder or remove it"
+            )
+
+
+def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
+    import orbax.checkpoint as ocp
+
+    from jaxdepth.core.atomic import atomic_write
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    if os.path.exists(os.path.join(path, "lens.json")):
+        _check_lens_json(path, settings, data_identity)
+    else:
+        with atomic_write(os.path.join(path, "lens.json"), "w") as f:
+            json.dump(_lens_json(settings, data_identity), f, indent=1)
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+
+
+def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
+    """The translators of the latest checkpoint in `path` (written by `train_resumably`)."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.exists(os.path.join(path, "lens.json")):
+        raise FileNotFoundError(f"{path}: no tuned lens here (no lens.json)")
+    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{path}: the lens has no checkpoint yet")
+        state = manager.restore(step)
+    w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
+    if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
+        raise ValueError(
+            f"{path}: translators of shape {w.shape} do not fit this model "
+            f"(L={config.num_layers}, D={config.hidden_size})"
+        )
+    return TunedLens(
+        config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)}
+    )

@@ -14,52 +14,18 @@ import contextlib
 import dataclasses
 import os
 import time
-from functools import partial
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
-from jaxdepth.analyses import layer_mapping
-from jaxdepth.analyses.layer_mapping import LayerMappingResult
-from jaxdepth.core.batch import LengthBuckets, PromptBatch
-from jaxdepth.core.compilation import jit
-from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import residual_stream
-from jaxdepth.core.sharding import is_writer, to_host, writer_decides
+from jaxdepth.analyses.layer_mapping import PAD_TO, LayerMappingResult, MappingSettings, compute_mapping
+from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.lab.loaded_model import Model
 
 RESULT_NAME = "layer_mapping"
 MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
-# Prompts run one at a time, padded to a multiple of 64: a whole dataset compiles a handful of
-# shapes, and padding (masked out of every statistic) costs at most 63 positions per prompt.
-PAD_TO = LengthBuckets(64, geometric=False)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MappingSettings:
-    """Everything that changes a mapping result besides the models and the prompts.
-
-    train_prompts: prompts 0..train_prompts-1 fit the maps, the later ones are held out (a
-        split by prompt, so no held-out token shares a context with a training token).
-    ridge: relative ridge, `lam = ridge * trace(Gram) / D_s` (`layer_mapping.fit_maps`).
-    first_position: positions before it are left out of fitting and evaluation. Default 1:
-        position 0 (the BOS, or the first token where the tokenizer adds none, as Qwen2.5's)
-        is an attention sink whose residual norm is far larger than every other position's,
-        and it would dominate both the least squares and the norm-weighted error.
-    """
-
-    train_prompts: int = 80
-    ridge: float = layer_mapping.DEFAULT_RIDGE
-    first_position: int = 1
-
-    def __post_init__(self):
-        if self.first_position < 0 or self.ridge < 0:
-            raise ValueError(f"first_position and ridge must be >= 0, got {self.first_position} and {self.ridge}")
-
-
 # ----------------------------------------------------------------------------- tokenizers
 
 
@@ -98,124 +64,6 @@ def check_same_tokenizer(small: Model, large: Model, small_batch: PromptBatch, l
 def _vocabulary(tokenizer) -> Optional[dict]:
     get = getattr(tokenizer, "get_vocab", None)
     return None if get is None else dict(get())
-
-
-# ----------------------------------------------------------------------------- the computation
-
-
-def _flat_residuals(params, tokens, valid, config: ModelConfig):
-    """Every boundary's residual as `[L+1, B*T, D]` (tokens flattened, B = 1 here)."""
-    hs = residual_stream(params, tokens, config, valid=valid)
-    return hs.reshape(hs.shape[0], -1, hs.shape[-1])
-
-
-def _token_mask(valid, first_position: int):
-    return (valid & (jnp.arange(valid.shape[1]) >= first_position)[None]).reshape(-1)
-
-
-@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="stats")
-def _train_step(stats, small_params, large_params, tokens, valid, small_config, large_config, first_position):
-    """Both models' residual streams of one prompt, folded into the statistics (one compiled call)."""
-    xs = _flat_residuals(small_params, tokens, valid, small_config)
-    ys = _flat_residuals(large_params, tokens, valid, large_config)
-    return layer_mapping.accumulate_statistics(stats, xs, ys, _token_mask(valid, first_position))
-
-
-@partial(jit, static_argnames=("small_config", "large_config", "first_position"), donate_argnames="sums")
-def _heldout_step(sums, fit, small_params, large_params, tokens, valid, *, small_config, large_config, first_position):
-    """Both models' residual streams of one held-out prompt, their map errors added to the sums."""
-    xs = _flat_residuals(small_params, tokens, valid, small_config)
-    ys = _flat_residuals(large_params, tokens, valid, large_config)
-    return layer_mapping.accumulate_errors(sums, fit, xs, ys, _token_mask(valid, first_position))
-
-
-_fit = jit(layer_mapping.fit_maps, static_argnames="ridge")
-
-
-def _place_statistics(stats: layer_mapping.MappingStatistics, mesh) -> layer_mapping.MappingStatistics:
-    """With a mesh, split the large width D_l of the cross-products (and of the large means) over
-    all its devices; the small Gram and means, a small fraction, stay replicated."""
-    if mesh is None:
-        return stats
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    axes = tuple(mesh.axis_names)
-
-    if stats.xy.shape[-1] % mesh.size:
-        # Replicating the cross-products would put all of them on every device: for 1.5B -> 14B
-        # that is 45 GB each, so refuse rather than fail later for memory.
-        raise ValueError(
-            f"the larger model's width {stats.xy.shape[-1]} does not divide over the mesh's "
-            f"{mesh.size} devices; choose a mesh whose size divides it"
-        )
-
-    def sharding(x, split: bool):
-        return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), axes)) if split else NamedSharding(mesh, P())
-
-    return jax.device_put(
-        stats,
-        layer_mapping.MappingStatistics(
-            sharding(stats.count, False),
-            sharding(stats.x_mean, False),
-            sharding(stats.y_mean, True),
-            sharding(stats.xx, False),
-            sharding(stats.xy, True),
-        ),
-    )
-
-
-def compute_mapping(
-    small: Model,
-    large: Model,
-    train: PromptBatch,
-    held_out: PromptBatch,
-    settings: MappingSettings = MappingSettings(),
-    *,
-    mesh=None,
-    progress: bool = True,
-    names: tuple[str, str, str] = ("small", "large", "prompts"),
-) -> LayerMappingResult:
-    """Fit on `train`, measure on `held_out` (batches with the same token ids for both models),
-    one jitted call per prompt; `names` = (small model, large model, dataset) for the result."""
-    cs, cl = small.config, large.config
-    stats = _place_statistics(
-        layer_mapping.empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1, cl.hidden_size), mesh
-    )
-    step = dict(small_config=cs, large_config=cl, first_position=settings.first_position)
-    for i in tqdm(range(len(train)), desc="layer mapping: fit", disable=not progress):
-        one = train.single(i, PAD_TO)
-        stats = _train_step(stats, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step)
-    train_tokens = int(to_host(stats.count))
-    if train_tokens == 0:
-        raise ValueError(
-            f"no training token: {len(train)} prompt(s), none with a position >= {settings.first_position}"
-        )
-    fit = _fit(stats, ridge=settings.ridge)
-    del stats  # its cross-products live on in the fit (the same array)
-    sums = layer_mapping.empty_errors(cs.num_layers + 1, cl.num_layers + 1)
-    for i in tqdm(range(len(held_out)), desc="layer mapping: held out", disable=not progress):
-        one = held_out.single(i, PAD_TO)
-        sums = _heldout_step(
-            sums, fit, small.params, large.params, jnp.asarray(one.tokens), jnp.asarray(one.valid), **step
-        )
-    sums = jax.tree.map(to_host, sums)
-    result = layer_mapping.mapping_result(
-        sums,
-        small_model=names[0],
-        large_model=names[1],
-        dataset=names[2],
-        train_tokens=train_tokens,
-        train_prompts=len(train),
-        heldout_prompts=len(held_out),
-        settings=dataclasses.asdict(settings),
-    )
-    if not np.all(np.isfinite(result.errors)):
-        raise ValueError(
-            f"the layer mapping gave NaN or infinite errors (ridge {settings.ridge:g}): with fewer "
-            f"training tokens ({train_tokens}) than residual width ({cs.hidden_size}) or a very small "
-            "ridge the Gram matrix is singular; use more training prompts or a larger ridge"
-        )
-    return result
 
 
 # ----------------------------------------------------------------------------- on disk

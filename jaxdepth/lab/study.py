@@ -18,7 +18,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -27,29 +27,38 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import CompileClock
 from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.lab.loaded_model import Model
-from jaxdepth.lab.registry import ANALYSES, RunInputs, analysis
+from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
+from jaxdepth.lab.registry import ANALYSES, analysis
 from jaxdepth.lab.results import RESULT_FORMAT, load_result
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StudySettings:
-    """Everything that changes a result. Part of every saved result's settings."""
+class StudySettings(Settings):
+    """Everything that changes a result: what every analysis sees (`Settings`: `num_prompts`,
+    `detail_prompts`, `seed`, `memory_budget`) and `options`, the values of the analyses' own
+    settings by name (`{"ig_steps": 8, "skip_mode": "current"}`; each analysis declares its
+    own, `jaxdepth.analyses.suite.option`), each read by the analyses that declare it. An
+    option no registered analysis declares is an error when the study runs."""
 
-    num_prompts: int = 10
-    detail_prompts: Optional[int] = None  # prompts for erasure and IG (per-position sweeps); None: all
-    seed: int = 123
-    lens_weighting: str = "prompt"
-    skip_sublayers: tuple = ("layer", "attn", "mlp")
-    skip_mode: str = "future"  # layer skip: 'future' (METHODS §3) or 'current' effects
-    skip_split: str = "sampled"  # future layer skip: split at 'sampled' positions or at the 'answer_start'
-    ig_steps: int = 256
-    ig_rule: str = "left"
-    ig_baseline: str = "channel_mean"
-    ig_target: str = "layer"  # IG with respect to each layer's output, or its 'attn' / 'mlp' output
-    ig_tolerance: float = 0.01  # ig_rule 'adaptive': certified completeness bound, relative to |F(x) - F(b)|
-    # ig_rule 'adaptive': gradient evaluations per layer at most; None: ig_steps, never more than the fixed rule
-    ig_max_evaluations: Optional[int] = None
-    memory_budget: Optional[int] = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def for_analysis(self, entry: Analysis) -> Settings:
+        """The settings `entry` runs with: an instance of its settings class, from the common
+        settings and those of `options` it declares (checked by the class)."""
+        own = {f.name for f in dataclasses.fields(entry.settings)}
+        common = {f.name: getattr(self, f.name) for f in dataclasses.fields(Settings)}
+        return entry.settings(**common, **{k: v for k, v in self.options.items() if k in own})
+
+    def check(self, entries: Sequence[Analysis]) -> list[Settings]:
+        """Each of `entries`' settings (`for_analysis`), after refusing an option that none of
+        the registered analyses declares (a typo would otherwise be ignored)."""
+        known = {f.name for entry in ANALYSES.values() for f in dataclasses.fields(entry.settings)}
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown options {unknown}: no registered analysis declares them (known: {sorted(known)})"
+            )
+        return [self.for_analysis(entry) for entry in entries]
 
 
 class Failure(NamedTuple):
@@ -116,8 +125,9 @@ def run_analysis(
     entry = analysis(name)
     if entry.detail and settings.detail_prompts is not None:
         batch = batch.select(slice(0, settings.detail_prompts))
+    own = settings.for_analysis(entry)
     return entry.run(
-        RunInputs(model=model, batch=batch, settings=settings, baseline_batch=baseline_batch, progress=progress)
+        RunInputs(model=model, batch=batch, settings=own, baseline_batch=baseline_batch, progress=progress)
     )
 
 
@@ -150,6 +160,7 @@ def run_study(
     returned results, and the study goes on with the others."""
     failures = Failures() if failures is None else failures
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
+    settings.check(entries)
     folder = result_folder(out_dir, model_name, dataset)
     common = {
         "model": model_name,
@@ -169,7 +180,7 @@ def run_study(
         for entry in entries:
             failed_before = len(failures.records)
             with failures.guard(entry.name, "running"):
-                identity = {**common, **entry.identity(settings)}
+                identity = {**common, **entry.identity(settings.for_analysis(entry))}
                 if entry.uses_baseline:
                     identity["baseline_tokens_sha"] = baseline_sha
                 path = os.path.join(folder, f"{entry.name}.npz")

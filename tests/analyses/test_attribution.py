@@ -66,7 +66,7 @@ def test_site_gradients_equal_grad_one_layer_at_a_time(params, one, site):
         lambda p: attribution.site_gradients(p, tokens, CONFIG, metric, (site,), valid=valid, interventions=skip)
     )(params)
     rows = L + (site == "resid_pre")
-    assert g.gradients[site].shape == (rows,) + attribution.site_shape(site, CONFIG, 1, tokens.shape[1])
+    assert g.gradients[site].shape == (rows,) + sites.site_shape(site, CONFIG, 1, tokens.shape[1])
     clean = metric(forward(params, tokens, CONFIG, valid=valid, interventions=skip))
     assert float(g.value) == pytest.approx(float(clean), abs=1e-6)
     for layer in range(rows):

@@ -132,7 +132,8 @@ def test_bad_split_arguments_are_refused(params, batch):
 
 
 def test_answer_start_enters_the_cache_identity_only_when_asked_for():
-    identity = analysis("layer_skip").identity
-    default = identity(StudySettings())
+    entry = analysis("layer_skip")
+    default = entry.identity(StudySettings().for_analysis(entry))
     assert "skip_split" not in default  # results cached before the option existed stay valid
-    assert identity(StudySettings(skip_split="answer_start")) == {**default, "skip_split": "answer_start"}
+    asked = StudySettings(options={"skip_split": "answer_start"}).for_analysis(entry)
+    assert entry.identity(asked) == {**default, "skip_split": "answer_start"}

@@ -1,6 +1,6 @@
 """Tuned lens on a tiny random model: identity translators are the logit lens exactly, training
-lowers the KL on held-out prompts, a resumed training equals an uninterrupted one, and the
-orbax checkpoint loads back."""
+lowers the KL on held-out prompts, and a training resumed from a state equals an uninterrupted
+one (the checkpoints on disk: tests/lab/test_lens_study.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -81,37 +81,21 @@ def test_training_lowers_held_out_kl(params, data):
     assert after.mean() < 0.9 * before.mean(), (before, after)
 
 
-def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
+def test_training_resumed_from_a_state_equals_uninterrupted(params, data):
     whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, progress=False)
-    folder = str(tmp_path / "lens")
-    # Interrupted after step 3: the last checkpoint is step 2 (every 2 steps), so step 3 is redone.
+    states = []
     _, first = tuned_lens.train_tuned_lens(
-        params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=3, progress=False
+        params,
+        data,
+        CONFIG,
+        SETTINGS,
+        on_step=lambda state, loss: states.append((state, loss)),
+        stop_after=3,
+        progress=False,
     )
-    assert tuned_lens.trained_lens(folder, CONFIG, SETTINGS) is None  # unfinished
-    resumed, rest = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, progress=False)
-    assert len(first) == 3 and len(rest) == 4  # resumed at step 2, not from scratch
+    assert [state.step for state, _ in states] == [1, 2, 3] and [loss for _, loss in states] == list(first)
+    resumed, rest = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, state=states[1][0], progress=False)
+    assert len(rest) == SETTINGS.steps - 2  # from step 2 on, not from scratch
     np.testing.assert_array_equal(np.concatenate([first[:2], rest]), whole_losses)
-    assert first[2] == rest[0]  # the redone step is the same step
     for key in ("weight", "bias"):
         np.testing.assert_array_equal(np.asarray(resumed.translators()[key]), np.asarray(whole.translators()[key]))
-    loaded = tuned_lens.trained_lens(folder, CONFIG, SETTINGS)  # finished: reused as it is
-    for key in ("weight", "bias"):
-        np.testing.assert_array_equal(np.asarray(loaded.translators()[key]), np.asarray(whole.translators()[key]))
-    assert np.any(np.asarray(loaded.translators()["weight"]))  # trained, not the identity
-
-
-def test_bad_inputs(params, data, tmp_path):
-    folder = str(tmp_path / "lens")
-    tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, checkpoint_dir=folder, stop_after=2, progress=False)
-    with pytest.raises(ValueError, match="other settings"):
-        tuned_lens.train_tuned_lens(
-            params, data, CONFIG, LensTrainingSettings(steps=7), checkpoint_dir=folder, progress=False
-        )
-    with pytest.raises(ValueError, match="other data"):  # a lens is never reused on other prompts
-        tuned_lens.trained_lens(folder, CONFIG, SETTINGS, {"train_tokens_sha": "another"})
-    with pytest.raises(FileNotFoundError, match="no tuned lens"):
-        tuned_lens.load_tuned_lens(str(tmp_path / "nowhere"), CONFIG)
-    other = ModelConfig.from_dict({**CONFIG.to_dict(), "num_layers": 5})
-    with pytest.raises(ValueError, match="do not fit"):
-        tuned_lens.load_tuned_lens(folder, other)

@@ -9,7 +9,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from jaxdepth.analyses import contributions, erasure, integrated_gradients, layer_skip, logit_lens
+from jaxdepth.analyses import contributions, drawing, erasure, integrated_gradients, layer_skip, logit_lens
 from jaxdepth.lab import plots
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
@@ -87,11 +87,11 @@ def results(batch):
 # Every figure the module draws; the first RENDERED are saved and decoded, the rest (variants of
 # the same drawing code) only checked for labels, to keep the file fast.
 FIGURES = {
-    "contributions": lambda r: plots.contributions_figure(r["contributions"]),
-    "logit_lens": lambda r: plots.logit_lens_figure(r["logit_lens"]),
-    "layer_skip_rows": lambda r: plots.layer_skip_figure(r["layer_skip"]),
-    "erasure": lambda r: plots.erasure_figure(r["erasure"], 1, tokenizer=FakeTokenizer()),
-    "integrated_gradients": lambda r: plots.integrated_gradients_figure(
+    "contributions": lambda r: contributions.contributions_figure(r["contributions"]),
+    "logit_lens": lambda r: logit_lens.logit_lens_figure(r["logit_lens"]),
+    "layer_skip_rows": lambda r: layer_skip.layer_skip_figure(r["layer_skip"]),
+    "erasure": lambda r: erasure.erasure_figure(r["erasure"], 1, tokenizer=FakeTokenizer()),
+    "integrated_gradients": lambda r: integrated_gradients.integrated_gradients_figure(
         r["integrated_gradients"], 0, tokenizer=FakeTokenizer()
     ),
     "relative_lens": lambda r: plots.relative_depth_figure(
@@ -100,8 +100,8 @@ FIGURES = {
     "relative_cosine": lambda r: plots.relative_depth_figure(
         {"deep": r["contributions"], "shallow": r["shallow_contributions"]}
     ),
-    "layer_skip_single": lambda r: plots.layer_skip_figure(r["layer_skip"]["prompt 1"]),
-    "erasure_positions": lambda r: plots.erasure_figure(r["erasure"], 0),
+    "layer_skip_single": lambda r: layer_skip.layer_skip_figure(r["layer_skip"]["prompt 1"]),
+    "erasure_positions": lambda r: erasure.erasure_figure(r["erasure"], 0),
     "relative_overlap": lambda r: plots.relative_depth_figure(
         {"deep": r["logit_lens"], "shallow": r["shallow_logit_lens"]}, "overlap"
     ),
@@ -140,7 +140,7 @@ def test_figure_renders_and_saves(results, tmp_path, name):
 
 
 def test_save_figure_default_dpi_and_extension(results, tmp_path):
-    fig = plots.logit_lens_figure(results["logit_lens"])
+    fig = logit_lens.logit_lens_figure(results["logit_lens"])
     png, pdf = plots.save_figure(fig, str(tmp_path / "lens.png"))  # a given extension is not doubled
     assert (png, pdf) == (str(tmp_path / "lens.png"), str(tmp_path / "lens.pdf"))
     assert sorted(os.listdir(tmp_path)) == ["lens.pdf", "lens.png"]
@@ -151,12 +151,12 @@ def test_save_figure_default_dpi_and_extension(results, tmp_path):
 def test_wrong_result_types_are_refused(results):
     lens, contrib = results["logit_lens"], results["contributions"]
     calls = [
-        lambda: plots.contributions_figure(lens),
-        lambda: plots.logit_lens_figure(contrib),
-        lambda: plots.layer_skip_figure(lens),
-        lambda: plots.layer_skip_figure({"layer": lens}),
-        lambda: plots.erasure_figure(results["integrated_gradients"]),
-        lambda: plots.integrated_gradients_figure(results["erasure"]),
+        lambda: contributions.contributions_figure(lens),
+        lambda: logit_lens.logit_lens_figure(contrib),
+        lambda: layer_skip.layer_skip_figure(lens),
+        lambda: layer_skip.layer_skip_figure({"layer": lens}),
+        lambda: erasure.erasure_figure(results["integrated_gradients"]),
+        lambda: integrated_gradients.integrated_gradients_figure(results["erasure"]),
         lambda: plots.relative_depth_figure({"a": lens, "b": contrib}),
         lambda: plots.relative_depth_figure({"a": results["erasure"]}),
         lambda: plots.relative_depth_figure({"a": lens}, "mean_cosine"),
@@ -165,7 +165,7 @@ def test_wrong_result_types_are_refused(results):
         with pytest.raises(ValueError):
             call()
     with pytest.raises(TypeError, match="needs a ContributionResult, got LogitLensResult"):
-        plots.contributions_figure(lens)
+        contributions.contributions_figure(lens)
     with pytest.raises(ValueError, match="at least one"):
         plots.relative_depth_figure({})
 
@@ -173,9 +173,9 @@ def test_wrong_result_types_are_refused(results):
 @pytest.mark.parametrize("prompt", [2, -1, 10])
 def test_prompt_index_out_of_range(results, prompt):
     with pytest.raises(ValueError, match="out of range"):
-        plots.erasure_figure(results["erasure"], prompt)
+        erasure.erasure_figure(results["erasure"], prompt)
     with pytest.raises(ValueError, match="out of range"):
-        plots.integrated_gradients_figure(results["integrated_gradients"], prompt)
+        integrated_gradients.integrated_gradients_figure(results["integrated_gradients"], prompt)
 
 
 def test_erasure_tick_labels_are_the_token_strings(results):
@@ -183,12 +183,12 @@ def test_erasure_tick_labels_are_the_token_strings(results):
     n = int(result.lengths[1])
     ids = result.tokens[1, :n]
     labels = lambda fig: [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert labels(plots.erasure_figure(result, 1, tokenizer=FakeTokenizer())) == [f"tok{i}" for i in ids]
-    assert labels(plots.erasure_figure(result, 1, tokenizer=DecodeOnlyTokenizer())) == [f"<{i}>" for i in ids]
-    assert labels(plots.erasure_figure(result, 1)) == [str(p) for p in range(n)]
+    assert labels(erasure.erasure_figure(result, 1, tokenizer=FakeTokenizer())) == [f"tok{i}" for i in ids]
+    assert labels(erasure.erasure_figure(result, 1, tokenizer=DecodeOnlyTokenizer())) == [f"<{i}>" for i in ids]
+    assert labels(erasure.erasure_figure(result, 1)) == [str(p) for p in range(n)]
     # the heatmap holds exactly this prompt's effects, boundaries 0..L on the y axis
     np.testing.assert_array_equal(
-        plots.erasure_figure(result, 1).axes[0].images[0].get_array(), result.effects[1, :, :n]
+        erasure.erasure_figure(result, 1).axes[0].images[0].get_array(), result.effects[1, :, :n]
     )
 
 
@@ -197,7 +197,7 @@ def test_token_labels_escape_mathtext_and_show_whitespace(results, tmp_path):
         def decode(self, ids):
             return "".join("$" if i % 2 else " a\nb\t" for i in ids)
 
-    fig = plots.erasure_figure(results["erasure"], 0, tokenizer=Dollars())
+    fig = erasure.erasure_figure(results["erasure"], 0, tokenizer=Dollars())
     texts = {t.get_text() for t in fig.axes[0].get_xticklabels()}
     assert texts <= {r"\$", "\u2423a\u21b5b\u21e5"}
     fig.canvas.draw()  # an unescaped odd number of '$' would fail here, as unbalanced mathtext
@@ -227,7 +227,7 @@ def test_token_labels_are_decoded_text_not_byte_level_symbols():
         def decode(self, ids):
             return tok.decode(ids)
 
-    labels = plots._token_labels(ids, Adapter())
+    labels = drawing.token_labels(ids, Adapter())
     assert not any(c in "".join(labels) for c in "\u0120\u010a")
     assert "".join(labels) == text.replace(" ", "\u2423").replace("\n", "\u21b5")
     assert "\u2423cat" in labels or "\u2423c" in labels
@@ -236,12 +236,12 @@ def test_token_labels_are_decoded_text_not_byte_level_symbols():
 def test_robust_limit_clips_only_a_dominant_cell():
     rng = np.random.default_rng(0)
     values = rng.random((8, 50))
-    assert plots.robust_limit(values) == (values.max(), False)
+    assert drawing.robust_limit(values) == (values.max(), False)
     values[0, 0] = 1e3  # one cell dwarfs the rest: the scale follows the percentile
-    limit, clipped = plots.robust_limit(values, 99)
+    limit, clipped = drawing.robust_limit(values, 99)
     assert clipped and limit == np.percentile(np.abs(values), 99) and limit < 1.0
-    assert plots.robust_limit(-values, 99)[0] == limit  # magnitudes: the same for negative cells
-    assert plots.robust_limit(np.zeros((3, 3))) == (1.0, False)
+    assert drawing.robust_limit(-values, 99)[0] == limit  # magnitudes: the same for negative cells
+    assert drawing.robust_limit(np.zeros((3, 3))) == (1.0, False)
 
 
 def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
@@ -249,12 +249,12 @@ def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
     values = ig.attributions.copy()
     values[0, :, 0] = 1e3 * np.abs(values).max()  # IG at the first token, as on real models
     big = dataclasses.replace(ig, attributions=values)
-    fig = plots.integrated_gradients_figure(big, 0)
+    fig = integrated_gradients.integrated_gradients_figure(big, 0)
     vmin, vmax = fig.axes[0].images[0].get_clim()
     n = int(ig.lengths[0])
-    assert vmax == -vmin == plots.robust_limit(values[0, :, :n])[0] < np.abs(values[0, :, :n]).max()
+    assert vmax == -vmin == drawing.robust_limit(values[0, :, :n])[0] < np.abs(values[0, :, :n]).max()
     assert "clipped at the 95th percentile" in fig.axes[1].get_ylabel()
-    plain = plots.integrated_gradients_figure(ig, 0)
+    plain = integrated_gradients.integrated_gradients_figure(ig, 0)
     assert "clipped" not in plain.axes[1].get_ylabel()
 
     L = 24
@@ -268,7 +268,7 @@ def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
         split_positions=np.zeros((1, 4)),
         settings={},
     )
-    fig = plots.layer_skip_figure(skip)
+    fig = layer_skip.layer_skip_figure(skip)
     assert fig.axes[0].images[0].get_clim()[1] < 1.0
     assert "clipped at the 90th percentile" in fig.axes[-1].get_xlabel()
 
@@ -282,9 +282,9 @@ def test_long_prompts_get_thinned_labels():
         answer_start=np.array([100]),
         settings={},
     )
-    ax = plots.erasure_figure(result, 0, tokenizer=FakeTokenizer()).axes[0]
+    ax = erasure.erasure_figure(result, 0, tokenizer=FakeTokenizer()).axes[0]
     ticks = ax.get_xticks()
-    assert 30 <= len(ticks) <= plots.MAX_TOKEN_LABELS
+    assert 30 <= len(ticks) <= drawing.MAX_TOKEN_LABELS
     assert [t.get_text() for t in ax.get_xticklabels()] == [f"tok{int(t) % 97}" for t in ticks]
     assert "every 3 tokens" in ax.get_xlabel()
     answer_lines = [line for line in ax.lines if line.get_label() == "answer start"]
@@ -301,7 +301,7 @@ def _vertical_line(ax, label_prefix):
 
 def test_logit_lens_marks_effective_depths_and_thresholds():
     result = logit_lens.LogitLensResult(kl=np.linspace(10, 0, 8), overlap=np.linspace(0, 1, 8), settings={})
-    fig = plots.logit_lens_figure(result)
+    fig = logit_lens.logit_lens_figure(result)
     kl_ax, overlap_ax = fig.axes
     assert _vertical_line(kl_ax, "KL ED") == kl_effective_depth(result.kl).layer == 4
     assert _vertical_line(overlap_ax, "overlap ED") == overlap_effective_depth(result.overlap).layer == 3
@@ -313,11 +313,11 @@ def test_logit_lens_marks_effective_depths_and_thresholds():
 def test_contributions_mark_the_cosine_depth_only_when_found():
     curves = dict(norm_attn=np.ones(6), norm_mlp=np.ones(6), norm_layer=np.ones(6), num_tokens=1, settings={})
     crossing = np.array([0.2, -0.1, 0.1, -0.2, 0.3, 0.1])  # crossings after 1 and 3: the last one counts
-    fig = plots.contributions_figure(
+    fig = contributions.contributions_figure(
         contributions.ContributionResult(cos_attn=crossing, cos_mlp=crossing, cos_layer=crossing, **curves)
     )
     assert all(_vertical_line(ax, "cosine ED") == 3 for ax in fig.axes)
-    fig = plots.contributions_figure(
+    fig = contributions.contributions_figure(
         contributions.ContributionResult(cos_attn=np.ones(6), cos_mlp=np.ones(6), cos_layer=np.ones(6), **curves)
     )
     assert fig.axes[0].get_title() == "cosine ED: no crossing"
@@ -326,7 +326,7 @@ def test_contributions_mark_the_cosine_depth_only_when_found():
 
 def test_layer_skip_heatmap_orientation(results):
     result = results["layer_skip"]["both prompts"]
-    fig = plots.layer_skip_figure(result)
+    fig = layer_skip.layer_skip_figure(result)
     heat = fig.axes[0]
     assert (heat.get_xlabel(), heat.get_ylabel()) == ("measured layer j", "skipped layer s")
     shown = heat.images[0].get_array()
@@ -370,7 +370,7 @@ def test_bootstrap_bands_and_per_prompt_curves(results):
 
     lens, contrib = results["logit_lens"], results["contributions"]
     layers = np.arange(CONFIG.num_layers)
-    fig = plots.logit_lens_figure(lens, seed=3)
+    fig = logit_lens.logit_lens_figure(lens, seed=3)
     bands = uncertainty.curve_bands(lens, seed=3)
     intervals = uncertainty.effective_depth_intervals(lens, seed=3)
     for ax, name in zip(fig.axes, ("kl", "overlap")):
@@ -385,7 +385,7 @@ def test_bootstrap_bands_and_per_prompt_curves(results):
         d = intervals[name]
         assert f" [{d.low}, {d.high}] " in ax.get_title()
 
-    fig = plots.contributions_figure(contrib)
+    fig = contributions.contributions_figure(contrib)
     cos_ax, norm_ax = fig.axes
     (band,) = _bands(cos_ax)
     low, high = _band_limits(band, layers)
@@ -393,7 +393,7 @@ def test_bootstrap_bands_and_per_prompt_curves(results):
     assert len(_per_prompt_lines(cos_ax)[0].get_segments()) == len(contrib.tokens_per_prompt)
     assert len([c for c in norm_ax.collections if c.get_paths()]) == 3  # one band per norm curve
 
-    plain = plots.logit_lens_figure(lens, resamples=0)
+    plain = logit_lens.logit_lens_figure(lens, resamples=0)
     assert not any(_bands(ax) for ax in plain.axes) and all(_per_prompt_lines(ax) for ax in plain.axes)
     assert "[" not in plain.axes[0].get_title()
 
@@ -401,7 +401,7 @@ def test_bootstrap_bands_and_per_prompt_curves(results):
 def test_results_without_per_prompt_curves_draw_as_before(results):
     lens = results["logit_lens"]
     old = dataclasses.replace(lens, kl_per_prompt=None, overlap_per_prompt=None, tokens_per_prompt=None)
-    fig = plots.logit_lens_figure(old)
+    fig = logit_lens.logit_lens_figure(old)
     assert all(not ax.collections for ax in fig.axes)
     assert (
         fig.axes[0].get_title() == f"KL ED: {kl_effective_depth(lens.kl).layer} (ratio "
@@ -411,7 +411,7 @@ def test_results_without_per_prompt_curves_draw_as_before(results):
     old = dataclasses.replace(
         contrib, **{f"{n}_per_prompt": None for n in contributions.STATISTICS}, tokens_per_prompt=None
     )
-    assert all(not ax.collections for ax in plots.contributions_figure(old).axes)
+    assert all(not ax.collections for ax in contributions.contributions_figure(old).axes)
 
 
 def test_current_mode_heatmap_draws_the_diagonal():
@@ -425,16 +425,16 @@ def test_current_mode_heatmap_draws_the_diagonal():
         split_positions=np.full((1, 4), -1),
         settings={"mode": "current"},
     )
-    shown = plots.layer_skip_figure(result).axes[0].images[0].get_array()
+    shown = layer_skip.layer_skip_figure(result).axes[0].images[0].get_array()
     np.testing.assert_array_equal(np.diagonal(shown), np.diagonal(later))
     assert np.all(np.ma.getmaskarray(shown)[np.tril_indices(L, -1)])
-    future = plots.layer_skip_figure(dataclasses.replace(result, settings={"mode": "future"}))
+    future = layer_skip.layer_skip_figure(dataclasses.replace(result, settings={"mode": "future"}))
     assert np.all(np.ma.getmaskarray(future.axes[0].images[0].get_array())[np.diag_indices(L)])
 
 
 def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
     from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
-    from jaxdepth.lab.plots import integrated_gradients_figure
+    from jaxdepth.analyses.integrated_gradients import integrated_gradients_figure
     from jaxdepth.lab.registry import analysis
 
     P, L, T = 1, 3, 5
@@ -459,7 +459,7 @@ def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
 
 def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
     from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
-    from jaxdepth.lab.plots import integrated_gradients_figure
+    from jaxdepth.analyses.integrated_gradients import integrated_gradients_figure
 
     P, L, T = 1, 4, 6
     converged = np.array([[True, False, True, False]])
@@ -486,7 +486,7 @@ def test_adaptive_ig_figure_marks_layers_that_did_not_converge():
 
 def test_ig_figure_shows_each_layers_completeness_gap_beside_the_attributions():
     from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
-    from jaxdepth.lab.plots import integrated_gradients_figure
+    from jaxdepth.analyses.integrated_gradients import integrated_gradients_figure
 
     P, L, T = 1, 4, 6
     gap = np.array([[14.5, 0.1, -2.0, 0.3]], np.float32)

@@ -40,7 +40,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.lab.registry import Analysis
+from jaxdepth.lab.registry import Analysis, Settings, option
 
 CALLS = []  # one entry per computation of token_count: a reused result adds none
 
@@ -82,6 +82,27 @@ NO_FIGURE = dataclasses.replace(TOKEN_COUNT, name="no_figure", figures=lambda re
 CLASH = dataclasses.replace(TOKEN_COUNT, name="contributions")  # a built-in's name
 TWIN = dataclasses.replace(TOKEN_COUNT)  # another analysis named token_count
 NOT_AN_ANALYSIS = count_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightedCountSettings(Settings):
+    count_weight: int = option(1, "weighted_count: what each valid token counts for")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.count_weight < 1:
+            raise ValueError(f"--count-weight must be at least 1, got {self.count_weight}")
+
+
+def count_weighted(inputs):
+    counts = np.asarray(inputs.batch.valid).sum(axis=1) * inputs.settings.count_weight
+    return PluginTokenCount(counts=counts, settings={})
+
+
+WEIGHTED_COUNT = Analysis(name="weighted_count", result_type=PluginTokenCount, settings=WeightedCountSettings,
+                          identity=lambda s: {"count_weight": s.count_weight}, run=count_weighted,
+                          figures=lambda result, tokenizer, detail_prompts: {},
+                          summary=lambda r: [f"weighted tokens {int(r.counts.sum())}"])
 '''
 
 PYPROJECT = f'''\
@@ -410,3 +431,29 @@ def test_the_plugin_installed_from_its_pyproject_is_found(plugin_package, tmp_pa
     assert plugin.label == ENTRY_LABEL and plugin.error is None
     assert ANALYSES["token_count"] is plugin.analysis and plugin.analysis.name not in BUILT_IN
     assert sys.modules[MODULE].__file__ == str(target / f"{MODULE}.py")
+
+
+def test_a_plugin_declares_settings_and_gets_their_option(tiny, installed, tmp_path, capsys):
+    """The plugin's module is the one file: its settings class declares `count_weight`, and
+    `jaxdepth run` offers `--count-weight`, checks it, passes it in and caches by it."""
+    named = ["--plugin", f"{MODULE}:WEIGHTED_COUNT", "--analyses", "weighted_count", "--no-figures"]
+    with pytest.raises(SystemExit):
+        main(["run", "--help", *named])
+    assert "--count-weight COUNT_WEIGHT" in capsys.readouterr().out
+    assert _run(tiny, tmp_path, *named, "--count-weight", "3") == 0
+    assert "weighted_count: reusing" not in capsys.readouterr().out
+    saved = load_result(str(tmp_path / "model" / "default" / "weighted_count.npz"))
+    assert saved.settings["identity"]["count_weight"] == 3
+    valid = saved.counts // 3
+    np.testing.assert_array_equal(saved.counts, valid * 3)
+    assert _run(tiny, tmp_path, *named, "--count-weight", "3") == 0
+    assert "weighted_count: reusing" in capsys.readouterr().out
+    assert _run(tiny, tmp_path, *named) == 0  # the default weight, 1: another identity, computed
+    np.testing.assert_array_equal(load_result(str(tmp_path / "model" / "default" / "weighted_count.npz")).counts, valid)
+    assert _run(tiny, tmp_path, *named, "--count-weight", "0") == 2  # the settings class refuses it
+    assert "--count-weight must be at least 1, got 0" in capsys.readouterr().err
+    ANALYSES.pop("weighted_count")  # as in a new process that does not name the plugin
+    plugin_loader.LOADED.pop(f"{MODULE}:WEIGHTED_COUNT")
+    with pytest.raises(SystemExit):  # without the plugin, no such option
+        _run(tiny, tmp_path, "--analyses", "contributions", "--count-weight", "3")
+    assert "unrecognized arguments: --count-weight 3" in capsys.readouterr().err

@@ -62,9 +62,9 @@ def token_count():
         return TokenCountResult(counts=inputs.batch.valid.sum(axis=1) * inputs.settings.seed, settings={})
 
     def figures(result, tokenizer, detail_prompts):
-        from jaxdepth.lab.plots import _new_figure
+        from jaxdepth.analyses.drawing import new_figure
 
-        fig = _new_figure(3, 2)
+        fig = new_figure(3, 2)
         fig.add_subplot().bar(np.arange(len(result.counts)), result.counts)
         return {"": fig}
 

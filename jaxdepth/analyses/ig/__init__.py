@@ -31,6 +31,7 @@ from jaxdepth.analyses.ig.checks import (
     warn_if_zero_baseline_diverges,
 )
 from jaxdepth.analyses.ig.engine import SiteIG, attribute
+from jaxdepth.core.progress import ProgressLike
 from jaxdepth.core.config import ModelConfig
 
 __all__ = ["integrated_gradients", "SiteIG", "NonFiniteAttributionError", "LogitsMetric"]
@@ -66,7 +67,7 @@ def integrated_gradients(
     max_evaluations: Optional[int] = None,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
-    progress: bool = False,
+    progress: ProgressLike = False,
     nonfinite: str = "raise",
     backward: str = "auto",
 ) -> SiteIG:

@@ -15,7 +15,6 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import layer_baselines, nonfinite_report, raise_or_warn
@@ -27,6 +26,7 @@ from jaxdepth.analyses.ig.path import (
     path_points,
     weighted_gradient,
 )
+from jaxdepth.core.progress import ProgressLike, progress_bar, track
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
@@ -102,7 +102,7 @@ def attribute(
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
     nonfinite: str = "raise",
-    progress: bool = False,
+    progress: ProgressLike = False,
     on_layer: Optional[Callable[[], None]] = None,
     label: Optional[Sequence] = None,
     adaptive_options: Optional[dict] = None,
@@ -210,9 +210,7 @@ def attribute(
         config, B * T, steps, grad=True, stored=backward == "stored", memory_budget=memory_budget
     )
     per_position, attributions, f_baseline = [], [], []
-    for i in tqdm(
-        range(len(layers)), desc=f"integrated gradients at {site} ({rule}, {steps} steps)", disable=not progress
-    ):
+    for i in track(range(len(layers)), progress, f"integrated gradients at {site} ({rule}, {steps} steps)"):
         pp, a, fb = weighted(i, alphas, weights, chunk, per_channel)
         if per_channel:
             attributions.append(to_host(a))
@@ -259,7 +257,7 @@ def _adaptive(
     options: dict,
     chunk_size,
     memory_budget,
-    progress: bool,
+    progress: ProgressLike,
     per_channel: bool,
     on_layer,
     common: dict,
@@ -276,7 +274,7 @@ def _adaptive(
         if on_layer is not None:
             on_layer()
 
-    with tqdm(total=len(layers), desc=f"adaptive integrated gradients at {site}", disable=not progress) as bar:
+    with progress_bar(progress, total=len(layers), desc=f"adaptive integrated gradients at {site}") as bar:
         finished = rules.run_rule(
             call,
             layers,

@@ -1,0 +1,59 @@
+"""`jaxdepth.core.progress`: loops report how far they are as the caller asks, a driver included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxdepth.analyses import erasure
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.model import random_params
+from jaxdepth.core.progress import progress_bar, track
+
+
+class Recorder:
+    """A tqdm-like callable of one's own: records what it is told."""
+
+    def __init__(self):
+        self.bars = []
+
+    def __call__(self, *, total, desc, initial=0):
+        bar = {"total": total, "desc": desc, "done": initial, "closed": False}
+        self.bars.append(bar)
+
+        class Bar:
+            def update(self, n=1):
+                bar["done"] += n
+
+            def close(self):
+                bar["closed"] = True
+
+        return Bar()
+
+
+def test_track_counts_every_item_and_closes_the_bar_even_when_stopped_early():
+    recorder = Recorder()
+    assert list(track(range(4), recorder, "four")) == [0, 1, 2, 3]
+    assert recorder.bars == [{"total": 4, "desc": "four", "done": 4, "closed": True}]
+    for i in track(range(5), recorder, "stopped"):
+        if i == 1:
+            break
+    assert recorder.bars[1]["done"] == 1 and recorder.bars[1]["closed"]
+    assert list(track(range(3), False, "silent")) == [0, 1, 2]
+    with progress_bar(recorder, total=9, desc="steps", initial=4) as bar:
+        bar.update(2)
+        bar.set_postfix(kl="0.1")  # a bar without set_postfix takes it too
+    assert recorder.bars[2] == {"total": 9, "desc": "steps", "done": 6, "closed": True}
+    with pytest.raises(TypeError, match="progress must be True, False, None or a tqdm-like callable"):
+        list(track(range(2), "yes", "bad"))
+
+
+def test_a_driver_reports_to_the_callers_progress():
+    config = tiny_config(num_layers=2)
+    params = random_params(config, 0, scale=0.2)
+    rng = np.random.default_rng(0)
+    batch = make_batch([rng.integers(0, 97, 12).tolist(), rng.integers(0, 97, 10).tolist()], [8, 6])
+    recorder = Recorder()
+    erasure.residual_erasure(params, batch, config, erasure.mean_residuals(params, batch, config), progress=recorder)
+    assert recorder.bars == [{"total": 2, "desc": "residual erasure (prompts)", "done": 2, "closed": True}]
