@@ -11,9 +11,9 @@ relative imports. The experiments are scripts run with `experiments/` on the pat
 
 - no import cycle between modules (a strongly connected component of more than one module), nor
   between layers (core, analyses, lab, conversion, experiments; the facade aside);
-- no arrow core -> analyses, core -> lab, analyses -> lab, nor from the core or the analyses to
-  the package facade `jaxdepth/__init__.py` (which re-exports from every layer and is exempt from
-  the layering rule as an importer);
+- no arrow core -> analyses, core -> lab, analyses -> lab, nor from the core, the analyses or
+  the shell to the package facade `jaxdepth/__init__.py` (which re-exports from every layer and
+  is exempt from the layering rule as an importer; the experiments and users import it);
 - `conversion/` imports the core only: not the analyses, the shell or the facade;
 - nothing but the experiments imports the experiments;
 - no module imports another module's private name (`_name`, not a dunder), or reads one as an
@@ -38,6 +38,7 @@ FORBIDDEN = {
     ("analyses", "lab"),
     ("core", "facade"),
     ("analyses", "facade"),
+    ("lab", "facade"),
     ("conversion", "analyses"),
     ("conversion", "lab"),
     ("conversion", "facade"),

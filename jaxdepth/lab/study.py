@@ -91,12 +91,18 @@ class Failures:
 
 
 def software_versions() -> dict:
+    """The versions of jax, flax and jaxdepth (as installed; "unknown" for a checkout run without
+    installing it), recorded with every result."""
+    import importlib.metadata
+
     import flax
     import jax
 
-    import jaxdepth
-
-    return {"jax": jax.__version__, "flax": flax.__version__, "jaxdepth": getattr(jaxdepth, "__version__", "0.1.0")}
+    try:
+        ours = importlib.metadata.version("jaxdepth")
+    except importlib.metadata.PackageNotFoundError:
+        ours = "unknown"
+    return {"jax": jax.__version__, "flax": flax.__version__, "jaxdepth": ours}
 
 
 def saved_model_name(source: str, dtype: Optional[str] = None) -> str:
