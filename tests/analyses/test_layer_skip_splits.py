@@ -9,28 +9,14 @@ import pytest
 
 from jaxdepth.analyses import layer_skip
 from jaxdepth.core.batch import make_batch
-from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
 from jaxdepth.core.model import embed, forward, random_params, run_layers
 from jaxdepth.lab.registry import analysis
 from jaxdepth.lab.study import StudySettings
 
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=1e4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    qkv_bias=True,
-)
+from tiny_qwen import CONFIG  # the tiny Qwen2 every analysis test runs on
+
 
 # Compare at full float32 matmul precision (as the references compute).
 pytestmark = pytest.mark.usefixtures("highest_precision")

@@ -11,24 +11,10 @@ from flax import nnx
 from jaxdepth.analyses import logit_lens, tuned_lens
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
 from jaxdepth.core.batch import make_batch
-from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
 
-CONFIG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=1e4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    qkv_bias=True,
-)
+from tiny_qwen import CONFIG  # the tiny Qwen2 every analysis test runs on
+
 SETTINGS = LensTrainingSettings(steps=6, tokens_per_step=32, learning_rate=1e-2, warmup=2, checkpoint_every=2)
 
 

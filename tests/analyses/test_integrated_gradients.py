@@ -1,0 +1,182 @@
+"""The studies' integrated gradients (METHODS §5) on a tiny random model: equal to the objective
+integrated one layer at a time, the suffix gradient equal to jax.grad of a plain forward,
+sublayer targets, the completeness gap, exact zeros, and the quadrature rules."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.ig.path import suffix_value_and_grad
+from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.core import sites
+from jaxdepth.core.model import forward, residual_stream, run_layers, embed
+
+from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
+
+# Compare at full float32 matmul precision (as the references compute).
+pytestmark = pytest.mark.usefixtures("highest_precision")
+
+
+# ----------------------------------------------------------------------------- §5
+
+
+@jax.jit
+def _objective_arrays(params, tokens, valid, answer, layer, z):
+    T = tokens.shape[1]
+    iv = sites.replace("resid_pre", layer + 1, jnp.ones(T, jnp.float32), z)
+    p = jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=iv), -1)[0]
+    target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
+    return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))
+
+
+_objective_grad = jax.jit(jax.grad(_objective_arrays, argnums=5))
+
+
+def _objective(params, one, layer, z, grad=False):
+    """F: summed teacher-forced answer probabilities with h_{layer+1} set to z (or its gradient)."""
+    args = (
+        params,
+        jnp.asarray(one.tokens),
+        jnp.asarray(one.valid),
+        jnp.asarray(one.answer_prediction_mask()[0]),
+        layer,
+        z,
+    )
+    return (_objective_grad if grad else _objective_arrays)(*args)
+
+
+def test_integrated_gradients_equal_one_at_a_time(params, batch):
+    steps = 6
+    result = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False
+    )
+    chunked = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False, chunk_size=5
+    )
+    np.testing.assert_allclose(chunked.attributions, result.attributions, rtol=1e-5, atol=1e-8)
+    one = batch.single(1)
+    hs = residual_stream(params, jnp.asarray(one.tokens), CONFIG, valid=jnp.asarray(one.valid))
+    alphas, weights = quadrature("midpoint", steps)
+    for layer in range(CONFIG.num_layers):
+        x = hs[layer + 1]
+        v = one.valid[0][:, None]
+        b = (np.asarray(x[0]) * v).sum(0, keepdims=True) / v.sum()
+        grads = [_objective(params, one, layer, b + a * (x - b), grad=True) for a in alphas]
+        mean_grad = sum(w * g for w, g in zip(weights, grads))[0]
+        expected = np.sum((np.asarray(x[0]) - b) * np.asarray(mean_grad), -1) * one.valid[0]
+        np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=1e-6)
+        f_b = _objective(params, one, layer, jnp.broadcast_to(b, x.shape))
+        assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
+    assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
+
+
+@pytest.mark.parametrize("backward", ["recompute", "stored"])
+def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backward):
+    # Both backwards (layer by layer recomputing each layer, or from each layer's kept activations)
+    # give F and dF/dh_start of a plain forward with h_start set, from every start.
+    one = batch.single(1)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    objective = ig.answer_objective(params, batch.prompt(1), CONFIG)
+    hs = residual_stream(params, tokens, CONFIG, valid=valid)
+    for start in range(CONFIG.num_layers + 1):
+        z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident
+        value, grad = jax.jit(
+            lambda z, s: suffix_value_and_grad(params, z, s, CONFIG, objective, valid=valid, backward=backward)
+        )(z, start)
+        if start > 0:  # boundary `start` = the output of layer start - 1
+            assert float(value) == pytest.approx(float(_objective(params, one, start - 1, z)), abs=1e-6)
+            np.testing.assert_allclose(grad, _objective(params, one, start - 1, z, grad=True), atol=1e-6)
+        else:  # from the embeddings: the whole stack
+            full = jax.value_and_grad(lambda h: objective(run_layers(params, h, CONFIG, valid=valid)[0]))(z)
+            assert float(value) == pytest.approx(float(full[0]), abs=1e-6)
+            np.testing.assert_allclose(grad, full[1], atol=1e-6)
+
+
+def _set_site(value, layer, data):
+    at, z = data
+    return jnp.where(layer == at, z, value)
+
+
+@partial(jax.jit, static_argnames="site")
+def _objective_at_site(params, tokens, valid, answer, layer, z, site):
+    """F with the value at `site` of `layer` set to z, by a plain forward."""
+    T = tokens.shape[1]
+    iv = sites.Intervention(site, _set_site, (layer, z))
+    p = jax.nn.softmax(forward(params, tokens, CONFIG, valid=valid, interventions=iv), -1)[0]
+    target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
+    return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))
+
+
+_objective_at_site_grad = jax.jit(jax.grad(_objective_at_site, argnums=5), static_argnames="site")
+
+
+@pytest.mark.parametrize("target,site", [("attn", "attn_out"), ("mlp", "mlp_out")])
+def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target, site):
+    steps = 5
+    result = ig.integrated_gradients(
+        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", target=target, progress=False
+    )
+    assert result.settings["target"] == target
+    one = batch.single(1)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    answer = jnp.asarray(one.answer_prediction_mask()[0])
+    _, xs = run_layers(
+        params, embed(params, tokens), CONFIG, valid=valid, tap=lambda r, _: r.attn if target == "attn" else r.mlp
+    )
+    alphas, weights = quadrature("midpoint", steps)
+    v = one.valid[0][:, None]
+    for layer in range(CONFIG.num_layers):
+        x = np.asarray(xs[layer])
+        b = (x[0] * v).sum(0, keepdims=True) / v.sum()
+        grads = [
+            _objective_at_site_grad(params, tokens, valid, answer, layer, jnp.asarray(b + a * (x - b)), site)
+            for a in alphas
+        ]
+        expected = np.sum((x[0] - b) * np.asarray(sum(w * g for w, g in zip(weights, grads))[0]), -1) * one.valid[0]
+        np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=1e-6)
+        f_b = _objective_at_site(params, tokens, valid, answer, layer, jnp.broadcast_to(b, x.shape), site)
+        assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
+    # completeness: the gap shrinks with the steps, as for the layer target
+    gaps = [
+        np.abs(
+            ig.integrated_gradients(
+                params, batch.select(slice(0, 1)), CONFIG, steps=n, target=target, progress=False
+            ).gap
+        ).max()
+        for n in (2, 8, 32)
+    ]
+    assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0, gaps
+
+
+def test_ig_completeness_gap_shrinks_with_steps(params, batch):
+    gaps = [
+        np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n, progress=False).gap).max()
+        for n in (2, 8, 32)
+    ]
+    assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0
+
+
+def test_ig_zero_where_the_output_cannot_depend(params, batch):
+    result = ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    last_prediction = int(batch.lengths[0]) - 2
+    # positions after the last answer prediction reach no measured output: exactly zero
+    assert np.all(result.attributions[0, :, last_prediction + 1 :] == 0.0)
+    assert np.any(result.attributions[0, :, : last_prediction + 1] != 0.0)
+    # a model whose output ignores the residual (zero final norm): every layer's attribution is 0
+    dead = {**params, "final_norm": jnp.zeros_like(params["final_norm"])}
+    flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    assert np.all(flat.attributions == 0.0) and np.all(flat.gap == 0.0)
+
+
+def test_quadrature_rules_integrate_exactly():
+    for rule, steps in (("left", 4), ("midpoint", 4), ("gauss", 3)):
+        a, w = quadrature(rule, steps)
+        assert np.isclose(w.sum(), 1.0)
+    a, w = quadrature("left", 4)
+    np.testing.assert_array_equal(a, [0, 0.25, 0.5, 0.75])
+    a, w = quadrature("gauss", 3)
+    assert np.isclose(np.sum(w * a**5), 1 / 6)  # exact for polynomials up to degree 5
