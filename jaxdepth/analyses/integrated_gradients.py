@@ -518,15 +518,19 @@ def _draw_gap_panel(ax, result: IntegratedGradientsResult, p: int):
 # ----------------------------------------------------------------------------- in the suite
 
 
+def _check_budget(n: int) -> int:
+    if n < 3:
+        raise ValueError(f"{n} is too few: the adaptive rule needs at least 3 (one Simpson interval)")
+    return n
+
+
 def evaluation_budget(text: str) -> int:
     """`--ig-max-evaluations`: an integer >= 3 (one Simpson interval)."""
     try:
         n = int(text)
     except ValueError:
         raise ValueError(f"not an integer: {text!r}") from None
-    if n < 3:
-        raise ValueError(f"{n} is too few: the adaptive rule needs at least 3 (one Simpson interval)")
-    return n
+    return _check_budget(n)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -567,7 +571,7 @@ class IGSettings(Settings):
         if self.ig_baseline not in BASELINES:
             raise ValueError(f"ig_baseline must be one of {', '.join(BASELINES)}; got {self.ig_baseline!r}")
         if self.ig_max_evaluations is not None:
-            evaluation_budget(str(self.ig_max_evaluations))
+            _check_budget(self.ig_max_evaluations)
 
     def warnings(self) -> list[str]:
         """A budget of evaluations given to a fixed rule, which ignores it."""

@@ -45,20 +45,27 @@ class StudySettings(Settings):
     def for_analysis(self, entry: Analysis) -> Settings:
         """The settings `entry` runs with: an instance of its settings class, from the common
         settings and those of `options` it declares (checked by the class)."""
-        own = {f.name for f in dataclasses.fields(entry.settings)}
         common = {f.name: getattr(self, f.name) for f in dataclasses.fields(Settings)}
+        own = _own_settings(entry)
         return entry.settings(**common, **{k: v for k, v in self.options.items() if k in own})
 
     def check(self, entries: Sequence[Analysis]) -> list[Settings]:
         """Each of `entries`' settings (`for_analysis`), after refusing an option that none of
         the registered analyses declares (a typo would otherwise be ignored)."""
-        known = {f.name for entry in ANALYSES.values() for f in dataclasses.fields(entry.settings)}
+        known = {name for entry in ANALYSES.values() for name in _own_settings(entry)}
         unknown = sorted(set(self.options) - known)
         if unknown:
             raise ValueError(
                 f"unknown options {unknown}: no registered analysis declares them (known: {sorted(known)})"
             )
         return [self.for_analysis(entry) for entry in entries]
+
+
+def _own_settings(entry: Analysis) -> set[str]:
+    """The names of `entry`'s own settings: its settings class's fields beyond the common ones
+    (which `StudySettings` holds itself, not among the options)."""
+    common = {f.name for f in dataclasses.fields(Settings)}
+    return {f.name for f in dataclasses.fields(entry.settings)} - common
 
 
 class Failure(NamedTuple):

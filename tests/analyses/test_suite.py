@@ -87,5 +87,11 @@ def test_study_settings_give_each_analysis_its_own_and_refuse_unknown_options():
     assert type(plain) is Settings and plain.seed == 7
     with pytest.raises(ValueError, match=r"unknown options \['ig_stepz'\]"):
         StudySettings(options={"ig_stepz": 8}).check([ANALYSES["integrated_gradients"]])
+    with pytest.raises(ValueError, match=r"unknown options \['seed'\]"):  # a common setting, not an option
+        StudySettings(options={"seed": 5}).check([ANALYSES["integrated_gradients"]])
+    assert study.for_analysis(ANALYSES["integrated_gradients"]).ig_baseline == "channel_mean"
+    assert StudySettings(options={"ig_baseline": "zero"}).check([ANALYSES["integrated_gradients"]])[0].ig_baseline == (
+        "zero"
+    )  # a setting that is not a command-line option is still one of the analysis's own
     with pytest.raises(ValueError, match="--skip-mode must be one of future, current"):
         StudySettings(options={"skip_mode": "past"}).check([ANALYSES["layer_skip"]])
