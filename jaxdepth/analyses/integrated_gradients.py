@@ -303,7 +303,7 @@ def integrated_gradients(
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
     its own bucket length, `batch.single(i)`, so position masks in them must have that length).
 
-    `rule`: 'left' (the published rule), 'midpoint' or 'gauss' with `steps`; or 'adaptive', each
+    `rule`: 'left' (the published rule), 'midpoint', 'gauss' or 'right' with `steps`; or 'adaptive', each
     layer refined until its certified completeness bound is at most `tolerance` (default 0.01;
     one value, or one per layer) times max(|F(x) - F(b)|, FLOOR_SHARE |F(x)|, `atol`), or it has
     used `max_evaluations` gradient evaluations (default `steps`: never more than the fixed

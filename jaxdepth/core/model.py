@@ -181,7 +181,7 @@ def attention_heads(
     before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
     """
     B, S, _ = x.shape
-    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
+    H, Dh = config.num_heads, config.head_dim
     q = x @ p["q"]
     if config.qkv_bias:
         q = q + p["q_bias"]
@@ -192,14 +192,27 @@ def attention_heads(
     k, v = key_values(p, x, cos, sin, config)
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
+    probs, heads = attend(q, k, v, mask)
+    return q, k, v, probs, heads
+
+
+def attend(
+    q: Float[Array, "B S H Dh"], k: Float[Array, "B T N Dh"], v: Float[Array, "B T N Dh"], mask: Bool[Array, "B S T"]
+):
+    """Softmax attention of the (rotated) queries over keys and values of N heads, where N divides
+    H: query head h reads key/value head h // (H // N). N = K is grouped-query attention; N = H
+    gives every query head keys and values of its own (the per-head readers of
+    `jaxdepth.analyses.edges`). Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`."""
+    B, S, H, Dh = q.shape
+    N = k.shape[2]
     # Group query heads by the kv head they read: head h = kv * G + g.
-    grouped = q.reshape(B, S, K, H // K, Dh)
+    grouped = q.reshape(B, S, N, H // N, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh**-0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
-    return q, k, v, weights.reshape(B, H, S, -1), heads
+    return weights.reshape(B, H, S, -1), heads
 
 
 def attention(

@@ -83,7 +83,7 @@ def integrated_gradients(
         'token_mean' (per position, the mean over the site's channels), 'zero', or an array
         broadcastable to `[layers, B, T, *trailing]`. 'zero' at a residual site ('resid_pre',
         'resid_post') diverges (RMSNorm's gradient at 0 is 1/sqrt(eps)) and is warned about.
-    rule: 'left' (α_k = k/steps, the published rule), 'midpoint', 'gauss' (Gauss-Legendre)
+    rule: 'left' (α_k = k/steps, the published rule), 'midpoint', 'gauss' (Gauss-Legendre), 'right'
         with `steps`; or 'adaptive' with `tolerance` (default 0.01): per layer, composite
         Simpson refined where the exact per-interval error is largest until a certified bound
         on the completeness gap is at most tolerance * max(|F(x) - F(b)|, 0.1 |F(x)|) (the

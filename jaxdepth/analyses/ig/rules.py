@@ -113,7 +113,7 @@ def default_budget(steps: int) -> int:
     return max(int(steps), 3)
 
 
-FIXED_RULES = ("left", "midpoint", "gauss")
+FIXED_RULES = ("left", "midpoint", "gauss", "right")
 RULES = FIXED_RULES + ("adaptive",)
 
 
@@ -121,13 +121,16 @@ def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Nodes α_k in [0, 1] and weights w_k (summing to 1) of a fixed quadrature rule.
 
     'left': α_k = k/n (the default, as the published code); 'midpoint': (k + 1/2)/n;
-    'gauss': Gauss-Legendre on [0, 1].
+    'gauss': Gauss-Legendre on [0, 1]; 'right': (k + 1)/n (one step is the gradient at the
+    input itself: gradient x (input - baseline), what edge attribution patching takes).
     """
     if steps < 1:
         raise ValueError("steps must be >= 1")
     k = np.arange(steps, dtype=np.float64)
     if rule == "left":
         return k / steps, np.full(steps, 1.0 / steps)
+    if rule == "right":
+        return (k + 1) / steps, np.full(steps, 1.0 / steps)
     if rule == "midpoint":
         return (k + 0.5) / steps, np.full(steps, 1.0 / steps)
     if rule == "gauss":

@@ -1,0 +1,194 @@
+"""The computational graph of a decoder as writers and readers of the residual stream.
+
+Writers put a vector into the residual stream: the token embedding (`input`), every attention
+head's output (`a{l}.h{h}`: head h's slice of o_proj applied to its output) and every MLP's
+output (`m{l}`). Readers take the residual stream as their input, each through its own
+normalization: every query head's query, key and value inputs (`a{l}.h{h}<q>`, `<k>`, `<v>`;
+with grouped-query attention the key and value readers of a query head use its group's
+weights), every MLP's input (`m{l}`) and the logits (`logits`, through the final norm). The
+names follow the EAP-IG package's.
+
+An edge u -> v exists when u writes before v reads: the embedding feeds every reader, the heads
+of layer l feed the MLP of layer l and every reader of later layers, the MLP of layer l every
+reader of later layers. The residual input of reader v is the sum of its writers' outputs, so
+a model is exactly the sum over its edges (`jaxdepth.analyses.edges.forward`).
+
+Writers are numbered `0` (input), then per layer its H heads and its MLP
+(`1 + l (H + 1) + h`, `1 + l (H + 1) + H`); readers per layer its H query, H key, H value
+readers and its MLP (`l (3H + 1) + ...`), and last the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+
+from jaxdepth.core.config import ModelConfig
+
+READER_KINDS = ("q", "k", "v")
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeGraph:
+    """The writers, readers and edges of a decoder of `num_layers` layers with `num_heads`
+    query heads. Build it with `EdgeGraph.of(config)`."""
+
+    num_layers: int
+    num_heads: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "EdgeGraph":
+        return cls(config.num_layers, config.num_heads)
+
+    # ------------------------------------------------------------------ sizes and indices
+
+    @property
+    def writers_per_layer(self) -> int:
+        return self.num_heads + 1
+
+    @property
+    def readers_per_layer(self) -> int:
+        return 3 * self.num_heads + 1
+
+    @property
+    def num_writers(self) -> int:
+        return 1 + self.num_layers * self.writers_per_layer
+
+    @property
+    def num_readers(self) -> int:
+        return self.num_layers * self.readers_per_layer + 1
+
+    def head_writer(self, layer: int, head: int) -> int:
+        return 1 + layer * self.writers_per_layer + head
+
+    def mlp_writer(self, layer: int) -> int:
+        return 1 + layer * self.writers_per_layer + self.num_heads
+
+    def head_reader(self, layer: int, head: int, kind: str) -> int:
+        return layer * self.readers_per_layer + READER_KINDS.index(kind) * self.num_heads + head
+
+    def mlp_reader(self, layer: int) -> int:
+        return layer * self.readers_per_layer + 3 * self.num_heads
+
+    @property
+    def logits_reader(self) -> int:
+        return self.num_layers * self.readers_per_layer
+
+    # ------------------------------------------------------------------ which edges exist
+
+    @functools.cached_property
+    def _order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each writer's and each reader's place in the order of computation: a writer feeds
+        every reader placed after it. Attention of layer l sits at 2l + 1, its MLP at 2l + 2."""
+        H, L = self.num_heads, self.num_layers
+        writer = np.zeros(self.num_writers, np.int64)
+        for layer in range(L):
+            writer[self.head_writer(layer, 0) : self.head_writer(layer, 0) + H] = 2 * layer + 1
+            writer[self.mlp_writer(layer)] = 2 * layer + 2
+        reader = np.full(self.num_readers, 2 * L + 1, np.int64)
+        for layer in range(L):
+            start = layer * self.readers_per_layer
+            reader[start : start + 3 * H] = 2 * layer + 1
+            reader[self.mlp_reader(layer)] = 2 * layer + 2
+        return writer, reader
+
+    @functools.cached_property
+    def edge_mask(self) -> np.ndarray:
+        """`[W, R]` bool: whether writer w feeds reader r."""
+        writer, reader = self._order
+        return writer[:, None] < reader[None, :]
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_mask.sum())
+
+    def reader_layer(self, reader: int) -> int:
+        """The layer whose computation reader `reader` starts (L for the logits)."""
+        return min(int(reader) // self.readers_per_layer, self.num_layers)
+
+    # ------------------------------------------------------------------ names
+
+    def writer_name(self, w: int) -> str:
+        w = int(w)
+        if w == 0:
+            return "input"
+        layer, h = divmod(w - 1, self.writers_per_layer)
+        return f"m{layer}" if h == self.num_heads else f"a{layer}.h{h}"
+
+    def reader_name(self, r: int) -> str:
+        r = int(r)
+        if r == self.logits_reader:
+            return "logits"
+        layer, i = divmod(r, self.readers_per_layer)
+        if i == 3 * self.num_heads:
+            return f"m{layer}"
+        kind, h = divmod(i, self.num_heads)
+        return f"a{layer}.h{h}<{READER_KINDS[kind]}>"
+
+    def edge_name(self, w: int, r: int) -> str:
+        return f"{self.writer_name(w)}->{self.reader_name(r)}"
+
+    def writer_index(self, name: str) -> int:
+        if name == "input":
+            return 0
+        layer, head = self._parse_node(name, "writer")
+        return self.mlp_writer(layer) if head is None else self.head_writer(layer, head)
+
+    def reader_index(self, name: str) -> int:
+        if name == "logits":
+            return self.logits_reader
+        match = re.fullmatch(r"(a\d+\.h\d+)<([qkv])>", name)
+        if match:
+            layer, head = self._parse_node(match.group(1), "reader")
+            return self.head_reader(layer, head, match.group(2))
+        layer, head = self._parse_node(name, "reader")
+        if head is not None:
+            raise ValueError(f"reader {name!r}: a head reads its query, key or value: {name}<q>, <k> or <v>")
+        return self.mlp_reader(layer)
+
+    def edge_index(self, name: str) -> tuple[int, int]:
+        """`(writer, reader)` of an edge named `'u->v'` (e.g. `'a3.h1->a5.h0<k>'`, `'m2->logits'`);
+        a ValueError for a name that is no edge of this graph."""
+        if name.count("->") != 1:
+            raise ValueError(f"an edge is named 'writer->reader', e.g. 'a0.h1->m2', got {name!r}")
+        u, v = name.split("->")
+        w, r = self.writer_index(u.strip()), self.reader_index(v.strip())
+        if not self.edge_mask[w, r]:
+            raise ValueError(f"there is no edge {name!r}: {u} does not write before {v} reads")
+        return w, r
+
+    def _parse_node(self, name: str, role: str) -> tuple[int, int | None]:
+        match = re.fullmatch(r"m(\d+)|a(\d+)\.h(\d+)", name)
+        if not match:
+            raise ValueError(
+                f"unknown {role} {name!r}: writers are input, a<layer>.h<head> and m<layer>; readers "
+                "a<layer>.h<head><q|k|v>, m<layer> and logits"
+            )
+        layer = int(match.group(1) or match.group(2))
+        head = None if match.group(1) else int(match.group(3))
+        if not 0 <= layer < self.num_layers or (head is not None and not 0 <= head < self.num_heads):
+            raise ValueError(
+                f"{role} {name!r} is outside the model: layers 0..{self.num_layers - 1}, heads 0..{self.num_heads - 1}"
+            )
+        return layer, head
+
+    def edges_mask(self, edges) -> np.ndarray:
+        """`[W, R]` bool of a set of edges, given as names, `(writer, reader)` index pairs or a
+        `[W, R]` bool mask (checked: only edges of the graph)."""
+        if isinstance(edges, np.ndarray) and edges.dtype == bool:
+            if edges.shape != self.edge_mask.shape:
+                raise ValueError(f"an edge mask must be [W, R] = {self.edge_mask.shape}, got {edges.shape}")
+            if np.any(edges & ~self.edge_mask):
+                w, r = np.argwhere(edges & ~self.edge_mask)[0]
+                raise ValueError(f"the mask holds {self.edge_name(w, r)}, which is not an edge of the graph")
+            return edges
+        mask = np.zeros(self.edge_mask.shape, bool)
+        for edge in edges:
+            w, r = self.edge_index(edge) if isinstance(edge, str) else (int(edge[0]), int(edge[1]))
+            if not (0 <= w < self.num_writers and 0 <= r < self.num_readers and self.edge_mask[w, r]):
+                raise ValueError(f"({w}, {r}) is not an edge of the graph")
+            mask[w, r] = True
+        return mask

@@ -1,0 +1,165 @@
+"""Exact edge patching: the metric when exactly a given set of edges carries the corrupt values,
+for many edges or circuits as one vmapped computation.
+
+Patching edge u -> v means that reader v reads u's output from the corrupt run instead of u's
+output in this run, and nothing else changes: the other readers of u read what u writes. With a
+set of edges patched, every patched edge does so in the same run (`edge_forward`'s `patch`: a
+patched edge upstream changes what later writers write, and their other edges carry that).
+
+- `edge_effects`: each edge patched alone, F(clean) - F(patched) per pair: what EAP's score
+  of the edge estimates (the same sign). An edge into a reader of layer l changes nothing
+  before layer l, so each edge's run starts there, from the clean residual h_l.
+- `patched_metric`: F with each of several edge sets patched.
+- `circuit_metric`, `faithfulness`: a circuit is a set of edges kept clean; its metric is F with
+  every other edge patched, and its faithfulness (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)):
+  1 for the whole graph, 0 for the empty circuit.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdepth.analyses.edges.forward import edge_forward
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.scores import pair_runs
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.model import embed
+from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sweep import available_memory_budget, member_bytes
+
+MAX_CHUNK = 16
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def _single_edges(params, pairs: PromptPairs, start, h_start, writers, readers, delta, config, metric):
+    """F `[c, B]` with edge (writers[i], readers[i]) patched, for edges whose readers all lie in
+    layer `start` (the run starts from the clean residual `h_start` there)."""
+
+    def one(w, r):
+        run = edge_forward(params, h_start, pairs.valid, pairs.last, config, start=start, add=(r, delta[w]))
+        return metric_values(metric, run.logits, pairs.labels)
+
+    return jax.vmap(one)(writers, readers)
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def _edge_sets(params, pairs: PromptPairs, masks, corrupt_writers, config, metric):
+    """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once."""
+    h0 = embed(params, pairs.clean)
+
+    def one(mask):
+        run = edge_forward(params, h0, pairs.valid, pairs.last, config, patch=(mask, corrupt_writers))
+        return metric_values(metric, run.logits, pairs.labels)
+
+    return jax.vmap(one)(masks)
+
+
+def edge_effects(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Callable,
+    edges,
+    *,
+    chunk_size: Optional[int] = None,
+    progress: ProgressLike = False,
+) -> np.ndarray:
+    """`[n, B]`: F(clean) - F(clean with edge i alone patched), per pair, for each of `edges`
+    (names, `(writer, reader)` pairs, or an `[n, 2]` array as `ranked_edges` gives).
+    Edges are run `chunk_size` at a time, grouped by the layer of their reader."""
+    graph = EdgeGraph.of(config)
+    pairs.check(config)
+    edges = _edge_indices(edges, graph)
+    clean, corrupt = pair_runs(params, pairs, config)
+    delta = corrupt.writers - clean.writers
+    f_clean = metric_values(metric, clean.logits, pairs.labels)
+    chunk = chunk_size or _chunk(config, pairs)
+    layers = np.array([graph.reader_layer(r) for r in edges[:, 1]], np.int64)
+    out = np.zeros((len(edges), len(pairs)), np.float32)
+    pending = []
+    for layer in np.unique(layers):
+        index = np.flatnonzero(layers == layer)
+        for part in np.array_split(index, -(-len(index) // chunk)):
+            padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
+            w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
+            h = clean.residuals[layer]
+            f = _single_edges(params, pairs, jnp.int32(layer), h, w, r, delta, config, metric)
+            pending.append((part, f))
+    for part, f in track(pending, progress, "exact edge patching (chunks)"):
+        out[part] = to_host(f_clean[None] - f)[: len(part)]
+    return out
+
+
+def patched_metric(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Callable,
+    edge_sets,
+    *,
+    chunk_size: Optional[int] = None,
+    progress: ProgressLike = False,
+) -> np.ndarray:
+    """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
+    index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array)."""
+    graph = EdgeGraph.of(config)
+    pairs.check(config)
+    masks = np.stack([graph.edges_mask(s) for s in edge_sets])
+    _, corrupt = pair_runs(params, pairs, config)
+    chunk = chunk_size or _chunk(config, pairs, patch=True)
+    out, pending = np.zeros((len(masks), len(pairs)), np.float32), []
+    for start in range(0, len(masks), chunk):
+        part = masks[start : start + chunk]
+        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
+        pending.append((start, len(part), _edge_sets(params, pairs, jnp.asarray(padded), corrupt.writers, config, metric)))
+    for start, n, f in track(pending, progress, "exact patching of edge sets (chunks)"):
+        out[start : start + n] = to_host(f)[:n]
+    return out
+
+
+def circuit_metric(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, circuits, **kwargs) -> np.ndarray:
+    """`[n, B]`: F with every edge outside circuit i patched (each circuit: edge names, index
+    pairs or a `[W, R]` bool mask of the edges kept clean). `kwargs` as `patched_metric`."""
+    graph = EdgeGraph.of(config)
+    complements = [graph.edge_mask & ~graph.edges_mask(c) for c in circuits]
+    return patched_metric(params, pairs, config, metric, complements, **kwargs)
+
+
+def faithfulness(circuit_f: np.ndarray, f_clean: np.ndarray, f_corrupt: np.ndarray) -> np.ndarray:
+    """(F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means (`circuit_f
+    [n, B]`, `f_clean`, `f_corrupt [B]`): 1 recovers the whole model, 0 the corrupt run."""
+    gap = float(np.mean(f_clean) - np.mean(f_corrupt))
+    if gap == 0:
+        raise ValueError("F(clean) equals F(corrupt) on average: faithfulness is undefined for these pairs")
+    return (np.mean(circuit_f, axis=-1) - np.mean(f_corrupt)) / gap
+
+
+def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
+    if isinstance(edges, np.ndarray) and edges.ndim == 2 and edges.shape[1] == 2 and edges.dtype != object:
+        rows = edges.astype(np.int64)
+    else:
+        rows = np.array([graph.edge_index(e) if isinstance(e, str) else tuple(e) for e in edges], np.int64).reshape(-1, 2)
+    if len(rows) == 0:
+        raise ValueError("no edges given")
+    for w, r in rows:
+        if not (0 <= w < graph.num_writers and 0 <= r < graph.num_readers and graph.edge_mask[w, r]):
+            raise ValueError(f"({w}, {r}) is not an edge of the graph")
+    return rows
+
+
+def _chunk(config: ModelConfig, pairs: PromptPairs, patch: bool = False) -> int:
+    """Runs to vmap at once: what fits in a share of the free memory (a patched run also holds
+    the `[W, B, T, D]` buffer of what each writer lacks of its corrupt value)."""
+    B, T = pairs.clean.shape
+    per = member_bytes(config, B * T)
+    if patch:
+        per += 2 * EdgeGraph.of(config).num_writers * B * T * config.hidden_size * 4
+    return int(np.clip(available_memory_budget() // per, 1, MAX_CHUNK))
