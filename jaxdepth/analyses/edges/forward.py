@@ -52,7 +52,13 @@ def reader_probes(config: ModelConfig, batch: int, seq_len: int, dtype=jnp.float
     head), `mlp` `[L, B, T, D]`, `logits` `[B, T, D]`."""
     L, H, D = config.num_layers, config.num_heads, config.hidden_size
     head = jnp.zeros((L, batch, seq_len, H, D), dtype)
-    return {"q": head, "k": head, "v": head, "mlp": jnp.zeros((L, batch, seq_len, D), dtype), "logits": head[0, :, :, 0]}
+    return {
+        "q": head,
+        "k": head,
+        "v": head,
+        "mlp": jnp.zeros((L, batch, seq_len, D), dtype),
+        "logits": head[0, :, :, 0],
+    }
 
 
 def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):

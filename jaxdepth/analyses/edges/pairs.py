@@ -83,7 +83,9 @@ def _token_lists(prompts, what: str) -> list[list[int]]:
             raise ValueError(f"{what} tokens must be [B, T] or a list of token lists, got shape {prompts.shape}")
         return [list(map(int, row)) for row in np.asarray(prompts)]
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-        raise ValueError(f"{what} must be a list of token-id lists (tokenize the text first), got {type(prompts).__name__}")
+        raise ValueError(
+            f"{what} must be a list of token-id lists (tokenize the text first), got {type(prompts).__name__}"
+        )
     return [list(map(int, p)) for p in prompts]
 
 

@@ -119,7 +119,9 @@ def patched_metric(
     for start in range(0, len(masks), chunk):
         part = masks[start : start + chunk]
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        pending.append((start, len(part), _edge_sets(params, pairs, jnp.asarray(padded), corrupt.writers, config, metric)))
+        pending.append(
+            (start, len(part), _edge_sets(params, pairs, jnp.asarray(padded), corrupt.writers, config, metric))
+        )
     for start, n, f in track(pending, progress, "exact patching of edge sets (chunks)"):
         out[start : start + n] = to_host(f)[:n]
     return out
@@ -146,7 +148,9 @@ def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
     if isinstance(edges, np.ndarray) and edges.ndim == 2 and edges.shape[1] == 2 and edges.dtype != object:
         rows = edges.astype(np.int64)
     else:
-        rows = np.array([graph.edge_index(e) if isinstance(e, str) else tuple(e) for e in edges], np.int64).reshape(-1, 2)
+        rows = np.array([graph.edge_index(e) if isinstance(e, str) else tuple(e) for e in edges], np.int64).reshape(
+            -1, 2
+        )
     if len(rows) == 0:
         raise ValueError("no edges given")
     for w, r in rows:

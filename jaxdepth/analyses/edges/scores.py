@@ -169,6 +169,13 @@ def _reader_gradient(params, h0, pairs, config, metric, B, T, shift=None):
     return jax.grad(value)(reader_probes(config, B, T))
 
 
+@partial(jit, static_argnames=("config", "metric"))
+def clean_gradients(params, pairs: PromptPairs, config: ModelConfig, metric):
+    """The gradient of F at every reader's input in the clean run (EAP), as `reader_probes`."""
+    B, T = pairs.clean.shape
+    return _reader_gradient(params, embed(params, pairs.clean), pairs, config, metric, B, T)
+
+
 @jit
 def edge_scores(delta, gradients: dict, edge_mask):
     """`[B, W, R]`: `delta[w] . gradients[r]` summed over positions and channels, for every
@@ -232,43 +239,40 @@ def edge_attribution(
     Returns an `EdgeScores`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    graph = EdgeGraph.of(config)
-    pairs.check(config)
-    B, T = pairs.clean.shape
     if method == "eap":
         if (rule, steps) != ("left", DEFAULT_STEPS) or tolerance is not None or max_evaluations is not None:
             raise ValueError("rule, steps, tolerance and max_evaluations are EAP-IG's; method 'eap' takes none")
-        rule, steps = "right", 1
-    tolerance, max_evaluations = check_rule(rule, steps, tolerance, max_evaluations, 1)
+        rule, steps = "clean", 1  # the gradient of the clean run
+    else:
+        tolerance, max_evaluations = check_rule(rule, steps, tolerance, max_evaluations, 1)
     if rule == "adaptive" and method != "eap-ig-inputs":
         raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
+    graph = EdgeGraph.of(config)
+    pairs.check(config)
+    B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config)
     delta = clean.writers - corrupt.writers
     f_clean, f_corrupt = (to_host(metric_values(metric, run.logits, pairs.labels)) for run in (clean, corrupt))
     chunk = chunk_size or path_chunk(config, B, T, memory_budget)
-    evaluations, bound, converged = np.zeros(B, np.int64), np.full(B, np.nan), np.zeros(B, bool)
     mask = jnp.asarray(graph.edge_mask)
-    if rule != "adaptive":
-        alphas, weights = (jnp.asarray(x, jnp.float32) for x in rules.quadrature(rule, steps))
-        if method == "eap-ig-activations":
-            chunk = min(chunk, steps)
-            scores = _activation_scores(params, pairs, delta, alphas, weights, config, metric, chunk, graph, progress)
-        else:
-            grads = input_path_gradients(params, pairs, alphas, weights, config, metric, min(chunk, steps))
-            scores = to_host(edge_scores(delta, grads, mask))
-        evaluations[:] = steps * (2 * config.num_layers + 1 if method == "eap-ig-activations" else 1)
+    bound, converged = np.full(B, np.nan), np.zeros(B, bool)
+    if method == "eap":
+        scores = to_host(edge_scores(delta, clean_gradients(params, pairs, config, metric), mask))
+        evaluations = np.ones(B, np.int64)
+    elif rule == "adaptive":
+        scores, evaluations, bound, converged = _adaptive_scores(
+            params, pairs, delta, f_clean, config, metric, tolerance, max_evaluations, chunk, progress
+        )
     else:
-        scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-        for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
-            one = pairs.select([b])
-            rule_b = _adaptive_nodes(params, one, float(f_clean[b]), config, metric, tolerance, max_evaluations, chunk)
-            alphas, weights = rule_b.node_weights()
-            n = _padded(len(alphas), min(chunk, 32))
-            alphas = np.concatenate([alphas, np.ones(n - len(alphas))]).astype(np.float32)
-            weights = np.concatenate([weights, np.zeros(n - len(weights))]).astype(np.float32)
-            grads = input_path_gradients(params, one, jnp.asarray(alphas), jnp.asarray(weights), config, metric, min(chunk, n))
-            scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, mask))[0]
-            evaluations[b], bound[b], converged[b] = rule_b.evaluations + len(rule_b.node_weights()[0]), rule_b.bound, rule_b.converged
+        alphas, weights = (jnp.asarray(x, jnp.float32) for x in rules.quadrature(rule, steps))
+        chunk = min(chunk, steps)
+        if method == "eap-ig-activations":
+            scores = _activation_scores(params, pairs, delta, alphas, weights, config, metric, chunk, graph, progress)
+            evaluations = np.full(B, steps * (2 * config.num_layers + 1), np.int64)
+        else:
+            grads = input_path_gradients(params, pairs, alphas, weights, config, metric, chunk)
+            scores = to_host(edge_scores(delta, grads, mask))
+            evaluations = np.full(B, steps, np.int64)
     return EdgeScores(
         scores=np.asarray(scores, np.float32),
         f_clean=np.asarray(f_clean, np.float32),
@@ -283,6 +287,29 @@ def edge_attribution(
         steps=int(steps),
         tolerance=tolerance,
     )
+
+
+def _adaptive_scores(params, pairs, delta, f_clean, config, metric, tolerance, max_evaluations, chunk, progress):
+    """EAP-IG 'inputs' under the adaptive rule, pair by pair: the rule places each pair's nodes
+    on its input path (plain forward and backward passes), then the readers' gradients are
+    integrated with the final rule's nodes and weights (one more gradient per node)."""
+    graph = EdgeGraph.of(config)
+    B = len(pairs)
+    scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
+    evaluations, bound, converged = np.zeros(B, np.int64), np.zeros(B), np.zeros(B, bool)
+    for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
+        one = pairs.select([b])
+        rule = _adaptive_nodes(params, one, float(f_clean[b]), config, metric, tolerance, max_evaluations, chunk)
+        alphas, weights = rule.node_weights()
+        # padded to a multiple of the chunk (zero weights): a few compilations serve every pair
+        n = _padded(len(alphas), chunk)
+        alphas = np.concatenate([alphas, np.ones(n - len(alphas))]).astype(np.float32)
+        weights = np.concatenate([weights, np.zeros(n - len(weights))]).astype(np.float32)
+        grads = input_path_gradients(params, one, jnp.asarray(alphas), jnp.asarray(weights), config, metric, chunk)
+        scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, jnp.asarray(graph.edge_mask)))[0]
+        evaluations[b] = rule.evaluations + len(rule.node_weights()[0])
+        bound[b], converged[b] = rule.bound, rule.converged
+    return scores, evaluations, bound, converged
 
 
 def _activation_scores(params, pairs, delta, alphas, weights, config, metric, chunk, graph, progress):

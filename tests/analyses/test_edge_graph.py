@@ -1,0 +1,66 @@
+"""The graph of writers and readers, and the forward written over its edges."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from tiny_qwen import CONFIG
+from jaxdepth.analyses.edges.forward import edge_forward
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.core.model import embed, forward, random_params
+
+GRAPH = EdgeGraph.of(CONFIG)
+
+
+def test_sizes_and_edge_count():
+    L, H = CONFIG.num_layers, CONFIG.num_heads
+    assert GRAPH.num_writers == 1 + L * (H + 1) and GRAPH.num_readers == L * (3 * H + 1) + 1
+    # the input feeds every reader; layer l's heads feed its MLP and every later reader; its
+    # MLP every later reader
+    later = lambda l: (L - l - 1) * (3 * H + 1) + 1
+    expected = GRAPH.num_readers + sum(H * (1 + later(l)) + later(l) for l in range(L))
+    assert GRAPH.num_edges == expected
+
+
+def test_names_round_trip():
+    for w in range(GRAPH.num_writers):
+        assert GRAPH.writer_index(GRAPH.writer_name(w)) == w
+    for r in range(GRAPH.num_readers):
+        assert GRAPH.reader_index(GRAPH.reader_name(r)) == r
+    assert GRAPH.edge_index("a1.h2->a3.h0<v>") == (GRAPH.head_writer(1, 2), GRAPH.head_reader(3, 0, "v"))
+    assert GRAPH.edge_name(*GRAPH.edge_index("m0->logits")) == "m0->logits"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("a1.h0->a1.h2<q>", "no edge"),  # a head does not feed its own layer's attention
+        ("m1->m1", "no edge"),
+        ("a9.h0->logits", "outside the model"),
+        ("a0.h7->logits", "outside the model"),
+        ("x->logits", "unknown writer"),
+        ("a0.h0->a2.h1", "reads its query, key or value"),
+        ("a0.h0", "writer->reader"),
+    ],
+)
+def test_bad_edge_names_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        GRAPH.edge_index(name)
+
+
+@pytest.mark.parametrize("config", [CONFIG, tiny_config(), tiny_config(num_kv_heads=4, qk_norm=True)])
+def test_the_edge_forward_is_the_model(config):
+    """With no reader changed, the forward over edges gives the model's logits, its writers sum
+    to the residual stream, and a run from a later boundary continues the run from 0."""
+    params = random_params(config, 3, scale=0.2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 8)))
+    valid, last = jnp.ones((2, 8), bool), jnp.array([7, 7])
+    run = edge_forward(params, embed(params, tokens), valid, last, config)
+    np.testing.assert_allclose(run.logits, forward(params, tokens, config)[:, -1], rtol=1e-4, atol=1e-4)
+    graph = EdgeGraph.of(config)
+    per_layer = np.asarray(run.writers[1:]).reshape(config.num_layers, graph.writers_per_layer, 2, 8, -1).sum(1)
+    stream = np.concatenate([run.writers[:1], run.writers[:1] + np.cumsum(per_layer, axis=0)])
+    np.testing.assert_allclose(run.residuals, stream, rtol=1e-4, atol=1e-5)
+    later = edge_forward(params, run.residuals[2], valid, last, config, start=jnp.int32(2))
+    np.testing.assert_allclose(later.logits, run.logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,99 @@
+"""Exact edge patching: on a model made linear EAP is exact, single-edge runs (from the reader's
+layer) equal patching that edge in a full run, and the whole graph and the empty circuit give the
+clean and the corrupt metric."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from test_edge_scores import make_pairs
+from tiny_qwen import CONFIG
+from jaxdepth.analyses.edges import forward as edge_forward_module
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
+from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
+from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
+from jaxdepth.core import model as core_model
+from jaxdepth.core.model import random_params
+
+GRAPH = EdgeGraph.of(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CONFIG, 1, scale=0.2)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return prompt_pairs(*make_pairs())
+
+
+def test_on_a_linear_model_eap_is_exact_patching(params, monkeypatch):
+    """No normalization, a linear MLP and input-independent attention (zero query and key
+    weights: each position averages the values before it) make F linear in every reader's
+    input: each edge's score equals its exact patching effect, and patching several edges into
+    one reader removes the sum of their scores. (Not so for edges in series: patching u -> v
+    replaces u's output as v reads it, including what an edge patched upstream of u changed.)"""
+    linear = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
+    monkeypatch.setattr(edge_forward_module, "rms_norm", lambda x, w, eps: x * w)
+    monkeypatch.setattr(core_model, "rms_norm", lambda x, w, eps: x * w)
+    monkeypatch.setattr(edge_forward_module, "mlp_hidden", lambda p, x: x @ p["up"])
+    layers = dict(params["layers"], q=0 * params["layers"]["q"], k=0 * params["layers"]["k"])
+    flat = dict(params, layers=layers)
+    pairs = prompt_pairs(*make_pairs())
+    scores = edge_attribution(flat, pairs, linear, logit_difference)
+    edges = ranked_edges(scores.mean, GRAPH)
+    sample = np.concatenate([edges[:40], edges[-5:], edges[:: max(1, len(edges) // 40)]])
+    exact = edge_effects(flat, pairs, linear, logit_difference, sample)
+    estimated = scores.scores[:, sample[:, 0], sample[:, 1]].T
+    assert np.max(np.abs(exact)) > 0.1
+    # each exact effect is a difference of two float32 values of F: rounding of order 1e-6 |F|
+    # (no normalization: F here is of order 10)
+    atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))
+    np.testing.assert_allclose(estimated, exact, rtol=1e-4, atol=atol)
+    # edges into one reader do not interact: patched together they remove the sum of their scores
+    into_logits = edges[edges[:, 1] == GRAPH.logits_reader][:10]
+    together = patched_metric(flat, pairs, linear, logit_difference, [[tuple(e) for e in into_logits]])[0]
+    summed = scores.scores[:, into_logits[:, 0], into_logits[:, 1]].sum(axis=1)
+    np.testing.assert_allclose(scores.f_clean - together, summed, rtol=1e-4, atol=atol)
+
+
+def test_single_edge_runs_equal_patching_the_edge_in_a_full_run(params, pairs):
+    """`edge_effects` starts each edge's run at its reader's layer and moves that reader's input;
+    `patched_metric` runs every layer with the edge patched through the writers' buffer."""
+    edges = np.array([GRAPH.edge_index(e) for e in ["input->a0.h1<q>", "a0.h2->a1.h1<k>", "m1->m3", "a3.h2->logits"]])
+    effects = edge_effects(params, pairs, CONFIG, logit_difference, edges, chunk_size=3)
+    full = patched_metric(params, pairs, CONFIG, logit_difference, [[tuple(e)] for e in edges])
+    f_clean = edge_attribution(params, pairs, CONFIG, logit_difference).f_clean
+    assert np.max(np.abs(effects)) > 1e-2
+    np.testing.assert_allclose(effects, f_clean[None] - full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_whole_graph_is_the_clean_run_and_the_empty_circuit_the_corrupt_one(params, pairs):
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference)
+    f = circuit_metric(params, pairs, CONFIG, logit_difference, [GRAPH.edge_mask, np.zeros_like(GRAPH.edge_mask)])
+    np.testing.assert_allclose(f[0], scores.f_clean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f[1], scores.f_corrupt, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(faithfulness(f, scores.f_clean, scores.f_corrupt), [1.0, 0.0], atol=1e-5)
+
+
+def test_patching_a_padded_batch_equals_each_pair_alone(params, pairs):
+    edges = ["a0.h2->a1.h1<k>", "m0->a2.h2<k>"]
+    together = edge_effects(params, pairs, CONFIG, logit_difference, edges)
+    clean, corrupt, labels = make_pairs()
+    for i in range(2):
+        alone = edge_effects(
+            params, prompt_pairs([clean[i]], [corrupt[i]], labels[i : i + 1]), CONFIG, logit_difference, edges
+        )
+        np.testing.assert_allclose(together[:, i], alone[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_edges_that_do_not_exist_are_refused(params, pairs):
+    with pytest.raises(ValueError, match="no edge"):
+        edge_effects(params, pairs, CONFIG, logit_difference, ["m3->m1"])
+    with pytest.raises(ValueError, match="not an edge"):
+        edge_effects(params, pairs, CONFIG, logit_difference, [(0, GRAPH.num_readers)])
+    with pytest.raises(ValueError, match="not an edge of the graph"):
+        patched_metric(params, pairs, CONFIG, logit_difference, [~GRAPH.edge_mask])
