@@ -4,7 +4,9 @@ The top level holds what most code needs: `load` (a `Model` from a converted fol
 Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
 (`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
 `skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients
-at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`). Each analysis
+at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`), and edge
+attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
+circuits in `edges`). Each analysis
 of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
 are in `jaxdepth.lab`.
 
@@ -21,6 +23,8 @@ from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
+from jaxdepth.analyses import edges
+from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
 
 __all__ = [
     "ModelConfig",
@@ -35,4 +39,7 @@ __all__ = [
     "integrated_gradients",
     "SiteIG",
     "NonFiniteAttributionError",
+    "edges",
+    "edge_attribution",
+    "prompt_pairs",
 ]

@@ -22,7 +22,7 @@ def test_the_cookbook_has_at_least_eight_recipes():
     assert len(python_blocks("docs/cookbook.md")) >= 9  # set-up and one block per recipe
 
 
-@pytest.mark.slow(seconds=290)
+@pytest.mark.slow(seconds=420)
 def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     from jaxdepth import sites
     from jaxdepth.core.model import forward, residual_stream, unembed
@@ -49,6 +49,8 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
         "correlation",
         "projecting",
         "final entropy:",
+        "exact effect",
+        "of the logit difference",
     ):
         assert line in printed, line
     params, config, tokens, metric = ns["params"], ns["config"], ns["tokens"], ns["paris_vs_rome"]
@@ -126,3 +128,29 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     assert float(ns["results"]["final_entropy"].entropy[0]) == pytest.approx(
         float(-(jnp.exp(logp) * logp).sum()), abs=1e-4
     )
+    # 10. edges: an edge into the logits patched by hand (the final residual read by the logits
+    # moved by the writer's corrupt-minus-clean output, from taps of the plain forward)
+    pairs, top, effects = ns["pairs"], ns["top"], ns["effects"]
+    graph = ns["scores"].graph
+    into_logits = [i for i, (w, r) in enumerate(top) if r == graph.logits_reader and w != 0]
+    assert into_logits, "no edge into the logits among the top edges"
+    i = into_logits[0]
+    name = graph.writer_name(top[i][0])
+    tap = (lambda rec, _: rec.mlp) if name.startswith("m") else (lambda rec, _: rec.head_out)
+    layer = int(name[1:].split(".")[0])
+
+    def writer_output(tokens):
+        h, taps = ns["model"].run(tokens, valid=pairs.valid, tap=tap)
+        out = taps[layer]
+        if not name.startswith("m"):  # one head's output through its slice of o_proj
+            head, Dh = int(name.split(".h")[1]), config.head_dim
+            out = out[:, :, head] @ params["layers"]["o"][layer][head * Dh : (head + 1) * Dh]
+        return h, out
+
+    h_clean, clean_out = writer_output(pairs.clean)
+    _, corrupt_out = writer_output(pairs.corrupt)
+    rows = jnp.arange(len(pairs))
+    read = lambda h: ns["edges"].logit_difference(unembed(params, h[rows, pairs.last], config), pairs.labels)
+    by_hand = read(h_clean) - read(h_clean + corrupt_out - clean_out)
+    np.testing.assert_allclose(effects[i], by_hand, rtol=1e-3, atol=1e-4)
+    assert 0 < ns["circuit"].faithfulness <= 1.5

@@ -377,7 +377,13 @@ PREPARE = {"docs/getting-started.md": _results_folder}
 
 
 # seconds each page's blocks take on 2 cores (CI's time budget: conftest.py)
-PAGE_SECONDS = {"README.md": 80, "docs/analyses.md": 60, "docs/api.md": 240, "docs/getting-started.md": 40}
+PAGE_SECONDS = {
+    "README.md": 80,
+    "docs/analyses.md": 60,
+    "docs/api.md": 240,
+    "docs/getting-started.md": 40,
+    "docs/circuits.md": 120,
+}
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The `jaxdepth` command: `convert` a checkpoint, `run` the analyses on a model, look at one prompt
 closely (`case`), train and read a `tuned-lens`, `map` a smaller model's layers onto a larger
-one's, and `table` saved results."""
+one's, find a `circuit` on clean/corrupt prompt pairs, and `table` saved results."""
 
 from __future__ import annotations
 
@@ -584,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxdepth.lab.mapping_study import add_parser as add_map_parser
 
     add_map_parser(sub)
+
+    from jaxdepth.lab.circuit_study import add_parser as add_circuit_parser
+
+    add_circuit_parser(sub)
 
     table = sub.add_parser("table", help="effective-depth table (Markdown and CSV) from saved results")
     table.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")

@@ -210,3 +210,12 @@ def test_clear_errors(params, pairs):
         edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule="adaptive")
     with pytest.raises(ValueError, match="exceeds the model's context"):
         edge_attribution(params, prompt_pairs([[1] * 300], [[2] * 300], [[1, 2]]), CONFIG, logit_difference)
+
+
+def test_running_only_the_positions_after_the_shared_prefix_changes_nothing(params, pairs, eap, monkeypatch):
+    """The pairs share their first 2 tokens, so scores run positions 2.. with the clean keys
+    and values of the prefix: the same as running every position."""
+    assert pairs.shared_prefix() == 2
+    monkeypatch.setattr(type(pairs), "shared_prefix", lambda self: 0)
+    full = edge_attribution(params, pairs, CONFIG, logit_difference)
+    np.testing.assert_allclose(full.scores, eap.scores, rtol=1e-4, atol=1e-6)

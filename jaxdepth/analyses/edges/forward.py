@@ -30,8 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params, apply_rotary, attend, attention_mask, mlp_hidden, rms_norm, rotary_tables
-from jaxdepth.core.model import unembed
+from jaxdepth.core.model import Params, apply_rotary, attend, layer_context, mlp_hidden, rms_norm, unembed
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +94,7 @@ def edge_forward(
     add: Optional[tuple] = None,
     patch: Optional[tuple] = None,
     shift: Optional[tuple] = None,
+    prefix: Optional[tuple] = None,
 ) -> EdgeRun:
     """The forward pass from residual boundary `start` (`h` = h_start; `h` = the embeddings for
     start 0), each reader's input changed as the module docstring says (`probes`, `add`,
@@ -103,6 +103,13 @@ def edge_forward(
     one node (`node` 0: the input; 2l + 1: the heads of layer l; 2l + 2: the MLP of layer l;
     `delta [W, B, T, D]`): the paths of EAP-IG's 'activations' variant.
 
+    `prefix = (keys, values)`, `[L, B, P, K, Dh]` each (the clean run's, `clean_key_values`),
+    runs only positions P.. (`h` and every `[.., B, T, D]` argument and result then hold those
+    S = T - P rows; `valid` and `last` still count all T positions). Exact when nothing
+    differs before position P, as where a clean and a corrupt prompt share their first P
+    tokens: the queries of the suffix read the prefix's keys and values, which no change
+    reaches.
+
     `start` may be traced but not batched (under `vmap`, members that share it): the layers
     before it are not run. A `patch` must then hold no edge into those layers, and its
     `corrupt` rows for writers before `start` are read as they are (`current` = zeros there:
@@ -110,9 +117,10 @@ def edge_forward(
     L, H, D = config.num_layers, config.num_heads, config.hidden_size
     R_l = 3 * H + 1  # readers per layer
     eps = config.rms_norm_eps
-    B, T, _ = h.shape
-    cos, sin = rotary_tables(T, config)
-    mask = attention_mask(valid)
+    B, T, _ = h.shape  # T: the rows run (S with a prefix)
+    offset = 0 if prefix is None else prefix[0].shape[2]
+    cos, sin, mask = layer_context(h, valid, config, offset)
+    G = H // config.num_kv_heads
     dtype = h.dtype
     from_embeddings = isinstance(start, int) and start == 0
     missing = None  # per writer, what its output lacks of its corrupt value (filled as writers run)
@@ -153,7 +161,7 @@ def edge_forward(
 
     def run_layer(carry, xs):
         h, diff = carry
-        p, layer = xs
+        p, layer, known = xs
         change = readers_change(layer, 0, 3 * H, diff) if (patch is not None or add is not None) else None
 
         def head_input(kind: int, name: str):
@@ -163,6 +171,9 @@ def edge_forward(
             return rms_norm(jnp.broadcast_to(x, (B, T, H, D)), p["attn_norm"], eps)
 
         q, k, v = head_projections(p, head_input(0, "q"), head_input(1, "k"), head_input(2, "v"), cos, sin, config)
+        if known is not None:  # the prefix's keys and values, each query head its group's
+            k = jnp.concatenate([jnp.repeat(known[0], G, axis=2).astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([jnp.repeat(known[1], G, axis=2).astype(v.dtype), v], axis=1)
         heads = attend(q, k, v, mask)[1]
         first = 1 + layer * (H + 1)
         head_out = jnp.einsum("bthe,hed->hbtd", heads, p["o"].reshape(H, config.head_dim, D))
@@ -186,11 +197,12 @@ def edge_forward(
         zeros = (jnp.zeros((H + 1, B, T, D), dtype), jnp.zeros((B, T, D), dtype))
         return jax.lax.cond(xs[1] >= start, run_layer, lambda c, _: (c, zeros), carry, xs)
 
-    (h_last, diff), (outs, inputs) = jax.lax.scan(layer, (h, missing), (params["layers"], jnp.arange(L)))
+    xs = (params["layers"], jnp.arange(L), prefix)
+    (h_last, diff), (outs, inputs) = jax.lax.scan(layer, (h, missing), xs)
     x = h_last + probe("logits", None)
     if patch is not None or add is not None:
         x = x + readers_change(L, 0, 1, diff)[0]
-    logits = unembed(params, x[jnp.arange(B), last], config)
+    logits = unembed(params, x[jnp.arange(B), last - offset], config)
     first_row = h if from_embeddings else jnp.zeros_like(h)
     writers = jnp.concatenate([first_row[None], outs.reshape((-1, B, T, D))])
     return EdgeRun(logits, writers, jnp.concatenate([inputs, h_last[None]]))

@@ -36,6 +36,14 @@ class PromptPairs:
         index = np.asarray(index)
         return jax.tree.map(lambda x: x[index], self)
 
+    def shared_prefix(self) -> int:
+        """P: how many first positions every pair's clean and corrupt prompts share (at most up
+        to the earliest last position, which the metric reads). Nothing differs before P, so
+        edge attribution runs only positions P.. (`edge_forward`'s `prefix`)."""
+        differs = np.asarray(self.clean) != np.asarray(self.corrupt)
+        first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
+        return int(min(first.min(), np.asarray(self.last).min()))
+
     def check(self, config: ModelConfig) -> None:
         """Refuse token ids or a context the model cannot take."""
         check_tokens(np.asarray(self.clean), config)

@@ -27,7 +27,7 @@ import numpy as np
 from jaxdepth.analyses.edges.forward import edge_forward
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
-from jaxdepth.analyses.edges.scores import pair_runs
+from jaxdepth.analyses.edges.scores import pair_runs, suffix_run
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import embed
@@ -39,24 +39,30 @@ MAX_CHUNK = 16
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def _single_edges(params, pairs: PromptPairs, start, h_start, writers, readers, delta, config, metric):
-    """F `[c, B]` with edge (writers[i], readers[i]) patched, for edges whose readers all lie in
-    layer `start` (the run starts from the clean residual `h_start` there)."""
+def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, delta, *, config, metric):
+    """F `[c, B]` with edge (writers[i], readers[i]) of `edges = (writers, readers)` patched,
+    for edges whose readers lie in layer `start` or later (the run starts from the clean
+    residual `h_start` there)."""
+
+    writers, readers = edges
 
     def one(w, r):
-        run = edge_forward(params, h_start, pairs.valid, pairs.last, config, start=start, add=(r, delta[w]))
+        run = edge_forward(
+            params, h_start, pairs.valid, pairs.last, config, start=start, add=(r, delta[w]), prefix=prefix
+        )
         return metric_values(metric, run.logits, pairs.labels)
 
     return jax.vmap(one)(writers, readers)
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def _edge_sets(params, pairs: PromptPairs, masks, corrupt_writers, config, metric):
+def _edge_sets(params, pairs: PromptPairs, prefix, masks, corrupt_writers, config, metric):
     """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once."""
-    h0 = embed(params, pairs.clean)
+    P = 0 if prefix is None else prefix[0].shape[2]
+    h0 = embed(params, pairs.clean[:, P:])
 
     def one(mask):
-        run = edge_forward(params, h0, pairs.valid, pairs.last, config, patch=(mask, corrupt_writers))
+        run = edge_forward(params, h0, pairs.valid, pairs.last, config, patch=(mask, corrupt_writers), prefix=prefix)
         return metric_values(metric, run.logits, pairs.labels)
 
     return jax.vmap(one)(masks)
@@ -74,26 +80,26 @@ def edge_effects(
 ) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with edge i alone patched), per pair, for each of `edges`
     (names, `(writer, reader)` pairs, or an `[n, 2]` array as `ranked_edges` gives).
-    Edges are run `chunk_size` at a time, grouped by the layer of their reader."""
+    Edges run `chunk_size` at a time (vmapped), sorted by their readers' layers, each chunk from
+    the layer of its first reader on."""
     graph = EdgeGraph.of(config)
     pairs.check(config)
     edges = _edge_indices(edges, graph)
     clean, corrupt = pair_runs(params, pairs, config)
-    delta = corrupt.writers - clean.writers
+    P, prefix = suffix_run(params, pairs, clean, config)
+    delta = (corrupt.writers - clean.writers)[:, :, P:]
     f_clean = metric_values(metric, clean.logits, pairs.labels)
-    chunk = chunk_size or _chunk(config, pairs)
-    layers = np.array([graph.reader_layer(r) for r in edges[:, 1]], np.int64)
+    chunk = min(chunk_size or _chunk(config, pairs, P), len(edges))
+    # Sorted by their readers' layers, the edges run in chunks that start at their first
+    # reader's layer: the layers before it are the clean run's.
+    order = np.argsort([graph.reader_layer(r) for r in edges[:, 1]], kind="stable")
     out = np.zeros((len(edges), len(pairs)), np.float32)
-    pending = []
-    for layer in np.unique(layers):
-        index = np.flatnonzero(layers == layer)
-        for part in np.array_split(index, -(-len(index) // chunk)):
-            padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
-            w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
-            h = clean.residuals[layer]
-            f = _single_edges(params, pairs, jnp.int32(layer), h, w, r, delta, config, metric)
-            pending.append((part, f))
-    for part, f in track(pending, progress, "exact edge patching (chunks)"):
+    for part in track(np.array_split(order, -(-len(order) // chunk)), progress, "exact edge patching (chunks)"):
+        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
+        w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
+        layer = graph.reader_layer(edges[part[0], 1])
+        h = clean.residuals[layer][:, P:]
+        f = _single_edges(params, pairs, prefix, jnp.int32(layer), h, (w, r), delta, config=config, metric=metric)
         out[part] = to_host(f_clean[None] - f)[: len(part)]
     return out
 
@@ -113,17 +119,16 @@ def patched_metric(
     graph = EdgeGraph.of(config)
     pairs.check(config)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
-    _, corrupt = pair_runs(params, pairs, config)
-    chunk = chunk_size or _chunk(config, pairs, patch=True)
-    out, pending = np.zeros((len(masks), len(pairs)), np.float32), []
-    for start in range(0, len(masks), chunk):
+    clean, corrupt = pair_runs(params, pairs, config)
+    P, prefix = suffix_run(params, pairs, clean, config)
+    writers = corrupt.writers[:, :, P:]
+    chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
+    out = np.zeros((len(masks), len(pairs)), np.float32)
+    for start in track(range(0, len(masks), chunk), progress, "exact patching of edge sets (chunks)"):
         part = masks[start : start + chunk]
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        pending.append(
-            (start, len(part), _edge_sets(params, pairs, jnp.asarray(padded), corrupt.writers, config, metric))
-        )
-    for start, n, f in track(pending, progress, "exact patching of edge sets (chunks)"):
-        out[start : start + n] = to_host(f)[:n]
+        f = _edge_sets(params, pairs, prefix, jnp.asarray(padded), writers, config, metric)
+        out[start : start + len(part)] = to_host(f)[: len(part)]
     return out
 
 
@@ -159,10 +164,11 @@ def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
     return rows
 
 
-def _chunk(config: ModelConfig, pairs: PromptPairs, patch: bool = False) -> int:
+def _chunk(config: ModelConfig, pairs: PromptPairs, prefix_length: int, patch: bool = False) -> int:
     """Runs to vmap at once: what fits in a share of the free memory (a patched run also holds
     the `[W, B, T, D]` buffer of what each writer lacks of its corrupt value)."""
     B, T = pairs.clean.shape
+    T -= prefix_length
     per = member_bytes(config, B * T)
     if patch:
         per += 2 * EdgeGraph.of(config).num_writers * B * T * config.hidden_size * 4

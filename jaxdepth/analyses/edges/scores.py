@@ -34,14 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.edges.forward import edge_forward, reader_probes
+from jaxdepth.analyses.edges.forward import EdgeRun, edge_forward, reader_probes
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import check_rule
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import embed, run_layers, unembed
+from jaxdepth.core.model import clean_key_values, embed, run_layers, unembed
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
@@ -126,33 +126,34 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig):
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
-def input_path_gradients(params, pairs: PromptPairs, alphas, weights, config: ModelConfig, metric, chunk: int):
+def input_path_gradients(params, pairs: PromptPairs, prefix, alphas, weights, config: ModelConfig, metric, chunk: int):
     """`sum_k w_k` of the gradient of F at every reader's input (`reader_probes`' dict) at
-    h_0 = e_corrupt + α_k (e_clean - e_corrupt), `chunk` nodes vmapped at a time."""
-    e_clean, e_corrupt = embed(params, pairs.clean), embed(params, pairs.corrupt)
-    B, T = pairs.clean.shape
+    h_0 = e_corrupt + α_k (e_clean - e_corrupt), `chunk` nodes vmapped at a time; positions
+    after the shared `prefix` only (`suffix_run`)."""
+    e_clean, e_corrupt = _suffix_embeddings(params, pairs, prefix)
 
     def one(node):
         alpha, weight = node
         h0 = e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt)
-        return _scaled(weight, _reader_gradient(params, h0, pairs, config, metric, B, T))
+        return _scaled(weight, _reader_gradient(params, h0, pairs, config, metric, prefix=prefix))
 
     return sweep_sum(one, (alphas, weights), chunk)
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
-def node_path_gradients(params, pairs: PromptPairs, delta, node, alphas, weights, config, metric, chunk: int):
+def node_path_gradients(
+    params, pairs: PromptPairs, prefix, delta, node, alphas, weights, *, config, metric, chunk: int
+):
     """As `input_path_gradients` on the path of one node of the 'activations' variant: the
     output of node `node` (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l; traced, so one
     compilation serves every node) is a_corrupt + α_k `delta` (`delta = a_clean - a_corrupt`,
-    `[W, B, T, D]`), everything after it recomputed."""
-    e_clean = embed(params, pairs.clean)
-    B, T = pairs.clean.shape
+    `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed."""
+    e_clean, _ = _suffix_embeddings(params, pairs, prefix)
 
     def one(point):
         alpha, weight = point
         shift = (node, alpha - 1, delta)
-        return _scaled(weight, _reader_gradient(params, e_clean, pairs, config, metric, B, T, shift=shift))
+        return _scaled(weight, _reader_gradient(params, e_clean, pairs, config, metric, shift=shift, prefix=prefix))
 
     return sweep_sum(one, (alphas, weights), chunk)
 
@@ -161,19 +162,42 @@ def _scaled(weight, tree):
     return jax.tree.map(lambda x: weight.astype(x.dtype) * x, tree)
 
 
-def _reader_gradient(params, h0, pairs, config, metric, B, T, shift=None):
+def _reader_gradient(params, h0, pairs, config, metric, shift=None, prefix=None):
     def value(probes):
-        run = edge_forward(params, h0, pairs.valid, pairs.last, config, probes=probes, shift=shift)
+        run = edge_forward(params, h0, pairs.valid, pairs.last, config, probes=probes, shift=shift, prefix=prefix)
         return jnp.sum(metric_values(metric, run.logits, pairs.labels))
 
-    return jax.grad(value)(reader_probes(config, B, T))
+    return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
+
+
+def _suffix_embeddings(params, pairs: PromptPairs, prefix):
+    """The clean and corrupt embeddings of the positions after `prefix` (all without one)."""
+    P = 0 if prefix is None else prefix[0].shape[2]
+    return embed(params, pairs.clean[:, P:]), embed(params, pairs.corrupt[:, P:])
+
+
+@partial(jit, static_argnames=("config", "length"))
+def _prefix_key_values(params, residuals, valid, config: ModelConfig, length: int):
+    keys, values = clean_key_values(params, residuals, config, valid=valid)
+    return keys[:, :, :length], values[:, :, :length]
+
+
+def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig):
+    """`(P, prefix)`: the positions every pair shares (`PromptPairs.shared_prefix`) and the clean
+    run's keys and values there (`edge_forward`'s `prefix`; None when P is 0). Every edge's
+    activation difference is zero before P, so scores and patching need only positions P..:
+    one computation for the prefix instead of one per gradient or patched run."""
+    P = pairs.shared_prefix()
+    if P == 0:
+        return 0, None
+    return P, _prefix_key_values(params, clean.residuals, pairs.valid, config, P)
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def clean_gradients(params, pairs: PromptPairs, config: ModelConfig, metric):
-    """The gradient of F at every reader's input in the clean run (EAP), as `reader_probes`."""
-    B, T = pairs.clean.shape
-    return _reader_gradient(params, embed(params, pairs.clean), pairs, config, metric, B, T)
+def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, metric):
+    """The gradient of F at every reader's input in the clean run (EAP), as `reader_probes`;
+    positions after the shared `prefix` only."""
+    return _reader_gradient(params, _suffix_embeddings(params, pairs, prefix)[0], pairs, config, metric, prefix=prefix)
 
 
 @jit
@@ -251,26 +275,48 @@ def edge_attribution(
     pairs.check(config)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config)
-    delta = clean.writers - corrupt.writers
+    P, prefix = suffix_run(params, pairs, clean, config)
+    delta = (clean.writers - corrupt.writers)[:, :, P:]
     f_clean, f_corrupt = (to_host(metric_values(metric, run.logits, pairs.labels)) for run in (clean, corrupt))
-    chunk = chunk_size or path_chunk(config, B, T, memory_budget)
+    chunk = chunk_size or path_chunk(config, B, T - P, memory_budget)
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
     if method == "eap":
-        scores = to_host(edge_scores(delta, clean_gradients(params, pairs, config, metric), mask))
+        scores = to_host(edge_scores(delta, clean_gradients(params, pairs, prefix, config, metric), mask))
         evaluations = np.ones(B, np.int64)
     elif rule == "adaptive":
         scores, evaluations, bound, converged = _adaptive_scores(
-            params, pairs, delta, f_clean, config, metric, tolerance, max_evaluations, chunk, progress
+            params,
+            pairs,
+            prefix,
+            delta,
+            f_clean,
+            config=config,
+            metric=metric,
+            tolerance=tolerance,
+            max_evaluations=max_evaluations,
+            chunk=chunk,
+            progress=progress,
         )
     else:
         alphas, weights = (jnp.asarray(x, jnp.float32) for x in rules.quadrature(rule, steps))
         chunk = min(chunk, steps)
         if method == "eap-ig-activations":
-            scores = _activation_scores(params, pairs, delta, alphas, weights, config, metric, chunk, graph, progress)
+            scores = _activation_scores(
+                params,
+                pairs,
+                prefix,
+                delta,
+                alphas,
+                weights,
+                config=config,
+                metric=metric,
+                chunk=chunk,
+                progress=progress,
+            )
             evaluations = np.full(B, steps * (2 * config.num_layers + 1), np.int64)
         else:
-            grads = input_path_gradients(params, pairs, alphas, weights, config, metric, chunk)
+            grads = input_path_gradients(params, pairs, prefix, alphas, weights, config, metric, chunk)
             scores = to_host(edge_scores(delta, grads, mask))
             evaluations = np.full(B, steps, np.int64)
     return EdgeScores(
@@ -289,7 +335,9 @@ def edge_attribution(
     )
 
 
-def _adaptive_scores(params, pairs, delta, f_clean, config, metric, tolerance, max_evaluations, chunk, progress):
+def _adaptive_scores(
+    params, pairs, prefix, delta, f_clean, *, config, metric, tolerance, max_evaluations, chunk, progress
+):
     """EAP-IG 'inputs' under the adaptive rule, pair by pair: the rule places each pair's nodes
     on its input path (plain forward and backward passes), then the readers' gradients are
     integrated with the final rule's nodes and weights (one more gradient per node)."""
@@ -299,27 +347,33 @@ def _adaptive_scores(params, pairs, delta, f_clean, config, metric, tolerance, m
     evaluations, bound, converged = np.zeros(B, np.int64), np.zeros(B), np.zeros(B, bool)
     for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
         one = pairs.select([b])
+        one_prefix = None if prefix is None else jax.tree.map(lambda x: x[:, b : b + 1], prefix)
         rule = _adaptive_nodes(params, one, float(f_clean[b]), config, metric, tolerance, max_evaluations, chunk)
         alphas, weights = rule.node_weights()
         # padded to a multiple of the chunk (zero weights): a few compilations serve every pair
         n = _padded(len(alphas), chunk)
         alphas = np.concatenate([alphas, np.ones(n - len(alphas))]).astype(np.float32)
         weights = np.concatenate([weights, np.zeros(n - len(weights))]).astype(np.float32)
-        grads = input_path_gradients(params, one, jnp.asarray(alphas), jnp.asarray(weights), config, metric, chunk)
+        grads = input_path_gradients(
+            params, one, one_prefix, jnp.asarray(alphas), jnp.asarray(weights), config, metric, chunk
+        )
         scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, jnp.asarray(graph.edge_mask)))[0]
         evaluations[b] = rule.evaluations + len(rule.node_weights()[0])
         bound[b], converged[b] = rule.bound, rule.converged
     return scores, evaluations, bound, converged
 
 
-def _activation_scores(params, pairs, delta, alphas, weights, config, metric, chunk, graph, progress):
+def _activation_scores(params, pairs, prefix, delta, alphas, weights, *, config, metric, chunk, progress):
     """EAP-IG 'activations': each node's path, `steps` gradients each; the node's writers take
     their scores from the gradients along their own node's path."""
+    graph = EdgeGraph.of(config)
     writer_node = _writer_nodes(graph)
     scores = np.zeros((len(pairs), graph.num_writers, graph.num_readers), np.float32)
     for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
         rows = np.flatnonzero(writer_node == node)
-        grads = node_path_gradients(params, pairs, delta, jnp.int32(node), alphas, weights, config, metric, chunk)
+        grads = node_path_gradients(
+            params, pairs, prefix, delta, jnp.int32(node), alphas, weights, config=config, metric=metric, chunk=chunk
+        )
         mask = jnp.asarray(graph.edge_mask[rows])
         scores[:, rows] = to_host(edge_scores(delta[rows], grads, mask))
     return scores

@@ -1,0 +1,224 @@
+"""Benchmark: jaxdepth's edge attribution against the EAP-IG package's formulation in PyTorch
+(`experiments/reference_edges_torch.py`) on the embedded model, the same pairs and the same
+machine, in one run.
+
+The workload: `--pairs` addition pairs (`jaxdepth.lab.circuit_tasks.addition_pairs`), logit
+difference; EAP for every edge; EAP-IG over the inputs at `--steps` steps (α = k / steps, the
+package's rule); exact patching of the `--top` edges of the EAP-IG scores, each edge alone.
+Each implementation runs in a process of its own, so that each reports its own peak memory
+(resident set size, the model included); model loading is not timed. jaxdepth's times are
+given for the first call (compilation included) and for a second call (compiled); the
+reference has nothing to compile. The results of the two are compared (the largest
+difference relative to the largest score or effect).
+
+    python experiments/benchmark_edges.py                 # the workload of the issue, ~15 min on 2 cores
+    python experiments/benchmark_edges.py --pairs 2 --steps 2 --top 4   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PHASES = ("eap", "eap_ig", "patching")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--top", type=int, default=100)
+    parser.add_argument("--out", default=None, help="write the report as JSON here too")
+    parser.add_argument("--impl", choices=("jax", "torch"), help=argparse.SUPPRESS)  # one side, in its process
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def _task(args):
+    from jaxdepth.lab.circuit_tasks import addition_pairs
+    from jaxdepth.lab.sources import load
+
+    model = load(args.model)
+    return model, addition_pairs(model.tokenizer, args.pairs)
+
+
+def run_jax(args) -> dict:
+    from jaxdepth.analyses.edges.pairs import logit_difference
+    from jaxdepth.analyses.edges.patching import edge_effects
+    from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
+
+    model, task = _task(args)
+    pairs = task.prompt_pairs()
+    p, c = model.params, model.config
+    phases = {
+        "eap": lambda: edge_attribution(p, pairs, c, logit_difference),
+        "eap_ig": lambda: edge_attribution(p, pairs, c, logit_difference, method="eap-ig-inputs", steps=args.steps),
+    }
+    times, results = {}, {}
+    for name, phase in phases.items():
+        times[name] = [_timed(phase) for _ in range(2)]
+        results[name] = times[name][-1][1].scores.sum(axis=0)
+    top = ranked_edges(results["eap_ig"], model_graph(c))[: args.top]
+    times["patching"] = [_timed(lambda: edge_effects(p, pairs, c, logit_difference, top)) for _ in range(2)]
+    np.savez(os.path.join(args.work, "jax.npz"), top=top, effects=times["patching"][-1][1], **results)
+    return {
+        "times": {k: [t for t, _ in v] for k, v in times.items()},
+        "peak_rss_gb": peak_rss_gb(),
+        "prefix": pairs.shared_prefix(),
+        "length": int(pairs.clean.shape[1]),
+    }
+
+
+def model_graph(config):
+    from jaxdepth.analyses.edges.graph import EdgeGraph
+
+    return EdgeGraph.of(config)
+
+
+def run_torch(args) -> dict:
+    import torch
+
+    from reference_edges_torch import EdgeReference
+
+    torch.set_num_threads(os.cpu_count())
+    model, task = _task(args)
+    pairs = task.prompt_pairs()
+    ref = EdgeReference(model.params, model.config)
+    as_torch = lambda x, dtype: torch.as_tensor(np.array(x), dtype=dtype)
+    inputs = (
+        as_torch(pairs.clean, torch.long),
+        as_torch(pairs.corrupt, torch.long),
+        as_torch(pairs.valid, torch.bool),
+        as_torch(pairs.last, torch.long),
+        as_torch(pairs.labels, torch.long),
+    )
+    jax_side = np.load(os.path.join(args.work, "jax.npz"))
+    graph = model_graph(model.config)
+    masks = []
+    for w, r in jax_side["top"]:
+        mask = np.zeros(graph.edge_mask.shape, bool)
+        mask[w, r] = True
+        masks.append(mask)
+    times, results = {}, {}
+    times["eap"], eap = _timed(lambda: ref.eap(*inputs).numpy())
+    times["eap_ig"], eap_ig = _timed(lambda: ref.eap(*inputs, steps=args.steps).numpy())
+
+    def patching():
+        with torch.no_grad():
+            f_clean = ref.patched(*inputs, [np.zeros_like(graph.edge_mask)])[0]
+        return f_clean[None] - ref.patched(*inputs, masks)
+
+    times["patching"], effects = _timed(patching)
+    results = {"eap": eap, "eap_ig": eap_ig, "effects": effects}
+    np.savez(os.path.join(args.work, "torch.npz"), **results)
+    return {"times": {k: [v] for k, v in times.items()}, "peak_rss_gb": peak_rss_gb()}
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def agreement(work: str) -> dict:
+    """The largest difference of the two sides' results relative to the largest value."""
+    a, b = np.load(os.path.join(work, "jax.npz")), np.load(os.path.join(work, "torch.npz"))
+    rel = lambda x, y: float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+    return {
+        "eap": rel(a["eap"], b["eap"]),
+        "eap_ig": rel(a["eap_ig"], b["eap_ig"]),
+        "patching": rel(a["effects"], b["effects"]),
+    }
+
+
+def report(args, jax_side: dict, torch_side: dict, agree: dict) -> dict:
+    from benchmarking.machine import cpu_description
+
+    rows = []
+    for phase in PHASES:
+        first, warm = jax_side["times"][phase]
+        ref = torch_side["times"][phase][0]
+        rows.append({"phase": phase, "jax_first_s": first, "jax_s": warm, "torch_s": ref, "agreement": agree[phase]})
+    total = {k: sum(r[k] for r in rows) for k in ("jax_first_s", "jax_s", "torch_s")}
+    names = {
+        "eap": "EAP, every edge",
+        "eap_ig": f"EAP-IG inputs, {args.steps} steps",
+        "patching": f"exact patching, top {args.top} edges",
+    }
+    print(
+        f"\nEdge attribution on {args.model}: {args.pairs} addition pairs of {jax_side['length']} tokens "
+        f"(shared prefix {jax_side['prefix']}); CPU: {cpu_description()}, {os.cpu_count()} cores"
+    )
+    print(f"{'':34} {'jaxdepth (1st call)':>20} {'jaxdepth':>10} {'reference':>10} {'speed-up':>9} {'agreement':>10}")
+    for r in rows + [dict(phase="total", **total, agreement=float("nan"))]:
+        name = names.get(r["phase"], "total")
+        print(
+            f"{name:34} {r['jax_first_s']:19.1f}s {r['jax_s']:9.1f}s {r['torch_s']:9.1f}s "
+            f"{r['torch_s'] / r['jax_s']:8.1f}x {r['agreement']:10.1e}"
+        )
+    first_calls = total["torch_s"] / total["jax_first_s"]
+    print(f"speed-up of the whole workload, first calls (compilation included): {first_calls:.1f}x")
+    print(
+        f"peak memory (resident set, model included): jaxdepth {jax_side['peak_rss_gb']:.2f} GB, "
+        f"reference {torch_side['peak_rss_gb']:.2f} GB"
+    )
+    return {"cpu": cpu_description(), "rows": rows, "total": total, "jax": jax_side, "torch": torch_side}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.impl:
+        out = run_jax(args) if args.impl == "jax" else run_torch(args)
+        print("RESULT " + json.dumps(out))
+        return 0
+    from benchmark import require_reference
+
+    if require_reference() is None:
+        return 2
+    with tempfile.TemporaryDirectory() as work:
+        sides = {}
+        for impl in ("jax", "torch"):
+            command = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--work", work]
+            command += [
+                "--model",
+                args.model,
+                "--pairs",
+                str(args.pairs),
+                "--steps",
+                str(args.steps),
+                "--top",
+                str(args.top),
+            ]
+            print(f"running {impl} ...", flush=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout + done.stderr, file=sys.stderr)
+                return done.returncode
+            sides[impl] = json.loads(done.stdout.split("RESULT ", 1)[1])
+        result = report(args, sides["jax"], sides["torch"], agreement(work))
+    if args.out:
+        from jaxdepth.core.atomic import atomic_write
+
+        with atomic_write(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Circuits: sets of edges chosen by their scores, checked by exact patching, and drawn.
+
+A circuit is a set of edges kept clean; every other edge of the graph carries the corrupt run's
+values (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
+(F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means.
+
+`find_circuit` ranks the edges by their mean score and evaluates the circuits of the top n edges
+for a grid of sizes n as one vmapped computation; with a faithfulness target it takes the
+smallest size of the grid that reaches it, then refines between that size and the one below
+(a second vmapped call), so the size is found to within a few percent of the edges at the cost
+of two calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import numpy as np
+
+from jaxdepth.analyses.edges.graph import READER_KINDS, EdgeGraph
+from jaxdepth.analyses.edges.pairs import PromptPairs
+from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness
+from jaxdepth.analyses.edges.scores import EdgeScores, ranked_edges
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.saved_result import SavedResult
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
+    from matplotlib.figure import Figure
+
+
+@dataclasses.dataclass
+class Circuit(SavedResult):
+    """The chosen `edges [n, 2]` (writer, reader; best first) with their mean `scores [n]`, the
+    circuit's `faithfulness`, and the curve it was chosen on: `sizes [k]` (top-n circuits
+    evaluated) and their `curve [k]` of faithfulness. `target`: the faithfulness asked for
+    (None when the size was given)."""
+
+    edges: np.ndarray
+    scores: np.ndarray
+    faithfulness: float
+    sizes: np.ndarray
+    curve: np.ndarray
+    num_layers: int
+    num_heads: int
+    target: Optional[float] = None
+
+    @property
+    def graph(self) -> EdgeGraph:
+        return EdgeGraph(self.num_layers, self.num_heads)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.graph.edge_name(w, r) for w, r in self.edges]
+
+    @property
+    def mask(self) -> np.ndarray:
+        """`[W, R]` bool: the circuit's edges."""
+        return self.graph.edges_mask([tuple(e) for e in self.edges])
+
+
+def top_circuits(scores: EdgeScores, sizes: Sequence[int], by: str = "abs") -> list[np.ndarray]:
+    """The `[W, R]` masks of the circuits of the top n edges by mean score, for each n of `sizes`."""
+    ranked = ranked_edges(scores.mean, scores.graph, by)
+    masks = []
+    for n in sizes:
+        mask = np.zeros(scores.graph.edge_mask.shape, bool)
+        mask[ranked[:n, 0], ranked[:n, 1]] = True
+        masks.append(mask)
+    return masks
+
+
+def find_circuit(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Callable,
+    scores: EdgeScores,
+    *,
+    size: Optional[int] = None,
+    target: Optional[float] = None,
+    by: str = "abs",
+    grid: int = 12,
+    chunk_size: Optional[int] = None,
+) -> Circuit:
+    """A circuit of the top edges by `scores` (an `EdgeScores` of these pairs): the top `size`
+    edges, or the fewest top edges (to within the refinement) whose faithfulness reaches
+    `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at once.
+    A ValueError when neither or both of `size` and `target` are given; with a target that no
+    circuit of the grid reaches, the whole graph."""
+    if (size is None) == (target is None):
+        raise ValueError("give the circuit's size or its faithfulness target, one of the two")
+    graph = EdgeGraph.of(config)
+    if (scores.num_layers, scores.num_heads) != (graph.num_layers, graph.num_heads):
+        raise ValueError("the scores are of another model")
+    total = graph.num_edges
+    evaluate = lambda ns: faithfulness(
+        circuit_metric(params, pairs, config, metric, top_circuits(scores, ns, by), chunk_size=chunk_size),
+        scores.f_clean,
+        scores.f_corrupt,
+    )
+    if size is not None:
+        if not 0 <= size <= total:
+            raise ValueError(f"size must be in 0..{total} (the graph's edges), got {size}")
+        sizes = np.array([size])
+        curve = evaluate(sizes)
+        chosen = size
+    else:
+        sizes = np.unique(np.round(np.geomspace(1, total, grid)).astype(int))
+        curve = evaluate(sizes)
+        reached = np.flatnonzero(curve >= target)
+        chosen = int(sizes[reached[0]]) if len(reached) else total
+        if len(reached) and reached[0] > 0:  # refine between the size below and the one that reached
+            below = int(sizes[reached[0] - 1])
+            finer = np.unique(np.linspace(below, chosen, grid).astype(int))[1:-1]
+            if len(finer):
+                finer_curve = evaluate(finer)
+                sizes, curve = np.concatenate([sizes, finer]), np.concatenate([curve, finer_curve])
+                order = np.argsort(sizes)
+                sizes, curve = sizes[order], curve[order]
+                passing = sizes[(curve >= target) & (sizes >= below)]
+                chosen = int(passing.min())
+    ranked = ranked_edges(scores.mean, graph, by)[:chosen]
+    return Circuit(
+        edges=ranked,
+        scores=scores.mean[ranked[:, 0], ranked[:, 1]].astype(np.float32),
+        faithfulness=float(curve[np.flatnonzero(sizes == chosen)[0]]) if chosen in sizes else float("nan"),
+        sizes=sizes,
+        curve=np.asarray(curve, np.float32),
+        num_layers=graph.num_layers,
+        num_heads=graph.num_heads,
+        target=target,
+    )
+
+
+# ----------------------------------------------------------------------------- the figure
+
+
+MLP_COLUMN = -1.5  # the x of the MLPs in the circuit figure, left of head 0
+
+
+def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[int] = None) -> tuple[str, float, float]:
+    """(name, x, y) of the node a writer or reader belongs to: heads 0..H-1 across at row
+    2l + 1, the MLPs in a column of their own left of them at row 2l + 2, the input at the
+    bottom and the logits at the top."""
+    H = graph.num_heads
+    name = graph.writer_name(writer) if writer is not None else graph.reader_name(reader).split("<")[0]
+    if name == "input":
+        return name, (H - 1) / 2, 0.0
+    if name == "logits":
+        return name, (H - 1) / 2, 2.0 * graph.num_layers + 1
+    if name.startswith("m"):
+        return name, MLP_COLUMN, 2.0 * int(name[1:]) + 2
+    layer, head = name[1:].split(".h")
+    return name, float(head), 2.0 * int(layer) + 1
+
+
+def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: int = 200) -> Figure:
+    """The circuit as a graph: nodes (input, heads, MLPs, logits) by layer, its edges (at most
+    `max_edges`, the best) as arrows coloured by the sign of their mean score (red raises F,
+    blue lowers it) and as wide as its magnitude; an arrow into a head says which of its
+    inputs it feeds (q, k or v) by its line style."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(circuit, Circuit, "circuit_figure")
+    graph = circuit.graph
+    edges, scores = circuit.edges[:max_edges], circuit.scores[:max_edges]
+    fig = d.new_figure(max(6.0, 0.9 * graph.num_heads + 2), max(6.0, 0.28 * graph.num_layers + 4))
+    ax = fig.add_subplot()
+    styles = {kind: style for kind, style in zip(READER_KINDS, ("solid", "dashed", "dotted"))}
+    biggest = float(np.max(np.abs(scores))) if len(scores) else 1.0
+    nodes = {}
+    for (w, r), score in zip(edges, scores):
+        u, v = _node_of(graph, writer=w), _node_of(graph, reader=r)
+        nodes[u[0]], nodes[v[0]] = u[1:], v[1:]
+        reader_name = graph.reader_name(r)
+        kind = reader_name[-2] if reader_name.endswith(">") else "q"
+        ax.annotate(
+            "",
+            xy=v[1:],
+            xytext=u[1:],
+            arrowprops=dict(
+                arrowstyle="-|>",
+                color="tab:red" if score > 0 else "tab:blue",
+                lw=0.5 + 3.5 * abs(score) / biggest,
+                alpha=0.7,
+                linestyle=styles[kind],
+                connectionstyle="arc3,rad=0.15",
+                shrinkA=6,
+                shrinkB=6,
+            ),
+        )
+    for name, (x, y) in nodes.items():
+        ax.scatter([x], [y], s=220, color="white", edgecolor="black", zorder=3)
+        ax.annotate(name, (x, y), ha="center", va="center", fontsize=6, zorder=4)
+    ax.set_xlim(MLP_COLUMN - 1, graph.num_heads)
+    ax.set_ylim(-1, 2 * graph.num_layers + 2)
+    ax.set_xticks([MLP_COLUMN] + list(range(graph.num_heads)), ["MLP"] + [f"h{h}" for h in range(graph.num_heads)])
+    step = max(1, graph.num_layers // 10)
+    layers = range(0, graph.num_layers, step)
+    ax.set_yticks([2 * layer + 1.5 for layer in layers], [str(layer) for layer in layers])
+    ax.set_xlabel("attention head (input and logits centred)")
+    ax.set_ylabel("layer (its heads, then its MLP above them)")
+    for kind, style in styles.items():
+        ax.plot([], [], color="gray", linestyle=style, label=f"into a head's {kind} input")
+    ax.plot([], [], color="tab:red", label="raises F (score > 0)")
+    ax.plot([], [], color="tab:blue", label="lowers F (score < 0)")
+    ax.legend(loc="lower right", fontsize=7, frameon=False)
+    shown = f"{len(edges)} of {len(circuit.edges)} edges" if len(circuit.edges) > len(edges) else f"{len(edges)} edges"
+    ax.set_title(title or f"Circuit: {shown}, faithfulness {circuit.faithfulness:.2f}")
+    return fig
+
+
+def faithfulness_figure(circuit: Circuit, *, title: Optional[str] = None) -> Figure:
+    """Faithfulness of the top-n circuits against n (log scale), the chosen size marked."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(circuit, Circuit, "faithfulness_figure")
+    fig = d.new_figure(6, 4)
+    ax = fig.add_subplot()
+    ax.plot(circuit.sizes, circuit.curve, marker="o")
+    ax.axvline(len(circuit.edges), color="gray", linestyle="--", label=f"chosen: {len(circuit.edges)} edges")
+    if circuit.target is not None:
+        ax.axhline(circuit.target, color="tab:red", linestyle=":", label=f"target {circuit.target:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("edges in the circuit (top n by score)")
+    ax.set_ylabel("faithfulness")
+    ax.legend(frameon=False)
+    ax.set_title(title or "Faithfulness of the top-n circuits (exact patching)")
+    return fig
