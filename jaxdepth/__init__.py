@@ -6,7 +6,7 @@ Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure for
 `skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients
 at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`), and edge
 attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
-circuits in `edges`). Each analysis
+circuits in `jaxdepth.analyses.edges`). Each analysis
 of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
 are in `jaxdepth.lab`.
 
@@ -23,7 +23,6 @@ from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
-from jaxdepth.analyses import edges
 from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "integrated_gradients",
     "SiteIG",
     "NonFiniteAttributionError",
-    "edges",
     "edge_attribution",
     "prompt_pairs",
 ]

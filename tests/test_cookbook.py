@@ -22,7 +22,7 @@ def test_the_cookbook_has_at_least_eight_recipes():
     assert len(python_blocks("docs/cookbook.md")) >= 9  # set-up and one block per recipe
 
 
-@pytest.mark.slow(seconds=420)
+@pytest.mark.slow(seconds=300)
 def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     from jaxdepth import sites
     from jaxdepth.core.model import forward, residual_stream, unembed

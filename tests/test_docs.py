@@ -382,7 +382,7 @@ PAGE_SECONDS = {
     "docs/analyses.md": 60,
     "docs/api.md": 240,
     "docs/getting-started.md": 40,
-    "docs/circuits.md": 120,
+    "docs/circuits.md": 130,
 }
 
 

@@ -47,10 +47,12 @@ class Circuit(SavedResult):
 
     @property
     def graph(self) -> EdgeGraph:
+        """The graph of the model the circuit is of."""
         return EdgeGraph(self.num_layers, self.num_heads)
 
     @property
     def names(self) -> list[str]:
+        """The edges' names, best first."""
         return [self.graph.edge_name(w, r) for w, r in self.edges]
 
     @property

@@ -41,40 +41,50 @@ class EdgeGraph:
 
     @classmethod
     def of(cls, config: ModelConfig) -> "EdgeGraph":
+        """The graph of a model of `config`."""
         return cls(config.num_layers, config.num_heads)
 
     # ------------------------------------------------------------------ sizes and indices
 
     @property
     def writers_per_layer(self) -> int:
+        """H + 1: the heads and the MLP."""
         return self.num_heads + 1
 
     @property
     def readers_per_layer(self) -> int:
+        """3H + 1: each head's q, k and v inputs, and the MLP's input."""
         return 3 * self.num_heads + 1
 
     @property
     def num_writers(self) -> int:
+        """W = 1 + L (H + 1)."""
         return 1 + self.num_layers * self.writers_per_layer
 
     @property
     def num_readers(self) -> int:
+        """R = L (3H + 1) + 1."""
         return self.num_layers * self.readers_per_layer + 1
 
     def head_writer(self, layer: int, head: int) -> int:
+        """The writer index of head `head` of layer `layer`."""
         return 1 + layer * self.writers_per_layer + head
 
     def mlp_writer(self, layer: int) -> int:
+        """The writer index of the MLP of layer `layer`."""
         return 1 + layer * self.writers_per_layer + self.num_heads
 
     def head_reader(self, layer: int, head: int, kind: str) -> int:
+        """The reader index of query head `head`'s `kind` ('q', 'k' or 'v') input in layer `layer`."""
         return layer * self.readers_per_layer + READER_KINDS.index(kind) * self.num_heads + head
 
     def mlp_reader(self, layer: int) -> int:
+        """The reader index of the MLP input of layer `layer`."""
         return layer * self.readers_per_layer + 3 * self.num_heads
 
     @property
     def logits_reader(self) -> int:
+        """The reader index of the logits (the last reader)."""
         return self.num_layers * self.readers_per_layer
 
     # ------------------------------------------------------------------ which edges exist
@@ -103,6 +113,7 @@ class EdgeGraph:
 
     @property
     def num_edges(self) -> int:
+        """How many edges the graph has."""
         return int(self.edge_mask.sum())
 
     def reader_layer(self, reader: int) -> int:
@@ -112,6 +123,7 @@ class EdgeGraph:
     # ------------------------------------------------------------------ names
 
     def writer_name(self, w: int) -> str:
+        """'input', 'a{l}.h{h}' or 'm{l}'."""
         w = int(w)
         if w == 0:
             return "input"
@@ -119,6 +131,7 @@ class EdgeGraph:
         return f"m{layer}" if h == self.num_heads else f"a{layer}.h{h}"
 
     def reader_name(self, r: int) -> str:
+        """'a{l}.h{h}<q>' (or <k>, <v>), 'm{l}' or 'logits'."""
         r = int(r)
         if r == self.logits_reader:
             return "logits"
@@ -129,15 +142,18 @@ class EdgeGraph:
         return f"a{layer}.h{h}<{READER_KINDS[kind]}>"
 
     def edge_name(self, w: int, r: int) -> str:
+        """'writer->reader'."""
         return f"{self.writer_name(w)}->{self.reader_name(r)}"
 
     def writer_index(self, name: str) -> int:
+        """The index of the writer named `name` (a ValueError for no writer of the graph)."""
         if name == "input":
             return 0
         layer, head = self._parse_node(name, "writer")
         return self.mlp_writer(layer) if head is None else self.head_writer(layer, head)
 
     def reader_index(self, name: str) -> int:
+        """The index of the reader named `name` (a ValueError for no reader of the graph)."""
         if name == "logits":
             return self.logits_reader
         match = re.fullmatch(r"(a\d+\.h\d+)<([qkv])>", name)

@@ -74,6 +74,7 @@ class EdgeScores(SavedResult):
 
     @property
     def graph(self) -> EdgeGraph:
+        """The graph of the model the scores are of."""
         return EdgeGraph(self.num_layers, self.num_heads)
 
     @property
