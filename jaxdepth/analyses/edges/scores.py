@@ -57,7 +57,8 @@ class EdgeScores(SavedResult):
     (exact zeros where there is no edge; `graph.edge_mask`), F on the clean and the corrupt
     prompts (`f_clean`, `f_corrupt [B]`), and for the integrated methods the gradient
     `evaluations [B]` spent per pair, the adaptive rule's certified `bound` and `converged`
-    (`[B]`; NaN and False for the fixed rules)."""
+    (`[B]`; NaN and False for the fixed rules). `method`, `rule` (for EAP 'clean': the clean
+    run's gradient), `steps` and `tolerance` say how they were computed."""
 
     scores: np.ndarray
     f_clean: np.ndarray
