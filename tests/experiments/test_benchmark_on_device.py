@@ -120,6 +120,7 @@ def test_ig_backward_is_passed_only_where_jaxdepth_takes_it(monkeypatch):
 
 
 @pytest.mark.parity
+@pytest.mark.slow(seconds=45)
 def test_tiny_shape_on_the_cpu_agrees_with_the_reference(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -7,6 +7,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
@@ -35,6 +36,7 @@ def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
         np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=1e-15)
 
 
+@pytest.mark.slow(seconds=25)
 def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_node_once(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     model = load(checkpoint)
@@ -95,6 +97,7 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
     assert calls == []
 
 
+@pytest.mark.slow(seconds=25)
 def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     out = tmp_path / "out"

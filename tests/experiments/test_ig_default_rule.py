@@ -22,6 +22,7 @@ ROW = {
 }
 
 
+@pytest.mark.slow(seconds=75)
 def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     data, out = tmp_path / "gsm8k.jsonl", tmp_path / "race.json"

@@ -118,6 +118,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
     }
 
 
+@pytest.mark.slow(seconds=60)
 def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
     args = [sys.executable, "-m", "jaxdepth.lab.cli", *_run_args(tiny, tmp_path, "--no-figures", datasets=["default"])]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -466,6 +467,7 @@ def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, ca
     assert "--ig-max-evaluations applies to --ig-rule adaptive only" in capsys.readouterr().err
 
 
+@pytest.mark.slow(seconds=60)
 def test_a_run_compiles_few_programs_and_a_second_one_none(tiny, tmp_path):
     """Every analysis compiles its jitted computations only, once per shape: no eager operation
     on its results compiles a program of its own (each was one more per shape; the run once
