@@ -90,26 +90,25 @@ class EdgeGraph:
     # ------------------------------------------------------------------ which edges exist
 
     @functools.cached_property
-    def _order(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each writer's and each reader's place in the order of computation: a writer feeds
-        every reader placed after it. Attention of layer l sits at 2l + 1, its MLP at 2l + 2."""
-        H, L = self.num_heads, self.num_layers
-        writer = np.zeros(self.num_writers, np.int64)
-        for layer in range(L):
-            writer[self.head_writer(layer, 0) : self.head_writer(layer, 0) + H] = 2 * layer + 1
-            writer[self.mlp_writer(layer)] = 2 * layer + 2
-        reader = np.full(self.num_readers, 2 * L + 1, np.int64)
-        for layer in range(L):
-            start = layer * self.readers_per_layer
-            reader[start : start + 3 * H] = 2 * layer + 1
-            reader[self.mlp_reader(layer)] = 2 * layer + 2
-        return writer, reader
+    def writer_nodes(self) -> np.ndarray:
+        """`[W]`: each writer's node, its place in the order of computation: 0 the input, 2l + 1
+        the heads of layer l, 2l + 2 the MLP of layer l (`edge_forward`'s `shift` names nodes so)."""
+        w = np.arange(self.num_writers)
+        layer, slot = np.divmod(np.maximum(w - 1, 0), self.writers_per_layer)
+        return np.where(w == 0, 0, 2 * layer + 1 + (slot == self.num_heads))
+
+    @functools.cached_property
+    def reader_nodes(self) -> np.ndarray:
+        """`[R]`: the node each reader starts: 2l + 1 for the heads' inputs of layer l, 2l + 2 for
+        its MLP's input, 2L + 1 for the logits. A writer feeds every reader of a later node."""
+        r = np.arange(self.num_readers)
+        layer, slot = np.divmod(r, self.readers_per_layer)
+        return np.where(r == self.logits_reader, 2 * self.num_layers + 1, 2 * layer + 1 + (slot == 3 * self.num_heads))
 
     @functools.cached_property
     def edge_mask(self) -> np.ndarray:
         """`[W, R]` bool: whether writer w feeds reader r."""
-        writer, reader = self._order
-        return writer[:, None] < reader[None, :]
+        return self.writer_nodes[:, None] < self.reader_nodes[None, :]
 
     @property
     def num_edges(self) -> int:
@@ -191,6 +190,13 @@ class EdgeGraph:
             )
         return layer, head
 
+    def check_edge(self, w, r) -> tuple[int, int]:
+        """`(w, r)` as ints, or a ValueError when writer w does not feed reader r in this graph."""
+        w, r = int(w), int(r)
+        if not (0 <= w < self.num_writers and 0 <= r < self.num_readers and self.edge_mask[w, r]):
+            raise ValueError(f"({w}, {r}) is not an edge of the graph")
+        return w, r
+
     def edges_mask(self, edges) -> np.ndarray:
         """`[W, R]` bool of a set of edges, given as names, `(writer, reader)` index pairs or a
         `[W, R]` bool mask (checked: only edges of the graph)."""
@@ -203,8 +209,6 @@ class EdgeGraph:
             return edges
         mask = np.zeros(self.edge_mask.shape, bool)
         for edge in edges:
-            w, r = self.edge_index(edge) if isinstance(edge, str) else (int(edge[0]), int(edge[1]))
-            if not (0 <= w < self.num_writers and 0 <= r < self.num_readers and self.edge_mask[w, r]):
-                raise ValueError(f"({w}, {r}) is not an edge of the graph")
+            w, r = self.edge_index(edge) if isinstance(edge, str) else self.check_edge(*edge)
             mask[w, r] = True
         return mask

@@ -159,8 +159,7 @@ def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
     if len(rows) == 0:
         raise ValueError("no edges given")
     for w, r in rows:
-        if not (0 <= w < graph.num_writers and 0 <= r < graph.num_readers and graph.edge_mask[w, r]):
-            raise ValueError(f"({w}, {r}) is not an edge of the graph")
+        graph.check_edge(w, r)
     return rows
 
 

@@ -369,7 +369,7 @@ def _activation_scores(params, pairs, prefix, delta, alphas, weights, *, config,
     """EAP-IG 'activations': each node's path, `steps` gradients each; the node's writers take
     their scores from the gradients along their own node's path."""
     graph = EdgeGraph.of(config)
-    writer_node = _writer_nodes(graph)
+    writer_node = graph.writer_nodes
     scores = np.zeros((len(pairs), graph.num_writers, graph.num_readers), np.float32)
     for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
         rows = np.flatnonzero(writer_node == node)
@@ -389,13 +389,6 @@ def path_chunk(config: ModelConfig, batch: int, seq_len: int, memory_budget: Opt
     readers = config.num_layers * batch * seq_len * (3 * config.num_heads + 1) * config.hidden_size * 4 * 3
     per_point = readers + member_bytes(config, batch * seq_len, grad=True)
     return int(np.clip(budget // per_point, 1, 32))
-
-
-def _writer_nodes(graph: EdgeGraph) -> np.ndarray:
-    """`[W]`: each writer's node (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l)."""
-    w = np.arange(graph.num_writers)
-    layer, slot = np.divmod(np.maximum(w - 1, 0), graph.writers_per_layer)
-    return np.where(w == 0, 0, 2 * layer + 1 + (slot == graph.num_heads))
 
 
 def _adaptive_nodes(params, pair, f_clean, config, metric, tolerance, max_evaluations, chunk) -> rules.LayerRule:
