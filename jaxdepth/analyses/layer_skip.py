@@ -555,6 +555,7 @@ def layer_skip_figure(
     for name, result in rows.items():
         d.expect(result, LayerSkipResult, f"layer_skip_figure ({name!r})")
     import matplotlib
+    import matplotlib.ticker
 
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # grey: zero by construction
     # One scale for every sublayer, read from the cells that are not zero by construction: a
@@ -571,6 +572,9 @@ def layer_skip_figure(
     out_max = max(float(np.nanmax(r.output)) for r in rows.values()) or 1.0
     L = max(len(r.output) for r in rows.values())
     size = min(max(3.0, 0.12 * L + 2.0), 6.0)
+    label = d.clipped_label(
+        r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped, LAYER_SKIP_PERCENTILE
+    )
     fig = d.new_figure(size * 1.75 + 1.5, size * len(rows) + 0.6)
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=[3, 1])
     for (name, result), (heat_ax, out_ax) in zip(rows.items(), axes):
@@ -588,23 +592,16 @@ def layer_skip_figure(
             ylabel="skipped layer s",
             title=f"{name}{f' ({mode})' if mode else ''}: later layers, {score}",
         )
+        for axis in (heat_ax.xaxis, heat_ax.yaxis):  # layers: no ticks between them on a few-layer model
+            axis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         # Horizontal bars share the skipped-layer axis, so row s of the heatmap and bar s align.
         out_ax.sharey(heat_ax)
         out_ax.barh(np.arange(n), result.output, color="C3", height=0.8)
         out_ax.set(xlabel=r"$\|y - \bar{y}\|_2$ (max)", title="output", xlim=(0, out_max * 1.05))
         out_ax.grid(axis="x", alpha=0.3)
-    # Below the heatmap column: to its right it would sit between heatmaps and bars.
-    fig.colorbar(
-        image,
-        ax=axes[:, 0].tolist(),
-        location="bottom",
-        shrink=0.8,
-        aspect=40,
-        extend="max" if clipped else "neither",
-        label=d.clipped_label(
-            r"$\|\Delta_j - \bar{\Delta}_j\| \,/\, \|\Delta_j\|$ (max)", vmax, top, clipped, LAYER_SKIP_PERCENTILE
-        ),
-    )
+        # Each heat map its own colour bar, beside it and exactly as tall (one shared scale, so
+        # the bars are alike): a single bar under the heat maps left a blank band above it.
+        fig.colorbar(image, ax=heat_ax, pad=0.01, extend="max" if clipped else "neither", label=label)
     d.title_figure(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
     return fig
 

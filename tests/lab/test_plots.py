@@ -270,7 +270,7 @@ def test_heatmaps_with_one_dominant_cell_are_clipped_and_say_so(results):
     )
     fig = layer_skip.layer_skip_figure(skip)
     assert fig.axes[0].images[0].get_clim()[1] < 1.0
-    assert "clipped at the 90th percentile" in fig.axes[-1].get_xlabel()
+    assert "clipped at the 90th percentile" in fig.axes[-1].get_ylabel()
 
 
 def test_long_prompts_get_thinned_labels():
@@ -430,6 +430,34 @@ def test_current_mode_heatmap_draws_the_diagonal():
     assert np.all(np.ma.getmaskarray(shown)[np.tril_indices(L, -1)])
     future = layer_skip.layer_skip_figure(dataclasses.replace(result, settings={"mode": "future"}))
     assert np.all(np.ma.getmaskarray(future.axes[0].images[0].get_array())[np.diag_indices(L)])
+
+
+def _skip_result(L, seed):
+    later = np.triu(np.random.default_rng(seed).random((L, L)), k=1)
+    return layer_skip.LayerSkipResult(
+        later=later,
+        output=np.ones(L),
+        later_per_prompt=later[None],
+        output_per_prompt=np.ones((1, L)),
+        split_positions=np.zeros((1, 4)),
+        settings={"mode": "future"},
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["one heat map", "two rows"])
+def test_layer_skip_colour_bar_spans_its_heat_map(rows):
+    """Each heat map's colour bar is beside it and exactly as tall: no blank band above or
+    below it (a bar under the heat maps, shorter or taller than them, left one)."""
+    results = {f"sublayer {k}": _skip_result(12, k) for k in range(rows)}
+    fig = layer_skip.layer_skip_figure(results)
+    fig.canvas.draw()
+    heat_maps = [ax for ax in fig.axes if ax.images]
+    colour_bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(heat_maps) == len(colour_bars) == rows
+    for heat, bar in zip(heat_maps, colour_bars):
+        heat_box, bar_box = heat.get_window_extent(), bar.get_window_extent()
+        assert abs(bar_box.y0 - heat_box.y0) <= 1 and abs(bar_box.y1 - heat_box.y1) <= 1, (heat_box, bar_box)
+        assert 0 <= bar_box.x0 - heat_box.x1 < 0.05 * heat_box.width  # beside it, to its right
 
 
 def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
