@@ -1,12 +1,13 @@
 """Residual erasure (METHODS §4): replace one residual vector h_l[t] by a baseline mean and
 measure how much the predictions of the answer tokens move.
 
-The (boundary, position) erasures of a prompt run as one compiled computation
-(`erasure_sweep`), every boundary and position at once. Erasing position t cannot change any
-position before t (causal attention), so only positions p >= t are measured: an erasure after
-the last answer prediction is exactly 0, not float noise. The same fact saves work: the
-positions fall into pieces, and an erasure runs only the pieces from its own on, up to the one
-holding the last answer position.
+The (boundary, position) erasures of a prompt run in one compiled computation
+(`erasure_sweep`), every boundary at once. Erasing position t cannot change any position
+before t (causal attention), so only positions p >= t are measured: an erasure after the last
+answer prediction is exactly 0, not float noise. The same fact saves work: the positions fall
+into pieces, and an erasure runs only the pieces from its own on, up to the one holding the
+last answer position. Each piece is one call of that computation, so that a progress bar
+advances as each piece finishes.
 
 Under `interventions` (`jaxdepth.core.sites`; default none), the user's interventions act on
 the clean run and on every erasure, composed in one order: the user's first, then the erasure's
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import ProgressLike, progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -222,6 +223,7 @@ def erasure_sweep(
     effect=probability_shift,
     interventions=None,
     metric: Optional[Callable] = None,
+    pieces=None,
 ):
     """`[L+1, T]` effects of erasing h_l[t] for every boundary l and position t of `prompt`
     (`PromptArrays`, T a multiple of `width`), from `clean_state = clean_run(params, prompt,
@@ -235,6 +237,10 @@ def erasure_sweep(
     (`erased_final_residual`), and up to the last piece a measurement reads: the one holding
     the last answer position (every position with a metric). Positions after the last answer
     position are not run at all: their effects are exactly 0.
+
+    `pieces = (first, stop)` runs pieces first..stop-1 only, leaving the other columns 0. The
+    bounds are traced: every range is the same compiled computation, so a caller can run the
+    pieces as separate calls (`erasure_of_prompt` does) and hear as each one finishes.
     """
     hs, _, _, clean = clean_state
     valid, answer_positions, answer = prompt.valid, prompt.answer_positions, answer_of(prompt)
@@ -281,8 +287,24 @@ def erasure_sweep(
         part = jax.lax.map(boundary_effects, jnp.arange(L + 1))
         return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, k * width, axis=1), out, part)
 
+    first, stop = (0, last_piece + 1) if pieces is None else (pieces[0], jnp.minimum(pieces[1], last_piece + 1))
     zeros = jnp.zeros((L + 1, T), jnp.float32)
-    return jax.lax.fori_loop(0, last_piece + 1, piece_effects, zeros if metric is None else (zeros, zeros))
+    return jax.lax.fori_loop(first, stop, piece_effects, zeros if metric is None else (zeros, zeros))
+
+
+def pieces_to_run(prompt: PromptArrays, blocks: Optional[int] = None, metric: Optional[Callable] = None) -> int:
+    """How many position pieces the erasures of `prompt` run (`erasure_of_prompt`, `blocks` as
+    there): those up to the one holding the last answer position, every piece with a metric."""
+    T = prompt.tokens.shape[1]
+    width = piece_width(T, blocks)
+    last = T - 1 if metric is not None else int(np.max(to_host(prompt.answer_positions)))
+    return last // width + 1
+
+
+def _place(out, part, columns: slice):
+    """Copy the `columns` of a piece's effects (with a metric, of both arrays) into `out`."""
+    for whole, piece in zip(jax.tree.leaves(out), jax.tree.leaves(part)):
+        whole[:, columns] = to_host(piece)[:, columns]
 
 
 def erasure_of_prompt(
@@ -296,6 +318,7 @@ def erasure_of_prompt(
     effect=probability_shift,
     interventions=None,
     metric: Optional[Callable] = None,
+    on_piece: Optional[Callable[[], object]] = None,
 ):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
     `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
@@ -314,16 +337,20 @@ def erasure_of_prompt(
     pieces (default `default_blocks(T)`; 1 turns the saving off) and an erasure runs only the
     positions from its piece on. The prompt is padded to whole pieces (invalid positions the
     result leaves out); every piece runs in the same compiled computation (`erasure_sweep`).
+    Each piece is a call of its own, all of them queued at once, so the device runs them back to
+    back; `on_piece()` (e.g. a progress bar's step) is called as each one finishes, in order,
+    `pieces_to_run` times. Returns numpy arrays.
     """
     T = prompt.tokens.shape[1]
-    width = piece_width(T, blocks)
+    width, count = piece_width(T, blocks), pieces_to_run(prompt, blocks, metric)
     pad = -T % width
     if pad:  # whole pieces: positions that no valid key or answer reads
         prompt = dataclasses.replace(
             prompt, tokens=jnp.pad(prompt.tokens, ((0, 0), (0, pad))), valid=jnp.pad(prompt.valid, ((0, 0), (0, pad)))
         )
     state = clean_run(params, prompt, config, interventions=interventions)
-    out = erasure_sweep(
+    run = partial(
+        erasure_sweep,
         params,
         state,
         prompt,
@@ -335,6 +362,15 @@ def erasure_of_prompt(
         interventions=interventions,
         metric=metric,
     )
+    # All queued before any is waited for: the device runs them one after the other, in order,
+    # and waiting for piece k while k+1 runs leaves it no idle gap.
+    parts = [run(pieces=(k, k + 1)) for k in range(count)]
+    zeros = lambda: np.zeros((config.num_layers + 1, T + pad), np.float32)
+    out = zeros() if metric is None else (zeros(), zeros())
+    for k, part in enumerate(parts):
+        _place(out, part, slice(k * width, (k + 1) * width))
+        if on_piece is not None:
+            on_piece()
     return jax.tree.map(lambda x: x[:, :T], out)
 
 
@@ -396,7 +432,8 @@ def residual_erasure(
 
     `chunk_size` and `memory_budget` (bytes; default a share of the free memory) bound how many
     erasures are vmapped at once: memory, not what is computed. `progress` shows a progress
-    bar; `settings` (a dict) is stored in the result."""
+    bar over the position pieces of every prompt (`pieces_to_run`), one step as each piece
+    finishes; `settings` (a dict) is stored in the result."""
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
     L, T = config.num_layers, batch.tokens.shape[1]
@@ -404,26 +441,31 @@ def residual_erasure(
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     effects = np.zeros((len(batch), L + 1, T), np.float32)
     changes = None if metric is None else np.zeros((len(batch), L + 1, T), np.float32)
-    for i in track(range(len(batch)), progress, "residual erasure (prompts)"):
-        prompt = batch.prompt(i)
-        Ti = prompt.tokens.shape[1]
-        chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-        out = erasure_of_prompt(
-            params,
-            prompt,
-            baseline,
-            config,
-            chunk_size=chunk,
-            blocks=blocks,
-            effect=EFFECTS[effect],
-            interventions=interventions,
-            metric=metric,
-        )
-        if metric is not None:
-            out, change = out
-            n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
-            changes[i, :, :n] = to_host(change)[:, :n]
-        effects[i, :, :Ti] = to_host(out)
+    prompts = [batch.prompt(i) for i in range(len(batch))]
+    # A step per piece, not per prompt: one prompt's erasures can take minutes.
+    total = sum(pieces_to_run(prompt, blocks, metric) for prompt in prompts)
+    with progress_bar(progress, total=total, desc="residual erasure (position pieces)") as bar:
+        for i, prompt in enumerate(prompts):
+            bar.set_postfix(prompt=f"{i + 1}/{len(prompts)}")
+            Ti = prompt.tokens.shape[1]
+            chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
+            out = erasure_of_prompt(
+                params,
+                prompt,
+                baseline,
+                config,
+                chunk_size=chunk,
+                blocks=blocks,
+                effect=EFFECTS[effect],
+                interventions=interventions,
+                metric=metric,
+                on_piece=bar.update,
+            )
+            if metric is not None:
+                out, change = out
+                n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
+                changes[i, :, :n] = change[:, :n]
+            effects[i, :, :Ti] = out
     settings = dict(settings or {})
     if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
         settings["effect"] = effect

@@ -13,18 +13,22 @@ from jaxdepth.core.progress import progress_bar, track
 
 
 class Recorder:
-    """A tqdm-like callable of one's own: records what it is told."""
+    """A tqdm-like callable of one's own: records what it is told, and each step as
+    `(count after it, whether the bar was closed)`."""
 
     def __init__(self):
         self.bars = []
+        self.steps = []
 
     def __call__(self, *, total, desc, initial=0):
         bar = {"total": total, "desc": desc, "done": initial, "closed": False}
         self.bars.append(bar)
+        steps = self.steps
 
         class Bar:
             def update(self, n=1):
                 bar["done"] += n
+                steps.append((bar["done"], bar["closed"]))
 
             def close(self):
                 bar["closed"] = True
@@ -50,10 +54,21 @@ def test_track_counts_every_item_and_closes_the_bar_even_when_stopped_early():
 
 
 def test_a_driver_reports_to_the_callers_progress():
+    """Erasure's bar counts the position pieces of every prompt, a step as each piece finishes:
+    one prompt's erasures can take minutes, and a bar over prompts sat at 0/1 through them."""
     config = tiny_config(num_layers=2)
     params = random_params(config, 0, scale=0.2)
     rng = np.random.default_rng(0)
     batch = make_batch([rng.integers(0, 97, 12).tolist(), rng.integers(0, 97, 10).tolist()], [8, 6])
+    baseline = erasure.mean_residuals(params, batch, config)
+    pieces = [erasure.pieces_to_run(batch.prompt(i)) for i in range(len(batch))]
+    assert pieces == [2, 2]
     recorder = Recorder()
-    erasure.residual_erasure(params, batch, config, erasure.mean_residuals(params, batch, config), progress=recorder)
-    assert recorder.bars == [{"total": 2, "desc": "residual erasure (prompts)", "done": 2, "closed": True}]
+    result = erasure.residual_erasure(params, batch, config, baseline, progress=recorder)
+    assert recorder.bars == [{"total": 4, "desc": "residual erasure (position pieces)", "done": 4, "closed": True}]
+
+    recorder = Recorder()  # one prompt: a step per piece, each before the end
+    alone = erasure.residual_erasure(params, batch.select(slice(0, 1)), config, baseline, progress=recorder)
+    assert recorder.steps == [(1, False), (2, False)] and recorder.bars[0]["closed"]
+    n = int(batch.lengths[0])
+    np.testing.assert_array_equal(alone.effects[0, :, :n], result.effects[0, :, :n])
