@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from conversion.errors import ConversionError
+from conversion.transformers_import import import_transformers
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.weights import ModelWeights
 from jaxdepth.core.model import check_params
@@ -107,7 +108,5 @@ def restore_converted(path: str, *, load_tokenizer: bool = True, mesh=None) -> M
     check_params(params, config)
     tokenizer = None
     if load_tokenizer and meta.get("has_tokenizer"):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+        tokenizer = import_transformers().AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
     return ModelWeights(params=params, config=config, tokenizer=tokenizer, source=meta.get("source", path))

@@ -11,6 +11,7 @@ compares them where torch is installed).
 from __future__ import annotations
 
 from conversion.errors import ConversionError
+from conversion.transformers_import import import_transformers
 
 # Special tokens named by id in the metadata: the tokenizer argument -> the GGUF key's suffix.
 _SPECIAL_TOKEN_IDS = {
@@ -29,6 +30,7 @@ def _contents(reader, key):
 def tokenizer_metadata(reader) -> tuple[str, dict, dict]:
     """`(architecture, tokenizer_dict, tokenizer_config)` from a `gguf.GGUFReader`, named as
     transformers' GGUF converter expects them."""
+    import_transformers()
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
     def group(name):
@@ -53,7 +55,7 @@ def tokenizer_metadata(reader) -> tuple[str, dict, dict]:
 
 def gguf_tokenizer(reader):
     """A transformers fast tokenizer for the vocabulary stored in a GGUF file (`gguf.GGUFReader`)."""
-    import transformers
+    transformers = import_transformers()
     from transformers import PreTrainedTokenizerFast
 
     try:

@@ -10,6 +10,7 @@ import numpy as np
 from conversion.errors import ConversionError
 from conversion.layout import HF_NAMES, assemble_params
 from conversion.safetensors_io import read_safetensors
+from conversion.transformers_import import import_transformers
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.weights import ModelWeights
 
@@ -69,9 +70,7 @@ def load_tokenizer(folder: str):
     """The folder's tokenizer, or None when it has no tokenizer files."""
     if not any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
+    return import_transformers().AutoTokenizer.from_pretrained(folder)
 
 
 def convert_hf_folder(folder: str, *, dtype=np.float32) -> ModelWeights:
