@@ -2,7 +2,10 @@
 
 The reference holds every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of
 each module of `jaxdepth.analyses`: the functions and classes a module defines (their
-`__module__` is that module) whose names do not start with `_`. Each has its signature (a
+`__module__` is that module) whose names do not start with `_`; then the names of
+`jaxdepth.core` and `jaxdepth.lab` that the docs' examples use (`BEYOND`), each under the path
+the examples import it from. A name whose object has a full entry higher up gets a link to it
+instead of a second copy. Each has its signature (a
 dataclass its fields, a class its constructor and its own public methods and properties) and
 its docstring, rendered as Markdown. Signatures are written in ```` ```text ```` fences, so that
 no test runs them; a docstring's indented blocks become ```` ```text ```` fences too.
@@ -33,6 +36,22 @@ if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is n
     sys.path.insert(0, ROOT)
 
 
+# Names of the core and the shell that the examples of README.md and docs/*.md import or call,
+# and the record a tap reads, by module, in the order of the page: tests/test_reference.py finds
+# those names in the examples and fails when one has no entry.
+BEYOND = {
+    "jaxdepth.core.model": ("forward", "run_layers", "residual_stream", "embed", "unembed", "LayerRecord"),
+    "jaxdepth.core.batch": ("make_batch",),
+    "jaxdepth.core.saved_result": ("SavedResult",),
+    "jaxdepth.lab.prompts": ("Prompt", "load_prompts", "encode"),
+    "jaxdepth.lab.results": ("load_result",),
+    "jaxdepth.lab.registry": ("Analysis", "register"),
+    "jaxdepth.lab.study": ("StudySettings", "run_study"),
+    "jaxdepth.lab.mapping_study": ("MappingSettings", "map_models"),
+    "jaxdepth.lab.circuit_tasks": ("addition_pairs",),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One public name: `name` as a user writes it, the object, and, where the same object has
@@ -45,14 +64,21 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """A module's part of the page: its public name, the module and its entries."""
+    """A module's part of the page: its public name, the module and its entries; `aliases`,
+    names linking to a full entry that get a line rather than a heading, whose anchor would be
+    a module's (`jaxdepth.analyses.edges.Circuit`, `jaxdepth.analyses.edges.circuit`)."""
 
     name: str
     module: ModuleType
     entries: tuple
+    aliases: tuple = ()
 
 
 # ----------------------------------------------------------------------------- what is public
+
+
+def _documentable(obj: Any) -> bool:
+    return inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))
 
 
 def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
@@ -61,9 +87,18 @@ def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
     for name, obj in vars(module).items():
         if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
             continue
-        if inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj)):
+        if _documentable(obj):
             found.append((name, obj))
     return found
+
+
+def _public(module: ModuleType) -> list[tuple[str, Any]]:
+    """`_defined_in(module)`, then the functions and classes its `__all__` brings from other
+    modules (a package's own names, as `jaxdepth.analyses.edges.find_circuit`)."""
+    found = _defined_in(module)
+    own = {name for name, _ in found}
+    brought = [(name, getattr(module, name)) for name in getattr(module, "__all__", ()) if name not in own]
+    return found + [(name, obj) for name, obj in brought if _documentable(obj)]
 
 
 def analyses_modules() -> list[ModuleType]:
@@ -77,23 +112,50 @@ def analyses_modules() -> list[ModuleType]:
     ]
 
 
+def _homes(named: list[tuple[str, ModuleType, list[tuple[str, Any]]]]) -> dict[int, str]:
+    """`{id(object): the name of its full entry}`, from `(section, module, [(name, object)])` in
+    page order: its name at the top level of `jaxdepth`, else in the module that defines it,
+    else where the page first names it."""
+
+    def rank(section: str, module: ModuleType, obj: Any) -> int:
+        return 0 if section == "jaxdepth" else 1 if module.__name__ == getattr(obj, "__module__", None) else 2
+
+    names = [(section, module, name, obj) for section, module, members in named for name, obj in members]
+    candidates = sorted(
+        (rank(section, module, obj), position, id(obj), f"{section}.{name}")
+        for position, (section, module, name, obj) in enumerate(names)
+    )
+    homes = {}
+    for _, _, key, name in candidates:
+        homes.setdefault(key, name)
+    return homes
+
+
 def sections() -> list[Section]:
-    """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, then each analyses module."""
+    """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, each analyses module, then
+    the modules of `BEYOND`. An object has one full entry (`_homes`); its other names link to it."""
     import jaxdepth
     from jaxdepth import sites
 
-    top = tuple(
-        Entry(f"jaxdepth.{name}", getattr(jaxdepth, name))
-        for name in jaxdepth.__all__
-        if not inspect.ismodule(getattr(jaxdepth, name))
-    )
-    full = {id(entry.obj): entry.name for entry in top}
+    top = [
+        (name, getattr(jaxdepth, name)) for name in jaxdepth.__all__ if not inspect.ismodule(getattr(jaxdepth, name))
+    ]
+    named = [("jaxdepth", jaxdepth, top), ("jaxdepth.sites", sites, _defined_in(sites))]
+    named += [(m.__name__, m, _public(m)) for m in analyses_modules()]
+    for name, members in BEYOND.items():
+        module = importlib.import_module(name)
+        named.append((name, module, [(member, getattr(module, member)) for member in members]))
+    homes = _homes(named)
 
-    def entries(public: str, module: ModuleType) -> tuple:
-        return tuple(Entry(f"{public}.{name}", obj, full.get(id(obj))) for name, obj in _defined_in(module))
+    module_anchors = {anchor(section) for section, _, _ in named}
 
-    out = [Section("jaxdepth", jaxdepth, top), Section("jaxdepth.sites", sites, entries("jaxdepth.sites", sites))]
-    return out + [Section(m.__name__, m, entries(m.__name__, m)) for m in analyses_modules()]
+    def section(name: str, module: ModuleType, members: list[tuple[str, Any]]) -> Section:
+        entries = [Entry(f"{name}.{member}", obj, homes[id(obj)]) for member, obj in members]
+        entries = [Entry(e.name, e.obj) if e.same_as == e.name else e for e in entries]
+        aliases = [e for e in entries if e.same_as is not None and anchor(e.name) in module_anchors]
+        return Section(name, module, tuple(e for e in entries if e not in aliases), tuple(aliases))
+
+    return [section(name, module, members) for name, module, members in named]
 
 
 def members(cls: type) -> list[tuple[str, Any]]:
@@ -126,10 +188,9 @@ def public_names() -> dict[str, Any]:
 
 def docstring(obj: Any) -> str:
     """The object's own docstring, cleaned; '' where it has none (a dataclass's generated
-    `Name(field, ...)` text and a docstring inherited from a base class count as none)."""
-    if isinstance(obj, (property, functools.cached_property)):
-        obj = obj.fget if isinstance(obj, property) else obj.func
-    elif isinstance(obj, (classmethod, staticmethod)):
+    `Name(field, ...)` text and a docstring inherited from a base class count as none). A
+    property's is its own (`property(fget, doc=...)`'s, else its getter's)."""
+    if isinstance(obj, (classmethod, staticmethod)):
         obj = obj.__func__
     doc = getattr(obj, "__doc__", None)
     if not isinstance(doc, str) or not doc.strip():
@@ -283,7 +344,8 @@ def class_signature(cls: type) -> str:
 def member_signature(owner: str, name: str, value: Any) -> str:
     if isinstance(value, (property, functools.cached_property)):
         fget = value.fget if isinstance(value, property) else value.func
-        ret = _signature(fget).return_annotation
+        signature = _signature(fget)  # None for a getter such as operator.attrgetter
+        ret = inspect.Signature.empty if signature is None else signature.return_annotation
         kind = "property" if isinstance(value, property) else "cached property"
         return f"{kind} {owner}.{name}" + ("" if ret is inspect.Signature.empty else f" -> {_annotation(ret)!r}")
     if isinstance(value, staticmethod):
@@ -415,7 +477,9 @@ INTRO = """\
 # API reference
 
 Every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of each module of
-`jaxdepth.analyses`, with its signature and docstring. The page is generated from the docstrings
+`jaxdepth.analyses`, then the names of `jaxdepth.core` and `jaxdepth.lab` that the examples of
+these docs use, each with its signature and docstring (a name that is another's, such as
+`jaxdepth.core.model.forward`, links to that entry). The page is generated from the docstrings
 by `python docs/reference.py`, and `tests/test_reference.py` fails when it is out of date; edit
 the docstrings, not this page. Shapes use the axis names of the glossary in
 `jaxdepth.core.model` (B batch, L layers, T positions, D residual width, H heads, Dh head width,
@@ -438,12 +502,13 @@ def _described(obj: Any, name: str) -> str:
         raise ValueError(f"the docstring of {name}: {e}") from None
 
 
-def _entry(entry: Entry, top: bool) -> list[str]:
+def _entry(entry: Entry, top: bool, where: str = "above") -> list[str]:
+    """The entry's heading and text; `where` the full entry is, for a name that links to it."""
     obj, short = entry.obj, entry.name.rsplit(".", 1)[1]
     out = [_heading(3, entry.name)]
     if entry.same_as is not None:
         kind = "class" if inspect.isclass(obj) else "function"
-        return out + [f"The same {kind} as [`{entry.same_as}`](#{anchor(entry.same_as)}) above."]
+        return out + [f"The same {kind} as [`{entry.same_as}`](#{anchor(entry.same_as)}) {where}."]
     if inspect.isclass(obj):
         out.append("```text\n" + class_signature(obj) + "\n```")
     else:
@@ -482,6 +547,7 @@ def render() -> str:
         names = ", ".join(f"[`{e.name.rsplit('.', 1)[1]}`](#{anchor(e.name)})" for e in section.entries)
         contents.append(f"- [`{section.name}`](#{anchor(section.name)})" + (f": {names}" if names else ""))
     parts = [INTRO, "## Contents", "\n".join(contents)]
+    order = {entry.name: i for i, entry in enumerate(e for section in all_sections for e in section.entries)}
     for section in all_sections:
         parts.append(_heading(2, section.name))
         if section.module.__name__ != section.name:
@@ -493,8 +559,15 @@ def render() -> str:
             parts.append(
                 " ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})." for name in modules)
             )
+        for alias in section.aliases:
+            kind = "class" if inspect.isclass(alias.obj) else "function"
+            parts.append(
+                f"`{alias.name}` is the {kind} [`{alias.same_as}`](#{anchor(alias.same_as)}) (no heading of its"
+                f" own: its anchor would be the module's, `{alias.name.lower()}`)."
+            )
         for entry in section.entries:
-            parts.extend(_entry(entry, top=section.name == "jaxdepth"))
+            where = "below" if entry.same_as is not None and order[entry.same_as] > order[entry.name] else "above"
+            parts.extend(_entry(entry, top=section.name == "jaxdepth", where=where))
     page = "\n\n".join(part for part in parts if part) + "\n"
     headings = re.findall(r"^#+ `([^`]+)`$", page, flags=re.M)
     duplicates = {anchor(h) for h in headings if [anchor(x) for x in headings].count(anchor(h)) > 1}

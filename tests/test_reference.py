@@ -9,10 +9,17 @@ skipped one would not hide it:
 - every public name has an entry (a heading) in docs/reference.md;
 - docs/reference.md is what `python docs/reference.py` writes now (not stale);
 - every public function, class, method and property has a docstring of its own.
+
+What the docs use is found in the docs themselves, so that a new example cannot outrun the
+reference: every `jaxdepth` function, class and module that a Python block of README.md or
+docs/*.md imports, or reaches through a module it imported, has an entry under that name; and a
+name the prose writes out in full, where the reference documents its object, is one of the
+reference's names for it (one home, not a second path to the same class).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import functools
@@ -26,7 +33,7 @@ import sys
 
 import pytest
 
-from test_docs import ROOT, blocks, read
+from test_docs import ROOT, blocks, pages, python_blocks, read
 
 PAGE = "docs/reference.md"
 
@@ -93,6 +100,140 @@ def test_every_public_name_has_an_entry():
                 if f"{obj.__name__}.{member}" not in headings
             ]
     assert not missing, f"{PAGE} has no entry for: {', '.join(missing)}; run `python docs/reference.py`"
+
+
+def _named(dotted: str):
+    """`(name, object)` for a dotted name as code writes it (`jaxdepth.load`, or a module's
+    attribute chain such as `jaxdepth.analyses.edges.EdgeGraph.edge_name`): the modules, then
+    the first attribute that is no module (the one a reference entry is for). None where it
+    does not resolve."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for k in range(i, len(parts)):
+            if not inspect.ismodule(obj):
+                return ".".join(parts[:k]), obj
+            obj = getattr(obj, parts[k], None)
+            if obj is None:
+                return None
+        return dotted, obj
+    return None
+
+
+def _documentable(obj) -> bool:
+    """A module, class or function: what has an entry (a constant has no docstring of its own)."""
+    return inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))
+
+
+def _chain(node: ast.Attribute):
+    """`a.b.c` as `['a', 'b', 'c']`, or None where it does not start at a plain name."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.insert(0, node.attr)
+        node = node.value
+    return [node.id, *names] if isinstance(node, ast.Name) else None
+
+
+def _used_in(codes: list[str]) -> set:
+    """The dotted `jaxdepth` names that the blocks of one page (one namespace, in order) import
+    or reach through a module they imported."""
+    trees = [ast.parse(code) for code in codes]
+    bound, used = {}, set()
+    for node in (n for tree in trees for n in ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "jaxdepth":
+                    bound[alias.asname or "jaxdepth"] = alias.name if alias.asname else "jaxdepth"
+                    used.add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jaxdepth":
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                used.add(f"{node.module}.{alias.name}")
+    for tree in trees:
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            chain = _chain(node) if isinstance(node, ast.Attribute) and id(node) not in inner else None
+            if chain and chain[0] in bound:
+                used.add(".".join([bound[chain[0]], *chain[1:]]))
+    return used
+
+
+def example_names() -> dict:
+    """`{name: page}` for every `jaxdepth` function, class and module that the Python blocks of
+    README.md and docs/*.md use (`_used_in`), under the name they use it by."""
+    found = {}
+    for page in pages():
+        for dotted in sorted(_used_in(python_blocks(page))):
+            named = _named(dotted)
+            if named is None:
+                found.setdefault(dotted, page)  # no such name: reported as missing
+            elif _documentable(named[1]):
+                found.setdefault(named[0], page)
+    return found
+
+
+def _names_on_page() -> set:
+    """The headings' names, and the names that get a line instead (their anchor would be a
+    module's: "`jaxdepth.analyses.edges.Circuit` is the class [...")."""
+    aliases = re.findall(r"^`([^`]+)` is the (?:class|function) \[", read(PAGE), flags=re.M)
+    return _headings() | set(aliases)
+
+
+def test_every_name_the_examples_use_has_an_entry():
+    names = example_names()
+    assert {"jaxdepth.load", "jaxdepth.lab.study.StudySettings", "jaxdepth.core.model.embed"} <= set(names)
+    headings = _names_on_page()
+    missing = [f"{name} ({page})" for name, page in names.items() if name not in headings]
+    assert not missing, (
+        f"{PAGE} has no entry for these names of the docs' examples: {', '.join(missing)}; "
+        "add them to BEYOND in docs/reference.py and run it"
+    )
+
+
+def _prose(page: str) -> str:
+    """The page without its fenced blocks."""
+    lines, keep, fence = read(page).splitlines(), [], None
+    for line in lines:
+        opening = re.match(r"^\s*(`{3,}|~{3,})", line)
+        if fence is None and opening:
+            fence = opening.group(1)
+        elif fence is not None and re.fullmatch(rf"\s*{re.escape(fence[0])}{{{len(fence)},}}\s*", line):
+            fence = None
+        elif fence is None:
+            keep.append(line)
+    return "\n".join(keep)
+
+
+def test_names_the_prose_writes_out_are_the_references():
+    documented = {}  # id(object) -> its names on the page
+    for heading in _headings():
+        named = _named(heading) if heading.startswith("jaxdepth") else None
+        if named is not None and named[0] == heading:
+            documented.setdefault(id(named[1]), []).append(heading)
+    other = []
+    for page in (p for p in pages() if p != PAGE):
+        for span in re.findall(r"(`+)(.+?)\1", _prose(page), flags=re.S):
+            for dotted in re.findall(r"\bjaxdepth(?:\.\w+)+", span[1]):
+                named = _named(dotted)
+                if named is None or inspect.ismodule(named[1]) or id(named[1]) not in documented:
+                    continue
+                if named[0] not in documented[id(named[1])]:
+                    other.append(f"{page}: `{named[0]}` (the reference: {', '.join(documented[id(named[1])])})")
+    assert not other, "the docs name documented objects by other paths than the reference: " + "; ".join(other)
+
+
+def test_the_tap_record_is_documented_field_by_field():
+    """A tap (`run_layers(..., tap=...)`) reads a `LayerRecord`: its entry names every field,
+    the attention probabilities among them."""
+    from jaxdepth.core.model import LayerRecord
+
+    assert "jaxdepth.core.model.LayerRecord" in _headings()
+    doc = _generator().docstring(LayerRecord)
+    assert not [f.name for f in dataclasses.fields(LayerRecord) if f"`{f.name}`" not in doc]
+    assert "attention probabilities `attn_probs`" in doc
 
 
 def test_reference_is_up_to_date():
