@@ -608,14 +608,39 @@ def _run_ig(x) -> IntegratedGradientsResult:
     return integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule, **common)
 
 
+PREVIEW_GAP = 0.05  # a larger completeness gap, as a share of |F(x) - F(b)|, is called a preview
+
+
 def _ig_summary(r: IntegratedGradientsResult) -> list:
-    line = [f"IG ({r.rule}) max |completeness gap| {abs(r.gap).max():.2g}"]
+    """The run's summary of IG: the rule, and its largest completeness gap as a share of what F
+    moved (as the figure gives it) with the layer it is in; above `PREVIEW_GAP` the attributions
+    are called a preview, with the options that make them a measurement."""
+    line = [f"IG ({r.rule}): {_worst_gap(r)}"]
     if r.converged is not None:
         line.append(
             f"adaptive IG: {int(r.converged.sum())} of {r.converged.size} layers converged, "
             f"{int(r.evaluations.sum())} gradient evaluations"
         )
     return line
+
+
+def _worst_gap(r: IntegratedGradientsResult) -> str:
+    """The largest |completeness gap| / |F(x) - F(b)| over prompts and layers, where it is, and
+    whether the attributions are a preview (`_ig_summary`)."""
+    with np.errstate(invalid="ignore"):
+        relative = np.abs(r.relative_gap)
+    if not np.isfinite(relative).any():  # F did not move along any path: no share to give
+        return f"max |completeness gap| {np.abs(r.gap).max():.2g} (F(x) = F(b) on every path)"
+    prompt, layer = np.unravel_index(np.nanargmax(np.where(np.isfinite(relative), relative, np.nan)), relative.shape)
+    where = f"layer {layer}" + (f", prompt {prompt}" if len(relative) > 1 else "")
+    text = f"completeness gap up to {100 * relative[prompt, layer]:.3g}% of |F(x)-F(b)| ({where})"
+    if r.converged is not None:  # the adaptive rule certifies each layer it converged on; the others are in doubt
+        if r.converged.all():
+            return text
+        return f"{text}, a preview where a layer did not converge (a larger --ig-max-evaluations)"
+    if relative[prompt, layer] <= PREVIEW_GAP:
+        return text
+    return f"{text}: a preview, not a measurement (use --ig-rule adaptive or more --ig-steps)"
 
 
 ANALYSIS = Analysis(

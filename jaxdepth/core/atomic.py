@@ -10,7 +10,10 @@ next writer in the same folder removes the ones whose process is gone
 
 `folder_lock` keeps two runs from writing one results folder at once: the second one is refused
 at once, told which process holds the folder. Its lock files are removed when the run ends, and
-taken over from a run that was killed.
+taken over from a run that was killed. A process that holds a folder may lock it again inside
+(a command holds its folders for the whole command, and the study it runs locks each again), and
+`locked_folders` records which folders a process locked: what an interrupted command had been
+writing to.
 """
 
 from __future__ import annotations
@@ -104,26 +107,59 @@ class FolderBusyError(OSError):
     """Another process is writing the folder (raised at once, not after a wait)."""
 
 
+_HELD: dict[str, int] = {}  # real path of each folder this process holds -> how many blocks hold it
+_RECORDS: list[list[str]] = []  # the lists of `locked_folders` blocks now open
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str) -> Iterator[None]:
     """Hold `folder` for this process while the block runs: an OS lock on its `.jaxdepth.lock`,
     released when the process ends, however it ends. A second holder is refused at once with a
     `FolderBusyError` naming the process, host and start time of the first. When the block ends,
     returning or raising, the lock file and its owner file are removed (a process killed outright
-    leaves them behind, and the next run takes them over)."""
+    leaves them behind, and the next run takes them over). Within a block that holds `folder`, the
+    same process may lock it again: the inner block holds nothing more, and the folder is let go
+    when the outer one ends."""
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
     os.makedirs(folder, exist_ok=True)
     owner = os.path.join(folder, OWNER_NAME)
     release = _lock(os.path.join(folder, LOCK_NAME), owner)
+    _HELD[key] = 1
     try:
         with atomic_write(owner, "w") as f:
             f.write(f"process {os.getpid()} on {socket.gethostname()}, since {_now()}\n")
+        for record in _RECORDS:
+            if folder not in record:
+                record.append(folder)
         yield
     finally:
+        del _HELD[key]
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(owner)
         finally:
             release()
+
+
+@contextlib.contextmanager
+def locked_folders() -> Iterator[list[str]]:
+    """`with locked_folders() as folders:` `folders` lists the folders `folder_lock` held within
+    the block (as given, in the order first held; each once), whether or not they are still held:
+    where a command's results went, for what it says when it is interrupted."""
+    record: list[str] = []
+    _RECORDS.append(record)
+    try:
+        yield record
+    finally:
+        # by identity: two records of the same folders are equal lists
+        _RECORDS[:] = [r for r in _RECORDS if r is not record]
 
 
 def _lock(path: str, owner: str) -> Callable[[], None]:

@@ -3,19 +3,25 @@
 Scores every edge of the model on prompt pairs (`jaxdepth.analyses.edges.edge_attribution`),
 checks the top edges one by one by exact patching, extracts a circuit (the top edges, or the
 fewest reaching a faithfulness target) and draws it. Everything goes to
-`OUT/<model>/circuit_<task>/`: `edge_scores.npz`, `edge_checks.npz` (each checked edge's score
-and exact effect), `circuit.npz`, `summary.txt` and `figures/` (the circuit, the faithfulness
-curve, scores against exact effects). Each file is written atomically; a rerun with the same
-model, pairs and settings reuses the scores and the checks.
+`OUT/<model>/circuit_<task>/<scoring>/`, one folder per way of scoring (`scoring_name`: `eap`,
+`eap-ig-inputs-left-16`, ...), so that the results of two methods or settings never share a
+file: `edge_scores.npz`, `edge_checks_top<K>.npz` (each of the top K edges' score and exact
+effect), `circuit_<size N | target T>.npz`, `summary_top<K>_<size N | target T>.txt` and
+`figures/` (`circuit_*` and `faithfulness_*` named as the circuit, `scores_vs_patching_top<K>`).
+Each file is written atomically, and the command holds the folder (`folder_lock`) while it
+writes; a rerun with the same model, pairs and settings reuses the scores and the checks.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -31,7 +37,7 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     ranked_edges,
 )
-from jaxdepth.analyses.ig.rules import RULES
+from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
@@ -50,9 +56,26 @@ class EdgeChecks(SavedResult):
 
 
 def circuit_folder(out: str, model_name: str, task: str) -> str:
+    """`OUT/<model>/circuit_<task>`: the circuits of one task, one subfolder per way of scoring."""
     from jaxdepth.lab.study import slug
 
     return os.path.join(out, slug(model_name), f"circuit_{slug(task)}")
+
+
+def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float]) -> str:
+    """The folder of one way of scoring edges: the method and the settings it reads, `eap`,
+    `eap-ig-inputs-left-16` or `eap-ig-inputs-adaptive-tol0.01-max16` (the adaptive rule's
+    tolerance and its budget of evaluations)."""
+    if method == "eap":
+        return "eap"
+    if rule == "adaptive":
+        return f"{method}-adaptive-tol{tolerance:g}-max{steps}"
+    return f"{method}-{rule}-{steps}"
+
+
+def circuit_choice(size: Optional[int], target: Optional[float]) -> str:
+    """How the circuit was chosen, as its files name it: `size10` or `target0.8`."""
+    return f"size{size}" if size is not None else f"target{target:g}"
 
 
 def _identity(model_name: str, task: TaskPairs, settings: dict) -> str:
@@ -76,7 +99,8 @@ def _cached(path: str, identity: str, kind: type, compute):
 
 
 def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str, figures: bool = True) -> dict:
-    """The command's work: scores, checks, circuit and figures in `folder`; returns a summary."""
+    """The command's work: scores, checks, circuit and figures in `folder` (one way of scoring's,
+    `scoring_name`); returns a summary (`summarise`)."""
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
@@ -88,7 +112,7 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
         EdgeScores,
         lambda: edge_attribution(p, pairs, c, logit_difference, **_score_options(settings), progress=True),
     )
-    print(f"edge scores ({args.method}) {_took(start, reused)}")
+    print(f"edge scores ({args.method}) {_took(start, reused)}", flush=True)
     start = time.perf_counter()
     top = ranked_edges(scores.mean, scores.graph)[: args.check]
 
@@ -96,22 +120,29 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
         effects = edge_effects(p, pairs, c, logit_difference, top, progress=True)
         return EdgeChecks(edges=top, scores=scores.mean[top[:, 0], top[:, 1]], effects=effects)
 
-    checks, reused = _cached(os.path.join(folder, "edge_checks.npz"), f"{identity}:{args.check}", EdgeChecks, check)
-    print(f"exact patching of the top {len(top)} edges {_took(start, reused)}")
+    checked = f"top{args.check}"
+    checks, reused = _cached(
+        os.path.join(folder, f"edge_checks_{checked}.npz"), f"{identity}:{args.check}", EdgeChecks, check
+    )
+    print(f"exact patching of the top {len(top)} edges {_took(start, reused)}", flush=True)
     start = time.perf_counter()
     circuit = find_circuit(p, pairs, c, logit_difference, scores, size=args.size, target=args.target)
-    circuit.save(os.path.join(folder, "circuit.npz"))
-    print(f"circuit of {len(circuit.edges)} edges in {time.perf_counter() - start:.1f} s")
+    chosen = circuit_choice(args.size, args.target)
+    circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
+    print(f"circuit of {len(circuit.edges)} edges in {time.perf_counter() - start:.1f} s", flush=True)
     summary = summarise(scores, checks, circuit, model_name)
-    with atomic_write(os.path.join(folder, "summary.txt"), "w") as f:
+    with atomic_write(os.path.join(folder, f"summary_{checked}_{chosen}.txt"), "w") as f:
         f.write(summary["text"])
     if figures:
         from jaxdepth.lab.plots import save_figure
 
         figure_folder = os.path.join(folder, "figures")
-        save_figure(circuit_figure(circuit, max_edges=args.draw), os.path.join(figure_folder, "circuit"))
-        save_figure(faithfulness_figure(circuit), os.path.join(figure_folder, "faithfulness"))
-        save_figure(scores_vs_patching_figure(checks, scores.method), os.path.join(figure_folder, "scores_vs_patching"))
+        save_figure(circuit_figure(circuit, max_edges=args.draw), os.path.join(figure_folder, f"circuit_{chosen}"))
+        save_figure(faithfulness_figure(circuit), os.path.join(figure_folder, f"faithfulness_{chosen}"))
+        save_figure(
+            scores_vs_patching_figure(checks, scores.method),
+            os.path.join(figure_folder, f"scores_vs_patching_{checked}"),
+        )
     return summary
 
 
@@ -125,10 +156,27 @@ def _score_options(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if v is not None}
 
 
+def reached_target(circuit: Circuit) -> bool:
+    """Whether the circuit reached its faithfulness target (True when its size was given): False
+    when no circuit of the top edges reached it, and the circuit is the whole graph."""
+    if hasattr(circuit, "reached"):
+        return bool(circuit.reached)
+    # A Circuit without `reached`: the faithfulness of the circuit chosen says it.
+    return circuit.target is None or bool(circuit.faithfulness >= circuit.target)
+
+
 def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_name: str) -> dict:
-    """The numbers a reader wants first, as a dict with a `text` rendering."""
+    """The numbers a reader wants first, as a dict with a `text` rendering; `reached`: whether
+    the circuit reached its faithfulness target (`reached_target`)."""
     effects = checks.effects.mean(axis=1)
     corr = float(np.corrcoef(checks.scores, effects)[0, 1]) if len(effects) > 1 else float("nan")
+    reached = reached_target(circuit)
+    if circuit.target is None:
+        goal = ""
+    elif reached:
+        goal = f" (target {circuit.target:g})"
+    else:
+        goal = f" (target {circuit.target:g} NOT reached by any circuit of the top edges: this is the whole graph)"
     lines = [
         f"model {model_name}: {len(scores.f_clean)} pairs, F(clean) {scores.f_clean.mean():.4g}, "
         f"F(corrupt) {scores.f_corrupt.mean():.4g} (means over pairs)",
@@ -136,15 +184,19 @@ def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_na
         + ("" if scores.method == "eap" else f" ({scores.rule} rule, {scores.steps} steps)"),
         f"input-edge completeness gap (mean |.|): {np.abs(scores.completeness_gap()).mean():.3g}",
         f"top {len(effects)} edges: correlation of score and exact patching effect {corr:.3f}",
-        f"circuit: {len(circuit.edges)} edges, faithfulness {circuit.faithfulness:.3f}"
-        + ("" if circuit.target is None else f" (target {circuit.target:g})"),
+        f"circuit: {len(circuit.edges)} edges, faithfulness {circuit.faithfulness:.3f}{goal}",
         "top edges (mean score | exact effect):",
     ]
     lines += [
         f"  {scores.graph.edge_name(w, r):24} {s:+.4g} | {e:+.4g}"
         for (w, r), s, e in list(zip(checks.edges, checks.scores, effects))[:10]
     ]
-    return {"text": "\n".join(lines) + "\n", "correlation": corr, "faithfulness": circuit.faithfulness}
+    return {
+        "text": "\n".join(lines) + "\n",
+        "correlation": corr,
+        "faithfulness": circuit.faithfulness,
+        "reached": reached,
+    }
 
 
 def scores_vs_patching_figure(checks: EdgeChecks, method: str):
@@ -166,6 +218,25 @@ def scores_vs_patching_figure(checks: EdgeChecks, method: str):
 
 # ----------------------------------------------------------------------------- command line
 
+TASK_NAMING = (
+    "The task is named after the pairs file (its name without the extension: PAIRS.jsonl is the task "
+    "PAIRS), or addition<N> for the addition task of --num-pairs N. Results go to "
+    "OUT/<model>/circuit_<task>/<scoring>/, <scoring> naming the method and its settings (eap, "
+    "eap-ig-inputs-left-16, eap-ig-inputs-adaptive-tol0.01-max16), each file named after the settings "
+    "it depends on (edge_checks_top<K>.npz, circuit_target<T>.npz or circuit_size<N>.npz, summary_..., "
+    "figures/...); a rerun with the same settings reuses the scores and the checks."
+)
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default, except where its help says the default in
+    words already (an option whose default is None, or a flag)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
 
 def add_parser(subparsers) -> None:
     """Add the `circuit` subcommand to the `jaxdepth` command's subparsers."""
@@ -173,51 +244,107 @@ def add_parser(subparsers) -> None:
         "circuit",
         help="score every edge on clean/corrupt prompt pairs (EAP, EAP-IG), check the top edges by exact "
         "patching, and extract and draw a circuit",
+        description="Score every edge of a model on clean/corrupt prompt pairs (EAP, EAP-IG), check the top "
+        "edges one by one by exact patching, and extract and draw a circuit. " + TASK_NAMING,
+        formatter_class=_HelpWithDefaults,
     )
-    p.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts (default: smollm2)")
+    p.add_argument("--model", default="smollm2", help="anything jaxdepth.load accepts")
     p.add_argument(
         "--pairs",
         metavar="PATH",
         help="JSON Lines of pairs, one object per line: clean, corrupt, right, wrong (texts; the answers' "
-        "first tokens are compared by logit difference). Default: the addition task",
+        "first tokens are compared by logit difference); names the task after its stem. Default: the "
+        "addition task (the task addition<N>)",
     )
-    p.add_argument("--num-pairs", type=int, default=20, help="pairs of the addition task (default 20)")
-    p.add_argument("--method", choices=METHODS, default="eap-ig-inputs")
-    p.add_argument("--rule", choices=RULES, default="left", help="EAP-IG's quadrature rule (default left)")
-    p.add_argument("--steps", type=int, default=16, help="EAP-IG steps (default 16)")
-    p.add_argument("--tolerance", type=float, help="with --rule adaptive: the completeness tolerance")
-    p.add_argument("--check", type=int, default=100, help="edges checked one by one by exact patching (default 100)")
+    p.add_argument("--num-pairs", type=int, default=20, help="pairs of the addition task")
+    p.add_argument("--method", choices=METHODS, default="eap-ig-inputs", help="how edges are scored")
+    p.add_argument("--rule", choices=RULES, default="left", help="EAP-IG's quadrature rule")
+    p.add_argument("--steps", type=int, default=16, help="EAP-IG steps (with --rule adaptive: its budget)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help=f"with --rule adaptive: the completeness tolerance (default {DEFAULT_TOLERANCE:g} there; "
+        "no other rule takes one)",
+    )
+    p.add_argument("--check", type=int, default=100, help="edges checked one by one by exact patching")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--size", type=int, help="the circuit's size: its top edges")
     group.add_argument(
-        "--target", type=float, help="the fewest top edges reaching this faithfulness (default 0.8 without --size)"
+        "--size", type=int, help="the circuit's size: its top edges (default: none, the size --target asks for)"
     )
-    p.add_argument("--draw", type=int, default=60, help="edges drawn in the circuit figure (the best; default 60)")
-    p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/")
-    p.add_argument("--no-figures", action="store_true")
+    group.add_argument(
+        "--target",
+        type=float,
+        help="the fewest top edges reaching this faithfulness, in (0, 1] (default 0.8 without --size); when no "
+        "circuit reaches it, the command says so and ends with exit status 1",
+    )
+    p.add_argument("--draw", type=int, default=60, help="edges drawn in the circuit figure (the best)")
+    p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/<scoring>/")
+    p.add_argument("--no-figures", action="store_true", help="save results only (default: draw the figures)")
     p.set_defaults(func=run_command)
 
 
+def check_arguments(args) -> None:
+    """Refuse what the command line gets wrong before anything is loaded or computed (the
+    circuit's size against the graph: `check_size`, once the model's config is known)."""
+    for flag, value in (("--num-pairs", args.num_pairs), ("--steps", args.steps), ("--check", args.check)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.draw < 0:
+        raise ValueError(f"--draw must be at least 0, got {args.draw}")
+    if args.target is not None and not 0 < args.target <= 1:
+        raise ValueError(f"--target is a faithfulness, in (0, 1]; got {args.target:g}")
+    if args.method == "eap" and (args.rule, args.steps, args.tolerance) != ("left", 16, None):
+        raise ValueError("--rule, --steps and --tolerance are EAP-IG's; --method eap takes none")
+    if args.rule == "adaptive" and args.method != "eap-ig-inputs":
+        raise ValueError("--rule adaptive certifies the input path's completeness: use it with --method eap-ig-inputs")
+    if args.tolerance is not None and (args.rule != "adaptive" or not args.tolerance > 0):
+        raise ValueError(f"--tolerance takes a number > 0, with --rule adaptive only; got {args.tolerance:g}")
+    if args.pairs is not None and not os.path.isfile(args.pairs):
+        raise ValueError(f"--pairs {args.pairs}: no such file")
+
+
+def check_size(size: Optional[int], config) -> None:
+    """Refuse a circuit size the model's graph cannot have (known from its config, before any scoring)."""
+    from jaxdepth.analyses.edges.graph import EdgeGraph
+
+    total = EdgeGraph.of(config).num_edges
+    if size is not None and not 1 <= size <= total:
+        raise ValueError(f"--size must be in 1..{total} (the edges of this model's graph), got {size}")
+
+
 def run_command(args) -> int:
+    """`jaxdepth circuit`: check the arguments, hold the results folder, load the model, read the
+    pairs (`read_pairs` refuses a bad pair: prompts of other lengths or the same tokens, answers
+    beginning with one token), then score, check, find and draw (`find_and_save`). Exit status
+    1 when no circuit reached the faithfulness target (what was computed is saved all the same)."""
     from jaxdepth.lab.sources import load
+    from jaxdepth.lab.study import hold_folders
 
     if args.size is None and args.target is None:
         args.target = 0.8
-    if args.method == "eap" and (args.rule, args.steps, args.tolerance) != ("left", 16, None):
-        raise ValueError("--rule, --steps and --tolerance are EAP-IG's; --method eap takes none")
-    if args.pairs is not None and not os.path.isfile(args.pairs):
-        raise ValueError(f"--pairs {args.pairs}: no such file")
-    start = time.perf_counter()
-    model = load(args.model)
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
-    if model.tokenizer is None:
-        raise ValueError(f"the model from {args.model} has no tokenizer: its pairs cannot be encoded")
-    if args.pairs:
-        task, task_name = read_pairs(args.pairs, model.tokenizer), os.path.splitext(os.path.basename(args.pairs))[0]
-    else:
-        task, task_name = addition_pairs(model.tokenizer, args.num_pairs), f"addition{args.num_pairs}"
-    folder = circuit_folder(args.out, args.model, task_name)
-    summary = find_and_save(model, task, folder, args, model_name=args.model, figures=not args.no_figures)
+    if args.rule == "adaptive" and args.tolerance is None:
+        args.tolerance = DEFAULT_TOLERANCE  # named in the folder: the default and 0.01 are one setting
+    check_arguments(args)
+    task_name = os.path.splitext(os.path.basename(args.pairs))[0] if args.pairs else f"addition{args.num_pairs}"
+    scoring = scoring_name(args.method, args.rule, args.steps, args.tolerance)
+    folder = os.path.join(circuit_folder(args.out, args.model, task_name), scoring)
+    with hold_folders([folder]):
+        start = time.perf_counter()
+        model = load(args.model)
+        print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", flush=True)
+        if model.tokenizer is None:
+            raise ValueError(f"the model from {args.model} has no tokenizer: its pairs cannot be encoded")
+        check_size(args.size, model.config)
+        tokenizer = model.tokenizer
+        task = read_pairs(args.pairs, tokenizer) if args.pairs else addition_pairs(tokenizer, args.num_pairs)
+        summary = find_and_save(model, task, folder, args, model_name=args.model, figures=not args.no_figures)
     print(summary["text"], end="")
     print(f"written to {folder}")
+    if not summary["reached"]:
+        print(
+            f"error: no circuit reaches faithfulness {args.target:g} (the circuit saved is the whole graph, "
+            f"faithfulness {summary['faithfulness']:.3f}); the results are saved all the same",
+            file=sys.stderr,
+        )
+        return 1
     return 0

@@ -112,13 +112,11 @@ def _study_settings(args, entries, **common):
 
 
 def _run(args) -> int:
-    import jax
-
     from jaxdepth.core.sharding import is_writer
     from jaxdepth.lab.plugins import load_plugins, owners
-    from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
+    from jaxdepth.lab.prompts import DATASETS, load_prompts
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import Failures, result_folder, run_study, write_figures
+    from jaxdepth.lab.study import Failures, hold_folders, result_folder, saved_model_name
 
     start = time.perf_counter()
     plugins = load_plugins(args.plugin or ())
@@ -152,7 +150,49 @@ def _run(args) -> int:
         else (None, None)
     )
     mesh = mesh_from_args(args)
-    model, model_name = _load_model(args, mesh, start)
+    # Held from before the load to the last figure: a second run on any of these folders is
+    # refused at once, and nothing else writes them meanwhile.
+    folders = [result_folder(args.out, saved_model_name(args.model, args.dtype), name) for name in args.dataset]
+    with hold_folders(folders):
+        model, model_name = _load_model(args, mesh, start)
+        summary = _study_datasets(
+            args,
+            model,
+            model_name,
+            texts,
+            baseline_texts,
+            analyses=analyses,
+            settings=settings,
+            mesh=mesh,
+            baseline_name=baseline_name,
+            failures=failures,
+        )
+    if baseline_name is not None:
+        print(f"erasure baseline: {baseline_name}")
+    print("\n".join(summary))
+    if any(ANALYSES[a].feeds_table for a in analyses) and is_writer():
+        from jaxdepth.lab.table import collect, to_markdown, write_table
+
+        rows = collect([args.out], resamples=args.bootstrap)
+        print(to_markdown(rows), end="")
+        write_table(rows, os.path.join(args.out, "effective_depth_table"))
+    print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
+    failed = [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
+    _report_plugin_failures(failed)
+    return 1 if failed else 0
+
+
+def _study_datasets(
+    args, model, model_name, texts, baseline_texts, *, analyses, settings, mesh, baseline_name, failures
+) -> list[str]:
+    """`jaxdepth run`'s studies, one per dataset of `texts` (name -> prompts): results, figures,
+    and the summary lines it prints (process 0's; the other processes' are empty)."""
+    import jax
+
+    from jaxdepth.core.sharding import is_writer
+    from jaxdepth.lab.prompts import DATASETS, encode
+    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.study import result_folder, run_study, write_figures
 
     def encoded(name, prompts, limit):
         return encode(
@@ -193,19 +233,7 @@ def _run(args) -> int:
             with failures.guard(a, "summing up its result"):
                 line.extend(ANALYSES[a].summary(result))
         summary.append("  " + "; ".join(line))
-    if baseline_name is not None:
-        print(f"erasure baseline: {baseline_name}")
-    print("\n".join(summary))
-    if any(ANALYSES[a].feeds_table for a in analyses) and is_writer():
-        from jaxdepth.lab.table import collect, to_markdown, write_table
-
-        rows = collect([args.out], resamples=args.bootstrap)
-        print(to_markdown(rows), end="")
-        write_table(rows, os.path.join(args.out, "effective_depth_table"))
-    print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
-    failed = [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
-    _report_plugin_failures(failed)
-    return 1 if failed else 0
+    return summary
 
 
 def _report_plugin_failures(failed) -> None:
@@ -221,7 +249,7 @@ def _case(args) -> int:
     from jaxdepth.lab.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
     from jaxdepth.lab.prompts import encode
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import result_folder, run_study
+    from jaxdepth.lab.study import hold_folders, result_folder, run_study, saved_model_name
 
     start = time.perf_counter()
     if args.source and args.model and args.source != args.model:
@@ -238,37 +266,38 @@ def _case(args) -> int:
         if any(ANALYSES[a].uses_baseline for a in analyses)
         else (None, None)
     )
-    model, model_name = _load_model(args, None, start)
-    context = model.config.max_position_embeddings
-    batch = encode(model.tokenizer, [prompt], context=context, buckets=args.length_buckets)
-    baseline = (
-        None
-        if baseline_texts is None
-        else encode(
-            model.tokenizer, baseline_texts, context=context, buckets=args.length_buckets, limit=BASELINE_PROMPTS
+    folder = result_folder(args.out, saved_model_name(args.model, args.dtype), name)
+    with hold_folders([folder]):  # from before the load to the last figure; a second run is refused at once
+        model, model_name = _load_model(args, None, start)
+        context = model.config.max_position_embeddings
+        batch = encode(model.tokenizer, [prompt], context=context, buckets=args.length_buckets)
+        baseline = (
+            None
+            if baseline_texts is None
+            else encode(
+                model.tokenizer, baseline_texts, context=context, buckets=args.length_buckets, limit=BASELINE_PROMPTS
+            )
         )
-    )
-    answer_tokens = check_answer_tokens(batch, prompt)
-    print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
-    results = run_study(
-        model,
-        model_name,
-        name,
-        batch,
-        args.out,
-        analyses=analyses,
-        settings=settings,
-        baseline_batch=baseline,
-        baseline_name=baseline_name,
-    )
-    if baseline_name is not None:
-        print(f"erasure baseline: {baseline_name}")
-    for analysis_name, result in results.items():
-        print("  " + "; ".join(ANALYSES[analysis_name].summary(result)))
-    folder = result_folder(args.out, model_name, name)
-    if not args.no_figures:
-        paths = write_case_figures(results, folder, model.tokenizer)
-        print(f"figures in {os.path.dirname(paths[0])}" if paths else "no figures")
+        answer_tokens = check_answer_tokens(batch, prompt)
+        print(f"{name}: {int(batch.lengths[0])} tokens, the last {answer_tokens} of them the answer {prompt.answer!r}")
+        results = run_study(
+            model,
+            model_name,
+            name,
+            batch,
+            args.out,
+            analyses=analyses,
+            settings=settings,
+            baseline_batch=baseline,
+            baseline_name=baseline_name,
+        )
+        if baseline_name is not None:
+            print(f"erasure baseline: {baseline_name}")
+        for analysis_name, result in results.items():
+            print("  " + "; ".join(ANALYSES[analysis_name].summary(result)))
+        if not args.no_figures:
+            paths = write_case_figures(results, folder, model.tokenizer)
+            print(f"figures in {os.path.dirname(paths[0])}" if paths else "no figures")
     print(f"total {time.perf_counter() - start:.1f} s; results in {folder}")
     return 0
 
@@ -288,7 +317,7 @@ def _tuned_lens(args) -> int:
     from jaxdepth.lab.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import encode, load_prompts
-    from jaxdepth.lab.study import slug
+    from jaxdepth.lab.study import hold_folders, slug
 
     train_rows, eval_rows = parse_rows(args.train_rows), parse_rows(args.eval_rows)
     prompts = load_prompts(args.dataset, args.data)
@@ -301,26 +330,27 @@ def _tuned_lens(args) -> int:
     rows = lambda s: set(range(*s.indices(len(prompts))))  # noqa: E731
     if rows(train_rows) & rows(eval_rows):
         raise ValueError("the training and evaluation rows overlap: a lens must be read on prompts it never saw")
-    model = load(args.model)
-    context = model.config.max_position_embeddings
     settings = LensTrainingSettings(
         steps=args.steps, tokens_per_step=args.tokens_per_step, learning_rate=args.learning_rate, seed=args.seed
     )
     out = os.path.join(args.out, slug(args.model), slug(args.dataset))
-    print(
-        f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
-        f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}"
-    )
-    comparison = compare_lenses(
-        model,
-        encode(model.tokenizer, train, context=context, buckets=args.length_buckets),
-        encode(model.tokenizer, held_out, context=context, buckets=args.length_buckets),
-        settings,
-        os.path.join(out, "lens"),
-        weighting=args.weighting,
-    )
-    for path in save_comparison(comparison, out, figures=not args.no_figures, resamples=args.bootstrap):
-        print(f"wrote {path}")
+    with hold_folders([out]):  # the folder `run` holds for this model and dataset: one writer at a time
+        model = load(args.model)
+        context = model.config.max_position_embeddings
+        print(
+            f"training a tuned lens on {args.dataset} rows {args.train_rows} ({len(train)} prompts), "
+            f"reading rows {args.eval_rows} ({len(held_out)} prompts); lens in {os.path.join(out, 'lens')}"
+        )
+        comparison = compare_lenses(
+            model,
+            encode(model.tokenizer, train, context=context, buckets=args.length_buckets),
+            encode(model.tokenizer, held_out, context=context, buckets=args.length_buckets),
+            settings,
+            os.path.join(out, "lens"),
+            weighting=args.weighting,
+        )
+        for path in save_comparison(comparison, out, figures=not args.no_figures, resamples=args.bootstrap):
+            print(f"wrote {path}")
     print(comparison_markdown(comparison.results, resamples=args.bootstrap), end="")
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in comparison.seconds.items()))
     return 0
@@ -626,9 +656,33 @@ def _load_plugins_named_in(argv) -> None:
 
 
 def main(argv=None) -> int:
+    """The `jaxdepth` command; returns its exit status: 0, 1 (a command's own failure, said on its
+    last line), 2 (an error: bad input, a missing file or dependency, a busy results folder) or
+    130 (interrupted, Ctrl-C: one line says what is saved, and a rerun resumes from it)."""
+    from jaxdepth.core.atomic import locked_folders
+
     # jaxdepth never needs torch: transformers' advice that it is missing is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Every command that writes results holds their folders (`folder_lock`): those it held are
+    # where the work finished before an interrupt is.
+    with locked_folders() as written:
+        try:
+            return _command(argv)
+        except KeyboardInterrupt:
+            # on a line of its own: the terminal's ^C, or a progress bar, may end the current one
+            print("\n" + interrupted_message(written), file=sys.stderr, flush=True)
+            return 130
+
+
+def interrupted_message(folders) -> str:
+    """The one line an interrupted command ends on: what is saved, and that a rerun resumes."""
+    if not folders:
+        return "interrupted before any results were written: nothing is saved"
+    return f"interrupted: what was finished is saved in {', '.join(folders)}; the same command again resumes from there"
+
+
+def _command(argv) -> int:
     try:
         _load_plugins_named_in(argv)  # before the parser: a plugin's analysis brings its options
     except ValueError as e:

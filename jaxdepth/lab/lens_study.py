@@ -25,6 +25,8 @@ from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
 
+COMPARISON = "lens_comparison"  # the stem of every file of a comparison (`save_comparison`)
+
 
 @dataclasses.dataclass
 class LensComparison:
@@ -120,13 +122,18 @@ def comparison_markdown(results: dict, *, resamples: int = uncertainty.DEFAULT_R
 def save_comparison(
     comparison: LensComparison, out_dir: str, *, figures: bool = True, resamples: int = uncertainty.DEFAULT_RESAMPLES
 ) -> list[str]:
-    """Both results (`.npz`), the table (`.md`) and the figure (`.png`, `.pdf`) into `out_dir`,
-    each written atomically; returns the paths."""
+    """Both results (`lens_comparison_logit_lens.npz`, `lens_comparison_tuned_lens.npz`), the table
+    (`lens_comparison.md`) and the figure (`lens_comparison.png`, `.pdf`) into `out_dir`, each
+    written atomically; returns the paths. The results' names are not `jaxdepth run`'s: its
+    `logit_lens.npz`, of other prompts and settings, may sit in the same folder."""
     from jaxdepth.core.atomic import atomic_write
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = [r.save(os.path.join(out_dir, name.replace(" ", "_") + ".npz")) for name, r in comparison.results.items()]
-    table = os.path.join(out_dir, "lens_comparison.md")
+    paths = [
+        r.save(os.path.join(out_dir, f"{COMPARISON}_{name.replace(' ', '_')}.npz"))
+        for name, r in comparison.results.items()
+    ]
+    table = os.path.join(out_dir, f"{COMPARISON}.md")
     with atomic_write(table, "w") as f:
         f.write(comparison_markdown(comparison.results, resamples=resamples))
     paths.append(table)
@@ -134,7 +141,7 @@ def save_comparison(
         from jaxdepth.lab import plots
 
         fig = plots.lens_comparison_figure(comparison.results, resamples=resamples)
-        paths.extend(plots.save_figure(fig, os.path.join(out_dir, "lens_comparison")))
+        paths.extend(plots.save_figure(fig, os.path.join(out_dir, COMPARISON)))
     return paths
 
 

@@ -5,7 +5,8 @@ Both models read the same prompts (their tokenizers must agree token for token).
 `train_prompts` prompts fit a ridge map for every (small boundary, large boundary) pair, the
 rest measure its held-out relative error (`jaxdepth.analyses.layer_mapping`). The result is
 written atomically to `OUT/<small>__<large>/<dataset>/layer_mapping.npz` with a heatmap beside
-it; a rerun with the same models, prompts and settings reuses it.
+it, the command holding the folder meanwhile (`folder_lock`); a rerun with the same models,
+prompts and settings reuses it.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def _map(args) -> int:
     from jaxdepth.lab.meshes import mesh_from_args
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import DATASETS, load_prompts
-    from jaxdepth.lab.study import saved_model_name
+    from jaxdepth.lab.study import hold_folders, saved_model_name
 
     if not 0 < args.train_prompts < args.prompts:
         raise ValueError(
@@ -286,26 +287,31 @@ def _map(args) -> int:
     max_tokens = DATASETS[args.dataset].max_tokens
     # Read the prompts before the models: a bad file should fail in a second, not after a load.
     prompts = load_prompts(args.dataset, args.data, limit=None if max_tokens else args.prompts)
-    mesh = mesh_from_args(args)
-    dtype = None if args.dtype == "float32" else args.dtype
-    start = time.perf_counter()
-    small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
-    print(f"loaded {args.small} and {args.large} in {time.perf_counter() - start:.1f} s")
     settings = MappingSettings(train_prompts=args.train_prompts, ridge=args.ridge, first_position=args.first_position)
-    result = map_models(
-        small,
-        large,
-        prompts,
-        args.out,
-        small_name=saved_model_name(args.small, args.dtype),
-        large_name=saved_model_name(args.large, args.dtype),
-        dataset=args.dataset,
-        settings=settings,
-        max_tokens=max_tokens,
-        limit=args.prompts,
-        mesh=mesh,
-        figures=not args.no_figures,
-    )
+    mesh = mesh_from_args(args)
+    names = {
+        "small_name": saved_model_name(args.small, args.dtype),
+        "large_name": saved_model_name(args.large, args.dtype),
+    }
+    # Held from before the loads to the figure: a second run on the folder is refused at once.
+    with hold_folders([mapping_folder(args.out, names["small_name"], names["large_name"], args.dataset)]):
+        dtype = None if args.dtype == "float32" else args.dtype
+        start = time.perf_counter()
+        small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))
+        print(f"loaded {args.small} and {args.large} in {time.perf_counter() - start:.1f} s")
+        result = map_models(
+            small,
+            large,
+            prompts,
+            args.out,
+            **names,
+            dataset=args.dataset,
+            settings=settings,
+            max_tokens=max_tokens,
+            limit=args.prompts,
+            mesh=mesh,
+            figures=not args.no_figures,
+        )
     if is_writer():
         print(summary(result))
     return 0

@@ -148,6 +148,23 @@ def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
     return os.path.join(out_dir, slug(model_name), slug(dataset))
 
 
+def hold_folders(folders: Iterable[str]) -> contextlib.ExitStack:
+    """`with hold_folders([...]):` holds each results folder (`jaxdepth.core.atomic.folder_lock`)
+    until the block ends, so that a second run writing any of them is refused at once, told
+    which process holds it. With several processes (multi-host) only process 0, the one that
+    writes, holds them."""
+    held = contextlib.ExitStack()
+    if not is_writer():
+        return held
+    try:
+        for folder in folders:
+            held.enter_context(folder_lock(folder))
+    except BaseException:
+        held.close()  # let go of those already held
+        raise
+    return held
+
+
 def run_study(
     model: Model,
     model_name: str,
@@ -188,8 +205,8 @@ def run_study(
     baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
     results = {}
     # Process 0 alone writes; it holds the folder so that a second run cannot interleave its
-    # results with these (it is refused at once, told which process holds the folder).
-    with folder_lock(folder) if is_writer() else contextlib.nullcontext():
+    # results with these (a command may hold it already, for its figures too).
+    with hold_folders([folder]):
         for entry in entries:
             failed_before = len(failures.records)
             with failures.guard(entry.name, "running"):

@@ -3,24 +3,29 @@ rerun that reuses them, and its clear errors; the pair tasks."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint, tiny_tokenizer
-from jaxdepth.analyses.edges import Circuit, EdgeScores
+from jaxdepth.analyses.edges import Circuit, EdgeScores, find_circuit
+from jaxdepth.lab import circuit_study
 from jaxdepth.lab.circuit_study import EdgeChecks
 from jaxdepth.lab.circuit_tasks import addition_pairs, read_pairs
 from jaxdepth.lab.cli import main
 
 
 def _equal_length_pairs(tokenizer, n=3):
-    """Pairs of texts whose clean and corrupt prompts tokenize to the same length."""
+    """Pairs of texts whose clean and corrupt prompts tokenize to the same length, and whose
+    answers begin with different tokens (the tens digit differs)."""
     rows = []
-    for a in range(10, 60):
-        clean, corrupt = f"{a} + 7 = ", f"{a + 1} + 7 = "
-        if len(tokenizer.encode(clean)) == len(tokenizer.encode(corrupt)):
-            rows.append({"clean": clean, "corrupt": corrupt, "right": str(a + 7), "wrong": str(a + 8)})
+    for a in range(10, 50):
+        clean, corrupt, right, wrong = f"{a} + 7 = ", f"{a + 10} + 7 = ", str(a + 7), str(a + 17)
+        if len(tokenizer.encode(clean)) != len(tokenizer.encode(corrupt)):
+            continue
+        if tokenizer.encode(right)[0] != tokenizer.encode(wrong)[0]:
+            rows.append({"clean": clean, "corrupt": corrupt, "right": right, "wrong": wrong})
         if len(rows) == n:
             return rows
     pytest.skip("the tiny tokenizer splits these numbers unevenly")
@@ -31,43 +36,134 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=128)
 
 
-def test_circuit_command_writes_scores_checks_circuit_and_figures(checkpoint, tmp_path, capsys):
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(row) + "\n" for row in _equal_length_pairs(tiny_tokenizer())))
-    args = ["circuit", "--model", checkpoint, "--pairs", str(pairs), "--steps", "2", "--check", "6"]
-    args += ["--size", "10", "--out", str(tmp_path / "out")]
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _equal_length_pairs(tiny_tokenizer())))
+    return str(path)
+
+
+def _circuit_args(checkpoint, pairs, out, *extra):
+    return [
+        "circuit",
+        "--model",
+        checkpoint,
+        "--pairs",
+        pairs,
+        "--check",
+        "6",
+        "--size",
+        "10",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_circuit_command_writes_scores_checks_circuit_and_figures(checkpoint, pairs_file, tmp_path, capsys):
+    args = _circuit_args(checkpoint, pairs_file, tmp_path / "out", "--steps", "2")
     assert main(args) == 0
-    folder = tmp_path / "out" / "model" / "circuit_pairs"
+    # the task is the pairs file's stem; the folder below it names the method and its settings,
+    # each file the settings it depends on
+    folder = tmp_path / "out" / "model" / "circuit_pairs" / "eap-ig-inputs-left-2"
     scores = EdgeScores.load(str(folder / "edge_scores.npz"))
-    checks = EdgeChecks.load(str(folder / "edge_checks.npz"))
-    circuit = Circuit.load(str(folder / "circuit.npz"))
+    checks = EdgeChecks.load(str(folder / "edge_checks_top6.npz"))
+    circuit = Circuit.load(str(folder / "circuit_size10.npz"))
     assert scores.method == "eap-ig-inputs" and scores.steps == 2 and scores.scores.shape[0] == 3
     assert checks.effects.shape == (6, 3) and len(circuit.edges) == 10
     np.testing.assert_array_equal(checks.edges, circuit.edges[:6])  # both the best edges by |mean score|
-    for name in ("circuit", "faithfulness", "scores_vs_patching"):
+    for name in ("circuit_size10", "faithfulness_size10", "scores_vs_patching_top6"):
         assert (folder / "figures" / f"{name}.png").stat().st_size > 1000
-    assert "faithfulness" in (folder / "summary.txt").read_text()
+    assert "faithfulness" in (folder / "summary_top6_size10.txt").read_text()
+    capsys.readouterr()
+    # EAP on the same task goes beside EAP-IG, replacing none of its files
+    assert main(_circuit_args(checkpoint, pairs_file, tmp_path / "out", "--method", "eap")) == 0
+    assert EdgeScores.load(str(folder.parent / "eap" / "edge_scores.npz")).method == "eap"
+    assert EdgeScores.load(str(folder / "edge_scores.npz")).method == "eap-ig-inputs"
     capsys.readouterr()
     assert main(args) == 0  # the rerun reuses the scores and the checks
     out = capsys.readouterr().out
     assert "edge scores (eap-ig-inputs) reused" in out and "edges reused" in out
 
 
-def test_circuit_command_refuses_bad_input(checkpoint, tmp_path, capsys):
-    assert main(["circuit", "--model", checkpoint, "--pairs", str(tmp_path / "missing.jsonl")]) == 2
-    assert "no such file" in capsys.readouterr().err
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"clean": "1 + 1 = "}\n')
-    assert main(["circuit", "--model", checkpoint, "--pairs", str(bad), "--out", str(tmp_path)]) == 2
-    assert "clean, corrupt, right and wrong" in capsys.readouterr().err
-    assert main(["circuit", "--model", checkpoint, "--method", "eap", "--steps", "4"]) == 2
-    assert "EAP-IG's" in capsys.readouterr().err
-    uneven = tmp_path / "uneven.jsonl"
-    uneven.write_text(
-        json.dumps({"clean": "1 + 1 = ", "corrupt": "1 + 1 + 1 + 1 = ", "right": "2", "wrong": "4"}) + "\n"
+def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp_path, capsys, monkeypatch):
+    def unreached(*args, **kwargs):  # as find_circuit says it when no circuit of the grid reaches the target
+        circuit = find_circuit(*args, **kwargs)
+        circuit.reached = False
+        return circuit
+
+    monkeypatch.setattr(circuit_study, "find_circuit", unreached)
+    args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap")
+    args[args.index("--size") : args.index("--size") + 2] = ["--target", "0.9"]
+    assert main(args) == 1
+    printed = capsys.readouterr()
+    assert (
+        "error: no circuit reaches faithfulness 0.9 (the circuit saved is the whole graph, faithfulness "
+        in (printed.err.splitlines()[-1])
     )
-    assert main(["circuit", "--model", checkpoint, "--pairs", str(uneven), "--out", str(tmp_path)]) == 2
-    assert "same length" in capsys.readouterr().err
+    folder = tmp_path / "model" / "circuit_pairs" / "eap"
+    summary = (folder / "summary_top6_target0.9.txt").read_text()
+    assert "(target 0.9 NOT reached by any circuit of the top edges: this is the whole graph)" in summary
+    assert (folder / "circuit_target0.9.npz").exists()  # what was computed is saved all the same
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--size", "263"], r"--size must be in 1..262 \(the edges of this model's graph\), got 263"),
+        (["--size", "0"], r"--size must be in 1..262"),
+        (["--check", "-1"], "--check must be at least 1, got -1"),
+        (["--steps", "-2"], "--steps must be at least 1, got -2"),
+        (["--draw", "-5"], "--draw must be at least 0, got -5"),
+        (["--num-pairs", "0"], "--num-pairs must be at least 1, got 0"),
+        (["--target", "1.5"], r"--target is a faithfulness, in \(0, 1\]; got 1.5"),
+        (["--target", "0"], r"--target is a faithfulness, in \(0, 1\]; got 0"),
+        (["--tolerance", "0.1"], "with --rule adaptive only"),
+        (["--rule", "adaptive", "--method", "eap-ig-activations"], "use it with --method eap-ig-inputs"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_scoring(checkpoint, tmp_path, capsys, monkeypatch, extra, message):
+    def never(*args, **kwargs):
+        raise AssertionError("scoring began before the arguments were checked")
+
+    monkeypatch.setattr(circuit_study, "edge_attribution", never)
+    monkeypatch.setattr(circuit_study, "edge_effects", never)
+    assert main(["circuit", "--model", checkpoint, "--num-pairs", "2", "--out", str(tmp_path), *extra]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_pairs_with_identical_prompts_are_refused_before_any_scoring(checkpoint, tmp_path, capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("scoring began before the pairs were checked")
+
+    monkeypatch.setattr(circuit_study, "edge_attribution", never)
+    rows = _equal_length_pairs(tiny_tokenizer())
+    rows[1]["corrupt"] = rows[1]["clean"]
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["circuit", "--model", checkpoint, "--pairs", str(same), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"pair 1 ({same}:2)" in err and "the clean and the corrupt prompt are the same tokens" in err
+
+
+def test_circuit_help_shows_every_default_and_what_names_the_task(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["circuit", "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    entries = re.split(r"\n(?=  -)", text.split("options:", 1)[1])  # one per option: its line and continuation
+    for entry in entries:
+        if not entry.strip() or entry.strip().startswith("-h"):
+            continue
+        assert "default" in entry.lower(), entry
+    squeezed = re.sub(r"\s+", "", text)  # argparse wraps lines at spaces and hyphens
+    for shown in ("--stepsSTEPSEAP-IGsteps(with--ruleadaptive:itsbudget)(default:16)", "(default:100)"):
+        assert shown in squeezed
+    for said in (
+        "The task is named after the pairs file (its name without the extension: PAIRS.jsonl is the task PAIRS)",
+        "or addition<N> for the addition task of --num-pairs N",
+    ):
+        assert re.sub(r"\s+", "", said) in squeezed
 
 
 def test_addition_pairs_differ_in_one_digit_and_in_their_answer():
@@ -90,7 +186,7 @@ def test_read_pairs_reads_json_lines(tmp_path):
             return [len(w) for w in text.split()]
 
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"clean": "a bb", "corrupt": "c dd", "right": "xyz", "wrong": "q"}) + "\n\n")
+    path.write_text(json.dumps({"clean": "a bb", "corrupt": "ccc dd", "right": "xyz", "wrong": "q"}) + "\n\n")
     task = read_pairs(str(path), Words())
     assert task.clean == [[1, 2]] and task.labels.tolist() == [[3, 1]]
     empty = tmp_path / "empty.jsonl"

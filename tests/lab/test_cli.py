@@ -391,15 +391,19 @@ def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
     assert main(args) == 0
     first = capsys.readouterr().out
     folder = os.path.join(out, "model", "default")
-    for name in ("logit_lens.npz", "tuned_lens.npz", "lens_comparison.md", "lens_comparison.png", "lens/lens.json"):
+    for name in ("logit_lens", "tuned_lens"):
+        assert os.path.exists(os.path.join(folder, f"lens_comparison_{name}.npz")), name
+    for name in ("lens_comparison.md", "lens_comparison.png", "lens/lens.json"):
         assert os.path.exists(os.path.join(folder, name)), name
+    # `jaxdepth run` writes its own logit_lens.npz (its prompts, its settings) in this folder
+    assert not os.path.exists(os.path.join(folder, "logit_lens.npz"))
     assert "| logit lens |" in first and "| tuned lens |" in first
-    logit, tuned = (load_result(os.path.join(folder, f"{n}.npz")) for n in ("logit_lens", "tuned_lens"))
+    logit, tuned = (load_result(os.path.join(folder, f"lens_comparison_{n}.npz")) for n in ("logit_lens", "tuned_lens"))
     assert (logit.settings["lens"], tuned.settings["lens"]) == ("logit", "tuned")
     assert not np.array_equal(logit.kl, tuned.kl)  # the trained lens reads differently
     # A rerun finds the finished training and reads the same lens again.
     assert main(args) == 0
-    again = load_result(os.path.join(folder, "tuned_lens.npz"))
+    again = load_result(os.path.join(folder, "lens_comparison_tuned_lens.npz"))
     np.testing.assert_array_equal(again.kl, tuned.kl)
     capsys.readouterr()
     # Held-out rows that overlap the training rows are refused.
@@ -509,3 +513,53 @@ def test_length_buckets_are_an_option(tiny, tmp_path, capsys):
         main([*args, "--length-buckets", "octaves"])
     assert exit_.value.code == 2
     assert "'geometric', 'geometric:N' or 'multiple:N'" in capsys.readouterr().err
+
+
+def _ig_result(gap, f_baseline, **settings):
+    from jaxdepth.analyses.integrated_gradients import IntegratedGradientsResult
+
+    gap = np.asarray(gap, np.float32)
+    P, L = gap.shape
+    return IntegratedGradientsResult(
+        attributions=np.zeros((P, L, 4), np.float32),
+        gap=gap,
+        f_input=np.ones(P, np.float32),
+        f_baseline=np.asarray(f_baseline, np.float32),
+        tokens=np.zeros((P, 4), np.int32),
+        lengths=np.full(P, 4),
+        answer_start=np.full(P, 2),
+        settings=settings,
+    )
+
+
+def test_the_ig_summary_gives_the_gap_as_a_share_and_calls_a_large_one_a_preview(tiny, tmp_path, capsys):
+    summary = REGISTERED["integrated_gradients"].summary
+    # |gap| / |F(x) - F(b)| per layer: 2%, 2%, 113%
+    large = _ig_result([[0.01, -0.02, 0.113]], [[0.5, 0.0, 0.9]], rule="left", steps=8)
+    assert summary(large) == [
+        "IG (left rule, 8 steps): completeness gap up to 113% of |F(x)-F(b)| (layer 2): a preview, not a "
+        "measurement (use --ig-rule adaptive or more --ig-steps)"
+    ]
+    small = _ig_result(
+        [[0.001, 0.002, -0.004], [0.0, 0.0, 0.001]], [[0.5, 0.0, 0.9], [0.5, 0.5, 0.5]], rule="gauss", steps=16
+    )
+    assert summary(small) == ["IG (gauss rule, 16 steps): completeness gap up to 4% of |F(x)-F(b)| (layer 2, prompt 0)"]
+    assert "--ig-rule {left,midpoint,gauss,right,adaptive}" in _help("run") and "--ig-steps" in _help("run")
+    # on a tiny model's result at 2 steps, through the run
+    assert main(_run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--no-figures")) == 0
+    printed = capsys.readouterr().out
+    result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
+    share = np.abs(result.relative_gap)
+    prompt, layer = np.unravel_index(np.nanargmax(share), share.shape)
+    assert share[prompt, layer] > 0.05  # 2 steps are far from converged
+    assert (
+        f"IG (left rule, 2 steps): completeness gap up to {100 * share[prompt, layer]:.3g}% of |F(x)-F(b)| "
+        f"(layer {layer}): a preview, not a measurement (use --ig-rule adaptive or more --ig-steps)"
+    ) in printed
+
+
+def _help(command: str) -> str:
+    from jaxdepth.lab.cli import build_parser
+
+    parser = build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices[command].format_help()

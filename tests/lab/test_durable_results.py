@@ -1,6 +1,7 @@
-"""Results on disk are durable: one run at a time per results folder (a second one is refused at
-once, told who holds it; the lock's files go when the run ends), and a run killed with SIGKILL,
-even mid-write, resumes cleanly."""
+"""Results on disk are durable: one run at a time per results folder, for every command that
+writes one (a second one is refused at once, told who holds it; the lock's files go when the run
+ends), a run killed with SIGKILL, even mid-write, resumes cleanly, and a command interrupted
+with Ctrl-C ends on one line saying what is saved."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import time
 
 import pytest
 
+from conftest import save_tiny_checkpoint
 from jaxdepth.core import atomic
-from jaxdepth.core.atomic import LOCK_NAME, OWNER_NAME, TEMP_PREFIX, FolderBusyError, folder_lock
+from jaxdepth.core.atomic import LOCK_NAME, OWNER_NAME, TEMP_PREFIX, FolderBusyError, folder_lock, locked_folders
+from jaxdepth.lab.case_study import case_prompt
+from jaxdepth.lab.cli import main
 
 # A tiny model and two prompts; `sleeper` is an analysis that stops inside an atomic write.
 SETUP = textwrap.dedent("""
@@ -201,3 +205,92 @@ def test_a_lock_on_a_file_its_holder_removed_is_not_held(tmp_path, monkeypatch):
     monkeypatch.undo()
     with folder_lock(str(folder)):  # the third run let go
         pass
+
+
+def test_a_folder_held_by_this_process_may_be_locked_again_inside(tmp_path):
+    folder = tmp_path / "tiny" / "toy"
+    with locked_folders() as written:
+        with folder_lock(str(folder)):
+            with folder_lock(str(folder)):  # a study inside a command that holds its folder
+                pass
+            assert sorted(os.listdir(folder)) == [LOCK_NAME, OWNER_NAME]  # still held by the outer block
+        assert os.listdir(folder) == []
+    assert written == [str(folder)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
+
+
+def _hold(*folders) -> subprocess.Popen:
+    """A process that holds `folders` (`folder_lock`) until its standard input closes."""
+    script = textwrap.dedent("""
+        import contextlib, sys
+        from jaxdepth.core.atomic import folder_lock
+        with contextlib.ExitStack() as held:
+            for folder in sys.argv[1:]:
+                held.enter_context(folder_lock(folder))
+            print("held", flush=True)
+            sys.stdin.read()
+    """)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, folders)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_every_command_that_writes_results_is_refused_while_another_holds_its_folder(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    _, case_name = case_prompt(question="1 + 1 = ", answer="2")
+    commands = {
+        out / "model" / "default": [
+            ["run", "--model", tiny, "--prompts", "1", "--analyses", "contributions", "--no-figures"],
+            ["tuned-lens", "--model", tiny, "--dataset", "default", "--train-rows", "3:6", "--eval-rows", "0:2"],
+        ],
+        out / "model" / case_name: [["case", tiny, "--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "erasure"]],
+        out / "model__model" / "default": [
+            ["map", tiny, tiny, "--dataset", "default", "--prompts", "3", "--train-prompts", "2"]
+        ],
+        out / "model" / "circuit_addition2" / "eap-ig-inputs-left-16": [
+            ["circuit", "--model", tiny, "--num-pairs", "2"]
+        ],
+    }
+    holder = _hold(*commands)
+    try:
+        _wait_for(holder, "held")
+        for args in (args for each in commands.values() for args in each):
+            assert main([*args, "--out", str(out)]) == 2, args
+            printed = capsys.readouterr()
+            assert f"is in use by process {holder.pid} on " in printed.err, (args, printed.err)
+            assert "loaded" not in printed.out, f"{args[0]} was refused only after loading the model"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_a_command_interrupted_with_ctrl_c_ends_on_one_line(tiny, tmp_path):
+    out = tmp_path / "out"
+    # a fresh compilation cache: the command is still compiling its first scores when interrupted
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXDEPTH_TESTS_XLA_CACHE")}
+    env.update(JAXDEPTH_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    args = [sys.executable, "-m", "jaxdepth.lab.cli", "circuit", "--model", tiny, "--num-pairs", "2", "--out", str(out)]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in child.stdout:
+            if line.startswith("loaded "):
+                break
+        else:
+            raise AssertionError(f"the command ended (exit {child.wait()}) before loading its model")
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=300)
+    finally:
+        child.kill()
+        child.wait()
+    folder = out / "model" / "circuit_addition2" / "eap-ig-inputs-left-16"
+    assert child.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    said = [line for line in stderr.replace("\r", "\n").splitlines() if "interrupted" in line]
+    assert said == [
+        f"interrupted: what was finished is saved in {folder}; the same command again resumes from there"
+    ], stderr[-2000:]
+    assert os.listdir(folder) == [], "the folder is still held, or holds a half-written file"
