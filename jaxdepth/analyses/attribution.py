@@ -36,6 +36,7 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.erasure import baseline_residuals
+from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.analyses.suite import Analysis, per_prompt_figures
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
@@ -98,7 +99,8 @@ def site_gradients(
     really used. Call it inside `jax.jit` (the metric may close over traced arrays, e.g.
     the answer tokens); `residual_attribution` is an example. `remat` (default:
     `recomputes_layers`) recomputes each layer in the backward instead of storing its
-    activations."""
+    activations. A metric that is not floating point (an argmax, an accuracy: its gradient is
+    zero) is refused at trace time."""
     B, T = tokens.shape
     L = config.num_layers
     if remat is None:
@@ -117,7 +119,8 @@ def site_gradients(
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
         logits = unembed(params, h if positions is None else h[:, positions], config)
-        return (metric(logits) if tap is None else metric(logits, taps)), (values, taps)
+        out = metric(logits) if tap is None else metric(logits, taps)
+        return floating_metric(out, metric), (values, taps)
 
     (out, (values, taps)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
     return SiteGradients(out, grads, values, taps)

@@ -47,9 +47,28 @@ def prompt_mean(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return per_prompt_mean(values, valid).mean(axis=-1)
 
 
+def floating_metric(values, metric: Callable):
+    """`values`, what `metric` returned, refused at trace time unless they are floating point (a
+    `ValueError` naming the dtype): an integer or boolean metric (an argmax, an accuracy) has a
+    zero gradient everywhere, so every gradient, score and attribution of it would be exactly 0.
+    Every analysis that differentiates a user's metric, or patches edges under the metric its
+    scores were taken with, checks it here."""
+    dtype = jnp.asarray(values).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"the metric {getattr(metric, '__name__', metric)!r} returns {dtype} values: a metric must be "
+            "floating point, since an integer or boolean one (an argmax, an accuracy) has a zero gradient "
+            "everywhere and every score or attribution of it would be exactly 0. Return a float that moves "
+            "with the logits (a logit difference, a probability) instead"
+        )
+    return values
+
+
 def metric_value(metric: Callable, logits):
     """`metric(logits)` as a float32 scalar, for one prompt's logits `[1, T, V]`; a metric that
-    returns anything but a scalar is refused at trace time (`ValueError`)."""
+    returns anything but a scalar is refused at trace time (`ValueError`). An integer or boolean
+    metric (an accuracy) is taken: its changes under erasures and skips are forward runs' exact
+    differences, not gradients (`floating_metric` is for those)."""
     value = metric(logits)
     if jnp.shape(value) != ():
         raise ValueError(

@@ -162,3 +162,14 @@ def test_attribution_patching_is_first_order_exact(params, one):
     # The error of a first-order estimate is second order: ten times smaller steps, about ten
     # times smaller relative error (measured: 5.8% at 1e-2, 0.8% at 1e-3).
     assert relative[1] < 0.02 and relative[1] < relative[0] / 4, relative
+
+
+@pytest.mark.parametrize(
+    "metric, dtype",
+    [(lambda logits: jnp.argmax(logits[0, -1]), "int32"), (lambda logits: logits[0, -1, 3] > logits[0, -1, 4], "bool")],
+)
+def test_site_gradients_refuse_a_metric_that_is_not_floating(params, one, metric, dtype):
+    """An argmax or an accuracy has a zero gradient: refused by name of its dtype."""
+    tokens, valid, _, _ = arrays(one)
+    with pytest.raises(ValueError, match=f"returns {dtype} values: a metric must be floating point"):
+        attribution.site_gradients(params, tokens, CONFIG, metric, valid=valid)

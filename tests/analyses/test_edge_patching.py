@@ -4,6 +4,7 @@ clean and the corrupt metric."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -97,3 +98,19 @@ def test_edges_that_do_not_exist_are_refused(params, pairs):
         edge_effects(params, pairs, CONFIG, logit_difference, [(0, GRAPH.num_readers)])
     with pytest.raises(ValueError, match="not an edge of the graph"):
         patched_metric(params, pairs, CONFIG, logit_difference, [~GRAPH.edge_mask])
+
+
+def test_patching_refuses_what_the_scores_refuse(params, pairs):
+    """The same checks as `edge_attribution`: a metric that is not floating, and answers that
+    share their first token under logit_difference."""
+    accuracy = lambda logits, labels: jnp.argmax(logits, axis=-1) == labels[:, 0]
+    with pytest.raises(ValueError, match="returns bool values"):
+        edge_effects(params, pairs, CONFIG, accuracy, ["m1->m3"])
+    with pytest.raises(ValueError, match="returns bool values"):
+        patched_metric(params, pairs, CONFIG, accuracy, [["m1->m3"]])
+    clean, corrupt, _ = make_pairs()
+    shared = prompt_pairs(clean, corrupt, [[7, 7], [10, 11]])
+    with pytest.raises(ValueError, match="pair 0: token 7: the right and the wrong answer begin with the same token"):
+        edge_effects(params, shared, CONFIG, logit_difference, ["m1->m3"])
+    with pytest.raises(ValueError, match="pair 0: token 7"):
+        circuit_metric(params, shared, CONFIG, logit_difference, [GRAPH.edge_mask])

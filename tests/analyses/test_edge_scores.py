@@ -212,6 +212,34 @@ def test_clear_errors(params, pairs):
         edge_attribution(params, prompt_pairs([[1] * 300], [[2] * 300], [[1, 2]]), CONFIG, logit_difference)
 
 
+def argmax_metric(logits, labels):  # the model's answer: an integer, whose gradient is zero everywhere
+    return jnp.argmax(logits, axis=-1)
+
+
+def accuracy_metric(logits, labels):
+    return jnp.argmax(logits, axis=-1) == labels[:, 0]
+
+
+@pytest.mark.parametrize("metric, dtype", [(argmax_metric, "int32"), (accuracy_metric, "bool")])
+def test_a_metric_that_is_not_floating_is_refused(params, pairs, metric, dtype):
+    """Its gradient is zero, so every score would be exactly 0: refused, naming the dtype."""
+    with pytest.raises(ValueError, match=f"returns {dtype} values: a metric must be floating point.*zero gradient"):
+        edge_attribution(params, pairs, CONFIG, metric)
+    with pytest.raises(ValueError, match=f"returns {dtype} values"):
+        edge_attribution(params, pairs, CONFIG, metric, method="eap-ig-inputs", steps=2)
+
+
+def test_answers_that_share_their_first_token_are_refused_with_the_logit_difference(params):
+    """logit_difference reads each answer's first token: with the same token for both, F is 0 on
+    both runs and the pair would be averaged into the scores as if it had no circuit."""
+    clean, corrupt, _ = make_pairs()
+    shared = prompt_pairs(clean, corrupt, [[3, 4], [10, 10]])
+    with pytest.raises(ValueError, match=r"^pair 1: token 10: the right and the wrong answer begin with the same"):
+        edge_attribution(params, shared, CONFIG, logit_difference)
+    with pytest.raises(ValueError, match=r"logit_difference reads labels \[B, 2\]"):
+        edge_attribution(params, prompt_pairs(clean, corrupt), CONFIG, logit_difference)
+
+
 def test_running_only_the_positions_after_the_shared_prefix_changes_nothing(params, pairs, eap, monkeypatch):
     """The pairs share their first 2 tokens, so scores run positions 2.. with the clean keys
     and values of the prefix: the same as running every position."""

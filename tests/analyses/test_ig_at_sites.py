@@ -191,6 +191,15 @@ REFUSALS = {
     "a tolerance with a fixed rule": (dict(tolerance=0.01), r"tolerance is the adaptive rule's"),
     "an unknown rule": (dict(rule="simpson"), r"rule must be one of"),
     "a baseline of the wrong shape": (dict(baseline=np.zeros(31)), r"a baseline array must broadcast"),
+    # an argmax or an accuracy has a zero gradient: every attribution would be exactly 0
+    "an integer metric": (
+        dict(metric=lambda logits: jnp.argmax(logits[0, -1])),
+        r"returns int32 values.*zero gradient",
+    ),
+    "a boolean metric": (
+        dict(metric=lambda logits: logits[0, -1, CORRECT] > logits[0, -1, WRONG]),
+        r"returns bool values: a metric must be floating point",
+    ),
 }
 
 

@@ -4,7 +4,8 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
 - `graph`: the writers (input, heads, MLPs) and readers (each head's q/k/v input, MLP inputs,
   logits) of a decoder, and the names of its edges (`EdgeGraph`);
 - `forward`: the forward pass over edges (`edge_forward`): every reader reads an input of its own;
-- `pairs`: clean/corrupt prompt pairs (`prompt_pairs`) and metrics (`logit_difference`);
+- `pairs`: clean/corrupt prompt pairs from token ids (`prompt_pairs`), texts (`text_pairs`) or a
+  JSON Lines file (`read_pairs`), and metrics (`logit_difference`);
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
 - `patching`: exact patching of edges one at a time or in sets (`edge_effects`,
   `patched_metric`, `circuit_metric`, `faithfulness`);
@@ -17,7 +18,16 @@ The definitions (signs, which run each gradient comes from, what is patched) are
 from jaxdepth.analyses.edges.circuit import Circuit, circuit_figure, faithfulness_figure, find_circuit, top_circuits
 from jaxdepth.analyses.edges.forward import EdgeRun, edge_forward
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, answer_probability, logit_difference, prompt_pairs
+from jaxdepth.analyses.edges.pairs import (
+    PromptPairs,
+    TaskPairs,
+    answer_probability,
+    answer_token,
+    logit_difference,
+    prompt_pairs,
+    read_pairs,
+    text_pairs,
+)
 from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import METHODS, EdgeScores, edge_attribution, ranked_edges
 
@@ -27,6 +37,10 @@ __all__ = [
     "edge_forward",
     "PromptPairs",
     "prompt_pairs",
+    "TaskPairs",
+    "text_pairs",
+    "read_pairs",
+    "answer_token",
     "logit_difference",
     "answer_probability",
     "METHODS",

@@ -14,6 +14,7 @@ of two calls.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
@@ -34,7 +35,9 @@ class Circuit(SavedResult):
     """The chosen `edges [n, 2]` (writer, reader; best first) with their mean `scores [n]`, the
     circuit's `faithfulness`, and the curve it was chosen on: `sizes [k]` (top-n circuits
     evaluated) and their `curve [k]` of faithfulness. `target`: the faithfulness asked for
-    (None when the size was given)."""
+    (None when the size was given). `reached`: False when no circuit reached `target` (the
+    circuit is then the whole graph, and `find_circuit` warned); True otherwise, and when the
+    size was given. A caller that reports a circuit checks it: the command exits non-zero."""
 
     edges: np.ndarray
     scores: np.ndarray
@@ -44,6 +47,7 @@ class Circuit(SavedResult):
     num_layers: int
     num_heads: int
     target: Optional[float] = None
+    reached: bool = True
 
     @property
     def graph(self) -> EdgeGraph:
@@ -88,32 +92,44 @@ def find_circuit(
     """A circuit of the top edges by `scores` (an `EdgeScores` of these pairs): the top `size`
     edges, or the fewest top edges (to within the refinement) whose faithfulness reaches
     `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at once.
-    A ValueError when neither or both of `size` and `target` are given; with a target that no
-    circuit of the grid reaches, the whole graph."""
+
+    A ValueError, before anything is computed, when neither or both of `size` and `target` are
+    given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
+    (the whole graph's faithfulness is 1: a target above it, at or below 0, or not finite asks
+    for no circuit of the task). A target that no circuit reaches (rounding, with a target of
+    1; or a faithfulness that is not finite) gives the whole graph with `reached` False, and a
+    warning."""
     if (size is None) == (target is None):
         raise ValueError("give the circuit's size or its faithfulness target, one of the two")
     graph = EdgeGraph.of(config)
     if (scores.num_layers, scores.num_heads) != (graph.num_layers, graph.num_heads):
         raise ValueError("the scores are of another model")
     total = graph.num_edges
+    if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
+        raise ValueError(f"size must be an integer in 0..{total} (the graph's edges), got {size!r}")
+    if target is not None and not (np.isfinite(target) and 0 < target <= 1):
+        raise ValueError(
+            f"target must be a faithfulness in (0, 1], got {target!r}: faithfulness is the share of F(clean) - "
+            "F(corrupt) that a circuit recovers, 1 for the whole graph"
+        )
     evaluate = lambda ns: faithfulness(
         circuit_metric(params, pairs, config, metric, top_circuits(scores, ns, by), chunk_size=chunk_size),
         scores.f_clean,
         scores.f_corrupt,
     )
+    reached = True
     if size is not None:
-        if not 0 <= size <= total:
-            raise ValueError(f"size must be in 0..{total} (the graph's edges), got {size}")
         sizes = np.array([size])
         curve = evaluate(sizes)
         chosen = size
     else:
         sizes = np.unique(np.round(np.geomspace(1, total, grid)).astype(int))
         curve = evaluate(sizes)
-        reached = np.flatnonzero(curve >= target)
-        chosen = int(sizes[reached[0]]) if len(reached) else total
-        if len(reached) and reached[0] > 0:  # refine between the size below and the one that reached
-            below = int(sizes[reached[0] - 1])
+        hits = np.flatnonzero(curve >= target)
+        reached = bool(len(hits))
+        chosen = int(sizes[hits[0]]) if reached else total
+        if reached and hits[0] > 0:  # refine between the size below and the one that reached
+            below = int(sizes[hits[0] - 1])
             finer = np.unique(np.linspace(below, chosen, grid).astype(int))[1:-1]
             if len(finer):
                 finer_curve = evaluate(finer)
@@ -122,16 +138,26 @@ def find_circuit(
                 sizes, curve = sizes[order], curve[order]
                 passing = sizes[(curve >= target) & (sizes >= below)]
                 chosen = int(passing.min())
+        if not reached:  # say so rather than pass the whole graph off as the answer
+            best = np.nanmax(curve) if np.isfinite(curve).any() else float("nan")
+            warnings.warn(
+                f"no circuit reaches faithfulness {target:g}: the best of the {len(sizes)} evaluated has "
+                f"{best:.6g}; the circuit returned is the whole graph ({total} edges, faithfulness {curve[-1]:.6g}), "
+                "with reached=False",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     ranked = ranked_edges(scores.mean, graph, by)[:chosen]
     return Circuit(
         edges=ranked,
         scores=scores.mean[ranked[:, 0], ranked[:, 1]].astype(np.float32),
-        faithfulness=float(curve[np.flatnonzero(sizes == chosen)[0]]) if chosen in sizes else float("nan"),
+        faithfulness=float(curve[np.flatnonzero(sizes == chosen)[0]]),
         sizes=sizes,
         curve=np.asarray(curve, np.float32),
         num_layers=graph.num_layers,
         num_heads=graph.num_heads,
         target=target,
+        reached=reached,
     )
 
 
@@ -139,16 +165,22 @@ def find_circuit(
 
 
 MLP_COLUMN = -1.5  # the x of the MLPs in the circuit figure, left of head 0
+NODE_FONT = 7  # points: the node labels' size, legible at the figure's printed size
+NODE_GAP = 4  # points between the circles of neighbouring nodes
+# Inches around the axes that constrained layout gives the title, tick labels, axis labels and
+# the legend below: the figure is the axes' size plus these.
+FIGURE_MARGINS = (1.1, 2.0)
 
 
 def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[int] = None) -> tuple[str, float, float]:
     """(name, x, y) of the node a writer or reader belongs to: heads 0..H-1 across at row
     2l + 1, the MLPs in a column of their own left of them at row 2l + 2, the input at the
-    bottom and the logits at the top."""
+    bottom (row -1) and the logits at the top (row 2L + 1), each two rows from its nearest
+    neighbour in its column."""
     H = graph.num_heads
     name = graph.writer_name(writer) if writer is not None else graph.reader_name(reader).split("<")[0]
     if name == "input":
-        return name, (H - 1) / 2, 0.0
+        return name, (H - 1) / 2, -1.0
     if name == "logits":
         return name, (H - 1) / 2, 2.0 * graph.num_layers + 1
     if name.startswith("m"):
@@ -161,20 +193,44 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     """The circuit as a graph: nodes (input, heads, MLPs, logits) by layer, its edges (at most
     `max_edges`, the best) as arrows coloured by the sign of their mean score (red raises F,
     blue lowers it) and as wide as its magnitude; an arrow into a head says which of its
-    inputs it feeds (q, k or v) by its line style."""
+    inputs it feeds (q, k or v) by its line style. Each node is a circle that holds its label
+    (at `NODE_FONT` points), and the figure is sized so that no two circles overlap and none
+    is clipped: about 0.45 inches a layer."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(circuit, Circuit, "circuit_figure")
     graph = circuit.graph
     edges, scores = circuit.edges[:max_edges], circuit.scores[:max_edges]
-    fig = d.new_figure(max(6.0, 0.9 * graph.num_heads + 2), max(6.0, 0.28 * graph.num_layers + 4))
+    fig = d.new_figure(6.0, 6.0)
     ax = fig.add_subplot()
-    styles = {kind: style for kind, style in zip(READER_KINDS, ("solid", "dashed", "dotted"))}
-    biggest = float(np.max(np.abs(scores))) if len(scores) else 1.0
     nodes = {}
+    for w, r in edges:
+        for name, x, y in (_node_of(graph, writer=w), _node_of(graph, reader=r)):
+            nodes[name] = (x, y)
+    labels = [
+        ax.text(x, y, name, ha="center", va="center", fontsize=NODE_FONT, zorder=4) for name, (x, y) in nodes.items()
+    ]
+    # The circles' diameter, in points, from the widest label's extent (a diagonal of its box):
+    # text sizes are in points, whatever the figure's size.
+    renderer = fig.canvas.get_renderer()
+    extents = [t.get_window_extent(renderer) for t in labels]
+    diagonal = max([np.hypot(e.width, e.height) for e in extents], default=0.0) * 72 / fig.dpi
+    diameter = max(diagonal, NODE_FONT * 2) + 3
+    # Neighbouring heads are 1 x-unit apart and neighbouring layers 2 y-units: a unit of at least
+    # a circle and a gap across, half of that up, leaves every circle clear of the next one.
+    step = diameter + NODE_GAP
+    x_range, y_range = (MLP_COLUMN - 1, graph.num_heads), (-2, 2 * graph.num_layers + 2)
+    width = (x_range[1] - x_range[0]) * step / 72 + FIGURE_MARGINS[0]
+    height = (y_range[1] - y_range[0]) * step / 2 / 72 + FIGURE_MARGINS[1]
+    fig.set_size_inches(max(6.0, width), max(6.0, height))
+    if nodes:
+        xy = np.array(list(nodes.values()))
+        ax.scatter(xy[:, 0], xy[:, 1], s=diameter**2, color="white", edgecolor="black", linewidth=0.8, zorder=3)
+    styles = {kind: style for kind, style in zip(READER_KINDS, ("solid", "dashed", "dotted"))}
+    bends = {kind: bend for kind, bend in zip(READER_KINDS, (0.12, 0.22, 0.32))}  # q, k, v into one head apart
+    biggest = float(np.max(np.abs(scores))) if len(scores) else 1.0
     for (w, r), score in zip(edges, scores):
         u, v = _node_of(graph, writer=w), _node_of(graph, reader=r)
-        nodes[u[0]], nodes[v[0]] = u[1:], v[1:]
         reader_name = graph.reader_name(r)
         kind = reader_name[-2] if reader_name.endswith(">") else "q"
         ax.annotate(
@@ -187,19 +243,16 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
                 lw=0.5 + 3.5 * abs(score) / biggest,
                 alpha=0.7,
                 linestyle=styles[kind],
-                connectionstyle="arc3,rad=0.15",
-                shrinkA=6,
-                shrinkB=6,
+                connectionstyle=f"arc3,rad={bends[kind]}",
+                shrinkA=diameter / 2 + 1,  # from circle edge to circle edge
+                shrinkB=diameter / 2 + 1,
             ),
         )
-    for name, (x, y) in nodes.items():
-        ax.scatter([x], [y], s=220, color="white", edgecolor="black", zorder=3)
-        ax.annotate(name, (x, y), ha="center", va="center", fontsize=6, zorder=4)
-    ax.set_xlim(MLP_COLUMN - 1, graph.num_heads)
-    ax.set_ylim(-1, 2 * graph.num_layers + 2)
+    ax.set_xlim(*x_range)
+    ax.set_ylim(*y_range)
     ax.set_xticks([MLP_COLUMN] + list(range(graph.num_heads)), ["MLP"] + [f"h{h}" for h in range(graph.num_heads)])
-    step = max(1, graph.num_layers // 10)
-    layers = range(0, graph.num_layers, step)
+    every = max(1, graph.num_layers // 10)
+    layers = range(0, graph.num_layers, every)
     ax.set_yticks([2 * layer + 1.5 for layer in layers], [str(layer) for layer in layers])
     ax.set_xlabel("attention head (input and logits centred)")
     ax.set_ylabel("layer (its heads, then its MLP above them)")
@@ -207,7 +260,7 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
         ax.plot([], [], color="gray", linestyle=style, label=f"into a head's {kind} input")
     ax.plot([], [], color="tab:red", label="raises F (score > 0)")
     ax.plot([], [], color="tab:blue", label="lowers F (score < 0)")
-    ax.legend(loc="lower right", fontsize=7, frameon=False)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)  # below the axes: over no node
     shown = f"{len(edges)} of {len(circuit.edges)} edges" if len(circuit.edges) > len(edges) else f"{len(edges)} edges"
     ax.set_title(title or f"Circuit: {shown}, faithfulness {circuit.faithfulness:.2f}")
     return fig

@@ -1,17 +1,32 @@
 """Prompt pairs (a clean and a corrupt prompt of the same length) and the metric of edge
-attribution."""
+attribution: pairs from token ids (`prompt_pairs`), from texts and a tokenizer (`text_pairs`) or
+from a JSON Lines file (`read_pairs`), and the metrics `logit_difference` and
+`answer_probability`."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
+
+
+# Why a pair is refused, said once for every builder and check.
+SAME_PROMPTS = "the clean and the corrupt prompt are the same tokens: nothing differs, so there is nothing to attribute"
+SHARED_ANSWER_TOKEN = (
+    "the right and the wrong answer begin with the same token, and logit_difference reads each answer's first "
+    "token only: F would be 0 on both prompts of such a pair, and its scores and effects 0. Make the answers "
+    "differ in their first token by moving what they share into the prompts (' New York' / ' New Delhi': end "
+    "both prompts with ' New' and answer ' York' / ' Delhi'; numbers written with a leading space: end the "
+    "prompts with the space and write the answers without it)"
+)
 
 
 @jax.tree_util.register_dataclass
@@ -20,7 +35,7 @@ class PromptPairs:
     """A batch of B prompt pairs, right-padded to T positions: `clean`, `corrupt` int `[B, T]`,
     `valid [B, T]` (the same for both prompts of a pair), `last [B]` (each pair's last real
     position, whose logits the metric reads) and the metric's `labels` (`[B, ...]`, or None).
-    Build it with `prompt_pairs`."""
+    Build it with `prompt_pairs` (token ids), or `text_pairs` / `read_pairs` (texts)."""
 
     clean: jax.Array
     corrupt: jax.Array
@@ -44,10 +59,25 @@ class PromptPairs:
         first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
         return int(min(first.min(), np.asarray(self.last).min()))
 
-    def check(self, config: ModelConfig) -> None:
-        """Refuse token ids or a context the model cannot take."""
+    def check(self, config: ModelConfig, metric: Optional[Callable] = None) -> None:
+        """Refuse token ids or a context the model cannot take, and labels that `metric` cannot
+        read: for `logit_difference`, labels that are not `[B, 2]` or a pair whose right and
+        wrong answer are the same token (F would be 0 on both of its runs, and the pair would
+        be averaged into every score and effect as if it had no circuit)."""
         check_tokens(np.asarray(self.clean), config)
         check_tokens(np.asarray(self.corrupt), config)
+        if metric is not logit_difference:  # another metric's labels mean what that metric says
+            return
+        labels = None if self.labels is None else np.asarray(self.labels)
+        if labels is None or labels.shape != (len(self), 2):
+            shape = None if labels is None else labels.shape
+            raise ValueError(
+                f"logit_difference reads labels [B, 2] = [{len(self)}, 2] (the right and the wrong answer's token "
+                f"ids), got {shape}"
+            )
+        same = np.flatnonzero(labels[:, 0] == labels[:, 1])
+        if len(same):
+            raise ValueError("; ".join(f"pair {i}: token {labels[i, 0]}" for i in same) + f": {SHARED_ANSWER_TOKEN}")
 
 
 def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
@@ -62,13 +92,7 @@ def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
     if not clean:
         raise ValueError("no prompt pairs")
     for i, (a, b) in enumerate(zip(clean, corrupt)):
-        if len(a) != len(b):
-            raise ValueError(
-                f"pair {i}: the clean prompt has {len(a)} tokens and the corrupt one {len(b)}; edge scores "
-                "compare the two runs position by position, so both prompts of a pair need the same length"
-            )
-        if not a:
-            raise ValueError(f"pair {i} is empty")
+        check_pair(f"pair {i}", a, b)
     T = max(len(a) for a in clean)
     lengths = np.array([len(a) for a in clean])
     pad = lambda rows: np.array([list(r) + [0] * (T - len(r)) for r in rows], np.int32)
@@ -85,6 +109,20 @@ def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
     )
 
 
+def check_pair(name: str, clean: list, corrupt: list) -> None:
+    """Refuse a pair (named `name` in the error) whose token lists differ in length, are empty,
+    or are the same tokens (nothing to attribute)."""
+    if len(clean) != len(corrupt):
+        raise ValueError(
+            f"{name}: the clean prompt has {len(clean)} tokens and the corrupt one {len(corrupt)}; edge scores "
+            "compare the two runs position by position, so both prompts of a pair need the same length"
+        )
+    if not clean:
+        raise ValueError(f"{name} is empty")
+    if clean == corrupt:
+        raise ValueError(f"{name}: {SAME_PROMPTS}")
+
+
 def _token_lists(prompts, what: str) -> list[list[int]]:
     if isinstance(prompts, (np.ndarray, jax.Array)):
         if prompts.ndim != 2:
@@ -97,9 +135,102 @@ def _token_lists(prompts, what: str) -> list[list[int]]:
     return [list(map(int, p)) for p in prompts]
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskPairs:
+    """Pairs of prompts as text and as tokens: `clean`, `corrupt` (token lists), `labels [n, 2]`
+    (the right and the wrong answer's first token, what `logit_difference` reads) and `texts`
+    (the clean and the corrupt text of each pair). `prompt_pairs()` gives the `PromptPairs`
+    the edge functions take. Build it with `text_pairs` or `read_pairs`."""
+
+    clean: list
+    corrupt: list
+    labels: np.ndarray
+    texts: list
+
+    def prompt_pairs(self) -> PromptPairs:
+        """The pairs as a padded batch (`prompt_pairs`)."""
+        return prompt_pairs(self.clean, self.corrupt, self.labels)
+
+
+def answer_token(tokenizer, text: str) -> int:
+    """The first token of the answer `text` as `logit_difference`'s labels hold it: `text`
+    tokenized alone, without the special tokens a tokenizer adds to a prompt (a BOS token would
+    be every answer's first token)."""
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # a tokenizer whose encode takes the text alone
+        ids = list(tokenizer.encode(text))
+    if not ids:
+        raise ValueError(f"the answer {text!r} has no tokens")
+    return int(ids[0])
+
+
+def text_pairs(
+    tokenizer, clean: Sequence[str], corrupt: Sequence[str], right: Sequence[str], wrong: Sequence[str]
+) -> TaskPairs:
+    """Pairs from texts, tokenized as `jaxdepth circuit` does: pair i is the prompts `clean[i]`
+    and `corrupt[i]` (`tokenizer.encode`, with the tokenizer's special tokens) and the answers
+    `right[i]` (the clean prompt's) and `wrong[i]` (the corrupt one's), whose first tokens
+    (`answer_token`) are the labels of `logit_difference`. A ValueError names the first pair
+    whose prompts tokenize to different lengths or to the same tokens, or whose answers begin
+    with the same token. `.prompt_pairs()` of the result is what the edge functions take."""
+    columns = [list(c) for c in (clean, corrupt, right, wrong)]
+    if any(isinstance(c, str) for c in (clean, corrupt, right, wrong)) or len({len(c) for c in columns}) != 1:
+        raise ValueError("clean, corrupt, right and wrong must be lists of texts of the same length, one per pair")
+    return _tokenized(tokenizer, list(zip(*columns)), [f"pair {i}" for i in range(len(columns[0]))])
+
+
+def read_pairs(path: str, tokenizer) -> TaskPairs:
+    """Pairs from a JSON Lines file, one object per pair: `{"clean": text, "corrupt": text,
+    "right": text, "wrong": text}`, tokenized and checked as `text_pairs` does (its errors name
+    the pair and its line)."""
+    rows, names = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(tuple(row[key] for key in ("clean", "corrupt", "right", "wrong")))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"{path}:{number}: each line must be a JSON object with clean, corrupt, right and wrong ({e})"
+                ) from None
+            names.append(f"pair {len(names)} ({path}:{number})")
+    if not rows:
+        raise ValueError(f"{path} holds no pairs")
+    return _tokenized(tokenizer, rows, names)
+
+
+def _tokenized(tokenizer, rows: list, names: list) -> TaskPairs:
+    """`TaskPairs` of `rows` (clean, corrupt, right, wrong) of text, each pair checked and named
+    in errors by `names`."""
+    if not rows:
+        raise ValueError("no prompt pairs")
+    clean, corrupt, labels = [], [], []
+    for name, (x, y, right, wrong) in zip(names, rows):
+        where = f"{name} ({x!r} / {y!r})"
+        a, b = list(tokenizer.encode(x)), list(tokenizer.encode(y))
+        check_pair(where, a, b)
+        try:
+            answers = [answer_token(tokenizer, t) for t in (right, wrong)]
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if answers[0] == answers[1]:
+            shown = f" ({tokenizer.decode(answers[:1])!r})" if hasattr(tokenizer, "decode") else ""
+            raise ValueError(
+                f"{name} (answers {right!r} / {wrong!r}): token {answers[0]}{shown}: {SHARED_ANSWER_TOKEN}"
+            )
+        clean.append(a)
+        corrupt.append(b)
+        labels.append(answers)
+    return TaskPairs(clean, corrupt, np.array(labels, np.int32), [(row[0], row[1]) for row in rows])
+
+
 def metric_values(metric: Callable, logits, labels) -> jax.Array:
-    """`metric(logits [B, V], labels)`, checked at trace time to give one value per pair `[B]`."""
-    values = metric(logits, labels)
+    """`metric(logits [B, V], labels)`, checked at trace time to give one floating value per
+    pair `[B]` (`jaxdepth.analyses.stats.floating_metric`), as float32."""
+    values = floating_metric(metric(logits, labels), metric)
     if jnp.shape(values) != logits.shape[:1]:
         raise ValueError(
             f"the metric must return one value per pair, shape [B] = {logits.shape[:1]}, got {jnp.shape(values)}: "
@@ -110,7 +241,9 @@ def metric_values(metric: Callable, logits, labels) -> jax.Array:
 
 def logit_difference(logits, labels):
     """The logit of the right answer minus that of the wrong one, per pair: `labels [B, 2]` holds
-    (right, wrong) token ids. The usual metric of IOI-style tasks."""
+    (right, wrong) token ids, each answer's first token. The usual metric of IOI-style tasks.
+    The edge functions refuse a pair whose two labels are the same token (`PromptPairs.check`):
+    its F is 0 on both runs."""
     rows = jnp.arange(logits.shape[0])
     return logits[rows, labels[:, 0]] - logits[rows, labels[:, 1]]
 

@@ -83,7 +83,7 @@ def edge_effects(
     Edges run `chunk_size` at a time (vmapped), sorted by their readers' layers, each chunk from
     the layer of its first reader on."""
     graph = EdgeGraph.of(config)
-    pairs.check(config)
+    pairs.check(config, metric)
     edges = _edge_indices(edges, graph)
     clean, corrupt = pair_runs(params, pairs, config)
     P, prefix = suffix_run(params, pairs, clean, config)
@@ -117,7 +117,7 @@ def patched_metric(
     """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
     index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array)."""
     graph = EdgeGraph.of(config)
-    pairs.check(config)
+    pairs.check(config, metric)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
     clean, corrupt = pair_runs(params, pairs, config)
     P, prefix = suffix_run(params, pairs, clean, config)

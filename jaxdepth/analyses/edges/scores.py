@@ -274,7 +274,7 @@ def edge_attribution(
     if rule == "adaptive" and method != "eap-ig-inputs":
         raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
     graph = EdgeGraph.of(config)
-    pairs.check(config)
+    pairs.check(config, metric)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config)
     P, prefix = suffix_run(params, pairs, clean, config)

@@ -22,6 +22,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import (
@@ -81,11 +82,12 @@ def per_prompt(value, batch: int):
 
 def metric_head(params, config: ModelConfig, metric, aux, positions):
     """h_L `[B, T, D]` -> the metric per prompt `[B]`, from the logits at `positions` `[A]` only
-    (all positions if None: the LM head is the largest matmul of a small model)."""
+    (all positions if None: the LM head is the largest matmul of a small model). A metric that is
+    not floating point is refused at trace time (`jaxdepth.analyses.stats.floating_metric`)."""
 
     def head(h_last):
         logits = unembed(params, h_last if positions is None else h_last[:, positions], config)
-        return per_prompt(metric(logits, aux), h_last.shape[0])
+        return per_prompt(floating_metric(metric(logits, aux), metric), h_last.shape[0])
 
     return head
 

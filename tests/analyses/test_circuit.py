@@ -1,0 +1,114 @@
+"""Circuits: `find_circuit` refuses an impossible target or size before computing anything, says
+when no circuit reaches its target, and reaches a reachable one on the tiny model; the circuit
+figure's labels fit their circles and nothing is clipped."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from test_edge_scores import eap, pairs, params  # noqa: F401 (the edge tests' fixtures: the same tiny model and pairs)
+from tiny_qwen import CONFIG
+from jaxdepth.analyses.edges import circuit as circuit_module
+from jaxdepth.analyses.edges import Circuit, EdgeGraph, circuit_figure, find_circuit, logit_difference
+
+GRAPH = EdgeGraph.of(CONFIG)
+
+
+def test_an_impossible_target_or_size_is_refused_before_anything_runs(pairs, eap, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a circuit was evaluated")
+
+    monkeypatch.setattr(circuit_module, "circuit_metric", never)
+    for target in (1.5, 0.0, -0.2, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"target must be a faithfulness in \(0, 1\]"):
+            find_circuit(None, pairs, CONFIG, logit_difference, eap, target=target)
+    for size in (-1, GRAPH.num_edges + 1, 2.5):
+        with pytest.raises(ValueError, match=rf"size must be an integer in 0..{GRAPH.num_edges}"):
+            find_circuit(None, pairs, CONFIG, logit_difference, eap, size=size)
+
+
+def test_a_target_no_circuit_reaches_is_reported_not_reached(pairs, eap, monkeypatch):
+    """Every circuit (the whole graph too) recovers half of F(clean) - F(corrupt) here: the
+    circuit returned is the whole graph, marked not reached, with a warning."""
+    half = lambda params, pairs, config, metric, circuits, **kw: np.stack(
+        [(eap.f_clean + eap.f_corrupt) / 2 for _ in circuits]
+    )
+    monkeypatch.setattr(circuit_module, "circuit_metric", half)
+    with pytest.warns(
+        RuntimeWarning, match="no circuit reaches faithfulness 0.8: the best of the 12 evaluated has 0.5"
+    ):
+        circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, target=0.8)
+    assert not circuit.reached and len(circuit.edges) == GRAPH.num_edges and circuit.faithfulness == pytest.approx(0.5)
+    circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, target=0.4)
+    assert circuit.reached and len(circuit.edges) == 1  # the smallest circuit of the grid reaches it
+    assert find_circuit(None, pairs, CONFIG, logit_difference, eap, size=3).reached
+
+
+def test_a_reachable_target_is_reached_by_the_fewest_edges_evaluated(params, pairs, eap, tmp_path):
+    circuit = find_circuit(params, pairs, CONFIG, logit_difference, eap, target=0.6)
+    assert circuit.reached and circuit.faithfulness >= 0.6
+    assert np.all(
+        circuit.curve[circuit.sizes < len(circuit.edges)] < 0.6
+    )  # every smaller circuit evaluated falls short
+    assert 0 < np.sum(circuit.sizes < len(circuit.edges)) and len(circuit.edges) < GRAPH.num_edges
+    back = Circuit.load(circuit.save(str(tmp_path / "circuit.npz")))
+    assert back.reached and back.target == 0.6
+
+
+# ----------------------------------------------------------------------------- the figure
+
+
+def crowded_circuit(num_layers: int, num_heads: int) -> Circuit:
+    """Edges among every node of the first and the last two layers, and from the input to the
+    logits: neighbouring heads, neighbouring layers, the input and the logits, all drawn."""
+    graph = EdgeGraph(num_layers, num_heads)
+    layers = sorted({0, 1, num_layers - 2, num_layers - 1} & set(range(num_layers)))
+    writers = [graph.head_writer(l, h) for l in layers for h in range(num_heads)] + [
+        graph.mlp_writer(l) for l in layers
+    ]
+    readers = [graph.mlp_reader(l) for l in layers] + [graph.logits_reader]
+    edges = [(w, r) for w, r in itertools.product([0] + writers, readers) if graph.edge_mask[w, r]]
+    edges += [(0, graph.head_reader(l, h, "q")) for l in layers for h in range(num_heads)]
+    scores = np.linspace(1.0, -0.5, len(edges)).astype(np.float32)
+    return Circuit(
+        edges=np.array(edges),
+        scores=scores,
+        faithfulness=0.8,
+        sizes=np.array([len(edges)]),
+        curve=np.array([0.8], np.float32),
+        num_layers=num_layers,
+        num_heads=num_heads,
+    )
+
+
+@pytest.mark.parametrize("num_layers, num_heads", [(30, 9), (4, 4), (24, 14)])
+def test_every_node_label_fits_its_circle_and_no_circle_is_clipped_or_overlaps(num_layers, num_heads):
+    """SmolLM2's graph (30 layers, 9 heads), the tiny model's, and a wide one (labels 'a23.h13')."""
+    circuit = crowded_circuit(num_layers, num_heads)
+    fig = circuit_figure(circuit, max_edges=len(circuit.edges))
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    scale = fig.dpi / 72  # pixels a point
+    circles = [
+        (center, np.sqrt(size) / 2 * scale)
+        for collection in ax.collections
+        for center, size in zip(
+            ax.transData.transform(collection.get_offsets()),
+            np.broadcast_to(collection.get_sizes(), len(collection.get_offsets())),
+        )
+    ]
+    labels = [t for t in ax.texts if t.get_text()]
+    assert len(labels) == len(circles) == len({t.get_text() for t in labels}) > 4 * num_heads
+    box = ax.get_window_extent()
+    for label in labels:
+        assert label.get_fontsize() >= 7
+        extent = label.get_window_extent()
+        center, radius = min(circles, key=lambda c: np.hypot(*(c[0] - ax.transData.transform(label.get_position()))))
+        corners = np.array([[x, y] for x in (extent.x0, extent.x1) for y in (extent.y0, extent.y1)])
+        assert np.all(np.hypot(*(corners - center).T) <= radius), f"{label.get_text()!r} spills out of its circle"
+        assert box.x0 <= center[0] - radius and center[0] + radius <= box.x1, f"{label.get_text()!r} is clipped"
+        assert box.y0 <= center[1] - radius and center[1] + radius <= box.y1, f"{label.get_text()!r} is clipped"
+    centers = np.array([c for c, _ in circles])
+    gaps = np.hypot(*(centers[:, None] - centers[None]).transpose(2, 0, 1)) + np.eye(len(centers)) * 1e9
+    assert gaps.min() >= 2 * circles[0][1], "two circles overlap"
