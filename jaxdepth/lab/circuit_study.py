@@ -156,21 +156,12 @@ def _score_options(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def reached_target(circuit: Circuit) -> bool:
-    """Whether the circuit reached its faithfulness target (True when its size was given): False
-    when no circuit of the top edges reached it, and the circuit is the whole graph."""
-    if hasattr(circuit, "reached"):
-        return bool(circuit.reached)
-    # A Circuit without `reached`: the faithfulness of the circuit chosen says it.
-    return circuit.target is None or bool(circuit.faithfulness >= circuit.target)
-
-
 def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_name: str) -> dict:
     """The numbers a reader wants first, as a dict with a `text` rendering; `reached`: whether
-    the circuit reached its faithfulness target (`reached_target`)."""
+    the circuit reached its faithfulness target (`Circuit.reached`)."""
     effects = checks.effects.mean(axis=1)
     corr = float(np.corrcoef(checks.scores, effects)[0, 1]) if len(effects) > 1 else float("nan")
-    reached = reached_target(circuit)
+    reached = circuit.reached
     if circuit.target is None:
         goal = ""
     elif reached:

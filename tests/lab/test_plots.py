@@ -481,7 +481,8 @@ def test_ig_figure_and_summary_name_the_rule_that_produced_the_result():
             integrated_gradients_figure(result)._suptitle.get_text()
         )
         assert analysis("integrated_gradients").summary(result) == [
-            f"IG ({rule} rule, {steps} steps) max |completeness gap| 0.25"
+            f"IG ({rule} rule, {steps} steps): completeness gap up to 25% of |F(x)-F(b)| (layer 0): a preview, "
+            "not a measurement (use --ig-rule adaptive or more --ig-steps)"
         ]
 
 
