@@ -62,7 +62,11 @@ def test_layer_skip_exact_zeros_and_chunking(params, batch):
     assert np.all(full.later[~lower] > 0)
     assert full.output[-1] == 0.0  # the last layer, skipped before t_s, cannot reach p >= t_s
     np.testing.assert_allclose(chunked.later, full.later, atol=1e-6)
-    np.testing.assert_allclose(chunked.output, full.output, atol=1e-7)
+    # The chunked and the full sweep are different programs (3 against 4 members in their batched
+    # matmuls), whose float32 sums the CPU may order differently: on AVX-512 the output effects
+    # (about 0.24) differ in their last bits (2e-7, 13 ulp; on AVX2 they were equal). A relative
+    # bound of float32's rounding over such sums, not an absolute 1e-7 below its resolution.
+    np.testing.assert_allclose(chunked.output, full.output, rtol=2e-6, atol=1e-7)
     # skipped layers in calls of 3 (the last call padded by repeating layer L-1), as a tight
     # memory budget makes them, give what one call over all L gives
     one, T = batch.single(0), batch.single(0).tokens.shape[1]
