@@ -376,7 +376,7 @@ def _results_folder() -> None:
 PREPARE = {"docs/getting-started.md": _results_folder}
 
 
-# seconds each page's blocks take on 2 cores (CI's time budget: conftest.py)
+# seconds each page's blocks take on 2 cores (the slow tier's order: tests/tiers.py)
 PAGE_SECONDS = {
     "README.md": 80,
     "docs/analyses.md": 60,

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import os
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,17 +48,29 @@ def embedded_gguf_path(name: str) -> str:
     raise ConversionError(f"{filename} not found in the installed {package} package")
 
 
+def converted_folder(gguf_path: str) -> str:
+    """The folder of `cache_dir()` that holds the conversion of a GGUF file (named after the
+    file, its size and modification time: a changed file is converted anew)."""
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
+
+
 def _cached_conversion(gguf_path: str) -> str:
     """Convert a GGUF file once; return the cached converted folder."""
     from conversion.checkpoint import is_converted_dir, save_converted
 
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = os.path.join(cache_dir(), f"{os.path.splitext(os.path.basename(gguf_path))[0]}-{key}")
-    if not is_converted_dir(out):
-        from conversion.gguf_file import convert_gguf
+    out = converted_folder(gguf_path)
+    if is_converted_dir(out):
+        return out
+    os.makedirs(cache_dir(), exist_ok=True)
+    # Two processes asking for the same model at once (two runs, test workers): the first
+    # converts, the second waits and finds it converted, instead of converting it again.
+    with filelock.FileLock(out + ".lock"):
+        if not is_converted_dir(out):
+            from conversion.gguf_file import convert_gguf
 
-        save_converted(convert_gguf(gguf_path), out, overwrite=True)
+            save_converted(convert_gguf(gguf_path), out, overwrite=True)
     return out
 
 

@@ -395,3 +395,33 @@ def test_unreachable_hub_id(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
     with pytest.raises(ConversionError, match="nonexistent-org/nonexistent-model"):
         jaxdepth.load("nonexistent-org/nonexistent-model")
+
+
+def test_a_gguf_conversion_under_way_in_another_process_is_waited_for_not_repeated(tiny_model, tmp_path, monkeypatch):
+    """While another process converts a GGUF file (it holds the conversion's lock), a second load
+    waits, then finds the model converted and does not convert it again."""
+    import threading
+
+    import filelock
+
+    import conversion.gguf_file
+    from jaxdepth.lab import sources
+
+    monkeypatch.setenv("JAXDEPTH_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_tiny_gguf(tiny_model("llama_gqa_untied"), str(tmp_path / "tiny.gguf"))
+    converted, out = convert_gguf(gguf_path), sources.converted_folder(gguf_path)
+    os.makedirs(os.path.dirname(out))
+    found = []
+    with filelock.FileLock(out + ".lock"):  # the other process, converting
+        waiting = threading.Thread(target=lambda: found.append(sources._cached_conversion(gguf_path)))
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not found, "the second load did not wait for the conversion under way"
+        save_converted(converted, out)
+
+        def convert_again(path, **kwargs):
+            raise AssertionError("converted a second time")
+
+        monkeypatch.setattr(conversion.gguf_file, "convert_gguf", convert_again)
+    waiting.join(timeout=60)
+    assert found == [out]

@@ -28,7 +28,9 @@ def _free_port() -> int:
 
 
 def _launch(model, out, port, process_id):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    # the session's XLA flags (its optimisation level: conftest.py) plus 4 host devices
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
     command = [
         sys.executable,
         "-m",

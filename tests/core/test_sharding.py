@@ -49,7 +49,9 @@ def test_unknown_parameter_and_uneven_axes():
 
 @pytest.mark.slow(seconds=150)
 def test_sharded_analyses_equal_single_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # the session's XLA flags (its optimisation level: conftest.py) plus 8 host devices
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(os.path.dirname(__file__), "sharded_equivalence.py")
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout)
