@@ -313,6 +313,15 @@ def smollm2_hf(smollm2_gguf_path):
     return model
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf_config(smollm2_gguf_path):
+    """transformers' config of the embedded model, read from the same GGUF file's metadata (a few
+    seconds; the whole model takes about 70 s)."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf_path
+    return transformers.AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 # ----------------------------------------------------------------------------- GGUF writing
 
 

@@ -273,9 +273,8 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_hf):
     assert diff <= TOL_SMOLLM2
 
 
-@pytest.mark.slow(seconds=90)
-def test_smollm2_config_matches_transformers(smollm2, smollm2_hf):
-    hf = smollm2_hf.config
+def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_config):
+    hf = smollm2_hf_config
     c = smollm2.config
     assert c.model_type == "llama" and not c.qkv_bias
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (
