@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     sys.stdout.flush()
 
     # ---- matmul peak (again at the end: the best of both counts)
-    clock = Clock(args.wait_quiet, args.repeat)
+    clock = Clock(args.wait_quiet, args.repeat, args.peak_sizes)
     peaks_before = clock.matmul_peak(c)
 
     # ---- jaxdepth: every analysis once to compile, then `--repeat` timed calls

@@ -7,9 +7,9 @@ difference; EAP for every edge; EAP-IG over the inputs at `--steps` steps (α = 
 package's rule); exact patching of the `--top` edges of the EAP-IG scores, each edge alone.
 Each implementation runs in a process of its own, so that each reports its own peak memory
 (resident set size, the model included); model loading is not timed. jaxdepth's times are
-given for the first call (compilation included) and for a second call (compiled); the
-reference has nothing to compile. The results of the two are compared (the largest
-difference relative to the largest score or effect).
+given for the first call (compilation included) and for a second call (compiled;
+`--compiled-calls`); the reference has nothing to compile. The results of the two are
+compared (the largest difference relative to the largest score or effect).
 
     python experiments/benchmark_edges.py                 # the workload of the issue, ~15 min on 2 cores
     python experiments/benchmark_edges.py --pairs 2 --steps 2 --top 4   # a quick check
@@ -40,10 +40,26 @@ def parse_args(argv=None):
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=100)
+    parser.add_argument(
+        "--compiled-calls",
+        type=int,
+        default=1,
+        help="jaxdepth's calls of each computation after its first (compiling) one; the last gives its compiled "
+        "time (0: the first call only, no compiled time)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="the reference's torch intra-op threads (default: every core, as jax uses)",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here too")
     parser.add_argument("--impl", choices=("jax", "torch"), help=argparse.SUPPRESS)  # one side, in its process
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.compiled_calls < 0 or args.torch_threads < 1:
+        parser.error("--compiled-calls must be at least 0 and --torch-threads at least 1")
+    return args
 
 
 def peak_rss_gb() -> float:
@@ -72,10 +88,12 @@ def run_jax(args) -> dict:
     }
     times, results = {}, {}
     for name, phase in phases.items():
-        times[name] = [_timed(phase) for _ in range(2)]
+        times[name] = [_timed(phase) for _ in range(1 + args.compiled_calls)]
         results[name] = times[name][-1][1].scores.sum(axis=0)
     top = ranked_edges(results["eap_ig"], model_graph(c))[: args.top]
-    times["patching"] = [_timed(lambda: edge_effects(p, pairs, c, logit_difference, top)) for _ in range(2)]
+    times["patching"] = [
+        _timed(lambda: edge_effects(p, pairs, c, logit_difference, top)) for _ in range(1 + args.compiled_calls)
+    ]
     np.savez(os.path.join(args.work, "jax.npz"), top=top, effects=times["patching"][-1][1], **results)
     return {
         "times": {k: [t for t, _ in v] for k, v in times.items()},
@@ -96,7 +114,7 @@ def run_torch(args) -> dict:
 
     from reference_edges_torch import EdgeReference
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(args.torch_threads)
     model, task = _task(args)
     pairs = task.prompt_pairs()
     ref = EdgeReference(model.params, model.config)
@@ -152,10 +170,14 @@ def report(args, jax_side: dict, torch_side: dict, agree: dict) -> dict:
 
     rows = []
     for phase in PHASES:
-        first, warm = jax_side["times"][phase]
+        first, *compiled = jax_side["times"][phase]
+        warm = compiled[-1] if compiled else None  # None: --compiled-calls 0
         ref = torch_side["times"][phase][0]
         rows.append({"phase": phase, "jax_first_s": first, "jax_s": warm, "torch_s": ref, "agreement": agree[phase]})
-    total = {k: sum(r[k] for r in rows) for k in ("jax_first_s", "jax_s", "torch_s")}
+    total = {
+        k: None if any(r[k] is None for r in rows) else sum(r[k] for r in rows)
+        for k in ("jax_first_s", "jax_s", "torch_s")
+    }
     names = {
         "eap": "EAP, every edge",
         "eap_ig": f"EAP-IG inputs, {args.steps} steps",
@@ -168,9 +190,12 @@ def report(args, jax_side: dict, torch_side: dict, agree: dict) -> dict:
     print(f"{'':34} {'jaxdepth (1st call)':>20} {'jaxdepth':>10} {'reference':>10} {'speed-up':>9} {'agreement':>10}")
     for r in rows + [dict(phase="total", **total, agreement=float("nan"))]:
         name = names.get(r["phase"], "total")
+        compiled, speedup = (
+            ("-", "-") if r["jax_s"] is None else (f"{r['jax_s']:.1f}s", f"{r['torch_s'] / r['jax_s']:.1f}x")
+        )
         print(
-            f"{name:34} {r['jax_first_s']:19.1f}s {r['jax_s']:9.1f}s {r['torch_s']:9.1f}s "
-            f"{r['torch_s'] / r['jax_s']:8.1f}x {r['agreement']:10.1e}"
+            f"{name:34} {r['jax_first_s']:19.1f}s {compiled:>10} {r['torch_s']:9.1f}s "
+            f"{speedup:>9} {r['agreement']:10.1e}"
         )
     first_calls = total["torch_s"] / total["jax_first_s"]
     print(f"speed-up of the whole workload, first calls (compilation included): {first_calls:.1f}x")
@@ -204,6 +229,10 @@ def main(argv=None) -> int:
                 str(args.steps),
                 "--top",
                 str(args.top),
+                "--compiled-calls",
+                str(args.compiled_calls),
+                "--torch-threads",
+                str(args.torch_threads),
             ]
             print(f"running {impl} ...", flush=True)
             done = subprocess.run(command, capture_output=True, text=True)

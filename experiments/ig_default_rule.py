@@ -172,7 +172,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help=f"among {', '.join(RULES)}")
     parser.add_argument("--out", default="experiments/results/ig_default_rule.json")
     parser.add_argument(
-        "--quiet-timeout", type=float, default=600.0, help="seconds to wait for a quiet machine before each run"
+        "--quiet-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a quiet machine before each run (0: do not wait, and record quiet as unknown)",
     )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.rules.split(",")) - set(RULES))
@@ -198,11 +201,10 @@ def main(argv=None) -> int:
             if entry["rules"].get(rule, {}).get("settings") == spec:
                 continue  # measured with these settings: kept
             compile_seconds = compile_rule(model, batch, spec)
-            waited = wait_quiet(args.quiet_timeout)
+            # quiet: whether the machine became quiet before the run; None when it was not waited for
+            quiet = wait_quiet(args.quiet_timeout) is not None if args.quiet_timeout > 0 else None
             result = run_rule(model, batch, spec)
-            entry["rules"][rule] = dict(
-                result, settings=spec, compile_seconds=compile_seconds, quiet=waited is not None
-            )
+            entry["rules"][rule] = dict(result, settings=spec, compile_seconds=compile_seconds, quiet=quiet)
             with atomic_write(args.out, "w") as f:
                 json.dump(report, f, indent=1)
             print(f"{name} {rule}: {result['seconds']:.0f} s, {result['evaluations']} evaluations", flush=True)

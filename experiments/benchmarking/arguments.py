@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .machine import PEAK_SIZES
+
 ALIASES = {
     "contrib": "contributions",
     "cosine": "contributions",
@@ -94,11 +96,23 @@ def parse_args(argv=None, description=None):
         help="timed calls per analysis and side; the tables report their median (jaxdepth's first, "
         "compiling call is timed apart)",
     )
+    p.add_argument(
+        "--peak-sizes",
+        default=",".join(map(str, PEAK_SIZES)),
+        help="the square matmuls (their sizes, comma-separated) of the matmul peak, beside the model's MLP shape "
+        "(smaller ones measure a lower peak, in less time)",
+    )
     p.add_argument("--no-reference", action="store_true", help="time jaxdepth only (no agreement check)")
     p.add_argument("--out", default="results/benchmark.json", help="JSON copy of the tables")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    try:
+        args.peak_sizes = tuple(int(n) for n in args.peak_sizes.split(","))
+    except ValueError:
+        p.error(f"--peak-sizes {args.peak_sizes}: want comma-separated sizes, e.g. 2048,4096")
+    if min(args.peak_sizes) < 1:
+        p.error("--peak-sizes must be at least 1")
     names = [ALIASES.get(a.strip(), a.strip()) for a in args.analyses.replace(" ", ",").split(",") if a.strip()]
     unknown = sorted(set(names) - set(ANALYSES))
     if unknown:

@@ -15,14 +15,17 @@ import numpy as np
 from .report import log
 
 
-def matmul_peak(config=None, repeats: int = 7):
+PEAK_SIZES = (2048, 4096)  # the square matmuls of the matmul peak
+
+
+def matmul_peak(config=None, repeats: int = 7, sizes=PEAK_SIZES):
     """Best float32 matmul FLOP/s of jnp.dot (and of torch.mm, for the reference) on this machine:
-    square 2048 and 4096 matmuls, and the model's own MLP shape at 8192 tokens
-    ([8192, D] x [D, F], what a sweep of many members multiplies)."""
+    square matmuls of each of `sizes` (2048 and 4096), and the model's own MLP shape at 8192
+    tokens ([8192, D] x [D, F], what a sweep of many members multiplies)."""
     import jax
     import jax.numpy as jnp
 
-    shapes = {"2048": (2048, 2048, 2048), "4096": (4096, 4096, 4096)}
+    shapes = {str(n): (n, n, n) for n in sizes}
     if config is not None:
         shapes["mlp"] = (8192, config.hidden_size, config.intermediate_size)
     out = {}
@@ -147,10 +150,12 @@ class Timing:
 @dataclasses.dataclass(frozen=True)
 class Clock:
     """The benchmark's timed calls: `repeat` calls each, every one after waiting up to
-    `quiet_s` seconds for other processes to leave the CPU (0 = do not wait)."""
+    `quiet_s` seconds for other processes to leave the CPU (0 = do not wait); the matmul peak
+    on square matmuls of `peak_sizes`."""
 
     quiet_s: float
     repeat: int
+    peak_sizes: tuple = PEAK_SIZES
 
     def gate(self, what: str):
         if self.quiet_s > 0:
@@ -182,7 +187,7 @@ class Clock:
 
     def matmul_peak(self, config, again: bool = False) -> dict:
         self.gate("the matmul peak")
-        peaks = matmul_peak(config)
+        peaks = matmul_peak(config, sizes=self.peak_sizes)
         log(
             f"matmul peak{' again' if again else ''} (best of 7, float32): "
             + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())

@@ -22,6 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experime
 import ig_accuracy as experiment  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """The tiny checkpoint both end-to-end tests run on, built once (neither writes into it)."""
+    return save_tiny_checkpoint(str(tmp_path_factory.mktemp("ig-accuracy") / "tiny"), context=256)
+
+
 def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
     nodes, rules = experiment.fixed_nodes(64, 16)
     assert sorted(rules) == sorted(
@@ -36,9 +42,8 @@ def test_shared_nodes_give_each_rule_its_own_nodes_and_weights():
         np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=1e-15)
 
 
-@pytest.mark.slow(seconds=25)
-def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_node_once(tmp_path):
-    checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
+@pytest.mark.slow(seconds=12)
+def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_node_once(tmp_path, checkpoint):
     model = load(checkpoint)
     p, config, L = model.params, model.config, model.config.num_layers
     prompt = encode(model.tokenizer, [ARITHMETIC_PROMPT]).prompt(0, LengthBuckets(4, geometric=False))
@@ -97,9 +102,8 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
     assert calls == []
 
 
-@pytest.mark.slow(seconds=25)
-def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path):
-    checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
+@pytest.mark.slow(seconds=20)
+def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path, checkpoint):
     out = tmp_path / "out"
     argv = [
         "--model",

@@ -22,11 +22,12 @@ ROW = {
 }
 
 
-@pytest.mark.slow(seconds=75)
+@pytest.mark.slow(seconds=30)
 def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
     data, out = tmp_path / "gsm8k.jsonl", tmp_path / "race.json"
     data.write_text(json.dumps(ROW) + "\n")
+    # --quiet-timeout 0: no waiting for a quiet machine (3 s before every run otherwise)
     argv = ["--model", checkpoint, "--data", str(data), "--rows", "0", "--out", str(out), "--quiet-timeout", "0"]
     assert experiment.main(argv) == 0
     report = json.loads(out.read_text())
@@ -86,10 +87,12 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     # another model's report is refused; another row text under the same name is measured anew
     with pytest.raises(SystemExit):
         experiment.main(["--model", "smollm2"] + argv[2:])
+    # another text of the same token count and answer start (67 and 39): the row runs on the
+    # programs already compiled instead of compiling them all again for another length
     other = dict(
         ROW,
-        question="Ann has 5 pears and eats 2. How many pears are left?",
-        answer="Ann has 5 - 2 = <<5-2=3>>3 pears.\n#### 3",
+        question="Tom has 5 apples and buys 2 more. How many apples does he have?",
+        answer="Tom has 5 + 2 = <<5+2=7>>7 apples.\n#### 7",
     )
     data.write_text(json.dumps(other) + "\n")
     assert experiment.main(argv + ["--rules", "left-256"]) == 0
