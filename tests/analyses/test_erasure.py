@@ -1,6 +1,7 @@
 """Residual erasure (METHODS §4) on a tiny random model: the sweep equals the erasures run one at
 a time."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,3 +45,30 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
     # after the last answer-predicting position nothing can change: exact zeros
     assert np.all(result.effects[i, :, length - 1 :] == 0.0)
     assert np.all(result.effects[0, :, int(batch.lengths[0]) - 1 :] == 0.0)
+
+
+def test_the_analyses_of_a_run_compute_their_shared_baseline_once(params, batch, monkeypatch):
+    """Erasure, attribution patching and gradient x activation of one run take one baseline:
+    `baseline_residuals` computes it once for the same model and prompts, anew for other
+    prompts or another model, and gives what `mean_residuals` gives."""
+    from types import SimpleNamespace
+
+    from jaxdepth.analyses.suite import RunInputs, Settings
+
+    computed = []
+    mean_residuals = erasure.mean_residuals
+    monkeypatch.setattr(erasure, "mean_residuals", lambda *a, **k: computed.append(1) or mean_residuals(*a, **k))
+    monkeypatch.setattr(erasure, "_last_baseline", [])
+    model = SimpleNamespace(params=params, config=CONFIG)
+    run = lambda model, prompts, baseline=None: RunInputs(
+        model=model, batch=prompts, settings=Settings(), baseline_batch=baseline
+    )
+    first = erasure.baseline_residuals(run(model, batch))
+    np.testing.assert_array_equal(first, mean_residuals(params, batch, CONFIG))
+    assert erasure.baseline_residuals(run(model, batch.select([0, 1]), baseline=batch)) is first
+    assert len(computed) == 1
+    assert not first.flags.writeable  # shared by the analyses: none may change it
+    erasure.baseline_residuals(run(model, batch.select([0])))  # other prompts
+    other_params = jax.tree.map(lambda x: x, params)
+    erasure.baseline_residuals(run(SimpleNamespace(params=other_params, config=CONFIG), batch.select([0])))
+    assert len(computed) == 3
