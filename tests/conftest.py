@@ -33,55 +33,26 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# One persistent compilation cache for the whole test session, made by the first pytest process
-# and inherited by everything it starts: the `pytest -n` workers and the command-line runs that
-# tests start in processes of their own. A program compiled by one test loads in the others,
-# whichever process runs them. Removed when the first process ends. A cache the caller configured
-# is used as it is.
-_SESSION_CACHE = os.environ.get("JAXDEPTH_TESTS_XLA_CACHE")
-if _SESSION_CACHE and jax.config.jax_compilation_cache_dir == _SESSION_CACHE:
-    pass  # a worker of the session: its cache came with the environment
-elif not jax.config.jax_compilation_cache_dir:
-    _SESSION_CACHE = tempfile.mkdtemp(prefix="jaxdepth-tests-xla-")
-    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
-    # the second name tells a worker that the inherited cache is the session's, not the caller's
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXDEPTH_TESTS_XLA_CACHE"] = _SESSION_CACHE
+# One persistent compilation cache per test process, shared with the command-line runs that its
+# tests start in other processes (they would otherwise compile the same programs again), and
+# removed at the end. Each `pytest -n` worker has its own: with one cache shared by both
+# workers, a worker once crashed (segmentation fault) inside XLA's serialisation of a newly
+# compiled executable, in a process that had loaded many programs the other had compiled. Until
+# that is understood, the workers keep apart. A cache the caller configured is used as it is.
+if jax.config.jax_compilation_cache_dir in (None, "", os.environ.get("JAXDEPTH_TESTS_XLA_CACHE")):
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jaxdepth-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    # the second name tells a worker process that the inherited cache is a test cache, not the caller's
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXDEPTH_TESTS_XLA_CACHE"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    jax.config.update("jax_compilation_cache_dir", _SESSION_CACHE)
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
     jax.config.update(
         "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
     )
 
-
-def _write_cache_entries_atomically() -> None:
-    """JAX writes a cache entry in place (its file locks come only with eviction, whose every
-    write lists the whole cache: 0.2 s a program at 3,000 of them). With two test processes
-    sharing one cache, the other could read an entry half written: it would warn and compile the
-    program again. Write each entry to a temporary name and rename it into place instead."""
-    from jax._src import lru_cache
-
-    put, suffix = lru_cache.LRUCache.put, getattr(lru_cache, "_CACHE_SUFFIX", None)
-    if suffix is None:  # another JAX: leave its writes as they are
-        return
-
-    def atomic_put(self, key: str, value: bytes) -> None:
-        if self.eviction_enabled:
-            return put(self, key, value)
-        path = self.path / f"{key}{suffix}"
-        if path.exists():
-            return
-        temporary = self.path / f".{key}.{os.getpid()}.tmp"
-        temporary.write_bytes(value)
-        os.replace(temporary, path)
-
-    lru_cache.LRUCache.put = atomic_put
-
-
-_write_cache_entries_atomically()
-
-# Models converted once for the whole session (the embedded SmolLM2: about 40 s), made like the
-# compilation cache by the first pytest process and shared by its workers: the first to need a
-# model converts it while the other waits (`jaxdepth.lab.sources` locks a conversion).
+# Models converted once for the whole session (the embedded SmolLM2: about 40 s), made by the
+# first pytest process and shared by its workers (files, not compiled programs): the first to
+# need a model converts it while the other waits (`jaxdepth.lab.sources` locks a conversion).
 if not os.environ.get("JAXDEPTH_TESTS_MODELS"):
     os.environ["JAXDEPTH_TESTS_MODELS"] = tempfile.mkdtemp(prefix="jaxdepth-tests-models-")
     atexit.register(shutil.rmtree, os.environ["JAXDEPTH_TESTS_MODELS"], ignore_errors=True)

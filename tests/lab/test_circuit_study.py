@@ -4,6 +4,7 @@ rerun that reuses them, and its clear errors; the pair tasks."""
 import json
 import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -90,12 +91,17 @@ def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp
     def unreached(*args, **kwargs):  # as find_circuit says it when no circuit of the grid reaches the target
         circuit = find_circuit(*args, **kwargs)
         circuit.reached = False
+        warnings.warn("no circuit reaches faithfulness 0.9: ...", RuntimeWarning)
         return circuit
 
     monkeypatch.setattr(circuit_study, "find_circuit", unreached)
     args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap")
     args[args.index("--size") : args.index("--size") + 2] = ["--target", "0.9"]
-    assert main(args) == 1
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert main(args) == 1
+    # said once, by the command's error line, not a second time by find_circuit's warning
+    assert not [w for w in warned if "no circuit reaches" in str(w.message)]
     printed = capsys.readouterr()
     assert (
         "error: no circuit reaches faithfulness 0.9 (the circuit saved is the whole graph, faithfulness "
