@@ -57,6 +57,18 @@ if not os.environ.get("JAXDEPTH_TESTS_MODELS"):
     os.environ["JAXDEPTH_TESTS_MODELS"] = tempfile.mkdtemp(prefix="jaxdepth-tests-models-")
     atexit.register(shutil.rmtree, os.environ["JAXDEPTH_TESTS_MODELS"], ignore_errors=True)
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each compiled program keeps its machine code in memory maps of its own, and JAX's caches
+    keep every program alive. A test process compiles thousands (one worker reached 23,000 maps
+    before the end of the suite) and the kernel allows 65,530 per process (`vm.max_map_count`):
+    past it, XLA's next compilation crashes the worker (a segmentation fault). A module's programs
+    are dropped when it ends; a later module that needs one loads it from the persistent cache."""
+    yield
+    jax.clear_caches()
+
+
 # The order of the tiers (the slow tests first, longest first) and what each tier spent.
 pytest_plugins = ["tiers"]
 
