@@ -44,7 +44,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarking.machine import cpu_description
-from jaxdepth.analyses.ig.rules import RULE_VERSION, quadrature, run_rule, summarise
+from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_inputs, path_points
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
@@ -243,15 +243,16 @@ def accuracy_of_prompt(
         path = f"{stem}_adaptive_{tolerance:g}_{budget}.npz"
         if os.path.exists(path):
             return dict(np.load(path))
+        rule = AdaptiveRule(tolerance=tolerance, max_evaluations=budget)
         rules = run_rule(
             shared,
             range(L),
             f_input,
             prompt.tokens.shape[1],
             config,
-            tolerance=np.full(L, tolerance),
-            max_evaluations=budget,
+            tolerance=rule.tolerances(L),
             on_layer=on_layer,
+            **rule.options(),
         )
         shared.save()
         r = summarise(rules)

@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarking.machine import CpuMeter, cpu_description, wait_quiet
 from jaxdepth.analyses import integrated_gradients as ig
-from jaxdepth.analyses.ig import rules as ig_rules
+from jaxdepth.analyses.ig import Execution, rules as ig_rules
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.sweep import auto_chunk_size
@@ -47,6 +47,14 @@ RULES = {
 DEFAULT_RULES = ("left-256", "adaptive-1%")
 
 
+def rule_of(spec: dict) -> ig_rules.Rule:
+    """The rule value of a spec of `RULES` (the specs stay dicts: the report records them as its
+    runs' settings)."""
+    return ig_rules.rule_of(
+        spec["rule"], spec.get("steps", ig_rules.DEFAULT_STEPS), spec.get("tolerance"), spec.get("max_evaluations")
+    )
+
+
 def compile_rule(model, batch, spec: dict) -> float:
     """Compile what `run_rule` will run on `batch` (its last layer only: no suffix, cheap);
     returns the seconds it took."""
@@ -55,7 +63,8 @@ def compile_rule(model, batch, spec: dict) -> float:
     start = time.perf_counter()
     x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
     last = config.num_layers - 1
-    if spec["rule"] == "adaptive":
+    rule = rule_of(spec)
+    if isinstance(rule, ig_rules.AdaptiveRule):
         largest = ig_rules.largest_call(config, prompt.tokens.shape[1])
         for size in sorted({s for n in range(1, 4 * largest) for s in ig_rules.call_sizes(n, largest)}):
             jax.block_until_ready(
@@ -64,8 +73,8 @@ def compile_rule(model, batch, spec: dict) -> float:
                 )
             )
     else:
-        alphas, weights = ig_rules.quadrature(spec["rule"], spec["steps"])
-        chunk = auto_chunk_size(config, prompt.tokens.shape[1], spec["steps"], grad=True)
+        alphas, weights = rule.nodes()
+        chunk = auto_chunk_size(config, prompt.tokens.shape[1], rule.steps, grad=True)
         jax.block_until_ready(
             ig.ig_of_layer(
                 p,
@@ -89,24 +98,19 @@ def run_rule(model, batch, spec: dict) -> dict:
     if len(batch) != 1:
         raise ValueError(f"one prompt at a time, got {len(batch)}")
     finished = []  # the fixed rule's layers, as they finish
+    rule = rule_of(spec)
     with CpuMeter() as meter:
-        if spec["rule"] == "adaptive":
-            r = ig.integrated_gradients(
-                p, batch, config, rule="adaptive", tolerance=spec["tolerance"], max_evaluations=spec["max_evaluations"]
-            )
+        if isinstance(rule, ig_rules.AdaptiveRule):
+            r = ig.integrated_gradients(p, batch, config, rule=rule)
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
             per_layer = dict(layer_evaluations=r.evaluations[0].tolist())
         else:
             start = time.perf_counter()
+            on_layer = lambda: finished.append(time.perf_counter())  # noqa: E731
             r = ig.integrated_gradients(
-                p,
-                batch,
-                config,
-                rule=spec["rule"],
-                steps=spec["steps"],
-                on_layer=lambda: finished.append(time.perf_counter()),
+                p, batch, config, rule=rule, execution=Execution(progress=True, on_layer=on_layer)
             )
-            evaluations, converged = spec["steps"] * config.num_layers, None
+            evaluations, converged = rule.steps * config.num_layers, None
             per_layer = dict(layer_seconds=np.diff([start] + finished).tolist())
     delta = np.abs(r.f_input[0] - r.f_baseline[0].astype(np.float64))
     relative_gap = np.abs(r.gap[0]) / delta

@@ -30,6 +30,7 @@ import numpy as np
 
 import jaxdepth
 from benchmarking.machine import cpu_description
+from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.integrated_gradients import integrated_gradients
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.prompts import encode, format_short, read_rows
@@ -53,7 +54,9 @@ def run_ig(model, batch, steps: int, path: str, precision: str) -> dict:
         with np.load(path) as stored:
             return {k: stored[k] for k in stored.files}
     start = time.perf_counter()
-    r = integrated_gradients(model.params, batch, model.config, steps=steps, rule="left", progress=False)
+    r = integrated_gradients(
+        model.params, batch, model.config, rule=FixedRule("left", steps), execution=Execution(progress=False)
+    )
     seconds = time.perf_counter() - start
     n = int(batch.lengths[0])
     if np.any(r.attributions[0, :, n:]):

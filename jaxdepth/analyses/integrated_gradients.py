@@ -17,25 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import (
-    BASELINES,
-    check_backward,
-    check_nonfinite_option,
-    check_rule,
-    ig_baseline,
-    warn_if_zero_baseline_diverges,
-)
-from jaxdepth.analyses.ig.engine import attribute
+from jaxdepth.analyses.ig.checks import BASELINES, ig_baseline, warn_if_zero_baseline_diverges
+from jaxdepth.analyses.ig.engine import Attribution, Execution, attribute
 from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, metric_head, weighted_gradient
 from jaxdepth.analyses.ig.path import path_points as site_path_points
-from jaxdepth.core.progress import ProgressLike, progress_bar
+from jaxdepth.core.progress import progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -187,51 +180,34 @@ def ig_of_prompt(
     prompt: PromptArrays,
     config: ModelConfig,
     *,
-    rule: str = "left",
-    steps: int = rules.DEFAULT_STEPS,
-    tolerance=None,
-    max_evaluations: Optional[int] = None,
+    rule: Union[rules.Rule, str] = rules.FixedRule(),
     baseline: str = "channel_mean",
     target: str = "layer",
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
     interventions=None,
-    nonfinite: str = "raise",
-    on_layer: Optional[Callable[[], None]] = None,
+    execution: Execution = Execution(),
     label=None,
-    adaptive_options=None,
-    backward: str = "auto",
 ):
     """IG of every layer for one prompt (`PromptArrays`, batch 1): the engine's `SiteIG` with
-    the studies' F (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...).
+    the studies' F (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...), per
+    position only (whatever `execution.per_channel` says).
 
     `interventions` (`jaxdepth.core.sites`) act on the whole forward, before and after the
     attributed layer: IG of a model with, say, an earlier layer skipped. `target`: 'layer'
-    (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l). `on_layer()` is called after each layer;
-    `backward` as `jaxdepth.integrated_gradients`."""
+    (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l). `rule`, `execution` as `jaxdepth.integrated_gradients`;
+    `label` names the prompt in a non-finite report."""
     _check_target(target)
+    layers = list(range(config.num_layers))
+    attribution = Attribution(site=TARGETS[target], layers=layers, baseline=baseline, **_answer_metric(prompt))
     return attribute(
         params,
         prompt.tokens,
         prompt.valid,
         config,
-        site=TARGETS[target],
-        layers=list(range(config.num_layers)),
-        baseline=baseline,
-        rule=rule,
-        steps=steps,
-        tolerance=tolerance,
-        max_evaluations=max_evaluations,
+        attribution,
+        rule=rules.as_rule(rule),
         interventions=interventions,
-        per_channel=False,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
-        nonfinite=nonfinite,
-        on_layer=on_layer,
+        execution=dataclasses.replace(execution, per_channel=False),
         label=label,
-        adaptive_options=adaptive_options,
-        backward=backward,
-        **_answer_metric(prompt),
     )
 
 
@@ -259,14 +235,11 @@ class IntegratedGradientsResult(SavedResult):
     floored: Optional[np.ndarray] = None
 
     @property
-    def rule(self) -> str:
-        """Which quadrature produced the attributions, in words: "left rule, 256 steps", or
-        "adaptive rule to 1%" (which layers got there: `converged`)."""
-        if self.settings.get("rule") == "adaptive":
-            tolerance = self.settings.get("tolerance")
-            target = f"{100 * tolerance:g}%" if isinstance(tolerance, (int, float)) else "per-layer tolerances"
-            return f"adaptive rule to {target}"
-        return f"{self.settings.get('rule', 'left')} rule, {self.settings.get('steps', '?')} steps"
+    def rule(self) -> rules.Rule:
+        """The quadrature that produced the attributions (`rules.rule_from_settings`); in words,
+        `str(result.rule)`: "left rule, 256 steps", or "adaptive rule to 1%" (which layers got
+        there: `converged`)."""
+        return rules.rule_from_settings(self.settings)
 
     @property
     def relative_gap(self) -> np.ndarray:
@@ -280,68 +253,54 @@ def integrated_gradients(
     batch: PromptBatch,
     config: ModelConfig,
     *,
-    steps: int = rules.DEFAULT_STEPS,
-    rule: str = "left",
-    tolerance: Union[None, float, Sequence[float]] = None,
-    max_evaluations: Optional[int] = None,
+    rule: Union[rules.Rule, str] = rules.FixedRule(),
     baseline: str = "channel_mean",
     target: str = "layer",
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    progress: ProgressLike = True,
-    settings=None,
     interventions=None,
-    on_layer: Optional[Callable[[], None]] = None,
-    nonfinite: str = "raise",
-    atol: float = rules.ATOL,
-    grid_points: int = rules.GRID_POINTS,
-    initial_intervals: int = rules.INITIAL_INTERVALS,
-    backward: str = "auto",
+    settings=None,
+    execution: Execution = Execution(progress=True),
 ) -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
     output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
     its own bucket length, `batch.single(i)`, so position masks in them must have that length).
 
-    `rule`: 'left' (the published rule), 'midpoint', 'gauss' or 'right' with `steps`; or 'adaptive', each
-    layer refined until its certified completeness bound is at most `tolerance` (default 0.01;
-    one value, or one per layer) times max(|F(x) - F(b)|, FLOOR_SHARE |F(x)|, `atol`), or it has
-    used `max_evaluations` gradient evaluations (default `steps`: never more than the fixed
-    rule; then `converged` is False for it); `grid_points`, `initial_intervals`: the adaptive
-    rule's start (`jaxdepth.analyses.ig.rules`). `nonfinite`: 'raise' (default) stops at the
-    first prompt with a NaN or infinite F or attribution, naming its layers and positions
-    (`NonFiniteAttributionError`); 'warn' warns and goes on. `on_layer()` is called as each
-    layer of each prompt finishes. `backward`: 'auto' (default), 'stored' or 'recompute', as
-    `jaxdepth.integrated_gradients`; the numbers are the same either way, to float32 rounding."""
+    `rule`: `FixedRule(kind, steps)` ('left', the published rule and the default, with 256 steps;
+    'midpoint', 'gauss' or 'right'), or `AdaptiveRule(tolerance, max_evaluations, ...)`: each
+    layer refined until its certified completeness bound is at most its tolerance (one value,
+    or one per layer) times max(|F(x) - F(b)|, FLOOR_SHARE |F(x)|, atol), or it has used
+    `max_evaluations` gradient evaluations (then `converged` is False for it;
+    `jaxdepth.analyses.ig.rules`). `execution` (`jaxdepth.analyses.ig.engine.Execution`, with a
+    progress bar by default): `nonfinite` 'raise' (default) stops at the first prompt with a NaN
+    or infinite F or attribution, naming its layers and positions (`NonFiniteAttributionError`),
+    'warn' warns and goes on; `on_layer()` is called as each layer of each prompt finishes;
+    `backward` 'auto' (default), 'stored' or 'recompute', as `jaxdepth.integrated_gradients`,
+    the numbers the same either way to float32 rounding; `chunk_size`, `memory_budget`.
+    `settings`: more entries for the result's settings."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     _check_target(target)
+    rule = rules.as_rule(rule)
     L, P, T = config.num_layers, len(batch), batch.tokens.shape[1]
-    tolerances = None if tolerance is None else np.broadcast_to(np.asarray(tolerance, np.float64), (L,))
-    adaptive = rule == "adaptive"
-    if adaptive and tolerances is not None and np.any(tolerances <= 0):
-        raise ValueError("tolerance must be > 0")
-    first, max_evaluations = check_rule(
-        rule, steps, None if tolerances is None else float(tolerances.max()), max_evaluations, 1
-    )
-    if adaptive and tolerances is None:
-        tolerances = np.full(L, first)
-    check_nonfinite_option(nonfinite)
-    check_backward(backward)
+    adaptive = isinstance(rule, rules.AdaptiveRule)
+    if adaptive:
+        rule.tolerances(L)  # a tolerance per layer: as many as the layers
     warn_if_zero_baseline_diverges(baseline, TARGETS[target])
-    options = dict(atol=atol, grid_points=grid_points, initial_intervals=initial_intervals) if adaptive else None
     attributions = np.zeros((P, L, T), np.float32)
     f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
     evaluations, converged = np.zeros((P, L), np.int64), np.zeros((P, L), bool)
     bound, floored = np.zeros((P, L), np.float32), np.zeros((P, L), bool)
-    desc = "adaptive integrated gradients (layers)" if adaptive else f"integrated gradients ({steps} steps, layers)"
-    with progress_bar(progress, total=P * L, desc=desc) as bar:
+    desc = (
+        "adaptive integrated gradients (layers)" if adaptive else f"integrated gradients ({rule.steps} steps, layers)"
+    )
+    with progress_bar(execution.progress, total=P * L, desc=desc) as bar:
 
         def layer_done():
             bar.update()
-            if on_layer is not None:
-                on_layer()
+            if execution.on_layer is not None:
+                execution.on_layer()
 
+        each_prompt = dataclasses.replace(execution, progress=False, on_layer=layer_done)
         for i in range(P):
             prompt = batch.prompt(i)
             Ti = prompt.tokens.shape[1]
@@ -350,19 +309,11 @@ def integrated_gradients(
                 prompt,
                 config,
                 rule=rule,
-                steps=steps,
-                tolerance=tolerances,
-                max_evaluations=max_evaluations,
                 baseline=baseline,
                 target=target,
-                chunk_size=chunk_size,
-                memory_budget=memory_budget,
                 interventions=interventions,
-                nonfinite=nonfinite,
-                on_layer=layer_done,
+                execution=each_prompt,
                 label=[i],
-                adaptive_options=options,
-                backward=backward,
             )
             attributions[i, :, :Ti], f_input[i], f_baseline[i] = r.per_position[:, 0], r.f_input[0], r.f_baseline[:, 0]
             evaluations[i] = r.evaluations[:, 0]
@@ -370,20 +321,10 @@ def integrated_gradients(
                 converged[i], bound[i], floored[i] = r.converged[:, 0], r.bound[:, 0], r.floored[:, 0]
     if adaptive:
         gap = attributions.astype(np.float64).sum(axis=-1) - (f_input[:, None].astype(np.float64) - f_baseline)
-        tol_setting = float(tolerances[0]) if np.all(tolerances == tolerances[0]) else tolerances.tolist()
-        rule_settings = {
-            "rule": "adaptive",
-            "tolerance": tol_setting,
-            "max_evaluations": max_evaluations,
-            "atol": atol,
-            "grid_points": grid_points,
-            "initial_intervals": initial_intervals,
-            "floor_share": rules.FLOOR_SHARE,
-        }
         extra = dict(evaluations=evaluations, converged=converged, bound=bound, floored=floored)
     else:
         gap = attributions.sum(axis=-1) - (f_input[:, None] - f_baseline)
-        rule_settings, extra = {"steps": steps, "rule": rule}, {}
+        extra = {}
     return IntegratedGradientsResult(
         attributions=attributions,
         gap=gap.astype(np.float32),
@@ -394,7 +335,7 @@ def integrated_gradients(
         answer_start=batch.answer_start,
         settings={
             **(settings or {}),
-            **rule_settings,
+            **rule.settings(),
             "baseline": baseline,
             **({} if target == "layer" else {"target": target}),
         },
@@ -497,8 +438,9 @@ def _draw_gap_panel(ax, result: IntegratedGradientsResult, p: int):
     ax.set_xlabel("|completeness gap|\n% of |F(x) \N{MINUS SIGN} F(b)|")
     ax.tick_params(labelleft=False)
     ax.set_title("completeness", fontsize=10)
-    tolerance = result.settings.get("tolerance")
-    if getattr(result, "converged", None) is not None and isinstance(tolerance, (int, float)):
+    rule = result.rule
+    tolerance = rule.uniform_tolerance if isinstance(rule, rules.AdaptiveRule) else None
+    if getattr(result, "converged", None) is not None and tolerance is not None:
         ax.axvline(100 * tolerance, color="C3", linestyle="--", linewidth=1, label="tolerance")
         ax.legend(loc="lower right", fontsize=7, framealpha=0.8)
     if np.isfinite(percent).any():
@@ -547,7 +489,7 @@ class IGSettings(Settings):
         choices=rules.RULES,
     )
     ig_tolerance: float = option(
-        0.01,
+        rules.DEFAULT_TOLERANCE,
         "--ig-rule adaptive: the completeness bound to reach, relative to |F(x) - F(b)|, or to a tenth of "
         "|F(x)| where F moves less along the path (default 0.01)",
     )
@@ -572,6 +514,7 @@ class IGSettings(Settings):
             raise ValueError(f"ig_baseline must be one of {', '.join(BASELINES)}; got {self.ig_baseline!r}")
         if self.ig_max_evaluations is not None:
             _check_budget(self.ig_max_evaluations)
+        self.rule  # the rule checks itself: a tolerance <= 0 is refused here, not when the study runs
 
     def warnings(self) -> list[str]:
         """A budget of evaluations given to a fixed rule, which ignores it."""
@@ -579,21 +522,20 @@ class IGSettings(Settings):
             return [f"--ig-max-evaluations applies to --ig-rule adaptive only; ignored with --ig-rule {self.ig_rule}"]
         return []
 
+    @property
+    def rule(self) -> rules.Rule:
+        """The rule the options name: `--ig-rule` with `--ig-steps`, or the adaptive rule with
+        `--ig-tolerance` and `--ig-max-evaluations` (by default `--ig-steps`, at least 3)."""
+        if self.ig_rule != "adaptive":
+            return rules.FixedRule(self.ig_rule, self.ig_steps)
+        return rules.rule_of("adaptive", self.ig_steps, self.ig_tolerance, self.ig_max_evaluations)
+
 
 def _ig_identity(s: IGSettings) -> dict:
-    if s.ig_rule == "adaptive":  # its steps are its own: the tolerance and budget say what it ran
-        budget = rules.default_budget(s.ig_steps) if s.ig_max_evaluations is None else s.ig_max_evaluations
-        rule = {
-            "ig_rule": "adaptive",
-            "ig_tolerance": s.ig_tolerance,
-            "ig_max_evaluations": budget,
-            "ig_rule_version": rules.RULE_VERSION,
-        }
-    else:
-        rule = {"ig_steps": s.ig_steps, "ig_rule": s.ig_rule}
     return {
         "detail_prompts": s.detail_prompts,
-        **rule,
+        # an adaptive rule's steps are its own: its tolerance and budget say what it ran
+        **{f"ig_{name}": value for name, value in s.rule.identity().items()},
         "ig_baseline": s.ig_baseline,
         # only when not the default: earlier results stay valid
         **({} if s.ig_target == "layer" else {"ig_target": s.ig_target}),
@@ -602,10 +544,15 @@ def _ig_identity(s: IGSettings) -> dict:
 
 def _run_ig(x) -> IntegratedGradientsResult:
     s, m = x.settings, x.model
-    common = dict(baseline=s.ig_baseline, target=s.ig_target, memory_budget=s.memory_budget, progress=x.progress)
-    if s.ig_rule == "adaptive":
-        common.update(tolerance=s.ig_tolerance, max_evaluations=s.ig_max_evaluations)
-    return integrated_gradients(m.params, x.batch, m.config, steps=s.ig_steps, rule=s.ig_rule, **common)
+    return integrated_gradients(
+        m.params,
+        x.batch,
+        m.config,
+        rule=s.rule,
+        baseline=s.ig_baseline,
+        target=s.ig_target,
+        execution=Execution(memory_budget=s.memory_budget, progress=x.progress),
+    )
 
 
 PREVIEW_GAP = 0.05  # a larger completeness gap, as a share of |F(x) - F(b)|, is called a preview

@@ -69,8 +69,8 @@ class Model(ModelWeights):
 
     def integrated_gradients(self, token_ids, metric, **options):
         """`jaxdepth.integrated_gradients` on this model: a `SiteIG` attributing the scalar
-        `metric(logits)` to the value at a site of each layer (options as there: `site`,
-        `layers`, `baseline`, `rule`, `steps`, `tolerance`, `interventions`, `valid`, ...)."""
+        `metric(logits)` to the value at a site of each layer (`token_ids` and the options as
+        there: `site`, `layers`, `baseline`, `rule`, `interventions`, `execution`)."""
         from jaxdepth.analyses.ig import integrated_gradients
 
         return integrated_gradients(self.params, token_ids, self.config, metric, **options)

@@ -8,6 +8,8 @@ import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig import path as ig_path, rules as aig
+from jaxdepth.analyses.ig.engine import Execution
+from jaxdepth.analyses.ig.rules import AdaptiveRule, FixedRule
 from jaxdepth.core.batch import LengthBuckets, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
@@ -32,6 +34,8 @@ CONFIG = ModelConfig(
 TOLERANCE = 1e-3
 REFERENCE_STEPS = 16384
 
+QUIET = Execution(progress=False)
+
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
@@ -53,14 +57,14 @@ def batch():
 @pytest.fixture(scope="module")
 def adaptive(params, batch):
     with jax.default_matmul_precision("highest"):  # module scope: the fixture of that name is per test
-        return adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, progress=False)
+        return adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE)
 
 
-def adaptive_ig(params, batch, config, **options):
-    """The studies' IG with the adaptive rule, with a budget the tolerances here need (the
-    default, the fixed rule's 256 steps, is not enough for layer 0 at 1e-3)."""
-    options.setdefault("max_evaluations", 2048)
-    return ig.integrated_gradients(params, batch, config, rule="adaptive", **options)
+def adaptive_ig(params, batch, config, target="layer", **rule):
+    """The studies' IG with the adaptive rule (`rule`: its options), with a budget the tolerances
+    here need (the default, the fixed rule's 256 steps, is not enough for layer 0 at 1e-3)."""
+    rule.setdefault("max_evaluations", 2048)
+    return ig.integrated_gradients(params, batch, config, rule=AdaptiveRule(**rule), target=target, execution=QUIET)
 
 
 def _delta(result):
@@ -87,7 +91,11 @@ def test_adaptive_reaches_the_tolerance_and_equals_a_fine_fixed_rule(params, bat
     assert np.all(adaptive.evaluations <= 2048)
 
     fixed = ig.integrated_gradients(
-        params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", chunk_size=512, progress=False
+        params,
+        batch,
+        CONFIG,
+        rule=FixedRule("midpoint", REFERENCE_STEPS),
+        execution=Execution(chunk_size=512, progress=False),
     )
     assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
     np.testing.assert_allclose(adaptive.f_baseline, fixed.f_baseline, atol=1e-6)
@@ -97,7 +105,7 @@ def test_adaptive_reaches_the_tolerance_and_equals_a_fine_fixed_rule(params, bat
 
 def test_one_layers_refinement_leaves_the_other_layers_bit_identical(params, batch, adaptive):
     """A tighter tolerance on layer 0 alone refines layer 0 and changes nothing else."""
-    tight = adaptive_ig(params, batch, CONFIG, tolerance=[TOLERANCE / 100, TOLERANCE, TOLERANCE], progress=False)
+    tight = adaptive_ig(params, batch, CONFIG, tolerance=[TOLERANCE / 100, TOLERANCE, TOLERANCE])
     assert tight.evaluations[0, 0] > adaptive.evaluations[0, 0]
     assert np.abs(tight.gap[0, 0]) <= TOLERANCE / 100 * _scale(tight)[0, 0]
     for name in ("attributions", "gap", "f_baseline", "evaluations", "converged", "bound"):
@@ -131,16 +139,16 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
             chunk_size=size,
             backward=backward,
         )
-    first = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33, progress=False)
+    first = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33)
     assert first.converged.all()
     before = [f._cache_size() for f in functions]
     assert before == [3 + 1, 1]  # the three call sizes and the forward grid
-    other = adaptive_ig(params, batch, CONFIG, tolerance=0.05, grid_points=33, progress=False)
+    other = adaptive_ig(params, batch, CONFIG, tolerance=0.05, grid_points=33)
     assert other.evaluations.sum() < first.evaluations.sum()  # really other nodes
     new_prompt = _prompt(1)
     assert new_prompt.tokens.shape == batch.tokens.shape and not np.array_equal(new_prompt.tokens, batch.tokens)
     for grid_points in (0, 33):
-        adaptive_ig(params, new_prompt, CONFIG, tolerance=TOLERANCE / 10, grid_points=grid_points, progress=False)
+        adaptive_ig(params, new_prompt, CONFIG, tolerance=TOLERANCE / 10, grid_points=grid_points)
     assert [f._cache_size() for f in functions] == before  # nothing compiled per round, tolerance or prompt
 
 
@@ -148,7 +156,7 @@ def test_spent_budget_is_reported_as_not_converged(params, batch):
     """A budget too small for the tolerance: converged False exactly where the certified bound
     misses the target, never more evaluations than the budget."""
     budget = 9
-    result = adaptive_ig(params, batch, CONFIG, tolerance=1e-6, max_evaluations=budget, progress=False)
+    result = adaptive_ig(params, batch, CONFIG, tolerance=1e-6, max_evaluations=budget)
     target = 1e-6 * _scale(result)
     assert not result.converged.all()
     np.testing.assert_array_equal(result.converged, result.bound <= target)
@@ -160,12 +168,17 @@ def test_spent_budget_is_reported_as_not_converged(params, batch):
 def test_sublayer_target_converges_to_the_fixed_rule(params, batch):
     """IG with respect to a_l: the same certificate, and agreement with the fixed rule (the
     comparison as for the layer target)."""
-    result = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, target="attn", progress=False)
+    result = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, target="attn")
     assert result.converged.all() and result.settings["target"] == "attn"
     delta, scale = _delta(result), _scale(result)
     assert np.all(np.abs(result.gap) <= TOLERANCE * scale)
     fixed = ig.integrated_gradients(
-        params, batch, CONFIG, steps=REFERENCE_STEPS, rule="midpoint", target="attn", chunk_size=512, progress=False
+        params,
+        batch,
+        CONFIG,
+        rule=FixedRule("midpoint", REFERENCE_STEPS),
+        target="attn",
+        execution=Execution(chunk_size=512, progress=False),
     )
     assert np.all(np.abs(fixed.gap) < TOLERANCE / 100 * delta)
     assert np.all(np.abs(result.attributions - fixed.attributions).max(axis=-1) <= TOLERANCE * scale)
@@ -233,9 +246,9 @@ def test_a_path_where_f_barely_moves_is_certified_at_the_floor_within_the_fixed_
     params = random_params(FLAT, 2, scale=0.002)
     prompt = _prompt(3).prompt(0, LengthBuckets(4, geometric=False))
     with jax.default_matmul_precision("highest"):
-        floored = ig.ig_of_prompt(params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64)
+        floored = ig.ig_of_prompt(params, prompt, FLAT, rule=AdaptiveRule(tolerance=1e-4, max_evaluations=64))
         bare = ig.ig_of_prompt(
-            params, prompt, FLAT, rule="adaptive", tolerance=1e-4, steps=64, adaptive_options={"floor_share": 0.0}
+            params, prompt, FLAT, rule=AdaptiveRule(tolerance=1e-4, max_evaluations=64, floor_share=0.0)
         )
     delta = np.abs(floored.f_input[0] - floored.f_baseline[:, 0].astype(np.float64))
     assert np.all(delta < 1e-3 * abs(floored.f_input[0])), delta  # F barely moves: the case of the floor

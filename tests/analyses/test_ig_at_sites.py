@@ -13,10 +13,12 @@ import pytest
 
 import jaxdepth
 from conftest import assert_close
+from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule, LogitsMetric
 from jaxdepth.analyses.ig.checks import ig_baseline
-from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.ig.rules import quadrature, rule_of
 from jaxdepth.analyses.ig.path import choose_backward
 from jaxdepth.core import sites
+from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, run_layers, embed
 from jaxdepth.core.sweep import member_bytes
@@ -78,7 +80,9 @@ def test_against_a_hand_written_riemann_sum(site):
     params, tokens = _setup()
     one = tokens[:1]
     steps = 6
-    result = jaxdepth.integrated_gradients(params, one, CONFIG, logit_difference_of_one, site=site, steps=steps)
+    result = jaxdepth.integrated_gradients(
+        params, one, CONFIG, logit_difference_of_one, site=site, rule=FixedRule(steps=steps)
+    )
     trailing = (CONFIG.num_heads, CONFIG.head_dim) if site == "head_out" else (CONFIG.hidden_size,)
     assert result.attributions.shape == (L, 1, T) + trailing and result.per_position.shape == (L, 1, T)
     assert result.gap.shape == (L, 1) and result.evaluations.tolist() == [[steps]] * L
@@ -110,8 +114,7 @@ def test_a_subset_of_layers_other_rules_and_baselines_at_mlp_hidden():
         logit_difference_of_one,
         site="mlp_hidden",
         layers=[2, 0],
-        rule="gauss",
-        steps=4,
+        rule=FixedRule("gauss", 4),
         baseline="zero",
     )
     alphas, weights = quadrature("gauss", 4)
@@ -133,7 +136,8 @@ def test_prompts_of_a_batch_are_attributed_independently():
         last = jnp.asarray(valid.sum(1) - 1)
         return logits[jnp.arange(2), last, CORRECT] - logits[jnp.arange(2), last, WRONG]
 
-    both = jaxdepth.integrated_gradients(params, tokens, CONFIG, last_real, valid=valid, steps=4, site="attn_out")
+    padded = PromptBatch(np.asarray(tokens), valid, valid.sum(1))
+    both = jaxdepth.integrated_gradients(params, padded, CONFIG, last_real, rule=FixedRule(steps=4), site="attn_out")
     for i in range(2):
         n = int(valid[i].sum())
         alone = jaxdepth.integrated_gradients(
@@ -141,7 +145,7 @@ def test_prompts_of_a_batch_are_attributed_independently():
             tokens[i : i + 1, :n],
             CONFIG,
             lambda logits: logits[0, -1, CORRECT] - logits[0, -1, WRONG],
-            steps=4,
+            rule=FixedRule(steps=4),
             site="attn_out",
         )
         assert_close(both.attributions[:, i, :n], alone.attributions[:, 0], f"prompt {i}", tol=1e-5)
@@ -153,7 +157,7 @@ def test_adaptive_rule_certifies_its_gap_and_its_channels_sum_to_its_positions()
     params, tokens = _setup()
     one = tokens[:1]
     result = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, rule="adaptive", tolerance=1e-3, site="mlp_out"
+        params, one, CONFIG, logit_difference_of_one, rule=AdaptiveRule(tolerance=1e-3), site="mlp_out"
     )
     assert result.converged.all() and result.converged.shape == (L, 1)
     assert np.all(np.abs(result.gap) <= result.bound + 1e-6)
@@ -161,7 +165,7 @@ def test_adaptive_rule_certifies_its_gap_and_its_channels_sum_to_its_positions()
     np.testing.assert_allclose(result.attributions.sum(-1), result.per_position, atol=1e-5)
     # a fine fixed rule agrees within the certified tolerance
     fine = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, rule="midpoint", steps=256, site="mlp_out"
+        params, one, CONFIG, logit_difference_of_one, rule=FixedRule("midpoint", 256), site="mlp_out"
     )
     scale = np.abs(result.f_input[None] - result.f_baseline)[..., None]
     assert np.max(np.abs(fine.per_position - result.per_position) / scale) < 5e-3
@@ -172,7 +176,7 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
     one = tokens[:1]
     ablate = sites.ablate_heads(np.eye(L, CONFIG.num_heads, dtype=np.float32), head_dim=CONFIG.head_dim)
     result = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, steps=4, interventions=ablate, layers=[1]
+        params, one, CONFIG, logit_difference_of_one, rule=FixedRule(steps=4), interventions=ablate, layers=[1]
     )
     x = run_layers(params, embed(params, one), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
     b = jnp.broadcast_to(x.mean(axis=1, keepdims=True), x.shape)
@@ -188,7 +192,6 @@ REFUSALS = {
     "a non-scalar metric": (dict(metric=lambda logits: logits[0, -1]), r"must return a scalar .* shape \(97,\)"),
     "an unknown site": (dict(site="mlp_in"), r"unknown site 'mlp_in'"),
     "a layer out of range": (dict(layers=[3]), r"layers must be distinct layer indices in 0..2"),
-    "a tolerance with a fixed rule": (dict(tolerance=0.01), r"tolerance is the adaptive rule's"),
     "an unknown rule": (dict(rule="simpson"), r"rule must be one of"),
     "a baseline of the wrong shape": (dict(baseline=np.zeros(31)), r"a baseline array must broadcast"),
     # an argmax or an accuracy has a zero gradient: every attribution would be exactly 0
@@ -207,11 +210,51 @@ REFUSALS = {
 def test_refusals(case):
     params, tokens = _setup()
     options, message = REFUSALS[case]
-    options = {"metric": logit_difference_of_one, "steps": 2, **options}
+    options = {"metric": logit_difference_of_one, "rule": FixedRule(steps=2), **options}
     with pytest.raises(ValueError, match=message):
         jaxdepth.integrated_gradients(params, tokens[:1], CONFIG, options.pop("metric"), **options)
     with pytest.raises(ValueError, match="one prompt"):
-        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule="adaptive")
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=AdaptiveRule())
+
+
+RULE_REFUSALS = {
+    "a tolerance with a fixed rule": (lambda: rule_of("left", 2, tolerance=0.01), r"tolerance is the adaptive rule's"),
+    "a budget with a fixed rule": (lambda: rule_of("gauss", 2, max_evaluations=9), r"max_evaluations is the adaptive"),
+    "no steps": (lambda: FixedRule(steps=0), r"steps must be >= 1, got 0"),
+    "the adaptive rule's name as a fixed one": (lambda: FixedRule("adaptive"), r"AdaptiveRule\(tolerance="),
+    "a tolerance of 0": (lambda: AdaptiveRule(tolerance=0.0), r"tolerance must be > 0, got 0.0"),
+    "a negative tolerance of a layer": (lambda: AdaptiveRule(tolerance=[0.1, -1]), r"tolerance must be > 0"),
+    "a budget below one Simpson interval": (lambda: AdaptiveRule(max_evaluations=2), r"max_evaluations must be >= 3"),
+    "a grid of one point": (lambda: AdaptiveRule(grid_points=1), r"grid_points must be 0 \(no grid\) or >= 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(RULE_REFUSALS))
+def test_a_rule_refuses_what_it_does_not_take(case):
+    make, message = RULE_REFUSALS[case]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_number_or_a_tolerance_per_layer_of_other_layers_is_refused_as_a_rule():
+    params, tokens = _setup()
+    with pytest.raises(TypeError, match=r"FixedRule\(steps=8\) or AdaptiveRule\(max_evaluations=8\)"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=8)
+    with pytest.raises(TypeError, match="steps must be an integer"):
+        FixedRule(steps=8.0)
+    with pytest.raises(ValueError, match="tolerance has 2 values, one per layer, for 3 attributed layers"):
+        jaxdepth.integrated_gradients(params, tokens[:1], CONFIG, logit_difference, rule=AdaptiveRule(tolerance=[1, 1]))
+
+
+def test_a_metric_of_some_positions_equals_the_metric_of_all_logits():
+    """`LogitsMetric(fn, positions)` runs the head at those positions only: the same attributions."""
+    params, tokens = _setup()
+    at_last = jaxdepth.integrated_gradients(
+        params, tokens, CONFIG, LogitsMetric(logit_difference, positions=[T - 1]), rule=FixedRule(steps=4)
+    )
+    everywhere = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=FixedRule(steps=4))
+    assert_close(at_last.attributions, everywhere.attributions, "per channel", tol=1e-5)
+    assert_close(at_last.f_baseline, everywhere.f_baseline, "F(b)", tol=1e-6)
 
 
 def test_model_methods_equal_the_functions_and_compile_once_per_shape():
@@ -233,7 +276,7 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
     assert _jit_forward._cache_size() == before
     g = model.site_gradients(tokens[:1], logit_difference_of_one, ("resid_pre", "mlp_out"))
     assert g.gradients["resid_pre"].shape == (L + 1, 1, T, CONFIG.hidden_size)
-    ig = model.integrated_gradients(tokens[:1], logit_difference_of_one, steps=2, layers=[0])
+    ig = model.integrated_gradients(tokens[:1], logit_difference_of_one, rule=FixedRule(steps=2), layers=[0])
     assert ig.per_position.shape == (1, 1, T)
 
 
@@ -281,7 +324,14 @@ def test_a_zero_baseline_at_the_residual_is_warned_about_and_its_nan_raised():
             r"the attributions at positions 0",
         ):
             jaxdepth.integrated_gradients(
-                params, tokens, DEEP, answer_log_probability, site="resid_pre", layers=[0, 1], steps=8, baseline="zero"
+                params,
+                tokens,
+                DEEP,
+                answer_log_probability,
+                site="resid_pre",
+                layers=[0, 1],
+                rule=FixedRule(steps=8),
+                baseline="zero",
             )
 
 
@@ -296,9 +346,9 @@ def test_nonfinite_warn_names_every_such_layer_and_returns_the_values():
             answer_log_probability,
             site="resid_pre",
             layers=[0, 1, 11],
-            steps=8,
+            rule=FixedRule(steps=8),
             baseline="zero",
-            nonfinite="warn",
+            execution=Execution(nonfinite="warn"),
         )
     assert not np.all(np.isfinite(result.per_position[0]))
     assert np.all(np.isfinite(result.per_position[2])), "layer 11 has one norm left: finite"
@@ -308,25 +358,20 @@ def test_nonfinite_warn_names_every_such_layer_and_returns_the_values():
 def test_the_adaptive_rule_stops_a_layer_at_its_first_nonfinite_evaluation():
     """One round (the initial 23 nodes), not the budget of 2048: converged False, bound NaN."""
     params, tokens = _deep_setup()
+    options = dict(site="resid_pre", layers=[0], rule=AdaptiveRule(), baseline="zero")
     with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions"):
         result = jaxdepth.integrated_gradients(
             params,
             tokens,
             DEEP,
             answer_log_probability,
-            site="resid_pre",
-            layers=[0],
-            rule="adaptive",
-            baseline="zero",
-            nonfinite="warn",
-            per_channel=False,
+            execution=Execution(nonfinite="warn", per_channel=False),
+            **options,
         )
     assert result.evaluations[0, 0] <= 23
     assert not result.converged[0, 0] and np.isnan(result.bound[0, 0])
     with pytest.raises(jaxdepth.NonFiniteAttributionError, match=r"layer 0, prompt 0"):
-        jaxdepth.integrated_gradients(
-            params, tokens, DEEP, answer_log_probability, site="resid_pre", layers=[0], rule="adaptive", baseline="zero"
-        )
+        jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, **options)
 
 
 def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
@@ -337,7 +382,14 @@ def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = jaxdepth.integrated_gradients(
-            params, tokens, DEEP, answer_log_probability, site="attn_out", layers=[0], steps=8, baseline="zero"
+            params,
+            tokens,
+            DEEP,
+            answer_log_probability,
+            site="attn_out",
+            layers=[0],
+            rule=FixedRule(steps=8),
+            baseline="zero",
         )
     assert np.all(np.isfinite(result.per_position))
 
@@ -348,16 +400,22 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
     beyond float32 rounding, for a residual site, a site inside the layer and the adaptive rule."""
     params, tokens = _setup()
     tokens = tokens[:1] if rule == "adaptive" else tokens
-    options = dict(site=site, layers=[0, 2], rule=rule, **({"tolerance": 0.05} if rule == "adaptive" else {"steps": 8}))
+    options = dict(
+        site=site, layers=[0, 2], rule=AdaptiveRule(tolerance=0.05) if rule == "adaptive" else FixedRule(rule, 8)
+    )
     metric = logit_difference_of_one if rule == "adaptive" else logit_difference
-    recomputed = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="recompute", **options)
-    stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="stored", **options)
+    recomputed = jaxdepth.integrated_gradients(
+        params, tokens, CONFIG, metric, execution=Execution(backward="recompute"), **options
+    )
+    stored = jaxdepth.integrated_gradients(
+        params, tokens, CONFIG, metric, execution=Execution(backward="stored"), **options
+    )
     np.testing.assert_array_equal(stored.evaluations, recomputed.evaluations)
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
     assert_close(stored.attributions, recomputed.attributions, "per channel", tol=1e-5)
     assert_close(stored.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
     with pytest.raises(ValueError, match=r"backward must be one of \('auto', 'recompute', 'stored'\)"):
-        jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, backward="kept", **options)
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, execution=Execution(backward="kept"), **options)
 
 
 def _scale(value, layer, factor):
@@ -369,10 +427,12 @@ def test_a_stored_backward_takes_an_intervention_with_python_scalar_data():
     backward accepts it and agrees with the recomputing one."""
     params, tokens = _setup()
     halve = sites.Intervention("attn_out", _scale, 0.5)
-    options = dict(site="resid_post", layers=[0], steps=4, interventions=(halve,))
-    stored = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, backward="stored", **options)
+    options = dict(site="resid_post", layers=[0], rule=FixedRule(steps=4), interventions=(halve,))
+    stored = jaxdepth.integrated_gradients(
+        params, tokens, CONFIG, logit_difference, execution=Execution(backward="stored"), **options
+    )
     recomputed = jaxdepth.integrated_gradients(
-        params, tokens, CONFIG, logit_difference, backward="recompute", **options
+        params, tokens, CONFIG, logit_difference, execution=Execution(backward="recompute"), **options
     )
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
 

@@ -11,7 +11,8 @@ import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig.path import suffix_value_and_grad
-from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.ig.engine import Execution
+from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, FixedRule, as_rule, quadrature, rule_from_settings
 from jaxdepth.core import sites
 from jaxdepth.core.model import forward, residual_stream, run_layers, embed
 
@@ -19,6 +20,7 @@ from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtu
 
 # Compare at full float32 matmul precision (as the references compute).
 pytestmark = pytest.mark.usefixtures("highest_precision")
+QUIET = Execution(progress=False)
 
 
 # ----------------------------------------------------------------------------- §5
@@ -52,10 +54,14 @@ def _objective(params, one, layer, z, grad=False):
 def test_integrated_gradients_equal_one_at_a_time(params, batch):
     steps = 6
     result = ig.integrated_gradients(
-        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False
+        params, batch.select(slice(1, 2)), CONFIG, rule=FixedRule("midpoint", steps), execution=QUIET
     )
     chunked = ig.integrated_gradients(
-        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", progress=False, chunk_size=5
+        params,
+        batch.select(slice(1, 2)),
+        CONFIG,
+        rule=FixedRule("midpoint", steps),
+        execution=Execution(progress=False, chunk_size=5),
     )
     np.testing.assert_allclose(chunked.attributions, result.attributions, rtol=1e-5, atol=1e-8)
     one = batch.single(1)
@@ -118,7 +124,7 @@ _objective_at_site_grad = jax.jit(jax.grad(_objective_at_site, argnums=5), stati
 def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target, site):
     steps = 5
     result = ig.integrated_gradients(
-        params, batch.select(slice(1, 2)), CONFIG, steps=steps, rule="midpoint", target=target, progress=False
+        params, batch.select(slice(1, 2)), CONFIG, rule=FixedRule("midpoint", steps), target=target, execution=QUIET
     )
     assert result.settings["target"] == target
     one = batch.single(1)
@@ -144,7 +150,7 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
     gaps = [
         np.abs(
             ig.integrated_gradients(
-                params, batch.select(slice(0, 1)), CONFIG, steps=n, target=target, progress=False
+                params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=n), target=target, execution=QUIET
             ).gap
         ).max()
         for n in (2, 8, 32)
@@ -154,21 +160,27 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
 
 def test_ig_completeness_gap_shrinks_with_steps(params, batch):
     gaps = [
-        np.abs(ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=n, progress=False).gap).max()
+        np.abs(
+            ig.integrated_gradients(
+                params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=n), execution=QUIET
+            ).gap
+        ).max()
         for n in (2, 8, 32)
     ]
     assert gaps[0] > 2 * gaps[1] > 4 * gaps[2] > 0
 
 
 def test_ig_zero_where_the_output_cannot_depend(params, batch):
-    result = ig.integrated_gradients(params, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    result = ig.integrated_gradients(
+        params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=4), execution=QUIET
+    )
     last_prediction = int(batch.lengths[0]) - 2
     # positions after the last answer prediction reach no measured output: exactly zero
     assert np.all(result.attributions[0, :, last_prediction + 1 :] == 0.0)
     assert np.any(result.attributions[0, :, : last_prediction + 1] != 0.0)
     # a model whose output ignores the residual (zero final norm): every layer's attribution is 0
     dead = {**params, "final_norm": jnp.zeros_like(params["final_norm"])}
-    flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, steps=4, progress=False)
+    flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=4), execution=QUIET)
     assert np.all(flat.attributions == 0.0) and np.all(flat.gap == 0.0)
 
 
@@ -180,3 +192,39 @@ def test_quadrature_rules_integrate_exactly():
     np.testing.assert_array_equal(a, [0, 0.25, 0.5, 0.75])
     a, w = quadrature("gauss", 3)
     assert np.isclose(np.sum(w * a**5), 1 / 6)  # exact for polynomials up to degree 5
+
+
+def test_a_rules_settings_and_identity_are_those_results_were_saved_with():
+    """The entries a rule writes into a result's settings and a study's cache identity are those
+    saved before rules were values (cached results resume), read back as the same rule."""
+    left = FixedRule()
+    assert (left.settings(), left.identity(), str(left)) == (
+        {"steps": 256, "rule": "left"},
+        {"steps": 256, "rule": "left"},
+        "left rule, 256 steps",
+    )
+    adaptive = AdaptiveRule(tolerance=0.05, max_evaluations=9)
+    assert adaptive.settings() == {
+        "rule": "adaptive",
+        "tolerance": 0.05,
+        "max_evaluations": 9,
+        "atol": 1e-6,
+        "grid_points": 0,
+        "initial_intervals": 11,
+        "floor_share": 0.1,
+    }
+    assert adaptive.identity() == {
+        "rule": "adaptive",
+        "tolerance": 0.05,
+        "max_evaluations": 9,
+        "rule_version": RULE_VERSION,
+    }
+    assert AdaptiveRule(grid_points=33).identity()["grid_points"] == 33  # a knob off its default counts
+    assert str(adaptive) == "adaptive rule to 5%" and str(AdaptiveRule(tolerance=(0.1, 0.01))) == (
+        "adaptive rule to per-layer tolerances"
+    )
+    assert AdaptiveRule(tolerance=[0.01] * 3).settings()["tolerance"] == 0.01  # one number when every layer's
+    for rule in (left, FixedRule("gauss", 3), adaptive, AdaptiveRule(tolerance=[0.1, 0.01], floor_share=0.0)):
+        assert rule_from_settings(rule.settings()) == rule and hash(rule_from_settings(rule.settings())) == hash(rule)
+    assert rule_from_settings({"rule": "adaptive", "tolerance": 0.01}) == AdaptiveRule()  # older settings: defaults
+    assert (as_rule("midpoint"), as_rule("adaptive")) == (FixedRule("midpoint"), AdaptiveRule())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxdepth.analyses import contributions, drawing, erasure, integrated_gradients, layer_skip, logit_lens
+from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.lab import plots
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
@@ -77,7 +78,7 @@ def results(batch):
         },
         "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline, progress=False),
         "integrated_gradients": integrated_gradients.integrated_gradients(
-            params, batch.select(slice(0, 1)), CONFIG, steps=2, progress=False
+            params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=2), execution=Execution(progress=False)
         ),
         "shallow_contributions": contributions.contributions(shallow, batch, SHALLOW),
         "shallow_logit_lens": logit_lens.logit_lens(shallow, batch, SHALLOW),

@@ -89,10 +89,12 @@ CASE = Case(
 
 
 def adaptive_jaxdepth(bench: Bench, w: Workload):
+    from jaxdepth.analyses.ig import AdaptiveRule, Execution
     from jaxdepth.analyses.integrated_gradients import integrated_gradients
 
+    rule = AdaptiveRule(tolerance=bench.args.ig_tolerance)
     return integrated_gradients(
-        bench.model.params, w.batch, bench.config, rule="adaptive", tolerance=bench.args.ig_tolerance, progress=False
+        bench.model.params, w.batch, bench.config, rule=rule, execution=Execution(progress=False)
     )
 
 

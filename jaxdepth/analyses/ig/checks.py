@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig.path import BACKWARDS
-from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, default_budget
+from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule, rule_of
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sites import SITES
@@ -85,31 +85,21 @@ def check_layers(layers, num_layers: int) -> list[int]:
 def check_rule(
     rule: str, steps: int, tolerance: Optional[float], max_evaluations: Optional[int], prompts: int
 ) -> tuple[Optional[float], Optional[int]]:
-    """`(tolerance, max_evaluations)` of a valid rule: the adaptive rule's defaults filled in (a
-    budget of `steps` evaluations per layer: never more than the fixed rule), None for a fixed
-    rule; `prompts` the batch size (the adaptive rule refines one prompt's path at a time)."""
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if rule == "adaptive":
-        tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-        if not tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {tolerance}")
-        max_evaluations = int(default_budget(steps) if max_evaluations is None else max_evaluations)
-        if max_evaluations < 3:
-            raise ValueError(f"max_evaluations must be >= 3 (one Simpson interval), got {max_evaluations}")
-        if prompts != 1:
-            raise ValueError(
-                f"the adaptive rule refines each prompt's path on its own: give one prompt "
-                f"(tokens [1, T]), got {prompts}"
-            )
-        return tolerance, max_evaluations
-    if tolerance is not None:
-        raise ValueError(f"tolerance is the adaptive rule's; the {rule!r} rule takes steps")
-    if max_evaluations is not None:
-        raise ValueError(f"max_evaluations is the adaptive rule's; the {rule!r} rule takes steps")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    return None, None
+    """`(tolerance, max_evaluations)` of a valid rule given as loose options (`rules.rule_of`): the
+    adaptive rule's defaults filled in (a budget of `steps` evaluations per layer: never more
+    than the fixed rule), None for a fixed rule; `prompts` the batch size (`check_prompts`)."""
+    value = check_prompts(rule_of(rule, steps, tolerance, max_evaluations), prompts)
+    return (value.tolerance, value.max_evaluations) if isinstance(value, AdaptiveRule) else (None, None)
+
+
+def check_prompts(rule: Rule, prompts: int) -> Rule:
+    """`rule`, after refusing the adaptive rule on `prompts` != 1 (it refines one prompt's path at a
+    time)."""
+    if isinstance(rule, AdaptiveRule) and prompts != 1:
+        raise ValueError(
+            f"the adaptive rule refines each prompt's path on its own: give one prompt (tokens [1, T]), got {prompts}"
+        )
+    return rule
 
 
 def check_backward(backward: str) -> None:

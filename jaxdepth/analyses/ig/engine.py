@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
 
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import layer_baselines, nonfinite_report, raise_or_warn
+from jaxdepth.analyses.ig.checks import (
+    check_backward,
+    check_nonfinite_option,
+    layer_baselines,
+    nonfinite_report,
+    raise_or_warn,
+)
 from jaxdepth.analyses.ig.path import (
     LayerPath,
     attribution_of,
@@ -52,7 +58,8 @@ class SiteIG:
     f_baseline    `[n, B]` F(b): the metric with layer l's value at the site set to the
                   baseline b, the path's start (one per attributed layer)
     evaluations   `[n, B]` gradient evaluations spent per layer
-    layers        `[n]` the attributed layers; site, rule: as called
+    layers        `[n]` the attributed layers; site: as called; rule: the `rules.FixedRule` or
+                  `rules.AdaptiveRule` it ran
     converged, bound, floored  `[n, B]`, adaptive rule only: whether the certified bound
                   sum_i |e_i| + |φ(1) - F(x)| (>= |gap|) met the tolerance; a layer stopped at a
                   non-finite value has converged False and bound NaN; `floored`: the tolerance
@@ -67,7 +74,7 @@ class SiteIG:
     evaluations: np.ndarray
     layers: np.ndarray
     site: str
-    rule: str
+    rule: rules.Rule
     converged: Optional[np.ndarray] = None
     bound: Optional[np.ndarray] = None
     floored: Optional[np.ndarray] = None
@@ -81,61 +88,85 @@ def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
     return LayerPath(x[layer], b[i], inputs[layer] if with_inputs else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How integrated gradients run and what they keep and report; none of it changes a number
+    beyond float32 rounding (the chunk size and the backward, that much).
+
+    chunk_size: gradients vmapped at once (default: what `memory_budget` allows).
+    backward: 'stored', 'recompute' or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`).
+    nonfinite: 'raise' (a `NonFiniteAttributionError` at the first layer with a NaN or infinite
+        F or attribution) or 'warn' (a warning naming them all, and the values returned).
+    per_channel: False keeps only the attributions per position, not per channel of the site
+        (the studies' functions keep only those).
+    progress: False, True or a tqdm-like callable (`jaxdepth.core.progress`); `on_layer()` is
+        called as each attributed layer finishes."""
+
+    chunk_size: Optional[int] = None
+    memory_budget: Optional[int] = None
+    backward: str = "auto"
+    nonfinite: str = "raise"
+    per_channel: bool = True
+    progress: ProgressLike = False
+    on_layer: Optional[Callable[[], None]] = None
+
+    def __post_init__(self):
+        check_backward(self.backward)
+        check_nonfinite_option(self.nonfinite)
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Attribution:
+    """What integrated gradients attribute: `metric(logits, aux)` (the logits at `positions`
+    `[A]` only, all positions for None; `jaxdepth.analyses.ig.path`) to the value at `site` of
+    each of `layers`, along the straight path from `baseline` (a name of
+    `jaxdepth.analyses.ig.checks.BASELINES` or an array)."""
+
+    site: str
+    layers: Sequence[int]
+    metric: Callable
+    aux: Any = None
+    positions: Any = None
+    baseline: Any = "channel_mean"
+
+    def metric_arguments(self) -> dict:
+        """The keywords the path functions (`jaxdepth.analyses.ig.path`) take from it: the site,
+        and F's metric, aux and positions."""
+        return dict(site=self.site, metric=self.metric, aux=self.aux, positions=self.positions)
+
+
 def attribute(
     params,
     tokens,
     valid,
     config: ModelConfig,
+    attribution: Attribution,
     *,
-    site: str,
-    metric,
-    aux=None,
-    positions=None,
-    layers: Sequence[int],
-    baseline="channel_mean",
-    rule: str = "left",
-    steps: int = rules.DEFAULT_STEPS,
-    tolerance: Optional[float] = None,
-    max_evaluations: Optional[int] = None,
+    rule: rules.Rule,
     interventions=None,
-    per_channel: bool = True,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    nonfinite: str = "raise",
-    progress: ProgressLike = False,
-    on_layer: Optional[Callable[[], None]] = None,
+    execution: Execution = Execution(),
     label: Optional[Sequence] = None,
-    adaptive_options: Optional[dict] = None,
-    backward: str = "auto",
 ) -> SiteIG:
-    """Integrated gradients of `metric(logits, aux)` (at `positions`; `jaxdepth.analyses.ig.path`)
-    with respect to the value at `site` of each of `layers`, arguments already checked
-    (`jaxdepth.analyses.ig.checks`): tokens `[B, T]` with `valid [B, T]`; the adaptive rule
-    takes one prompt, `tolerance` (one value, or one per attributed layer), `max_evaluations`
-    and `adaptive_options` (more keywords of `rules.run_rule`: `atol`, `grid_points`, ...).
-    `on_layer()` is called as each layer finishes; `label` names the prompts in a non-finite
-    report (default 0..B-1); `backward`: how gradients get the later layers' activations,
-    recomputed, stored or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`)."""
+    """Integrated gradients of `attribution` under `rule` (arguments already checked,
+    `jaxdepth.analyses.ig.checks`): tokens `[B, T]` with `valid [B, T]`; the adaptive rule takes
+    one prompt. `label` names the prompts in a non-finite report (default 0..B-1)."""
     B, T = tokens.shape
-    backward = choose_backward(backward, config, B * T, steps, memory_budget)
+    layers, site = list(attribution.layers), attribution.site
+    # the rule's evaluations per layer say how many gradients a sweep could vmap
+    backward = choose_backward(execution.backward, config, B * T, rule.evaluations, execution.memory_budget)
+    execution = dataclasses.replace(execution, backward=backward)
     x, inputs, f_input = clean_run(
-        params,
-        tokens,
-        valid,
-        config,
-        site=site,
-        metric=metric,
-        aux=aux,
-        positions=positions,
-        interventions=interventions,
+        params, tokens, valid, config, interventions=interventions, **attribution.metric_arguments()
     )
     f_input = to_host(f_input)
     report = lambda layer_list, per_position, f_baseline: nonfinite_report(
-        layer_list, per_position, f_input, f_baseline, baseline=baseline, site=site, prompts=label
+        layer_list, per_position, f_input, f_baseline, baseline=attribution.baseline, site=site, prompts=label
     )
     if not np.all(np.isfinite(f_input)):
-        raise_or_warn(report([], np.zeros((0, B, T)), np.zeros((0, B))), nonfinite)
-    b = layer_baselines(x, valid, baseline, layers)
+        raise_or_warn(report([], np.zeros((0, B, T)), np.zeros((0, B))), execution.nonfinite)
+    b = layer_baselines(x, valid, attribution.baseline, layers)
 
     def path(i):
         return _layer_path(x, b, inputs, np.int32(layers[i]), np.int32(i), with_inputs=site != "resid_post")
@@ -151,21 +182,15 @@ def attribute(
             np.asarray(alphas, np.float32),
             np.asarray(weights, np.float32),
             config,
-            site=site,
-            metric=metric,
-            aux=aux,
-            positions=positions,
             chunk_size=chunk,
             interventions=interventions,
             backward=backward,
+            **attribution.metric_arguments(),
         )
         a = attribution_of(p, g, valid, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
 
-    common = dict(layers=np.asarray(layers), site=site)  # and rule, as called
-    if rule == "adaptive":
-        tolerance = rules.DEFAULT_TOLERANCE if tolerance is None else tolerance
-        max_evaluations = rules.default_budget(steps) if max_evaluations is None else max_evaluations
+    if isinstance(rule, rules.AdaptiveRule):
 
         def call(layer, alphas, grad, chunk):
             i = layers.index(layer)
@@ -176,64 +201,49 @@ def attribute(
                 path(i),
                 np.asarray(alphas, np.float32),
                 config,
-                site=site,
-                metric=metric,
-                aux=aux,
-                positions=positions,
                 interventions=interventions,
                 grad=grad,
                 chunk_size=chunk,
                 backward=backward,
+                **attribution.metric_arguments(),
             )
 
-        return _adaptive(
-            call,
-            weighted,
-            layers,
-            float(f_input[0]),
-            T,
-            config,
-            tolerance=np.broadcast_to(np.asarray(tolerance, np.float64), (len(layers),)),
-            max_evaluations=max_evaluations,
-            options={"stored": backward == "stored", **(adaptive_options or {})},
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-            progress=progress,
-            per_channel=per_channel,
-            on_layer=on_layer,
-            common=common,
-            check=lambda per_position, f_baseline: raise_or_warn(report(layers, per_position, f_baseline), nonfinite),
+        check = lambda per_position, f_baseline: raise_or_warn(
+            report(layers, per_position, f_baseline), execution.nonfinite
         )
+        return _adaptive(call, weighted, check, float(f_input[0]), T, config, attribution, rule, execution)
 
-    alphas, weights = rules.quadrature(rule, steps)
-    chunk = chunk_size or auto_chunk_size(
-        config, B * T, steps, grad=True, stored=backward == "stored", memory_budget=memory_budget
+    alphas, weights = rule.nodes()
+    chunk = execution.chunk_size or auto_chunk_size(
+        config, B * T, rule.steps, grad=True, stored=backward == "stored", memory_budget=execution.memory_budget
     )
     per_position, attributions, f_baseline = [], [], []
-    for i in track(range(len(layers)), progress, f"integrated gradients at {site} ({rule}, {steps} steps)"):
-        pp, a, fb = weighted(i, alphas, weights, chunk, per_channel)
-        if per_channel:
+    desc = f"integrated gradients at {site} ({rule.kind}, {rule.steps} steps)"
+    for i in track(range(len(layers)), execution.progress, desc):
+        pp, a, fb = weighted(i, alphas, weights, chunk, execution.per_channel)
+        if execution.per_channel:
             attributions.append(to_host(a))
             pp = _summed(attributions[-1], x.ndim - 1)
         per_position.append(to_host(pp))
         f_baseline.append(to_host(fb))
-        if on_layer is not None:
-            on_layer()
-        if nonfinite == "raise":  # stop at the first such layer: the later ones would cost as much
-            raise_or_warn(report(layers[i : i + 1], per_position[-1][None], f_baseline[-1][None]), nonfinite)
+        if execution.on_layer is not None:
+            execution.on_layer()
+        if execution.nonfinite == "raise":  # stop at the first such layer: the later ones would cost as much
+            raise_or_warn(report(layers[i : i + 1], per_position[-1][None], f_baseline[-1][None]), "raise")
     per_position, f_baseline = np.stack(per_position), np.stack(f_baseline)
-    raise_or_warn(report(layers, per_position, f_baseline), nonfinite)
+    raise_or_warn(report(layers, per_position, f_baseline), execution.nonfinite)
     with np.errstate(invalid="ignore", over="ignore"):
         gap = per_position.sum(-1) - (f_input[None] - f_baseline)
     return SiteIG(
-        attributions=np.stack(attributions) if per_channel else None,
+        attributions=np.stack(attributions) if execution.per_channel else None,
         per_position=per_position,
         gap=gap,
         f_input=f_input,
         f_baseline=f_baseline,
-        evaluations=np.full((len(layers), B), steps),
+        evaluations=np.full((len(layers), B), rule.steps),
+        layers=np.asarray(layers),
+        site=site,
         rule=rule,
-        **common,
     )
 
 
@@ -247,57 +257,50 @@ def _summed(a: np.ndarray, value_ndim: int) -> np.ndarray:
 def _adaptive(
     call,
     weighted,
-    layers,
+    check,
     f_input: float,
     seq_len: int,
     config: ModelConfig,
-    *,
-    tolerance: np.ndarray,
-    max_evaluations: int,
-    options: dict,
-    chunk_size,
-    memory_budget,
-    progress: ProgressLike,
-    per_channel: bool,
-    on_layer,
-    common: dict,
-    check,
+    attribution: Attribution,
+    rule: rules.AdaptiveRule,
+    execution: Execution,
 ) -> SiteIG:
     """The adaptive rule (one prompt): `call(layer, alphas, grad, chunk)` the rounds' evaluations
     (`path_points`), `weighted(i, alphas, weights, chunk, channels_too)` the weighted per-channel
     pass of the i-th attributed layer, `check(per_position [n, 1, T], f_baseline [n, 1])` the
-    non-finite check, before that pass."""
-    site = common["site"]
+    non-finite check, before that pass; `execution.backward` as chosen ('stored' or 'recompute')."""
+    layers = list(attribution.layers)
 
     def layer_done():
         bar.update()
-        if on_layer is not None:
-            on_layer()
+        if execution.on_layer is not None:
+            execution.on_layer()
 
-    with progress_bar(progress, total=len(layers), desc=f"adaptive integrated gradients at {site}") as bar:
+    desc = f"adaptive integrated gradients at {attribution.site}"
+    with progress_bar(execution.progress, total=len(layers), desc=desc) as bar:
         finished = rules.run_rule(
             call,
             layers,
             f_input,
             seq_len,
             config,
-            tolerance=tolerance,
-            max_evaluations=max_evaluations,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
+            tolerance=rule.tolerances(len(layers)),
+            chunk_size=execution.chunk_size,
+            memory_budget=execution.memory_budget,
+            stored=execution.backward == "stored",
             on_layer=layer_done,
-            **options,
+            **rule.options(),
         )
     summary = rules.summarise(finished)
     check(summary["attributions"][:, None], summary["f_baseline"][:, None])
     attributions = None
-    if per_channel:  # a second pass: the final composite rule's weights, gradients per channel
+    if execution.per_channel:  # a second pass: the final composite rule's weights, gradients per channel
         parts = []
         for i, r in enumerate(finished):
             alphas, weights = r.node_weights()
             pad = -len(alphas) % _NODE_MULTIPLE
             alphas, weights = np.pad(alphas, (0, pad), mode="edge"), np.pad(weights, (0, pad))
-            parts.append(to_host(weighted(i, alphas, weights, chunk_size or _NODE_MULTIPLE, True)[1]))
+            parts.append(to_host(weighted(i, alphas, weights, execution.chunk_size or _NODE_MULTIPLE, True)[1]))
         attributions = np.stack(parts)
     column = lambda a: np.asarray(a)[:, None]  # [n] -> [n, B=1]
     per_position = summary["attributions"][:, None].astype(np.float32)
@@ -314,6 +317,7 @@ def _adaptive(
         converged=column(summary["converged"]),
         bound=column(summary["bound"]),
         floored=column(summary["floored"]),
-        rule="adaptive",
-        **common,
+        layers=np.asarray(layers),
+        site=attribution.site,
+        rule=rule,
     )

@@ -63,7 +63,8 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -114,7 +115,7 @@ def default_budget(steps: int) -> int:
 
 
 FIXED_RULES = ("left", "midpoint", "gauss", "right")
-RULES = FIXED_RULES + ("adaptive",)
+RULES = FIXED_RULES + ("adaptive",)  # the rules' names: the command line's and the settings' "rule"
 
 
 def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +138,222 @@ def quadrature(rule: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
         nodes, weights = np.polynomial.legendre.leggauss(steps)
         return (nodes + 1) / 2, weights / 2
     raise ValueError(f"rule must be one of {FIXED_RULES}, got {rule!r}")
+
+
+# ----------------------------------------------------------------------------- rules as values
+
+
+def _integer(value, name: str) -> int:
+    """`value` as a Python int (a numpy integer too); a float, a bool or anything else is refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedRule:
+    """A fixed quadrature rule: `steps` nodes of `kind` ('left', the published rule: α_k = k/n;
+    'midpoint'; 'gauss', Gauss-Legendre; 'right', whose one step is gradient x (input -
+    baseline)), the same for every layer. `FixedRule()` is the published rule, 256 left steps."""
+
+    kind: str = "left"
+    steps: int = DEFAULT_STEPS
+
+    def __post_init__(self):
+        if self.kind not in FIXED_RULES:
+            hint = (
+                ": the adaptive rule is AdaptiveRule(tolerance=..., max_evaluations=...)"
+                if self.kind == "adaptive"
+                else ""
+            )
+            raise ValueError(f"a fixed rule's kind must be one of {FIXED_RULES}, got {self.kind!r}{hint}")
+        object.__setattr__(self, "steps", _integer(self.steps, "steps"))  # a numpy int hashes and saves as an int
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+    @property
+    def name(self) -> str:
+        """The rule's name among `RULES`: its kind."""
+        return self.kind
+
+    @property
+    def evaluations(self) -> int:
+        """Gradient evaluations per layer: its steps."""
+        return self.steps
+
+    def nodes(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(alphas, weights)` (`quadrature`)."""
+        return quadrature(self.kind, self.steps)
+
+    def settings(self) -> dict:
+        """The entries it contributes to a result's settings (`rule_from_settings` reads them back)."""
+        return {"steps": self.steps, "rule": self.kind}
+
+    def identity(self) -> dict:
+        """What a cached result must match (`jaxdepth.lab.study`): its settings."""
+        return self.settings()
+
+    @property
+    def description(self) -> str:
+        """In words: "left rule, 256 steps"."""
+        return f"{self.kind} rule, {self.steps} steps"
+
+    def __str__(self) -> str:
+        return self.description
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRule:
+    """The adaptive rule (the module docstring): per layer, composite Simpson refined where the
+    exact per-interval error is largest until the certified bound on the completeness gap is at
+    most `tolerance` times max(|F(x) - F(b)|, `floor_share` |F(x)|, `atol`), or the layer has
+    spent `max_evaluations` gradient evaluations (then it is reported as not converged).
+
+    `tolerance`: one value, or one per attributed layer (a tuple; any sequence is taken as one).
+    `grid_points` (0: none, else >= 2): a forward grid for the initial partition;
+    `initial_intervals`: the intervals each layer starts from. It takes one prompt at a time."""
+
+    tolerance: Union[float, tuple[float, ...]] = DEFAULT_TOLERANCE
+    max_evaluations: int = MAX_EVALUATIONS
+    atol: float = ATOL
+    floor_share: float = FLOOR_SHARE
+    grid_points: int = GRID_POINTS
+    initial_intervals: int = INITIAL_INTERVALS
+
+    def __post_init__(self):
+        tolerance = np.asarray(self.tolerance, np.float64)
+        if tolerance.ndim > 1 or tolerance.size == 0:
+            raise ValueError(f"tolerance must be one value or one per layer, got {self.tolerance!r}")
+        if not np.all(tolerance > 0):  # NaN too
+            shown = tolerance.item() if tolerance.ndim == 0 else tolerance.tolist()
+            raise ValueError(f"tolerance must be > 0, got {shown}")
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (its own normalisation)
+        set_("tolerance", float(tolerance) if tolerance.ndim == 0 else tuple(tolerance.tolist()))
+        set_("max_evaluations", _integer(self.max_evaluations, "max_evaluations"))
+        if self.max_evaluations < 3:
+            raise ValueError(f"max_evaluations must be >= 3 (one Simpson interval), got {self.max_evaluations}")
+        set_("atol", float(self.atol))
+        set_("floor_share", float(self.floor_share))
+        if not (self.atol >= 0 and self.floor_share >= 0):
+            raise ValueError(f"atol and floor_share must be >= 0, got {self.atol} and {self.floor_share}")
+        set_("grid_points", _integer(self.grid_points, "grid_points"))
+        if self.grid_points < 0 or self.grid_points == 1:
+            raise ValueError(f"grid_points must be 0 (no grid) or >= 2, got {self.grid_points}")
+        set_("initial_intervals", _integer(self.initial_intervals, "initial_intervals"))
+        if self.initial_intervals < 1:
+            raise ValueError(f"initial_intervals must be >= 1, got {self.initial_intervals}")
+
+    name: ClassVar[str] = "adaptive"  # among `RULES`
+
+    @property
+    def evaluations(self) -> int:
+        """Gradient evaluations per layer at most: its budget."""
+        return self.max_evaluations
+
+    def tolerances(self, layers: int) -> np.ndarray:
+        """The tolerance of each of `layers` attributed layers `[layers]`."""
+        if isinstance(self.tolerance, tuple) and len(self.tolerance) != layers:
+            raise ValueError(
+                f"tolerance has {len(self.tolerance)} values, one per layer, for {layers} attributed layers"
+            )
+        return np.broadcast_to(np.asarray(self.tolerance, np.float64), (layers,))
+
+    @property
+    def uniform_tolerance(self) -> Optional[float]:
+        """The tolerance of every layer, or None where layers have tolerances of their own."""
+        values = set(np.atleast_1d(self.tolerance).tolist())
+        return values.pop() if len(values) == 1 else None
+
+    def options(self) -> dict:
+        """Its keywords of `run_rule`, the tolerance apart."""
+        return dict(
+            max_evaluations=self.max_evaluations,
+            atol=self.atol,
+            floor_share=self.floor_share,
+            grid_points=self.grid_points,
+            initial_intervals=self.initial_intervals,
+        )
+
+    def settings(self) -> dict:
+        """The entries it contributes to a result's settings (`rule_from_settings` reads them back);
+        a tolerance equal on every layer is one number."""
+        uniform = self.uniform_tolerance
+        return {
+            "rule": self.name,
+            "tolerance": list(self.tolerance) if uniform is None else uniform,
+            "max_evaluations": self.max_evaluations,
+            "atol": self.atol,
+            "grid_points": self.grid_points,
+            "initial_intervals": self.initial_intervals,
+            "floor_share": self.floor_share,
+        }
+
+    def identity(self) -> dict:
+        """What a cached result must match (`jaxdepth.lab.study`): the tolerance, the budget and
+        `RULE_VERSION` (results of an older rule are recomputed); the other knobs only where
+        they are not the defaults, so that results saved before they could be set stay valid."""
+        settings, defaults = self.settings(), AdaptiveRule().settings()
+        knobs = {k: v for k, v in settings.items() if k not in _ADAPTIVE_IDENTITY and v != defaults[k]}
+        return {**{k: settings[k] for k in _ADAPTIVE_IDENTITY}, "rule_version": RULE_VERSION, **knobs}
+
+    @property
+    def description(self) -> str:
+        """In words: "adaptive rule to 1%" (or "to per-layer tolerances")."""
+        uniform = self.uniform_tolerance
+        return f"adaptive rule to {'per-layer tolerances' if uniform is None else f'{100 * uniform:g}%'}"
+
+    def __str__(self) -> str:
+        return self.description
+
+
+_ADAPTIVE_IDENTITY = ("rule", "tolerance", "max_evaluations")  # always in its identity, in this order
+
+Rule = Union[FixedRule, AdaptiveRule]
+
+
+def as_rule(rule: Union[Rule, str]) -> Rule:
+    """`rule` itself, or the rule a name stands for with its defaults: 'left', 'midpoint',
+    'gauss', 'right' -> `FixedRule(name)` (256 steps); 'adaptive' -> `AdaptiveRule()` (to 1%,
+    at most 256 evaluations per layer)."""
+    if isinstance(rule, (FixedRule, AdaptiveRule)):
+        return rule
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        return AdaptiveRule() if rule == "adaptive" else FixedRule(rule)
+    if isinstance(rule, (int, np.integer)):  # steps, or a budget? say which
+        raise TypeError(f"a number is not a rule: FixedRule(steps={rule}) or AdaptiveRule(max_evaluations={rule})?")
+    raise TypeError(f"rule must be a FixedRule, an AdaptiveRule or one of {RULES}, got {rule!r}")
+
+
+def rule_of(
+    name: str, steps: int = DEFAULT_STEPS, tolerance: Any = None, max_evaluations: Optional[int] = None
+) -> Rule:
+    """The rule of loose options, as the command line gives them: `name` (one of `RULES`) with
+    `steps`; the adaptive rule's `tolerance` (default `DEFAULT_TOLERANCE`) and `max_evaluations`
+    (default `default_budget(steps)`: never more than the fixed rule). A fixed rule refuses a
+    tolerance or a budget."""
+    if name not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {name!r}")
+    if name == "adaptive":
+        return AdaptiveRule(
+            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            max_evaluations=default_budget(steps) if max_evaluations is None else max_evaluations,
+        )
+    if tolerance is not None:
+        raise ValueError(f"tolerance is the adaptive rule's; the {name!r} rule takes steps")
+    if max_evaluations is not None:
+        raise ValueError(f"max_evaluations is the adaptive rule's; the {name!r} rule takes steps")
+    return FixedRule(name, steps)
+
+
+def rule_from_settings(settings: Mapping) -> Rule:
+    """The rule a result's settings name (`FixedRule.settings`, `AdaptiveRule.settings`); an entry
+    missing takes the default (a fixed rule's name: 'left')."""
+    if settings.get("rule") == "adaptive":
+        fields = [f.name for f in dataclasses.fields(AdaptiveRule)]
+        return AdaptiveRule(**{k: settings[k] for k in fields if k in settings})
+    return FixedRule(settings.get("rule", "left"), settings.get("steps", DEFAULT_STEPS))
 
 
 # ----------------------------------------------------------------------------- the adaptive rule
