@@ -40,7 +40,9 @@ if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is n
 # and the record a tap reads, by module, in the order of the page: tests/test_reference.py finds
 # those names in the examples and fails when one has no entry.
 BEYOND = {
-    "jaxdepth.core.model": ("forward", "run_layers", "residual_stream", "embed", "unembed", "LayerRecord"),
+    "jaxdepth.core.model": ("forward", "residual_stream", "embed", "unembed"),
+    "jaxdepth.core.loops": ("run_layers",),
+    "jaxdepth.core.layer": ("LayerRecord",),
     "jaxdepth.core.batch": ("make_batch",),
     "jaxdepth.core.saved_result": ("SavedResult",),
     "jaxdepth.lab.prompts": ("Prompt", "load_prompts", "encode"),

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.ig.path import suffix_value_and_grad
+from jaxdepth.core.loops import suffix_value_and_grad
 from jaxdepth.core.compilation import CPU_COMPILER_OPTIONS
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, unembed

@@ -17,12 +17,14 @@ import jax.numpy as jnp
 
 from jaxdepth.analyses import erasure, integrated_gradients as ig
 from jaxdepth.analyses.ig.checks import ig_baseline
-from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.ig.engine import Execution
+from jaxdepth.analyses.ig.rules import FixedRule, quadrature
 from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core import sites
 from jaxdepth.lab.sources import load
-from jaxdepth.core.model import embed, forward, residual_stream, run_layers, unembed
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, residual_stream, unembed
 from jaxdepth.lab.prompts import encode, load_prompts
 from jaxdepth.analyses.stats import masked_max, norm
 from jaxdepth.core.sweep import sweep
@@ -126,7 +128,11 @@ def main():
         )
 
     alphas, _ = quadrature("left", args.ig_steps)
-    ours, t_ours = timed(lambda: ig.ig_of_prompt(p, prompt, c, steps=args.ig_steps, chunk_size=args.chunk))
+    ours, t_ours = timed(
+        lambda: ig.ig_of_prompt(
+            p, prompt, c, rule=FixedRule(steps=args.ig_steps), execution=Execution(chunk_size=args.chunk)
+        )
+    )
     a_ours = ours.per_position[:, 0]
     a_plain, t_plain = timed(
         lambda: plain_ig(p, tokens, valid, answer_mask, jnp.asarray(alphas, jnp.float32), c, args.chunk)

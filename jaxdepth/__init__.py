@@ -4,7 +4,8 @@ The top level holds what most code needs: `load` (a `Model` from a converted fol
 Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
 (`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
 `skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients
-at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`), and edge
+at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`, with its rule a
+value, `FixedRule` or `AdaptiveRule`, and how it runs an `Execution`), and edge
 attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
 circuits in `jaxdepth.analyses.edges`). Each analysis
 of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
@@ -18,11 +19,19 @@ prompts, T positions, L layers, D residual width, V vocabulary, ...).
 
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
-from jaxdepth.core.model import forward, residual_stream, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import forward, residual_stream
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.sources import load
 from jaxdepth.analyses.attribution import site_gradients
-from jaxdepth.analyses.ig import NonFiniteAttributionError, SiteIG, integrated_gradients
+from jaxdepth.analyses.ig import (
+    AdaptiveRule,
+    Execution,
+    FixedRule,
+    NonFiniteAttributionError,
+    SiteIG,
+    integrated_gradients,
+)
 from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
 
 __all__ = [
@@ -36,6 +45,9 @@ __all__ = [
     "sites",
     "site_gradients",
     "integrated_gradients",
+    "FixedRule",
+    "AdaptiveRule",
+    "Execution",
     "SiteIG",
     "NonFiniteAttributionError",
     "edge_attribution",

@@ -325,6 +325,60 @@ def test_a_cycle_of_layers_without_a_cycle_of_modules_is_reported():
 MAX_POSITIONAL = 8  # what a function takes beyond that is an option: keyword-only
 
 
+# The layer body and the per-layer weights are read only where the layers are looped over: every
+# other module runs the layers through `jaxdepth.core.loops`.
+LAYER_BODY = ("layer_step", "layer_params")
+LOOP_HOMES = ("jaxdepth/core/layer.py", "jaxdepth/core/loops.py")
+LOOPS = ("scan", "fori_loop", "while_loop", "map", "associative_scan")
+
+
+def layer_loops_outside_the_loop_module(files: dict[str, str]) -> list[str]:
+    """Every use of the layer body (`LAYER_BODY`) outside `LOOP_HOMES`, and every `jax.lax` loop
+    outside them whose arguments mention the number of layers or the stacked layer weights, as
+    'path:line what'."""
+    found = []
+    for path, source in sorted(files.items()):
+        if path.replace(os.sep, "/") in LOOP_HOMES:
+            continue
+        for node in ast.walk(ast.parse(source, path)):
+            name = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else node.name
+                if isinstance(node, ast.alias)
+                else None
+            )
+            if name in LAYER_BODY:
+                found.append(f"{path}:{node.lineno} {name}")
+            if isinstance(node, ast.Call):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                arguments = " ".join(ast.unparse(a) for a in [*node.args, *(k.value for k in node.keywords)])
+                if func in LOOPS and ("num_layers" in arguments or "['layers']" in arguments):
+                    found.append(f"{path}:{node.lineno} a {func} over the layers")
+    return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1].split()[0])))
+
+
+def test_the_layers_are_looped_over_in_the_loop_module_only():
+    files = {path: source for path, source in package_files().items() if path.startswith("jaxdepth")}
+    assert "jaxdepth/core/loops.py" in files
+    assert layer_loops_outside_the_loop_module(files) == []
+    synthetic = {
+        "jaxdepth/analyses/mine.py": "from jaxdepth.core.layer import layer_step\n"
+        "def f(params, h, config):\n"
+        "    return jax.lax.fori_loop(0, config.num_layers, lambda i, h: h, h)\n"
+        "def g(params, h):\n"
+        "    return jax.lax.scan(lambda h, p: (h, None), h, params['layers'])\n",
+        "jaxdepth/core/loops.py": "def run(h, config):\n    return jax.lax.fori_loop(0, config.num_layers, f, h)\n",
+    }
+    assert layer_loops_outside_the_loop_module(synthetic) == [
+        "jaxdepth/analyses/mine.py:1 layer_step",
+        "jaxdepth/analyses/mine.py:3 a fori_loop over the layers",
+        "jaxdepth/analyses/mine.py:5 a scan over the layers",
+    ]
+
+
 def long_signatures(files: dict[str, str]) -> list[str]:
     """Functions with more than `MAX_POSITIONAL` positional parameters (self and cls not counted),
     as 'path:line name(n)'."""

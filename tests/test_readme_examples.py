@@ -28,7 +28,8 @@ def test_each_example_is_at_most_20_lines():
 @pytest.mark.slow(seconds=50)
 def test_readme_examples_run_as_written(smollm2, capsys):
     from jaxdepth.core import sites
-    from jaxdepth.core.model import embed, forward, run_layers
+    from jaxdepth.core.loops import run_layers
+    from jaxdepth.core.model import embed, forward
 
     namespace: dict = {}
     for block in _examples():  # in order, in one namespace, as a reader pastes them

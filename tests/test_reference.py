@@ -228,9 +228,9 @@ def test_names_the_prose_writes_out_are_the_references():
 def test_the_tap_record_is_documented_field_by_field():
     """A tap (`run_layers(..., tap=...)`) reads a `LayerRecord`: its entry names every field,
     the attention probabilities among them."""
-    from jaxdepth.core.model import LayerRecord
+    from jaxdepth.core.layer import LayerRecord
 
-    assert "jaxdepth.core.model.LayerRecord" in _headings()
+    assert "jaxdepth.core.layer.LayerRecord" in _headings()
     doc = _generator().docstring(LayerRecord)
     assert not [f.name for f in dataclasses.fields(LayerRecord) if f"`{f.name}`" not in doc]
     assert "attention probabilities `attn_probs`" in doc

@@ -541,24 +541,41 @@ def time_reference(fn: Callable, repeat: int, sync: Callable) -> Timed:
 
 
 def integrated_gradients_function():
-    """jaxdepth's study IG (`integrated_gradients(params, batch, config, *, steps, rule, ...)`),
+    """jaxdepth's study IG (`integrated_gradients(params, batch, config, *, rule, execution, ...)`),
     the one place this module names where it lives."""
     from jaxdepth.analyses.integrated_gradients import integrated_gradients
 
     return integrated_gradients
 
 
+def _takes(name: str) -> bool:
+    return name in inspect.signature(integrated_gradients_function()).parameters
+
+
 def ig_options(backward: Optional[str]) -> dict:
-    """jaxdepth's IG options beyond the studies' defaults: `backward`, where it takes one."""
+    """jaxdepth's IG options beyond the studies' defaults: `backward`, where it takes one (in an
+    `Execution`, or, in a jaxdepth whose IG options were keywords, as `backward=`): the
+    benchmark runs before and after a change, on either."""
     if backward is None:
         return {}
-    if "backward" not in inspect.signature(integrated_gradients_function()).parameters:
+    if _takes("execution"):
+        from jaxdepth.analyses.ig import Execution
+
+        return {"execution": Execution(backward=backward, progress=False)}
+    if not _takes("backward"):
         raise SystemExit("error: --ig-backward: this jaxdepth's integrated_gradients takes no `backward` option")
     return {"backward": backward}
 
 
 def run_ig(params, batch, config, steps: int, options: dict):
-    return integrated_gradients_function()(params, batch, config, steps=steps, rule="left", progress=False, **options)
+    if not _takes("execution"):  # a jaxdepth whose IG options were keywords
+        return integrated_gradients_function()(
+            params, batch, config, steps=steps, rule="left", progress=False, **options
+        )
+    from jaxdepth.analyses.ig import Execution, FixedRule
+
+    options = {"execution": Execution(progress=False), **options}
+    return integrated_gradients_function()(params, batch, config, rule=FixedRule("left", steps), **options)
 
 
 def run_layer_skip(bench, w):

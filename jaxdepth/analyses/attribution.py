@@ -30,7 +30,8 @@ from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import embed, run_layers, unembed
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.sites import Intervention, as_interventions, site_shape
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes

@@ -12,7 +12,9 @@ import numpy as np
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import LayerRecord, embed, run_layers
+from jaxdepth.core.layer import LayerRecord
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.saved_result import SavedResult

@@ -33,15 +33,8 @@ from jaxdepth.core.progress import ProgressLike, progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (
-    final_residual,
-    layer_inputs,
-    layer_params,
-    layer_step,
-    piece_context,
-    residual_stream,
-    unembed,
-)
+from jaxdepth.core.loops import final_residual, run_layers_in_pieces
+from jaxdepth.core.model import layer_inputs, residual_stream, unembed
 from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
@@ -183,31 +176,20 @@ def erased_final_residual(
     `boundary`, `first_piece` and `last_piece` may be traced, not batched (they are loop
     bounds); `position` and `value` may be batched. Forward only."""
     hs, keys, values, _ = clean_state
-    L, T = config.num_layers, hs.shape[2]
+    T = hs.shape[2]
     erase_rows = lambda rows: sites.replace("resid_pre", boundary, rows == position, value)
-
-    def layer(i, h):
-        p = layer_params(params, i)
-
-        def piece(j, carry):
-            h, k_buf, v_buf = carry
-            start = j * width
-            x = jax.lax.dynamic_slice_in_dim(h, start, width, axis=1)
-            r = layer_step(
-                p,
-                x,
-                i,
-                piece_context(valid, start, width, config),
-                config,
-                (*interventions, erase_rows(start + jnp.arange(width))),
-                prefix=(k_buf, v_buf),
-            )
-            put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=1)
-            return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:])
-
-        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i]))[0]
-
-    h = jax.lax.fori_loop(boundary, L, layer, hs[boundary])
+    h = run_layers_in_pieces(
+        params,
+        hs[boundary],
+        boundary,
+        (keys, values),
+        valid,
+        config,
+        first_piece=first_piece,
+        last_piece=last_piece,
+        width=width,
+        interventions_of=lambda rows: (*interventions, erase_rows(rows)),
+    )
     return final_residual(h, config, (*interventions, erase_rows(jnp.arange(T))))
 
 

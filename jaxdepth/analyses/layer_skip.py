@@ -35,7 +35,9 @@ from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import LayerRecord, layer_inputs, run_layers_from, unembed
+from jaxdepth.core.layer import LayerRecord
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import layer_inputs, unembed
 from jaxdepth.core.sites import as_interventions, skip as skip_at
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
@@ -139,11 +141,11 @@ def skipped_runs(
     def runs_of_layer(layer):
         def member(m):
             skip, measure = m
-            h, later = run_layers_from(
+            h, later = run_layers(
                 params,
                 starts[layer],
-                layer,
                 config,
+                start=layer,
                 valid=valid,
                 interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, skip)),
                 tap=_tap_relative_change(measure[None] & valid),

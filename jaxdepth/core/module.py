@@ -14,7 +14,8 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params, check_params, forward
+from jaxdepth.core.layer import Params
+from jaxdepth.core.model import check_params, forward
 from jaxdepth.core.sharding import PARTITION_RULES
 
 

@@ -3,13 +3,27 @@
 Every layer exposes these sites, in the order the layer computes them (names as in
 TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
 
-    resid_pre   h_l, the layer's input                         [B, T, D]
-    head_out    each attention head's output, before o_proj      [B, T, H, Dh]
-    attn_out    a_l, the attention output after o_proj           [B, T, D]
-    mlp_hidden  silu(gate) * up, the MLP's hidden activations    [B, T, F]
-    mlp_out     m_l, the MLP output                              [B, T, D]
-    delta       the layer's contribution a_l + m_l               [B, T, D]
-    resid_post  h_{l+1}, the layer's output                      [B, T, D]
+    resid_pre   h_l, the layer's input                               [B, T, D]
+    q_in        each query head's query input, before the norm *     [B, T, H, D]
+    k_in        each query head's key input, before the norm *       [B, T, H, D]
+    v_in        each query head's value input, before the norm *     [B, T, H, D]
+    head_out    each attention head's output, before o_proj            [B, T, H, Dh]
+    head_result each head's output through its slice of o_proj *      [B, T, H, D]
+    attn_out    a_l, the attention output after o_proj                 [B, T, D]
+    mlp_in      h_l + a_l, the MLP's input before its norm             [B, T, D]
+    mlp_hidden  silu(gate) * up, the MLP's hidden activations          [B, T, F]
+    mlp_out     m_l, the MLP output                                    [B, T, D]
+    delta       the layer's contribution a_l + m_l                     [B, T, D]
+    resid_post  h_{l+1}, the layer's output                            [B, T, D]
+
+The sites marked * exist in a layer whose attention input is split per head (TransformerLens's
+`use_split_qkv_input`): every query head reads its query, key and value from an input of its
+own (each h_l until an intervention changes it), the key and value inputs of the heads of a
+group are projected with the group's weights (never copied), and `attn_out` is the sum of the
+heads' `head_result`. A layer is split exactly when an intervention acts at one of those sites
+(`SPLIT_SITES`); its keys and values (`LayerRecord.k`, `.v`) are then per query head, and its
+numbers equal the unsplit layer's to float rounding. Editing `mlp_in` changes what the MLP
+reads, not the residual: `resid_post` is still h_l + a_l + m_l.
 
 `resid_pre` at layer index L (one past the last layer) is the final residual h_L, the input of
 the final norm: an intervention there edits boundary L.
@@ -24,7 +38,7 @@ the interventions among their arguments against the model's config before tracin
 `check_layer_indices`). Inside a `jit` or `vmap` of your own the index is traced: negatives are
 still counted from the end, but an out-of-range traced index matches no layer and so edits
 nothing; check concrete indices yourself first with `check_layer_indices(ivs, L)`. Taps (see
-`jaxdepth.core.model.LayerRecord`) also read the queries, keys, values and attention probabilities.
+`jaxdepth.core.layer.LayerRecord`) also read the queries, keys, values and attention probabilities.
 
 An `Intervention` is a site name, a pure function `fn(value, layer, data) -> value` and `data`,
 a pytree of arrays. `layer` is the (traced) layer index, so one intervention can act on any
@@ -33,6 +47,12 @@ interventions (data with a leading axis) `vmap`s, and gradients flow into `data`
 `fn` are static: define `fn` once (at module level), not as a new lambda per call, or every call
 compiles anew. Write `fn` with `where` and multiplications, not Python `if` on values: under
 `vmap` both branches of a `lax.cond` run anyway.
+
+A `StatefulIntervention` carries a state (a pytree of arrays) through the layer loop: it acts
+at several sites, in the order the layer computes them, and each call returns the value and the
+new state. It is what an edit needs that depends on what the run itself computed earlier
+(exact edge patching: a reader receives a writer's corrupt output minus what that writer wrote
+in this very run).
 """
 
 from __future__ import annotations
@@ -48,31 +68,43 @@ from jaxtyping import Array, Float
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One named site of a layer: `name`, the field of `jaxdepth.core.model.LayerRecord` that
-    holds its value (`record`; the record answers to `name` too), and `features(config)`, the
-    shape of its value after the batch and position axes."""
+    """One named site of a layer: `name`, the field of `jaxdepth.core.layer.LayerRecord` that
+    holds its value (`record`; the record answers to `name` too), `features(config)`, the
+    shape of its value after the batch and position axes, and whether it exists only in a
+    layer whose attention input is split per head (`split`, module docstring)."""
 
     name: str
     record: str
     features: Callable[[Any], tuple]
+    split: bool = False  # computed only in a layer whose attention input is split per head
 
 
 def _width(config) -> tuple:
     return (config.hidden_size,)
 
 
+def _per_head_width(config) -> tuple:
+    return (config.num_heads, config.hidden_size)
+
+
 # The one table of sites, in the order the layer computes them: a new site is one entry here
 # (and its computation in `layer_step`); the names, shapes and the record's aliases follow.
 SITE_TABLE = (
     Site("resid_pre", "h", _width),
+    Site("q_in", "q_in", _per_head_width, split=True),
+    Site("k_in", "k_in", _per_head_width, split=True),
+    Site("v_in", "v_in", _per_head_width, split=True),
     Site("head_out", "head_out", lambda c: (c.num_heads, c.head_dim)),
+    Site("head_result", "head_result", _per_head_width, split=True),
     Site("attn_out", "attn", _width),
+    Site("mlp_in", "mlp_in", _width),
     Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,)),
     Site("mlp_out", "mlp", _width),
     Site("delta", "delta", _width),
     Site("resid_post", "out", _width),
 )
 SITES = tuple(site.name for site in SITE_TABLE)
+SPLIT_SITES = tuple(site.name for site in SITE_TABLE if site.split)
 _BY_NAME = {site.name: site for site in SITE_TABLE}
 
 
@@ -214,28 +246,83 @@ class Intervention:
             out = self.fn(value, layer, self.data)
         except InterventionError as e:
             raise InterventionError(f"{self._name()}: {e}") from None
-        if jnp.shape(out) != value.shape:
-            raise InterventionError(
-                f"{self._name()}: returned shape {jnp.shape(out)}, but the site's value has shape {value.shape}"
-            )
-        if not jnp.issubdtype(jnp.result_type(out), jnp.inexact):
-            raise InterventionError(f"{self._name()}: returned {jnp.result_type(out)}, a float is needed")
+        _check_result(self._name(), out, value)
         return out.astype(value.dtype)
+
+
+def _check_result(name: str, out, value: Array) -> None:
+    """Refuse an intervention's result that is not a float array of the site value's shape."""
+    if jnp.shape(out) != value.shape:
+        raise InterventionError(
+            f"{name}: returned shape {jnp.shape(out)}, but the site's value has shape {value.shape}"
+        )
+    if not jnp.issubdtype(jnp.result_type(out), jnp.inexact):
+        raise InterventionError(f"{name}: returned {jnp.result_type(out)}, a float is needed")
 
 
 jax.tree_util.register_dataclass(
     Intervention, data_fields=["data"], meta_fields=["site", "fn", "layer_data", "layer_index"]
 )
 
-InterventionsLike = Union[None, Intervention, Sequence[Any]]
+
+@dataclasses.dataclass(frozen=True)
+class StatefulIntervention:
+    """Apply `fn(site, value, layer, data, state) -> (value, state)` at each site of `sites`
+    of every layer, in the order the layer computes them (and, when `sites` holds `resid_pre`,
+    to the final residual h_L with layer = L), carrying `state` from each call to the next
+    through the layer loop (module docstring).
+
+    `state` is the initial state, a pytree of arrays; every call must return a state of the
+    same structure, shapes and dtypes (checked at trace time). `data` and `state` are traced
+    (a new value never recompiles; a stack of them `vmap`s); `sites` and `fn` are static.
+    Layer-indexed data is `fn`'s to index: nothing is declared or checked for it. The layer
+    loops that run backwards layer by layer (`jaxdepth.core.loops.suffix_value_and_grad`)
+    refuse it; under `jax.grad` of `run_layers` it differentiates like any carry."""
+
+    sites: tuple
+    fn: Callable
+    data: Any = None
+    state: Any = None
+
+    def __post_init__(self):
+        sites = (self.sites,) if isinstance(self.sites, str) else tuple(self.sites)
+        unknown = [site for site in sites if site not in SITES]
+        if not sites or unknown:
+            raise ValueError(f"unknown intervention sites {unknown or sites!r}; sites: {', '.join(SITES)}")
+        object.__setattr__(self, "sites", sites)
+
+    def _name(self) -> str:
+        return f"stateful intervention {getattr(self.fn, '__name__', self.fn)!r} at sites {self.sites!r}"
+
+    def apply(self, site: str, value: Array, layer, state):
+        """`(value, state)` after this intervention at `site` of layer `layer`, both checked at
+        trace time (the value's shape and a float dtype; the state's structure and shapes)."""
+        try:
+            out, new_state = self.fn(site, value, layer, self.data, state)
+        except InterventionError as e:
+            raise InterventionError(f"{self._name()}: {e}") from None
+        _check_result(self._name(), out, value)
+        signature = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)  # noqa: E731
+        if jax.tree.structure(new_state) != jax.tree.structure(state) or signature(new_state) != signature(state):
+            raise InterventionError(
+                f"{self._name()}: at {site!r} its state changed from {signature(state)} to {signature(new_state)}; "
+                "the state carried through the layer loop keeps its structure, shapes and dtypes"
+            )
+        return out.astype(value.dtype), new_state
 
 
-def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ...]:
-    """A flat tuple of `Intervention`s from None, one intervention, or a (nested) sequence of
-    them. Anything else is a `TypeError`."""
+jax.tree_util.register_dataclass(StatefulIntervention, data_fields=["data", "state"], meta_fields=["sites", "fn"])
+
+InterventionsLike = Union[None, Intervention, StatefulIntervention, Sequence[Any]]
+AnyIntervention = Union[Intervention, StatefulIntervention]
+
+
+def as_interventions(interventions: InterventionsLike) -> tuple[AnyIntervention, ...]:
+    """A flat tuple of interventions (`Intervention`, `StatefulIntervention`) from None, one
+    intervention, or a (nested) sequence of them. Anything else is a `TypeError`."""
     if interventions is None:
         return ()
-    if isinstance(interventions, Intervention):
+    if isinstance(interventions, (Intervention, StatefulIntervention)):
         return (interventions,)
     if not isinstance(interventions, (tuple, list)):
         raise TypeError(
@@ -245,29 +332,56 @@ def as_interventions(interventions: InterventionsLike) -> tuple[Intervention, ..
     return tuple(iv for item in interventions for iv in as_interventions(item))
 
 
-def check_layer_indices(interventions: InterventionsLike, num_layers: int) -> tuple[Intervention, ...]:
+def check_layer_indices(interventions: InterventionsLike, num_layers: int) -> tuple[AnyIntervention, ...]:
     """`as_interventions(interventions)`, each declared layer index checked against a model of
     `num_layers` layers and counted from the end where negative
     (`Intervention.with_layer_index_checked`). Every driver of the model calls it; jaxdepth's
     jitted functions call it on their arguments before tracing, where the indices are known."""
-    return tuple(iv.with_layer_index_checked(num_layers) for iv in as_interventions(interventions))
+    return tuple(
+        iv.with_layer_index_checked(num_layers) if isinstance(iv, Intervention) else iv
+        for iv in as_interventions(interventions)
+    )
+
+
+def acting_sites(interventions: tuple[AnyIntervention, ...]) -> set:
+    """The names of the sites at which any of `interventions` acts."""
+    return {site for iv in interventions for site in (iv.sites if isinstance(iv, StatefulIntervention) else (iv.site,))}
+
+
+def initial_states(interventions: tuple[AnyIntervention, ...]) -> tuple:
+    """The states the layer loop carries: each stateful intervention's initial state, None for
+    the others (aligned with `interventions`)."""
+    return tuple(iv.state if isinstance(iv, StatefulIntervention) else None for iv in interventions)
 
 
 def apply_at(
-    site: str, value: Array, layer, interventions: tuple[Intervention, ...], num_layers: int, *, final: bool = False
-) -> Array:
-    """`value` at `site` of `layer` after every intervention on that site, in order.
+    site: str,
+    value: Array,
+    layer,
+    interventions: tuple[AnyIntervention, ...],
+    num_layers: int,
+    states: tuple = (),
+    *,
+    final: bool = False,
+) -> tuple[Array, tuple]:
+    """`(value, states)`: `value` at `site` of `layer` after every intervention on that site,
+    in order, and the carried `states` (`initial_states`; () when none is stateful) after them.
 
     `final=True` is boundary L (the final residual, `site` 'resid_pre', `layer` = L): there,
     interventions with L rows of layer-indexed data do not act (they have no row for it)."""
-    for iv in interventions:
+    states = list(states) or [None] * len(interventions)
+    for k, iv in enumerate(interventions):
+        if isinstance(iv, StatefulIntervention):
+            if site in iv.sites:
+                value, states[k] = iv.apply(site, value, layer, states[k])
+            continue
         if iv.site != site:
             continue
         rows = iv.layer_rows(num_layers)
         if final and rows == num_layers:
             continue
         value = iv.apply(value, layer)
-    return value
+    return value, tuple(states)
 
 
 # ----------------------------------------------------------------------------- built-in kinds

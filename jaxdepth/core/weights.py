@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import Params
+from jaxdepth.core.layer import Params
 
 
 @dataclasses.dataclass

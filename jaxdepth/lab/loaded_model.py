@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.compilation import jit
-from jaxdepth.core.model import check_tokens, embed, forward, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import check_tokens, embed, forward
 from jaxdepth.core.weights import ModelWeights
 
 

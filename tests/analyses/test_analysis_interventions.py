@@ -14,7 +14,8 @@ from jaxdepth.analyses import attribution, contributions, erasure, layer_skip, l
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import embed, forward, random_params, residual_stream, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params, residual_stream
 from jaxdepth.lab.results import load_result
 
 CONFIG = ModelConfig(

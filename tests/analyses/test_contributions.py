@@ -7,7 +7,8 @@ import pytest
 
 from jaxdepth.analyses import contributions, logit_lens
 from jaxdepth.core.batch import make_batch
-from jaxdepth.core.model import residual_stream, run_layers, embed
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, residual_stream
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 

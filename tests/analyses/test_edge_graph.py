@@ -1,4 +1,4 @@
-"""The graph of writers and readers, and the forward written over its edges."""
+"""The graph of writers and readers, and the runs over its edges on the core's split layer."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from conftest import tiny_config
 from tiny_qwen import CONFIG
-from jaxdepth.analyses.edges.forward import edge_forward
 from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.readers import edge_run, probe_readers, reader_probes
 from jaxdepth.core.model import embed, forward, random_params
 
 GRAPH = EdgeGraph.of(CONFIG)
@@ -50,17 +50,23 @@ def test_bad_edge_names_are_refused(name, message):
 
 
 @pytest.mark.parametrize("config", [CONFIG, tiny_config(), tiny_config(num_kv_heads=4, qk_norm=True)])
-def test_the_edge_forward_is_the_model(config):
-    """With no reader changed, the forward over edges gives the model's logits, its writers sum
-    to the residual stream, and a run from a later boundary continues the run from 0."""
+def test_the_edge_runs_are_the_model(config):
+    """With no reader changed, a run whose layers are split per head (zero probes at every
+    reader) gives the model's logits, its writers sum to the residual stream, and a run from a
+    later boundary continues the run from 0."""
     params = random_params(config, 3, scale=0.2)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 8)))
     valid, last = jnp.ones((2, 8), bool), jnp.array([7, 7])
-    run = edge_forward(params, embed(params, tokens), valid, last, config)
+    probes = probe_readers(reader_probes(config, 2, 8), config.num_layers)
+    run = edge_run(params, embed(params, tokens), valid, last, config, interventions=probes)
     np.testing.assert_allclose(run.logits, forward(params, tokens, config)[:, -1], rtol=1e-4, atol=1e-4)
+    plain = edge_run(params, embed(params, tokens), valid, last, config)
+    np.testing.assert_allclose(plain.writers, run.writers, rtol=1e-4, atol=1e-5)
     graph = EdgeGraph.of(config)
     per_layer = np.asarray(run.writers[1:]).reshape(config.num_layers, graph.writers_per_layer, 2, 8, -1).sum(1)
     stream = np.concatenate([run.writers[:1], run.writers[:1] + np.cumsum(per_layer, axis=0)])
     np.testing.assert_allclose(run.residuals, stream, rtol=1e-4, atol=1e-5)
-    later = edge_forward(params, run.residuals[2], valid, last, config, start=jnp.int32(2))
+    later = edge_run(params, run.residuals[2], valid, last, config, start=jnp.int32(2), interventions=probes)
     np.testing.assert_allclose(later.logits, run.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(later.residuals[2], run.residuals[2])
+    np.testing.assert_allclose(later.residuals[3:], run.residuals[3:], rtol=1e-5, atol=1e-5)

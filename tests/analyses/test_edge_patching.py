@@ -10,12 +10,12 @@ import pytest
 
 from test_edge_scores import make_pairs
 from tiny_qwen import CONFIG
-from jaxdepth.analyses.edges import forward as edge_forward_module
+from jaxdepth.analyses.edges.circuit import find_circuit
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
-from jaxdepth.core import model as core_model
+from jaxdepth.core import layer as core_layer, model as core_model, sites
 from jaxdepth.core.model import random_params
 
 GRAPH = EdgeGraph.of(CONFIG)
@@ -38,9 +38,9 @@ def test_on_a_linear_model_eap_is_exact_patching(params, monkeypatch):
     one reader removes the sum of their scores. (Not so for edges in series: patching u -> v
     replaces u's output as v reads it, including what an edge patched upstream of u changed.)"""
     linear = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
-    monkeypatch.setattr(edge_forward_module, "rms_norm", lambda x, w, eps: x * w)
-    monkeypatch.setattr(core_model, "rms_norm", lambda x, w, eps: x * w)
-    monkeypatch.setattr(edge_forward_module, "mlp_hidden", lambda p, x: x @ p["up"])
+    for module in (core_layer, core_model):  # the layer's norms and the final one
+        monkeypatch.setattr(module, "rms_norm", lambda x, w, eps: x * w)
+    monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x: x @ p["up"])
     layers = dict(params["layers"], q=0 * params["layers"]["q"], k=0 * params["layers"]["k"])
     flat = dict(params, layers=layers)
     pairs = prompt_pairs(*make_pairs())
@@ -114,3 +114,56 @@ def test_patching_refuses_what_the_scores_refuse(params, pairs):
         edge_effects(params, shared, CONFIG, logit_difference, ["m1->m3"])
     with pytest.raises(ValueError, match="pair 0: token 7"):
         circuit_metric(params, shared, CONFIG, logit_difference, [GRAPH.edge_mask])
+
+
+def test_a_circuit_under_an_intervention_is_the_circuit_of_the_model_that_carries_it(params, pairs):
+    """Layer 1 skipped by interventions (its heads' results and its MLP's output zeroed) against
+    the same model with layer 1's o_proj and down_proj weights zeroed: the same EAP and EAP-IG
+    scores, single-edge effects and circuit. (The runs differ: under interventions the shared
+    prefix is not reused, so they agree to float rounding.)"""
+    T = pairs.clean.shape[1]
+    skip_layer_1 = (sites.skip("head_result", 1, np.ones(T)), sites.skip("mlp_out", 1, np.ones(T)))
+    layers = dict(params["layers"])
+    for name in ("o", "down"):
+        layers[name] = np.array(layers[name])
+        layers[name][1] = 0.0
+    zeroed = dict(params, layers=layers)
+    assert pairs.shared_prefix() > 0  # the plain runs reuse it: another computation than under interventions
+    for method in ("eap", "eap-ig-inputs"):
+        steps = {} if method == "eap" else {"steps": 4}
+        under = edge_attribution(
+            params, pairs, CONFIG, logit_difference, method=method, interventions=skip_layer_1, **steps
+        )
+        carried = edge_attribution(zeroed, pairs, CONFIG, logit_difference, method=method, **steps)
+        np.testing.assert_allclose(under.scores, carried.scores, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(under.f_clean, carried.f_clean, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(under.scores)) > 0.1 and np.all(under.scores[:, GRAPH.mlp_writer(1)] == 0)
+    edges = ranked_edges(carried.mean, GRAPH)[:12]
+    np.testing.assert_allclose(
+        edge_effects(params, pairs, CONFIG, logit_difference, edges, interventions=skip_layer_1),
+        edge_effects(zeroed, pairs, CONFIG, logit_difference, edges),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    circuit = find_circuit(params, pairs, CONFIG, logit_difference, under, target=0.8, interventions=skip_layer_1)
+    same = find_circuit(zeroed, pairs, CONFIG, logit_difference, carried, target=0.8)
+    assert len(circuit.edges) == len(same.edges) and circuit.names == same.names
+    np.testing.assert_allclose(circuit.curve, same.curve, rtol=1e-4, atol=1e-5)
+    plain = edge_attribution(params, pairs, CONFIG, logit_difference)
+    assert np.max(np.abs(plain.scores - under.scores)) > 0.1  # the intervention matters
+
+
+@pytest.mark.parametrize("site", ["attn_out", "delta", "resid_post"])
+def test_interventions_on_a_sum_of_writers_are_refused(params, pairs, site):
+    """An edit of a sum of writers reaches the readers through no edge: refused by every edge
+    function, before anything runs."""
+    T = pairs.clean.shape[1]
+    edit = sites.skip(site, 1, np.ones(T))
+    calls = [
+        lambda: edge_attribution(params, pairs, CONFIG, logit_difference, interventions=edit),
+        lambda: edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m1"], interventions=edit),
+        lambda: patched_metric(params, pairs, CONFIG, logit_difference, [["m0->m1"]], interventions=[edit]),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"an intervention at '{site}' edits a sum of the edge graph's writers"):
+            call()

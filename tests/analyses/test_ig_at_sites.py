@@ -20,7 +20,8 @@ from jaxdepth.analyses.ig.path import choose_backward
 from jaxdepth.core import sites
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import forward, random_params, run_layers, embed
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.lab.loaded_model import Model
 
@@ -60,10 +61,17 @@ def logit_difference_of_one(logits):  # the same for one prompt, a scalar
     return logit_difference(logits)[0]
 
 
+def _unchanged(value, layer, data):
+    return value
+
+
 def _by_hand(params, tokens, site, layer, alphas, weights, metric=logit_difference_of_one):
     """Per-channel IG of layer `layer` at `site` by jax.grad of a plain forward in which
-    `sites.replace` sets the site's value at every position; and F(x), F(b)."""
-    x = run_layers(params, embed(params, tokens), CONFIG, tap=lambda r, _: getattr(r, site))[1][layer]
+    `sites.replace` sets the site's value at every position; and F(x), F(b). (A site of a split
+    layer is read from a run split by an intervention that changes nothing.)"""
+    split = sites.Intervention(site, _unchanged) if site in sites.SPLIT_SITES else None
+    x = run_layers(params, embed(params, tokens), CONFIG, interventions=split, tap=lambda r, _: getattr(r, site))
+    x = x[1][layer]
     b = jnp.broadcast_to(ig_baseline(x, jnp.ones(tokens.shape, bool), "channel_mean"), x.shape)
     F = lambda z: metric(forward(params, tokens, CONFIG, interventions=sites.replace(site, layer, jnp.ones(T), z)))
     grad = jax.jit(jax.grad(F))
@@ -75,7 +83,7 @@ def _relative_error(ours, expected):
     return float(np.max(np.abs(np.asarray(ours) - np.asarray(expected))) / np.max(np.abs(np.asarray(expected))))
 
 
-@pytest.mark.parametrize("site", ["resid_post", "head_out"])
+@pytest.mark.parametrize("site", ["resid_post", "head_out", "k_in", "head_result", "mlp_in"])
 def test_against_a_hand_written_riemann_sum(site):
     params, tokens = _setup()
     one = tokens[:1]
@@ -83,7 +91,7 @@ def test_against_a_hand_written_riemann_sum(site):
     result = jaxdepth.integrated_gradients(
         params, one, CONFIG, logit_difference_of_one, site=site, rule=FixedRule(steps=steps)
     )
-    trailing = (CONFIG.num_heads, CONFIG.head_dim) if site == "head_out" else (CONFIG.hidden_size,)
+    trailing = sites.site_shape(site, CONFIG, 1, T)[2:]
     assert result.attributions.shape == (L, 1, T) + trailing and result.per_position.shape == (L, 1, T)
     assert result.gap.shape == (L, 1) and result.evaluations.tolist() == [[steps]] * L
     alphas, weights = quadrature("left", steps)
@@ -190,7 +198,7 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
 
 REFUSALS = {
     "a non-scalar metric": (dict(metric=lambda logits: logits[0, -1]), r"must return a scalar .* shape \(97,\)"),
-    "an unknown site": (dict(site="mlp_in"), r"unknown site 'mlp_in'"),
+    "an unknown site": (dict(site="mlp_input"), r"unknown site 'mlp_input'"),
     "a layer out of range": (dict(layers=[3]), r"layers must be distinct layer indices in 0..2"),
     "an unknown rule": (dict(rule="simpson"), r"rule must be one of"),
     "a baseline of the wrong shape": (dict(baseline=np.zeros(31)), r"a baseline array must broadcast"),

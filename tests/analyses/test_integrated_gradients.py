@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
-from jaxdepth.analyses.ig.path import suffix_value_and_grad
+from jaxdepth.core.loops import suffix_value_and_grad
 from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, FixedRule, as_rule, quadrature, rule_from_settings
 from jaxdepth.core import sites
-from jaxdepth.core.model import forward, residual_stream, run_layers, embed
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, residual_stream
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 

@@ -11,7 +11,8 @@ from jaxdepth.analyses import layer_skip
 from jaxdepth.core.batch import make_batch
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
-from jaxdepth.core.model import embed, forward, random_params, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params
 from jaxdepth.lab.registry import analysis
 from jaxdepth.lab.study import StudySettings
 

@@ -7,7 +7,8 @@ import pytest
 
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import embed, forward, random_params, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params
 
 CONFIG = ModelConfig(
     model_type="qwen2",

@@ -11,6 +11,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens  # noqa: E402
+from jaxdepth.analyses.ig import Execution, FixedRule  # noqa: E402
 from jaxdepth.core import sites  # noqa: E402
 from jaxdepth.core.batch import make_batch  # noqa: E402
 from jaxdepth.core.config import ModelConfig  # noqa: E402
@@ -62,7 +63,9 @@ def run_all(params, batch):
         "skip_later": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).later,
         "skip_output": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).output,
         "erasure": erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=8).effects,
-        "ig": ig.integrated_gradients(params, batch, CONFIG, steps=4, progress=False, chunk_size=8).attributions,
+        "ig": ig.integrated_gradients(
+            params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False, chunk_size=8)
+        ).attributions,
     }
 
 

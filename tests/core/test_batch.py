@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxdepth.analyses import contributions, erasure, integrated_gradients as ig, layer_skip, logit_lens
+from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.core.batch import ANSWER_BUCKETS, LengthBuckets, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import random_params
@@ -117,7 +118,9 @@ def runs():
         return batch, dict(
             erasure=erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False),
             layer_skip=layer_skip.layer_skip(params, batch, CONFIG, progress=False),
-            ig=ig.integrated_gradients(params, batch, CONFIG, steps=4, progress=False),
+            ig=ig.integrated_gradients(
+                params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False)
+            ),
             lens=logit_lens.logit_lens(params, batch, CONFIG),
             contributions=contributions.contributions(params, batch, CONFIG),
         )

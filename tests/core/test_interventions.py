@@ -20,22 +20,10 @@ import pytest
 from conftest import assert_close, assert_moved
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core import sites
-from jaxdepth.core.model import (
-    LayerRecord,
-    attention,
-    attention_mask,
-    clean_key_values,
-    embed,
-    forward,
-    mlp,
-    random_params,
-    residual_stream,
-    rms_norm,
-    rotary_tables,
-    run_layers,
-    run_layers_from,
-    unembed,
-)
+from jaxdepth.core.layer import attention, attention_mask, LayerRecord, mlp, rms_norm, rotary_tables
+from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 
 TOL = 1e-5
 B, T = 2, 12
@@ -372,11 +360,11 @@ def test_suffix_run_with_clean_prefix_keys_equals_the_full_forward(setup, start,
 
     @jax.jit
     def suffix_logits(h_start, keys, values, where, value):
-        h, _ = run_layers_from(
+        h, _ = run_layers(
             params,
             h_start,
-            start,
             config,
+            start=start,
             prefix=(keys, values),
             interventions=sites.replace("resid_pre", start, where, value),
         )

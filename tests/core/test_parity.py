@@ -18,7 +18,8 @@ from conftest import TINY_VARIANTS, shared_data_path, write_tiny_gguf
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import forward, rotary_frequencies
+from jaxdepth.core.layer import rotary_frequencies
+from jaxdepth.core.model import forward
 
 torch = pytest.importorskip("torch")
 

@@ -17,20 +17,11 @@ from jaxdepth.core import compilation, sites
 from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt
-from jaxdepth.core.model import (
-    attention_heads,
-    attention_mask,
-    embed,
-    forward,
-    mlp_hidden,
-    random_params,
-    residual_stream,
-    rms_norm,
-    rotary_tables,
-    run_layers,
-    unembed,
-)
+from jaxdepth.core.layer import attention_heads, attention_mask, mlp_hidden, rms_norm, rotary_tables
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 
 B, T = 2, 10
 CONFIG = ModelConfig(
@@ -80,7 +71,7 @@ def reference(params, tokens, edits=()):
         h = edit("resid_pre", h)
         heads = edit("head_out", attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)[-1])
         a = edit("attn_out", heads.reshape(B, T, H * Dh) @ p["o"])
-        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(h + a, p["mlp_norm"], eps)))
+        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(edit("mlp_in", h + a), p["mlp_norm"], eps)))
         m = edit("mlp_out", hidden @ p["down"])
         h = edit("resid_post", h + edit("delta", a + m))
     if (L, "resid_pre") in edits:
@@ -97,6 +88,14 @@ def run(params, tokens, interventions):
 # hidden activations of one layer by a factor (both in `data`).
 def scale_hidden(value, layer, data):
     return value * jnp.where(layer == data["layer"], data["factor"], 1.0)
+
+
+def test_an_edit_of_the_mlp_input_changes_what_the_mlp_reads_not_the_residual():
+    params, tokens, _ = _setup()
+    vector = jax.random.normal(jax.random.key(5), (CONFIG.hidden_size,))
+    ours = run(params, tokens, sites.add("mlp_in", 1, vector, np.ones(T)))
+    assert_close(ours, reference(params, tokens, (((1, "mlp_in"), lambda v: v + vector),)), "mlp_in")
+    assert_moved(ours, reference(params, tokens), "mlp_in")
 
 
 def test_user_defined_intervention_equals_the_reference():
@@ -253,7 +252,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     answer_positions, answer_real = jnp.arange(5, T - 1), jnp.ones(T - 6, bool)
     alphas, weights = quadrature("left", steps)
     prompt = PromptArrays(tokens, valid, answer_positions, answer_real)
-    result = ig_of_prompt(params, prompt, CONFIG, steps=steps, interventions=iv)
+    result = ig_of_prompt(params, prompt, CONFIG, rule=FixedRule(steps=steps), interventions=iv)
     ours, f_x, f_b = result.per_position[:, 0], result.f_input[0], result.f_baseline[:, 0]
 
     targets = tokens[0, answer_positions + 1]
@@ -274,13 +273,15 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
     assert_close(ours[l], expected, f"IG of layer l under the {kind}")
     assert_close(f_x, F(x), "F(x)")
     assert_close(f_b[l], F(b), "F(b)")
-    clean = ig_of_prompt(params, prompt, CONFIG, steps=steps).per_position[:, 0]
+    clean = ig_of_prompt(params, prompt, CONFIG, rule=FixedRule(steps=steps)).per_position[:, 0]
     assert float(jnp.max(jnp.abs(clean[l] - ours[l]))) > 1e-3, f"the {kind} did not change the attributions"
 
 
 def test_unknown_site_is_refused():
-    with pytest.raises(ValueError, match="unknown intervention site 'mlp_in'"):
-        sites.Intervention("mlp_in", scale_hidden, {})
+    with pytest.raises(ValueError, match="unknown intervention site 'mlp_input'"):
+        sites.Intervention("mlp_input", scale_hidden, {})
+    with pytest.raises(ValueError, match="unknown intervention sites"):
+        sites.StatefulIntervention(("mlp_in", "q_input"), scale_hidden)
 
 
 # ----------------------------------------------------------------------------- the boundary rule
@@ -546,12 +547,14 @@ def test_a_user_kind_declares_its_layer_index():
 
 def test_tap_inputs_without_a_row_per_layer_are_refused():
     """A traced layer reads row `layer` of tap_inputs: a short one would be clamped silently."""
-    from jaxdepth.core.model import run_layers_from
+    from jaxdepth.core.loops import run_layers
 
     params, tokens, _ = _setup()
     h0 = embed(params, tokens)
     tap = lambda record, x: jnp.sum(record.out * x)
     with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
-        run_layers_from(params, h0, 0, CONFIG, tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
+        run_layers(params, h0, CONFIG, start=jnp.int32(0), tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
+    with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
+        run_layers(params, h0, CONFIG, tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
     with pytest.raises(ValueError, match=rf"start must be a boundary in 0\.\.{L}"):
-        run_layers_from(params, h0, -1, CONFIG)
+        run_layers(params, h0, CONFIG, start=-1)

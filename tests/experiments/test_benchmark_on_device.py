@@ -105,12 +105,21 @@ def test_prepared_ids_round_trip(tmp_path):
 
 
 def test_ig_backward_is_passed_only_where_jaxdepth_takes_it(monkeypatch):
+    """Before and after a change the benchmark runs both jaxdepths: IG options in an `Execution`,
+    as keywords, or without a backward at all."""
+    from jaxdepth.analyses.ig import Execution
+
+    def with_execution(params, batch, config, *, rule=None, execution=None):
+        pass
+
     def with_it(params, batch, config, *, steps=256, backward="recompute"):
         pass
 
     def without(params, batch, config, *, steps=256):
         pass
 
+    monkeypatch.setattr(on_device, "integrated_gradients_function", lambda: with_execution)
+    assert on_device.ig_options("stored") == {"execution": Execution(backward="stored", progress=False)}
     monkeypatch.setattr(on_device, "integrated_gradients_function", lambda: with_it)
     assert on_device.ig_options("stored") == {"backward": "stored"} and on_device.ig_options(None) == {}
     monkeypatch.setattr(on_device, "integrated_gradients_function", lambda: without)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
+from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
 from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients
@@ -71,7 +72,9 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
     )
 
     def check_against_the_rule(result, tolerance):
-        direct = ig_of_prompt(p, prompt, config, rule="adaptive", tolerance=np.full(L, tolerance), max_evaluations=2048)
+        direct = ig_of_prompt(
+            p, prompt, config, rule=AdaptiveRule(tolerance=np.full(L, tolerance), max_evaluations=2048)
+        )
         direct = dict(
             evaluations=direct.evaluations[:, 0],
             converged=direct.converged[:, 0],
@@ -133,7 +136,9 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path, ch
     batch = encode(model.tokenizer, [ARITHMETIC_PROMPT])
     one = batch.single(0, LengthBuckets(4, geometric=False))
     for rule, steps in [("left", 16), ("midpoint", 8), ("gauss", 8)]:
-        direct = integrated_gradients(model.params, one, model.config, steps=steps, rule=rule, progress=False)
+        direct = integrated_gradients(
+            model.params, one, model.config, rule=FixedRule(rule, steps), execution=Execution(progress=False)
+        )
         relative = np.abs(direct.gap[0]) / np.abs(direct.f_input[0] - direct.f_baseline[0])
         np.testing.assert_allclose(rows[(rule, steps)]["gap"], relative, rtol=1e-3, atol=1e-6)
         assert rows[(rule, steps)]["evaluations"] == steps * model.config.num_layers

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
+from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.integrated_gradients import integrated_gradients
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
@@ -37,16 +38,16 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     model = load(checkpoint)
     batch = encode(model.tokenizer, [format_short(ROW)], context=256)
     L = model.config.num_layers
-    fixed = integrated_gradients(model.params, batch, model.config, steps=256, rule="left", progress=False)
+    fixed = integrated_gradients(
+        model.params, batch, model.config, rule=FixedRule("left", 256), execution=Execution(progress=False)
+    )
     spec = experiment.RULES["adaptive-1%"]
     adaptive = integrated_gradients(
         model.params,
         batch,
         model.config,
-        rule="adaptive",
-        tolerance=spec["tolerance"],
-        max_evaluations=spec["max_evaluations"],
-        progress=False,
+        rule=experiment.rule_of(spec),
+        execution=Execution(progress=False),
     )
     for name, result in (("left-256", fixed), ("adaptive-1%", adaptive)):
         gap = np.abs(result.gap[0]) / np.abs(result.f_input[0] - result.f_baseline[0])

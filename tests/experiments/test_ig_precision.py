@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import save_tiny_checkpoint
+from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.integrated_gradients import integrated_gradients
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
@@ -51,7 +52,9 @@ def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp
     L = model.config.num_layers
     batch = encode(model.tokenizer, [format_short(ROW)], context=256)
     assert row["tokens"] == int(batch.lengths[0])
-    direct = integrated_gradients(model.params, batch, model.config, steps=2, rule="left", progress=False)
+    direct = integrated_gradients(
+        model.params, batch, model.config, rule=FixedRule("left", 2), execution=Execution(progress=False)
+    )
     f32 = row["float32"]
     assert f32["f_input"] == pytest.approx(float(direct.f_input[0]), rel=1e-6)
     np.testing.assert_allclose(f32["f_baseline"], direct.f_baseline[0], rtol=1e-6)

@@ -3,7 +3,9 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
 
 - `graph`: the writers (input, heads, MLPs) and readers (each head's q/k/v input, MLP inputs,
   logits) of a decoder, and the names of its edges (`EdgeGraph`);
-- `forward`: the forward pass over edges (`edge_forward`): every reader reads an input of its own;
+- `readers`: the graph's readers and writers as sites of the core's split layer: interventions
+  that probe, move or patch readers' inputs (`patch_edges`), and the runs that read the
+  writers (`edge_run`);
 - `pairs`: clean/corrupt prompt pairs from token ids (`prompt_pairs`), texts (`text_pairs`) or a
   JSON Lines file (`read_pairs`), and metrics (`logit_difference`);
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
@@ -16,7 +18,6 @@ The definitions (signs, which run each gradient comes from, what is patched) are
 """
 
 from jaxdepth.analyses.edges.circuit import Circuit, circuit_figure, faithfulness_figure, find_circuit, top_circuits
-from jaxdepth.analyses.edges.forward import EdgeRun, edge_forward
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import (
     PromptPairs,
@@ -28,13 +29,18 @@ from jaxdepth.analyses.edges.pairs import (
     read_pairs,
     text_pairs,
 )
+from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
 from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import METHODS, EdgeScores, edge_attribution, ranked_edges
 
 __all__ = [
     "EdgeGraph",
     "EdgeRun",
-    "edge_forward",
+    "edge_run",
+    "probe_readers",
+    "move_reader",
+    "patch_edges",
+    "shift_node",
     "PromptPairs",
     "prompt_pairs",
     "TaskPairs",

@@ -88,10 +88,13 @@ def find_circuit(
     by: str = "abs",
     grid: int = 12,
     chunk_size: Optional[int] = None,
+    interventions=None,
 ) -> Circuit:
     """A circuit of the top edges by `scores` (an `EdgeScores` of these pairs): the top `size`
     edges, or the fewest top edges (to within the refinement) whose faithfulness reaches
     `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at once.
+    `interventions` act on every run, as in the `scores` (`edge_attribution(...,
+    interventions=...)`).
 
     A ValueError, before anything is computed, when neither or both of `size` and `target` are
     given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
@@ -113,7 +116,15 @@ def find_circuit(
             "F(corrupt) that a circuit recovers, 1 for the whole graph"
         )
     evaluate = lambda ns: faithfulness(
-        circuit_metric(params, pairs, config, metric, top_circuits(scores, ns, by), chunk_size=chunk_size),
+        circuit_metric(
+            params,
+            pairs,
+            config,
+            metric,
+            top_circuits(scores, ns, by),
+            chunk_size=chunk_size,
+            interventions=interventions,
+        ),
         scores.f_clean,
         scores.f_corrupt,
     )

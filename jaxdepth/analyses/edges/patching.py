@@ -3,8 +3,10 @@ for many edges or circuits as one vmapped computation.
 
 Patching edge u -> v means that reader v reads u's output from the corrupt run instead of u's
 output in this run, and nothing else changes: the other readers of u read what u writes. With a
-set of edges patched, every patched edge does so in the same run (`edge_forward`'s `patch`: a
-patched edge upstream changes what later writers write, and their other edges carry that).
+set of edges patched, every patched edge does so in the same run
+(`jaxdepth.analyses.edges.readers.patch_edges`: a patched edge upstream changes what later writers
+write, and their other edges carry that). Every function takes `interventions`
+(`jaxdepth.core.sites`), which act on the clean, the corrupt and every patched run.
 
 - `edge_effects`: each edge patched alone, F(clean) - F(patched) per pair: what EAP's score
   of the edge estimates (the same sign). An edge into a reader of layer l changes nothing
@@ -24,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.edges.forward import edge_forward
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patch_edges
 from jaxdepth.analyses.edges.scores import pair_runs, suffix_run
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -39,30 +41,32 @@ MAX_CHUNK = 16
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, delta, *, config, metric):
+def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, delta, interventions, *, config, metric):
     """F `[c, B]` with edge (writers[i], readers[i]) of `edges = (writers, readers)` patched,
     for edges whose readers lie in layer `start` or later (the run starts from the clean
-    residual `h_start` there)."""
+    layer input `h_start` there)."""
 
     writers, readers = edges
+    graph = EdgeGraph.of(config)
 
     def one(w, r):
-        run = edge_forward(
-            params, h_start, pairs.valid, pairs.last, config, start=start, add=(r, delta[w]), prefix=prefix
-        )
+        ivs = (interventions, move_reader(graph, r, delta[w]))
+        run = edge_run(params, h_start, pairs.valid, pairs.last, config, start=start, interventions=ivs, prefix=prefix)
         return metric_values(metric, run.logits, pairs.labels)
 
     return jax.vmap(one)(writers, readers)
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def _edge_sets(params, pairs: PromptPairs, prefix, masks, corrupt_writers, config, metric):
+def _edge_sets(params, pairs: PromptPairs, prefix, masks, corrupt_writers, interventions, config, metric):
     """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once."""
     P = 0 if prefix is None else prefix[0].shape[2]
     h0 = embed(params, pairs.clean[:, P:])
+    graph = EdgeGraph.of(config)
 
     def one(mask):
-        run = edge_forward(params, h0, pairs.valid, pairs.last, config, patch=(mask, corrupt_writers), prefix=prefix)
+        ivs = (interventions, patch_edges(graph, mask, corrupt_writers, h0))
+        run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
         return metric_values(metric, run.logits, pairs.labels)
 
     return jax.vmap(one)(masks)
@@ -76,6 +80,7 @@ def edge_effects(
     edges,
     *,
     chunk_size: Optional[int] = None,
+    interventions=None,
     progress: ProgressLike = False,
 ) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with edge i alone patched), per pair, for each of `edges`
@@ -84,9 +89,10 @@ def edge_effects(
     the layer of its first reader on."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
+    check_interventions(interventions)
     edges = _edge_indices(edges, graph)
-    clean, corrupt = pair_runs(params, pairs, config)
-    P, prefix = suffix_run(params, pairs, clean, config)
+    clean, corrupt = pair_runs(params, pairs, config, interventions)
+    P, prefix = suffix_run(params, pairs, clean, config, interventions)
     delta = (corrupt.writers - clean.writers)[:, :, P:]
     f_clean = metric_values(metric, clean.logits, pairs.labels)
     chunk = min(chunk_size or _chunk(config, pairs, P), len(edges))
@@ -99,7 +105,9 @@ def edge_effects(
         w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
         layer = graph.reader_layer(edges[part[0], 1])
         h = clean.residuals[layer][:, P:]
-        f = _single_edges(params, pairs, prefix, jnp.int32(layer), h, (w, r), delta, config=config, metric=metric)
+        f = _single_edges(
+            params, pairs, prefix, jnp.int32(layer), h, (w, r), delta, interventions, config=config, metric=metric
+        )
         out[part] = to_host(f_clean[None] - f)[: len(part)]
     return out
 
@@ -112,22 +120,24 @@ def patched_metric(
     edge_sets,
     *,
     chunk_size: Optional[int] = None,
+    interventions=None,
     progress: ProgressLike = False,
 ) -> np.ndarray:
     """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
     index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array)."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
+    check_interventions(interventions)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
-    clean, corrupt = pair_runs(params, pairs, config)
-    P, prefix = suffix_run(params, pairs, clean, config)
+    clean, corrupt = pair_runs(params, pairs, config, interventions)
+    P, prefix = suffix_run(params, pairs, clean, config, interventions)
     writers = corrupt.writers[:, :, P:]
     chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
     out = np.zeros((len(masks), len(pairs)), np.float32)
     for start in track(range(0, len(masks), chunk), progress, "exact patching of edge sets (chunks)"):
         part = masks[start : start + chunk]
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        f = _edge_sets(params, pairs, prefix, jnp.asarray(padded), writers, config, metric)
+        f = _edge_sets(params, pairs, prefix, jnp.asarray(padded), writers, interventions, config, metric)
         out[start : start + len(part)] = to_host(f)[: len(part)]
     return out
 

@@ -34,17 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.edges.forward import EdgeRun, edge_forward, reader_probes
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.readers import (
+    EdgeRun,
+    check_interventions,
+    edge_run,
+    probe_readers,
+    reader_probes,
+    shift_node,
+)
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import check_rule
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import clean_key_values, embed, run_layers, unembed
+from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep_sum
 
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
@@ -121,14 +130,19 @@ def ranked_edges(scores: np.ndarray, graph: EdgeGraph, by: str = "abs") -> np.nd
 
 
 @partial(jit, static_argnames="config")
-def pair_runs(params, pairs: PromptPairs, config: ModelConfig):
-    """The clean and the corrupt run of every pair (`edge_forward`): their `EdgeRun`s."""
-    run = lambda tokens: edge_forward(params, embed(params, tokens), pairs.valid, pairs.last, config)
+def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=None):
+    """The clean and the corrupt run of every pair under `interventions` (`edge_run`): their
+    `EdgeRun`s."""
+    run = lambda tokens: edge_run(
+        params, embed(params, tokens), pairs.valid, pairs.last, config, interventions=interventions
+    )
     return run(pairs.clean), run(pairs.corrupt)
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
-def input_path_gradients(params, pairs: PromptPairs, prefix, alphas, weights, config: ModelConfig, metric, chunk: int):
+def input_path_gradients(
+    params, pairs: PromptPairs, prefix, alphas, weights, config: ModelConfig, metric, chunk: int, *, interventions=None
+):
     """`sum_k w_k` of the gradient of F at every reader's input (`reader_probes`' dict) at
     h_0 = e_corrupt + α_k (e_clean - e_corrupt), `chunk` nodes vmapped at a time; positions
     after the shared `prefix` only (`suffix_run`)."""
@@ -137,14 +151,14 @@ def input_path_gradients(params, pairs: PromptPairs, prefix, alphas, weights, co
     def one(node):
         alpha, weight = node
         h0 = e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt)
-        return _scaled(weight, _reader_gradient(params, h0, pairs, config, metric, prefix=prefix))
+        return _scaled(weight, _reader_gradient(params, h0, pairs, config, metric, (), prefix, interventions))
 
     return sweep_sum(one, (alphas, weights), chunk)
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
 def node_path_gradients(
-    params, pairs: PromptPairs, prefix, delta, node, alphas, weights, *, config, metric, chunk: int
+    params, pairs: PromptPairs, prefix, delta, node, alphas, weights, *, config, metric, chunk: int, interventions=None
 ):
     """As `input_path_gradients` on the path of one node of the 'activations' variant: the
     output of node `node` (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l; traced, so one
@@ -154,8 +168,8 @@ def node_path_gradients(
 
     def one(point):
         alpha, weight = point
-        shift = (node, alpha - 1, delta)
-        return _scaled(weight, _reader_gradient(params, e_clean, pairs, config, metric, shift=shift, prefix=prefix))
+        shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta)
+        return _scaled(weight, _reader_gradient(params, e_clean, pairs, config, metric, shift, prefix, interventions))
 
     return sweep_sum(one, (alphas, weights), chunk)
 
@@ -164,10 +178,16 @@ def _scaled(weight, tree):
     return jax.tree.map(lambda x: weight.astype(x.dtype) * x, tree)
 
 
-def _reader_gradient(params, h0, pairs, config, metric, shift=None, prefix=None):
+def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, interventions=None):
+    """The gradient of F summed over the pairs at every reader's input (`reader_probes`' dict),
+    from `h0` under `interventions` and then the edge interventions `shift`."""
+    offset = 0 if prefix is None else prefix[0].shape[2]
+
     def value(probes):
-        run = edge_forward(params, h0, pairs.valid, pairs.last, config, probes=probes, shift=shift, prefix=prefix)
-        return jnp.sum(metric_values(metric, run.logits, pairs.labels))
+        ivs = (interventions, shift, probe_readers(probes, config.num_layers))
+        h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, prefix=prefix)
+        logits = unembed(params, h[jnp.arange(h.shape[0]), pairs.last - offset], config)
+        return jnp.sum(metric_values(metric, logits, pairs.labels))
 
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
 
@@ -184,22 +204,25 @@ def _prefix_key_values(params, residuals, valid, config: ModelConfig, length: in
     return keys[:, :, :length], values[:, :, :length]
 
 
-def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig):
+def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, interventions=None):
     """`(P, prefix)`: the positions every pair shares (`PromptPairs.shared_prefix`) and the clean
-    run's keys and values there (`edge_forward`'s `prefix`; None when P is 0). Every edge's
+    run's keys and values there (`run_layers`' `prefix`; None when P is 0). Every edge's
     activation difference is zero before P, so scores and patching need only positions P..:
-    one computation for the prefix instead of one per gradient or patched run."""
-    P = pairs.shared_prefix()
+    one computation for the prefix instead of one per gradient or patched run. Under
+    `interventions` P is 0: their data covers every position, and the keys of a layer under
+    them are not read off its input alone."""
+    P = 0 if as_interventions(interventions) else pairs.shared_prefix()
     if P == 0:
         return 0, None
     return P, _prefix_key_values(params, clean.residuals, pairs.valid, config, P)
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, metric):
+def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, metric, interventions=None):
     """The gradient of F at every reader's input in the clean run (EAP), as `reader_probes`;
     positions after the shared `prefix` only."""
-    return _reader_gradient(params, _suffix_embeddings(params, pairs, prefix)[0], pairs, config, metric, prefix=prefix)
+    e_clean = _suffix_embeddings(params, pairs, prefix)[0]
+    return _reader_gradient(params, e_clean, pairs, config, metric, (), prefix, interventions)
 
 
 @jit
@@ -218,7 +241,7 @@ def edge_scores(delta, gradients: dict, edge_mask):
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric):
+def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric, interventions=None):
     """The adaptive rule's evaluations on the input path of one pair: φ(α) = F(h_0(α)) `[n]` and
     the integrand per position `[n, T]`, sum_c (e_clean - e_corrupt) dF/dh_0 (the plain forward:
     the input's edges sum to exactly this)."""
@@ -226,7 +249,7 @@ def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric
 
     def one(alpha):
         def f(h0):
-            h, _ = run_layers(params, h0, config, valid=pairs.valid)
+            h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=interventions)
             logits = unembed(params, h[jnp.arange(h.shape[0]), pairs.last], config)
             return jnp.sum(metric_values(metric, logits, pairs.labels))
 
@@ -252,6 +275,7 @@ def edge_attribution(
     max_evaluations: Optional[int] = None,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    interventions=None,
     progress: ProgressLike = False,
 ) -> EdgeScores:
     """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`)
@@ -262,6 +286,8 @@ def edge_attribution(
     'eap-ig-activations' (the module docstring), with `rule` and `steps`, or `rule='adaptive'`
     with `tolerance` (default 0.01) and `max_evaluations` (default `steps`) for 'eap-ig-inputs'.
     `chunk_size` bounds the path points vmapped at once (default: what `memory_budget` allows).
+    `interventions` (`jaxdepth.core.sites`) act on every run, clean, corrupt and along the
+    paths: the edges of the model as they intervene on it (a skipped layer, a steering vector).
     Returns an `EdgeScores`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -275,16 +301,18 @@ def edge_attribution(
         raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
+    check_interventions(interventions)
     B, T = pairs.clean.shape
-    clean, corrupt = pair_runs(params, pairs, config)
-    P, prefix = suffix_run(params, pairs, clean, config)
+    clean, corrupt = pair_runs(params, pairs, config, interventions)
+    P, prefix = suffix_run(params, pairs, clean, config, interventions)
     delta = (clean.writers - corrupt.writers)[:, :, P:]
     f_clean, f_corrupt = (to_host(metric_values(metric, run.logits, pairs.labels)) for run in (clean, corrupt))
     chunk = chunk_size or path_chunk(config, B, T - P, memory_budget)
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
     if method == "eap":
-        scores = to_host(edge_scores(delta, clean_gradients(params, pairs, prefix, config, metric), mask))
+        gradients = clean_gradients(params, pairs, prefix, config, metric, interventions)
+        scores = to_host(edge_scores(delta, gradients, mask))
         evaluations = np.ones(B, np.int64)
     elif rule == "adaptive":
         scores, evaluations, bound, converged = _adaptive_scores(
@@ -298,6 +326,7 @@ def edge_attribution(
             tolerance=tolerance,
             max_evaluations=max_evaluations,
             chunk=chunk,
+            interventions=interventions,
             progress=progress,
         )
     else:
@@ -314,11 +343,14 @@ def edge_attribution(
                 config=config,
                 metric=metric,
                 chunk=chunk,
+                interventions=interventions,
                 progress=progress,
             )
             evaluations = np.full(B, steps * (2 * config.num_layers + 1), np.int64)
         else:
-            grads = input_path_gradients(params, pairs, prefix, alphas, weights, config, metric, chunk)
+            grads = input_path_gradients(
+                params, pairs, prefix, alphas, weights, config, metric, chunk, interventions=interventions
+            )
             scores = to_host(edge_scores(delta, grads, mask))
             evaluations = np.full(B, steps, np.int64)
     return EdgeScores(
@@ -338,7 +370,7 @@ def edge_attribution(
 
 
 def _adaptive_scores(
-    params, pairs, prefix, delta, f_clean, *, config, metric, tolerance, max_evaluations, chunk, progress
+    params, pairs, prefix, delta, f_clean, *, config, metric, tolerance, max_evaluations, chunk, interventions, progress
 ):
     """EAP-IG 'inputs' under the adaptive rule, pair by pair: the rule places each pair's nodes
     on its input path (plain forward and backward passes), then the readers' gradients are
@@ -350,14 +382,32 @@ def _adaptive_scores(
     for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
         one = pairs.select([b])
         one_prefix = None if prefix is None else jax.tree.map(lambda x: x[:, b : b + 1], prefix)
-        rule = _adaptive_nodes(params, one, float(f_clean[b]), config, metric, tolerance, max_evaluations, chunk)
+        rule = _adaptive_nodes(
+            params,
+            one,
+            float(f_clean[b]),
+            config,
+            metric,
+            tolerance,
+            max_evaluations,
+            chunk,
+            interventions=interventions,
+        )
         alphas, weights = rule.node_weights()
         # padded to a multiple of the chunk (zero weights): a few compilations serve every pair
         n = _padded(len(alphas), chunk)
         alphas = np.concatenate([alphas, np.ones(n - len(alphas))]).astype(np.float32)
         weights = np.concatenate([weights, np.zeros(n - len(weights))]).astype(np.float32)
         grads = input_path_gradients(
-            params, one, one_prefix, jnp.asarray(alphas), jnp.asarray(weights), config, metric, chunk
+            params,
+            one,
+            one_prefix,
+            jnp.asarray(alphas),
+            jnp.asarray(weights),
+            config,
+            metric,
+            chunk,
+            interventions=interventions,
         )
         scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, jnp.asarray(graph.edge_mask)))[0]
         evaluations[b] = rule.evaluations + len(rule.node_weights()[0])
@@ -365,7 +415,9 @@ def _adaptive_scores(
     return scores, evaluations, bound, converged
 
 
-def _activation_scores(params, pairs, prefix, delta, alphas, weights, *, config, metric, chunk, progress):
+def _activation_scores(
+    params, pairs, prefix, delta, alphas, weights, *, config, metric, chunk, interventions, progress
+):
     """EAP-IG 'activations': each node's path, `steps` gradients each; the node's writers take
     their scores from the gradients along their own node's path."""
     graph = EdgeGraph.of(config)
@@ -374,7 +426,17 @@ def _activation_scores(params, pairs, prefix, delta, alphas, weights, *, config,
     for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
         rows = np.flatnonzero(writer_node == node)
         grads = node_path_gradients(
-            params, pairs, prefix, delta, jnp.int32(node), alphas, weights, config=config, metric=metric, chunk=chunk
+            params,
+            pairs,
+            prefix,
+            delta,
+            jnp.int32(node),
+            alphas,
+            weights,
+            config=config,
+            metric=metric,
+            chunk=chunk,
+            interventions=interventions,
         )
         mask = jnp.asarray(graph.edge_mask[rows])
         scores[:, rows] = to_host(edge_scores(delta[rows], grads, mask))
@@ -391,11 +453,13 @@ def path_chunk(config: ModelConfig, batch: int, seq_len: int, memory_budget: Opt
     return int(np.clip(budget // per_point, 1, 32))
 
 
-def _adaptive_nodes(params, pair, f_clean, config, metric, tolerance, max_evaluations, chunk) -> rules.LayerRule:
+def _adaptive_nodes(
+    params, pair, f_clean, config, metric, tolerance, max_evaluations, chunk, *, interventions
+) -> rules.LayerRule:
     """The adaptive rule on one pair's input path: its finished `LayerRule` (nodes and weights)."""
 
     def call(layer, alphas, grad, size):
-        return _path_values(params, pair, jnp.asarray(alphas), config, metric)
+        return _path_values(params, pair, jnp.asarray(alphas), config, metric, interventions)
 
     (rule,) = rules.run_rule(
         call,

@@ -211,7 +211,9 @@ def attribute(
         check = lambda per_position, f_baseline: raise_or_warn(
             report(layers, per_position, f_baseline), execution.nonfinite
         )
-        return _adaptive(call, weighted, check, float(f_input[0]), T, config, attribution, rule, execution)
+        return _adaptive(
+            call, weighted, check, float(f_input[0]), T, config, attribution=attribution, rule=rule, execution=execution
+        )
 
     alphas, weights = rule.nodes()
     chunk = execution.chunk_size or auto_chunk_size(
@@ -261,6 +263,7 @@ def _adaptive(
     f_input: float,
     seq_len: int,
     config: ModelConfig,
+    *,
     attribution: Attribution,
     rule: rules.AdaptiveRule,
     execution: Execution,

@@ -25,16 +25,9 @@ import jax.numpy as jnp
 from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import (
-    final_residual,
-    layer_context,
-    layer_inputs,
-    layer_params,
-    layer_step,
-    run_layers_from,
-    unembed,
-)
-from jaxdepth.core.sites import Intervention, check_layer_indices
+from jaxdepth.core.loops import run_layer, run_layers, suffix_value_and_grad
+from jaxdepth.core.model import layer_inputs, unembed
+from jaxdepth.core.sites import SPLIT_SITES, Intervention
 from jaxdepth.core.sweep import auto_chunk_size, sweep, sweep_sum
 
 
@@ -97,7 +90,11 @@ def clean_values(
 ):
     """The clean run under `interventions`: every layer's value at `site` `[L, B, T, ...]`
     (float32, after the site's interventions), every layer's input before its interventions
-    `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from) and F(x) `[B]`."""
+    `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from) and F(x) `[B]`.
+    At a site of a split layer (`jaxdepth.core.sites.SPLIT_SITES`) every layer runs split, as
+    the path's runs, which set the site, do."""
+    if site in SPLIT_SITES:
+        interventions = (interventions, Intervention(site, _unchanged))
     inputs, h_last, x = layer_inputs(
         params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: getattr(r, site)
     )
@@ -130,131 +127,8 @@ def choose_backward(
     return "stored" if fits >= min(members, STORED_MIN_CHUNK) else "recompute"
 
 
-def suffix_value_and_grad(
-    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: str = "recompute"
-):
-    """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
-    start..L-1 (`layer_step`, with `interventions` at their sites, as every driver).
-
-    backward 'recompute' (default): the layers before `start` are neither run nor
-    differentiated; the forward keeps each layer's input, and the backward walks the layers in
-    reverse with one `jax.vjp` each, recomputing that layer (three layer passes per gradient:
-    forward, forward again, backward). 'stored': the forward keeps each layer's matmul outputs
-    as well (`_PullbackLayout`), and the backward runs from them (two layer passes, and about
-    twice the activations of a forward per layer and sweep member,
-    `jaxdepth.core.sweep.member_bytes(stored=True)`). Both skip the layers before `start`
-    entirely. `start` may be traced but not batched.
-    """
-    if backward == "stored":
-        return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
-    if backward != "recompute":
-        raise ValueError(
-            f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
-            f"`choose_backward`), got {backward!r}"
-        )
-    L = config.num_layers
-    ivs = check_layer_indices(interventions, L)
-    context = layer_context(z, valid, config)
-    apply = lambda i, h: layer_step(layer_params(params, i), h, i, context, config, ivs).out
-
-    def forward_step(i, carry):
-        h, inputs = carry
-        return apply(i, h), inputs.at[i].set(h)
-
-    h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
-    # Interventions at boundary L sit between the last layer and the head.
-    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
-
-    def backward_step(k, g):
-        i = L - 1 - k
-        _, pullback = jax.vjp(lambda h: apply(i, h), inputs[i])
-        return pullback(g)[0]
-
-    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
-
-
-def _stored_suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid, interventions):
-    L = config.num_layers
-    ivs = check_layer_indices(interventions, L)
-    context = layer_context(z, valid, config)
-    layout = _PullbackLayout.of(params, z, context, config, ivs)
-
-    def forward_step(i, carry):
-        h, kept = carry
-        out, saved = layout.linearize(params, i, h, context, config, ivs)
-        return out, tuple(k if k is None else k.at[i].set(r) for k, r in zip(kept, saved))
-
-    kept = tuple(
-        None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
-        for j, r in zip(layout.from_weights, layout.shapes)
-    )
-    h_last, kept = jax.lax.fori_loop(start, L, forward_step, (z, kept))
-    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
-
-    def backward_step(k, g):
-        i = L - 1 - k
-        return layout.pullback(params, i, kept)(g)[0]
-
-    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PullbackLayout:
-    """What `jax.vjp` of one layer keeps for its backward (its residuals): their tree, shapes, and
-    which of them are the layer's own weights. The layer index is traced, so every layer keeps
-    the same tree; the forward stores each layer's residuals in a buffer `[L, ...]` (skipped
-    layers cost nothing), the backward rebuilds that layer's pullback from them. The weights are
-    read again from `params` rather than stored: a buffer would copy the whole model."""
-
-    treedef: jax.tree_util.PyTreeDef
-    shapes: tuple
-    from_weights: tuple  # per residual: the index of the layer weight it is, or None
-
-    @staticmethod
-    def _linearize(params, i, h, context, config, ivs):
-        p = layer_params(params, i)
-        # Keep the matmuls' outputs only; the elementwise work between them (norms, softmax, the
-        # gate) is recomputed in the backward. Half the bytes of keeping everything, and faster
-        # on CPU, where writing fresh memory costs more than that arithmetic (SmolLM2-135M's
-        # shape, 100 tokens, 8 steps, AMD EPYC: layer 0 4.87 s against 5.19 s keeping all).
-        step = jax.checkpoint(
-            lambda h: layer_step(p, h, i, context, config, ivs).out, policy=jax.checkpoint_policies.dots_saveable
-        )
-        out, pullback = jax.vjp(step, h)
-        saved, treedef = jax.tree_util.tree_flatten(pullback)
-        weights = jax.tree_util.tree_leaves(p)
-        from_weights = tuple(next((j for j, w in enumerate(weights) if r is w), None) for r in saved)
-        return out, saved, treedef, from_weights
-
-    @classmethod
-    def of(cls, params, z, context, config, ivs):
-        found = {}
-
-        def trace(i, h):
-            _, saved, found["treedef"], found["from_weights"] = cls._linearize(params, i, h, context, config, ivs)
-            return saved
-
-        shapes = jax.eval_shape(trace, jnp.int32(0), z)
-        return cls(found["treedef"], tuple(shapes), found["from_weights"])
-
-    def linearize(self, params, i, h, context, config, ivs):
-        """Layer i at h: its output and the residuals to store (None where a weight is kept)."""
-        out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
-        # shapes and dtypes only: eval_shape keeps weak types (a Python float in an intervention)
-        signature = lambda arrays: tuple((a.shape, a.dtype) for a in arrays)  # noqa: E731
-        if (treedef.num_leaves, signature(saved), from_weights) != (
-            self.treedef.num_leaves,
-            signature(self.shapes),
-            self.from_weights,
-        ):
-            raise AssertionError("a layer's pullback kept different residuals in two traces of it")
-        return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
-
-    def pullback(self, params, i, kept):
-        """Layer i's pullback, from its stored residuals and its weights."""
-        weights = jax.tree_util.tree_leaves(layer_params(params, i))
-        saved = [weights[j] if j is not None else k[i] for j, k in zip(self.from_weights, kept)]
-        return jax.tree_util.tree_unflatten(self.treedef, saved)
+def _unchanged(value, layer, data):
+    return value
 
 
 def _set_value(value, layer, data):
@@ -268,12 +142,10 @@ def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, inter
     with the site's value set to z after the site's own interventions."""
     if site == "resid_post":
         return lambda z: z
-    ivs = check_layer_indices(interventions, config.num_layers)
-    context = layer_context(h_in, valid, config)
 
     def entry(z):
         set_site = Intervention(site, _set_value, (layer, z))
-        return layer_step(layer_params(params, layer), h_in, layer, context, config, ivs + (set_site,)).out
+        return run_layer(params, layer, h_in, config, valid=valid, interventions=(interventions, set_site)).out
 
     return entry
 
@@ -324,8 +196,8 @@ def weighted_gradient(
         )
         return weight * pullback(g)[0].astype(jnp.float32)
 
-    h_base, _ = run_layers_from(
-        params, entry(path.b.astype(dtype)), layer + 1, config, valid=valid, interventions=interventions
+    h_base, _ = run_layers(
+        params, entry(path.b.astype(dtype)), config, start=layer + 1, valid=valid, interventions=interventions
     )
     return sweep_sum(member, (alphas, weights), chunk_size), head(h_base)
 
@@ -365,7 +237,7 @@ def path_points(
     def member(alpha):
         z = path.at(alpha).astype(dtype)
         if not grad:
-            h_last, _ = run_layers_from(params, entry(z), layer + 1, config, valid=valid, interventions=interventions)
+            h_last, _ = run_layers(params, entry(z), config, start=layer + 1, valid=valid, interventions=interventions)
             return objective(h_last), jnp.zeros(T, jnp.float32)
         h_next, pullback = jax.vjp(entry, z)
         value, g = suffix_value_and_grad(

@@ -1,0 +1,251 @@
+"""The edge graph on the core's layer: every reader's input and every writer's output are sites
+of a split layer (`jaxdepth.core.sites`), so the runs edge attribution needs are ordinary runs
+of `jaxdepth.core.loops.run_layers` under interventions built here.
+
+Readers (`jaxdepth.analyses.edges.graph`) and their sites: a query head's query, key and value
+inputs are `q_in`, `k_in`, `v_in` (head h's row), an MLP's input is `mlp_in`, the logits' input
+is the final residual (`resid_pre` at layer L). Writers: the input is h_0 (`resid_pre` at layer
+0), a head's output is its row of `head_result`, an MLP's output `mlp_out`.
+
+- `reader_probes` / `probe_readers`: zeros added at every reader's input; the gradient with
+  respect to them is the gradient at every reader's input, from one backward pass (EAP);
+- `move_reader`: one reader's input moved by a vector; patching edge u -> v alone is moving
+  v by `a_corrupt[u] - a_clean[u]`, exact from v's layer on (`run_layers`' `start`);
+- `patch_edges`: every edge u -> v of a `[W, R]` mask carries u's corrupt output: v reads
+  `corrupt[u] - current[u]` more, where `current[u]` is what u writes in this very run (so
+  patches compose: a patched edge upstream changes what later writers write). The missing part
+  of every writer is the state a `StatefulIntervention` carries through the layers;
+- `shift_node`: one node's output (the input, all heads of a layer together, or an MLP) moved
+  along its straight path: EAP-IG's 'activations' variant;
+- `edge_run`: a run's logits at each pair's last position, every writer's output and every
+  layer's input (`EdgeRun`), under any interventions.
+
+With grouped-query attention a split layer projects the key and value inputs of the G query
+heads of a group with that group's weights (no per-head copy). With no change at any reader the
+runs equal `jaxdepth.core.model.forward` to float rounding (the per-head projections and the sum
+over heads' results add in another order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.core import sites
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.layer import LayerRecord, Params
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import unembed
+
+HEAD_INPUTS = ("q_in", "k_in", "v_in")  # the sites of a head's q, k and v readers, in the graph's order
+
+
+def reader_probes(config: ModelConfig, batch: int, seq_len: int, dtype=jnp.float32) -> dict:
+    """Zeros of the shape of every reader's input: `q`, `k`, `v` `[L, B, T, H, D]` (per query
+    head), `mlp` `[L, B, T, D]`, `logits` `[B, T, D]`."""
+    L, H, D = config.num_layers, config.num_heads, config.hidden_size
+    head = jnp.zeros((L, batch, seq_len, H, D), dtype)
+    mlp = jnp.zeros((L, batch, seq_len, D), dtype)
+    return {"q": head, "k": head, "v": head, "mlp": mlp, "logits": head[0, :, :, 0]}
+
+
+def _add_row(value, layer, rows):
+    return value + rows[layer].astype(value.dtype)
+
+
+def probe_readers(probes: dict, num_layers: int) -> tuple[sites.Intervention, ...]:
+    """Interventions adding `probes` (`reader_probes`' dict) at every reader's input."""
+    per_layer = [
+        sites.Intervention(site, _add_row, probes[kind], layer_data=True)
+        for site, kind in zip(HEAD_INPUTS + ("mlp_in",), ("q", "k", "v", "mlp"))
+    ]
+    return (*per_layer, sites.add("resid_pre", num_layers, probes["logits"], 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoveHeadInput:
+    """Adds a vector `[B, T, D]` to the input of one head reader (data: its index in the graph's
+    reader order minus the index of this site's first reader of layer 0); hashable, so one
+    compilation serves every reader."""
+
+    graph: EdgeGraph
+
+    def __call__(self, value, layer, data):
+        local, vector = data
+        H = value.shape[2]
+        hit = (layer * self.graph.readers_per_layer + jnp.arange(H)) == local
+        return value + hit[None, None, :, None].astype(value.dtype) * vector[:, :, None, :].astype(value.dtype)
+
+
+def move_reader(graph: EdgeGraph, reader, vector: Float[Array, "B T D"]) -> tuple:
+    """Interventions moving the input of reader `reader` (an int, traced or not: one compilation
+    for every reader) by `vector`, and no other reader's."""
+    H, R = graph.num_heads, graph.readers_per_layer
+    reader = jnp.asarray(reader, jnp.int32)
+    move = _MoveHeadInput(graph)
+    heads = tuple(sites.Intervention(site, move, (reader - k * H, vector)) for k, site in enumerate(HEAD_INPUTS))
+    is_mlp = (reader % R == 3 * H).astype(vector.dtype)
+    is_logits = (reader == graph.logits_reader).astype(vector.dtype)
+    mlp = sites.add("mlp_in", jnp.minimum(reader // R, graph.num_layers - 1), is_mlp * vector, 1.0)
+    return (*heads, mlp, sites.add("resid_pre", graph.num_layers, is_logits * vector, 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShiftHeads:
+    """Adds `factor` times each head's row of `delta [W, B, T, D]` to the heads' results of the
+    layer of node `node` (2l + 1); nothing at other layers or nodes."""
+
+    graph: EdgeGraph
+
+    def __call__(self, value, layer, data):
+        node, factor, delta = data
+        H = self.graph.num_heads
+        rows = jax.lax.dynamic_slice_in_dim(delta, self.graph.head_writer(0, 0) + layer * (H + 1), H, axis=0)
+        active = jnp.where(node == 2 * layer + 1, factor, 0).astype(value.dtype)
+        return value + active * jnp.moveaxis(rows, 0, 2).astype(value.dtype)
+
+
+def shift_node(graph: EdgeGraph, node, factor, delta: Float[Array, "W B T D"]) -> tuple:
+    """Interventions adding `factor * delta[u]` to the output of every writer u of node `node`
+    (0: the input; 2l + 1: the heads of layer l; 2l + 2: the MLP of layer l; traced or not):
+    the paths of EAP-IG's 'activations' variant."""
+    H = graph.num_heads
+    node = jnp.asarray(node, jnp.int32)
+    mlp_layer = jnp.clip((node - 2) // 2, 0, graph.num_layers - 1)
+    mlp_row = jax.lax.dynamic_index_in_dim(delta, graph.head_writer(0, 0) + mlp_layer * (H + 1) + H, keepdims=False)
+    on_input = jnp.where(node == 0, factor, 0)
+    on_mlp = jnp.where((node > 0) & (node % 2 == 0), factor, 0)
+    return (
+        sites.add("resid_pre", 0, on_input * delta[0], 1.0),
+        sites.Intervention("head_result", _ShiftHeads(graph), (node, factor, delta)),
+        sites.add("mlp_out", mlp_layer, on_mlp * mlp_row, 1.0),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _PatchEdges:
+    """The stateful intervention of `patch_edges`: data the edge mask `[W, R]`, state what each
+    writer's output lacks of its corrupt value `[W, B, T, D]`, filled as the writers run."""
+
+    graph: EdgeGraph
+
+    def __call__(self, site, value, layer, mask, missing):
+        H, R = self.graph.num_heads, self.graph.readers_per_layer
+
+        def change(first: int, count: int):  # [count, B, T, D]: what readers first.. of this layer gain
+            m = jax.lax.dynamic_slice_in_dim(mask, layer * R + first, count, axis=1).astype(missing.dtype)
+            return jnp.einsum("wr,wbtd->rbtd", m, missing).astype(value.dtype)
+
+        first_head = self.graph.head_writer(0, 0) + layer * (H + 1)
+        if site in HEAD_INPUTS:
+            return value + jnp.moveaxis(change(HEAD_INPUTS.index(site) * H, H), 0, 2), missing
+        if site == "head_result":
+            own = jax.lax.dynamic_slice_in_dim(missing, first_head, H, axis=0)
+            return value, jax.lax.dynamic_update_slice_in_dim(missing, own - jnp.moveaxis(value, 2, 0), first_head, 0)
+        if site == "mlp_in":
+            return value + change(3 * H, 1)[0], missing
+        if site == "mlp_out":
+            own = jax.lax.dynamic_index_in_dim(missing, first_head + H, keepdims=False)
+            return value, jax.lax.dynamic_update_index_in_dim(missing, own - value, first_head + H, 0)
+        # resid_pre: the logits reader, at the final residual (layer L) only
+        final = lambda v: v + change(0, 1)[0]
+        return jax.lax.cond(layer == self.graph.num_layers, final, lambda v: v, value), missing
+
+
+def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"], h0: Float[Array, "B T D"]):
+    """A stateful intervention under which every edge of `mask [W, R]` carries its writer's
+    output `corrupt_writers` (the corrupt run's, `EdgeRun.writers`) and every other edge what
+    its writer writes in this run, for a run from the embeddings `h0` (the input writer's
+    output in this run). Vmap over stacks of masks to patch many edge sets at once."""
+    missing = corrupt_writers.astype(h0.dtype).at[0].add(-h0)
+    return sites.StatefulIntervention(
+        ("resid_pre",) + HEAD_INPUTS + ("head_result", "mlp_in", "mlp_out"), _PatchEdges(graph), mask, missing
+    )
+
+
+# Sites whose value is a sum of writers' outputs, not a writer's: an edit there would reach the
+# readers through no edge of the graph.
+WRITER_SUMS = ("attn_out", "delta", "resid_post")
+
+
+def check_interventions(interventions) -> None:
+    """Refuse interventions at a site whose value is a sum of writers' outputs (`WRITER_SUMS`):
+    the graph's writers are the heads' results and the MLPs' outputs, and a reader's input is
+    the sum of theirs. Edit the writers themselves (`head_out`, `head_result`, `mlp_hidden`,
+    `mlp_out`) or add to the stream at `resid_pre`."""
+    for iv in sites.as_interventions(interventions):
+        hit = sorted(set(iv.sites if isinstance(iv, sites.StatefulIntervention) else (iv.site,)) & set(WRITER_SUMS))
+        if hit:
+            raise ValueError(
+                f"an intervention at {hit[0]!r} edits a sum of the edge graph's writers, which no edge carries: "
+                "intervene on the writers themselves ('head_result' for a head, 'mlp_out' for an MLP; to skip "
+                "layer l, skip both) or add to the residual stream at 'resid_pre'"
+            )
+
+
+def _unchanged(value, layer, data):
+    return value
+
+
+# An intervention that changes nothing at a split site: a run under it computes every layer split
+# per head, each head's result on its own, as the runs whose readers move do.
+SPLIT_LAYERS = sites.Intervention("head_result", _unchanged)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EdgeRun:
+    """What `edge_run` returns: `logits [B, V]` at each row's `last` position, every writer's
+    output `writers [W, B, T, D]` (graph order; rows of layers before `start` are zeros, the
+    input row is `h` when `start` is 0) and every layer's input as the layer receives it,
+    before its own interventions, `residuals [L+1, B, T, D]` (h_0..h_L without interventions;
+    rows before `start` are zeros): a run from boundary l starts from `residuals[l]`."""
+
+    logits: Float[Array, "B V"]
+    writers: Float[Array, "W B T D"]
+    residuals: Float[Array, "Lp1 B T D"]
+
+
+def _writers_tap(record: LayerRecord, _):
+    """A layer's writers `[H + 1, B, T, D]` (each head's result, then the MLP's output) and its
+    output."""
+    return jnp.concatenate([jnp.moveaxis(record.head_result, 2, 0), record.mlp[None]]), record.out
+
+
+def edge_run(
+    params: Params,
+    h: Float[Array, "B T D"],
+    valid,
+    last: Int[Array, " B"],
+    config: ModelConfig,
+    *,
+    start=0,
+    interventions=None,
+    prefix: Optional[tuple] = None,
+) -> EdgeRun:
+    """The run from boundary `start` (`h` = h_start; the embeddings for start 0) under
+    `interventions`, as an `EdgeRun`. `last [B]`: the position whose logits each row returns.
+    `prefix = (keys, values)` as in `jaxdepth.core.loops.run_layers` (every `[.., B, T, D]`
+    argument and result then holds the suffix rows; `valid` and `last` count all positions)."""
+    B = h.shape[0]
+    offset = 0 if prefix is None else prefix[0].shape[2]
+    h_last, (writers, outputs) = run_layers(
+        params,
+        h,
+        config,
+        start=start,
+        valid=valid,
+        interventions=(interventions, SPLIT_LAYERS),
+        tap=_writers_tap,
+        prefix=prefix,
+    )
+    logits = unembed(params, h_last[jnp.arange(B), last - offset], config)
+    first_row = h if isinstance(start, int) and start == 0 else jnp.zeros_like(h)
+    writers = jnp.concatenate([first_row[None], writers.reshape((-1,) + h.shape)])
+    residuals = jnp.concatenate([jnp.zeros_like(h)[None], outputs]).at[start].set(h)
+    return EdgeRun(logits, writers, residuals)

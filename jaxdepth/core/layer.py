@@ -1,0 +1,378 @@
+"""One decoder layer: the building blocks, the layer body `layer_step` and what it shows a tap.
+
+`layer_step` is the one layer body: every loop over the layers (`jaxdepth.core.loops`) runs it,
+with every intervention at its site (`jaxdepth.core.sites`). Shapes follow the axis glossary of
+`jaxdepth.core.model`; `p` is one layer's slice of the layer-stacked params.
+
+Numerics follow Hugging Face transformers: RMSNorm in float32 then cast back before the weight
+multiply, rotate-half rotary embedding with float32 angles, attention softmax in float32 with a
+finite mask value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.sites import SITE_TABLE, SPLIT_SITES, AnyIntervention, acting_sites, apply_at
+
+Params = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*b D"]:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rotary_frequencies(config: ModelConfig) -> np.ndarray:
+    """The rotary inverse frequencies [Dh/2], float32, as HF computes them, bit for bit.
+
+    Computed on the host with numpy, never by the compiler. The angle at position t is
+    t * inv_freq, so a 1e-5 relative error in one frequency moves a tiny model's late logits by
+    3e-4, and XLA may evaluate the same float32 formula differently on different CPUs (traced,
+    the llama3 blend came out 2 ulps from HF's on one). Here each step is the float32 IEEE
+    operation torch performs, in HF's order, so the bits are the same on every machine; the
+    power is correctly rounded (torch's own is within an ulp of that, depending on the CPU).
+    Rope type 'llama3' divides the low frequencies by `rope_factor` and blends the middle band
+    smoothly (Llama 3.1 / 3.2).
+    """
+    f32 = np.float32
+    Dh = config.head_dim
+    exponents = np.arange(0, Dh, 2).astype(f32) / f32(Dh)
+    # torch casts the Python base to float32 and raises it to the float32 exponents
+    power = (np.float64(f32(config.rope_theta)) ** exponents.astype(np.float64)).astype(f32)
+    inv_freq = f32(1) / power
+    if config.rope_type == "default":
+        return inv_freq
+    factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    context = config.rope_original_max_position
+
+    def scalar_over(scalar: float, x: np.ndarray) -> np.ndarray:
+        # torch evaluates `python_scalar / tensor` as `tensor.reciprocal() * scalar`
+        return (f32(1) / x) * f32(scalar)
+
+    # Python scalars meet float32 tensors: torch casts each scalar to float32 first
+    wavelength = scalar_over(2 * np.pi, inv_freq)
+    low_edge, high_edge = f32(context / low), f32(context / high)
+    scaled = np.where(wavelength > low_edge, inv_freq / f32(factor), inv_freq)
+    smooth = (scalar_over(context, wavelength) - f32(low)) / f32(high - low)
+    blended = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
+    middle = ~(wavelength < high_edge) & ~(wavelength > low_edge)
+    return np.where(middle, blended, scaled).astype(f32)
+
+
+def rotary_tables(seq_len: int, config: ModelConfig) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
+    """cos and sin of the rotate-half rotary embedding, computed in float32 as HF does."""
+    inv_freq = rotary_frequencies(config)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N Dh"]:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
+    """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
+    B, T, _ = x.shape
+    K, Dh = config.num_kv_heads, config.head_dim
+    k, v = x @ p["k"], x @ p["v"]
+    if config.qkv_bias:
+        k, v = k + p["k_bias"], v + p["v_bias"]
+    k = k.reshape(B, T, K, Dh)
+    if config.qk_norm:  # Qwen3: each key head normalised before the rotation
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rotary(k, cos, sin), v.reshape(B, T, K, Dh)
+
+
+def input_key_values(p: Params, h: Float[Array, "B T D"], cos, sin, config: ModelConfig):
+    """`key_values` of one layer on its input `h` (before the attention norm)."""
+    return key_values(p, rms_norm(h, p["attn_norm"], config.rms_norm_eps), cos, sin, config)
+
+
+def attention_heads(
+    p: Params,
+    x: Float[Array, "B S D"],
+    cos,
+    sin,
+    mask: Bool[Array, "B S T"],
+    config: ModelConfig,
+    prefix: Optional[tuple[Array, Array]] = None,
+):
+    """Causal grouped-query self-attention of one layer (`p` holds that layer's weights), up to
+    the heads' outputs: `(q [B,S,H,Dh], k [B,T,K,Dh], v [B,T,K,Dh], probs [B,H,S,T],
+    heads [B,S,H,Dh])`, keys and values including the prefix.
+
+    `prefix = (keys, values)`, each `[B, P, K, Dh]`, are the keys and values of P positions
+    before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
+    """
+    B, S, _ = x.shape
+    H, Dh = config.num_heads, config.head_dim
+    q = x @ p["q"]
+    if config.qkv_bias:
+        q = q + p["q_bias"]
+    q = q.reshape(B, S, H, Dh)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+    q = apply_rotary(q, cos, sin)
+    k, v = key_values(p, x, cos, sin, config)
+    if prefix is not None:
+        k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
+    probs, heads = attend(q, k, v, mask)
+    return q, k, v, probs, heads
+
+
+def attend(
+    q: Float[Array, "B S H Dh"], k: Float[Array, "B T N Dh"], v: Float[Array, "B T N Dh"], mask: Bool[Array, "B S T"]
+):
+    """Softmax attention of the (rotated) queries over keys and values of N heads, where N divides
+    H: query head h reads key/value head h // (H // N). N = K is grouped-query attention; N = H
+    gives every query head keys and values of its own (the per-head readers of
+    `jaxdepth.analyses.edges`). Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`."""
+    B, S, H, Dh = q.shape
+    N = k.shape[2]
+    # Group query heads by the kv head they read: head h = kv * G + g.
+    grouped = q.reshape(B, S, N, H // N, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+    scores = scores * (Dh**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
+    return weights.reshape(B, H, S, -1), heads
+
+
+def attention(
+    p: Params,
+    x: Float[Array, "B S D"],
+    cos,
+    sin,
+    mask: Bool[Array, "B S T"],
+    config: ModelConfig,
+    prefix: Optional[tuple[Array, Array]] = None,
+) -> Float[Array, "B S D"]:
+    """The attention output a (after o_proj) of one layer; `prefix` as in `attention_heads`."""
+    heads = attention_heads(p, x, cos, sin, mask, config, prefix)[-1]
+    return heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
+
+
+def mlp_hidden(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
+    return jax.nn.silu(x @ p["gate"]) * (x @ p["up"])
+
+
+def mlp(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+    return mlp_hidden(p, x) @ p["down"]
+
+
+def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B S T"]:
+    """Causal mask restricted to valid keys: the query at position t sees keys s <= t with
+    valid[s]. The queries are positions `offset..T-1` (all of them by default)."""
+    T = valid.shape[1]
+    causal = jnp.arange(T)[None, :] <= jnp.arange(offset, T)[:, None]
+    return causal[None] & valid[:, None, :]
+
+
+def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
+    """Rotated queries, keys and values `[B, T, H, Dh]` of every query head from normed inputs
+    of its own `[B, T, H, D]` (a split layer, `jaxdepth.core.sites`): the key and value inputs
+    of the G heads of a group are projected with that group's weights, never copied per head."""
+    B, T, H, _ = xq.shape
+    K, Dh = config.num_kv_heads, config.head_dim
+
+    def project(x, name, heads):
+        w = p[name].reshape(-1, heads, Dh)
+        grouped = x.reshape(B, T, heads, H // heads, -1)
+        y = jnp.einsum("btkgd,dke->btkge", grouped, w)
+        if config.qkv_bias:
+            y = y + p[f"{name}_bias"].reshape(heads, 1, Dh)
+        return y.reshape(B, T, H, Dh)
+
+    q, k, v = project(xq, "q", H), project(xk, "k", K), project(xv, "v", K)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+# ----------------------------------------------------------------------------- the layer body
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+    """What a tap sees of layer `index`, every site after its interventions (`jaxdepth.core.sites`):
+    its input `h` (= h_l, site `resid_pre`), the queries `q` `[B,S,H,Dh]`, keys and values `k`,
+    `v` `[B,T,K,Dh]` (rotated; with a prefix, T = P + S; per query head, `[B,T,H,Dh]`, in a
+    split layer), attention probabilities `attn_probs` `[B,H,S,T]`, the heads' outputs
+    `head_out` `[B,S,H,Dh]`, the sublayer outputs `attn` (= a_l) and `mlp` (= m_l), the MLP's
+    input `mlp_in` and `mlp_hidden` `[B,S,F]`, its output `out` (= h_{l+1}), the sites of a
+    split layer (`q_in`, `k_in`, `v_in`, `head_result`; None in a layer that is not split), and
+    the carried `states` of stateful interventions after the layer. Only what a tap reads is
+    kept: XLA drops the rest."""
+
+    index: Int[Array, ""]
+    h: Float[Array, "B T D"]
+    attn: Float[Array, "B T D"]
+    mlp: Float[Array, "B T D"]
+    out: Float[Array, "B T D"]
+    q: Optional[Array] = None
+    k: Optional[Array] = None
+    v: Optional[Array] = None
+    attn_probs: Optional[Array] = None
+    head_out: Optional[Array] = None
+    mlp_in: Optional[Array] = None
+    mlp_hidden: Optional[Array] = None
+    q_in: Optional[Array] = None
+    k_in: Optional[Array] = None
+    v_in: Optional[Array] = None
+    head_result: Optional[Array] = None
+    states: tuple = ()
+
+    @property
+    def delta(self) -> Float[Array, "B T D"]:
+        """The layer's contribution to the residual, h_{l+1} - h_l."""
+        return self.out - self.h
+
+
+# The site names of `jaxdepth.core.sites`, for taps written with them (`record.resid_pre` is
+# `record.h`): one property per site whose record field has another name, from the site table.
+for _site in SITE_TABLE:
+    if _site.name != _site.record:
+        setattr(LayerRecord, _site.name, property(operator.attrgetter(_site.record), doc=f"`{_site.record}`"))
+del _site
+
+Tap = Callable[[LayerRecord, Any], Any]
+
+
+def layer_step(
+    p: Params,
+    h: Float[Array, "B S D"],
+    index,
+    context,
+    config: ModelConfig,
+    interventions: tuple[AnyIntervention, ...] = (),
+    prefix=None,
+    states: tuple = (),
+) -> LayerRecord:
+    """One pre-norm decoder layer (`p` holds its weights) with every intervention at its site:
+    `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + a + m`. The one layer body of every
+    loop over the layers (`jaxdepth.core.loops`).
+
+    `context = (cos, sin, mask)` from `layer_context`; `index` the (traced) layer index;
+    `prefix` the keys and values of earlier positions `[B, P, K, Dh]` each, as in
+    `attention_heads`; `states` what stateful interventions carry into the layer
+    (`jaxdepth.core.sites.initial_states`; () when none is stateful). The layer is split per
+    head when an intervention acts at a split site (`jaxdepth.core.sites.SPLIT_SITES`)."""
+    eps = config.rms_norm_eps
+    cos, sin, mask = context
+    carried = states
+
+    def at(site, value):
+        nonlocal carried
+        value, carried = apply_at(site, value, index, interventions, config.num_layers, carried)
+        return value
+
+    h = at("resid_pre", h)
+    split = {}
+    if acting_sites(interventions) & set(SPLIT_SITES):
+        B, S, D = h.shape
+        H = config.num_heads
+        per_head = jnp.broadcast_to(h[:, :, None, :], (B, S, H, D))
+        split = {name: at(name, per_head) for name in ("q_in", "k_in", "v_in")}
+        q, k, v = head_projections(
+            p, *(rms_norm(split[name], p["attn_norm"], eps) for name in ("q_in", "k_in", "v_in")), cos, sin, config
+        )
+        if prefix is not None:  # each query head reads its group's keys and values
+            G = H // config.num_kv_heads
+            k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
+        probs, heads = attend(q, k, v, mask)
+        heads = at("head_out", heads)
+        per_head_o = p["o"].reshape(H, config.head_dim, D)
+        split["head_result"] = at("head_result", jnp.einsum("bshe,hed->bshd", heads, per_head_o))
+        a = at("attn_out", jnp.sum(split["head_result"], axis=2))
+    else:
+        q, k, v, probs, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix)
+        heads = at("head_out", heads)
+        a = at("attn_out", heads.reshape(heads.shape[:2] + (-1,)) @ p["o"])
+    mlp_in = at("mlp_in", h + a)
+    hidden = at("mlp_hidden", mlp_hidden(p, rms_norm(mlp_in, p["mlp_norm"], eps)))
+    m = at("mlp_out", hidden @ p["down"])
+    out = at("resid_post", h + at("delta", a + m))
+    return LayerRecord(
+        index=index,
+        h=h,
+        attn=a,
+        mlp=m,
+        out=out,
+        q=q,
+        k=k,
+        v=v,
+        attn_probs=probs,
+        head_out=heads,
+        mlp_in=mlp_in,
+        mlp_hidden=hidden,
+        states=carried,
+        **split,
+    )
+
+
+def layer_context(h, valid, config, offset: int = 0):
+    """Rotary tables and the attention mask shared by every layer of a forward on `h`, whose
+    rows are positions `offset, offset+1, ...` of the prompt (`valid` covers all of them)."""
+    B, S, _ = h.shape
+    T = offset + S
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    cos, sin = rotary_tables(T, config)
+    return cos[offset:], sin[offset:], attention_mask(valid, offset)
+
+
+def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig):
+    """The `layer_step` context of a piece of `width` rows, positions `start..start+width-1`
+    (`start` may be traced), whose prefix is a key/value buffer covering all T positions
+    (`prefix = (keys, values)`, `[B, T, K, Dh]` each): the queries attend to the buffer's
+    valid positions before `start` and, causally, to the piece's own keys, so the buffer may
+    hold anything from `start` on. Keys are `[buffer T | piece width]`."""
+    T = valid.shape[1]
+    cos, sin = rotary_tables(T, config)
+    cos, sin = (jax.lax.dynamic_slice_in_dim(table, start, width) for table in (cos, sin))
+    rows = jnp.arange(width)
+    earlier = (jnp.arange(T) < start)[None, None, :] & valid[:, None, :]
+    own = (rows[None, :] <= rows[:, None])[None] & jax.lax.dynamic_slice_in_dim(valid, start, width, axis=1)[:, None]
+    return cos, sin, jnp.concatenate([jnp.broadcast_to(earlier, own.shape[:2] + (T,)), own], axis=2)
+
+
+def check_layer_rows(tree, num_layers: int, what: str) -> None:
+    """Refuse a pytree whose leaves do not all have `num_layers` rows (one per layer): indexed by a
+    traced layer, a shorter one would be clamped to its last row silently."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != num_layers:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} must have a leading layer axis of {num_layers} "
+                f"(one row per layer), got shape {shape}"
+            )
+
+
+def layer_row(tree, i):
+    """Row `i` (traced) of every leaf's leading axis."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
+
+
+def layer_params(params: Params, i) -> Params:
+    """The weights of layer `i` (traced or not) from the layer-stacked params."""
+    return layer_row(params["layers"], i)

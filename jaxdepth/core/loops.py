@@ -1,0 +1,356 @@
+"""Every loop over the layers: the one module that runs `jaxdepth.core.layer.layer_step` layer
+after layer. Everything else (the forward, every analysis) calls these.
+
+- `run_layers`: layers start..L-1 on a residual, one `lax.scan` from boundary 0 (differentiable,
+  optionally rematerialised) or a `fori_loop` from a traced boundary (forward only); with taps,
+  a prefix of keys and values, and stateful interventions carried through the loop;
+- `run_layer`: one layer at a traced index (a site's value set inside it);
+- `run_layers_in_pieces`: layers from a boundary on, each over position pieces in order against
+  a key/value buffer (erasure's suffix runs);
+- `suffix_value_and_grad`: a metric of the last boundary and its gradient with respect to a
+  boundary, the backward walked layer by layer (each layer recomputed, or run from its stored
+  matmul outputs);
+- `clean_key_values`: every layer's keys and values read off a residual stream (the prefix of a
+  suffix run);
+- `final_residual`: boundary L, where `resid_pre` interventions with layer index L act.
+
+`start` (a boundary) may be traced but not batched: under `vmap` a batched trip count would run
+every member for the longest one. Sweep over members that share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.layer import (
+    Params,
+    Tap,
+    check_layer_rows,
+    input_key_values,
+    layer_context,
+    layer_params,
+    layer_row,
+    layer_step,
+    piece_context,
+)
+from jaxdepth.core.sites import (
+    SPLIT_SITES,
+    InterventionsLike,
+    StatefulIntervention,
+    acting_sites,
+    apply_at,
+    check_layer_indices,
+    initial_states,
+)
+
+
+def final_residual(h_last, config: ModelConfig, interventions, states: tuple = ()):
+    """Boundary L, the final norm's input: `resid_pre` interventions act here with layer index
+    L, except those whose layer-indexed data has only L rows (`jaxdepth.core.sites.Intervention`);
+    stateful ones with the `states` the layers left them."""
+    L = config.num_layers
+    return apply_at("resid_pre", h_last, L, check_layer_indices(interventions, L), L, states, final=True)[0]
+
+
+def run_layers(
+    params: Params,
+    h: Float[Array, "B S D"],
+    config: ModelConfig,
+    *,
+    start=0,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    tap: Optional[Tap] = None,
+    tap_inputs: Any = None,
+    prefix: Optional[tuple[Array, Array]] = None,
+    remat: bool = False,
+):
+    """Run decoder layers start..L-1 on the residual `h` = h_start (`h_0` by default), applying
+    `interventions`: a site `Intervention` (`jaxdepth.core.sites`), a `StatefulIntervention`,
+    or a sequence of them.
+
+    `start` 0 (the Python int, the default) runs every layer as one `lax.scan` over the stacked
+    weights: differentiable, and `remat=True` wraps the layer in `jax.checkpoint`, so a gradient
+    through the stack keeps one residual per layer instead of every intermediate activation.
+    Any other boundary in 0..L, or a traced one, runs a `fori_loop` from it: the layers before
+    `start` are not computed at all, which is the saving when an intervention at layer or
+    boundary `start` leaves everything before it clean. Forward only (no reverse-mode), and
+    tap rows of the layers not run are zeros.
+
+    `tap(record, x)` is called for every layer run with that layer's `LayerRecord` and the
+    layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its results
+    are stacked on a leading layer axis. Reduce inside the tap: that is what keeps sweeps over
+    all layers from holding `[L, B, T, D]` (or worse) per sweep member.
+
+    `prefix = (keys, values)`, `[L, B, P, K, Dh]` each (a slice of `clean_key_values`), runs
+    only a suffix: `h` holds positions P..T-1, and the first P positions enter every layer only
+    through these keys and values. That is exact when the interventions change nothing before
+    position P (causal attention), and it saves the prefix's queries, MLPs and outputs. `valid`
+    then covers all T positions; intervention data covers the S suffix rows.
+
+    Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
+    """
+    L = config.num_layers
+    from_zero = isinstance(start, int) and start == 0
+    if not from_zero and not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= L:
+        raise ValueError(f"start must be a boundary in 0..{L}, got {start}")
+    if remat and not from_zero:
+        raise ValueError("remat is for gradients through every layer: run from start 0")
+    ivs = check_layer_indices(interventions, L)
+    check_layer_rows(tap_inputs, L, "tap_inputs")
+    check_layer_rows(prefix, L, "prefix")
+    offset = 0 if prefix is None else prefix[0].shape[2]
+    context = layer_context(h, valid, config, offset)
+    states = initial_states(ivs)
+
+    def record(p, i, h, states, known):
+        return layer_step(p, h, i, context, config, ivs, known, states)
+
+    if from_zero:
+
+        def layer(carry, xs):
+            h, states = carry
+            p, index, tap_x, known = xs
+            r = record(p, index, h, states, known)
+            return (r.out, r.states), None if tap is None else tap(r, tap_x)
+
+        xs = (params["layers"], jnp.arange(L), tap_inputs, prefix)
+        (h_last, states), taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, (h, states), xs)
+        return final_residual(h_last, config, ivs, states), taps
+
+    def record_at(i, h, states):
+        return record(layer_params(params, i), i, h, states, None if prefix is None else layer_row(prefix, i))
+
+    if tap is None:
+
+        def step(i, carry):
+            r = record_at(i, *carry)
+            return r.out, r.states
+
+        h_last, states = jax.lax.fori_loop(start, L, step, (h, states))
+        return final_residual(h_last, config, ivs, states), None
+
+    def tapped(i, r):
+        return tap(r, None if tap_inputs is None else layer_row(tap_inputs, i))
+
+    shapes = jax.eval_shape(lambda h, states: tapped(0, record_at(0, h, states)), h, states)
+    buffers = jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), shapes)
+
+    def body(i, carry):
+        h, states, bufs = carry
+        r = record_at(i, h, states)
+        return r.out, r.states, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
+
+    h_last, states, taps = jax.lax.fori_loop(start, L, body, (h, states, buffers))
+    return final_residual(h_last, config, ivs, states), taps
+
+
+def run_layer(params: Params, layer, h: Float[Array, "B T D"], config: ModelConfig, *, valid=None, interventions=None):
+    """The `LayerRecord` of layer `layer` (traced or not) run on its input `h` under
+    `interventions` (stateful ones start from their initial state)."""
+    ivs = check_layer_indices(interventions, config.num_layers)
+    context = layer_context(h, valid, config)
+    return layer_step(layer_params(params, layer), h, layer, context, config, ivs, None, initial_states(ivs))
+
+
+def run_layers_in_pieces(
+    params: Params,
+    h: Float[Array, "B T D"],
+    start,
+    key_value_buffers: tuple[Array, Array],
+    valid: Bool[Array, "B T"],
+    config: ModelConfig,
+    *,
+    first_piece,
+    last_piece,
+    width: int,
+    interventions_of,
+) -> Float[Array, "B T D"]:
+    """Layers start..L-1 on `h` = h_start, each over the position pieces
+    `first_piece..last_piece` (`width` positions each) in order, every piece's queries reading
+    a key/value buffer (`key_value_buffers = (keys, values)`, `[L, B, T, K, Dh]` each, e.g.
+    `clean_key_values` of a clean run) into which each piece writes its own keys and values.
+    Returns the last boundary before any edit at boundary L (`final_residual` applies those):
+    positions before the first piece keep `h`, those after the last piece are stale.
+
+    `interventions_of(rows)` gives the interventions of the piece of positions `rows [width]`
+    (traced), whose position masks have `width` rows; stateful ones and split sites are
+    refused. Exact when nothing before the first piece changes (causal attention): the buffer
+    holds the clean keys there. `start`,
+    `first_piece` and `last_piece` may be traced, not batched (they are loop bounds). Forward
+    only."""
+    keys, values = key_value_buffers
+    T = h.shape[1]
+
+    def layer(i, h):
+        p = layer_params(params, i)
+
+        def piece(j, carry):
+            h, k_buf, v_buf = carry
+            first = j * width
+            ivs = check_layer_indices(interventions_of(first + jnp.arange(width)), config.num_layers)
+            if any(isinstance(iv, StatefulIntervention) for iv in ivs):
+                raise ValueError("stateful interventions carry their state layer after layer, not piece by piece")
+            if acting_sites(ivs) & set(SPLIT_SITES):
+                raise ValueError(
+                    "a layer split per head keeps keys and values per query head; the pieces' buffers hold the "
+                    "key/value heads': run split sites without pieces"
+                )
+            x = jax.lax.dynamic_slice_in_dim(h, first, width, axis=1)
+            r = layer_step(p, x, i, piece_context(valid, first, width, config), config, ivs, (k_buf, v_buf))
+            put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, first, axis=1)
+            return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:])
+
+        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i]))[0]
+
+    return jax.lax.fori_loop(start, config.num_layers, layer, h)
+
+
+def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
+    """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
+    the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
+    cos, sin, _ = layer_context(hs[0], valid, config)
+    return jax.vmap(lambda p, h: input_key_values(p, h, cos, sin, config))(params["layers"], hs[:-1])
+
+
+def suffix_value_and_grad(
+    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: str = "recompute"
+):
+    """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
+    start..L-1 (`layer_step`, with `interventions` at their sites, as every loop).
+
+    backward 'recompute' (default): the layers before `start` are neither run nor
+    differentiated; the forward keeps each layer's input, and the backward walks the layers in
+    reverse with one `jax.vjp` each, recomputing that layer (three layer passes per gradient:
+    forward, forward again, backward). 'stored': the forward keeps each layer's matmul outputs
+    as well (`_PullbackLayout`), and the backward runs from them (two layer passes, and about
+    twice the activations of a forward per layer and sweep member,
+    `jaxdepth.core.sweep.member_bytes(stored=True)`). Both skip the layers before `start`
+    entirely. `start` may be traced but not batched.
+    """
+    if backward == "stored":
+        return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
+    if backward != "recompute":
+        raise ValueError(
+            f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
+            f"`choose_backward`), got {backward!r}"
+        )
+    L = config.num_layers
+    ivs = _without_state(check_layer_indices(interventions, L))
+    context = layer_context(z, valid, config)
+    apply = lambda i, h: layer_step(layer_params(params, i), h, i, context, config, ivs).out
+
+    def forward_step(i, carry):
+        h, inputs = carry
+        return apply(i, h), inputs.at[i].set(h)
+
+    h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
+    # Interventions at boundary L sit between the last layer and the head.
+    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
+
+    def backward_step(k, g):
+        i = L - 1 - k
+        _, pullback = jax.vjp(lambda h: apply(i, h), inputs[i])
+        return pullback(g)[0]
+
+    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+
+
+def _stored_suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid, interventions):
+    L = config.num_layers
+    ivs = _without_state(check_layer_indices(interventions, L))
+    context = layer_context(z, valid, config)
+    layout = _PullbackLayout.of(params, z, context, config, ivs)
+
+    def forward_step(i, carry):
+        h, kept = carry
+        out, saved = layout.linearize(params, i, h, context, config, ivs)
+        return out, tuple(k if k is None else k.at[i].set(r) for k, r in zip(kept, saved))
+
+    kept = tuple(
+        None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
+        for j, r in zip(layout.from_weights, layout.shapes)
+    )
+    h_last, kept = jax.lax.fori_loop(start, L, forward_step, (z, kept))
+    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
+
+    def backward_step(k, g):
+        i = L - 1 - k
+        return layout.pullback(params, i, kept)(g)[0]
+
+    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PullbackLayout:
+    """What `jax.vjp` of one layer keeps for its backward (its residuals): their tree, shapes, and
+    which of them are the layer's own weights. The layer index is traced, so every layer keeps
+    the same tree; the forward stores each layer's residuals in a buffer `[L, ...]` (skipped
+    layers cost nothing), the backward rebuilds that layer's pullback from them. The weights are
+    read again from `params` rather than stored: a buffer would copy the whole model."""
+
+    treedef: jax.tree_util.PyTreeDef
+    shapes: tuple
+    from_weights: tuple  # per residual: the index of the layer weight it is, or None
+
+    @staticmethod
+    def _linearize(params, i, h, context, config, ivs):
+        p = layer_params(params, i)
+        # Keep the matmuls' outputs only; the elementwise work between them (norms, softmax, the
+        # gate) is recomputed in the backward. Half the bytes of keeping everything, and faster
+        # on CPU, where writing fresh memory costs more than that arithmetic (SmolLM2-135M's
+        # shape, 100 tokens, 8 steps, AMD EPYC: layer 0 4.87 s against 5.19 s keeping all).
+        step = jax.checkpoint(
+            lambda h: layer_step(p, h, i, context, config, ivs).out, policy=jax.checkpoint_policies.dots_saveable
+        )
+        out, pullback = jax.vjp(step, h)
+        saved, treedef = jax.tree_util.tree_flatten(pullback)
+        weights = jax.tree_util.tree_leaves(p)
+        from_weights = tuple(next((j for j, w in enumerate(weights) if r is w), None) for r in saved)
+        return out, saved, treedef, from_weights
+
+    @classmethod
+    def of(cls, params, z, context, config, ivs):
+        found = {}
+
+        def trace(i, h):
+            _, saved, found["treedef"], found["from_weights"] = cls._linearize(params, i, h, context, config, ivs)
+            return saved
+
+        shapes = jax.eval_shape(trace, jnp.int32(0), z)
+        return cls(found["treedef"], tuple(shapes), found["from_weights"])
+
+    def linearize(self, params, i, h, context, config, ivs):
+        """Layer i at h: its output and the residuals to store (None where a weight is kept)."""
+        out, saved, treedef, from_weights = self._linearize(params, i, h, context, config, ivs)
+        # shapes and dtypes only: eval_shape keeps weak types (a Python float in an intervention)
+        signature = lambda arrays: tuple((a.shape, a.dtype) for a in arrays)  # noqa: E731
+        if (treedef.num_leaves, signature(saved), from_weights) != (
+            self.treedef.num_leaves,
+            signature(self.shapes),
+            self.from_weights,
+        ):
+            raise AssertionError("a layer's pullback kept different residuals in two traces of it")
+        return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
+
+    def pullback(self, params, i, kept):
+        """Layer i's pullback, from its stored residuals and its weights."""
+        weights = jax.tree_util.tree_leaves(layer_params(params, i))
+        saved = [weights[j] if j is not None else k[i] for j, k in zip(self.from_weights, kept)]
+        return jax.tree_util.tree_unflatten(self.treedef, saved)
+
+
+def _without_state(ivs):
+    """`ivs`, refusing stateful interventions: the backward walks the layers one by one."""
+    if any(isinstance(iv, StatefulIntervention) for iv in ivs):
+        raise ValueError(
+            "suffix_value_and_grad walks the layers backwards one at a time and cannot carry a stateful "
+            "intervention's state: differentiate run_layers (start 0) instead"
+        )
+    return ivs
