@@ -1,7 +1,7 @@
 """Which integrated-gradients rule should the study use by default? The wall-clock time, end to
 end, of the published rule (left Riemann, 256 steps) against the adaptive rule at a 1%
 certified tolerance, on whole GSM8K prompts, every layer, through the study's own functions
-(`integrated_gradients` with the left and the adaptive rule).
+(`integrated_gradients_of_answers` with the left and the adaptive rule).
 
 Each (prompt, rule) runs after its computations are compiled (compilation is timed apart), on a
 quiet machine (it waits until other processes use under a fifth of a core, and records how much
@@ -101,13 +101,13 @@ def run_rule(model, batch, spec: dict) -> dict:
     rule = rule_of(spec)
     with CpuMeter() as meter:
         if isinstance(rule, ig_rules.AdaptiveRule):
-            r = ig.integrated_gradients(p, batch, config, rule=rule)
+            r = ig.integrated_gradients_of_answers(p, batch, config, rule=rule)
             evaluations, converged = int(r.evaluations.sum()), int(r.converged.sum())
             per_layer = dict(layer_evaluations=r.evaluations[0].tolist())
         else:
             start = time.perf_counter()
             on_layer = lambda: finished.append(time.perf_counter())  # noqa: E731
-            r = ig.integrated_gradients(
+            r = ig.integrated_gradients_of_answers(
                 p, batch, config, rule=rule, execution=Execution(progress=True, on_layer=on_layer)
             )
             evaluations, converged = rule.steps * config.num_layers, None

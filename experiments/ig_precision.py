@@ -31,7 +31,7 @@ import numpy as np
 import jaxdepth
 from benchmarking.machine import cpu_description
 from jaxdepth.analyses.ig import Execution, FixedRule
-from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 
@@ -54,7 +54,7 @@ def run_ig(model, batch, steps: int, path: str, precision: str) -> dict:
         with np.load(path) as stored:
             return {k: stored[k] for k in stored.files}
     start = time.perf_counter()
-    r = integrated_gradients(
+    r = integrated_gradients_of_answers(
         model.params, batch, model.config, rule=FixedRule("left", steps), execution=Execution(progress=False)
     )
     seconds = time.perf_counter() - start

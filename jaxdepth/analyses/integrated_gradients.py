@@ -248,7 +248,7 @@ class IntegratedGradientsResult(SavedResult):
             return self.gap / (self.f_input[:, None] - self.f_baseline)
 
 
-def integrated_gradients(
+def integrated_gradients_of_answers(
     params,
     batch: PromptBatch,
     config: ModelConfig,
@@ -544,7 +544,7 @@ def _ig_identity(s: IGSettings) -> dict:
 
 def _run_ig(x) -> IntegratedGradientsResult:
     s, m = x.settings, x.model
-    return integrated_gradients(
+    return integrated_gradients_of_answers(
         m.params,
         x.batch,
         m.config,

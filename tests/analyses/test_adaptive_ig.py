@@ -64,7 +64,9 @@ def adaptive_ig(params, batch, config, target="layer", **rule):
     """The studies' IG with the adaptive rule (`rule`: its options), with a budget the tolerances
     here need (the default, the fixed rule's 256 steps, is not enough for layer 0 at 1e-3)."""
     rule.setdefault("max_evaluations", 2048)
-    return ig.integrated_gradients(params, batch, config, rule=AdaptiveRule(**rule), target=target, execution=QUIET)
+    return ig.integrated_gradients_of_answers(
+        params, batch, config, rule=AdaptiveRule(**rule), target=target, execution=QUIET
+    )
 
 
 def _delta(result):
@@ -90,7 +92,7 @@ def test_adaptive_reaches_the_tolerance_and_equals_a_fine_fixed_rule(params, bat
     assert adaptive.evaluations[0, 0] > 3 * (2 * aig.INITIAL_INTERVALS + 1)
     assert np.all(adaptive.evaluations <= 2048)
 
-    fixed = ig.integrated_gradients(
+    fixed = ig.integrated_gradients_of_answers(
         params,
         batch,
         CONFIG,
@@ -172,7 +174,7 @@ def test_sublayer_target_converges_to_the_fixed_rule(params, batch):
     assert result.converged.all() and result.settings["target"] == "attn"
     delta, scale = _delta(result), _scale(result)
     assert np.all(np.abs(result.gap) <= TOLERANCE * scale)
-    fixed = ig.integrated_gradients(
+    fixed = ig.integrated_gradients_of_answers(
         params,
         batch,
         CONFIG,

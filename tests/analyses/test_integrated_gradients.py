@@ -54,10 +54,10 @@ def _objective(params, one, layer, z, grad=False):
 
 def test_integrated_gradients_equal_one_at_a_time(params, batch):
     steps = 6
-    result = ig.integrated_gradients(
+    result = ig.integrated_gradients_of_answers(
         params, batch.select(slice(1, 2)), CONFIG, rule=FixedRule("midpoint", steps), execution=QUIET
     )
-    chunked = ig.integrated_gradients(
+    chunked = ig.integrated_gradients_of_answers(
         params,
         batch.select(slice(1, 2)),
         CONFIG,
@@ -124,7 +124,7 @@ _objective_at_site_grad = jax.jit(jax.grad(_objective_at_site, argnums=5), stati
 @pytest.mark.parametrize("target,site", [("attn", "attn_out"), ("mlp", "mlp_out")])
 def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target, site):
     steps = 5
-    result = ig.integrated_gradients(
+    result = ig.integrated_gradients_of_answers(
         params, batch.select(slice(1, 2)), CONFIG, rule=FixedRule("midpoint", steps), target=target, execution=QUIET
     )
     assert result.settings["target"] == target
@@ -150,7 +150,7 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
     # completeness: the gap shrinks with the steps, as for the layer target
     gaps = [
         np.abs(
-            ig.integrated_gradients(
+            ig.integrated_gradients_of_answers(
                 params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=n), target=target, execution=QUIET
             ).gap
         ).max()
@@ -162,7 +162,7 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
 def test_ig_completeness_gap_shrinks_with_steps(params, batch):
     gaps = [
         np.abs(
-            ig.integrated_gradients(
+            ig.integrated_gradients_of_answers(
                 params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=n), execution=QUIET
             ).gap
         ).max()
@@ -172,7 +172,7 @@ def test_ig_completeness_gap_shrinks_with_steps(params, batch):
 
 
 def test_ig_zero_where_the_output_cannot_depend(params, batch):
-    result = ig.integrated_gradients(
+    result = ig.integrated_gradients_of_answers(
         params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=4), execution=QUIET
     )
     last_prediction = int(batch.lengths[0]) - 2
@@ -181,7 +181,9 @@ def test_ig_zero_where_the_output_cannot_depend(params, batch):
     assert np.any(result.attributions[0, :, : last_prediction + 1] != 0.0)
     # a model whose output ignores the residual (zero final norm): every layer's attribution is 0
     dead = {**params, "final_norm": jnp.zeros_like(params["final_norm"])}
-    flat = ig.integrated_gradients(dead, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=4), execution=QUIET)
+    flat = ig.integrated_gradients_of_answers(
+        dead, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=4), execution=QUIET
+    )
     assert np.all(flat.attributions == 0.0) and np.all(flat.gap == 0.0)
 
 

@@ -63,7 +63,7 @@ def run_all(params, batch):
         "skip_later": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).later,
         "skip_output": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).output,
         "erasure": erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=8).effects,
-        "ig": ig.integrated_gradients(
+        "ig": ig.integrated_gradients_of_answers(
             params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False, chunk_size=8)
         ).attributions,
     }

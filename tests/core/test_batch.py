@@ -118,7 +118,7 @@ def runs():
         return batch, dict(
             erasure=erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False),
             layer_skip=layer_skip.layer_skip(params, batch, CONFIG, progress=False),
-            ig=ig.integrated_gradients(
+            ig=ig.integrated_gradients_of_answers(
                 params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False)
             ),
             lens=logit_lens.logit_lens(params, batch, CONFIG),

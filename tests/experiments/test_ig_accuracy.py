@@ -13,7 +13,7 @@ from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
-from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients
+from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients_of_answers
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
@@ -136,7 +136,7 @@ def test_table_equals_integrated_gradients_rule_by_rule_and_resumes(tmp_path, ch
     batch = encode(model.tokenizer, [ARITHMETIC_PROMPT])
     one = batch.single(0, LengthBuckets(4, geometric=False))
     for rule, steps in [("left", 16), ("midpoint", 8), ("gauss", 8)]:
-        direct = integrated_gradients(
+        direct = integrated_gradients_of_answers(
             model.params, one, model.config, rule=FixedRule(rule, steps), execution=Execution(progress=False)
         )
         relative = np.abs(direct.gap[0]) / np.abs(direct.f_input[0] - direct.f_baseline[0])

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig import Execution, FixedRule
-from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
 
@@ -38,11 +38,11 @@ def test_each_rule_is_the_studys_rule_and_a_rerun_keeps_it(tmp_path):
     model = load(checkpoint)
     batch = encode(model.tokenizer, [format_short(ROW)], context=256)
     L = model.config.num_layers
-    fixed = integrated_gradients(
+    fixed = integrated_gradients_of_answers(
         model.params, batch, model.config, rule=FixedRule("left", 256), execution=Execution(progress=False)
     )
     spec = experiment.RULES["adaptive-1%"]
-    adaptive = integrated_gradients(
+    adaptive = integrated_gradients_of_answers(
         model.params,
         batch,
         model.config,

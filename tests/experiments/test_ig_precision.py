@@ -10,7 +10,7 @@ import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig import Execution, FixedRule
-from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
 from jaxdepth.lab.prompts import encode, format_short
 from jaxdepth.lab.sources import load
 
@@ -52,7 +52,7 @@ def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp
     L = model.config.num_layers
     batch = encode(model.tokenizer, [format_short(ROW)], context=256)
     assert row["tokens"] == int(batch.lengths[0])
-    direct = integrated_gradients(
+    direct = integrated_gradients_of_answers(
         model.params, batch, model.config, rule=FixedRule("left", 2), execution=Execution(progress=False)
     )
     f32 = row["float32"]
@@ -78,7 +78,7 @@ def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp
     def refuse(*args, **kwargs):
         raise AssertionError("recomputed a cached result")
 
-    monkeypatch.setattr(experiment, "integrated_gradients", refuse)
+    monkeypatch.setattr(experiment, "integrated_gradients_of_answers", refuse)
     out.unlink()
     assert experiment.main(argv) == 0
     assert json.loads(out.read_text()) == report

@@ -7,7 +7,7 @@ import pytest
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.erasure import mean_residuals, residual_erasure
 from jaxdepth.analyses.ig import Execution, FixedRule
-from jaxdepth.analyses.integrated_gradients import integrated_gradients
+from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT, case_prompt
 from jaxdepth.lab.cli import main
 from jaxdepth.lab.sources import load
@@ -51,7 +51,7 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
     expected_erasure = residual_erasure(
         model.params, batch, model.config, mean_residuals(model.params, baseline, model.config), progress=False
     )
-    expected_ig = integrated_gradients(
+    expected_ig = integrated_gradients_of_answers(
         model.params, batch, model.config, rule=FixedRule(steps=4), execution=Execution(progress=False)
     )
     np.testing.assert_array_equal(erasure.effects, expected_erasure.effects)

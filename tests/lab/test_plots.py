@@ -77,7 +77,7 @@ def results(batch):
             for name, prompts in (("both prompts", batch), ("prompt 1", batch.select(slice(1, 2))))
         },
         "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline, progress=False),
-        "integrated_gradients": integrated_gradients.integrated_gradients(
+        "integrated_gradients": integrated_gradients.integrated_gradients_of_answers(
             params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=2), execution=Execution(progress=False)
         ),
         "shallow_contributions": contributions.contributions(shallow, batch, SHALLOW),

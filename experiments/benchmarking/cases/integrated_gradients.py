@@ -90,10 +90,10 @@ CASE = Case(
 
 def adaptive_jaxdepth(bench: Bench, w: Workload):
     from jaxdepth.analyses.ig import AdaptiveRule, Execution
-    from jaxdepth.analyses.integrated_gradients import integrated_gradients
+    from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
 
     rule = AdaptiveRule(tolerance=bench.args.ig_tolerance)
-    return integrated_gradients(
+    return integrated_gradients_of_answers(
         bench.model.params, w.batch, bench.config, rule=rule, execution=Execution(progress=False)
     )
 
