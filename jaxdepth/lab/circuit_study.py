@@ -9,15 +9,15 @@ file: `edge_scores.npz`, `edge_checks_top<K>.npz` (each of the top K edges' scor
 effect), `circuit_<size N | target T>.npz`, `summary_top<K>_<size N | target T>.txt` and
 `figures/` (`circuit_*` and `faithfulness_*` named as the circuit, `scores_vs_patching_top<K>`).
 Each file is written atomically, and the command holds the folder (`folder_lock`) while it
-writes; a rerun with the same model, pairs and settings reuses the scores and the checks.
+writes; a rerun with the same model, pairs and settings reuses the scores and the checks (each a
+step of `jaxdepth.lab.runs`, its identity beside it in `<file>.identity`), and a killed run
+resumes from the last of them saved.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import os
 import sys
 import time
@@ -42,6 +42,7 @@ from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
+from jaxdepth.lab.runs import Step, hold_folders, produce
 
 CIRCUIT_FORMAT = 1  # part of the cache identity: bumped when the computation or the results change
 
@@ -79,24 +80,10 @@ def circuit_choice(size: Optional[int], target: Optional[float]) -> str:
     return f"size{size}" if size is not None else f"target{target:g}"
 
 
-def _identity(model_name: str, task: TaskPairs, settings: dict) -> str:
-    text = json.dumps(
-        {"model": model_name, "clean": task.clean, "corrupt": task.corrupt, "labels": task.labels.tolist(), **settings},
-        sort_keys=True,
-    )
-    return hashlib.sha256(f"{CIRCUIT_FORMAT}:{text}".encode()).hexdigest()[:16]
-
-
-def _cached(path: str, identity: str, kind: type, compute):
-    """The result at `path` when its identity file says `identity`, else `compute()` saved there."""
-    marker = path + ".identity"
-    if os.path.exists(path) and os.path.exists(marker) and open(marker).read() == identity:
-        return kind.load(path), True
-    result = compute()
-    result.save(path)
-    with atomic_write(marker, "w") as f:
-        f.write(identity)
-    return result, False
+def _identity(model_name: str, task: TaskPairs, settings: dict) -> dict:
+    """What the edge scores depend on: the model, the pairs and the way of scoring."""
+    pairs = {"clean": task.clean, "corrupt": task.corrupt, "labels": task.labels.tolist()}
+    return {"format": CIRCUIT_FORMAT, "model": model_name, **pairs, **settings}
 
 
 def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str, figures: bool = True) -> dict:
@@ -107,13 +94,13 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
     identity = _identity(model_name, task, settings)
     start = time.perf_counter()
-    scores, reused = _cached(
-        os.path.join(folder, "edge_scores.npz"),
-        identity,
-        EdgeScores,
-        lambda: edge_attribution(p, pairs, c, logit_difference, **_score_options(settings), progress=True),
-    )
-    print(f"edge scores ({args.method}) {_took(start, reused)}", flush=True)
+
+    def score():
+        return edge_attribution(p, pairs, c, logit_difference, **_score_options(settings), progress=True)
+
+    scores = produce(Step(file="edge_scores.npz", result_type=EdgeScores, identity=identity, run=score), folder)
+    print(f"edge scores ({args.method}) {_took(start, scores.reused)}", flush=True)
+    scores = scores.result
     start = time.perf_counter()
     top = ranked_edges(scores.mean, scores.graph)[: args.check]
 
@@ -122,10 +109,12 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
         return EdgeChecks(edges=top, scores=scores.mean[top[:, 0], top[:, 1]], effects=effects)
 
     checked = f"top{args.check}"
-    checks, reused = _cached(
-        os.path.join(folder, f"edge_checks_{checked}.npz"), f"{identity}:{args.check}", EdgeChecks, check
+    step = Step(
+        file=f"edge_checks_{checked}.npz", result_type=EdgeChecks, identity={**identity, "check": args.check}, run=check
     )
-    print(f"exact patching of the top {len(top)} edges {_took(start, reused)}", flush=True)
+    checks = produce(step, folder)
+    print(f"exact patching of the top {len(top)} edges {_took(start, checks.reused)}", flush=True)
+    checks = checks.result
     start = time.perf_counter()
     with warnings.catch_warnings():  # an unreached target is the command's own error line (run_command)
         warnings.filterwarnings("ignore", message="no circuit reaches faithfulness", category=RuntimeWarning)
@@ -312,7 +301,6 @@ def run_command(args) -> int:
     beginning with one token), then score, check, find and draw (`find_and_save`). Exit status
     1 when no circuit reached the faithfulness target (what was computed is saved all the same)."""
     from jaxdepth.lab.sources import load
-    from jaxdepth.lab.study import hold_folders
 
     if args.size is None and args.target is None:
         args.target = 0.8

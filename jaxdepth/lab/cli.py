@@ -116,7 +116,8 @@ def _run(args) -> int:
     from jaxdepth.lab.plugins import load_plugins, owners
     from jaxdepth.lab.prompts import DATASETS, load_prompts
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import Failures, hold_folders, result_folder, saved_model_name
+    from jaxdepth.lab.runs import hold_folders
+    from jaxdepth.lab.study import Failures, result_folder, saved_model_name
 
     start = time.perf_counter()
     plugins = load_plugins(args.plugin or ())
@@ -249,7 +250,8 @@ def _case(args) -> int:
     from jaxdepth.lab.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
     from jaxdepth.lab.prompts import encode
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import hold_folders, result_folder, run_study, saved_model_name
+    from jaxdepth.lab.runs import hold_folders
+    from jaxdepth.lab.study import result_folder, run_study, saved_model_name
 
     start = time.perf_counter()
     if args.source and args.model and args.source != args.model:
@@ -317,7 +319,8 @@ def _tuned_lens(args) -> int:
     from jaxdepth.lab.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import encode, load_prompts
-    from jaxdepth.lab.study import hold_folders, slug
+    from jaxdepth.lab.runs import hold_folders
+    from jaxdepth.lab.study import slug
 
     train_rows, eval_rows = parse_rows(args.train_rows), parse_rows(args.eval_rows)
     prompts = load_prompts(args.dataset, args.data)

@@ -1,7 +1,8 @@
 """The logit lens and a tuned lens side by side: train a tuned lens on some prompts (resumable),
 read held-out prompts through both, and report both lenses' KL and overlap effective depths.
 The lens lives on disk here: orbax checkpoints and the `lens.json` that says what it was trained
-on (`train_resumably`, `trained_lens`, `load_tuned_lens`); the training itself is
+on (`train_resumably`, `trained_lens`, `load_tuned_lens`; its identity recorded and checked by
+`jaxdepth.lab.runs`, the one way every command caches and resumes); the training itself is
 `jaxdepth.analyses.tuned_lens`.
 
 `jaxdepth tuned-lens` runs it; the figure and the table are what the README shows.
@@ -10,7 +11,6 @@ on (`train_resumably`, `trained_lens`, `load_tuned_lens`); the training itself i
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Optional
@@ -24,6 +24,7 @@ from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effect
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.lab.runs import batch_digest, check_recorded_identity
 
 COMPARISON = "lens_comparison"  # the stem of every file of a comparison (`save_comparison`)
 
@@ -60,8 +61,6 @@ def compare_lenses(
     """Train (or resume, or reuse) the tuned lens in `lens_dir` on `train`, then read `held_out`
     through the logit lens and the tuned lens. The lens folder records what it was trained on
     (the training tokens and the model's config): other data or another model is an error."""
-    from jaxdepth.lab.study import batch_digest
-
     params, config, seconds = model.params, model.config, {}
     identity = {"train_tokens_sha": batch_digest(train), "model_config": config.to_dict()}
     lens, losses = trained_lens(lens_dir, config, settings, identity), np.zeros(0, np.float32)
@@ -198,42 +197,31 @@ def trained_lens(
     or data are an error, as in `train_resumably`."""
     import orbax.checkpoint as ocp
 
-    if not os.path.exists(os.path.join(path, "lens.json")):
+    if not _check_lens_json(path, settings, data_identity):
         return None
-    _check_lens_json(path, settings, data_identity)
     with ocp.CheckpointManager(os.path.abspath(path)) as manager:
         finished = manager.latest_step() == settings.steps
     return load_tuned_lens(path, config) if finished else None
 
 
-def _lens_json(settings: LensTrainingSettings, data_identity: Optional[dict]) -> dict:
-    return json.loads(json.dumps({"settings": dataclasses.asdict(settings), "data": data_identity or {}}))
-
-
-def _check_lens_json(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]) -> None:
-    with open(os.path.join(path, "lens.json")) as f:
-        saved = json.load(f)
-    wanted = _lens_json(settings, data_identity)
-    for key, what in (("settings", "other settings"), ("data", "other data")):
-        if saved.get(key) != wanted[key]:
-            raise ValueError(
-                f"{path} holds a lens trained with {what} ({saved.get(key)}, not {wanted[key]}); "
-                "use another folder or remove it"
-            )
+def _check_lens_json(path: str, settings, data_identity: Optional[dict], *, record: bool = False) -> bool:
+    """Whether the lens folder `path` records what its lens is trained with (`lens.json`); other
+    settings or data are an error. With `record`, a folder without one gets it."""
+    return check_recorded_identity(
+        os.path.join(path, "lens.json"),
+        {"settings": dataclasses.asdict(settings), "data": data_identity or {}},
+        record=record,
+        what="a lens trained",
+        names={"settings": "other settings", "data": "other data"},
+    )
 
 
 def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity: Optional[dict]):
     import orbax.checkpoint as ocp
 
-    from jaxdepth.core.atomic import atomic_write
-
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
-    if os.path.exists(os.path.join(path, "lens.json")):
-        _check_lens_json(path, settings, data_identity)
-    else:
-        with atomic_write(os.path.join(path, "lens.json"), "w") as f:
-            json.dump(_lens_json(settings, data_identity), f, indent=1)
+    _check_lens_json(path, settings, data_identity, record=True)
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
 
 

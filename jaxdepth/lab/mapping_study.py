@@ -6,7 +6,7 @@ Both models read the same prompts (their tokenizers must agree token for token).
 rest measure its held-out relative error (`jaxdepth.analyses.layer_mapping`). The result is
 written atomically to `OUT/<small>__<large>/<dataset>/layer_mapping.npz` with a heatmap beside
 it, the command holding the folder meanwhile (`folder_lock`); a rerun with the same models,
-prompts and settings reuses it.
+prompts and settings reuses it (a step of `jaxdepth.lab.runs`, the one way every command caches).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import numpy as np
 
 from jaxdepth.analyses.layer_mapping import PAD_TO, LayerMappingResult, MappingSettings, compute_mapping
 from jaxdepth.core.batch import PromptBatch
-from jaxdepth.core.sharding import is_writer, writer_decides
+from jaxdepth.core.sharding import is_writer
 from jaxdepth.lab.loaded_model import Model
+from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
 RESULT_NAME = "layer_mapping"
 MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
@@ -77,23 +78,6 @@ def mapping_folder(out_dir: str, small_name: str, large_name: str, dataset: str)
     return os.path.join(out_dir, f"{slug(small_name)}__{slug(large_name)}", slug(dataset))
 
 
-def _reusable(path: str, identity: dict) -> Optional[LayerMappingResult]:
-    """The saved result at `path` if it was computed with exactly `identity`, else None."""
-    import json
-
-    from jaxdepth.lab.results import load_result
-
-    if not os.path.isfile(path):
-        return None
-    try:
-        result = load_result(path)
-    except Exception:
-        return None  # unreadable or from another version: recompute
-    if not isinstance(result, LayerMappingResult):
-        return None
-    return result if result.settings.get("identity") == json.loads(json.dumps(identity)) else None
-
-
 def encode_both(
     small: Model, large: Model, prompts, *, max_tokens: Optional[int] = None, limit: Optional[int] = None
 ) -> PromptBatch:
@@ -138,8 +122,6 @@ def map_models(
     `mapping_folder(out_dir, small_name, large_name, dataset)`, atomically, from the writer
     process only; a saved result with the same models, prompts and settings is reused.
     `max_tokens` skips longer prompts (the AIME rule), `limit` caps the number encoded."""
-    from jaxdepth.lab.study import batch_digest, software_versions
-
     batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
     k = settings.train_prompts
     if not 0 < k < len(batch):
@@ -161,29 +143,20 @@ def map_models(
         "small_config": small.config.to_dict(),
         "large_config": large.config.to_dict(),
     }
-    cached = _reusable(path, identity)
-    # With several processes, process 0 (the writer) decides for all, so their collectives meet.
-    if writer_decides(cached is not None):
-        log(f"layer mapping: reusing {path}")
-        result = cached
-    else:
-        start = time.perf_counter()
+
+    def run():
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-            result = compute_mapping(
-                small,
-                large,
-                train,
-                held_out,
-                settings,
-                mesh=mesh,
-                progress=progress,
-                names=(small_name, large_name, dataset),
-            )
-        seconds = time.perf_counter() - start
-        result.settings.update(identity=identity, versions=software_versions(), seconds=seconds)
-        if is_writer():
-            result.save(path)
-        log(f"layer mapping: {seconds:.1f} s -> {path}")
+            names = (small_name, large_name, dataset)
+            return compute_mapping(small, large, train, held_out, settings, mesh=mesh, progress=progress, names=names)
+
+    produced = produce(
+        Step(file=f"{RESULT_NAME}.npz", result_type=LayerMappingResult, identity=identity, run=run), folder
+    )
+    result = produced.result
+    if produced.reused:
+        log(f"layer mapping: reusing {path}")
+    else:
+        log(f"layer mapping: {produced.seconds:.1f} s -> {path}")
     if figures and is_writer() and result is not None:
         from jaxdepth.lab.plots import save_figure
 
@@ -277,7 +250,7 @@ def _map(args) -> int:
     from jaxdepth.lab.meshes import mesh_from_args
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import DATASETS, load_prompts
-    from jaxdepth.lab.study import hold_folders, saved_model_name
+    from jaxdepth.lab.study import saved_model_name
 
     if not 0 < args.train_prompts < args.prompts:
         raise ValueError(

@@ -3,7 +3,8 @@
 Each (model, dataset, analysis) result is written atomically to
 `OUT/<model>/<dataset>/<analysis>.npz` together with the settings and software versions that
 produced it. A rerun loads every finished result whose settings match and computes only the
-rest, so an interrupted run resumes, and a changed setting is never confused with a cached one.
+rest, so an interrupted run resumes, and a changed setting is never confused with a cached one:
+each analysis is a step of `jaxdepth.lab.runs`, the one way every command caches and resumes.
 
 An analysis's error ends the study, unless the analysis is named in a `Failures` given to
 `run_study` (and `write_figures`): then its error is recorded there and the others go on, their
@@ -17,19 +18,16 @@ import contextlib
 import dataclasses
 import os
 import re
-import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.core.atomic import folder_lock
 from jaxdepth.core.batch import PromptBatch
-from jaxdepth.core.compilation import CompileClock
-from jaxdepth.core.sharding import is_writer, writer_decides
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
 from jaxdepth.lab.registry import ANALYSES, analysis
-from jaxdepth.lab.results import RESULT_FORMAT, load_result
+from jaxdepth.lab.results import RESULT_FORMAT
+from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,21 +95,6 @@ class Failures:
             self.records.append(Failure(name, stage, error))
 
 
-def software_versions() -> dict:
-    """The versions of jax, flax and jaxdepth (as installed; "unknown" for a checkout run without
-    installing it), recorded with every result."""
-    import importlib.metadata
-
-    import flax
-    import jax
-
-    try:
-        ours = importlib.metadata.version("jaxdepth")
-    except importlib.metadata.PackageNotFoundError:
-        ours = "unknown"
-    return {"jax": jax.__version__, "flax": flax.__version__, "jaxdepth": ours}
-
-
 def saved_model_name(source: str, dtype: Optional[str] = None) -> str:
     """The name results of `source` loaded in `dtype` are saved under: the source itself in
     float32, `SOURCE-bfloat16` in bf16, because a bf16 model is another model for the cache, the
@@ -146,23 +129,6 @@ def run_analysis(
 
 def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
     return os.path.join(out_dir, slug(model_name), slug(dataset))
-
-
-def hold_folders(folders: Iterable[str]) -> contextlib.ExitStack:
-    """`with hold_folders([...]):` holds each results folder (`jaxdepth.core.atomic.folder_lock`)
-    until the block ends, so that a second run writing any of them is refused at once, told
-    which process holds it. With several processes (multi-host) only process 0, the one that
-    writes, holds them."""
-    held = contextlib.ExitStack()
-    if not is_writer():
-        return held
-    try:
-        for folder in folders:
-            held.enter_context(folder_lock(folder))
-    except BaseException:
-        held.close()  # let go of those already held
-        raise
-    return held
 
 
 def run_study(
@@ -203,6 +169,7 @@ def run_study(
     if weights != "float32":  # only then, so float32 results saved before this key existed stay valid
         common["weights_dtype"] = weights
     baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
+    inputs = (model, batch, settings, baseline_batch, progress)
     results = {}
     # Process 0 alone writes; it holds the folder so that a second run cannot interleave its
     # results with these (a command may hold it already, for its figures too).
@@ -210,46 +177,39 @@ def run_study(
         for entry in entries:
             failed_before = len(failures.records)
             with failures.guard(entry.name, "running"):
-                identity = {**common, **entry.identity(settings.for_analysis(entry))}
-                if entry.uses_baseline:
-                    identity["baseline_tokens_sha"] = baseline_sha
-                path = os.path.join(folder, f"{entry.name}.npz")
-                cached = _load_matching(path, identity, entry.result_type)
-                # With several processes, process 0 (the one that writes) decides for all; the others
-                # hold None for a result only it had saved.
-                if writer_decides(cached is not None):
+                produced = produce(_step(entry, common, baseline_sha, baseline_name, inputs), folder)
+                if produced.reused:
                     log(f"{entry.name}: reusing {folder}")
-                    results[entry.name] = cached
-                    continue
-                start = time.perf_counter()
-                with CompileClock() as compiling:
-                    result = run_analysis(entry.name, model, batch, settings, baseline_batch, progress)
-                seconds = time.perf_counter() - start
-                _check_finite(entry.name, result)
-                # compilation and computation apart: a first run pays compiles a rerun or the
-                # persistent compilation cache does not
-                result.settings.update(
-                    identity=identity,
-                    versions=software_versions(),
-                    seconds=seconds,
-                    compile_seconds=compiling.seconds,
-                    compute_seconds=seconds - compiling.seconds,
-                    compilations=compiling.compilations,
-                    compilation_cache_hits=compiling.cache_hits,
-                )
-                if entry.uses_baseline:
-                    result.settings["baseline"] = baseline_name or "the dataset's own prompts"
-                if is_writer():
-                    result.save(path)
-                log(
-                    f"{entry.name}: {seconds:.1f} s ({compiling.seconds:.1f} s compiling {compiling.compilations} "
-                    f"programs, {compiling.cache_hits} read from the compilation cache) -> {folder}"
-                )
-                results[entry.name] = result
+                else:
+                    clock = produced.compiling
+                    log(
+                        f"{entry.name}: {produced.seconds:.1f} s ({clock.seconds:.1f} s compiling "
+                        f"{clock.compilations} programs, {clock.cache_hits} read from the compilation cache) "
+                        f"-> {folder}"
+                    )
+                results[entry.name] = produced.result
             if len(failures.records) > failed_before:
                 error = failures.records[-1].error
                 log(f"{entry.name}: failed ({type(error).__name__}: {error}); going on with the others")
     return results
+
+
+def _step(entry: Analysis, common: dict, baseline_sha, baseline_name, inputs: tuple) -> Step:
+    """`entry` as a step of a study (`jaxdepth.lab.runs`): `<name>.npz`, its identity the study's
+    common one, its own (`Analysis.identity`) and the baseline's prompts where it reads them."""
+    settings = inputs[2]
+    identity = {**common, **entry.identity(settings.for_analysis(entry))}
+    if entry.uses_baseline:
+        identity["baseline_tokens_sha"] = baseline_sha
+
+    def run():
+        result = run_analysis(entry.name, *inputs)
+        _check_finite(entry.name, result)
+        if entry.uses_baseline:
+            result.settings["baseline"] = baseline_name or "the dataset's own prompts"
+        return result
+
+    return Step(file=f"{entry.name}.npz", result_type=entry.result_type, identity=identity, run=run)
 
 
 def write_figures(
@@ -279,31 +239,3 @@ def _check_finite(name: str, result) -> None:
                 f"{name}: {field.name} contains NaN or infinite values (check the model's "
                 "weights, its dtype, and the prompts); nothing was saved"
             )
-
-
-def _load_matching(path, identity, result_type):
-    if not os.path.isfile(path):
-        return None
-    try:
-        result = load_result(path)
-    except Exception:
-        return None  # unreadable (e.g. from an older version): recompute
-    if not isinstance(result, result_type) or result.settings.get("identity") != _roundtrip(identity):
-        return None
-    return result
-
-
-def _roundtrip(d):
-    import json
-
-    return json.loads(json.dumps(d))
-
-
-def batch_digest(batch: PromptBatch) -> str:
-    """A short digest of a batch's tokens, validity and answer starts (cache identities)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for a in (batch.tokens, batch.valid, batch.answer_start):
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()[:16]
