@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.sites import SITE_TABLE, SPLIT_SITES, AnyIntervention, acting_sites, apply_at
+from jaxdepth.core.sites import SITE_TABLE, AnyIntervention, apply_at, splits_layer
 
 Params = dict[str, Any]
 
@@ -288,7 +288,7 @@ def layer_step(
 
     h = at("resid_pre", h)
     split = {}
-    if acting_sites(interventions) & set(SPLIT_SITES):
+    if splits_layer(interventions):
         B, S, D = h.shape
         H = config.num_heads
         per_head = jnp.broadcast_to(h[:, :, None, :], (B, S, H, D))

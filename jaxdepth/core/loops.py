@@ -40,13 +40,12 @@ from jaxdepth.core.layer import (
     piece_context,
 )
 from jaxdepth.core.sites import (
-    SPLIT_SITES,
     InterventionsLike,
     StatefulIntervention,
-    acting_sites,
     apply_at,
     check_layer_indices,
     initial_states,
+    splits_layer,
 )
 
 
@@ -197,7 +196,7 @@ def run_layers_in_pieces(
             ivs = check_layer_indices(interventions_of(first + jnp.arange(width)), config.num_layers)
             if any(isinstance(iv, StatefulIntervention) for iv in ivs):
                 raise ValueError("stateful interventions carry their state layer after layer, not piece by piece")
-            if acting_sites(ivs) & set(SPLIT_SITES):
+            if splits_layer(ivs):
                 raise ValueError(
                     "a layer split per head keeps keys and values per query head; the pieces' buffers hold the "
                     "key/value heads': run split sites without pieces"

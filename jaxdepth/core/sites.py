@@ -348,6 +348,23 @@ def acting_sites(interventions: tuple[AnyIntervention, ...]) -> set:
     return {site for iv in interventions for site in (iv.sites if isinstance(iv, StatefulIntervention) else (iv.site,))}
 
 
+def splits_layer(interventions: tuple[AnyIntervention, ...]) -> bool:
+    """Whether a layer under `interventions` is split per head: one of them acts at a split site
+    (`SPLIT_SITES`, module docstring)."""
+    return bool(acting_sites(interventions) & set(SPLIT_SITES))
+
+
+def _unchanged(value, layer, data):
+    return value
+
+
+def unchanged(site: str) -> Intervention:
+    """An intervention that changes nothing at `site`. At a split site it splits every layer
+    per head, so that a tap reads that site (`record.head_result`, ...) or a run computes the
+    way runs that edit it do."""
+    return Intervention(site, _unchanged)
+
+
 def initial_states(interventions: tuple[AnyIntervention, ...]) -> tuple:
     """The states the layer loop carries: each stateful intervention's initial state, None for
     the others (aligned with `interventions`)."""

@@ -61,15 +61,11 @@ def logit_difference_of_one(logits):  # the same for one prompt, a scalar
     return logit_difference(logits)[0]
 
 
-def _unchanged(value, layer, data):
-    return value
-
-
 def _by_hand(params, tokens, site, layer, alphas, weights, metric=logit_difference_of_one):
     """Per-channel IG of layer `layer` at `site` by jax.grad of a plain forward in which
     `sites.replace` sets the site's value at every position; and F(x), F(b). (A site of a split
     layer is read from a run split by an intervention that changes nothing.)"""
-    split = sites.Intervention(site, _unchanged) if site in sites.SPLIT_SITES else None
+    split = sites.unchanged(site) if site in sites.SPLIT_SITES else None
     x = run_layers(params, embed(params, tokens), CONFIG, interventions=split, tap=lambda r, _: getattr(r, site))
     x = x[1][layer]
     b = jnp.broadcast_to(ig_baseline(x, jnp.ones(tokens.shape, bool), "channel_mean"), x.shape)

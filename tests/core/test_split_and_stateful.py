@@ -52,10 +52,6 @@ def run(params, tokens, interventions):
     return forward(params, tokens, CONFIG, interventions=interventions)
 
 
-def _unchanged(value, layer, data):
-    return value
-
-
 def _with_value_input(layer, head, vector):
     """Logits when query head `head` of layer `layer` reads its value from h + vector (by hand:
     the other heads, the residual and the MLP read h)."""
@@ -81,7 +77,7 @@ def _with_value_input(layer, head, vector):
 
 def test_a_split_layer_without_change_is_the_layer():
     params, tokens = _setup()
-    split = run(params, tokens, sites.Intervention("q_in", _unchanged))
+    split = run(params, tokens, sites.unchanged("q_in"))
     assert_close(split, run(params, tokens, None), "a split layer", tol=1e-5)
 
 
@@ -113,7 +109,7 @@ def test_every_heads_inputs_moved_is_attention_reading_a_moved_residual():
 def test_head_results_sum_to_the_attention_output_and_ablate_like_head_out():
     params, tokens = _setup()
     h0 = embed(params, tokens)
-    split = sites.Intervention("head_result", _unchanged)
+    split = sites.unchanged("head_result")
     _, (results, attn) = run_layers(params, h0, CONFIG, interventions=split, tap=lambda r, _: (r.head_result, r.attn))
     assert results.shape == (L, B, T, H, D)
     assert_close(results.sum(axis=3), attn, "sum of head results")
@@ -191,7 +187,7 @@ def test_a_state_that_changes_shape_and_loops_that_cannot_carry_one_are_refused(
     buffers = (jnp.zeros((L, B, T, CONFIG.num_kv_heads, CONFIG.head_dim)),) * 2
     for interventions, message in (
         (counting(jnp.ones(D)), "not piece by piece"),
-        (sites.Intervention("k_in", _unchanged), "run split sites without pieces"),
+        (sites.unchanged("k_in"), "run split sites without pieces"),
     ):
         with pytest.raises(ValueError, match=message):
             run_layers_in_pieces(

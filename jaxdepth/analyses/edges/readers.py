@@ -188,13 +188,9 @@ def check_interventions(interventions) -> None:
             )
 
 
-def _unchanged(value, layer, data):
-    return value
-
-
-# An intervention that changes nothing at a split site: a run under it computes every layer split
-# per head, each head's result on its own, as the runs whose readers move do.
-SPLIT_LAYERS = sites.Intervention("head_result", _unchanged)
+# A run under it computes every layer split per head, each head's result on its own, as the runs
+# whose readers move do, and its taps read every head's result.
+SPLIT_LAYERS = sites.unchanged("head_result")
 
 
 @jax.tree_util.register_dataclass
@@ -217,6 +213,13 @@ def _writers_tap(record: LayerRecord, _):
     return jnp.concatenate([jnp.moveaxis(record.head_result, 2, 0), record.mlp[None]]), record.out
 
 
+def logits_at(params: Params, h_last: Float[Array, "B S D"], last: Int[Array, " B"], config: ModelConfig, prefix=None):
+    """`[B, V]`: the logits of each row's position `last` (counted over all positions; with a
+    `prefix` of P positions, `h_last` holds the rows after it)."""
+    offset = 0 if prefix is None else prefix[0].shape[2]
+    return unembed(params, h_last[jnp.arange(h_last.shape[0]), last - offset], config)
+
+
 def edge_run(
     params: Params,
     h: Float[Array, "B T D"],
@@ -232,8 +235,6 @@ def edge_run(
     `interventions`, as an `EdgeRun`. `last [B]`: the position whose logits each row returns.
     `prefix = (keys, values)` as in `jaxdepth.core.loops.run_layers` (every `[.., B, T, D]`
     argument and result then holds the suffix rows; `valid` and `last` count all positions)."""
-    B = h.shape[0]
-    offset = 0 if prefix is None else prefix[0].shape[2]
     h_last, (writers, outputs) = run_layers(
         params,
         h,
@@ -244,7 +245,7 @@ def edge_run(
         tap=_writers_tap,
         prefix=prefix,
     )
-    logits = unembed(params, h_last[jnp.arange(B), last - offset], config)
+    logits = logits_at(params, h_last, last, config, prefix)
     first_row = h if isinstance(start, int) and start == 0 else jnp.zeros_like(h)
     writers = jnp.concatenate([first_row[None], writers.reshape((-1,) + h.shape)])
     residuals = jnp.concatenate([jnp.zeros_like(h)[None], outputs]).at[start].set(h)

@@ -40,6 +40,7 @@ from jaxdepth.analyses.edges.readers import (
     EdgeRun,
     check_interventions,
     edge_run,
+    logits_at,
     probe_readers,
     reader_probes,
     shift_node,
@@ -49,7 +50,7 @@ from jaxdepth.analyses.ig.checks import check_rule
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import clean_key_values, run_layers
-from jaxdepth.core.model import embed, unembed
+from jaxdepth.core.model import embed
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
@@ -181,13 +182,11 @@ def _scaled(weight, tree):
 def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, interventions=None):
     """The gradient of F summed over the pairs at every reader's input (`reader_probes`' dict),
     from `h0` under `interventions` and then the edge interventions `shift`."""
-    offset = 0 if prefix is None else prefix[0].shape[2]
 
     def value(probes):
         ivs = (interventions, shift, probe_readers(probes, config.num_layers))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, prefix=prefix)
-        logits = unembed(params, h[jnp.arange(h.shape[0]), pairs.last - offset], config)
-        return jnp.sum(metric_values(metric, logits, pairs.labels))
+        return jnp.sum(metric_values(metric, logits_at(params, h, pairs.last, config, prefix), pairs.labels))
 
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
 
@@ -250,8 +249,7 @@ def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric
     def one(alpha):
         def f(h0):
             h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=interventions)
-            logits = unembed(params, h[jnp.arange(h.shape[0]), pairs.last], config)
-            return jnp.sum(metric_values(metric, logits, pairs.labels))
+            return jnp.sum(metric_values(metric, logits_at(params, h, pairs.last, config), pairs.labels))
 
         phi, g = jax.value_and_grad(f)(e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt))
         return phi, jnp.sum(g.astype(jnp.float32) * (e_clean - e_corrupt).astype(jnp.float32), axis=-1)[0]

@@ -27,7 +27,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layer, run_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs, unembed
-from jaxdepth.core.sites import SPLIT_SITES, Intervention
+from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
 from jaxdepth.core.sweep import auto_chunk_size, sweep, sweep_sum
 
 
@@ -94,7 +94,7 @@ def clean_values(
     At a site of a split layer (`jaxdepth.core.sites.SPLIT_SITES`) every layer runs split, as
     the path's runs, which set the site, do."""
     if site in SPLIT_SITES:
-        interventions = (interventions, Intervention(site, _unchanged))
+        interventions = (interventions, unchanged(site))
     inputs, h_last, x = layer_inputs(
         params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: getattr(r, site)
     )
@@ -125,10 +125,6 @@ def choose_backward(
         return backward
     fits = auto_chunk_size(config, seq_len, members, grad=True, stored=True, memory_budget=memory_budget)
     return "stored" if fits >= min(members, STORED_MIN_CHUNK) else "recompute"
-
-
-def _unchanged(value, layer, data):
-    return value
 
 
 def _set_value(value, layer, data):
