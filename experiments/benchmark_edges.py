@@ -78,13 +78,16 @@ def run_jax(args) -> dict:
     from jaxdepth.analyses.edges.pairs import logit_difference
     from jaxdepth.analyses.edges.patching import edge_effects
     from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
+    from jaxdepth.analyses.ig.rules import FixedRule
 
     model, task = _task(args)
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
     phases = {
         "eap": lambda: edge_attribution(p, pairs, c, logit_difference),
-        "eap_ig": lambda: edge_attribution(p, pairs, c, logit_difference, method="eap-ig-inputs", steps=args.steps),
+        "eap_ig": lambda: edge_attribution(
+            p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps)
+        ),
     }
     times, results = {}, {}
     for name, phase in phases.items():

@@ -44,7 +44,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarking.machine import cpu_description
-from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, quadrature, run_rule, summarise
+from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, largest_call, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_inputs, path_points
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
@@ -248,11 +248,9 @@ def accuracy_of_prompt(
             shared,
             range(L),
             f_input,
-            prompt.tokens.shape[1],
-            config,
-            tolerance=rule.tolerances(L),
-            on_layer=on_layer,
-            **rule.options(),
+            rule,
+            largest=largest_call(config, prompt.tokens.shape[1]),
+            on_done=on_layer,
         )
         shared.save()
         r = summarise(rules)

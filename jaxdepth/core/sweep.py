@@ -124,6 +124,18 @@ def sweep_sum(fn: Callable[[Any], Any], members: Any, chunk_size: Optional[int] 
     return jax.lax.scan(add_chunk, zeros, (chunks, real))[0]
 
 
+def weighted_sum(fn: Callable[[Any], Any], alphas, weights, chunk_size: Optional[int] = None) -> Any:
+    """`sum_k weights[k] fn(alphas[k])` (leaf by leaf; a weight cast to each leaf's dtype): a
+    quadrature rule's sum of `fn` along a path, `sweep_sum` over the nodes `chunk_size` at a
+    time."""
+
+    def member(node):
+        alpha, weight = node
+        return jax.tree.map(lambda y: weight.astype(y.dtype) * y, fn(alpha))
+
+    return sweep_sum(member, (alphas, weights), chunk_size)
+
+
 def _data_axis_size() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or DATA not in mesh.axis_names:
@@ -166,9 +178,11 @@ def auto_chunk_size(
     grad: bool = False,
     stored: bool = False,
     memory_budget: Optional[int] = None,
+    extra_bytes: int = 0,
 ) -> int:
-    """The largest chunk of sweep members whose activations fit in `memory_budget` bytes
-    (default: `available_memory_budget()`, read when the sweep starts)."""
+    """The largest chunk of sweep members whose activations (`member_bytes`, and `extra_bytes`
+    more each: what a member holds beyond one forward, say the gradients it returns) fit in
+    `memory_budget` bytes (default: `available_memory_budget()`, read when the sweep starts)."""
     budget = available_memory_budget() if memory_budget is None else memory_budget
-    per = member_bytes(config, seq_len, grad=grad, stored=stored)
+    per = member_bytes(config, seq_len, grad=grad, stored=stored) + extra_bytes
     return int(np.clip(budget // per, 1, max(n_members, 1)))

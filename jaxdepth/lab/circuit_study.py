@@ -38,7 +38,7 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     ranked_edges,
 )
-from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES
+from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, rule_of
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
@@ -143,9 +143,11 @@ def _took(start: float, reused: bool) -> str:
 
 
 def _score_options(settings: dict) -> dict:
+    """`edge_attribution`'s method and rule from the command's settings (`rules.rule_of`: the
+    adaptive rule's budget is `steps` evaluations)."""
     if settings["method"] == "eap":
         return {"method": "eap"}
-    return {k: v for k, v in settings.items() if v is not None}
+    return {"method": settings["method"], "rule": rule_of(settings["rule"], settings["steps"], settings["tolerance"])}
 
 
 def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_name: str) -> dict:

@@ -12,7 +12,8 @@ from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import patched_metric
 from jaxdepth.analyses.edges.scores import EdgeScores, edge_attribution
-from jaxdepth.core.model import random_params
+from jaxdepth.analyses.ig import AdaptiveRule, FixedRule, LogitsMetric, integrated_gradients
+from jaxdepth.core.model import embed, random_params
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -135,15 +136,45 @@ def test_node_scores_equal_the_node_attribution_of_site_gradients(params, pairs,
 
 def test_eap_ig_with_one_right_step_is_eap(params, pairs, eap):
     """The 'right' rule's single node is α = 1, the clean input: EAP's gradient."""
-    one = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule="right", steps=1)
+    one = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule("right", 1))
     np.testing.assert_allclose(one.scores, eap.scores, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", [FixedRule("gauss", 6), AdaptiveRule(tolerance=0.05, max_evaluations=40)])
+def test_eap_ig_inputs_is_integrated_gradients_at_the_input_with_the_corrupt_baseline(params, pairs, rule):
+    """The input's edges of one pair, summed over its readers, are integrated gradients at
+    `resid_pre` of layer 0 with the corrupt embeddings as the baseline: the same integrator,
+    the same rule (the adaptive one placing the same nodes), summed over positions."""
+    one = pairs.select([0])
+    edges = edge_attribution(params, one, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule)
+    last, labels = int(one.last[0]), jnp.asarray(one.labels)
+    metric = lambda logits: logit_difference(logits[:, 0], labels)[0]  # noqa: E731 (one pair, one call)
+    site = integrated_gradients(
+        params,
+        one.clean,
+        CONFIG,
+        LogitsMetric(metric, positions=[last]),
+        site="resid_pre",
+        layers=[0],
+        baseline=embed(params, one.corrupt)[None],
+        rule=rule,
+    )
+    np.testing.assert_allclose(edges.node_scores()[0, 0], site.per_position[0, 0].sum(), rtol=1e-4, atol=1e-6)
+    if isinstance(rule, AdaptiveRule):  # the same rounds place the same nodes; the readers' pass adds one per node
+        assert edges.converged[0] == site.converged[0, 0]
+        assert edges.evaluations[0] == 2 * site.evaluations[0, 0]
 
 
 def test_adaptive_completeness_of_the_input_edges_is_within_the_certified_bound(params, pairs):
     """The input's edges sum to F(clean) - F(corrupt) within the adaptive rule's bound, itself
     within the tolerance (relative to |F(clean) - F(corrupt)| or its floor)."""
     result = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule="adaptive", tolerance=1e-3, steps=400
+        params,
+        pairs,
+        CONFIG,
+        logit_difference,
+        method="eap-ig-inputs",
+        rule=AdaptiveRule(tolerance=1e-3, max_evaluations=400),
     )
     assert result.converged.all()
     gap = np.abs(result.completeness_gap())
@@ -151,7 +182,7 @@ def test_adaptive_completeness_of_the_input_edges_is_within_the_certified_bound(
     scale = np.maximum(np.abs(result.f_clean - result.f_corrupt), 0.1 * np.abs(result.f_clean))
     assert np.all(result.bound <= 1e-3 * scale)
     # a fixed rule of few steps is visibly off: the certificate is not vacuous
-    coarse = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", steps=4)
+    coarse = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=4))
     assert np.max(np.abs(coarse.completeness_gap())) > 10 * np.max(result.bound)
 
 
@@ -159,7 +190,7 @@ def test_activation_paths_sum_to_the_exact_effect_of_corrupting_each_node(params
     """EAP-IG 'activations': the edges out of a node sum to F(clean) - F(that node's output
     corrupt), which is exact patching of all its edges at once."""
     result = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule="gauss", steps=24
+        params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule=FixedRule("gauss", 24)
     )
     nodes = {"input": [0], "attention 1": [GRAPH.head_writer(1, h) for h in range(4)], "mlp 2": [GRAPH.mlp_writer(2)]}
     for name, writers in nodes.items():
@@ -184,7 +215,7 @@ def test_a_padded_batch_of_pairs_equals_each_pair_alone(params, pairs, method):
 
 
 def _kw(method):
-    return {"method": method} if method == "eap" else {"method": method, "steps": 5}
+    return {"method": method} if method == "eap" else {"method": method, "rule": FixedRule(steps=5)}
 
 
 def test_scores_save_and_load(tmp_path, eap):
@@ -204,8 +235,10 @@ def test_clear_errors(params, pairs):
         GRAPH.edge_index("m2->a1.h0<q>")
     with pytest.raises(ValueError, match="method must be"):
         edge_attribution(params, pairs, CONFIG, logit_difference, method="acdc")
-    with pytest.raises(ValueError, match="EAP-IG's"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, steps=8)
+    with pytest.raises(ValueError, match="a rule is EAP-IG's"):
+        edge_attribution(params, pairs, CONFIG, logit_difference, rule=FixedRule(steps=8))
+    with pytest.raises(ValueError, match="one tolerance"):
+        edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=AdaptiveRule((0.1, 0.2)))
     with pytest.raises(ValueError, match="adaptive rule certifies"):
         edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule="adaptive")
     with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -226,7 +259,7 @@ def test_a_metric_that_is_not_floating_is_refused(params, pairs, metric, dtype):
     with pytest.raises(ValueError, match=f"returns {dtype} values: a metric must be floating point.*zero gradient"):
         edge_attribution(params, pairs, CONFIG, metric)
     with pytest.raises(ValueError, match=f"returns {dtype} values"):
-        edge_attribution(params, pairs, CONFIG, metric, method="eap-ig-inputs", steps=2)
+        edge_attribution(params, pairs, CONFIG, metric, method="eap-ig-inputs", rule=FixedRule(steps=2))
 
 
 def test_answers_that_share_their_first_token_are_refused_with_the_logit_difference(params):

@@ -20,6 +20,7 @@ from tiny_qwen import CONFIG  # noqa: E402
 
 from jaxdepth.analyses.edges import edge_attribution, edge_effects, logit_difference, prompt_pairs  # noqa: E402
 from jaxdepth.analyses.edges import ranked_edges  # noqa: E402
+from jaxdepth.analyses.ig import FixedRule  # noqa: E402
 from jaxdepth.core.model import random_params  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def test_the_reference_agrees_with_jaxdepth():
     inputs = [torch.as_tensor(np.array(x)) for x in (pairs.clean, pairs.corrupt, pairs.valid, pairs.last, labels)]
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
     eap = edge_attribution(params, pairs, CONFIG, logit_difference)
-    ig = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", steps=4)
+    ig = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=4))
     np.testing.assert_allclose(ref.eap(*inputs).numpy(), eap.scores.sum(0), atol=1e-5)
     np.testing.assert_allclose(ref.eap(*inputs, steps=4).numpy(), ig.scores.sum(0), atol=1e-5)
     top = ranked_edges(eap.mean, eap.graph)[:6]

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule
-from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, quadrature, run_rule, summarise
+from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, largest_call, quadrature, run_rule, summarise
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
 from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients_of_answers
 from jaxdepth.core.batch import LengthBuckets
@@ -64,10 +64,8 @@ def test_shared_nodes_give_the_adaptive_rule_its_own_results_and_evaluate_each_n
             call,
             range(L),
             float(f_input),
-            prompt.tokens.shape[1],
-            config,
-            tolerance=np.full(L, tolerance),
-            max_evaluations=2048,
+            AdaptiveRule(tolerance=tolerance, max_evaluations=2048),
+            largest=largest_call(config, prompt.tokens.shape[1]),
         )
     )
 

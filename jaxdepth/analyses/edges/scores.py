@@ -19,16 +19,19 @@ Definitions (per pair; F is the user's metric of the logits at the pair's last p
   edges out of a node then sum to F(clean) - F(clean with that node's output corrupt). (The
   EAP-IG package instead averages every reader's gradient over all nodes' paths together.)
 
-The quadrature is the integrated-gradients engine's (`jaxdepth.analyses.ig.rules`): 'left'
-(α_k = k/n, the EAP-IG package's), 'midpoint', 'gauss', 'right' (with one step: EAP), or
-'adaptive' (per pair, Simpson refined until the completeness bound meets `tolerance`).
+The paths are integrated by integrated gradients' integrator (`jaxdepth.analyses.ig.integrator`)
+with its rules (`jaxdepth.analyses.ig.rules`): a `FixedRule`, 'left' (α_k = k/n, the EAP-IG
+package's), 'midpoint', 'gauss' or 'right' (with one step: EAP), or an `AdaptiveRule` (per pair,
+Simpson refined until the completeness bound meets its tolerance). Only the evaluations are
+edge attribution's own: every reader's gradient at a path point, and F and the input's
+integrand along the input path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +49,7 @@ from jaxdepth.analyses.edges.readers import (
     shift_node,
 )
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import check_rule
+from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import clean_key_values, run_layers
@@ -55,10 +58,13 @@ from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
-from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep_sum
+from jaxdepth.core.sweep import auto_chunk_size, sweep, weighted_sum
 
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
-DEFAULT_STEPS = 16
+DEFAULT_STEPS = 16  # EAP-IG's default rule: FixedRule('left', 16), the EAP-IG package's
+# Path points vmapped at once at most: wider vmaps gain little, and each point holds every
+# reader's gradient.
+MAX_PATH_CHUNK = 32
 
 
 @dataclasses.dataclass
@@ -149,12 +155,11 @@ def input_path_gradients(
     after the shared `prefix` only (`suffix_run`)."""
     e_clean, e_corrupt = _suffix_embeddings(params, pairs, prefix)
 
-    def one(node):
-        alpha, weight = node
+    def gradient(alpha):
         h0 = e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt)
-        return _scaled(weight, _reader_gradient(params, h0, pairs, config, metric, (), prefix, interventions))
+        return _reader_gradient(params, h0, pairs, config, metric, (), prefix, interventions)
 
-    return sweep_sum(one, (alphas, weights), chunk)
+    return weighted_sum(gradient, alphas, weights, chunk)
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
@@ -167,16 +172,11 @@ def node_path_gradients(
     `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed."""
     e_clean, _ = _suffix_embeddings(params, pairs, prefix)
 
-    def one(point):
-        alpha, weight = point
+    def gradient(alpha):
         shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta)
-        return _scaled(weight, _reader_gradient(params, e_clean, pairs, config, metric, shift, prefix, interventions))
+        return _reader_gradient(params, e_clean, pairs, config, metric, shift, prefix, interventions)
 
-    return sweep_sum(one, (alphas, weights), chunk)
-
-
-def _scaled(weight, tree):
-    return jax.tree.map(lambda x: weight.astype(x.dtype) * x, tree)
+    return weighted_sum(gradient, alphas, weights, chunk)
 
 
 def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, interventions=None):
@@ -239,11 +239,14 @@ def edge_scores(delta, gradients: dict, edge_mask):
     return jnp.where(edge_mask, scores, 0.0)
 
 
-@partial(jit, static_argnames=("config", "metric"))
-def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric, interventions=None):
-    """The adaptive rule's evaluations on the input path of one pair: φ(α) = F(h_0(α)) `[n]` and
-    the integrand per position `[n, T]`, sum_c (e_clean - e_corrupt) dF/dh_0 (the plain forward:
-    the input's edges sum to exactly this)."""
+@partial(jit, static_argnames=("config", "metric", "chunk"))
+def input_path_points(params, pairs: PromptPairs, alphas, config: ModelConfig, metric, chunk: int, interventions=None):
+    """The adaptive rule's evaluations on the input path of one pair (`integrator.Paths.points`):
+    φ(α) = F(h_0(α)) `[n]` and the integrand per position `[n, T]`, sum_c (e_clean - e_corrupt)
+    dF/dh_0 (the plain forward: the input's edges sum to exactly this), `chunk` at a time.
+    Interventions act on h_0 as on the readers' runs (`input_path_gradients`): at `resid_pre` of
+    layer 0 after the input writes, where a site's path (`jaxdepth.analyses.ig.path`) would set
+    the value after them."""
     e_clean, e_corrupt = embed(params, pairs.clean), embed(params, pairs.corrupt)
 
     def one(alpha):
@@ -254,7 +257,52 @@ def _path_values(params, pairs: PromptPairs, alphas, config: ModelConfig, metric
         phi, g = jax.value_and_grad(f)(e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt))
         return phi, jnp.sum(g.astype(jnp.float32) * (e_clean - e_corrupt).astype(jnp.float32), axis=-1)[0]
 
-    return jax.vmap(one)(alphas)
+    return sweep(one, alphas, chunk)
+
+
+def input_paths(params, pairs: PromptPairs, prefix, config: ModelConfig, metric, chunk: int, interventions=None):
+    """EAP-IG 'inputs' as paths of the integrator (`jaxdepth.analyses.ig.integrator`): the input
+    embeddings' path of pair b, keyed b (None: every pair at once, a fixed rule's one sweep).
+    `weighted` integrates every reader's gradient (`input_path_gradients`), `points` evaluates F
+    and the input's integrand (`input_path_points`)."""
+
+    def select(b):
+        if b is None:
+            return pairs, prefix
+        return pairs.select([b]), None if prefix is None else jax.tree.map(lambda x: x[:, b : b + 1], prefix)
+
+    def weighted(b, alphas, weights, size):
+        one, one_prefix = select(b)
+        return input_path_gradients(
+            params, one, one_prefix, alphas, weights, config, metric, size, interventions=interventions
+        )
+
+    def points(b, alphas, grad, size):  # every evaluation is a gradient: `grad` (the forward grid's False) aside
+        return input_path_points(params, select(b)[0], alphas, config, metric, size, interventions)
+
+    return Paths(weighted=weighted, points=points, chunk=chunk, call_size=chunk)
+
+
+def node_paths(params, pairs: PromptPairs, prefix, delta, config: ModelConfig, metric, chunk: int, interventions=None):
+    """EAP-IG 'activations' as paths of the integrator: node n's output path, keyed n
+    (`node_path_gradients`); fixed rules only."""
+
+    def weighted(node, alphas, weights, size):
+        return node_path_gradients(
+            params,
+            pairs,
+            prefix,
+            delta,
+            jnp.int32(node),
+            alphas,
+            weights,
+            config=config,
+            metric=metric,
+            chunk=size,
+            interventions=interventions,
+        )
+
+    return Paths(weighted=weighted, chunk=chunk, call_size=chunk)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -267,10 +315,7 @@ def edge_attribution(
     metric: Callable,
     *,
     method: str = "eap",
-    rule: str = "left",
-    steps: int = DEFAULT_STEPS,
-    tolerance: Optional[float] = None,
-    max_evaluations: Optional[int] = None,
+    rule: Union[rules.Rule, str, None] = None,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
     interventions=None,
@@ -280,23 +325,18 @@ def edge_attribution(
     under `metric(logits [B, V], labels) -> [B]` (one value per pair, from the logits at each
     pair's last position; static: define it once to reuse compilations).
 
-    method: 'eap' (one backward pass, gradients of the clean run), 'eap-ig-inputs' or
-    'eap-ig-activations' (the module docstring), with `rule` and `steps`, or `rule='adaptive'`
-    with `tolerance` (default 0.01) and `max_evaluations` (default `steps`) for 'eap-ig-inputs'.
-    `chunk_size` bounds the path points vmapped at once (default: what `memory_budget` allows).
-    `interventions` (`jaxdepth.core.sites`) act on every run, clean, corrupt and along the
-    paths: the edges of the model as they intervene on it (a skipped layer, a steering vector).
-    Returns an `EdgeScores`."""
+    method: 'eap' (one backward pass, gradients of the clean run; no rule), 'eap-ig-inputs' or
+    'eap-ig-activations' (the module docstring) with `rule`: a `FixedRule` (default
+    `FixedRule('left', 16)`, the EAP-IG package's) or, for 'eap-ig-inputs', an `AdaptiveRule`
+    (one tolerance; per pair, its budget of gradient evaluations plus one per final node); a
+    rule's name stands for that rule with its defaults (`jaxdepth.analyses.ig.rules.as_rule`:
+    256 steps). `chunk_size` bounds the path points vmapped at once (default: what
+    `memory_budget` allows). `interventions` (`jaxdepth.core.sites`) act on every run, clean,
+    corrupt and along the paths: the edges of the model as they intervene on it (a skipped
+    layer, a steering vector). Returns an `EdgeScores`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "eap":
-        if (rule, steps) != ("left", DEFAULT_STEPS) or tolerance is not None or max_evaluations is not None:
-            raise ValueError("rule, steps, tolerance and max_evaluations are EAP-IG's; method 'eap' takes none")
-        rule, steps = "clean", 1  # the gradient of the clean run
-    else:
-        tolerance, max_evaluations = check_rule(rule, steps, tolerance, max_evaluations, 1)
-    if rule == "adaptive" and method != "eap-ig-inputs":
-        raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
+    rule = _edge_rule(method, rule)
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions)
@@ -305,52 +345,43 @@ def edge_attribution(
     P, prefix = suffix_run(params, pairs, clean, config, interventions)
     delta = (clean.writers - corrupt.writers)[:, :, P:]
     f_clean, f_corrupt = (to_host(metric_values(metric, run.logits, pairs.labels)) for run in (clean, corrupt))
-    chunk = chunk_size or path_chunk(config, B, T - P, memory_budget)
+    tokens = B * (T - P)
+    chunk = chunk_size or auto_chunk_size(
+        config,
+        tokens,
+        MAX_PATH_CHUNK,
+        grad=True,
+        memory_budget=memory_budget,
+        extra_bytes=_reader_bytes(config, tokens),
+    )
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
-    if method == "eap":
+    if rule is None:  # EAP
         gradients = clean_gradients(params, pairs, prefix, config, metric, interventions)
         scores = to_host(edge_scores(delta, gradients, mask))
         evaluations = np.ones(B, np.int64)
-    elif rule == "adaptive":
-        scores, evaluations, bound, converged = _adaptive_scores(
-            params,
-            pairs,
-            prefix,
-            delta,
-            f_clean,
-            config=config,
-            metric=metric,
-            tolerance=tolerance,
-            max_evaluations=max_evaluations,
-            chunk=chunk,
-            interventions=interventions,
-            progress=progress,
-        )
+    elif method == "eap-ig-activations":
+        paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions)
+        scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
+        for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
+            rows = np.flatnonzero(graph.writer_nodes == node)  # the node's writers score along its own path
+            grads = integrate_fixed(paths, node, rule)
+            scores[:, rows] = to_host(edge_scores(delta[rows], grads, jnp.asarray(graph.edge_mask[rows])))
+        evaluations = np.full(B, rule.steps * (2 * config.num_layers + 1), np.int64)
+    elif isinstance(rule, rules.AdaptiveRule):
+        paths = input_paths(params, pairs, prefix, config, metric, chunk, interventions)
+        scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
+        evaluations = np.zeros(B, np.int64)
+        for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
+            (finished,) = adapt(paths, [b], float(f_clean[b]), rule)  # the nodes, by plain gradients
+            grads = integrate_final(paths, b, finished)  # the readers' gradients at those nodes
+            scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, mask))[0]
+            evaluations[b] = finished.evaluations + len(finished.node_weights()[0])
+            bound[b], converged[b] = finished.bound, finished.converged
     else:
-        alphas, weights = (jnp.asarray(x, jnp.float32) for x in rules.quadrature(rule, steps))
-        chunk = min(chunk, steps)
-        if method == "eap-ig-activations":
-            scores = _activation_scores(
-                params,
-                pairs,
-                prefix,
-                delta,
-                alphas,
-                weights,
-                config=config,
-                metric=metric,
-                chunk=chunk,
-                interventions=interventions,
-                progress=progress,
-            )
-            evaluations = np.full(B, steps * (2 * config.num_layers + 1), np.int64)
-        else:
-            grads = input_path_gradients(
-                params, pairs, prefix, alphas, weights, config, metric, chunk, interventions=interventions
-            )
-            scores = to_host(edge_scores(delta, grads, mask))
-            evaluations = np.full(B, steps, np.int64)
+        paths = input_paths(params, pairs, prefix, config, metric, chunk, interventions)
+        scores = to_host(edge_scores(delta, integrate_fixed(paths, None, rule), mask))
+        evaluations = np.full(B, rule.steps, np.int64)
     return EdgeScores(
         scores=np.asarray(scores, np.float32),
         f_clean=np.asarray(f_clean, np.float32),
@@ -361,116 +392,29 @@ def edge_attribution(
         num_layers=config.num_layers,
         num_heads=config.num_heads,
         method=method,
-        rule=rule,
-        steps=int(steps),
-        tolerance=tolerance,
+        rule="clean" if rule is None else rule.name,
+        steps=1 if rule is None else rule.evaluations,
+        tolerance=rule.tolerance if isinstance(rule, rules.AdaptiveRule) else None,
     )
 
 
-def _adaptive_scores(
-    params, pairs, prefix, delta, f_clean, *, config, metric, tolerance, max_evaluations, chunk, interventions, progress
-):
-    """EAP-IG 'inputs' under the adaptive rule, pair by pair: the rule places each pair's nodes
-    on its input path (plain forward and backward passes), then the readers' gradients are
-    integrated with the final rule's nodes and weights (one more gradient per node)."""
-    graph = EdgeGraph.of(config)
-    B = len(pairs)
-    scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-    evaluations, bound, converged = np.zeros(B, np.int64), np.zeros(B), np.zeros(B, bool)
-    for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
-        one = pairs.select([b])
-        one_prefix = None if prefix is None else jax.tree.map(lambda x: x[:, b : b + 1], prefix)
-        rule = _adaptive_nodes(
-            params,
-            one,
-            float(f_clean[b]),
-            config,
-            metric,
-            tolerance,
-            max_evaluations,
-            chunk,
-            interventions=interventions,
-        )
-        alphas, weights = rule.node_weights()
-        # padded to a multiple of the chunk (zero weights): a few compilations serve every pair
-        n = _padded(len(alphas), chunk)
-        alphas = np.concatenate([alphas, np.ones(n - len(alphas))]).astype(np.float32)
-        weights = np.concatenate([weights, np.zeros(n - len(weights))]).astype(np.float32)
-        grads = input_path_gradients(
-            params,
-            one,
-            one_prefix,
-            jnp.asarray(alphas),
-            jnp.asarray(weights),
-            config,
-            metric,
-            chunk,
-            interventions=interventions,
-        )
-        scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, jnp.asarray(graph.edge_mask)))[0]
-        evaluations[b] = rule.evaluations + len(rule.node_weights()[0])
-        bound[b], converged[b] = rule.bound, rule.converged
-    return scores, evaluations, bound, converged
-
-
-def _activation_scores(
-    params, pairs, prefix, delta, alphas, weights, *, config, metric, chunk, interventions, progress
-):
-    """EAP-IG 'activations': each node's path, `steps` gradients each; the node's writers take
-    their scores from the gradients along their own node's path."""
-    graph = EdgeGraph.of(config)
-    writer_node = graph.writer_nodes
-    scores = np.zeros((len(pairs), graph.num_writers, graph.num_readers), np.float32)
-    for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
-        rows = np.flatnonzero(writer_node == node)
-        grads = node_path_gradients(
-            params,
-            pairs,
-            prefix,
-            delta,
-            jnp.int32(node),
-            alphas,
-            weights,
-            config=config,
-            metric=metric,
-            chunk=chunk,
-            interventions=interventions,
-        )
-        mask = jnp.asarray(graph.edge_mask[rows])
-        scores[:, rows] = to_host(edge_scores(delta[rows], grads, mask))
-    return scores
-
-
-def path_chunk(config: ModelConfig, batch: int, seq_len: int, memory_budget: Optional[int] = None) -> int:
-    """Path points to vmap at once (1..32): what fits in `memory_budget` (default: a share of
-    the free memory) when each point holds every reader's input, its stored copy and its
-    gradient (`[L, B, T, 3H + 1, D]` each, float32) besides the layers' own activations."""
-    budget = available_memory_budget() if memory_budget is None else memory_budget
-    readers = config.num_layers * batch * seq_len * (3 * config.num_heads + 1) * config.hidden_size * 4 * 3
-    per_point = readers + member_bytes(config, batch * seq_len, grad=True)
-    return int(np.clip(budget // per_point, 1, 32))
-
-
-def _adaptive_nodes(
-    params, pair, f_clean, config, metric, tolerance, max_evaluations, chunk, *, interventions
-) -> rules.LayerRule:
-    """The adaptive rule on one pair's input path: its finished `LayerRule` (nodes and weights)."""
-
-    def call(layer, alphas, grad, size):
-        return _path_values(params, pair, jnp.asarray(alphas), config, metric, interventions)
-
-    (rule,) = rules.run_rule(
-        call,
-        [0],
-        f_clean,
-        pair.clean.shape[1],
-        config,
-        tolerance=np.array([tolerance]),
-        max_evaluations=max_evaluations,
-        chunk_size=chunk,
-    )
+def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
+    """The rule `method` runs: None for EAP (the clean run's gradient), else `rule` as a value
+    (default `FixedRule('left', DEFAULT_STEPS)`), refused where the method cannot run it."""
+    if method == "eap":
+        if rule is not None:
+            raise ValueError("a rule is EAP-IG's: method 'eap' takes the clean run's gradient, no rule")
+        return None
+    rule = rules.FixedRule("left", DEFAULT_STEPS) if rule is None else rules.as_rule(rule)
+    if isinstance(rule, rules.AdaptiveRule):
+        if method != "eap-ig-inputs":
+            raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
+        if isinstance(rule.tolerance, tuple):
+            raise ValueError("EAP-IG's adaptive rule takes one tolerance (a tuple is one per attributed layer)")
     return rule
 
 
-def _padded(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _reader_bytes(config: ModelConfig, tokens: int) -> int:
+    """What one path point holds beyond its layers' activations: every reader's input, its stored
+    copy and its gradient (`[L, tokens, 3H + 1, D]` each, float32)."""
+    return config.num_layers * tokens * (3 * config.num_heads + 1) * config.hidden_size * 4 * 3

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig.path import BACKWARDS
-from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule, rule_of
+from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sites import SITES
@@ -80,16 +80,6 @@ def check_layers(layers, num_layers: int) -> list[int]:
     if not layers or any(not 0 <= l < num_layers for l in layers) or len(set(layers)) != len(layers):
         raise ValueError(f"layers must be distinct layer indices in 0..{num_layers - 1}, got {layers}")
     return layers
-
-
-def check_rule(
-    rule: str, steps: int, tolerance: Optional[float], max_evaluations: Optional[int], prompts: int
-) -> tuple[Optional[float], Optional[int]]:
-    """`(tolerance, max_evaluations)` of a valid rule given as loose options (`rules.rule_of`): the
-    adaptive rule's defaults filled in (a budget of `steps` evaluations per layer: never more
-    than the fixed rule), None for a fixed rule; `prompts` the batch size (`check_prompts`)."""
-    value = check_prompts(rule_of(rule, steps, tolerance, max_evaluations), prompts)
-    return (value.tolerance, value.max_evaluations) if isinstance(value, AdaptiveRule) else (None, None)
 
 
 def check_prompts(rule: Rule, prompts: int) -> Rule:

@@ -1,8 +1,10 @@
 """The one driver of integrated gradients: any metric, any site, any layers, every rule.
 
-`attribute` runs the clean run once, then each attributed layer's path (`jaxdepth.analyses.ig.path`)
-with a fixed rule (one chunked, vmapped gradient sweep per layer) or the adaptive rule (rounds of
-node evaluations, `jaxdepth.analyses.ig.rules`), and returns one `SiteIG`. The public
+`attribute` runs the clean run once, then integrates each attributed layer's path
+(`jaxdepth.analyses.ig.path`: the gradient at the site along it, and F and the integrand for the
+adaptive rule) with the integrator (`jaxdepth.analyses.ig.integrator`): a fixed rule (one chunked,
+vmapped gradient sweep per layer) or the adaptive rule (rounds of node evaluations,
+`jaxdepth.analyses.ig.rules`), and returns one `SiteIG`. The public
 `jaxdepth.integrated_gradients` and the studies' `jaxdepth.analyses.integrated_gradients` are both
 this function, with the user's metric or with the answer probability.
 """
@@ -24,6 +26,7 @@ from jaxdepth.analyses.ig.checks import (
     nonfinite_report,
     raise_or_warn,
 )
+from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.analyses.ig.path import (
     LayerPath,
     attribution_of,
@@ -36,10 +39,6 @@ from jaxdepth.core.progress import ProgressLike, progress_bar, track
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
-
-# The adaptive rule's nodes of a layer, for its per-channel pass, are padded to a multiple of this
-# (zero weights): one compiled computation for layers with similar node counts.
-_NODE_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +170,7 @@ def attribute(
     def path(i):
         return _layer_path(x, b, inputs, np.int32(layers[i]), np.int32(i), with_inputs=site != "resid_post")
 
-    def weighted(i, alphas, weights, chunk, channels_too: bool):
+    def weighted(i, alphas, weights, chunk, *, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""
         p = path(i)
         g, f_base = weighted_gradient(
@@ -179,8 +178,8 @@ def attribute(
             valid,
             np.int32(layers[i]),
             p,
-            np.asarray(alphas, np.float32),
-            np.asarray(weights, np.float32),
+            alphas,
+            weights,
             config,
             chunk_size=chunk,
             interventions=interventions,
@@ -190,39 +189,41 @@ def attribute(
         a = attribution_of(p, g, valid, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
 
+    def points(i, alphas, grad, chunk):
+        return path_points(
+            params,
+            valid,
+            np.int32(layers[i]),
+            path(i),
+            alphas,
+            config,
+            interventions=interventions,
+            grad=grad,
+            chunk_size=chunk,
+            backward=backward,
+            **attribution.metric_arguments(),
+        )
+
+    stored = backward == "stored"
+    paths = Paths(
+        weighted=partial(weighted, channels_too=execution.per_channel),
+        points=points,
+        chunk=execution.chunk_size
+        or auto_chunk_size(
+            config, B * T, rule.evaluations, grad=True, stored=stored, memory_budget=execution.memory_budget
+        ),
+        call_size=execution.chunk_size or rules.largest_call(config, T, execution.memory_budget, stored=stored),
+    )
     if isinstance(rule, rules.AdaptiveRule):
-
-        def call(layer, alphas, grad, chunk):
-            i = layers.index(layer)
-            return path_points(
-                params,
-                valid,
-                np.int32(layer),
-                path(i),
-                np.asarray(alphas, np.float32),
-                config,
-                interventions=interventions,
-                grad=grad,
-                chunk_size=chunk,
-                backward=backward,
-                **attribution.metric_arguments(),
-            )
-
         check = lambda per_position, f_baseline: raise_or_warn(
             report(layers, per_position, f_baseline), execution.nonfinite
         )
-        return _adaptive(
-            call, weighted, check, float(f_input[0]), T, config, attribution=attribution, rule=rule, execution=execution
-        )
+        return _adaptive(paths, check, float(f_input[0]), attribution=attribution, rule=rule, execution=execution)
 
-    alphas, weights = rule.nodes()
-    chunk = execution.chunk_size or auto_chunk_size(
-        config, B * T, rule.steps, grad=True, stored=backward == "stored", memory_budget=execution.memory_budget
-    )
     per_position, attributions, f_baseline = [], [], []
     desc = f"integrated gradients at {site} ({rule.kind}, {rule.steps} steps)"
     for i in track(range(len(layers)), execution.progress, desc):
-        pp, a, fb = weighted(i, alphas, weights, chunk, execution.per_channel)
+        pp, a, fb = integrate_fixed(paths, i, rule)
         if execution.per_channel:
             attributions.append(to_host(a))
             pp = _summed(attributions[-1], x.ndim - 1)
@@ -257,21 +258,11 @@ def _summed(a: np.ndarray, value_ndim: int) -> np.ndarray:
 
 
 def _adaptive(
-    call,
-    weighted,
-    check,
-    f_input: float,
-    seq_len: int,
-    config: ModelConfig,
-    *,
-    attribution: Attribution,
-    rule: rules.AdaptiveRule,
-    execution: Execution,
+    paths: Paths, check, f_input: float, *, attribution: Attribution, rule: rules.AdaptiveRule, execution: Execution
 ) -> SiteIG:
-    """The adaptive rule (one prompt): `call(layer, alphas, grad, chunk)` the rounds' evaluations
-    (`path_points`), `weighted(i, alphas, weights, chunk, channels_too)` the weighted per-channel
-    pass of the i-th attributed layer, `check(per_position [n, 1, T], f_baseline [n, 1])` the
-    non-finite check, before that pass; `execution.backward` as chosen ('stored' or 'recompute')."""
+    """The adaptive rule (one prompt) on `paths` (one per attributed layer, keyed by its index),
+    `check(per_position [n, 1, T], f_baseline [n, 1])` the non-finite check, before the
+    per-channel pass (`integrator.integrate_final`)."""
     layers = list(attribution.layers)
 
     def layer_done():
@@ -281,30 +272,12 @@ def _adaptive(
 
     desc = f"adaptive integrated gradients at {attribution.site}"
     with progress_bar(execution.progress, total=len(layers), desc=desc) as bar:
-        finished = rules.run_rule(
-            call,
-            layers,
-            f_input,
-            seq_len,
-            config,
-            tolerance=rule.tolerances(len(layers)),
-            chunk_size=execution.chunk_size,
-            memory_budget=execution.memory_budget,
-            stored=execution.backward == "stored",
-            on_layer=layer_done,
-            **rule.options(),
-        )
+        finished = adapt(paths, range(len(layers)), f_input, rule, on_done=layer_done)
     summary = rules.summarise(finished)
     check(summary["attributions"][:, None], summary["f_baseline"][:, None])
     attributions = None
     if execution.per_channel:  # a second pass: the final composite rule's weights, gradients per channel
-        parts = []
-        for i, r in enumerate(finished):
-            alphas, weights = r.node_weights()
-            pad = -len(alphas) % _NODE_MULTIPLE
-            alphas, weights = np.pad(alphas, (0, pad), mode="edge"), np.pad(weights, (0, pad))
-            parts.append(to_host(weighted(i, alphas, weights, execution.chunk_size or _NODE_MULTIPLE, True)[1]))
-        attributions = np.stack(parts)
+        attributions = np.stack([to_host(integrate_final(paths, i, r)[1]) for i, r in enumerate(finished)])
     column = lambda a: np.asarray(a)[:, None]  # [n] -> [n, B=1]
     per_position = summary["attributions"][:, None].astype(np.float32)
     f_baseline = column(summary["f_baseline"]).astype(np.float32)

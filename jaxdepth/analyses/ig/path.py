@@ -28,7 +28,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layer, run_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs, unembed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
-from jaxdepth.core.sweep import auto_chunk_size, sweep, sweep_sum
+from jaxdepth.core.sweep import auto_chunk_size, sweep, weighted_sum
 
 
 @jax.tree_util.register_dataclass
@@ -177,25 +177,24 @@ def weighted_gradient(
 
     The steps are one chunked sweep of gradients that start at boundary layer+1 (and, for a site
     inside the layer, back through layer `layer` recomputed from `path.h_in` with the site set),
-    the chunks summed as they run (`sweep_sum`).
+    the chunks summed as they run (`jaxdepth.core.sweep.weighted_sum`).
     """
     dtype = params["embed"].dtype
     head = metric_head(params, config, metric, aux, positions)
     entry = _entry(params, layer, path, valid, config, site, interventions)
     total = lambda h: jnp.sum(head(h))  # prompts do not interact: each one's gradient is its own F's
 
-    def member(m):
-        alpha, weight = m
+    def gradient(alpha):
         h_next, pullback = jax.vjp(entry, path.at(alpha).astype(dtype))
         _, g = suffix_value_and_grad(
             params, h_next, layer + 1, config, total, valid=valid, interventions=interventions, backward=backward
         )
-        return weight * pullback(g)[0].astype(jnp.float32)
+        return pullback(g)[0].astype(jnp.float32)
 
     h_base, _ = run_layers(
         params, entry(path.b.astype(dtype)), config, start=layer + 1, valid=valid, interventions=interventions
     )
-    return sweep_sum(member, (alphas, weights), chunk_size), head(h_base)
+    return weighted_sum(gradient, alphas, weights, chunk_size), head(h_base)
 
 
 @partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size", "backward"))

@@ -264,16 +264,6 @@ class AdaptiveRule:
         values = set(np.atleast_1d(self.tolerance).tolist())
         return values.pop() if len(values) == 1 else None
 
-    def options(self) -> dict:
-        """Its keywords of `run_rule`, the tolerance apart."""
-        return dict(
-            max_evaluations=self.max_evaluations,
-            atol=self.atol,
-            floor_share=self.floor_share,
-            grid_points=self.grid_points,
-            initial_intervals=self.initial_intervals,
-        )
-
     def settings(self) -> dict:
         """The entries it contributes to a result's settings (`rule_from_settings` reads them back);
         a tolerance equal on every layer is one number."""
@@ -559,74 +549,64 @@ def largest_call(
 ) -> int:
     """The largest number of nodes of one call: a power of two, at most `_LARGEST_CALL`, whose
     vmapped gradients fit in memory (`auto_chunk_size`)."""
-    return _power_of_two_floor(
+    return power_of_two_floor(
         auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, stored=stored, memory_budget=memory_budget)
     )
 
 
-def _power_of_two_floor(n: int) -> int:
+def power_of_two_floor(n: int) -> int:
     """The largest power of two <= n (1 for n < 1)."""
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 def run_rule(
     call,
-    layers: Sequence[int],
+    keys: Sequence,
     f_input: float,
-    seq_len: int,
-    config: ModelConfig,
+    rule: AdaptiveRule,
     *,
-    tolerance: np.ndarray,
-    max_evaluations: int = MAX_EVALUATIONS,
-    atol: float = ATOL,
-    floor_share: float = FLOOR_SHARE,
-    grid_points: int = GRID_POINTS,
-    initial_intervals: int = INITIAL_INTERVALS,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    stored: bool = False,
-    on_layer=None,
+    largest: int = _LARGEST_CALL,
+    tolerance: Optional[np.ndarray] = None,
+    on_done=None,
 ) -> list[LayerRule]:
-    """The adaptive rule on `layers` (one prompt of `seq_len` positions; `tolerance`, one per
-    layer of `layers`), host side: rounds of `call(layer, alphas [n], grad, chunk) -> (phi [n],
-    integrand [n, T])` (`jaxdepth.analyses.ig.path.path_points`, `chunk` nodes vmapped at a
-    time) until every layer is done. `chunk_size` caps the nodes of one call (default: what fits
-    in memory, at most 32; `stored`: for a call whose backward keeps the later layers' matmul
-    outputs).
-    `floor_share`: the floor of the tolerance's scale (`FLOOR_SHARE`; 0 for none). Returns each
-    layer's finished `LayerRule`; `on_layer()` is called as each layer finishes."""
-    if max_evaluations < 3:
-        raise ValueError("max_evaluations must be >= 3 (one Simpson interval)")
-    layers = [int(layer) for layer in layers]
-    n = min(initial_intervals, (max_evaluations - 1) // 2)
-    if grid_points >= 2:
-        grid = np.linspace(0.0, 1.0, grid_points)
-        forward_chunk = auto_chunk_size(config, seq_len, grid_points, memory_budget=memory_budget)
-        calls = [call(layer, grid.astype(np.float32), False, forward_chunk)[0] for layer in layers]
+    """`rule` on the paths of `keys` (one prompt; the attributed layers, or any keys `call`
+    knows), host side: rounds of `call(key, alphas [n], grad, chunk) -> (phi [n], integrand
+    [n, T])` (`jaxdepth.analyses.ig.path.path_points`, `chunk` nodes vmapped at a time) until
+    every path is done. `largest`: the nodes of one call at most (`largest_call`: what fits in
+    memory, at most 32; rounded down to a power of two); `tolerance`: one per key (default the
+    rule's, `AdaptiveRule.tolerances`). Returns each key's finished `LayerRule`; `on_done()` is
+    called as each one finishes."""
+    keys = list(keys)
+    tolerance = rule.tolerances(len(keys)) if tolerance is None else np.broadcast_to(tolerance, (len(keys),))
+    largest = power_of_two_floor(largest)
+    n = min(rule.initial_intervals, (rule.max_evaluations - 1) // 2)
+    if rule.grid_points >= 2:  # forward passes only: a call of gradients fits, so does one of forwards
+        grid = np.linspace(0.0, 1.0, rule.grid_points)
+        calls = [call(key, grid.astype(np.float32), False, largest)[0] for key in keys]
         phi_grid = np.stack([to_host(phi) for phi in calls]).astype(np.float64)
     else:  # no grid: a uniform initial partition
-        grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(layers), 2))
-    rules = {
-        layer: LayerRule(
-            initial_partition(grid, phi_grid[i], n), f_input, float(tolerance[i]), atol, max_evaluations, floor_share
+        grid, phi_grid = np.array([0.0, 1.0]), np.zeros((len(keys), 2))
+    states = [
+        LayerRule(
+            initial_partition(grid, phi_grid[i], n),
+            f_input,
+            float(tolerance[i]),
+            rule.atol,
+            rule.max_evaluations,
+            rule.floor_share,
         )
-        for i, layer in enumerate(layers)
-    }
-    largest = (
-        largest_call(config, seq_len, memory_budget, stored=stored)
-        if chunk_size is None
-        else _power_of_two_floor(chunk_size)
-    )
-    while not all(r.done for r in rules.values()):
-        requests = {layer: r.missing() for layer, r in rules.items() if not r.done}
-        for layer, (phi, integrand) in _evaluate(call, requests, largest).items():
-            rules[layer].record(requests[layer], phi, integrand)
-        for r in rules.values():
+        for i in range(len(keys))
+    ]
+    while not all(r.done for r in states):
+        requests = {i: r.missing() for i, r in enumerate(states) if not r.done}
+        for i, (phi, integrand) in _evaluate(lambda i, *a: call(keys[i], *a), requests, largest).items():
+            states[i].record(requests[i], phi, integrand)
+        for r in states:
             if not r.done:
                 r.step()
-                if r.done and on_layer is not None:
-                    on_layer()
-    return [rules[layer] for layer in layers]
+                if r.done and on_done is not None:
+                    on_done()
+    return states
 
 
 def summarise(rules: Sequence[LayerRule]) -> dict:
