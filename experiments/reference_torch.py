@@ -319,12 +319,12 @@ class Reference:
         return self.model.lm_head(self.final_norm(h))
 
     def integrated_gradients(
-        self, token_lists, answer_starts: Sequence[int], steps: int, block: int = IG_BLOCK
+        self, token_lists, answer_starts: Sequence[int], steps: int, block: int = IG_BLOCK, layers=None
     ) -> dict:
         """Left-Riemann IG with the per-channel mean baseline, batched as the published code:
         one forward and one backward per block of `block` steps, starting after layer l. Per
         prompt: `attributions [L, T]`, `f_input` = F(x), `f_baseline [L]` = F(b), completeness
-        `gap [L]`."""
+        `gap [L]`; `layers` (default all) the layers attributed (the others' rows stay zero)."""
         alphas = self._arange(steps, dtype=torch.float32) / steps
         out = {"attributions": [], "f_input": [], "f_baseline": [], "gap": []}
         for tokens, start in zip(token_lists, answer_starts):
@@ -340,7 +340,7 @@ class Reference:
                 f_input = objective(self._logits(ids).logits).item()
             attributions = np.zeros((self.L, T), np.float32)
             f_baseline = np.zeros(self.L, np.float32)
-            for l in range(self.L):
+            for l in range(self.L) if layers is None else layers:
                 x = hs[l + 1]  # [T, D], the output of layer l (the layers up to l ran once, above)
                 b = x.mean(dim=0, keepdim=True)
                 with torch.no_grad():

@@ -219,71 +219,81 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
 
 
 def suffix_value_and_grad(
-    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: str = "recompute"
+    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: Backward = "recompute"
 ):
     """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
     start..L-1 (`layer_step`, with `interventions` at their sites, as every loop).
 
-    backward 'recompute' (default): the layers before `start` are neither run nor
-    differentiated; the forward keeps each layer's input, and the backward walks the layers in
-    reverse with one `jax.vjp` each, recomputing that layer (three layer passes per gradient:
-    forward, forward again, backward). 'stored': the forward keeps each layer's matmul outputs
-    as well (`_PullbackLayout`), and the backward runs from them (two layer passes, and about
-    twice the activations of a forward per layer and sweep member,
-    `jaxdepth.core.sweep.member_bytes(stored=True)`). Both skip the layers before `start`
-    entirely. `start` may be traced but not batched.
+    The layers before `start` are neither run nor differentiated; the backward walks the layers
+    in reverse, one `jax.vjp` each. `backward` says what the forward keeps for it:
+    'recompute' (default): each layer's input, the backward recomputing that layer (three layer
+    passes per gradient: forward, forward again, backward); 'stored': each layer's matmul
+    outputs as well (`_PullbackLayout`), the backward running from them (two passes, about twice
+    the activations of a forward per layer, `jaxdepth.core.sweep.member_bytes(stored=True)`);
+    an int k: the last k layers stored, the others recomputed (`stored_layers`), where memory
+    holds some layers' matmul outputs but not all. `start` may be traced but not batched.
     """
-    if backward == "stored":
-        return _stored_suffix_value_and_grad(params, z, start, config, head, valid=valid, interventions=interventions)
-    if backward != "recompute":
-        raise ValueError(
-            f"backward must be 'recompute' or 'stored' here ('auto' is chosen by the drivers, "
-            f"`choose_backward`), got {backward!r}"
-        )
     L = config.num_layers
+    k = stored_layers(backward, L)
     ivs = _without_state(check_layer_indices(interventions, L))
     context = layer_context(z, valid, config)
     apply = lambda i, h: layer_step(layer_params(params, i), h, i, context, config, ivs).out
+    layout = _PullbackLayout.of(params, z, context, config, ivs) if k else None
+    first_stored = start if k == L else L if k == 0 else jnp.maximum(start, L - k)  # start..first_stored-1 recompute
+    to_row = lambda i: i - (L - k)  # layer i's row in the stored buffers  # noqa: E731
 
-    def forward_step(i, carry):
+    def recompute_step(i, carry):
         h, inputs = carry
         return apply(i, h), inputs.at[i].set(h)
 
-    h_last, inputs = jax.lax.fori_loop(start, L, forward_step, (z, jnp.zeros((L,) + z.shape, z.dtype)))
-    # Interventions at boundary L sit between the last layer and the head.
-    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
+    def store_step(i, carry):
+        h, kept = carry
+        out, saved = layout.linearize(params, i, h, context, config, ivs)
+        return out, tuple(b if b is None else b.at[to_row(i)].set(r) for b, r in zip(kept, saved))
 
-    def backward_step(k, g):
-        i = L - 1 - k
+    # (each loop is traced only where it has layers to run: 'stored' and 'recompute' are one loop each)
+    h = z
+    if k < L:
+        h, inputs = jax.lax.fori_loop(start, first_stored, recompute_step, (z, jnp.zeros((L - k,) + z.shape, z.dtype)))
+    if k > 0:
+        h, kept = jax.lax.fori_loop(first_stored, L, store_step, (h, layout.buffers(k)))
+    # Interventions at boundary L sit between the last layer and the head.
+    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h)
+
+    def stored_back(n, g):
+        i = L - 1 - n
+        return layout.pullback(params, i, kept, to_row(i))(g)[0]
+
+    def recomputed_back(n, g):
+        i = first_stored - 1 - n
         _, pullback = jax.vjp(lambda h: apply(i, h), inputs[i])
         return pullback(g)[0]
 
-    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
+    if k > 0:
+        grad = jax.lax.fori_loop(0, L - first_stored, stored_back, grad)
+    if k < L:
+        grad = jax.lax.fori_loop(0, first_stored - start, recomputed_back, grad)
+    return value, grad
 
 
-def _stored_suffix_value_and_grad(params, z, start, config: ModelConfig, head, *, valid, interventions):
-    L = config.num_layers
-    ivs = _without_state(check_layer_indices(interventions, L))
-    context = layer_context(z, valid, config)
-    layout = _PullbackLayout.of(params, z, context, config, ivs)
+# What a suffix gradient keeps for its backward: 'recompute', 'stored', or the number of layers
+# (the last ones) whose matmul outputs are kept (`suffix_value_and_grad`).
+Backward = Any
 
-    def forward_step(i, carry):
-        h, kept = carry
-        out, saved = layout.linearize(params, i, h, context, config, ivs)
-        return out, tuple(k if k is None else k.at[i].set(r) for k, r in zip(kept, saved))
 
-    kept = tuple(
-        None if j is not None else jnp.zeros((L,) + r.shape, r.dtype)
-        for j, r in zip(layout.from_weights, layout.shapes)
+def stored_layers(backward: Backward, num_layers: int) -> int:
+    """How many of the last layers keep their matmul outputs under `backward`: 'stored' all,
+    'recompute' none, an int k itself (0..L). Anything else is refused ('auto' is the drivers'
+    to resolve, `jaxdepth.analyses.ig.path.choose_backward`)."""
+    if isinstance(backward, str):
+        if backward in ("stored", "recompute"):
+            return num_layers if backward == "stored" else 0
+    elif isinstance(backward, int) and not isinstance(backward, bool) and 0 <= backward <= num_layers:
+        return backward
+    raise ValueError(
+        f"backward must be 'recompute', 'stored' or a number of stored layers in 0..{num_layers} here ('auto' is "
+        f"chosen by the drivers, `choose_backward`), got {backward!r}"
     )
-    h_last, kept = jax.lax.fori_loop(start, L, forward_step, (z, kept))
-    value, grad = jax.value_and_grad(lambda h: head(final_residual(h, config, ivs)))(h_last)
-
-    def backward_step(k, g):
-        i = L - 1 - k
-        return layout.pullback(params, i, kept)(g)[0]
-
-    return value, jax.lax.fori_loop(0, L - start, backward_step, grad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,10 +348,17 @@ class _PullbackLayout:
             raise AssertionError("a layer's pullback kept different residuals in two traces of it")
         return out, tuple(None if j is not None else r for j, r in zip(from_weights, saved))
 
-    def pullback(self, params, i, kept):
-        """Layer i's pullback, from its stored residuals and its weights."""
+    def buffers(self, rows: int) -> tuple:
+        """Zeroed buffers for `rows` layers' residuals (None where a weight is kept)."""
+        return tuple(
+            None if j is not None else jnp.zeros((rows,) + r.shape, r.dtype)
+            for j, r in zip(self.from_weights, self.shapes)
+        )
+
+    def pullback(self, params, i, kept, row):
+        """Layer i's pullback, from its residuals stored at `row` of `kept` and its weights."""
         weights = jax.tree_util.tree_leaves(layer_params(params, i))
-        saved = [weights[j] if j is not None else k[i] for j, k in zip(self.from_weights, kept)]
+        saved = [weights[j] if j is not None else k[row] for j, k in zip(self.from_weights, kept)]
         return jax.tree_util.tree_unflatten(self.treedef, saved)
 
 

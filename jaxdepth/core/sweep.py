@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -144,14 +144,15 @@ def _data_axis_size() -> int:
 
 
 def member_bytes(
-    config: ModelConfig, seq_len: int, *, grad: bool = False, stored: bool = False, bytes_per: int = 4
+    config: ModelConfig, seq_len: int, *, grad: bool = False, stored: Union[bool, int] = False, bytes_per: int = 4
 ) -> int:
     """Rough peak activation bytes of one sweep member (one forward at batch 1, `seq_len` tokens).
 
     Counts the live layer activations (residual, q/k/v, MLP hidden, attention scores) and the
     float32 output distribution `[T, V]` that output statistics need. With `grad=True` the
     rematerialised backward also keeps one residual per layer; with `stored=True` instead, each
-    layer's matmul outputs (`jaxdepth.analyses.ig.path.suffix_value_and_grad`'s 'stored').
+    layer's matmul outputs (`jaxdepth.core.loops.suffix_value_and_grad`'s 'stored'); with an
+    int k, the last k layers' matmul outputs and the others' residuals.
     """
     c = config
     per_layer = (
@@ -165,7 +166,8 @@ def member_bytes(
             seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.intermediate_size)
             + c.num_heads * seq_len * seq_len
         )
-        kept = c.num_layers * (matmul_outputs if stored else seq_len * c.hidden_size) + per_layer
+        k = c.num_layers if stored is True else int(stored)  # layers keeping their matmul outputs
+        kept = k * matmul_outputs + (c.num_layers - k) * seq_len * c.hidden_size + per_layer
         total += kept + out
     return total * bytes_per
 
@@ -176,7 +178,7 @@ def auto_chunk_size(
     n_members: int,
     *,
     grad: bool = False,
-    stored: bool = False,
+    stored: Union[bool, int] = False,
     memory_budget: Optional[int] = None,
     extra_bytes: int = 0,
 ) -> int:

@@ -124,7 +124,7 @@ def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
         f.clear_cache()
     # Every call size a run may use, compiled up front: which sizes a run uses depends on its rounds.
     prompt = batch.prompt(0)  # padded as the study pads it, with the backward it chooses
-    backward = ig_path.choose_backward("auto", CONFIG, prompt.tokens.shape[1], aig.DEFAULT_STEPS)
+    backward = ig_path.choose_backward("auto", CONFIG, prompt.tokens.shape[1])
     x, b, inputs, _ = ig.ig_inputs(
         params, prompt, CONFIG, baseline="channel_mean", interventions=None, target="layer"
     )  # as the rule calls it

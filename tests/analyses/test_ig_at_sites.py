@@ -16,13 +16,14 @@ from conftest import assert_close
 from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule, LogitsMetric
 from jaxdepth.analyses.ig.checks import ig_baseline
 from jaxdepth.analyses.ig.rules import quadrature, rule_of
-from jaxdepth.analyses.ig.path import choose_backward
+from jaxdepth.analyses.ig import path as ig_path
+from jaxdepth.analyses.ig.path import IG_MEMORY_FRACTION, choose_backward, ig_memory_budget
 from jaxdepth.core import sites
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
-from jaxdepth.core.sweep import member_bytes
+from jaxdepth.core.sweep import auto_chunk_size, member_bytes
 from jaxdepth.lab.loaded_model import Model
 
 CONFIG = ModelConfig(
@@ -414,12 +415,20 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
     stored = jaxdepth.integrated_gradients(
         params, tokens, CONFIG, metric, execution=Execution(backward="stored"), **options
     )
-    np.testing.assert_array_equal(stored.evaluations, recomputed.evaluations)
-    assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
-    assert_close(stored.attributions, recomputed.attributions, "per channel", tol=1e-5)
-    assert_close(stored.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
-    with pytest.raises(ValueError, match=r"backward must be one of \('auto', 'recompute', 'stored'\)"):
+    partly = jaxdepth.integrated_gradients(  # the last layer kept: layer 0's path crosses both kinds
+        params, tokens, CONFIG, metric, execution=Execution(backward=1), **options
+    )
+    for other in (stored, partly):
+        np.testing.assert_array_equal(other.evaluations, recomputed.evaluations)
+        assert_close(other.per_position, recomputed.per_position, "per position", tol=1e-5)
+        assert_close(other.attributions, recomputed.attributions, "per channel", tol=1e-5)
+        assert_close(other.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
+    with pytest.raises(ValueError, match=r"backward must be one of \('auto', 'recompute', 'stored'\) or a number"):
         jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, execution=Execution(backward="kept"), **options)
+    with pytest.raises(ValueError, match=rf"stored layers in 0\.\.{CONFIG.num_layers}"):
+        jaxdepth.integrated_gradients(
+            params, tokens, CONFIG, metric, execution=Execution(backward=CONFIG.num_layers + 1), **options
+        )
 
 
 def _scale(value, layer, factor):
@@ -441,13 +450,20 @@ def test_a_stored_backward_takes_an_intervention_with_python_scalar_data():
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
 
 
-def test_auto_stores_the_activations_only_when_eight_gradients_fit():
-    """'auto' keeps the later layers' activations when a chunk of 8 gradients (or all, if fewer)
-    fits in the budget, and recomputes them otherwise; a concrete choice is passed through."""
+def test_auto_stores_the_activations_whenever_one_stored_gradient_fits(monkeypatch):
+    """'auto' keeps the later layers' activations when one stored gradient fits in the budget
+    (the chunk shrinks first), and recomputes them only when not even one does; without a
+    budget it takes `IG_MEMORY_FRACTION` of the free memory; a concrete choice is passed
+    through."""
     T = 64
-    stored_8 = 8 * member_bytes(CONFIG, T, grad=True, stored=True)
-    assert choose_backward("auto", CONFIG, T, 256, memory_budget=stored_8) == "stored"
-    assert choose_backward("auto", CONFIG, T, 256, memory_budget=stored_8 - 1) == "recompute"
-    assert choose_backward("auto", CONFIG, T, 4, memory_budget=stored_8 // 2) == "stored"  # all 4 fit
-    assert choose_backward("recompute", CONFIG, T, 256, memory_budget=10**15) == "recompute"
-    assert choose_backward("stored", CONFIG, T, 256, memory_budget=1) == "stored"
+    one = member_bytes(CONFIG, T, grad=True, stored=True)
+    assert choose_backward("auto", CONFIG, T, memory_budget=one) == "stored"
+    partial = member_bytes(CONFIG, T, grad=True, stored=1)  # the last layer's matmul outputs kept
+    assert choose_backward("auto", CONFIG, T, memory_budget=one - 1) == CONFIG.num_layers - 1
+    assert choose_backward("auto", CONFIG, T, memory_budget=partial) == 1
+    assert choose_backward("auto", CONFIG, T, memory_budget=partial - 1) == "recompute"
+    assert auto_chunk_size(CONFIG, T, 256, grad=True, stored=True, memory_budget=one) == 1
+    assert choose_backward("recompute", CONFIG, T, memory_budget=10**15) == "recompute"
+    assert choose_backward("stored", CONFIG, T, memory_budget=1) == "stored"
+    monkeypatch.setattr(ig_path, "available_memory_budget", lambda fraction: int(fraction * 10**9))
+    assert ig_memory_budget() == int(IG_MEMORY_FRACTION * 10**9) and ig_memory_budget(123) == 123

@@ -81,10 +81,11 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
 
 
-@pytest.mark.parametrize("backward", ["recompute", "stored"])
+@pytest.mark.parametrize("backward", ["recompute", "stored", 1, 2])
 def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backward):
-    # Both backwards (layer by layer recomputing each layer, or from each layer's kept activations)
-    # give F and dF/dh_start of a plain forward with h_start set, from every start.
+    # Every backward (layer by layer recomputing each layer, from each layer's kept activations,
+    # or the last 1 or 2 layers kept and the others recomputed) gives F and dF/dh_start of a
+    # plain forward with h_start set, from every start (before, at and after the stored layers).
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     objective = ig.answer_objective(params, batch.prompt(1), CONFIG)

@@ -32,13 +32,16 @@ def model_flops(c, T, splits, steps):
 def gradient_flops(c, one, layer: int, steps: int) -> float:
     """Matmul FLOPs of one gradient evaluation on the path of `layer`: the layers after it
     forward, then a backward that pulls back through them (from their kept matmul outputs, or,
-    where the default 'auto' backward recomputes, after running each of them again), and the LM
-    head at the answer positions forward and back."""
+    where the default 'auto' backward recomputes, after running each of them again: all of
+    them, or those whose outputs do not fit in memory), and the LM head at the answer positions
+    forward and back."""
     from jaxdepth.analyses.ig.path import choose_backward
+    from jaxdepth.core.loops import stored_layers
 
     T, A = one.tokens.shape[1], answers(one)
-    passes = 2 if choose_backward("auto", c, T, steps) == "stored" else 3
-    return passes * layer_flops(c, T, T, c.num_layers - layer - 1) + 2 * lm_head_flops(c, A)
+    later = c.num_layers - layer - 1
+    kept = min(stored_layers(choose_backward("auto", c, T), c.num_layers), later)  # the last layers store
+    return 2 * layer_flops(c, T, T, kept) + 3 * layer_flops(c, T, T, later - kept) + 2 * lm_head_flops(c, A)
 
 
 def executed_flops(c, one, splits, steps):

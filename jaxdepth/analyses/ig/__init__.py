@@ -103,13 +103,15 @@ def integrated_gradients(
         site comes after the site's interventions).
     execution: an `Execution`: chunk size, memory budget, backward ('stored': each gradient's
         backward runs from the later layers' kept matmul outputs, two layer passes; 'recompute':
-        it runs each later layer again, three passes, a sixth of the memory; 'auto', the default:
-        stored when 8 gradients, or all, fit in the memory budget; the numbers agree to float
-        rounding), `nonfinite` ('raise', the default: a `NonFiniteAttributionError` naming the
-        layers and positions where F(x), F(b) or the attributions are NaN or infinite, at the
-        first layer that has one, the adaptive rule stopping a layer at its first non-finite
-        evaluation; 'warn': a warning naming them all, and the values returned), `per_channel`
-        (False keeps only `per_position`, no `[n, B, T, *trailing]` array) and `progress`.
+        it runs each later layer again, three passes, a sixth of the memory; an int k: the
+        last k layers stored, the others recomputed; 'auto', the default: stored whenever one
+        stored gradient fits in the memory budget, the chunk shrinking first, else as many
+        stored layers as fit; the numbers agree to float rounding), `nonfinite` ('raise', the
+        default: a `NonFiniteAttributionError` naming the layers and positions where F(x),
+        F(b) or the attributions are NaN or infinite, at the first layer that has one, the
+        adaptive rule stopping a layer at its first non-finite evaluation; 'warn': a warning
+        naming them all, and the values returned), `per_channel` (False keeps only
+        `per_position`, no `[n, B, T, *trailing]` array) and `progress`.
 
     Returns a `SiteIG`. Example::
 

@@ -92,10 +92,12 @@ def check_prompts(rule: Rule, prompts: int) -> Rule:
     return rule
 
 
-def check_backward(backward: str) -> None:
-    """Refuse a `backward` other than those of `jaxdepth.analyses.ig.path.BACKWARDS`."""
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+def check_backward(backward) -> None:
+    """Refuse a `backward` other than those of `jaxdepth.analyses.ig.path.BACKWARDS` or a number
+    of stored layers (an int >= 0; `jaxdepth.core.loops.stored_layers` checks it against L)."""
+    layers = isinstance(backward, int) and not isinstance(backward, bool) and backward >= 0
+    if not layers and backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS} or a number of stored layers, got {backward!r}")
 
 
 def check_site(site: str) -> None:

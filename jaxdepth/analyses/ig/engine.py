@@ -31,6 +31,7 @@ from jaxdepth.analyses.ig.path import (
     LayerPath,
     attribution_of,
     choose_backward,
+    ig_memory_budget,
     clean_run,
     path_points,
     weighted_gradient,
@@ -93,6 +94,8 @@ class Execution:
     beyond float32 rounding (the chunk size and the backward, that much).
 
     chunk_size: gradients vmapped at once (default: what `memory_budget` allows).
+    memory_budget: bytes the gradients may take at once (default
+        `jaxdepth.analyses.ig.path.IG_MEMORY_FRACTION` of the free memory).
     backward: 'stored', 'recompute' or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`).
     nonfinite: 'raise' (a `NonFiniteAttributionError` at the first layer with a NaN or infinite
         F or attribution) or 'warn' (a warning naming them all, and the values returned).
@@ -153,9 +156,9 @@ def attribute(
     one prompt. `label` names the prompts in a non-finite report (default 0..B-1)."""
     B, T = tokens.shape
     layers, site = list(attribution.layers), attribution.site
-    # the rule's evaluations per layer say how many gradients a sweep could vmap
-    backward = choose_backward(execution.backward, config, B * T, rule.evaluations, execution.memory_budget)
-    execution = dataclasses.replace(execution, backward=backward)
+    budget = ig_memory_budget(execution.memory_budget)  # read once: every choice below sees the same memory
+    backward = choose_backward(execution.backward, config, B * T, budget)
+    execution = dataclasses.replace(execution, backward=backward, memory_budget=budget)
     x, inputs, f_input = clean_run(
         params, tokens, valid, config, interventions=interventions, **attribution.metric_arguments()
     )
@@ -204,7 +207,7 @@ def attribute(
             **attribution.metric_arguments(),
         )
 
-    stored = backward == "stored"
+    stored = True if backward == "stored" else 0 if backward == "recompute" else backward  # layers kept
     paths = Paths(
         weighted=partial(weighted, channels_too=execution.per_channel),
         points=points,

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.loops import run_layer, run_layers, suffix_value_and_grad
+from jaxdepth.core.flops import layer_flops
+from jaxdepth.core.loops import run_layer, run_layers, stored_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs, unembed
+from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
-from jaxdepth.core.sweep import auto_chunk_size, sweep, weighted_sum
+from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep, weighted_sum
 
 
 @jax.tree_util.register_dataclass
@@ -106,25 +108,54 @@ clean_run.__doc__ = "`clean_values`, jitted."
 
 
 # How a gradient's backward gets the activations of the layers after the attributed one: the
-# drivers' choices ('auto' picks one of the other two by memory, `choose_backward`).
+# drivers' choices ('auto' picks one of the others, or a number of stored layers, by memory,
+# `choose_backward`).
 BACKWARDS = ("auto", "recompute", "stored")
-# 'auto' stores when a chunk of this many gradients (or all of them, if fewer) fits in memory:
-# fewer at once and the smaller vmap costs more than the layer pass it saves.
-STORED_MIN_CHUNK = 8
+# Integrated gradients' share of the free memory when no budget is given (the other sweeps take
+# `jaxdepth.core.sweep.MEMORY_FRACTION`, a quarter). The published code holds a block of 16
+# steps at once, each with what torch's autograd keeps of the later layers for the backward: at
+# the study's longest prompts (Qwen2.5-1.5B, 384 tokens) about 16 x 0.85 GiB, 57% of a 24 GiB
+# machine. IG may take as much, so that it stores where the reference does; the weights are
+# resident already (free memory does not count them) and XLA's temporaries fit in the rest.
+IG_MEMORY_FRACTION = 0.6
 
 
-def choose_backward(
-    backward: str, config: ModelConfig, seq_len: int, members: int, memory_budget: Optional[int] = None
-) -> str:
-    """'recompute' or 'stored' for a sweep of `members` gradients over `seq_len` tokens:
-    `backward` itself unless it is 'auto', which stores when `STORED_MIN_CHUNK` gradients (or
-    `members`, if fewer) fit in `memory_budget` (`jaxdepth.core.sweep.auto_chunk_size`)."""
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+def ig_memory_budget(memory_budget: Optional[int] = None) -> int:
+    """`memory_budget`, or `IG_MEMORY_FRACTION` of the free memory (read now)."""
+    return available_memory_budget(IG_MEMORY_FRACTION) if memory_budget is None else int(memory_budget)
+
+
+def choose_backward(backward, config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None):
+    """What a sweep of gradients over `seq_len` tokens keeps for its backward
+    (`jaxdepth.core.loops.suffix_value_and_grad`): `backward` itself unless it is 'auto', which
+    picks the cheapest that fits one gradient in `memory_budget` (default `ig_memory_budget()`;
+    the sweep's chunk shrinks, down to one gradient, before the backward recomputes): 'stored'
+    (every later layer's matmul outputs: two layer passes per gradient), else the number of
+    layers whose outputs fit (the others recomputed: three passes each), else 'recompute'."""
     if backward != "auto":
+        stored_layers(backward, config.num_layers)  # refused here, not inside a compiled sweep
         return backward
-    fits = auto_chunk_size(config, seq_len, members, grad=True, stored=True, memory_budget=memory_budget)
-    return "stored" if fits >= min(members, STORED_MIN_CHUNK) else "recompute"
+    budget = ig_memory_budget(memory_budget)
+    fits = lambda k: member_bytes(config, seq_len, grad=True, stored=k) <= budget  # noqa: E731
+    if fits(True):
+        return "stored"
+    k = max((k for k in range(config.num_layers) if fits(k)), default=0)
+    return k if k > 0 else "recompute"
+
+
+def prompt_seconds(
+    config: ModelConfig, seq_len: int, evaluations: int, speed: DeviceSpeed, memory_budget: Optional[int] = None
+) -> float:
+    """Estimated seconds of integrated gradients over every layer of one prompt padded to
+    `seq_len`: `evaluations` gradients per layer, each crossing the later layers forward and
+    back (two layer passes where the backward stores, three where it recomputes,
+    `choose_backward`), at `speed` (`jaxdepth.core.padding`); what padding by cost weighs."""
+    L = config.num_layers
+    kept = stored_layers(choose_backward("auto", config, seq_len, memory_budget), L)
+    one = layer_flops(config, seq_len, seq_len)
+    crossed = [(min(kept, L - l - 1), L - l - 1) for l in range(L)]  # (stored, all) later layers
+    flops = evaluations * sum(2 * s * one + 3 * (n - s) * one for s, n in crossed)
+    return flops / speed.flops_per_second
 
 
 def _set_value(value, layer, data):

@@ -545,10 +545,10 @@ def _evaluate(call, requests: dict[int, list[float]], largest: int) -> dict[int,
 
 
 def largest_call(
-    config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None, *, stored: bool = False
+    config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None, *, stored: Union[bool, int] = False
 ) -> int:
     """The largest number of nodes of one call: a power of two, at most `_LARGEST_CALL`, whose
-    vmapped gradients fit in memory (`auto_chunk_size`)."""
+    vmapped gradients fit in memory (`auto_chunk_size`; `stored` as `member_bytes` takes it)."""
     return power_of_two_floor(
         auto_chunk_size(config, seq_len, _LARGEST_CALL, grad=True, stored=stored, memory_budget=memory_budget)
     )

@@ -1,0 +1,31 @@
+"""Matmul FLOPs of a decoder's pieces: what padding choices (`jaxdepth.core.padding`) and the
+benchmarks' FLOP models are built from. The elementwise work (norms, rotary, softmax) is left
+out: it is a few percent of a layer at the studies' shapes."""
+
+from __future__ import annotations
+
+from jaxdepth.core.config import ModelConfig
+
+
+def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -> float:
+    """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`: 2 x
+    matmul parameters per position (q, k, v, o, gate, up, down) plus attention scores and values
+    (4 queries keys H Dh, the full square as both implementations compute it)."""
+    c = config
+    layer_params = (
+        c.hidden_size * c.num_heads * c.head_dim
+        + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+        + c.num_heads * c.head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size
+    )
+    return layers * (2.0 * queries * layer_params + 4.0 * queries * keys * c.num_heads * c.head_dim)
+
+
+def lm_head_flops(config: ModelConfig, positions: int) -> float:
+    """Matmul FLOPs of the LM head at `positions` positions."""
+    return 2.0 * positions * config.hidden_size * config.vocab_size
+
+
+def forward_flops(config: ModelConfig, T: int, lm_head: bool = True) -> float:
+    """Matmul FLOPs of one forward pass over T tokens (the LM head at every position if asked)."""
+    return layer_flops(config, T, T, config.num_layers) + (lm_head_flops(config, T) if lm_head else 0.0)
