@@ -1,11 +1,13 @@
 """Write docs/reference.md, the API reference, from the docstrings: `python docs/reference.py`.
 
-The reference holds every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of
-each module of `jaxdepth.analyses`: the functions and classes a module defines (their
-`__module__` is that module) whose names do not start with `_`; then the names of
-`jaxdepth.core` and `jaxdepth.lab` that the docs' examples use (`BEYOND`), each under the path
-the examples import it from. A name whose object has a full entry higher up gets a link to it
-instead of a second copy. Each has its signature (a
+The reference holds the public names of `jaxdepth`, of `jaxdepth.sites` and of each module of
+`jaxdepth.analyses` (its subpackages' modules too): the functions and classes of each one's
+`__all__`, in that order, its other values (constants, an analysis's `ANALYSIS`) named in one
+line; then the names of `jaxdepth.core` and `jaxdepth.lab` that the docs' examples use
+(`BEYOND`), each under the path the examples import it from. A module that has no `__all__` yet
+gets the functions and classes it defines (their `__module__` is that module) whose names do not
+start with `_`; `tests/test_reference.py` names the few allowed to lack one. A name whose object
+has a full entry higher up gets a link to it instead of a second copy. Each has its signature (a
 dataclass its fields, a class its constructor and its own public methods and properties) and
 its docstring, rendered as Markdown. Signatures are written in ```` ```text ```` fences, so that
 no test runs them; a docstring's indented blocks become ```` ```text ```` fences too.
@@ -68,12 +70,14 @@ class Entry:
 class Section:
     """A module's part of the page: its public name, the module and its entries; `aliases`,
     names linking to a full entry that get a line rather than a heading, whose anchor would be
-    a module's (`jaxdepth.analyses.edges.Circuit`, `jaxdepth.analyses.edges.circuit`)."""
+    a module's (`jaxdepth.analyses.edges.Circuit`, `jaxdepth.analyses.edges.circuit`); `values`,
+    the other names of its `__all__` (constants, declarations), named in one line."""
 
     name: str
     module: ModuleType
     entries: tuple
     aliases: tuple = ()
+    values: tuple = ()
 
 
 # ----------------------------------------------------------------------------- what is public
@@ -95,12 +99,22 @@ def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
 
 
 def _public(module: ModuleType) -> list[tuple[str, Any]]:
-    """`_defined_in(module)`, then the functions and classes its `__all__` brings from other
-    modules (a package's own names, as `jaxdepth.analyses.edges.find_circuit`)."""
-    found = _defined_in(module)
-    own = {name for name, _ in found}
-    brought = [(name, getattr(module, name)) for name in getattr(module, "__all__", ()) if name not in own]
-    return found + [(name, obj) for name, obj in brought if _documentable(obj)]
+    """The functions and classes of `module.__all__`, in its order (a package's names brought from
+    its modules too, as `jaxdepth.analyses.edges.find_circuit`); for a module without `__all__`,
+    `_defined_in(module)`."""
+    if not hasattr(module, "__all__"):
+        return _defined_in(module)
+    return [(name, getattr(module, name)) for name in module.__all__ if _documentable(getattr(module, name))]
+
+
+def values(module: ModuleType) -> list[str]:
+    """The names of `module.__all__` that are neither functions, classes nor modules: constants
+    and declarations (`ANALYSIS`), which have no docstring of their own to show."""
+    return [
+        name
+        for name in getattr(module, "__all__", ())
+        if not (_documentable(getattr(module, name)) or inspect.ismodule(getattr(module, name)))
+    ]
 
 
 def analyses_modules() -> list[ModuleType]:
@@ -142,7 +156,7 @@ def sections() -> list[Section]:
     top = [
         (name, getattr(jaxdepth, name)) for name in jaxdepth.__all__ if not inspect.ismodule(getattr(jaxdepth, name))
     ]
-    named = [("jaxdepth", jaxdepth, top), ("jaxdepth.sites", sites, _defined_in(sites))]
+    named = [("jaxdepth", jaxdepth, top), ("jaxdepth.sites", sites, _public(sites))]
     named += [(m.__name__, m, _public(m)) for m in analyses_modules()]
     for name, members in BEYOND.items():
         module = importlib.import_module(name)
@@ -155,7 +169,8 @@ def sections() -> list[Section]:
         entries = [Entry(f"{name}.{member}", obj, homes[id(obj)]) for member, obj in members]
         entries = [Entry(e.name, e.obj) if e.same_as == e.name else e for e in entries]
         aliases = [e for e in entries if e.same_as is not None and anchor(e.name) in module_anchors]
-        return Section(name, module, tuple(e for e in entries if e not in aliases), tuple(aliases))
+        own = () if name in BEYOND else tuple(values(module))  # BEYOND's sections hold chosen names only
+        return Section(name, module, tuple(e for e in entries if e not in aliases), tuple(aliases), own)
 
     return [section(name, module, members) for name, module, members in named]
 
@@ -478,15 +493,16 @@ def markdown(doc: str) -> str:
 INTRO = """\
 # API reference
 
-Every public name of `jaxdepth` (its `__all__`), of `jaxdepth.sites` and of each module of
-`jaxdepth.analyses`, then the names of `jaxdepth.core` and `jaxdepth.lab` that the examples of
-these docs use, each with its signature and docstring (a name that is another's, such as
-`jaxdepth.core.model.forward`, links to that entry). The page is generated from the docstrings
-by `python docs/reference.py`, and `tests/test_reference.py` fails when it is out of date; edit
-the docstrings, not this page. Shapes use the axis names of the glossary in
-`jaxdepth.core.model` (B batch, L layers, T positions, D residual width, H heads, Dh head width,
-F MLP width, V vocabulary; L+1 residual boundaries h_0..h_L). The [Python API](api.md) page
-shows how the pieces fit together, with examples."""
+Every public name of `jaxdepth`, of `jaxdepth.sites` and of each module of `jaxdepth.analyses`
+(each one's `__all__`: a name outside it is internal and may change), then the names of
+`jaxdepth.core` and `jaxdepth.lab` that the examples of these docs use, each with its signature
+and docstring (a name that is another's, such as `jaxdepth.core.model.forward`, links to that
+entry). The page is generated from the docstrings by `python docs/reference.py`, and
+`tests/test_reference.py` fails when it is out of date; edit the docstrings, not this page.
+Shapes use the axis names of the glossary in `jaxdepth.core.model` (B batch, L layers, T
+positions, D residual width, H heads, Dh head width, F MLP width, V vocabulary; L+1 residual
+boundaries h_0..h_L). The [Python API](api.md) page shows how the pieces fit together, with
+examples."""
 
 
 def _heading(level: int, name: str) -> str:
@@ -561,6 +577,9 @@ def render() -> str:
             parts.append(
                 " ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})." for name in modules)
             )
+        if section.values:
+            named = ", ".join(f"`{name}` ({type(getattr(section.module, name)).__name__})" for name in section.values)
+            parts.append(f"Also public (values): {named}.")
         for alias in section.aliases:
             kind = "class" if inspect.isclass(alias.obj) else "function"
             parts.append(

@@ -45,12 +45,12 @@ from tqdm.auto import tqdm
 
 from benchmarking.machine import cpu_description
 from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, largest_call, quadrature, run_rule, summarise
-from jaxdepth.analyses.integrated_gradients import ig_inputs, path_points
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import encode, format_short, read_rows
+from study_ig_paths import ig_inputs, path_points
 
 TOLERANCES = (0.1, 0.03, 0.01)
 REFERENCE_TOLERANCE = 2e-3

@@ -1,6 +1,7 @@
 """How wide a vmap of gradient evaluations is fastest per evaluation on this CPU? Integrated
-gradients of one layer of a whole GSM8K prompt through the study's own `ig_of_layer`, the same
-steps in chunks of each width, compiled first, then timed on a quiet machine.
+gradients of one layer of a whole GSM8K prompt through the study's own computation
+(`study_ig_paths.ig_of_layer`), the same steps in chunks of each width, compiled first, then
+timed on a quiet machine.
 
 A chunk's memory bound (`auto_chunk_size`) says how wide a vmap fits, not how wide runs best:
 on a 136-token prompt the bound is 29, while the adaptive rule's calls of 8 and 16 nodes ran at
@@ -18,7 +19,6 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.core.sweep import auto_chunk_size, chunk_layout
@@ -27,6 +27,7 @@ from jaxdepth.lab.sources import load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmarking.machine import Clock, cpu_description  # noqa: E402
+import study_ig_paths as paths  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -53,9 +54,9 @@ def main(argv=None) -> int:
     )
     prompt = batch.prompt(0, LengthBuckets(4, geometric=False))
     T = prompt.tokens.shape[1]
-    x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
+    x, b, inputs, _ = paths.ig_inputs(p, prompt, config)
     alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", args.steps))
-    path = ig.study_path(x, b, inputs, args.layer, "layer")
+    path = paths.study_path(x, b, inputs, args.layer, "layer")
     bound = auto_chunk_size(config, T, args.steps, grad=True)
     clock = Clock(quiet_s=args.quiet_timeout, repeat=args.repeat)
     print(f"{cpu_description()}; {T} positions (padded), layer {args.layer}, {args.steps} steps; memory bound {bound}")
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     )
     for width in [bound if w == "auto" else int(w) for w in args.widths.split(",")]:
         run = lambda: jax.block_until_ready(
-            ig.ig_of_layer(  # noqa: E731
+            paths.ig_of_layer(  # noqa: E731
                 p, prompt, jnp.int32(args.layer), path, config, alphas=alphas, weights=weights, chunk_size=width
             )
         )

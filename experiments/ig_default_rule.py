@@ -35,6 +35,7 @@ from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.sweep import auto_chunk_size
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 from jaxdepth.lab.sources import load
+import study_ig_paths as paths
 
 # The adaptive rule runs with a budget of 2048 evaluations per layer, the one its recorded results
 # were measured with (the library's default is now the fixed rule's 256: never dearer); the
@@ -61,14 +62,14 @@ def compile_rule(model, batch, spec: dict) -> float:
     p, config = model.params, model.config
     prompt = batch.prompt(0, LengthBuckets(4, geometric=False))
     start = time.perf_counter()
-    x, b, inputs, _ = ig.ig_inputs(p, prompt, config)
+    x, b, inputs, _ = paths.ig_inputs(p, prompt, config)
     last = config.num_layers - 1
     rule = rule_of(spec)
     if isinstance(rule, ig_rules.AdaptiveRule):
         largest = ig_rules.largest_call(config, prompt.tokens.shape[1])
         for size in sorted({s for n in range(1, 4 * largest) for s in ig_rules.call_sizes(n, largest)}):
             jax.block_until_ready(
-                ig.path_points(
+                paths.path_points(
                     p, prompt, x, b, inputs, layer=last, alphas=np.linspace(0, 1, size), config=config, chunk_size=size
                 )
             )
@@ -76,11 +77,11 @@ def compile_rule(model, batch, spec: dict) -> float:
         alphas, weights = rule.nodes()
         chunk = auto_chunk_size(config, prompt.tokens.shape[1], rule.steps, grad=True)
         jax.block_until_ready(
-            ig.ig_of_layer(
+            paths.ig_of_layer(
                 p,
                 prompt,
                 jax.numpy.int32(last),
-                ig.study_path(x, b, inputs, last, "layer"),
+                paths.study_path(x, b, inputs, last, "layer"),
                 config,
                 alphas=jax.numpy.asarray(alphas, jax.numpy.float32),
                 weights=jax.numpy.asarray(weights, jax.numpy.float32),

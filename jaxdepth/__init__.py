@@ -9,7 +9,8 @@ value, `FixedRule` or `AdaptiveRule`, and how it runs an `Execution`), and edge
 attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
 circuits in `jaxdepth.analyses.edges`). Each analysis
 of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
-are in `jaxdepth.lab`.
+are in `jaxdepth.lab`. What a module offers is its `__all__` (here, in `jaxdepth.sites` and in
+each module of `jaxdepth.analyses`); a name outside it is internal and may change.
 
 The functions take `params` (`Model.params`: a nested dict of arrays, per-layer weights stacked
 on a leading layer axis) as an argument and the `ModelConfig` as a static argument (hashable: a

@@ -1,11 +1,14 @@
 """docs/reference.md, the API reference, against the package (fast: no model is loaded).
 
-The public names are those of `jaxdepth.__all__`, of `jaxdepth.sites` and of every module of
-`jaxdepth.analyses` and its subpackages (the functions and classes a module defines, `__module__`
-that module, whose names do not start with `_`), and the public methods and properties each of their classes
-defines. This test lists them itself, not through the generator, so that a generator that
-skipped one would not hide it:
+The public names are those of `jaxdepth.__all__`, and the functions and classes of the
+`__all__` of `jaxdepth.sites` and of every module of `jaxdepth.analyses` and its subpackages
+(for a module of `PENDING_ALL`, which has none yet: the functions and classes it defines,
+`__module__` that module, whose names do not start with `_`), and the public methods and
+properties each of their classes defines. This test lists them itself, not through the
+generator, so that a generator that skipped one would not hide it:
 
+- every module of `jaxdepth.analyses` but those of `PENDING_ALL` defines `__all__`, and every
+  name of an `__all__` exists (a function or class in it with a docstring of its own);
 - every public name has an entry (a heading) in docs/reference.md;
 - docs/reference.md is what `python docs/reference.py` writes now (not stale);
 - every public function, class, method and property has a docstring of its own.
@@ -37,6 +40,17 @@ from test_docs import ROOT, blocks, pages, python_blocks, read
 
 PAGE = "docs/reference.md"
 
+# Modules of `jaxdepth.analyses` allowed, for now, to lack `__all__` (they are being rewritten):
+# the reference documents every function and class they define. Each gets its `__all__` and
+# leaves this set, which is then empty; a module that defines `__all__` may not stay in it.
+PENDING_ALL = {
+    "jaxdepth.analyses.ig.engine",
+    "jaxdepth.analyses.ig.rules",
+    "jaxdepth.analyses.ig.path",
+    "jaxdepth.analyses.edges.scores",
+    "jaxdepth.analyses.edges.readers",
+}
+
 
 @functools.cache
 def _generator():
@@ -59,18 +73,66 @@ def _defined_in(module) -> dict:
     }
 
 
+def analyses_modules() -> list:
+    """Every module of `jaxdepth.analyses`, its subpackages and their modules included."""
+    from jaxdepth import analyses
+
+    return [
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(analyses.__path__, prefix="jaxdepth.analyses.")
+    ]
+
+
+def _exported(module) -> dict:
+    """The functions and classes of `module.__all__` (values, such as constants and `ANALYSIS`,
+    have no entry); those it defines for a module of `PENDING_ALL`."""
+    if module.__name__ in PENDING_ALL:
+        return _defined_in(module)
+    # a name it lacks is None here, and reported by test_every_analyses_module_declares_what_it_offers
+    chosen = {name: getattr(module, name, None) for name in module.__all__}
+    return {name: obj for name, obj in chosen.items() if inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))}
+
+
 def public_objects() -> dict:
     """`{name as a user writes it: object}` for every public function and class (and the module
     `jaxdepth.sites`)."""
     import jaxdepth
-    from jaxdepth import analyses, sites
+    from jaxdepth import sites
 
     found = {f"jaxdepth.{name}": getattr(jaxdepth, name) for name in jaxdepth.__all__}
-    found.update({f"jaxdepth.sites.{name}": obj for name, obj in _defined_in(sites).items()})
-    for info in pkgutil.walk_packages(analyses.__path__, prefix="jaxdepth.analyses."):
-        module = importlib.import_module(info.name)
-        found.update({f"{module.__name__}.{name}": obj for name, obj in _defined_in(module).items()})
+    found.update({f"jaxdepth.sites.{name}": obj for name, obj in _exported(sites).items()})
+    for module in analyses_modules():
+        found.update({f"{module.__name__}.{name}": obj for name, obj in _exported(module).items()})
     return found
+
+
+def test_every_analyses_module_declares_what_it_offers():
+    """Each module of `jaxdepth.analyses` (recursively) and `jaxdepth.sites` defines `__all__`,
+    but those of `PENDING_ALL`; every name in it exists, once, and each function and class in it
+    has a docstring of its own."""
+    from jaxdepth import sites
+
+    modules = {module.__name__: module for module in [sites, *analyses_modules()]}
+    assert PENDING_ALL <= set(modules), f"PENDING_ALL names no such module: {sorted(PENDING_ALL - set(modules))}"
+    problems = [
+        f"{name} defines __all__: take it out of PENDING_ALL"
+        for name in sorted(PENDING_ALL)
+        if hasattr(modules[name], "__all__")
+    ]
+    for name, module in modules.items():
+        if name in PENDING_ALL:
+            continue
+        if not hasattr(module, "__all__"):
+            problems.append(f"{name} has no __all__")
+            continue
+        problems += [
+            f"{name}.__all__ names {n!r} twice" for n in sorted(set(module.__all__)) if module.__all__.count(n) > 1
+        ]
+        problems += [f"{name}.__all__ names {n!r}, which it lacks" for n in module.__all__ if not hasattr(module, n)]
+        problems += [
+            f"{name}.{n} has no docstring" for n, obj in _exported(module).items() if not _generator().docstring(obj)
+        ]
+    assert not problems, "; ".join(problems)
 
 
 def _members(cls) -> dict:
@@ -88,10 +150,11 @@ def _headings() -> set:
 
 
 def test_every_public_name_has_an_entry():
-    headings = _headings()
+    """A heading, or the line a name gets whose heading's anchor would be a module's."""
+    headings, names = _headings(), _names_on_page()
     missing = []
     for name, obj in public_objects().items():
-        if name not in headings:
+        if name not in names:
             missing.append(name)
         if inspect.isclass(obj):
             missing += [

@@ -4,4 +4,8 @@ every site, gradient x activation, attribution patching) and the tuned lens, bui
 `jaxdepth.core`; effective depths and the statistics over prompts that turn their curves into
 numbers. A module of the suite also draws its figures and declares itself (`suite`: its
 settings and options, cache identity, run, figures, summary), so that an analysis is one file;
-`drawing` holds the helpers its figures share."""
+`drawing` holds the helpers its figures share.
+
+Each module lists its public names in `__all__`: those are what the API reference documents and
+what stays put. A name outside `__all__`, with a leading underscore or not, is internal (shared
+between the package's modules, or there for its tests) and may change without notice."""

@@ -43,6 +43,17 @@ from jaxdepth.analyses.suite import Analysis, per_prompt_figures
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
     from matplotlib.figure import Figure
 
+__all__ = [
+    "site_gradients",
+    "SiteGradients",
+    "attribution_patching",
+    "AttributionResult",
+    "residual_attribution",
+    "attribution_patching_figure",
+    "ATTRIBUTION_PATCHING",
+    "GRAD_X_ACT",
+]
+
 # Activations of all layers the backward may keep (rough bytes, `member_bytes` x layers). A
 # constant, not the free memory: every process of a multi-process run must compile the same
 # program.

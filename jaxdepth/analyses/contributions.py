@@ -26,6 +26,15 @@ from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
     from matplotlib.figure import Figure
 
+__all__ = [
+    "contributions",
+    "ContributionResult",
+    "contribution_stats",
+    "contributions_figure",
+    "STATISTICS",
+    "ANALYSIS",
+]
+
 # Order of the statistics on the last axis of `per_token`.
 STATISTICS = ("norm_attn", "norm_mlp", "norm_layer", "cos_attn", "cos_mlp", "cos_layer")
 

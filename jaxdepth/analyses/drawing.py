@@ -32,6 +32,17 @@ from jaxdepth.analyses.uncertainty import (
     has_per_prompt,
 )
 
+__all__ = [
+    "ResultTypeError",
+    "expect",
+    "new_figure",
+    "title_figure",
+    "layer_axis",
+    "TokenPanel",
+    "token_heatmap",
+    "stacked_token_figure",
+]
+
 MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th
 KL_LABEL = r"KL$(P_l \,\|\, P)$ [nats]"
 

@@ -12,6 +12,15 @@ from typing import Optional
 
 import numpy as np
 
+__all__ = [
+    "EffectiveDepth",
+    "cosine_effective_depth",
+    "kl_effective_depth",
+    "overlap_effective_depth",
+    "depth_score",
+    "depth_effects",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class EffectiveDepth:

@@ -48,6 +48,19 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 
     from jaxdepth.analyses.drawing import TokenPanel
 
+__all__ = [
+    "residual_erasure",
+    "ErasureResult",
+    "mean_residuals",
+    "erasure_of_prompt",
+    "probability_shift",
+    "answer_probability_change",
+    "EFFECTS",
+    "erasure_figure",
+    "erasure_panel",
+    "ANALYSIS",
+]
+
 
 @partial(jit, static_argnames="config")
 def _residual_sums(params, tokens, valid, config: ModelConfig, interventions=None):
@@ -131,7 +144,7 @@ def clean_run(params, prompt: PromptArrays, config: ModelConfig, *, intervention
     return hs, keys, values, clean
 
 
-def answer_of(prompt: PromptArrays):
+def _answer_of(prompt: PromptArrays):
     """What an effect may read of `prompt`'s answer: `(targets [A], real [A])`, every answer
     position real where `prompt.answer_real` is None."""
     positions = prompt.answer_positions
@@ -139,7 +152,7 @@ def answer_of(prompt: PromptArrays):
     return prompt.answer_targets, real
 
 
-def erased_logits(logits, clean_logits, position, boundary, num_layers: int):
+def _erased_logits(logits, clean_logits, position, boundary, num_layers: int):
     """A whole prompt's logits `[1, T, V]` under the erasure of h_boundary[position], from the
     suffix run's logits `[1, S, V]` (positions T-S..T-1): the clean logits wherever causality
     leaves them unchanged (before `position`; at the last boundary, everywhere but `position`),
@@ -212,7 +225,7 @@ def erasure_sweep(
     (`PromptArrays`, T a multiple of `width`), from `clean_state = clean_run(params, prompt,
     config, interventions=...)`, as one compiled computation. `effect(probs, clean, reach,
     answer)` turns the erased and clean answer distributions into the effect (see
-    `probability_shift`); `answer = (targets [A], real [A])` is what it may read (`answer_of`).
+    `probability_shift`); `answer = (targets [A], real [A])` is what it may read (`_answer_of`).
     With `metric`, returns `(effects, metric_changes)` (see `erasure_of_prompt`).
 
     The positions fall into pieces of `width`. The erasures of piece k (every boundary, its
@@ -226,7 +239,7 @@ def erasure_sweep(
     pieces as separate calls (`erasure_of_prompt` does) and hear as each one finishes.
     """
     hs, _, _, clean = clean_state
-    valid, answer_positions, answer = prompt.valid, prompt.answer_positions, answer_of(prompt)
+    valid, answer_positions, answer = prompt.valid, prompt.answer_positions, _answer_of(prompt)
     L, T = config.num_layers, hs.shape[2]
     if T % width:
         raise ValueError(f"the prompt's length {T} must be a multiple of the piece width {width}")
@@ -262,7 +275,7 @@ def erasure_sweep(
                 value = effect(probs, clean, reach, answer)
                 if metric is None:
                     return value
-                erased = erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
+                erased = _erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
                 return value, metric_value(metric, erased) - clean_metric
 
             return sweep(member, k * width + jnp.arange(width), chunk_size)

@@ -16,7 +16,6 @@ whether the rule was accurate enough.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import TYPE_CHECKING, Optional, Union
 
 import jax
@@ -24,13 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.checks import BASELINES, ig_baseline, warn_if_zero_baseline_diverges
+from jaxdepth.analyses.ig.checks import BASELINES, warn_if_zero_baseline_diverges
 from jaxdepth.analyses.ig.engine import Attribution, Execution, attribute
-from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, metric_head, weighted_gradient
-from jaxdepth.analyses.ig.path import path_points as site_path_points
+from jaxdepth.analyses.ig.path import metric_head
 from jaxdepth.core.progress import progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
-from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.suite import Analysis, Settings, option, per_prompt_figures
@@ -39,6 +36,19 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
     from matplotlib.figure import Figure
 
     from jaxdepth.analyses.drawing import TokenPanel
+
+__all__ = [
+    "integrated_gradients_of_answers",
+    "IntegratedGradientsResult",
+    "ig_of_prompt",
+    "answer_probability",
+    "answer_metric",
+    "TARGETS",
+    "integrated_gradients_figure",
+    "integrated_gradients_panel",
+    "IGSettings",
+    "ANALYSIS",
+]
 
 # What a layer's attribution is taken with respect to, per study target: the site of its
 # output h_{l+1}, or of one of its sublayers' outputs.
@@ -58,6 +68,13 @@ def answer_aux(prompt: PromptArrays):
     return prompt.answer_targets, prompt.answer_real
 
 
+def answer_metric(prompt: PromptArrays) -> dict:
+    """The engine's metric arguments for the studies' F on `prompt`: `metric`, `aux` and
+    `positions` of `jaxdepth.analyses.ig.engine.Attribution` (or of the path functions of
+    `jaxdepth.analyses.ig.path`), the answer probability read at the answer positions."""
+    return dict(metric=answer_probability, aux=answer_aux(prompt), positions=prompt.answer_positions)
+
+
 def answer_objective(params, prompt: PromptArrays, config: ModelConfig):
     """F(h_L): the summed teacher-forced probabilities of the answer tokens of one prompt."""
     head = metric_head(params, config, answer_probability, answer_aux(prompt), prompt.answer_positions)
@@ -67,112 +84,6 @@ def answer_objective(params, prompt: PromptArrays, config: ModelConfig):
 def _check_target(target: str) -> None:
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
-
-
-def _answer_metric(prompt: PromptArrays) -> dict:
-    """The engine's metric arguments for the studies' F on `prompt`."""
-    return dict(metric=answer_probability, aux=answer_aux(prompt), positions=prompt.answer_positions)
-
-
-@partial(jit, static_argnames=("config", "baseline", "target"))
-def ig_inputs(
-    params,
-    prompt: PromptArrays,
-    config: ModelConfig,
-    *,
-    baseline: str = "channel_mean",
-    interventions=None,
-    target: str = "layer",
-):
-    """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
-    its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
-    (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    x, inputs, f_input = clean_values(
-        params,
-        prompt.tokens,
-        prompt.valid,
-        config,
-        site=TARGETS[target],
-        interventions=interventions,
-        **_answer_metric(prompt),
-    )
-    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
-    return x[:, 0], b[:, 0], inputs[:, 0], f_input[0]
-
-
-def study_path(x, b, inputs, layer, target: str) -> LayerPath:
-    """Layer `layer`'s path for a study target, from `ig_inputs`' `[L, T, D]` arrays (batch 1)."""
-    return LayerPath(x[layer][None], b[layer][None], None if target == "layer" else inputs[layer][None])
-
-
-def ig_of_layer(
-    params,
-    prompt: PromptArrays,
-    layer,
-    path: LayerPath,
-    config: ModelConfig,
-    *,
-    alphas,
-    weights,
-    chunk_size: Optional[int] = None,
-    interventions=None,
-    target: str = "layer",
-    backward: str = "recompute",
-):
-    """IG of one layer along `path` (`study_path`) with the rule `alphas`, `weights`:
-    `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F (the
-    computation the engine compiles: `backward` passed on as it passes it)."""
-    g, f_base = weighted_gradient(
-        params,
-        prompt.valid,
-        layer,
-        path,
-        alphas,
-        weights,
-        config,
-        site=TARGETS[target],
-        chunk_size=chunk_size,
-        interventions=interventions,
-        backward=backward,
-        **_answer_metric(prompt),
-    )
-    return attribution_of(path, g, prompt.valid)[0], f_base[0]
-
-
-def path_points(
-    params,
-    prompt: PromptArrays,
-    x,
-    b,
-    inputs,
-    *,
-    layer: int,
-    alphas,
-    config: ModelConfig,
-    interventions=None,
-    target: str = "layer",
-    grad: bool = True,
-    chunk_size: Optional[int] = None,
-    backward: str = "recompute",
-):
-    """The adaptive rule's evaluations (`jaxdepth.analyses.ig.path.path_points`) of layer `layer`
-    for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`).
-    `backward` is always passed on, as the engine passes it: a static argument given or left to
-    its default would be two compilations."""
-    return site_path_points(
-        params,
-        prompt.valid,
-        np.int32(layer),
-        study_path(x, b, inputs, layer, target),
-        np.asarray(alphas, np.float32),
-        config,
-        site=TARGETS[target],
-        interventions=interventions,
-        grad=grad,
-        chunk_size=chunk_size,
-        backward=backward,
-        **_answer_metric(prompt),
-    )
 
 
 def ig_of_prompt(
@@ -197,7 +108,7 @@ def ig_of_prompt(
     `label` names the prompt in a non-finite report."""
     _check_target(target)
     layers = list(range(config.num_layers))
-    attribution = Attribution(site=TARGETS[target], layers=layers, baseline=baseline, **_answer_metric(prompt))
+    attribution = Attribution(site=TARGETS[target], layers=layers, baseline=baseline, **answer_metric(prompt))
     return attribute(
         params,
         prompt.tokens,
@@ -466,7 +377,7 @@ def _check_budget(n: int) -> int:
     return n
 
 
-def evaluation_budget(text: str) -> int:
+def _evaluation_budget(text: str) -> int:
     """`--ig-max-evaluations`: an integer >= 3 (one Simpson interval)."""
     try:
         n = int(text)
@@ -497,7 +408,7 @@ class IGSettings(Settings):
         None,
         "--ig-rule adaptive: gradient evaluations per layer at most; a layer that has not reached "
         "--ig-tolerance by then is reported as not converged (default: --ig-steps, never more than the fixed rule)",
-        parse=evaluation_budget,
+        parse=_evaluation_budget,
         metavar="N",
     )
     ig_target: str = option(

@@ -67,6 +67,27 @@ from jaxdepth.core.model import residual_stream
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 
+__all__ = [
+    "compute_mapping",
+    "LayerMappingResult",
+    "MappingSettings",
+    "MappingStatistics",
+    "empty_statistics",
+    "accumulate_statistics",
+    "place_statistics",
+    "MappingFit",
+    "fit_maps",
+    "linear_maps",
+    "ErrorSums",
+    "empty_errors",
+    "accumulate_errors",
+    "relative_errors",
+    "mapping_result",
+    "best_match",
+    "equal_relative_depth",
+    "PAD_TO",
+]
+
 HIGHEST = jax.lax.Precision.HIGHEST
 DEFAULT_RIDGE = 1e-3
 

@@ -49,6 +49,20 @@ from jaxdepth.analyses.suite import Analysis, Settings, option
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
     from matplotlib.figure import Figure
 
+__all__ = [
+    "layer_skip",
+    "LayerSkipResult",
+    "layer_skip_sublayers",
+    "LayerSkipBySublayer",
+    "sample_split_positions",
+    "layer_skip_figure",
+    "LayerSkipSettings",
+    "SUBLAYERS",
+    "MODES",
+    "SPLITS",
+    "ANALYSIS",
+]
+
 # what each sublayer's skip removes: the layer's whole contribution, or one sublayer's output
 SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
 MODES = ("future", "current")
@@ -69,7 +83,7 @@ def sample_split_positions(
     return chosen
 
 
-def split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123, per_prompt: int = 4) -> list[list[int]]:
+def _split_positions_of(batch: PromptBatch, splits: str, *, seed: int = 123, per_prompt: int = 4) -> list[list[int]]:
     """The split positions t_s of every prompt: `sample_split_positions` ('sampled'), or the
     prompt's answer start ('answer_start'; none where the answer is empty, nothing to measure)."""
     if splits == "sampled":
@@ -393,7 +407,7 @@ def layer_skip(
     lengths = batch.lengths
     if splits == "answer_start":
         splits_per_prompt = 1
-    positions = split_positions_of(batch, splits, seed=seed, per_prompt=splits_per_prompt)
+    positions = _split_positions_of(batch, splits, seed=seed, per_prompt=splits_per_prompt)
     n_splits = 1 if mode == "current" else splits_per_prompt
     later_pp = np.zeros((len(batch), L, L), np.float32)
     output_pp = np.zeros((len(batch), L), np.float32)

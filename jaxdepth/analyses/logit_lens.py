@@ -34,6 +34,17 @@ from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
     from matplotlib.figure import Figure
 
+__all__ = [
+    "logit_lens",
+    "LogitLensResult",
+    "lens_per_token",
+    "lens_statistics",
+    "logit_lens_figure",
+    "LogitLensSettings",
+    "TOP_K",
+    "ANALYSIS",
+]
+
 TOP_K = 5
 
 

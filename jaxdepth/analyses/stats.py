@@ -7,6 +7,17 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "norm",
+    "relative_norm",
+    "cosine",
+    "masked_max",
+    "token_mean",
+    "per_prompt_mean",
+    "prompt_mean",
+    "NORM_EPS",
+]
+
 NORM_EPS = 1e-6  # METHODS: denominators of relative norms are clamped at 1e-6
 
 

@@ -21,6 +21,14 @@ from typing import Any, Callable, Optional
 
 from jaxdepth.core.progress import ProgressLike
 
+__all__ = [
+    "Analysis",
+    "Settings",
+    "option",
+    "RunInputs",
+    "per_prompt_figures",
+]
+
 
 def option(
     default: Any,

@@ -33,6 +33,18 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import residual_stream, unembed
 
+__all__ = [
+    "TunedLens",
+    "train_tuned_lens",
+    "LensTrainingSettings",
+    "LensTrainingState",
+    "initial_state",
+    "ResidualTokens",
+    "residual_tokens",
+    "identity_translators",
+    "lens_kl",
+]
+
 Translators = dict  # {"weight": [L, D, D], "bias": [L, D]}
 
 

@@ -21,6 +21,25 @@ import numpy as np
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses.effective_depth import EffectiveDepth
 
+__all__ = [
+    "effective_depth_intervals",
+    "curve_bands",
+    "per_prompt_depths",
+    "depth_score_interval",
+    "DepthInterval",
+    "CurveBand",
+    "ScoreInterval",
+    "resample_indices",
+    "resampled_curves",
+    "aggregate",
+    "depth_interval",
+    "curve_band",
+    "DEFAULT_RESAMPLES",
+    "DEFAULT_SEED",
+    "DEFAULT_LEVEL",
+    "WEIGHTINGS",
+]
+
 DEFAULT_RESAMPLES = 1000
 DEFAULT_SEED = 0
 DEFAULT_LEVEL = 0.95

@@ -65,6 +65,26 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+__all__ = [
+    "SITES",
+    "SPLIT_SITES",
+    "SITE_TABLE",
+    "Site",
+    "site_shape",
+    "Intervention",
+    "StatefulIntervention",
+    "InterventionError",
+    "as_interventions",
+    "check_layer_indices",
+    "unchanged",
+    "keep",
+    "skip",
+    "replace",
+    "add",
+    "patch",
+    "ablate_heads",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Site:

@@ -1,13 +1,14 @@
 """The adaptive integrated-gradients rule on a tiny random model: it reaches its tolerance and
-agrees with a 16,384-step fixed rule, one layer's refinement leaves the others untouched, new
-tolerances and prompts reuse the compiled computations, and a spent budget is reported."""
+agrees with a 16,384-step fixed rule, one layer's refinement leaves the others untouched, and a
+spent budget is reported (that new tolerances and prompts reuse the compiled computations is
+tested with the IG experiments' pieces, tests/experiments/test_study_ig_paths.py)."""
 
 import jax
 import numpy as np
 import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
-from jaxdepth.analyses.ig import path as ig_path, rules as aig
+from jaxdepth.analyses.ig import rules as aig
 from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.rules import AdaptiveRule, FixedRule
 from jaxdepth.core.batch import LengthBuckets, make_batch
@@ -113,45 +114,6 @@ def test_one_layers_refinement_leaves_the_other_layers_bit_identical(params, bat
     for name in ("attributions", "gap", "f_baseline", "evaluations", "converged", "bound"):
         np.testing.assert_array_equal(getattr(tight, name)[:, 1:], getattr(adaptive, name)[:, 1:], err_msg=name)
     assert tight.settings["tolerance"] == [TOLERANCE / 100, TOLERANCE, TOLERANCE]
-
-
-def test_new_tolerance_or_prompt_does_not_recompile(params, batch, adaptive):
-    """After a first run, a new tolerance (other node placements, other round sizes) and a new
-    prompt of the same padded length reuse every compiled computation (with the optional
-    forward grid too)."""
-    functions = (ig_path.path_points, ig.ig_inputs)
-    for f in functions:  # count this test's compilations only, not those of earlier tests in the process
-        f.clear_cache()
-    # Every call size a run may use, compiled up front: which sizes a run uses depends on its rounds.
-    prompt = batch.prompt(0)  # padded as the study pads it, with the backward it chooses
-    backward = ig_path.choose_backward("auto", CONFIG, prompt.tokens.shape[1])
-    x, b, inputs, _ = ig.ig_inputs(
-        params, prompt, CONFIG, baseline="channel_mean", interventions=None, target="layer"
-    )  # as the rule calls it
-    for size in (8, 16, 32):
-        ig.path_points(
-            params,
-            prompt,
-            x,
-            b,
-            inputs,
-            layer=0,
-            alphas=np.linspace(0, 1, size),
-            config=CONFIG,
-            chunk_size=size,
-            backward=backward,
-        )
-    first = adaptive_ig(params, batch, CONFIG, tolerance=TOLERANCE, grid_points=33)
-    assert first.converged.all()
-    before = [f._cache_size() for f in functions]
-    assert before == [3 + 1, 1]  # the three call sizes and the forward grid
-    other = adaptive_ig(params, batch, CONFIG, tolerance=0.05, grid_points=33)
-    assert other.evaluations.sum() < first.evaluations.sum()  # really other nodes
-    new_prompt = _prompt(1)
-    assert new_prompt.tokens.shape == batch.tokens.shape and not np.array_equal(new_prompt.tokens, batch.tokens)
-    for grid_points in (0, 33):
-        adaptive_ig(params, new_prompt, CONFIG, tolerance=TOLERANCE / 10, grid_points=grid_points)
-    assert [f._cache_size() for f in functions] == before  # nothing compiled per round, tolerance or prompt
 
 
 def test_spent_budget_is_reported_as_not_converged(params, batch):

@@ -12,8 +12,7 @@ import pytest
 from conftest import save_tiny_checkpoint
 from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule
 from jaxdepth.analyses.ig.rules import INITIAL_INTERVALS, largest_call, quadrature, run_rule, summarise
-from jaxdepth.analyses.integrated_gradients import ig_of_prompt, path_points
-from jaxdepth.analyses.integrated_gradients import ig_inputs, integrated_gradients_of_answers
+from jaxdepth.analyses.integrated_gradients import ig_of_prompt, integrated_gradients_of_answers
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.lab.case_study import ARITHMETIC_PROMPT
 from jaxdepth.lab.sources import load
@@ -21,6 +20,7 @@ from jaxdepth.lab.prompts import encode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_accuracy as experiment  # noqa: E402
+from study_ig_paths import ig_inputs, path_points  # noqa: E402
 
 
 @pytest.fixture(scope="module")

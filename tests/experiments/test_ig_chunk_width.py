@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import save_tiny_checkpoint
-from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.core.batch import LengthBuckets
 from jaxdepth.lab.prompts import encode, format_short
@@ -17,6 +16,7 @@ from jaxdepth.lab.sources import load
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "experiments"))
 import ig_chunk_width as experiment  # noqa: E402
+import study_ig_paths as paths  # noqa: E402
 
 ROW = {
     "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
@@ -51,12 +51,12 @@ def test_each_width_is_timed_and_gives_the_same_attributions(tmp_path, capsys):
 
     model = load(checkpoint)
     prompt = encode(model.tokenizer, [format_short(ROW)], context=256).prompt(0, LengthBuckets(4, geometric=False))
-    x, b, inputs, _ = ig.ig_inputs(model.params, prompt, model.config)
+    x, b, inputs, _ = paths.ig_inputs(model.params, prompt, model.config)
     alphas, weights = (jnp.asarray(v, jnp.float32) for v in quadrature("left", 8))
-    path = ig.study_path(x, b, inputs, 0, "layer")
+    path = paths.study_path(x, b, inputs, 0, "layer")
     by_width = [
         np.asarray(
-            ig.ig_of_layer(
+            paths.ig_of_layer(
                 model.params, prompt, jnp.int32(0), path, model.config, alphas=alphas, weights=weights, chunk_size=w
             )[0]
         )

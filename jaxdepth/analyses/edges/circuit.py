@@ -29,6 +29,14 @@ from jaxdepth.core.saved_result import SavedResult
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure
 
+__all__ = [
+    "Circuit",
+    "find_circuit",
+    "top_circuits",
+    "circuit_figure",
+    "faithfulness_figure",
+]
+
 
 @dataclasses.dataclass
 class Circuit(SavedResult):

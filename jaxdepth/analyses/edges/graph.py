@@ -28,6 +28,11 @@ import numpy as np
 
 from jaxdepth.core.config import ModelConfig
 
+__all__ = [
+    "EdgeGraph",
+    "READER_KINDS",
+]
+
 READER_KINDS = ("q", "k", "v")
 
 

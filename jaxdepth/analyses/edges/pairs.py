@@ -17,6 +17,17 @@ from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
 
+__all__ = [
+    "PromptPairs",
+    "prompt_pairs",
+    "TaskPairs",
+    "text_pairs",
+    "read_pairs",
+    "answer_token",
+    "logit_difference",
+    "answer_probability",
+]
+
 
 # Why a pair is refused, said once for every builder and check.
 SAME_PROMPTS = "the clean and the corrupt prompt are the same tokens: nothing differs, so there is nothing to attribute"
@@ -92,7 +103,7 @@ def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
     if not clean:
         raise ValueError("no prompt pairs")
     for i, (a, b) in enumerate(zip(clean, corrupt)):
-        check_pair(f"pair {i}", a, b)
+        _check_pair(f"pair {i}", a, b)
     T = max(len(a) for a in clean)
     lengths = np.array([len(a) for a in clean])
     pad = lambda rows: np.array([list(r) + [0] * (T - len(r)) for r in rows], np.int32)
@@ -109,7 +120,7 @@ def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
     )
 
 
-def check_pair(name: str, clean: list, corrupt: list) -> None:
+def _check_pair(name: str, clean: list, corrupt: list) -> None:
     """Refuse a pair (named `name` in the error) whose token lists differ in length, are empty,
     or are the same tokens (nothing to attribute)."""
     if len(clean) != len(corrupt):
@@ -211,7 +222,7 @@ def _tokenized(tokenizer, rows: list, names: list) -> TaskPairs:
     for name, (x, y, right, wrong) in zip(names, rows):
         where = f"{name} ({x!r} / {y!r})"
         a, b = list(tokenizer.encode(x)), list(tokenizer.encode(y))
-        check_pair(where, a, b)
+        _check_pair(where, a, b)
         try:
             answers = [answer_token(tokenizer, t) for t in (right, wrong)]
         except ValueError as e:

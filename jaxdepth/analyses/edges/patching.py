@@ -37,6 +37,13 @@ from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import available_memory_budget, member_bytes
 
+__all__ = [
+    "edge_effects",
+    "patched_metric",
+    "circuit_metric",
+    "faithfulness",
+]
+
 MAX_CHUNK = 16
 
 

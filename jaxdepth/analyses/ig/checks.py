@@ -18,6 +18,12 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sites import SITES
 
+__all__ = [
+    "NonFiniteAttributionError",
+    "ig_baseline",
+    "BASELINES",
+]
+
 BASELINES = ("channel_mean", "token_mean", "zero")
 
 

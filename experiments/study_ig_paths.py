@@ -1,0 +1,131 @@
+"""The studies' integrated gradients taken apart, for the IG experiments: one prompt's targets
+and baselines, one layer's path, and the gradients along it at nodes the experiment chooses.
+
+The studies' IG (`jaxdepth.analyses.integrated_gradients`) runs these steps inside the engine
+(`jaxdepth.analyses.ig.engine.attribute`), a whole rule at a time. The experiments that time or
+compare rules (`ig_accuracy.py`, `ig_default_rule.py`, `ig_chunk_width.py`) run them one by one:
+the nodes of several rules evaluated once and shared, one layer timed at several vmap widths.
+Each function calls the engine's own compiled pieces (`jaxdepth.analyses.ig.path`) with the
+studies' F (`integrated_gradients.answer_metric`) and the static arguments the engine passes, so
+that what an experiment measures is what a study runs and shares its compilations.
+
+    from study_ig_paths import ig_inputs, path_points  # experiments/ on the path, as a script has it
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdepth.analyses.ig.checks import ig_baseline
+from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, weighted_gradient
+from jaxdepth.analyses.ig.path import path_points as site_path_points
+from jaxdepth.analyses.integrated_gradients import TARGETS, answer_metric
+from jaxdepth.core.batch import PromptArrays
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+
+
+@partial(jit, static_argnames=("config", "baseline", "target"))
+def ig_inputs(
+    params,
+    prompt: PromptArrays,
+    config: ModelConfig,
+    *,
+    baseline: str = "channel_mean",
+    interventions=None,
+    target: str = "layer",
+):
+    """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
+    its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
+    (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
+    x, inputs, f_input = clean_values(
+        params,
+        prompt.tokens,
+        prompt.valid,
+        config,
+        site=TARGETS[target],
+        interventions=interventions,
+        **answer_metric(prompt),
+    )
+    b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
+    return x[:, 0], b[:, 0], inputs[:, 0], f_input[0]
+
+
+def study_path(x, b, inputs, layer, target: str) -> LayerPath:
+    """Layer `layer`'s path for a study target, from `ig_inputs`' `[L, T, D]` arrays (batch 1)."""
+    return LayerPath(x[layer][None], b[layer][None], None if target == "layer" else inputs[layer][None])
+
+
+def ig_of_layer(
+    params,
+    prompt: PromptArrays,
+    layer,
+    path: LayerPath,
+    config: ModelConfig,
+    *,
+    alphas,
+    weights,
+    chunk_size: Optional[int] = None,
+    interventions=None,
+    target: str = "layer",
+    backward: str = "recompute",
+):
+    """IG of one layer along `path` (`study_path`) with the rule `alphas`, `weights`:
+    `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F (the
+    computation the engine compiles: `backward` passed on as it passes it)."""
+    g, f_base = weighted_gradient(
+        params,
+        prompt.valid,
+        layer,
+        path,
+        alphas,
+        weights,
+        config,
+        site=TARGETS[target],
+        chunk_size=chunk_size,
+        interventions=interventions,
+        backward=backward,
+        **answer_metric(prompt),
+    )
+    return attribution_of(path, g, prompt.valid)[0], f_base[0]
+
+
+def path_points(
+    params,
+    prompt: PromptArrays,
+    x,
+    b,
+    inputs,
+    *,
+    layer: int,
+    alphas,
+    config: ModelConfig,
+    interventions=None,
+    target: str = "layer",
+    grad: bool = True,
+    chunk_size: Optional[int] = None,
+    backward: str = "recompute",
+):
+    """The adaptive rule's evaluations (`jaxdepth.analyses.ig.path.path_points`) of layer `layer`
+    for a study target with the studies' F (`x`, `b`, `inputs` `[L, T, D]` as from `ig_inputs`).
+    `backward` is always passed on, as the engine passes it: a static argument given or left to
+    its default would be two compilations."""
+    return site_path_points(
+        params,
+        prompt.valid,
+        np.int32(layer),
+        study_path(x, b, inputs, layer, target),
+        np.asarray(alphas, np.float32),
+        config,
+        site=TARGETS[target],
+        interventions=interventions,
+        grad=grad,
+        chunk_size=chunk_size,
+        backward=backward,
+        **answer_metric(prompt),
+    )
