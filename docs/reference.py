@@ -4,9 +4,7 @@ The reference holds the public names of `jaxdepth`, of `jaxdepth.sites` and of e
 `jaxdepth.analyses` (its subpackages' modules too): the functions and classes of each one's
 `__all__`, in that order, its other values (constants, an analysis's `ANALYSIS`) named in one
 line; then the names of `jaxdepth.core` and `jaxdepth.lab` that the docs' examples use
-(`BEYOND`), each under the path the examples import it from. A module that has no `__all__` yet
-gets the functions and classes it defines (their `__module__` is that module) whose names do not
-start with `_`; `tests/test_reference.py` names the few allowed to lack one. A name whose object
+(`BEYOND`), each under the path the examples import it from. A name whose object
 has a full entry higher up gets a link to it instead of a second copy. Each has its signature (a
 dataclass its fields, a class its constructor and its own public methods and properties) and
 its docstring, rendered as Markdown. Signatures are written in ```` ```text ```` fences, so that
@@ -87,23 +85,9 @@ def _documentable(obj: Any) -> bool:
     return inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))
 
 
-def _defined_in(module: ModuleType) -> list[tuple[str, Any]]:
-    """The public functions and classes `module` defines, in the order it defines them."""
-    found = []
-    for name, obj in vars(module).items():
-        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if _documentable(obj):
-            found.append((name, obj))
-    return found
-
-
 def _public(module: ModuleType) -> list[tuple[str, Any]]:
     """The functions and classes of `module.__all__`, in its order (a package's names brought from
-    its modules too, as `jaxdepth.analyses.edges.find_circuit`); for a module without `__all__`,
-    `_defined_in(module)`."""
-    if not hasattr(module, "__all__"):
-        return _defined_in(module)
+    its modules too, as `jaxdepth.analyses.edges.find_circuit`)."""
     return [(name, getattr(module, name)) for name in module.__all__ if _documentable(getattr(module, name))]
 
 

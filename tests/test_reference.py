@@ -1,13 +1,11 @@
 """docs/reference.md, the API reference, against the package (fast: no model is loaded).
 
 The public names are those of `jaxdepth.__all__`, and the functions and classes of the
-`__all__` of `jaxdepth.sites` and of every module of `jaxdepth.analyses` and its subpackages
-(for a module of `PENDING_ALL`, which has none yet: the functions and classes it defines,
-`__module__` that module, whose names do not start with `_`), and the public methods and
-properties each of their classes defines. This test lists them itself, not through the
+`__all__` of `jaxdepth.sites` and of every module of `jaxdepth.analyses` and its subpackages,
+and the public methods and properties each of their classes defines. This test lists them itself, not through the
 generator, so that a generator that skipped one would not hide it:
 
-- every module of `jaxdepth.analyses` but those of `PENDING_ALL` defines `__all__`, and every
+- every module of `jaxdepth.analyses` defines `__all__`, and every
   name of an `__all__` exists (a function or class in it with a docstring of its own);
 - every public name has an entry (a heading) in docs/reference.md;
 - docs/reference.md is what `python docs/reference.py` writes now (not stale);
@@ -40,17 +38,6 @@ from test_docs import ROOT, blocks, pages, python_blocks, read
 
 PAGE = "docs/reference.md"
 
-# Modules of `jaxdepth.analyses` allowed, for now, to lack `__all__` (they are being rewritten):
-# the reference documents every function and class they define. Each gets its `__all__` and
-# leaves this set, which is then empty; a module that defines `__all__` may not stay in it.
-PENDING_ALL = {
-    "jaxdepth.analyses.ig.engine",
-    "jaxdepth.analyses.ig.rules",
-    "jaxdepth.analyses.ig.path",
-    "jaxdepth.analyses.edges.scores",
-    "jaxdepth.analyses.edges.readers",
-}
-
 
 @functools.cache
 def _generator():
@@ -61,16 +48,6 @@ def _generator():
     sys.modules[name] = module  # its dataclasses resolve their annotations through it
     spec.loader.exec_module(module)
     return module
-
-
-def _defined_in(module) -> dict:
-    return {
-        name: obj
-        for name, obj in vars(module).items()
-        if not name.startswith("_")
-        and getattr(obj, "__module__", None) == module.__name__
-        and (inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj)))
-    }
 
 
 def analyses_modules() -> list:
@@ -85,9 +62,7 @@ def analyses_modules() -> list:
 
 def _exported(module) -> dict:
     """The functions and classes of `module.__all__` (values, such as constants and `ANALYSIS`,
-    have no entry); those it defines for a module of `PENDING_ALL`."""
-    if module.__name__ in PENDING_ALL:
-        return _defined_in(module)
+    have no entry)."""
     # a name it lacks is None here, and reported by test_every_analyses_module_declares_what_it_offers
     chosen = {name: getattr(module, name, None) for name in module.__all__}
     return {name: obj for name, obj in chosen.items() if inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))}
@@ -107,21 +82,13 @@ def public_objects() -> dict:
 
 
 def test_every_analyses_module_declares_what_it_offers():
-    """Each module of `jaxdepth.analyses` (recursively) and `jaxdepth.sites` defines `__all__`,
-    but those of `PENDING_ALL`; every name in it exists, once, and each function and class in it
-    has a docstring of its own."""
+    """Each module of `jaxdepth.analyses` (recursively) and `jaxdepth.sites` defines `__all__`;
+    every name in it exists, once, and each function and class in it has a docstring of its own."""
     from jaxdepth import sites
 
     modules = {module.__name__: module for module in [sites, *analyses_modules()]}
-    assert PENDING_ALL <= set(modules), f"PENDING_ALL names no such module: {sorted(PENDING_ALL - set(modules))}"
-    problems = [
-        f"{name} defines __all__: take it out of PENDING_ALL"
-        for name in sorted(PENDING_ALL)
-        if hasattr(modules[name], "__all__")
-    ]
+    problems = []
     for name, module in modules.items():
-        if name in PENDING_ALL:
-            continue
         if not hasattr(module, "__all__"):
             problems.append(f"{name} has no __all__")
             continue

@@ -25,10 +25,11 @@ import numpy as np
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import BASELINES, warn_if_zero_baseline_diverges
 from jaxdepth.analyses.ig.engine import Attribution, Execution, attribute
-from jaxdepth.analyses.ig.path import metric_head
+from jaxdepth.analyses.ig.path import ig_memory_budget, metric_head, prompt_seconds
 from jaxdepth.core.progress import progress_bar
-from jaxdepth.core.batch import PromptArrays, PromptBatch
+from jaxdepth.core.batch import LengthBuckets, PromptArrays, PromptBatch
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.padding import ChosenLengths, DeviceSpeed, cheapest_lengths
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.suite import Analysis, Settings, option, per_prompt_figures
 
@@ -41,6 +42,8 @@ __all__ = [
     "integrated_gradients_of_answers",
     "IntegratedGradientsResult",
     "ig_of_prompt",
+    "ig_lengths",
+    "PADDINGS",
     "answer_probability",
     "answer_metric",
     "TARGETS",
@@ -159,6 +162,36 @@ class IntegratedGradientsResult(SavedResult):
             return self.gap / (self.f_input[:, None] - self.f_baseline)
 
 
+PADDINGS = ("cost", "buckets")  # `ig_lengths`' policies by name
+
+
+def ig_lengths(
+    batch: PromptBatch,
+    config: ModelConfig,
+    rule: rules.Rule,
+    padding: Union[str, LengthBuckets, ChosenLengths] = "cost",
+    memory_budget: Optional[int] = None,
+):
+    """The lengths the prompts of `batch` run IG at (anything with `padded(length)`, as
+    `PromptBatch.prompt` takes it). 'cost': the cheapest for this device
+    (`jaxdepth.core.padding.cheapest_lengths`): each prompt's estimated IG seconds at its padded
+    length (`jaxdepth.analyses.ig.path.prompt_seconds`, `rule.evaluations` gradients per
+    layer) plus a compilation per length, so a CPU pads to about each prompt's own length and a
+    GPU shares lengths; 'buckets': the batch's `LengthBuckets`; or lengths given."""
+    if isinstance(padding, str):
+        if padding == "buckets":
+            return batch.buckets
+        if padding != "cost":
+            raise ValueError(f"padding must be one of {PADDINGS} or lengths (LengthBuckets ...), got {padding!r}")
+        speed = DeviceSpeed.estimate()
+        budget = ig_memory_budget(memory_budget)  # read once for every length
+        seconds = lambda T: prompt_seconds(config, T, rule.evaluations, speed, budget)  # noqa: E731
+        return cheapest_lengths(batch.lengths, seconds, speed.compile_seconds)
+    if not callable(getattr(padding, "padded", None)):
+        raise TypeError(f"padding must be one of {PADDINGS} or lengths with a padded(length) method, got {padding!r}")
+    return padding
+
+
 def integrated_gradients_of_answers(
     params,
     batch: PromptBatch,
@@ -170,6 +203,7 @@ def integrated_gradients_of_answers(
     interventions=None,
     settings=None,
     execution: Execution = Execution(progress=True),
+    padding: Union[str, LengthBuckets, ChosenLengths] = "cost",
 ) -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
@@ -187,7 +221,10 @@ def integrated_gradients_of_answers(
     'warn' warns and goes on; `on_layer()` is called as each layer of each prompt finishes;
     `backward` 'auto' (default), 'stored' or 'recompute', as `jaxdepth.integrated_gradients`,
     the numbers the same either way to float32 rounding; `chunk_size`, `memory_budget`.
-    `settings`: more entries for the result's settings."""
+    `padding`: the length each prompt runs at (`ig_lengths`): 'cost' (default) by what padding
+    costs against the compilations it saves on this device, 'buckets' the batch's length
+    buckets, or lengths of your own (a `LengthBuckets`, a `ChosenLengths`); the numbers the same
+    to float32 rounding. `settings`: more entries for the result's settings."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
     _check_target(target)
@@ -212,8 +249,9 @@ def integrated_gradients_of_answers(
                 execution.on_layer()
 
         each_prompt = dataclasses.replace(execution, progress=False, on_layer=layer_done)
+        lengths = ig_lengths(batch, config, rule, padding, execution.memory_budget)
         for i in range(P):
-            prompt = batch.prompt(i)
+            prompt = batch.prompt(i, lengths)
             Ti = prompt.tokens.shape[1]
             r = ig_of_prompt(
                 params,
@@ -417,6 +455,13 @@ class IGSettings(Settings):
         "or its MLP output m_l",
         choices=tuple(TARGETS),
     )
+    ig_padding: str = option(
+        "cost",
+        "the length each prompt's integrated gradients run at: 'cost' (default) pads by what padding costs "
+        "against the compilations it saves on this device (about each prompt's own length on a CPU), "
+        "'buckets' to --length-buckets; the numbers are the same either way",
+        choices=PADDINGS,
+    )
     ig_baseline: str = "channel_mean"
 
     def __post_init__(self):
@@ -463,6 +508,7 @@ def _run_ig(x) -> IntegratedGradientsResult:
         baseline=s.ig_baseline,
         target=s.ig_target,
         execution=Execution(memory_budget=s.memory_budget, progress=x.progress),
+        padding=s.ig_padding,
     )
 
 

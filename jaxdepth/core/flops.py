@@ -12,13 +12,13 @@ def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -
     matmul parameters per position (q, k, v, o, gate, up, down) plus attention scores and values
     (4 queries keys H Dh, the full square as both implementations compute it)."""
     c = config
-    layer_params = (
+    weights_per_layer = (
         c.hidden_size * c.num_heads * c.head_dim
         + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
         + c.num_heads * c.head_dim * c.hidden_size
         + 3 * c.hidden_size * c.intermediate_size
     )
-    return layers * (2.0 * queries * layer_params + 4.0 * queries * keys * c.num_heads * c.head_dim)
+    return layers * (2.0 * queries * weights_per_layer + 4.0 * queries * keys * c.num_heads * c.head_dim)
 
 
 def lm_head_flops(config: ModelConfig, positions: int) -> float:

@@ -16,6 +16,7 @@ from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, FixedRule, as
 from jaxdepth.core import sites
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, residual_stream
+from jaxdepth.core.padding import ChosenLengths
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 
@@ -79,6 +80,30 @@ def test_integrated_gradients_equal_one_at_a_time(params, batch):
         f_b = _objective(params, one, layer, jnp.broadcast_to(b, x.shape))
         assert result.f_baseline[0, layer] == pytest.approx(float(f_b), abs=1e-6)
     assert result.f_input[0] == pytest.approx(float(_objective(params, one, 0, hs[1])), abs=1e-6)
+
+
+def test_padding_policies_give_the_same_attributions(params, batch, monkeypatch):
+    """Each prompt at the length the cost chooses, at its length bucket or at lengths given: the
+    same attributions (padded positions are masked), and the lengths really differ."""
+    rule = FixedRule("left", 4)
+    lengths = ig.ig_lengths(batch, CONFIG, rule, "cost")
+    assert all(lengths.padded(n) >= n for n in batch.lengths)
+    longest = ChosenLengths((int(batch.tokens.shape[1]),))  # every prompt at the batch's width
+    runs = {
+        name: ig.integrated_gradients_of_answers(params, batch, CONFIG, rule=rule, execution=QUIET, padding=padding)
+        for name, padding in [("cost", "cost"), ("buckets", "buckets"), ("longest", longest)]
+    }
+    for name in ("buckets", "longest"):
+        np.testing.assert_allclose(runs[name].attributions, runs["cost"].attributions, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(runs[name].gap, runs["cost"].gap, rtol=1e-4, atol=1e-6)
+    shapes = lambda padding: {batch.prompt(i, padding).tokens.shape[1] for i in range(len(batch))}  # noqa: E731
+    assert shapes(longest) != shapes(lengths) or shapes(batch.buckets) != shapes(lengths)
+    # a device whose compilations cost nothing pads each prompt to its own length (rounded to 8)
+    monkeypatch.setattr(ig.DeviceSpeed, "estimate", classmethod(lambda cls, platform=None: cls(1e9, 0.0)))
+    own = ig.ig_lengths(batch, CONFIG, rule, "cost")
+    assert [own.padded(n) for n in batch.lengths] == [-(-int(n) // 8) * 8 for n in batch.lengths]
+    with pytest.raises(ValueError, match="padding must be one of"):
+        ig.ig_lengths(batch, CONFIG, rule, "shortest")
 
 
 @pytest.mark.parametrize("backward", ["recompute", "stored", 1, 2])

@@ -42,6 +42,20 @@ from jaxdepth.core.layer import LayerRecord, Params
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import unembed
 
+__all__ = [
+    "reader_probes",
+    "probe_readers",
+    "move_reader",
+    "shift_node",
+    "patch_edges",
+    "check_interventions",
+    "edge_run",
+    "EdgeRun",
+    "logits_at",
+    "SPLIT_LAYERS",
+    "HEAD_INPUTS",
+]
+
 HEAD_INPUTS = ("q_in", "k_in", "v_in")  # the sites of a head's q, k and v readers, in the graph's order
 
 

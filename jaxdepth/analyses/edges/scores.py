@@ -60,6 +60,17 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.sweep import auto_chunk_size, sweep, weighted_sum
 
+__all__ = [
+    "edge_attribution",
+    "EdgeScores",
+    "ranked_edges",
+    "edge_scores",
+    "input_paths",
+    "node_paths",
+    "METHODS",
+    "DEFAULT_STEPS",
+]
+
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
 DEFAULT_STEPS = 16  # EAP-IG's default rule: FixedRule('left', 16), the EAP-IG package's
 # Path points vmapped at once at most: wider vmaps gain little, and each point holds every

@@ -41,6 +41,13 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
 
+__all__ = [
+    "attribute",
+    "Attribution",
+    "Execution",
+    "SiteIG",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class SiteIG:

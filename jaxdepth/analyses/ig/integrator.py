@@ -25,6 +25,14 @@ import numpy as np
 
 from jaxdepth.analyses.ig import rules
 
+__all__ = [
+    "Paths",
+    "integrate_fixed",
+    "adapt",
+    "integrate_final",
+    "FINAL_CHUNK",
+]
+
 # The adaptive rule's final weighted pass runs this many nodes at a time at most, its nodes padded
 # to a multiple of the chunk (zero weights): the node counts of different keys share compilations.
 FINAL_CHUNK = 8

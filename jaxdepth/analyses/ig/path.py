@@ -32,6 +32,22 @@ from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
 from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep, weighted_sum
 
+__all__ = [
+    "LayerPath",
+    "clean_values",
+    "clean_run",
+    "weighted_gradient",
+    "path_points",
+    "attribution_of",
+    "metric_head",
+    "site_entry",
+    "choose_backward",
+    "ig_memory_budget",
+    "prompt_seconds",
+    "BACKWARDS",
+    "IG_MEMORY_FRACTION",
+]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

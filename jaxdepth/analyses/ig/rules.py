@@ -72,6 +72,27 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
 
+__all__ = [
+    "FixedRule",
+    "AdaptiveRule",
+    "Rule",
+    "as_rule",
+    "rule_of",
+    "rule_from_settings",
+    "quadrature",
+    "LayerRule",
+    "run_rule",
+    "summarise",
+    "largest_call",
+    "default_budget",
+    "RULES",
+    "FIXED_RULES",
+    "DEFAULT_STEPS",
+    "DEFAULT_TOLERANCE",
+    "MAX_EVALUATIONS",
+    "RULE_VERSION",
+]
+
 # Bump when the rule's internal choices (initial intervals, split rounding, ...) change: it is
 # part of a saved result's cache identity, so results of an older rule are recomputed.
 RULE_VERSION = 2  # 2: the floor FLOOR_SHARE |F(x)|; a non-finite value stops a layer
