@@ -15,6 +15,7 @@ from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
+from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import layer as core_layer, model as core_model, sites
 from jaxdepth.core.model import random_params
 
@@ -130,7 +131,7 @@ def test_a_circuit_under_an_intervention_is_the_circuit_of_the_model_that_carrie
     zeroed = dict(params, layers=layers)
     assert pairs.shared_prefix() > 0  # the plain runs reuse it: another computation than under interventions
     for method in ("eap", "eap-ig-inputs"):
-        steps = {} if method == "eap" else {"steps": 4}
+        steps = {} if method == "eap" else {"rule": FixedRule(steps=4)}
         under = edge_attribution(
             params, pairs, CONFIG, logit_difference, method=method, interventions=skip_layer_1, **steps
         )
