@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig.checks import ig_baseline
-from jaxdepth.analyses.ig.path import LayerPath, attribution_of, clean_values, weighted_gradient
+from jaxdepth.analyses.ig.path import LayerPath, Objective, attribution_of, clean_values, weighted_gradient
 from jaxdepth.analyses.ig.path import path_points as site_path_points
 from jaxdepth.analyses.integrated_gradients import TARGETS, answer_metric
 from jaxdepth.core.batch import PromptArrays
@@ -44,13 +44,7 @@ def ig_inputs(
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
     x, inputs, f_input = clean_values(
-        params,
-        prompt.tokens,
-        prompt.valid,
-        config,
-        site=TARGETS[target],
-        interventions=interventions,
-        **answer_metric(prompt),
+        params, prompt.tokens, prompt.valid, config, _objective(prompt, target), interventions=interventions
     )
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
     return x[:, 0], b[:, 0], inputs[:, 0], f_input[0]
@@ -83,14 +77,12 @@ def ig_of_layer(
         prompt.valid,
         layer,
         path,
-        alphas,
-        weights,
+        (alphas, weights),
         config,
-        site=TARGETS[target],
+        _objective(prompt, target),
         chunk_size=chunk_size,
         interventions=interventions,
         backward=backward,
-        **answer_metric(prompt),
     )
     return attribution_of(path, g, prompt.valid)[0], f_base[0]
 
@@ -122,10 +114,13 @@ def path_points(
         study_path(x, b, inputs, layer, target),
         np.asarray(alphas, np.float32),
         config,
-        site=TARGETS[target],
+        _objective(prompt, target),
         interventions=interventions,
-        grad=grad,
         chunk_size=chunk_size,
-        backward=backward,
-        **answer_metric(prompt),
+        backward=backward if grad else None,
     )
+
+
+def _objective(prompt: PromptArrays, target: str) -> Objective:
+    """The studies' F on `prompt` at a study target's site."""
+    return Objective(TARGETS[target], **answer_metric(prompt))

@@ -401,3 +401,33 @@ def test_no_function_takes_more_than_eight_positional_parameters():
         "class C:\n    def g(self, a, b, c, d, e, f, g, h, *, i=1): pass\n"
     }
     assert long_signatures(synthetic) == ["m.py:1 f(9)"]
+
+
+# Integrated gradients (the engine, its paths and rules, the studies' IG, edge attribution): what
+# varies together travels as one value (a rule, an Execution, an Objective), so no function of
+# theirs takes more than this many parameters, keyword-only ones counted.
+MAX_IG_PARAMETERS = 10
+IG_MODULES = ("jaxdepth/analyses/ig/", "jaxdepth/analyses/integrated_gradients.py", "jaxdepth/analyses/edges/scores.py")
+
+
+def many_parameters(files: dict[str, str], limit: int) -> list[str]:
+    """Functions with more than `limit` parameters of any kind (self and cls not counted), as
+    'path:line name(n)'."""
+    found = []
+    for path, source in sorted(files.items()):
+        for node in ast.walk(ast.parse(source, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                if n > limit:
+                    found.append(f"{path}:{node.lineno} {node.name}({n})")
+    return found
+
+
+def test_no_integrated_gradients_function_takes_more_than_ten_parameters():
+    files = {path: source for path, source in package_files().items() if path.startswith(IG_MODULES)}
+    assert "jaxdepth/analyses/ig/engine.py" in files and "jaxdepth/analyses/edges/scores.py" in files
+    assert many_parameters(files, MAX_IG_PARAMETERS) == []
+    synthetic = {"m.py": "def f(a, b, *, c, d=1, **e): pass\nclass C:\n    def g(self, a, *b): pass\n"}
+    assert many_parameters(synthetic, 4) == ["m.py:1 f(5)"]

@@ -43,6 +43,8 @@ class Case:
         sides share (the layer-skip split positions, the erasure baseline) into `bench`.
     uses_splits: whether its FLOP models read `bench.splits` (one list per prompt of its own
         workload); the other cases' prompts have none.
+    padding: (config, batch, steps) -> the lengths jaxdepth pads each prompt to (anything with
+        `padded(length)`); default the batch's length buckets.
     """
 
     prompts: Callable
@@ -55,6 +57,7 @@ class Case:
     passes: Callable = lambda bench, w: ""
     prepare: Callable = lambda bench, w, full: None
     uses_splits: bool = False
+    padding: Callable = lambda c, batch, steps: batch.buckets
 
 
 def settings(bench: Bench):

@@ -42,5 +42,6 @@ def executed_flops(name: str, c, batch, *, splits=None, steps: int = 0) -> float
     take no gradient). What
     `% peak` is computed from; `workload_flops` is the work as the reference formulation
     defines it, which makes the ratios comparable."""
-    per_prompt = _splits_of(name, splits, len(batch))  # each prompt at its bucket, as the analyses pad it
-    return sum(CASES[name].executed_flops(c, batch.single(i), per_prompt[i], steps) for i in range(len(batch)))
+    per_prompt = _splits_of(name, splits, len(batch))
+    padding = CASES[name].padding(c, batch, steps)  # each prompt at its length, as the analysis pads it
+    return sum(CASES[name].executed_flops(c, batch.single(i, padding), per_prompt[i], steps) for i in range(len(batch)))

@@ -85,7 +85,16 @@ CASE = Case(
     executed_flops=executed_flops,
     agreement=agreement,
     passes=passes,
+    padding=lambda c, batch, steps: _ig_lengths(c, batch, steps),
 )
+
+
+def _ig_lengths(c, batch, steps: int):
+    """The lengths the studies' IG pads the prompts to (by cost, `ig_lengths`)."""
+    from jaxdepth.analyses.ig import FixedRule
+    from jaxdepth.analyses.integrated_gradients import ig_lengths
+
+    return ig_lengths(batch, c, FixedRule("left", max(steps, 1)))
 
 
 # ----------------------------------------------------------------------------- the adaptive rule

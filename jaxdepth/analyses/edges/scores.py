@@ -159,23 +159,23 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=Non
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
 def input_path_gradients(
-    params, pairs: PromptPairs, prefix, alphas, weights, config: ModelConfig, metric, chunk: int, *, interventions=None
+    params, pairs: PromptPairs, prefix, nodes, config: ModelConfig, metric, chunk: int, *, interventions=None
 ):
     """`sum_k w_k` of the gradient of F at every reader's input (`reader_probes`' dict) at
-    h_0 = e_corrupt + α_k (e_clean - e_corrupt), `chunk` nodes vmapped at a time; positions
-    after the shared `prefix` only (`suffix_run`)."""
+    h_0 = e_corrupt + α_k (e_clean - e_corrupt), `nodes = (alphas [n], weights [n])`, `chunk`
+    nodes vmapped at a time; positions after the shared `prefix` only (`suffix_run`)."""
     e_clean, e_corrupt = _suffix_embeddings(params, pairs, prefix)
 
     def gradient(alpha):
         h0 = e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt)
         return _reader_gradient(params, h0, pairs, config, metric, (), prefix, interventions)
 
-    return weighted_sum(gradient, alphas, weights, chunk)
+    return weighted_sum(gradient, *nodes, chunk)
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
 def node_path_gradients(
-    params, pairs: PromptPairs, prefix, delta, node, alphas, weights, *, config, metric, chunk: int, interventions=None
+    params, pairs: PromptPairs, prefix, delta, node, nodes, *, config, metric, chunk: int, interventions=None
 ):
     """As `input_path_gradients` on the path of one node of the 'activations' variant: the
     output of node `node` (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l; traced, so one
@@ -187,7 +187,7 @@ def node_path_gradients(
         shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta)
         return _reader_gradient(params, e_clean, pairs, config, metric, shift, prefix, interventions)
 
-    return weighted_sum(gradient, alphas, weights, chunk)
+    return weighted_sum(gradient, *nodes, chunk)
 
 
 def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, interventions=None):
@@ -285,7 +285,7 @@ def input_paths(params, pairs: PromptPairs, prefix, config: ModelConfig, metric,
     def weighted(b, alphas, weights, size):
         one, one_prefix = select(b)
         return input_path_gradients(
-            params, one, one_prefix, alphas, weights, config, metric, size, interventions=interventions
+            params, one, one_prefix, (alphas, weights), config, metric, size, interventions=interventions
         )
 
     def points(b, alphas, grad, size):  # every evaluation is a gradient: `grad` (the forward grid's False) aside
@@ -305,8 +305,7 @@ def node_paths(params, pairs: PromptPairs, prefix, delta, config: ModelConfig, m
             prefix,
             delta,
             jnp.int32(node),
-            alphas,
-            weights,
+            (alphas, weights),
             config=config,
             metric=metric,
             chunk=size,

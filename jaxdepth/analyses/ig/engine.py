@@ -29,6 +29,7 @@ from jaxdepth.analyses.ig.checks import (
 from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.analyses.ig.path import (
     LayerPath,
+    Objective,
     attribution_of,
     choose_backward,
     ig_memory_budget,
@@ -140,10 +141,11 @@ class Attribution:
     positions: Any = None
     baseline: Any = "channel_mean"
 
-    def metric_arguments(self) -> dict:
-        """The keywords the path functions (`jaxdepth.analyses.ig.path`) take from it: the site,
-        and F's metric, aux and positions."""
-        return dict(site=self.site, metric=self.metric, aux=self.aux, positions=self.positions)
+    @property
+    def objective(self) -> Objective:
+        """What the path functions (`jaxdepth.analyses.ig.path`) take from it: the site, and F's
+        metric, aux and positions."""
+        return Objective(self.site, self.metric, self.aux, self.positions)
 
 
 def attribute(
@@ -166,9 +168,7 @@ def attribute(
     budget = ig_memory_budget(execution.memory_budget)  # read once: every choice below sees the same memory
     backward = choose_backward(execution.backward, config, B * T, budget)
     execution = dataclasses.replace(execution, backward=backward, memory_budget=budget)
-    x, inputs, f_input = clean_run(
-        params, tokens, valid, config, interventions=interventions, **attribution.metric_arguments()
-    )
+    x, inputs, f_input = clean_run(params, tokens, valid, config, attribution.objective, interventions=interventions)
     f_input = to_host(f_input)
     report = lambda layer_list, per_position, f_baseline: nonfinite_report(
         layer_list, per_position, f_input, f_baseline, baseline=attribution.baseline, site=site, prompts=label
@@ -188,13 +188,12 @@ def attribute(
             valid,
             np.int32(layers[i]),
             p,
-            alphas,
-            weights,
+            (alphas, weights),
             config,
+            attribution.objective,
             chunk_size=chunk,
             interventions=interventions,
             backward=backward,
-            **attribution.metric_arguments(),
         )
         a = attribution_of(p, g, valid, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
@@ -207,11 +206,10 @@ def attribute(
             path(i),
             alphas,
             config,
+            attribution.objective,
             interventions=interventions,
-            grad=grad,
             chunk_size=chunk,
-            backward=backward,
-            **attribution.metric_arguments(),
+            backward=backward if grad else None,
         )
 
     stored = True if backward == "stored" else 0 if backward == "recompute" else backward  # layers kept

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.flops import layer_flops
-from jaxdepth.core.loops import run_layer, run_layers, stored_layers, suffix_value_and_grad
+from jaxdepth.core.loops import Backward, run_layer, run_layers, stored_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs, unembed
 from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
@@ -34,6 +34,7 @@ from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep, we
 
 __all__ = [
     "LayerPath",
+    "Objective",
     "clean_values",
     "clean_run",
     "weighted_gradient",
@@ -63,6 +64,27 @@ class LayerPath:
     def at(self, alpha):
         """b + α(x - b)."""
         return self.b + alpha * (self.x - self.b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a path is of and what it measures: the value at `site` and F, `metric(logits, aux)`
+    of the logits at `positions` `[A]` (all positions for None; `metric_head`). A pytree: `site`
+    and `metric` are static (part of a compilation's key: define the metric once, at module
+    level), `aux` (the answer tokens, say) and `positions` are traced, so a new prompt's reuse
+    the compiled computation."""
+
+    site: str
+    metric: Callable
+    aux: Any = None
+    positions: Any = None
+
+    def head(self, params, config: ModelConfig):
+        """h_L `[B, T, D]` -> F per prompt `[B]` (`metric_head`)."""
+        return metric_head(params, config, self.metric, self.aux, self.positions)
+
+
+jax.tree_util.register_dataclass(Objective, data_fields=["aux", "positions"], meta_fields=["site", "metric"])
 
 
 # jitted: called once per attributed layer outside the gradient's program, it would otherwise
@@ -103,23 +125,22 @@ def metric_head(params, config: ModelConfig, metric, aux, positions):
     return head
 
 
-def clean_values(
-    params, tokens, valid, config: ModelConfig, *, site: str, metric, aux=None, positions=None, interventions=None
-):
-    """The clean run under `interventions`: every layer's value at `site` `[L, B, T, ...]`
+def clean_values(params, tokens, valid, config: ModelConfig, objective: Objective, *, interventions=None):
+    """The clean run under `interventions`: every layer's value at the objective's site `[L, B, T, ...]`
     (float32, after the site's interventions), every layer's input before its interventions
     `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from) and F(x) `[B]`.
     At a site of a split layer (`jaxdepth.core.sites.SPLIT_SITES`) every layer runs split, as
     the path's runs, which set the site, do."""
+    site = objective.site
     if site in SPLIT_SITES:
         interventions = (interventions, unchanged(site))
     inputs, h_last, x = layer_inputs(
         params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: getattr(r, site)
     )
-    return x.astype(jnp.float32), inputs[:-1], metric_head(params, config, metric, aux, positions)(h_last)
+    return x.astype(jnp.float32), inputs[:-1], objective.head(params, config)(h_last)
 
 
-clean_run = jit(clean_values, static_argnames=("config", "site", "metric"))
+clean_run = jit(clean_values, static_argnames="config")
 clean_run.__doc__ = "`clean_values`, jitted."
 
 
@@ -200,35 +221,31 @@ def _entry(params, layer, path: LayerPath, valid, config, site, interventions):
     )
 
 
-@partial(jit, static_argnames=("config", "site", "metric", "chunk_size", "backward"))
+@partial(jit, static_argnames=("config", "chunk_size", "backward"))
 def weighted_gradient(
     params,
     valid,
     layer,
     path: LayerPath,
-    alphas,
-    weights,
+    nodes,
     config: ModelConfig,
+    objective: Objective,
     *,
-    site: str,
-    metric,
-    aux=None,
-    positions=None,
     chunk_size: Optional[int] = None,
     interventions=None,
-    backward: str = "recompute",
+    backward: Backward = "recompute",
 ):
-    """`(sum_k w_k dF/dz(path.at(α_k)) [B, T, ...], F(b) [B])` for the value z at `site` of
-    layer `layer` along `path`; F the metric per prompt (`metric(logits, aux)` at `positions`,
-    `metric_head`) under `interventions`: a fixed quadrature rule's gradient sum.
+    """`(sum_k w_k dF/dz(path.at(α_k)) [B, T, ...], F(b) [B])` for the value z at the
+    objective's site of layer `layer` along `path`, `nodes = (alphas [n], weights [n])`; F the
+    objective's metric per prompt under `interventions`: a fixed quadrature rule's gradient sum.
 
     The steps are one chunked sweep of gradients that start at boundary layer+1 (and, for a site
     inside the layer, back through layer `layer` recomputed from `path.h_in` with the site set),
     the chunks summed as they run (`jaxdepth.core.sweep.weighted_sum`).
     """
     dtype = params["embed"].dtype
-    head = metric_head(params, config, metric, aux, positions)
-    entry = _entry(params, layer, path, valid, config, site, interventions)
+    head = objective.head(params, config)
+    entry = _entry(params, layer, path, valid, config, objective.site, interventions)
     total = lambda h: jnp.sum(head(h))  # prompts do not interact: each one's gradient is its own F's
 
     def gradient(alpha):
@@ -241,10 +258,11 @@ def weighted_gradient(
     h_base, _ = run_layers(
         params, entry(path.b.astype(dtype)), config, start=layer + 1, valid=valid, interventions=interventions
     )
+    alphas, weights = nodes
     return weighted_sum(gradient, alphas, weights, chunk_size), head(h_base)
 
 
-@partial(jit, static_argnames=("config", "site", "metric", "grad", "chunk_size", "backward"))
+@partial(jit, static_argnames=("config", "chunk_size", "backward"))
 def path_points(
     params,
     valid,
@@ -252,38 +270,34 @@ def path_points(
     path: LayerPath,
     alphas,
     config: ModelConfig,
+    objective: Objective,
     *,
-    site: str,
-    metric,
-    aux=None,
-    positions=None,
     interventions=None,
-    grad: bool = True,
     chunk_size: Optional[int] = None,
-    backward: str = "recompute",
+    backward: Optional[Backward] = "recompute",
 ):
     """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt
     (`path` of batch 1): what the adaptive rule evaluates.
 
     Returns `(phi [n], integrand [n, T])` where phi = F(b + α(x - b)) and integrand[t] = sum over
-    the site's channels of (x - b) dF/dx at t (zero at invalid positions; all zeros with
-    `grad=False`, forward only).
+    the site's channels of (x - b) dF/dx at t (zero at invalid positions). `backward` as
+    `weighted_gradient`'s, or None: forward passes only, φ alone (the integrand all zeros).
     """
     dtype = params["embed"].dtype
     T = valid.shape[1]
-    head = metric_head(params, config, metric, aux, positions)
-    objective = lambda h: head(h)[0]
+    head = objective.head(params, config)
+    value_of = lambda h: head(h)[0]  # noqa: E731
     channels = tuple(range(2, path.x.ndim))  # the site's axes after the position
-    entry = _entry(params, layer, path, valid, config, site, interventions)
+    entry = _entry(params, layer, path, valid, config, objective.site, interventions)
 
     def member(alpha):
         z = path.at(alpha).astype(dtype)
-        if not grad:
+        if backward is None:
             h_last, _ = run_layers(params, entry(z), config, start=layer + 1, valid=valid, interventions=interventions)
-            return objective(h_last), jnp.zeros(T, jnp.float32)
+            return value_of(h_last), jnp.zeros(T, jnp.float32)
         h_next, pullback = jax.vjp(entry, z)
         value, g = suffix_value_and_grad(
-            params, h_next, layer + 1, config, objective, valid=valid, interventions=interventions, backward=backward
+            params, h_next, layer + 1, config, value_of, valid=valid, interventions=interventions, backward=backward
         )
         g = pullback(g)[0]
         return value, jnp.sum((path.x - path.b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
