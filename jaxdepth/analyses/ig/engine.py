@@ -39,6 +39,7 @@ from jaxdepth.analyses.ig.path import (
 )
 from jaxdepth.core.progress import ProgressLike, progress_bar, track
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.loops import stored_layers
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
 
@@ -212,7 +213,7 @@ def attribute(
             backward=backward if grad else None,
         )
 
-    stored = True if backward == "stored" else 0 if backward == "recompute" else backward  # layers kept
+    stored = stored_layers(backward, config.num_layers)  # the later layers whose matmul outputs are kept
     paths = Paths(
         weighted=partial(weighted, channels_too=execution.per_channel),
         points=points,
