@@ -8,7 +8,8 @@ import os
 import numpy as np
 
 from conversion.errors import ConversionError
-from conversion.layout import HF_NAMES, assemble_params
+from conversion.hf_layouts import hf_source
+from conversion.layout import assemble_params
 from conversion.safetensors_io import read_safetensors
 from conversion.transformers_import import import_transformers
 from jaxdepth.core.config import ModelConfig
@@ -84,7 +85,8 @@ def convert_hf_folder(folder: str, *, dtype=np.float32) -> ModelWeights:
             if name in tensors:
                 raise ConversionError(f"tensor {name!r} appears in more than one shard")
             tensors[name] = array
-    params = assemble_params(config, tensors.keys(), tensors.__getitem__, HF_NAMES, dtype=dtype)
+    available, get, names = hf_source(config, tensors)
+    params = assemble_params(config, available, get, names, dtype=dtype)
     return ModelWeights(params=params, config=config, tokenizer=load_tokenizer(folder), source=os.path.abspath(folder))
 
 

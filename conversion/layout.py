@@ -1,4 +1,5 @@
-"""One table from source tensor names to jaxdepth params, shared by every source format.
+"""Source tensor names to jaxdepth params: the GGUF table, and `assemble_params`, which every
+source format (the Hugging Face families, `conversion.hf_layouts`; GGUF) goes through.
 
 Sources give tensors in the PyTorch `nn.Linear` layout `[out, in]`; jaxdepth stores `[in, out]`.
 `assemble_params` stacks per-layer tensors on a leading layer axis and checks that every
@@ -17,28 +18,6 @@ from jaxdepth.core.model import param_shapes
 
 # Params stored transposed relative to the source's [out, in] layout.
 _TRANSPOSED = {"q", "k", "v", "o", "gate", "up", "down", "lm_head"}
-
-HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "layers": {
-        "attn_norm": "model.layers.{i}.input_layernorm.weight",
-        "q": "model.layers.{i}.self_attn.q_proj.weight",
-        "k": "model.layers.{i}.self_attn.k_proj.weight",
-        "v": "model.layers.{i}.self_attn.v_proj.weight",
-        "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
-        "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
-        "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
-        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-        "o": "model.layers.{i}.self_attn.o_proj.weight",
-        "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-        "gate": "model.layers.{i}.mlp.gate_proj.weight",
-        "up": "model.layers.{i}.mlp.up_proj.weight",
-        "down": "model.layers.{i}.mlp.down_proj.weight",
-    },
-}
 
 GGUF_NAMES = {
     "embed": "token_embd.weight",

@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def plain_erasure(params, tokens, valid, answer_mask, baseline, config, chunk_size):
     """Every (boundary, position) erasure through the whole model, outputs at every position."""
     L, T = config.num_layers, tokens.shape[1]
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, config)
     clean = jax.nn.softmax(forward(params, tokens, config, valid=valid), -1)
     b, t = jnp.meshgrid(jnp.arange(L + 1), jnp.arange(T), indexing="ij")
 
@@ -55,7 +55,7 @@ def plain_erasure(params, tokens, valid, answer_mask, baseline, config, chunk_si
 def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
     """Every (layer, step) gradient through the whole (rematerialised) model."""
     L, T = config.num_layers, tokens.shape[1]
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, config)
     target = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)
     x = residual_stream(params, tokens, config, valid=valid)[1:]
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, valid, "channel_mean"))(x), x.shape)[:, 0]

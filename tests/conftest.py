@@ -179,6 +179,84 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The other families, each with the features that set it apart switched on and away from their
+# defaults where a default would hide a mistake: windows shorter than the 300-token parity
+# prompts, soft-caps that bite, partial rotary, a parallel block, a local rotary base.
+FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
+    "mistral_window": dict(
+        arch="mistral", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=37
+    ),
+    "gemma2_softcapped": dict(
+        arch="gemma2",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=40,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        tie_word_embeddings=True,
+    ),
+    "gemma3_local_rope": dict(
+        arch="gemma3",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=40,
+        query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 12345.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 999.0},
+        },
+        tie_word_embeddings=True,
+    ),
+    "olmo2_post_norm": dict(arch="olmo2", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "phi3_partial_rotary": dict(
+        arch="phi3",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=50,
+        rope_parameters={"rope_type": "default", "rope_theta": 12345.0, "partial_rotary_factor": 0.5},
+        original_max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "gpt2": dict(arch="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "pythia_parallel": dict(
+        arch="gpt_neox",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 12345.0, "partial_rotary_factor": 0.25},
+    ),
+    "neox_sequential": dict(
+        arch="gpt_neox",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        use_parallel_residual=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 12345.0, "partial_rotary_factor": 0.5},
+    ),
+}
+TINY_VARIANTS.update(FAMILY_VARIANTS)
+
+# transformers' config and model class of each `arch`.
+_HF_CLASSES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+}
+
 TINY_COMMON = dict(
     vocab_size=300,
     hidden_size=64,
@@ -203,31 +281,36 @@ class TinyModel:
             return json.load(f)
 
 
-def build_tiny_model(name: str, seed: int = 0):
-    """A tiny random transformers model of variant `name`, with biases and RMSNorm weights
-    randomised (HF initialises them to 0 and 1, which would hide transposition / omission bugs)."""
-    torch = pytest.importorskip("torch")
+def tiny_hf_config(name: str):
+    """The transformers config of tiny variant `name` (`TINY_VARIANTS`), and its model class."""
     transformers = pytest.importorskip("transformers")
-
     spec = dict(TINY_VARIANTS[name])
     arch = spec.pop("arch")
-    kwargs = {**TINY_COMMON, **spec}
+    common = dict(TINY_COMMON)
+    if arch == "gpt2":  # its own key names, learned positions
+        common = {"initializer_range": common["initializer_range"]}
+    elif "rope_parameters" in spec:
+        common.pop("rope_theta")
+    kwargs = {**common, **spec}
+    if arch == "llama":
+        kwargs["attention_bias"] = False
+    config_class, model_class = (getattr(transformers, n) for n in _HF_CLASSES[arch])
+    return config_class(**kwargs), model_class
+
+
+def build_tiny_model(name: str, seed: int = 0):
+    """A tiny random transformers model of variant `name`, with biases and norm weights
+    randomised (HF initialises them to 0 and 1, which would hide transposition / omission bugs)."""
+    torch = pytest.importorskip("torch")
+    config, model_class = tiny_hf_config(name)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(**kwargs)
-        model = transformers.Qwen2ForCausalLM(config)
-    elif arch == "qwen3":
-        config = transformers.Qwen3Config(**kwargs)
-        model = transformers.Qwen3ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(attention_bias=False, **kwargs)
-        model = transformers.LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "bias" in pname:
+            if "bias" in pname:
                 p.copy_(0.1 * torch.randn_like(p))
+            elif "norm" in pname or "ln_" in pname:  # (GPT-2's LayerNorms are ln_1, ln_2, ln_f)
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.eval()
     return model
 

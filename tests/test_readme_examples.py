@@ -64,5 +64,5 @@ def test_readme_examples_run_as_written(smollm2, capsys):
 
     # 3. the tap: ||m_l|| per layer and position, as computed from the full MLP outputs
     tokens = namespace["tokens"]
-    _, full = run_layers(p, embed(p, tokens), config, tap=lambda r, _: r.mlp)
+    _, full = run_layers(p, embed(p, tokens, config), config, tap=lambda r, _: r.mlp)
     np.testing.assert_allclose(namespace["mlp_norms"], np.linalg.norm(np.asarray(full)[:, 0], axis=-1), rtol=1e-5)

@@ -469,7 +469,8 @@ def build_models(shape: str, device: str, seed: int):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from conversion.layout import HF_NAMES, assemble_params
+    from conversion.hf_layouts import HF_NAMES
+    from conversion.layout import assemble_params
     from jaxdepth.core.config import ModelConfig
     from jaxdepth.lab.loaded_model import Model
 

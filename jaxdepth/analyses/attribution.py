@@ -126,7 +126,7 @@ def site_gradients(
     def value(probes):
         ivs = base + tuple(Intervention(s, _probe, probes[s], layer_data=True) for s in sites)
         h, (values, taps) = run_layers(
-            params, embed(params, tokens), config, valid=valid, interventions=ivs, tap=read, remat=remat
+            params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=read, remat=remat
         )
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)

@@ -73,7 +73,7 @@ def contribution_stats(params, tokens, valid, config: ModelConfig, interventions
     the layer really added to the residual."""
     ivs = as_interventions(interventions)
     tap = partial(_tap_contributions, layer_from_residual=any(iv.site in _AFTER_SUBLAYERS for iv in ivs))
-    _, stats = run_layers(params, embed(params, tokens), config, valid=valid, interventions=ivs, tap=tap)
+    _, stats = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=tap)
     return stats
 
 

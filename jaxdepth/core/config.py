@@ -12,37 +12,62 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-ROPE_TYPES = ("default", "llama3")
+from jaxdepth.core.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedConfigError, config_fields
 
 
-class UnsupportedConfigError(ValueError):
-    """A checkpoint asks for an architecture or a config feature that is not implemented.
-
-    Raised by `ModelConfig.from_hf` (and by `ModelConfig` itself for impossible shapes), its
-    message naming the config key, its value and what is implemented; a `ValueError`."""
+ROPE_TYPES = ("default", "llama3", "linear")
+NORMS = ("rms", "layer")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+MLPS = ("gated", "plain")
+POSITIONS = ("rotary", "learned")
+LAYER_TYPES = ("full", "sliding")
+QK_NORM_SCOPES = ("head", "projection")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a pre-norm decoder (Qwen2, Qwen3 or Llama family).
+    """Shape and numerics of a decoder-only transformer: one layer body whose family features are
+    the fields below (every family of `SUPPORTED_MODEL_TYPES` is a setting of them).
 
     Frozen, keyword-only and hashable: every jitted function takes it as a static argument, so a
     different config compiles anew. Build it with `from_hf` from a Hugging Face `config.json`;
     a loaded model carries its own (`Model.config`).
 
-    `model_type` is 'qwen2', 'qwen3' or 'llama'. The shapes, in the axis names of
-    `jaxdepth.core.model`: `vocab_size` V, `hidden_size` D, `intermediate_size` F (the MLP),
-    `num_layers` L, `num_heads` H query heads and `num_kv_heads` K key/value heads (query head h
-    reads kv head h // (H // K)), `head_dim` Dh. `rope_theta` is the rotary base, `rms_norm_eps`
-    the RMSNorm epsilon, `max_position_embeddings` the longest context the checkpoint declares
-    (`Model` and `jaxdepth.integrated_gradients` refuse longer token arrays).
-    `tie_word_embeddings`: the LM head is the embedding matrix (no `lm_head` param).
+    Shapes, in the axis names of `jaxdepth.core.model`: `vocab_size` V, `hidden_size` D,
+    `intermediate_size` F (the MLP), `num_layers` L, `num_heads` H query heads and
+    `num_kv_heads` K key/value heads (query head h reads kv head h // (H // K)), `head_dim` Dh.
+    `max_position_embeddings` is the longest context the checkpoint declares (`Model` and the
+    analyses refuse longer token arrays). `tie_word_embeddings`: the LM head is the embedding
+    matrix (no `lm_head` param).
 
-    `qkv_bias` distinguishes Qwen2 (biases on q/k/v projections) from Llama (none); `qk_norm`
-    marks Qwen3 (an RMSNorm over each query and key head before the rotary embedding).
-    `rope_type` 'llama3' rescales the rotary frequencies as Llama 3.1 / 3.2 do (`rope_factor`,
-    the low and high frequency factors and the original context length).
+    Norms: `norm` 'rms' (RMSNorm) or 'layer' (LayerNorm with a bias); `rms_norm_eps` is the
+    epsilon of every norm; `norm_offset` is added to the weight (Gemma's `1 + w`);
+    `norm_scale_in_float32` multiplies by the weight before casting back to the activations'
+    dtype (Gemma, OLMo 2) instead of after (Llama, Qwen). `pre_norms`: norms before attention and
+    the MLP (all but OLMo 2); `post_norms`: norms on their outputs, before the residual adds them
+    (Gemma 2/3, OLMo 2). `parallel_residual`: attention and MLP both read h_l and
+    `h_{l+1} = h_l + a + m` (GPT-NeoX); otherwise the MLP reads `h_l + a`.
+
+    Attention: `qkv_bias` (q/k/v projection biases), `o_bias` (output projection bias),
+    `qk_norm` (an RMSNorm on queries and keys before the rotation, over each head or, with
+    `qk_norm_scope` 'projection', over the whole projection as OLMo 2 does), `attn_scale` (the
+    score scale; 0 means Dh**-0.5), `attn_softcap` (scores become `c * tanh(s / c)`; 0: none),
+    `sliding_window` W (a query sees the W latest keys, itself included) on the layers whose
+    `layer_types` entry is 'sliding' (`layer_types` () means every layer attends fully).
+
+    Positions: `positions` 'rotary' (rotate-half embeddings on the first `rotary_dim` dims of
+    each head, 0 meaning all of them, base `rope_theta`; `rope_type` 'llama3' rescales the
+    frequencies as Llama 3.1 / 3.2 do, with `rope_factor`, the low and high frequency factors
+    and the original context; 'linear' divides them by `rope_factor`; sliding layers use base
+    `local_rope_theta` without scaling where it is not 0, as Gemma 3 does) or 'learned'
+    (GPT-2's absolute position embeddings, param `pos_embed`).
+
+    Embeddings and head: `embed_scale` multiplies the embeddings (Gemma: sqrt(D));
+    `final_softcap` soft-caps the logits (0: none).
+
+    MLP: `mlp` 'gated' (`act(x W_gate) * (x W_up)`, then `W_down`) or 'plain' (`act(x W_up)`,
+    then `W_down`), `activation` 'silu', 'gelu_tanh' (the tanh approximation) or 'gelu' (exact),
+    `mlp_bias` (biases on both projections).
     """
 
     model_type: str
@@ -64,8 +89,29 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 1.0
     rope_original_max_position: int = 0
+    norm: str = "rms"
+    norm_offset: float = 0.0
+    norm_scale_in_float32: bool = False
+    pre_norms: bool = True
+    post_norms: bool = False
+    parallel_residual: bool = False
+    o_bias: bool = False
+    qk_norm_scope: str = "head"
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    sliding_window: int = 0
+    layer_types: tuple = ()
+    positions: str = "rotary"
+    rotary_dim: int = 0
+    local_rope_theta: float = 0.0
+    embed_scale: float = 1.0
+    final_softcap: float = 0.0
+    mlp: str = "gated"
+    activation: str = "silu"
+    mlp_bias: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON gives a list
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
                 f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -74,10 +120,34 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.rope_type not in ROPE_TYPES:
-            raise UnsupportedConfigError(f"rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.positions == "rotary" and (self.rotated_dims % 2 or not 0 < self.rotated_dims <= self.head_dim):
+            raise UnsupportedConfigError(
+                f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim} (0: all of it)"
+            )
+        for field, allowed in (
+            ("rope_type", ROPE_TYPES),
+            ("norm", NORMS),
+            ("activation", ACTIVATIONS),
+            ("mlp", MLPS),
+            ("positions", POSITIONS),
+            ("qk_norm_scope", QK_NORM_SCOPES),
+        ):
+            if getattr(self, field) not in allowed:
+                raise UnsupportedConfigError(f"{field} {getattr(self, field)!r} is not supported; supported: {allowed}")
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types)
+        ):
+            raise UnsupportedConfigError(
+                f"layer_types must name {LAYER_TYPES} for each of the {self.num_layers} layers, got {self.layer_types}"
+            )
+        if any(self.sliding_layers) and self.sliding_window < 1:
+            raise UnsupportedConfigError("sliding layers need sliding_window >= 1")
+        if not (self.pre_norms or self.post_norms):
+            raise UnsupportedConfigError("a layer needs norms before or after its sublayers")
+        if self.qk_norm and self.norm != "rms":
+            raise UnsupportedConfigError("q/k norms are RMSNorms: norm must be 'rms'")
+        if self.rope_type == "linear" and not self.rope_factor > 0:
+            raise UnsupportedConfigError(f"linear rope scaling needs factor > 0, got {self.rope_factor}")
         if self.rope_type == "llama3" and not (
             self.rope_factor > 0
             and self.rope_original_max_position > 0
@@ -88,6 +158,16 @@ class ModelConfig:
                 f"high_freq_factor > low_freq_factor > 0; got {self.rope_factor}, {self.rope_original_max_position}, "
                 f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}"
             )
+
+    @property
+    def rotated_dims(self) -> int:
+        """Dims of each head the rotary embedding rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window?"""
+        return tuple(t == "sliding" for t in self.layer_types) or (False,) * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (this class's field names, not Hugging Face's keys)."""
@@ -107,174 +187,8 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """Build a config from a Hugging Face `config.json` dict, refusing what is not handled.
 
-        Every key must be one this implementation reads or knows to be inert (generation
-        defaults, token ids, dropout, ...); any other key, and any feature not reproduced
-        (another activation, rope scaling but 'llama3', a sliding window in use, MLP biases,
-        quantization), is an `UnsupportedConfigError` naming it. `rope_theta` is read from the
-        top level or from `rope_parameters` (transformers 5)."""
-        hf = dict(hf)
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedConfigError(
-                f"config key 'model_type' = {model_type!r} is not supported; supported: "
-                f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', Qwen3 is "
-                "'qwen3', SmolLM2/Llama 3 are 'llama')"
-            )
-        _check_hf_features(hf)
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        return cls(
-            model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rope_theta=float(_rope_theta(hf)),
-            rms_norm_eps=float(hf["rms_norm_eps"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            **_rope_scaling(hf),
-        )
-
-
-# Keys that describe shapes/numerics read above, or carry no numerical meaning (bookkeeping,
-# generation defaults, dropout that is inactive at inference, init scales).
-_READ_KEYS = {
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rope_theta",
-    "rope_parameters",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_bias",
-}
-_INERT_KEYS = {
-    "architectures",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "_name_or_path",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "initializer_range",
-    "use_cache",
-    "attention_dropout",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "max_window_layers",
-    "tokenizer_class",
-    "_attn_implementation_autoset",
-    "tf_legacy_loss",
-    "use_bfloat16",
-    "is_llama_config",
-    "transformers.js_config",
-}
-
-
-# The keys of a 'llama3' rope scaling, as HF names them, and the config fields they fill.
-_LLAMA3_ROPE = {
-    "factor": "rope_factor",
-    "low_freq_factor": "rope_low_freq_factor",
-    "high_freq_factor": "rope_high_freq_factor",
-    "original_max_position_embeddings": "rope_original_max_position",
-}
-
-
-def _rope_spec(hf: Mapping[str, Any]) -> tuple[str, dict]:
-    """(the key holding the rope settings, those settings): `rope_parameters` (transformers 5)
-    or `rope_scaling` (older configs, with `rope_theta` at the top level)."""
-    if hf.get("rope_scaling"):
-        return "rope_scaling", dict(hf["rope_scaling"])
-    return "rope_parameters", dict(hf.get("rope_parameters") or {})
-
-
-def _rope_scaling(hf: Mapping[str, Any]) -> dict:
-    _, spec = _rope_spec(hf)
-    if spec.get("rope_type", spec.get("type", "default")) != "llama3":
-        return {}
-    fields = {field: float(spec[name]) for name, field in _LLAMA3_ROPE.items()}
-    fields["rope_original_max_position"] = int(fields["rope_original_max_position"])
-    return {"rope_type": "llama3", **fields}
-
-
-def _check_hf_features(hf: Mapping[str, Any]) -> None:
-    """Raise on any config feature whose effect this implementation does not reproduce."""
-
-    def refuse(key, why):
-        raise UnsupportedConfigError(f"config key {key!r} = {hf[key]!r}: {why}")
-
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "only 'silu' is implemented")
-    key, params = _rope_spec(hf)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: {', '.join(ROPE_TYPES)})")
-    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"} | (
-        set(_LLAMA3_ROPE) if rope_type == "llama3" else set()
-    )
-    missing = set(_LLAMA3_ROPE) - set(params) if rope_type == "llama3" else set()
-    if set(params) - known or missing or params.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(
-            key,
-            "only full rotary embeddings of rope_type 'default', or 'llama3' with exactly "
-            f"{', '.join(sorted(_LLAMA3_ROPE))}, are implemented",
-        )
-    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-        refuse("use_sliding_window", "sliding-window attention is not implemented")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        refuse("layer_types", "only 'full_attention' layers are implemented")
-    if hf.get("mlp_bias"):
-        refuse("mlp_bias", "MLP biases are not implemented")
-    if hf.get("pretraining_tp", 1) != 1:
-        refuse("pretraining_tp", "tensor-parallel pretraining slices are not implemented")
-    if hf.get("use_mrope"):
-        refuse("use_mrope", "multimodal rotary embeddings (M-RoPE) are not implemented")
-    if hf.get("rope_interleaved"):
-        refuse("rope_interleaved", "interleaved rotary embeddings are not implemented (HF Llama/Qwen2 rotate halves)")
-    if hf.get("quantization_config"):
-        refuse("quantization_config", "quantized HF checkpoints are not supported; use float weights")
-    handled_flags = {
-        "hidden_act",
-        "rope_scaling",
-        "use_sliding_window",
-        "sliding_window",
-        "layer_types",
-        "mlp_bias",
-        "pretraining_tp",
-        "quantization_config",
-        "use_mrope",
-        "rope_interleaved",
-    }
-    for key in hf:
-        if key not in _READ_KEYS | _INERT_KEYS | handled_flags:
-            refuse(key, "this config key is not handled by jaxdepth; refusing to ignore it silently")
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    if "rope_theta" in params:
-        return params["rope_theta"]
-    if "rope_theta" in hf:
-        return hf["rope_theta"]
-    raise UnsupportedConfigError("config has neither 'rope_theta' nor rope_parameters['rope_theta']")
+        Every key must be one the family's reader (`jaxdepth.core.hf_config`) reads or knows to
+        be inert (generation defaults, token ids, dropout, ...); any other key, and any feature
+        not reproduced (another activation or rope scaling, quantization, ...), is an
+        `UnsupportedConfigError` naming it."""
+        return cls(**config_fields(hf))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Optional
+from functools import partial
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +31,42 @@ Params = dict[str, Any]
 
 
 def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*b D"]:
+    """Llama's RMSNorm: normalised in float32, cast back, then scaled by `weight`."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
 
-def rotary_frequencies(config: ModelConfig) -> np.ndarray:
-    """The rotary inverse frequencies [Dh/2], float32, as HF computes them, bit for bit.
+def norm(x: Float[Array, "*b D"], weight, config: ModelConfig, bias=None) -> Float[Array, "*b D"]:
+    """The family's norm (`ModelConfig.norm`): RMSNorm or LayerNorm (mean removed, then `bias`
+    added), normalised in float32, scaled by `norm_offset + weight` after casting back to the
+    activations' dtype, or before where `norm_scale_in_float32` (Gemma, OLMo 2)."""
+    x32 = x.astype(jnp.float32)
+    if config.norm == "layer":
+        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_norm_eps)
+    if config.norm_scale_in_float32:
+        y = (x32 * (config.norm_offset + weight.astype(jnp.float32))).astype(x.dtype)
+    else:
+        scale = weight + config.norm_offset if config.norm_offset else weight
+        y = scale * x32.astype(x.dtype)
+    return y if bias is None else y + bias
+
+
+def layer_norm_of(p: Params, name: str, x, config: ModelConfig):
+    """Norm `name` of one layer (`p`) on `x`, with its bias where the family has one."""
+    return norm(x, p[name], config, p.get(f"{name}_bias"))
+
+
+def pre_norm(p: Params, name: str, x, config: ModelConfig):
+    """What a sublayer reads of the residual `x`: its norm `name`, or `x` itself in a family
+    without norms before the sublayers (OLMo 2)."""
+    return layer_norm_of(p, name, x, config) if config.pre_norms else x
+
+
+def rotary_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """The rotary inverse frequencies [rotated/2], float32, as HF computes them, bit for bit
+    (`local`: a sliding layer's, which differ where `local_rope_theta` is set).
 
     Computed on the host with numpy, never by the compiler. The angle at position t is
     t * inv_freq, so a 1e-5 relative error in one frequency moves a tiny model's late logits by
@@ -45,16 +75,20 @@ def rotary_frequencies(config: ModelConfig) -> np.ndarray:
     operation torch performs, in HF's order, so the bits are the same on every machine; the
     power is correctly rounded (torch's own is within an ulp of that, depending on the CPU).
     Rope type 'llama3' divides the low frequencies by `rope_factor` and blends the middle band
-    smoothly (Llama 3.1 / 3.2).
+    smoothly (Llama 3.1 / 3.2); 'linear' divides them all by it.
     """
     f32 = np.float32
-    Dh = config.head_dim
+    Dh = config.rotated_dims
+    own_base = local and config.local_rope_theta
+    theta = config.local_rope_theta if own_base else config.rope_theta
     exponents = np.arange(0, Dh, 2).astype(f32) / f32(Dh)
     # torch casts the Python base to float32 and raises it to the float32 exponents
-    power = (np.float64(f32(config.rope_theta)) ** exponents.astype(np.float64)).astype(f32)
+    power = (np.float64(f32(theta)) ** exponents.astype(np.float64)).astype(f32)
     inv_freq = f32(1) / power
-    if config.rope_type == "default":
+    if config.rope_type == "default" or own_base:
         return inv_freq
+    if config.rope_type == "linear":
+        return inv_freq / f32(config.rope_factor)
     factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
     context = config.rope_original_max_position
 
@@ -72,37 +106,59 @@ def rotary_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(middle, blended, scaled).astype(f32)
 
 
-def rotary_tables(seq_len: int, config: ModelConfig) -> tuple[Float[Array, "T Dh"], Float[Array, "T Dh"]]:
-    """cos and sin of the rotate-half rotary embedding, computed in float32 as HF does."""
-    inv_freq = rotary_frequencies(config)
+def rotary_tables(
+    seq_len: int, config: ModelConfig, local: bool = False
+) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
+    """cos and sin of the rotate-half rotary embedding over the R rotated dims of a head,
+    computed in float32 as HF does (`local`: a sliding layer's, `rotary_frequencies`)."""
+    inv_freq = rotary_frequencies(config, local)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N Dh"]:
-    half = x.shape[-1] // 2
+    """Rotate the first R dims of each head (R = the tables' width; the rest pass through), or
+    nothing where the family has no rotary embedding (`cos` None)."""
+    if cos is None:
+        return x
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
+    half = R // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 
+def _qk_norm(p: Params, name: str, x: Float[Array, "B T N Dh"], config: ModelConfig):
+    """Qwen3's and Gemma 3's norm over each head, or OLMo 2's over the whole projection."""
+    if not config.qk_norm:
+        return x
+    if config.qk_norm_scope == "head":
+        return norm(x, p[name], config)
+    flat = norm(x.reshape(x.shape[:2] + (-1,)), p[name], config)
+    return flat.reshape(x.shape)
+
+
+def _projected(p: Params, x, name: str, heads: int, config: ModelConfig):
+    B, T, _ = x.shape
+    y = x @ p[name]
+    if config.qkv_bias:
+        y = y + p[f"{name}_bias"]
+    return y.reshape(B, T, heads, config.head_dim)
+
+
 def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
     """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
-    B, T, _ = x.shape
-    K, Dh = config.num_kv_heads, config.head_dim
-    k, v = x @ p["k"], x @ p["v"]
-    if config.qkv_bias:
-        k, v = k + p["k_bias"], v + p["v_bias"]
-    k = k.reshape(B, T, K, Dh)
-    if config.qk_norm:  # Qwen3: each key head normalised before the rotation
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
-    return apply_rotary(k, cos, sin), v.reshape(B, T, K, Dh)
+    K = config.num_kv_heads
+    k = _qk_norm(p, "k_norm", _projected(p, x, "k", K, config), config)
+    return apply_rotary(k, cos, sin), _projected(p, x, "v", K, config)
 
 
 def input_key_values(p: Params, h: Float[Array, "B T D"], cos, sin, config: ModelConfig):
     """`key_values` of one layer on its input `h` (before the attention norm)."""
-    return key_values(p, rms_norm(h, p["attn_norm"], config.rms_norm_eps), cos, sin, config)
+    return key_values(p, pre_norm(p, "attn_norm", h, config), cos, sin, config)
 
 
 def attention_heads(
@@ -121,39 +177,50 @@ def attention_heads(
     `prefix = (keys, values)`, each `[B, P, K, Dh]`, are the keys and values of P positions
     before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
     """
-    B, S, _ = x.shape
-    H, Dh = config.num_heads, config.head_dim
-    q = x @ p["q"]
-    if config.qkv_bias:
-        q = q + p["q_bias"]
-    q = q.reshape(B, S, H, Dh)
-    if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+    q = _qk_norm(p, "q_norm", _projected(p, x, "q", config.num_heads, config), config)
     q = apply_rotary(q, cos, sin)
     k, v = key_values(p, x, cos, sin, config)
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
-    probs, heads = attend(q, k, v, mask)
+    probs, heads = attend(q, k, v, mask, config)
     return q, k, v, probs, heads
 
 
 def attend(
-    q: Float[Array, "B S H Dh"], k: Float[Array, "B T N Dh"], v: Float[Array, "B T N Dh"], mask: Bool[Array, "B S T"]
+    q: Float[Array, "B S H Dh"],
+    k: Float[Array, "B T N Dh"],
+    v: Float[Array, "B T N Dh"],
+    mask: Bool[Array, "B S T"],
+    config: ModelConfig,
 ):
     """Softmax attention of the (rotated) queries over keys and values of N heads, where N divides
     H: query head h reads key/value head h // (H // N). N = K is grouped-query attention; N = H
     gives every query head keys and values of its own (the per-head readers of
-    `jaxdepth.analyses.edges`). Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`."""
+    `jaxdepth.analyses.edges`). Scores are scaled by `config.attn_scale` (default Dh**-0.5) and
+    soft-capped where the family caps them. Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`."""
     B, S, H, Dh = q.shape
     N = k.shape[2]
     # Group query heads by the kv head they read: head h = kv * G + g.
     grouped = q.reshape(B, S, N, H // N, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh**-0.5)
+    scores = scores * (config.attn_scale or Dh**-0.5)
+    if config.attn_softcap:
+        scores = jnp.tanh(scores / config.attn_softcap) * config.attn_softcap
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
     return weights.reshape(B, H, S, -1), heads
+
+
+def attention_output(p: Params, heads: Float[Array, "B S H Dh"], config: ModelConfig) -> Float[Array, "B S D"]:
+    """What the residual receives from the heads: the output projection (and its bias), then the
+    post-attention norm where the family has one."""
+    a = heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
+    return _after_sublayer(p, "attn_post_norm", a + p["o_bias"] if config.o_bias else a, config)
+
+
+def _after_sublayer(p: Params, name: str, y, config: ModelConfig):
+    return layer_norm_of(p, name, y, config) if config.post_norms else y
 
 
 def attention(
@@ -165,25 +232,53 @@ def attention(
     config: ModelConfig,
     prefix: Optional[tuple[Array, Array]] = None,
 ) -> Float[Array, "B S D"]:
-    """The attention output a (after o_proj) of one layer; `prefix` as in `attention_heads`."""
-    heads = attention_heads(p, x, cos, sin, mask, config, prefix)[-1]
-    return heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
+    """The attention output a of one layer, as the residual receives it; `prefix` as in
+    `attention_heads`."""
+    return attention_output(p, attention_heads(p, x, cos, sin, mask, config, prefix)[-1], config)
 
 
-def mlp_hidden(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
-    return jax.nn.silu(x @ p["gate"]) * (x @ p["up"])
+_ACTIVATION = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": partial(jax.nn.gelu, approximate=True),
+    "gelu": partial(jax.nn.gelu, approximate=False),
+}
 
 
-def mlp(p: Params, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-    return mlp_hidden(p, x) @ p["down"]
+def mlp_hidden(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T F"]:
+    """The MLP's hidden units on its normed input: `act(x W_gate) * (x W_up)` (gated) or
+    `act(x W_up)` (plain), with biases where the family has them."""
+    act = _ACTIVATION[config.activation]
+
+    def linear(name):
+        y = x @ p[name]
+        return y + p[f"{name}_bias"] if config.mlp_bias else y
+
+    if config.mlp == "plain":
+        return act(linear("up"))
+    return act(linear("gate")) * linear("up")
 
 
-def attention_mask(valid: Bool[Array, "B T"], offset: int = 0) -> Bool[Array, "B S T"]:
+def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) -> Float[Array, "B T D"]:
+    """What the residual receives from the MLP's hidden units: the down projection (and its
+    bias), then the post-MLP norm where the family has one."""
+    m = hidden @ p["down"]
+    return _after_sublayer(p, "mlp_post_norm", m + p["down_bias"] if config.mlp_bias else m, config)
+
+
+def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
+    return mlp_output(p, mlp_hidden(p, x, config), config)
+
+
+def attention_mask(valid: Bool[Array, "B T"], offset: int = 0, window: int = 0) -> Bool[Array, "B S T"]:
     """Causal mask restricted to valid keys: the query at position t sees keys s <= t with
-    valid[s]. The queries are positions `offset..T-1` (all of them by default)."""
+    valid[s] (and t - s < `window`, where a window is given). The queries are positions
+    `offset..T-1` (all of them by default)."""
     T = valid.shape[1]
-    causal = jnp.arange(T)[None, :] <= jnp.arange(offset, T)[:, None]
-    return causal[None] & valid[:, None, :]
+    keys, queries = jnp.arange(T)[None, :], jnp.arange(offset, T)[:, None]
+    seen = keys <= queries
+    if window:
+        seen = seen & (queries - keys < window)
+    return seen[None] & valid[:, None, :]
 
 
 def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
@@ -201,10 +296,22 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
             y = y + p[f"{name}_bias"].reshape(heads, 1, Dh)
         return y.reshape(B, T, H, Dh)
 
-    q, k, v = project(xq, "q", H), project(xk, "k", K), project(xv, "v", K)
-    if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    def normed_whole(x, name, heads):
+        # OLMo 2 normalises a head's query (key) with the rest of the projection of the same
+        # input: each query head's input is its own here, so it is projected whole, per head.
+        y = x @ p[name]
+        if config.qkv_bias:
+            y = y + p[f"{name}_bias"]
+        y = norm(y, p[f"{name}_norm"], config).reshape(B, T, H, heads, Dh)
+        own = (jnp.arange(H) // (H // heads))[None, None, :, None, None]
+        return jnp.take_along_axis(y, own, axis=3)[:, :, :, 0]
+
+    v = project(xv, "v", K)
+    if config.qk_norm and config.qk_norm_scope == "projection":
+        q, k = normed_whole(xq, "q", H), normed_whole(xk, "k", K)
+    else:
+        q, k = project(xq, "q", H), project(xk, "k", K)
+        q, k = _qk_norm(p, "q_norm", q, config), _qk_norm(p, "k_norm", k, config)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
@@ -268,17 +375,18 @@ def layer_step(
     prefix=None,
     states: tuple = (),
 ) -> LayerRecord:
-    """One pre-norm decoder layer (`p` holds its weights) with every intervention at its site:
-    `a = Attn(norm(h))`, `m = MLP(norm(h + a))`, `out = h + a + m`. The one layer body of every
-    loop over the layers (`jaxdepth.core.loops`).
+    """One decoder layer (`p` holds its weights) with every intervention at its site:
+    `a = Attn(norm(h))`, `m = MLP(norm(h + a))` (or `MLP(norm(h))` in a parallel block),
+    `out = h + a + m`, where a and m are what the residual receives (after the post-sublayer
+    norms of the families that have them). The one layer body of every loop over the layers
+    (`jaxdepth.core.loops`).
 
-    `context = (cos, sin, mask)` from `layer_context`; `index` the (traced) layer index;
-    `prefix` the keys and values of earlier positions `[B, P, K, Dh]` each, as in
+    `context` is a `LayerContext` (`layer_context`, `piece_context`); `index` the (traced)
+    layer index; `prefix` the keys and values of earlier positions `[B, P, K, Dh]` each, as in
     `attention_heads`; `states` what stateful interventions carry into the layer
     (`jaxdepth.core.sites.initial_states`; () when none is stateful). The layer is split per
     head when an intervention acts at a split site (`jaxdepth.core.sites.SPLIT_SITES`)."""
-    eps = config.rms_norm_eps
-    cos, sin, mask = context
+    cos, sin, mask = context_of_layer(context, index, config)
     carried = states
 
     def at(site, value):
@@ -294,24 +402,27 @@ def layer_step(
         per_head = jnp.broadcast_to(h[:, :, None, :], (B, S, H, D))
         split = {name: at(name, per_head) for name in ("q_in", "k_in", "v_in")}
         q, k, v = head_projections(
-            p, *(rms_norm(split[name], p["attn_norm"], eps) for name in ("q_in", "k_in", "v_in")), cos, sin, config
+            p, *(pre_norm(p, "attn_norm", split[name], config) for name in ("q_in", "k_in", "v_in")), cos, sin, config
         )
         if prefix is not None:  # each query head reads its group's keys and values
             G = H // config.num_kv_heads
             k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
             v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
-        probs, heads = attend(q, k, v, mask)
+        probs, heads = attend(q, k, v, mask, config)
         heads = at("head_out", heads)
         per_head_o = p["o"].reshape(H, config.head_dim, D)
         split["head_result"] = at("head_result", jnp.einsum("bshe,hed->bshd", heads, per_head_o))
-        a = at("attn_out", jnp.sum(split["head_result"], axis=2))
+        summed = jnp.sum(split["head_result"], axis=2)
+        a = at(
+            "attn_out", _after_sublayer(p, "attn_post_norm", summed + p["o_bias"] if config.o_bias else summed, config)
+        )
     else:
-        q, k, v, probs, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config, prefix)
+        q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, prefix)
         heads = at("head_out", heads)
-        a = at("attn_out", heads.reshape(heads.shape[:2] + (-1,)) @ p["o"])
-    mlp_in = at("mlp_in", h + a)
-    hidden = at("mlp_hidden", mlp_hidden(p, rms_norm(mlp_in, p["mlp_norm"], eps)))
-    m = at("mlp_out", hidden @ p["down"])
+        a = at("attn_out", attention_output(p, heads, config))
+    mlp_in = at("mlp_in", h if config.parallel_residual else h + a)
+    hidden = at("mlp_hidden", mlp_hidden(p, pre_norm(p, "mlp_norm", mlp_in, config), config))
+    m = at("mlp_out", mlp_output(p, hidden, config))
     out = at("resid_post", h + at("delta", a + m))
     return LayerRecord(
         index=index,
@@ -331,29 +442,80 @@ def layer_step(
     )
 
 
-def layer_context(h, valid, config, offset: int = 0):
-    """Rotary tables and the attention mask shared by every layer of a forward on `h`, whose
+class LayerContext(NamedTuple):
+    """What every layer of one run shares: rotary tables `(cos, sin)` `[S, R]` (None in a family
+    without rotary embeddings) and the attention mask `[B, S, T]` of the full-attention layers,
+    and those of the sliding layers (`local_rotary` None where they share the full layers'
+    tables; `mask` None where every layer slides, `local_mask` None where none does).
+    `context_of_layer` picks a layer's."""
+
+    rotary: Optional[tuple]
+    mask: Optional[Array]
+    local_rotary: Optional[tuple] = None
+    local_mask: Optional[Array] = None
+
+
+def _context(rotary_of: Callable[[bool], Optional[tuple]], mask_of: Callable[[int], Array], config: ModelConfig):
+    """A `LayerContext` from `rotary_of(local)` and `mask_of(window)` (0: no window)."""
+    sliding = config.sliding_layers
+    rotary = rotary_of(False) if config.positions == "rotary" else None
+    own_local_tables = any(sliding) and rotary is not None and config.local_rope_theta
+    return LayerContext(
+        rotary=rotary,
+        mask=None if all(sliding) else mask_of(0),
+        local_rotary=rotary_of(True) if own_local_tables else None,
+        local_mask=mask_of(config.sliding_window) if any(sliding) else None,
+    )
+
+
+def context_of_layer(context: LayerContext, index, config: ModelConfig):
+    """`(cos, sin, mask)` of layer `index` (traced or not): the sliding layers' where the layer
+    slides (`ModelConfig.layer_types`), the full-attention layers' otherwise."""
+    sliding = config.sliding_layers
+    full = (None, None) if context.rotary is None else context.rotary
+    local = full if context.local_rotary is None else context.local_rotary
+    if not any(sliding):
+        return (*full, context.mask)
+    if all(sliding):
+        return (*local, context.local_mask)
+    slides = jnp.asarray(sliding)[index]
+    pick = lambda a, b: None if a is None else jnp.where(slides, a, b)  # noqa: E731
+    return pick(local[0], full[0]), pick(local[1], full[1]), pick(context.local_mask, context.mask)
+
+
+def layer_context(h, valid, config, offset: int = 0) -> LayerContext:
+    """Rotary tables and the attention masks shared by every layer of a forward on `h`, whose
     rows are positions `offset, offset+1, ...` of the prompt (`valid` covers all of them)."""
     B, S, _ = h.shape
     T = offset + S
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    cos, sin = rotary_tables(T, config)
-    return cos[offset:], sin[offset:], attention_mask(valid, offset)
+    rotary_of = lambda local: tuple(t[offset:] for t in rotary_tables(T, config, local))  # noqa: E731
+    return _context(rotary_of, lambda window: attention_mask(valid, offset, window), config)
 
 
-def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig):
+def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig) -> LayerContext:
     """The `layer_step` context of a piece of `width` rows, positions `start..start+width-1`
     (`start` may be traced), whose prefix is a key/value buffer covering all T positions
     (`prefix = (keys, values)`, `[B, T, K, Dh]` each): the queries attend to the buffer's
     valid positions before `start` and, causally, to the piece's own keys, so the buffer may
     hold anything from `start` on. Keys are `[buffer T | piece width]`."""
     T = valid.shape[1]
-    cos, sin = rotary_tables(T, config)
-    cos, sin = (jax.lax.dynamic_slice_in_dim(table, start, width) for table in (cos, sin))
     rows = jnp.arange(width)
-    earlier = (jnp.arange(T) < start)[None, None, :] & valid[:, None, :]
-    own = (rows[None, :] <= rows[:, None])[None] & jax.lax.dynamic_slice_in_dim(valid, start, width, axis=1)[:, None]
-    return cos, sin, jnp.concatenate([jnp.broadcast_to(earlier, own.shape[:2] + (T,)), own], axis=2)
+
+    def rotary_of(local):
+        return tuple(jax.lax.dynamic_slice_in_dim(t, start, width) for t in rotary_tables(T, config, local))
+
+    def mask_of(window):
+        query, key = start + rows[:, None], jnp.arange(T)[None, :]
+        earlier = (key < start) & ((query - key < window) if window else True)
+        own = rows[None, :] <= rows[:, None]
+        if window:
+            own = own & (rows[:, None] - rows[None, :] < window)
+        earlier = earlier[None] & valid[:, None, :]
+        own = own[None] & jax.lax.dynamic_slice_in_dim(valid, start, width, axis=1)[:, None]
+        return jnp.concatenate([jnp.broadcast_to(earlier, own.shape[:2] + (T,)), own], axis=2)
+
+    return _context(rotary_of, mask_of, config)
 
 
 def check_layer_rows(tree, num_layers: int, what: str) -> None:

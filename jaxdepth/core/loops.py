@@ -32,6 +32,7 @@ from jaxdepth.core.layer import (
     Params,
     Tap,
     check_layer_rows,
+    context_of_layer,
     input_key_values,
     layer_context,
     layer_params,
@@ -214,8 +215,13 @@ def run_layers_in_pieces(
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
     the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
-    cos, sin, _ = layer_context(hs[0], valid, config)
-    return jax.vmap(lambda p, h: input_key_values(p, h, cos, sin, config))(params["layers"], hs[:-1])
+    context = layer_context(hs[0], valid, config)
+
+    def key_values(p, h, i):
+        cos, sin, _ = context_of_layer(context, i, config)
+        return input_key_values(p, h, cos, sin, config)
+
+    return jax.vmap(key_values)(params["layers"], hs[:-1], jnp.arange(config.num_layers))
 
 
 def suffix_value_and_grad(

@@ -29,32 +29,43 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.layer import LayerRecord, Params, rms_norm
+from jaxdepth.core.layer import LayerRecord, Params, norm
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.sites import InterventionsLike
 
 
 def param_shapes(config: ModelConfig) -> Params:
-    """The shape of every parameter, as a nested dict mirroring the params pytree."""
+    """The shape of every parameter, as a nested dict mirroring the params pytree: what the
+    family's features (`ModelConfig`) ask for, nothing more."""
     c = config
     L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layers = {
-        "attn_norm": (L, D),
-        "q": (L, D, q),
-        "k": (L, D, kv),
-        "v": (L, D, kv),
-        "o": (L, q, D),
-        "mlp_norm": (L, D),
-        "gate": (L, D, F),
-        "up": (L, D, F),
-        "down": (L, F, D),
-    }
+    layers = {"q": (L, D, q), "k": (L, D, kv), "v": (L, D, kv), "o": (L, q, D), "up": (L, D, F), "down": (L, F, D)}
+    norms = (["attn_norm", "mlp_norm"] if c.pre_norms else []) + (
+        ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
+    )
+    for name in norms:
+        layers[name] = (L, D)
+        if c.norm == "layer":
+            layers[f"{name}_bias"] = (L, D)
+    if c.mlp == "gated":
+        layers["gate"] = (L, D, F)
+    if c.mlp_bias:
+        layers.update({"up_bias": (L, F), "down_bias": (L, D)})
+        if c.mlp == "gated":
+            layers["gate_bias"] = (L, F)
     if c.qkv_bias:
         layers.update({"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)})
+    if c.o_bias:
+        layers["o_bias"] = (L, D)
     if c.qk_norm:
-        layers.update({"q_norm": (L, c.head_dim), "k_norm": (L, c.head_dim)})
+        per_head = c.qk_norm_scope == "head"
+        layers.update({"q_norm": (L, c.head_dim if per_head else q), "k_norm": (L, c.head_dim if per_head else kv)})
     shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
+    if c.norm == "layer":
+        shapes["final_norm_bias"] = (D,)
+    if c.positions == "learned":
+        shapes["pos_embed"] = (c.max_position_embeddings, D)
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (D, c.vocab_size)
     return shapes
@@ -80,7 +91,9 @@ def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05, dtype
 
     def draw(path, shape):
         x = rng.standard_normal(shape)
-        return (1.0 + 0.1 * x if "norm" in jax.tree_util.keystr(path) else scale * x).astype(dtype)
+        # norm weights scale by about one (Gemma's by norm_offset + w, so w about 0)
+        is_norm = jax.tree_util.keystr(path).endswith("norm']")
+        return (1.0 - config.norm_offset + 0.1 * x if is_norm else scale * x).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(draw, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
 
@@ -95,16 +108,28 @@ def check_tokens(tokens, config: ModelConfig) -> None:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
 
-def embed(params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-    return params["embed"][tokens]
+def embed(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, offset: int = 0) -> Float[Array, "B T D"]:
+    """h_0: the token embeddings, scaled as the family scales them (Gemma) and with learned
+    position embeddings added (GPT-2), the tokens sitting at positions `offset, offset+1, ...`."""
+    h = params["embed"][tokens]
+    if config.embed_scale != 1.0:
+        h = h * jnp.asarray(config.embed_scale, h.dtype)
+    if config.positions == "learned":
+        h = h + jax.lax.dynamic_slice_in_dim(params["pos_embed"], offset, tokens.shape[-1])
+    return h
 
 
 def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Float[Array, "*b V"]:
-    """Final RMSNorm then the LM head, as float32 logits (the logit lens applies it to any h_l)."""
-    x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    """The final norm then the LM head (and the family's logit soft-cap), as float32 logits (the
+    logit lens applies it to any h_l)."""
+    x = norm(h, params["final_norm"], config, params.get("final_norm_bias"))
     if config.tie_word_embeddings:
-        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    if config.final_softcap:
+        logits = jnp.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
 
 
 def forward(
@@ -116,7 +141,7 @@ def forward(
     interventions: InterventionsLike = None,
 ) -> Float[Array, "B T V"]:
     """Logits of the model on `tokens`, under `interventions` (none by default)."""
-    h, _ = run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions)
+    h, _ = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=interventions)
     return unembed(params, h, config)
 
 
@@ -130,7 +155,7 @@ def layer_inputs(params, tokens, config: ModelConfig, *, valid=None, interventio
     layer l itself, so they act once, as in the full forward: from the residual after them
     (`residual_stream`), an intervention that adds a vector would add it twice. Without
     interventions, `inputs` is the residual stream h_0..h_L."""
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, config)
     read = lambda r, x: (r.out, None if tap is None else tap(r, x))
     final, (outs, taps) = run_layers(params, h0, config, valid=valid, interventions=interventions, tap=read)
     return jnp.concatenate([h0[None], outs], axis=0), final, taps
@@ -146,6 +171,6 @@ def residual_stream(
 ) -> Float[Array, "Lp1 B T D"]:
     """All L+1 residual boundaries h_0..h_L, stacked on a leading axis."""
     h_last, hs = run_layers(
-        params, embed(params, tokens), config, valid=valid, interventions=interventions, tap=tap_residual
+        params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap_residual
     )
     return jnp.concatenate([hs, h_last[None]], axis=0)

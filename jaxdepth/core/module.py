@@ -26,7 +26,7 @@ def _param(name: str, value) -> nnx.Param:
 
 
 class Decoder(nnx.Module):
-    """A pre-norm decoder (Qwen2, Qwen3 or Llama family) whose weights are `nnx.Param`s.
+    """The decoder of any supported family (`ModelConfig`) whose weights are `nnx.Param`s.
 
     Build it from a params pytree with `Decoder(params, config)` (no copy); read the pytree back
     with `params()` or `nnx.split(decoder)[1].to_pure_dict()`.
@@ -35,11 +35,10 @@ class Decoder(nnx.Module):
     def __init__(self, params: Params, config: ModelConfig):
         check_params(params, config)
         self.config = config
-        self.embed = _param("embed", params["embed"])
+        for name, w in params.items():  # embed, final_norm, ... as the family has them
+            if name != "layers":
+                setattr(self, name, _param(name, w))
         self.layers = nnx.Dict({name: _param(name, w) for name, w in params["layers"].items()})
-        self.final_norm = _param("final_norm", params["final_norm"])
-        if "lm_head" in params:
-            self.lm_head = _param("lm_head", params["lm_head"])
 
     def params(self) -> Params:
         """The params pytree the pure functions take: the module's `nnx.Param` values, as plain

@@ -25,11 +25,17 @@ DATA, MODEL = "data", "model"
 PARTITION_RULES = {
     "embed": P(MODEL, None),  # [V, D]: vocabulary split
     "lm_head": P(None, MODEL),  # [D, V]
+    "pos_embed": P(None, None),  # [positions, D] (GPT-2)
     "final_norm": P(None),  # [D]
+    "final_norm_bias": P(None),  # (LayerNorm families)
     "attn_norm": P(None, None),  # [L, D]
-    "q_norm": P(None, None),  # [L, Dh] (Qwen3)
+    "attn_norm_bias": P(None, None),
+    "attn_post_norm": P(None, None),  # (Gemma, OLMo 2)
+    "q_norm": P(None, None),  # [L, Dh] (Qwen3, Gemma 3) or [L, H*Dh] (OLMo 2: normed whole)
     "k_norm": P(None, None),
     "mlp_norm": P(None, None),
+    "mlp_norm_bias": P(None, None),
+    "mlp_post_norm": P(None, None),
     "q": P(None, None, MODEL),  # [L, D, H*Dh]: heads split
     "k": P(None, None, MODEL),
     "v": P(None, None, MODEL),
@@ -37,9 +43,13 @@ PARTITION_RULES = {
     "k_bias": P(None, MODEL),
     "v_bias": P(None, MODEL),
     "o": P(None, MODEL, None),  # [L, H*Dh, D]
+    "o_bias": P(None, None),  # [L, D]
     "gate": P(None, None, MODEL),  # [L, D, F]: MLP width split
     "up": P(None, None, MODEL),
+    "gate_bias": P(None, MODEL),  # [L, F]
+    "up_bias": P(None, MODEL),
     "down": P(None, MODEL, None),  # [L, F, D]
+    "down_bias": P(None, None),  # [L, D]
 }
 
 

@@ -17,6 +17,17 @@ from jaxdepth.core.sharding import DATA
 MEMORY_FRACTION = 0.25
 FALLBACK_MEMORY_BUDGET = 2 * 1024**3  # when the free memory cannot be read
 
+# How wide a vmap of gradients runs fastest on a CPU, where memory allows more: about this many
+# rows (members x tokens) per chunk, and never fewer than `CPU_GRADIENT_MIN_WIDTH` members.
+# Wider chunks are slower per gradient there, not faster: their activations outgrow the caches.
+# Measured with SmolLM2-135M's IG (layer 12 of a GSM8K prompt, stored backward, AMD EPYC with
+# AVX-512, 2 cores), ms per gradient by width: 16 tokens 39 (8) / 31 (64) / 34 (256); 64 tokens
+# 135 (8) / 133 (16) / 163 (32); 135 tokens 318 (4) / 306 (8) / 355 (16); 270 tokens 763 (4) /
+# 704-746 (8) / 819 (12) / 840 (16) / 1041 (32); an Intel Xeon gave the same shape
+# (experiments/results/ig_chunk_width.md). Accelerators run the widest chunk that fits.
+CPU_GRADIENT_ROWS = 1024
+CPU_GRADIENT_MIN_WIDTH = 8
+
 
 def available_memory_budget(fraction: float = MEMORY_FRACTION) -> int:
     """`fraction` of the free memory of the first device: accelerator memory from the runtime's
@@ -181,10 +192,22 @@ def auto_chunk_size(
     stored: Union[bool, int] = False,
     memory_budget: Optional[int] = None,
     extra_bytes: int = 0,
+    platform: Optional[str] = None,
 ) -> int:
     """The largest chunk of sweep members whose activations (`member_bytes`, and `extra_bytes`
     more each: what a member holds beyond one forward, say the gradients it returns) fit in
-    `memory_budget` bytes (default: `available_memory_budget()`, read when the sweep starts)."""
+    `memory_budget` bytes (default: `available_memory_budget()`, read when the sweep starts).
+    A sweep of gradients on a CPU (`platform`, default JAX's default backend) is also held to
+    `cpu_gradient_width(seq_len)`, where it runs fastest."""
     budget = available_memory_budget() if memory_budget is None else memory_budget
     per = member_bytes(config, seq_len, grad=grad, stored=stored) + extra_bytes
-    return int(np.clip(budget // per, 1, max(n_members, 1)))
+    chunk = budget // per
+    if grad and (platform or jax.default_backend()) == "cpu":
+        chunk = min(chunk, cpu_gradient_width(seq_len))
+    return int(np.clip(chunk, 1, max(n_members, 1)))
+
+
+def cpu_gradient_width(seq_len: int) -> int:
+    """The widest chunk of gradients a CPU runs at its best speed per gradient: the power of two
+    nearest below `CPU_GRADIENT_ROWS / seq_len`, at least `CPU_GRADIENT_MIN_WIDTH`."""
+    return max(CPU_GRADIENT_MIN_WIDTH, 1 << max(0, (CPU_GRADIENT_ROWS // max(seq_len, 1)).bit_length() - 1))

@@ -114,7 +114,7 @@ def _jit_forward(params, tokens, config, valid, interventions=None):
 
 @partial(jit, static_argnames=("config", "tap"))
 def _jit_run(params, tokens, config, valid, interventions, tap):
-    return run_layers(params, embed(params, tokens), config, valid=valid, interventions=interventions, tap=tap)
+    return run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap)
 
 
 @partial(jit, static_argnames=("config", "metric", "sites"))

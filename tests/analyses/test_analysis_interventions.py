@@ -99,7 +99,7 @@ def softmax(x):
 def _tapped(params, tokens, valid, interventions):
     return run_layers(
         params,
-        embed(params, tokens),
+        embed(params, tokens, CONFIG),
         CONFIG,
         valid=valid,
         interventions=interventions,
@@ -183,7 +183,12 @@ def test_logit_lens_under_a_layer_skip_reads_the_intervened_stream(params):
 @jax.jit
 def _deltas(params, tokens, valid, interventions):
     return run_layers(
-        params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions, tap=lambda r, _: r.delta
+        params,
+        embed(params, tokens, CONFIG),
+        CONFIG,
+        valid=valid,
+        interventions=interventions,
+        tap=lambda r, _: r.delta,
     )[1][:, 0]
 
 

@@ -24,7 +24,7 @@ def test_contributions_match_numpy(params, batch):
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, valid=jnp.asarray(batch.valid)))
     _, (a, m) = run_layers(
         params,
-        embed(params, jnp.asarray(batch.tokens)),
+        embed(params, jnp.asarray(batch.tokens), CONFIG),
         CONFIG,
         valid=jnp.asarray(batch.valid),
         tap=lambda r, _: (r.attn, r.mlp),

@@ -40,8 +40,8 @@ def test_on_a_linear_model_eap_is_exact_patching(params, monkeypatch):
     replaces u's output as v reads it, including what an edge patched upstream of u changed.)"""
     linear = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
     for module in (core_layer, core_model):  # the layer's norms and the final one
-        monkeypatch.setattr(module, "rms_norm", lambda x, w, eps: x * w)
-    monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x: x @ p["up"])
+        monkeypatch.setattr(module, "norm", lambda x, w, config, bias=None: x * w)
+    monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x, config: x @ p["up"])
     layers = dict(params["layers"], q=0 * params["layers"]["q"], k=0 * params["layers"]["k"])
     flat = dict(params, layers=layers)
     pairs = prompt_pairs(*make_pairs())

@@ -156,7 +156,7 @@ def test_eap_ig_inputs_is_integrated_gradients_at_the_input_with_the_corrupt_bas
         LogitsMetric(metric, positions=[last]),
         site="resid_pre",
         layers=[0],
-        baseline=embed(params, one.corrupt)[None],
+        baseline=embed(params, one.corrupt, CONFIG)[None],
         rule=rule,
     )
     np.testing.assert_allclose(edges.node_scores()[0, 0], site.per_position[0, 0].sum(), rtol=1e-4, atol=1e-6)

@@ -67,7 +67,9 @@ def _by_hand(params, tokens, site, layer, alphas, weights, metric=logit_differen
     `sites.replace` sets the site's value at every position; and F(x), F(b). (A site of a split
     layer is read from a run split by an intervention that changes nothing.)"""
     split = sites.unchanged(site) if site in sites.SPLIT_SITES else None
-    x = run_layers(params, embed(params, tokens), CONFIG, interventions=split, tap=lambda r, _: getattr(r, site))
+    x = run_layers(
+        params, embed(params, tokens, CONFIG), CONFIG, interventions=split, tap=lambda r, _: getattr(r, site)
+    )
     x = x[1][layer]
     b = jnp.broadcast_to(ig_baseline(x, jnp.ones(tokens.shape, bool), "channel_mean"), x.shape)
     F = lambda z: metric(forward(params, tokens, CONFIG, interventions=sites.replace(site, layer, jnp.ones(T), z)))
@@ -124,7 +126,7 @@ def test_a_subset_of_layers_other_rules_and_baselines_at_mlp_hidden():
     )
     alphas, weights = quadrature("gauss", 4)
     for i, layer in enumerate([2, 0]):
-        x = run_layers(params, embed(params, one), CONFIG, tap=lambda r, _: r.mlp_hidden)[1][layer]
+        x = run_layers(params, embed(params, one, CONFIG), CONFIG, tap=lambda r, _: r.mlp_hidden)[1][layer]
         F = lambda z: logit_difference_of_one(
             forward(params, one, CONFIG, interventions=sites.replace("mlp_hidden", layer, jnp.ones(T), z))
         )
@@ -183,7 +185,7 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
     result = jaxdepth.integrated_gradients(
         params, one, CONFIG, logit_difference_of_one, rule=FixedRule(steps=4), interventions=ablate, layers=[1]
     )
-    x = run_layers(params, embed(params, one), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
+    x = run_layers(params, embed(params, one, CONFIG), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
     b = jnp.broadcast_to(x.mean(axis=1, keepdims=True), x.shape)
     F = lambda z: logit_difference_of_one(
         forward(params, one, CONFIG, interventions=[ablate, sites.replace("resid_post", 1, jnp.ones(T), z)])
@@ -270,7 +272,7 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
         model.logits(tokens, interventions=skip), forward(params, tokens, CONFIG, interventions=skip), "logits"
     )
     h, tapped = model.run(tokens, tap=tap_mlp_norm, interventions=skip)
-    ref_h, ref_t = run_layers(params, embed(params, tokens), CONFIG, interventions=skip, tap=tap_mlp_norm)
+    ref_h, ref_t = run_layers(params, embed(params, tokens, CONFIG), CONFIG, interventions=skip, tap=tap_mlp_norm)
     assert_close(h, ref_h, "h_L")
     assert_close(tapped, ref_t, "tap")
     from jaxdepth.lab.loaded_model import _jit_forward

@@ -158,7 +158,11 @@ def test_sublayer_integrated_gradients_equal_one_at_a_time(params, batch, target
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     answer = jnp.asarray(one.answer_prediction_mask()[0])
     _, xs = run_layers(
-        params, embed(params, tokens), CONFIG, valid=valid, tap=lambda r, _: r.attn if target == "attn" else r.mlp
+        params,
+        embed(params, tokens, CONFIG),
+        CONFIG,
+        valid=valid,
+        tap=lambda r, _: r.attn if target == "attn" else r.mlp,
     )
     alphas, weights = quadrature("midpoint", steps)
     v = one.valid[0][:, None]

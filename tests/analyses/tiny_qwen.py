@@ -46,7 +46,12 @@ def _probs(params, tokens, valid, interventions):
 @jax.jit
 def _deltas(params, tokens, valid, interventions):
     return run_layers(
-        params, embed(params, tokens), CONFIG, valid=valid, interventions=interventions, tap=lambda r, _: r.delta
+        params,
+        embed(params, tokens, CONFIG),
+        CONFIG,
+        valid=valid,
+        interventions=interventions,
+        tap=lambda r, _: r.delta,
     )[1]
 
 

@@ -237,19 +237,19 @@ def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "mamba"}, "model_type"),
+        ({"model_type": "gemma3"}, "gemma3_text"),
         ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope_parameters"),
         ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4, "beta_fast": 32}}, "rope_parameters"),
         (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
             "rope_parameters",
         ),
-        ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
+        ({"hidden_act": "relu"}, "hidden_act"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"use_mrope": True}, "use_mrope"),
@@ -260,6 +260,36 @@ def test_published_configs_of_target_models_are_accepted(hf, theta, tied):
 def test_unhandled_features_are_refused_by_name(changes, named):
     with pytest.raises(UnsupportedConfigError, match=named):
         ModelConfig.from_hf(with_changes(QWEN2_V5, **changes))
+
+
+def test_qwen2_slides_where_use_sliding_window_says_from_max_window_layers_on():
+    on = ModelConfig.from_hf(
+        with_changes(QWEN2_V5, use_sliding_window=True, sliding_window=16, max_window_layers=1, drop=["layer_types"])
+    )
+    assert on.sliding_window == 16 and on.sliding_layers[0] is False and all(on.sliding_layers[1:])
+    off = ModelConfig.from_hf(with_changes(QWEN2_V5, use_sliding_window=False, sliding_window=16))
+    assert not any(off.sliding_layers)
+
+
+@pytest.mark.parametrize(
+    "model_type, changes, named",
+    [
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ("gpt2", {"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ("gpt_neox", {"hidden_act": "relu"}, "hidden_act"),
+        ("mistral", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
+    ],
+)
+def test_family_features_not_reproduced_are_refused_by_name(model_type, changes, named):
+    transformers = pytest.importorskip("transformers")
+    classes = {"gemma3_text": "Gemma3TextConfig", "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config"}
+    cls = getattr(transformers, classes.get(model_type, f"{model_type.capitalize()}Config"))
+    hf = cls().to_dict()
+    hf.update(changes)
+    with pytest.raises(UnsupportedConfigError, match=named):
+        ModelConfig.from_hf(hf)
 
 
 def test_llama3_rope_scaling_from_rope_parameters_and_from_rope_scaling():
@@ -304,4 +334,4 @@ def test_dict_and_json_round_trip_frozen_keyword_only():
     with pytest.raises(TypeError):
         ModelConfig(*c.to_dict().values())
     with pytest.raises(UnsupportedConfigError, match="model_type"):
-        dataclasses.replace(c, model_type="mistral")
+        dataclasses.replace(c, model_type="mamba")

@@ -156,7 +156,7 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
     def boundary(h, b):
         return jnp.where(write_mask[b][..., None], write_value[b], h) + bump[b]
 
-    h = embed(params, tokens)
+    h = embed(params, tokens, config)
     hs, sub = [], []
     for l in range(L):
         h = boundary(h, l)
@@ -164,7 +164,7 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
         p = {name: w[l] for name, w in params["layers"].items()}
         a = attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config)
         a = jnp.where(zero_attn[l][..., None], 0.0, a)
-        m = mlp(p, rms_norm(h + a, p["mlp_norm"], eps))
+        m = mlp(p, rms_norm(h + a, p["mlp_norm"], eps), config)
         m = jnp.where(zero_mlp[l][..., None], 0.0, m)
         sub.append((a, m))
         h = jnp.where(skip[l][..., None], h, h + (a + m))
@@ -249,7 +249,7 @@ def test_replace_residual_matches_writing_by_hand(setup, positions):
         assert_moved(got, clean, f"h_{boundary} replaced")
     hit = jnp.asarray(_bt(P))[..., None]
     # Boundary 0 is the embeddings: same as running the layers on edited embeddings.
-    h0 = jnp.where(hit, value, embed(params, tokens))
+    h0 = jnp.where(hit, value, embed(params, tokens, config))
     by_hand = jax.jit(lambda p, h: unembed(p, run_layers(p, h, config)[0], config))(params, h0)
     assert_close(jit_forward(params, tokens, config, sites.replace("resid_pre", 0, P, value)), by_hand, "h_0")
     # Boundary L is the input of the final norm: the logits there are the lens of the value.
@@ -292,7 +292,7 @@ def test_taps_see_the_intervened_sublayers(setup_one):
         return record.index, record.h, record.attn, record.mlp, record.out, record.delta
 
     h_last, (index, h, a, m, out, delta) = jax.jit(
-        lambda p, t, iv: run_layers(p, embed(p, t), config, interventions=iv, tap=tap)
+        lambda p, t, iv: run_layers(p, embed(p, t, config), config, interventions=iv, tap=tap)
     )(params, tokens, iv)
     np.testing.assert_array_equal(index, np.arange(config.num_layers))
     assert_close(h_last, hs[-1], "h_L")

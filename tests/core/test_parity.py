@@ -55,9 +55,9 @@ def converted(tiny):
 def test_tiny_model_logits_match_hf(tiny_model, variant):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
-    assert config.rope_theta == 12345.0
-    assert config.num_kv_heads == TINY_VARIANTS[variant]["num_key_value_heads"]
-    assert config.tie_word_embeddings == TINY_VARIANTS[variant]["tie_word_embeddings"]
+    assert config.rope_theta == (0.0 if config.positions == "learned" else 12345.0)
+    assert config.num_kv_heads == getattr(tiny.config, "num_key_value_heads", config.num_heads)
+    assert config.tie_word_embeddings == tiny.config.tie_word_embeddings
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 300))
     ours = jax_logits(params, tokens, config)
     ref = hf_logits(tiny.model, tokens)
@@ -289,3 +289,35 @@ def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_config):
     assert c.rope_theta == pytest.approx(theta) == 100000.0
     assert c.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
     assert c.tie_word_embeddings
+
+
+# Each family's features, one at a time switched off in the converted config: parity must fail by
+# far more than its tolerance, or the tiny variants would not be testing that feature at all.
+FEATURE_MISTAKES = [
+    ("mistral_window", "window ignored", {"layer_types": ()}),
+    ("gemma2_softcapped", "attention soft-cap ignored", {"attn_softcap": 0.0}),
+    ("gemma2_softcapped", "logit soft-cap ignored", {"final_softcap": 0.0}),
+    ("gemma2_softcapped", "norm weights taken as w, not 1 + w", {"norm_offset": 0.0}),
+    ("gemma2_softcapped", "embeddings not scaled", {"embed_scale": 1.0}),
+    ("gemma3_local_rope", "local rotary base ignored", {"local_rope_theta": 0.0}),
+    ("gemma3_local_rope", "linear rope scaling ignored", {"rope_type": "default"}),
+    ("olmo2_post_norm", "q/k norms ignored", {"qk_norm": False}),
+    ("phi3_partial_rotary", "partial rotary ignored", {"rotary_dim": 0}),
+    ("phi3_partial_rotary", "window ignored", {"layer_types": ()}),
+    ("gpt2", "LayerNorm taken as RMSNorm", {"norm": "rms"}),
+    ("pythia_parallel", "parallel block run in sequence", {"parallel_residual": False}),
+    ("pythia_parallel", "partial rotary ignored", {"rotary_dim": 0}),
+    ("neox_sequential", "sequential block run in parallel", {"parallel_residual": True}),
+]
+
+
+@pytest.mark.parametrize("variant,mistake,changes", FEATURE_MISTAKES, ids=[f"{v}-{m}" for v, m, _ in FEATURE_MISTAKES])
+def test_parity_is_sensitive_to_each_family_feature(tiny_model, variant, mistake, changes):
+    tiny = tiny_model(variant)
+    params, config = converted(tiny)
+    tokens = np.random.default_rng(3).integers(0, config.vocab_size, size=(1, 300))
+    ref = hf_logits(tiny.model, tokens)
+    assert float(np.abs(jax_logits(params, tokens, config) - ref).max()) <= TOL_TINY
+    e = float(np.abs(jax_logits(params, tokens, dataclasses.replace(config, **changes)) - ref).max())
+    print(f"\n[parity] sensitivity, {variant} with {mistake}: max |logit diff| = {e:.3e}")
+    assert e > 100 * TOL_TINY, mistake

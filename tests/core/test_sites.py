@@ -64,14 +64,14 @@ def reference(params, tokens, edits=()):
     eps = CONFIG.rms_norm_eps
     cos, sin = rotary_tables(T, CONFIG)
     mask = attention_mask(jnp.ones((B, T), bool))
-    h = embed(params, tokens)
+    h = embed(params, tokens, CONFIG)
     for l in range(L):
         p = {name: w[l] for name, w in params["layers"].items()}
         edit = lambda site, v: edits[(l, site)](v) if (l, site) in edits else v
         h = edit("resid_pre", h)
         heads = edit("head_out", attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)[-1])
         a = edit("attn_out", heads.reshape(B, T, H * Dh) @ p["o"])
-        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(edit("mlp_in", h + a), p["mlp_norm"], eps)))
+        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(edit("mlp_in", h + a), p["mlp_norm"], eps), CONFIG))
         m = edit("mlp_out", hidden @ p["down"])
         h = edit("resid_post", h + edit("delta", a + m))
     if (L, "resid_pre") in edits:
@@ -179,7 +179,7 @@ def test_several_layers_and_sites_in_one_forward():
 
 def test_activation_patching_of_every_layer_and_head_in_one_vmapped_call():
     params, clean, corrupted = _setup()
-    _, cached = run_layers(params, embed(params, corrupted), CONFIG, tap=lambda r, _: r.head_out)
+    _, cached = run_layers(params, embed(params, corrupted, CONFIG), CONFIG, tap=lambda r, _: r.head_out)
     assert cached.shape == (L, B, T, H, Dh)
     pairs = [(l, h) for l in range(L) for h in range(H)]
     where = np.zeros((len(pairs), L, 1, 1, H, 1), bool)
@@ -200,7 +200,7 @@ def test_taps_read_every_site():
     params, tokens, _ = _setup()
     _, t = run_layers(
         params,
-        embed(params, tokens),
+        embed(params, tokens, CONFIG),
         CONFIG,
         tap=lambda r, _: {
             "q": r.q,
@@ -266,7 +266,7 @@ def test_integrated_gradients_under_an_intervention_equal_a_hand_computation(kin
         return jnp.sum(probs[jnp.arange(len(answer_positions)), targets])
 
     # layer l's output as the model computes it, before layer l+1's resid_pre interventions
-    x = run_layers(params, embed(params, tokens), CONFIG, interventions=iv, tap=lambda r, _: r.out)[1][l, 0]
+    x = run_layers(params, embed(params, tokens, CONFIG), CONFIG, interventions=iv, tap=lambda r, _: r.out)[1][l, 0]
     b = jnp.broadcast_to(x.mean(axis=0, keepdims=True), x.shape)
     grads = [jax.grad(F)(b + a * (x - b)) for a in alphas]
     expected = sum(w * jnp.sum((x - b) * g, axis=-1) for w, g in zip(weights, grads))
@@ -550,7 +550,7 @@ def test_tap_inputs_without_a_row_per_layer_are_refused():
     from jaxdepth.core.loops import run_layers
 
     params, tokens, _ = _setup()
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, CONFIG)
     tap = lambda record, x: jnp.sum(record.out * x)
     with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
         run_layers(params, h0, CONFIG, start=jnp.int32(0), tap=tap, tap_inputs=jnp.ones((L - 1, 32)))

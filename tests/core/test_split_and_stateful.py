@@ -59,7 +59,7 @@ def _with_value_input(layer, head, vector):
     eps = CONFIG.rms_norm_eps
     cos, sin = rotary_tables(T, CONFIG)
     mask = attention_mask(jnp.ones((B, T), bool))
-    h = embed(params, tokens)
+    h = embed(params, tokens, CONFIG)
     for l in range(L):
         p = {name: w[l] for name, w in params["layers"].items()}
         q, k, v, _, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)
@@ -67,7 +67,7 @@ def _with_value_input(layer, head, vector):
             _, v_moved = key_values(p, rms_norm(h + vector, p["attn_norm"], eps), cos, sin, CONFIG)
             v_per_head = jnp.repeat(v, H // CONFIG.num_kv_heads, axis=2)
             v_per_head = v_per_head.at[:, :, head].set(v_moved[:, :, head // (H // CONFIG.num_kv_heads)])
-            _, moved = attend(q, jnp.repeat(k, H // CONFIG.num_kv_heads, axis=2), v_per_head, mask)
+            _, moved = attend(q, jnp.repeat(k, H // CONFIG.num_kv_heads, axis=2), v_per_head, mask, CONFIG)
             heads = heads.at[:, :, head].set(moved[:, :, head])
         a = heads.reshape(B, T, -1) @ p["o"]
         x = rms_norm(h + a, p["mlp_norm"], eps)
@@ -108,7 +108,7 @@ def test_every_heads_inputs_moved_is_attention_reading_a_moved_residual():
 
 def test_head_results_sum_to_the_attention_output_and_ablate_like_head_out():
     params, tokens = _setup()
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, CONFIG)
     split = sites.unchanged("head_result")
     _, (results, attn) = run_layers(params, h0, CONFIG, interventions=split, tap=lambda r, _: (r.head_result, r.attn))
     assert results.shape == (L, B, T, H, D)
@@ -148,7 +148,7 @@ def test_a_stateful_intervention_equals_its_stateless_equivalent_in_every_loop()
     ours, theirs = run(params, tokens, counting(vector)), run(params, tokens, stateless(vector))
     np.testing.assert_array_equal(ours, theirs)
     assert_moved(ours, run(params, tokens, None), "counted layers")
-    h1 = run_layers(params, embed(params, tokens), CONFIG, tap=lambda r, _: r.out)[1][0]
+    h1 = run_layers(params, embed(params, tokens, CONFIG), CONFIG, tap=lambda r, _: r.out)[1][0]
     from_one = jax.jit(lambda h, iv: run_layers(params, h, CONFIG, start=jnp.int32(1), interventions=iv)[0])
     np.testing.assert_array_equal(from_one(h1, counting(vector)), from_one(h1, stateless(vector, first=1)))
 
@@ -179,7 +179,7 @@ def _grow(site, value, layer, data, state):
 
 def test_a_state_that_changes_shape_and_loops_that_cannot_carry_one_are_refused():
     params, tokens = _setup()
-    h0 = embed(params, tokens)
+    h0 = embed(params, tokens, CONFIG)
     with pytest.raises(sites.InterventionError, match="keeps its structure, shapes and dtypes"):
         forward(params, tokens, CONFIG, interventions=sites.StatefulIntervention("mlp_out", _grow, None, jnp.zeros(2)))
     with pytest.raises(ValueError, match="cannot carry a stateful intervention"):

@@ -6,7 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdepth.core.sweep import chunk_layout, sweep, sweep_sum
+from conftest import tiny_config
+from jaxdepth.core.sweep import (
+    CPU_GRADIENT_MIN_WIDTH,
+    auto_chunk_size,
+    chunk_layout,
+    cpu_gradient_width,
+    member_bytes,
+    sweep,
+    sweep_sum,
+)
 
 
 def _chunks_of(chunk_size, n):
@@ -42,3 +51,20 @@ def test_results_do_not_depend_on_the_bound(bound):
     fn = lambda v: v * 3.0 - v * v  # exactly rounded: any vector width gives the same bits  # noqa: E731
     np.testing.assert_array_equal(sweep(fn, x, bound), jax.vmap(fn)(x))
     np.testing.assert_allclose(sweep_sum(fn, x, bound), jax.vmap(fn)(x).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seq_len,width", [(1, 1024), (16, 64), (64, 16), (100, 8), (270, 8), (4096, 8)])
+def test_a_cpu_runs_gradients_about_a_thousand_rows_wide(seq_len, width):
+    assert cpu_gradient_width(seq_len) == width
+
+
+def test_only_a_cpu_holds_gradient_sweeps_below_their_memory_bound():
+    config = tiny_config()
+    T = 270
+    room = 100 * member_bytes(config, T, grad=True, stored=True)  # memory for 100 gradients
+    bound = lambda **kw: auto_chunk_size(config, T, 256, stored=True, memory_budget=room, **kw)  # noqa: E731
+    assert bound(grad=True, platform="gpu") == 100
+    assert bound(grad=True, platform="cpu") == CPU_GRADIENT_MIN_WIDTH
+    assert bound(grad=False, platform="cpu") > 100  # forward sweeps keep the memory bound
+    tight = auto_chunk_size(config, T, 256, grad=True, stored=True, memory_budget=room // 50, platform="cpu")
+    assert tight == 2  # memory still bounds it where it is tighter

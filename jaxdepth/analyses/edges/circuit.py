@@ -56,11 +56,12 @@ class Circuit(SavedResult):
     num_heads: int
     target: Optional[float] = None
     reached: bool = True
+    parallel: bool = False
 
     @property
     def graph(self) -> EdgeGraph:
         """The graph of the model the circuit is of."""
-        return EdgeGraph(self.num_layers, self.num_heads)
+        return EdgeGraph(self.num_layers, self.num_heads, self.parallel)
 
     @property
     def names(self) -> list[str]:
@@ -175,6 +176,7 @@ def find_circuit(
         curve=np.asarray(curve, np.float32),
         num_layers=graph.num_layers,
         num_heads=graph.num_heads,
+        parallel=graph.parallel,
         target=target,
         reached=reached,
     )

@@ -10,8 +10,10 @@ names follow the EAP-IG package's.
 
 An edge u -> v exists when u writes before v reads: the embedding feeds every reader, the heads
 of layer l feed the MLP of layer l and every reader of later layers, the MLP of layer l every
-reader of later layers. The residual input of reader v is the sum of its writers' outputs, so
-a model is exactly the sum over its edges (`jaxdepth.analyses.edges.forward`).
+reader of later layers. In a parallel block (GPT-NeoX) the MLP of layer l reads the layer's
+input beside its heads, so the heads of layer l do not feed it. The residual input of reader v
+is the sum of its writers' outputs, so a model is exactly the sum over its edges
+(`jaxdepth.analyses.edges.forward`).
 
 Writers are numbered `0` (input), then per layer its H heads and its MLP
 (`1 + l (H + 1) + h`, `1 + l (H + 1) + H`); readers per layer its H query, H key, H value
@@ -43,11 +45,12 @@ class EdgeGraph:
 
     num_layers: int
     num_heads: int
+    parallel: bool = False  # each layer's MLP reads the layer's input, beside its heads
 
     @classmethod
     def of(cls, config: ModelConfig) -> "EdgeGraph":
         """The graph of a model of `config`."""
-        return cls(config.num_layers, config.num_heads)
+        return cls(config.num_layers, config.num_heads, config.parallel_residual)
 
     # ------------------------------------------------------------------ sizes and indices
 
@@ -105,10 +108,12 @@ class EdgeGraph:
     @functools.cached_property
     def reader_nodes(self) -> np.ndarray:
         """`[R]`: the node each reader starts: 2l + 1 for the heads' inputs of layer l, 2l + 2 for
-        its MLP's input, 2L + 1 for the logits. A writer feeds every reader of a later node."""
+        its MLP's input (2l + 1 in a parallel block, where it reads what the heads read), 2L + 1
+        for the logits. A writer feeds every reader of a later node."""
         r = np.arange(self.num_readers)
         layer, slot = np.divmod(r, self.readers_per_layer)
-        return np.where(r == self.logits_reader, 2 * self.num_layers + 1, 2 * layer + 1 + (slot == 3 * self.num_heads))
+        mlp = (slot == 3 * self.num_heads) & (not self.parallel)
+        return np.where(r == self.logits_reader, 2 * self.num_layers + 1, 2 * layer + 1 + mlp)
 
     @functools.cached_property
     def edge_mask(self) -> np.ndarray:

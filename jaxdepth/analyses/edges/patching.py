@@ -68,7 +68,7 @@ def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, del
 def _edge_sets(params, pairs: PromptPairs, prefix, masks, corrupt_writers, interventions, config, metric):
     """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once."""
     P = 0 if prefix is None else prefix[0].shape[2]
-    h0 = embed(params, pairs.clean[:, P:])
+    h0 = embed(params, pairs.clean[:, P:], config, offset=P)
     graph = EdgeGraph.of(config)
 
     def one(mask):

@@ -99,11 +99,12 @@ class EdgeScores(SavedResult):
     rule: str
     steps: int
     tolerance: Optional[float] = None
+    parallel: bool = False  # the model's MLPs read their layer's input (`EdgeGraph.parallel`)
 
     @property
     def graph(self) -> EdgeGraph:
         """The graph of the model the scores are of."""
-        return EdgeGraph(self.num_layers, self.num_heads)
+        return EdgeGraph(self.num_layers, self.num_heads, self.parallel)
 
     @property
     def mean(self) -> np.ndarray:
@@ -152,7 +153,7 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=Non
     """The clean and the corrupt run of every pair under `interventions` (`edge_run`): their
     `EdgeRun`s."""
     run = lambda tokens: edge_run(
-        params, embed(params, tokens), pairs.valid, pairs.last, config, interventions=interventions
+        params, embed(params, tokens, config), pairs.valid, pairs.last, config, interventions=interventions
     )
     return run(pairs.clean), run(pairs.corrupt)
 
@@ -164,7 +165,7 @@ def input_path_gradients(
     """`sum_k w_k` of the gradient of F at every reader's input (`reader_probes`' dict) at
     h_0 = e_corrupt + α_k (e_clean - e_corrupt), `nodes = (alphas [n], weights [n])`, `chunk`
     nodes vmapped at a time; positions after the shared `prefix` only (`suffix_run`)."""
-    e_clean, e_corrupt = _suffix_embeddings(params, pairs, prefix)
+    e_clean, e_corrupt = _suffix_embeddings(params, pairs, prefix, config)
 
     def gradient(alpha):
         h0 = e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt)
@@ -181,7 +182,7 @@ def node_path_gradients(
     output of node `node` (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l; traced, so one
     compilation serves every node) is a_corrupt + α_k `delta` (`delta = a_clean - a_corrupt`,
     `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed."""
-    e_clean, _ = _suffix_embeddings(params, pairs, prefix)
+    e_clean, _ = _suffix_embeddings(params, pairs, prefix, config)
 
     def gradient(alpha):
         shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta)
@@ -202,10 +203,10 @@ def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, i
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
 
 
-def _suffix_embeddings(params, pairs: PromptPairs, prefix):
+def _suffix_embeddings(params, pairs: PromptPairs, prefix, config: ModelConfig):
     """The clean and corrupt embeddings of the positions after `prefix` (all without one)."""
     P = 0 if prefix is None else prefix[0].shape[2]
-    return embed(params, pairs.clean[:, P:]), embed(params, pairs.corrupt[:, P:])
+    return embed(params, pairs.clean[:, P:], config, offset=P), embed(params, pairs.corrupt[:, P:], config, offset=P)
 
 
 @partial(jit, static_argnames=("config", "length"))
@@ -231,7 +232,7 @@ def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, 
 def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, metric, interventions=None):
     """The gradient of F at every reader's input in the clean run (EAP), as `reader_probes`;
     positions after the shared `prefix` only."""
-    e_clean = _suffix_embeddings(params, pairs, prefix)[0]
+    e_clean = _suffix_embeddings(params, pairs, prefix, config)[0]
     return _reader_gradient(params, e_clean, pairs, config, metric, (), prefix, interventions)
 
 
@@ -258,7 +259,7 @@ def input_path_points(params, pairs: PromptPairs, alphas, config: ModelConfig, m
     Interventions act on h_0 as on the readers' runs (`input_path_gradients`): at `resid_pre` of
     layer 0 after the input writes, where a site's path (`jaxdepth.analyses.ig.path`) would set
     the value after them."""
-    e_clean, e_corrupt = embed(params, pairs.clean), embed(params, pairs.corrupt)
+    e_clean, e_corrupt = embed(params, pairs.clean, config), embed(params, pairs.corrupt, config)
 
     def one(alpha):
         def f(h0):
@@ -401,6 +402,7 @@ def edge_attribution(
         converged=converged,
         num_layers=config.num_layers,
         num_heads=config.num_heads,
+        parallel=config.parallel_residual,
         method=method,
         rule="clean" if rule is None else rule.name,
         steps=1 if rule is None else rule.evaluations,

@@ -1,0 +1,395 @@
+"""Hugging Face `config.json` -> `ModelConfig` fields, one reader per family.
+
+Each reader returns the fields it sets and names the keys it read; `config_fields` then refuses
+any key neither read nor known to be inert (bookkeeping, generation defaults, dropout that is
+off at inference). A silently ignored rope scaling, window or soft-cap would make every analysis
+wrong without a visible symptom, so an unknown key is an error that names it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+
+class UnsupportedConfigError(ValueError):
+    """A checkpoint asks for an architecture or a config feature that is not implemented.
+
+    Raised by `ModelConfig.from_hf` (and by `ModelConfig` itself for impossible shapes), its
+    message naming the config key, its value and what is implemented; a `ValueError`."""
+
+
+# Keys with no numerical meaning at inference, in any family.
+_INERT_KEYS = {
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "attention_dropout",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "_attn_implementation_autoset",
+    "tf_legacy_loss",
+    "use_bfloat16",
+    "is_llama_config",
+    "transformers.js_config",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout",
+    "classifier_dropout",
+    "is_decoder",
+    "max_window_layers",  # Qwen2: already folded into `layer_types`
+    "_sliding_window_pattern",  # Gemma 3: already folded into `layer_types`
+    "sliding_window_pattern",
+    "cache_implementation",
+    "final_logit_softcapping_enabled",
+    "summary_type",  # GPT-2's sequence-classification head, not the LM
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+    "n_ctx",
+    "original_max_position_embeddings",  # checked where a rope scaling reads it
+}
+
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+_LLAMA3_ROPE = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position",
+}
+
+
+class _Reader:
+    """Reads keys of one `config.json`, remembering which: what is left is refused."""
+
+    def __init__(self, hf: Mapping[str, Any]):
+        self.hf = dict(hf)
+        self.read: set[str] = set()
+
+    def __contains__(self, key):
+        return self.hf.get(key) is not None
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        value = self.hf.get(key)
+        return default if value is None else value
+
+    def need(self, key):
+        self.read.add(key)
+        if self.hf.get(key) is None:
+            raise UnsupportedConfigError(f"config has no {key!r}")
+        return self.hf[key]
+
+    def refuse(self, key, why):
+        raise UnsupportedConfigError(f"config key {key!r} = {self.hf.get(key)!r}: {why}")
+
+    def require(self, key, allowed, why):
+        if self.get(key, allowed[0]) not in allowed:
+            self.refuse(key, why)
+
+    def activation(self, key: str) -> str:
+        act = self.get(key, "silu")
+        if act not in _ACTIVATIONS:
+            self.refuse(key, f"implemented activations: {', '.join(_ACTIVATIONS)}")
+        return _ACTIVATIONS[act]
+
+    def left_over(self):
+        return [k for k in self.hf if k not in self.read and k not in _INERT_KEYS]
+
+
+def config_fields(hf: Mapping[str, Any]) -> dict:
+    """The `ModelConfig` fields of a Hugging Face `config.json` dict, or an
+    `UnsupportedConfigError` naming the first key or feature that is not reproduced."""
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        hint = (
+            " (a multimodal Gemma 3: convert its text model, model_type 'gemma3_text')"
+            if model_type == "gemma3"
+            else ""
+        )
+        raise UnsupportedConfigError(
+            f"config key 'model_type' = {model_type!r} is not supported{hint}; supported: {SUPPORTED_MODEL_TYPES} "
+            "(Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen are 'qwen2', Qwen3 'qwen3', SmolLM2/Llama 3 'llama', "
+            "Pythia 'gpt_neox')"
+        )
+    r = _Reader(hf)
+    r.read.add("model_type")
+    fields = {"model_type": model_type, **_FAMILIES[model_type](r)}
+    left = r.left_over()
+    if left:
+        r.refuse(left[0], "this config key is not handled by jaxdepth; refusing to ignore it silently")
+    return fields
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _shapes(r: _Reader, *, hidden="hidden_size", layers="num_hidden_layers", heads="num_attention_heads") -> dict:
+    num_heads, width = int(r.need(heads)), int(r.need(hidden))
+    return dict(
+        vocab_size=int(r.need("vocab_size")),
+        hidden_size=width,
+        num_layers=int(r.need(layers)),
+        num_heads=num_heads,
+        num_kv_heads=int(r.get("num_key_value_heads", num_heads)),
+        head_dim=int(r.get("head_dim", width // num_heads)),
+    )
+
+
+def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | None = None) -> dict:
+    """Rotary fields from `rope_parameters` (transformers 5), `rope_scaling` or top-level keys."""
+    if params is None:
+        r.read.update({"rope_scaling", "rope_parameters"})
+        key = "rope_scaling" if "rope_scaling" in r else "rope_parameters"
+        params = dict(r.get(key, {}))
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        r.refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: default, llama3, linear)")
+    both = dict(r.hf.get("rope_parameters") or {}) if key == "rope_scaling" else {}
+    theta = params.get("rope_theta", both.get("rope_theta", r.get("rope_theta", r.get("rotary_emb_base"))))
+    if theta is None:
+        raise UnsupportedConfigError("config has neither 'rope_theta' nor rope_parameters['rope_theta']")
+    partial = float(params.get("partial_rotary_factor", r.get("partial_rotary_factor", r.get("rotary_pct", 1.0))))
+    fields = dict(rope_theta=float(theta), rotary_dim=0 if partial == 1.0 else int(head_dim * partial))
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    if rope_type == "llama3":
+        missing = set(_LLAMA3_ROPE) - set(params)
+        if missing:
+            r.refuse(key, f"llama3 rope scaling needs {', '.join(sorted(missing))}")
+        fields.update({field: float(params[name]) for name, field in _LLAMA3_ROPE.items()}, rope_type="llama3")
+        fields["rope_original_max_position"] = int(fields["rope_original_max_position"])
+        known |= set(_LLAMA3_ROPE)
+    elif rope_type == "linear":
+        fields.update(rope_type="linear", rope_factor=float(params["factor"]))
+        known.add("factor")
+    if set(params) - known:
+        r.refuse(key, f"rope settings {sorted(set(params) - known)} are not implemented")
+    return fields
+
+
+def _layer_types(r: _Reader, num_layers: int, *, all_sliding: bool = False) -> dict:
+    """`sliding_window` and per-layer `layer_types` ('full' / 'sliding')."""
+    window = r.get("sliding_window")
+    types = r.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - set(_LAYER_TYPES))
+        if unknown:
+            r.refuse("layer_types", f"layer types {unknown} are not implemented ({', '.join(_LAYER_TYPES)} are)")
+        types = tuple(_LAYER_TYPES[t] for t in types)
+    elif all_sliding and window is not None:
+        types = ("sliding",) * num_layers
+    if types and "sliding" in types and window is None:
+        r.refuse("layer_types", "sliding layers without a sliding_window")
+    if not types or "sliding" not in types:
+        return {}
+    return dict(sliding_window=int(window), layer_types=types)
+
+
+def _common(r: _Reader, shapes: dict, *, eps: str = "rms_norm_eps") -> dict:
+    if r.get("quantization_config"):
+        r.refuse("quantization_config", "quantized checkpoints are not supported; use float weights")
+    return dict(
+        shapes,
+        intermediate_size=int(r.need("intermediate_size")),
+        rms_norm_eps=float(r.need(eps)),
+        max_position_embeddings=int(r.need("max_position_embeddings")),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+    )
+
+
+# ----------------------------------------------------------------------------- the families
+
+
+def _llama_like(r: _Reader) -> dict:
+    """Qwen2 / 2.5, Qwen3, Llama (SmolLM2, Llama 3.x) and Mistral: the pre-norm SwiGLU decoder."""
+    model_type = r.hf["model_type"]
+    shapes = _shapes(r)
+    if r.get("pretraining_tp", 1) != 1:
+        r.refuse("pretraining_tp", "tensor-parallel pretraining slices are not implemented")
+    for key, why in (
+        ("use_mrope", "multimodal rotary embeddings (M-RoPE) are not implemented"),
+        ("rope_interleaved", "interleaved rotary embeddings are not implemented (HF Llama/Qwen2 rotate halves)"),
+    ):
+        if r.get(key):
+            r.refuse(key, why)
+    if model_type in ("llama", "mistral") and r.get("use_sliding_window"):
+        r.refuse("use_sliding_window", f"{model_type} takes its window from sliding_window alone")
+    if model_type == "llama":  # Llama has no window: a key left from another family must switch nothing on
+        r.read.update({"sliding_window", "max_window_layers"})
+        if r.get("layer_types") and set(r.get("layer_types")) != {"full_attention"}:
+            r.refuse("layer_types", "Llama layers attend fully")
+    if model_type in ("qwen2", "qwen3") and not r.get("use_sliding_window", False):
+        r.read.update({"sliding_window", "layer_types"})  # a window size only use_sliding_window turns on
+        windows = {}
+        if any(t != "full_attention" for t in r.hf.get("layer_types") or ()):
+            r.refuse("layer_types", "sliding layers while use_sliding_window is false")
+    elif model_type in ("qwen2", "qwen3") and "layer_types" not in r:  # older configs: max_window_layers on slide
+        first = int(r.get("max_window_layers", shapes["num_layers"]))
+        r.hf["layer_types"] = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(shapes["num_layers"])
+        ]
+        windows = _layer_types(r, shapes["num_layers"])
+    else:
+        windows = _layer_types(r, shapes["num_layers"], all_sliding=model_type == "mistral")
+    fields = dict(
+        _common(r, shapes),
+        activation=r.activation("hidden_act"),
+        qkv_bias=model_type == "qwen2" or bool(r.get("attention_bias", False)),
+        o_bias=model_type not in ("qwen2", "qwen3") and bool(r.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        mlp_bias=bool(r.get("mlp_bias", False)),
+        **_rope(r, shapes["head_dim"]),
+        **windows,
+    )
+    if fields["rotary_dim"]:
+        r.refuse("rope_parameters", "partial rotary embeddings are not implemented for this family")
+    return fields
+
+
+def _gemma(r: _Reader) -> dict:
+    """Gemma 2 and Gemma 3 (text): RMSNorm with (1 + w) before and after both sublayers, embeddings
+    scaled by sqrt(D), GeGLU, soft-capped attention and logits, alternating sliding layers; Gemma 3
+    adds q/k norms and a local rotary base for its sliding layers."""
+    gemma3 = r.hf["model_type"] == "gemma3_text"
+    shapes = _shapes(r)
+    if r.get("use_bidirectional_attention"):
+        r.refuse("use_bidirectional_attention", "only causal attention is implemented")
+    act_key = "hidden_activation" if "hidden_activation" in r else "hidden_act"
+    r.read.add("hidden_act")
+    if gemma3 and isinstance(r.hf.get("rope_parameters"), Mapping) and "full_attention" in r.hf["rope_parameters"]:
+        per_type = r.get("rope_parameters")
+        rope = _rope(r, shapes["head_dim"], per_type["full_attention"], "rope_parameters")
+        local = _rope(r, shapes["head_dim"], per_type.get("sliding_attention", {}), "rope_parameters")
+        if "rope_type" in local or local["rotary_dim"] or set(per_type) - {"full_attention", "sliding_attention"}:
+            r.refuse("rope_parameters", "sliding layers take a plain rotary base (rope_type 'default') only")
+        rope["local_rope_theta"] = local["rope_theta"]
+    else:
+        rope = _rope(r, shapes["head_dim"])
+        if gemma3:
+            rope["local_rope_theta"] = float(r.get("rope_local_base_freq", 10000.0))
+    D = shapes["hidden_size"]
+    return dict(
+        _common(r, shapes),
+        **rope,
+        **_layer_types(r, shapes["num_layers"]),
+        activation=r.activation(act_key),
+        qkv_bias=bool(r.get("attention_bias", False)),
+        o_bias=bool(r.get("attention_bias", False)),
+        qk_norm=gemma3,
+        norm_offset=1.0,
+        norm_scale_in_float32=True,
+        post_norms=True,
+        embed_scale=float(math.sqrt(D)),
+        attn_scale=float(r.need("query_pre_attn_scalar")) ** -0.5,
+        attn_softcap=float(r.get("attn_logit_softcapping", 0.0)),
+        final_softcap=float(r.get("final_logit_softcapping", 0.0)),
+    )
+
+
+def _olmo2(r: _Reader) -> dict:
+    """OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection."""
+    shapes = _shapes(r)
+    return dict(
+        _common(r, shapes),
+        **_rope(r, shapes["head_dim"]),
+        activation=r.activation("hidden_act"),
+        qkv_bias=bool(r.get("attention_bias", False)),
+        o_bias=bool(r.get("attention_bias", False)),
+        qk_norm=True,
+        qk_norm_scope="projection",
+        norm_scale_in_float32=True,
+        pre_norms=False,
+        post_norms=True,
+    )
+
+
+def _phi3(r: _Reader) -> dict:
+    """Phi-3: Llama's layer with fused q/k/v and gate/up projections and a sliding window."""
+    shapes = _shapes(r)
+    return dict(
+        _common(r, shapes),
+        **_rope(r, shapes["head_dim"]),
+        **_layer_types(r, shapes["num_layers"], all_sliding=True),
+        activation=r.activation("hidden_act"),
+        qkv_bias=False,
+    )
+
+
+def _gpt2(r: _Reader) -> dict:
+    """GPT-2: LayerNorm with biases, learned absolute positions, a GELU MLP, biases everywhere."""
+    shapes = _shapes(r, hidden="n_embd", layers="n_layer", heads="n_head")
+    for key, allowed, why in (
+        ("scale_attn_weights", (True,), "unscaled attention scores are not implemented"),
+        ("scale_attn_by_inverse_layer_idx", (False,), "scores scaled by the layer index are not implemented"),
+        ("reorder_and_upcast_attn", (False,), "the reordered, upcast attention is not implemented"),
+        ("add_cross_attention", (False,), "cross-attention is not implemented"),
+    ):
+        r.require(key, allowed, why)
+    width = shapes["hidden_size"]
+    return dict(
+        shapes,
+        intermediate_size=int(r.get("n_inner", 4 * width)),
+        rms_norm_eps=float(r.need("layer_norm_epsilon")),
+        max_position_embeddings=int(r.need("n_positions")),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", True)),
+        rope_theta=0.0,
+        positions="learned",
+        norm="layer",
+        activation=r.activation("activation_function"),
+        mlp="plain",
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+    )
+
+
+def _gpt_neox(r: _Reader) -> dict:
+    """GPT-NeoX / Pythia: parallel attention and MLP, partial rotary, LayerNorm, biases."""
+    shapes = _shapes(r)
+    bias = bool(r.get("attention_bias", True))
+    return dict(
+        _common(r, shapes, eps="layer_norm_eps"),
+        **_rope(r, shapes["head_dim"]),
+        norm="layer",
+        parallel_residual=bool(r.get("use_parallel_residual", True)),
+        activation=r.activation("hidden_act"),
+        mlp="plain",
+        mlp_bias=True,
+        qkv_bias=bias,
+        o_bias=bias,
+    )
+
+
+_FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one decoder layer
+    "qwen2": _llama_like,
+    "qwen3": _llama_like,
+    "llama": _llama_like,
+    "mistral": _llama_like,
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
+    "olmo2": _olmo2,
+    "phi3": _phi3,
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+}
+
+# The Hugging Face `model_type`s `ModelConfig.from_hf` reads.
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)

@@ -1,0 +1,218 @@
+"""Every analysis on a tiny random model of every family beside Qwen and Llama (whose own tests
+are in the other modules): each sweep equals the same interventions run one at a time, the lens
+at the last boundary is the model, the NNX module is the pure forward, and a sliding window is
+honoured by every path that runs attention (a window of 6 positions, shorter than the prompts).
+The configs are read from each family's Hugging Face config (`conftest.FAMILY_VARIANTS`)."""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FAMILY_VARIANTS, tiny_hf_config
+from jaxdepth.analyses import contributions, erasure, layer_skip, logit_lens
+from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
+from jaxdepth.analyses.edges.patching import circuit_metric
+from jaxdepth.analyses.edges.scores import edge_attribution
+from jaxdepth.analyses.ig import Execution, FixedRule
+from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.layer_skip import SUBLAYERS
+from jaxdepth.core import sites
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
+from jaxdepth.core.module import Decoder
+
+pytestmark = pytest.mark.usefixtures("highest_precision")
+
+FAMILIES = sorted(FAMILY_VARIANTS)
+WINDOW = 6
+
+
+def family_config(name: str) -> ModelConfig:
+    hf_config, _ = tiny_hf_config(name)
+    config = ModelConfig.from_hf(hf_config.to_dict())
+    return dataclasses.replace(config, sliding_window=WINDOW) if any(config.sliding_layers) else config
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    config = family_config(request.param)
+    return config, random_params(config, 1, scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    return make_batch([rng.integers(0, 300, 30).tolist(), rng.integers(0, 300, 23).tolist()], [20, 15])
+
+
+@partial(jax.jit, static_argnums=1)
+def _jit_probs(params, config, tokens, valid, interventions):
+    return jax.nn.softmax(forward(params, tokens, config, valid=valid, interventions=interventions), -1)
+
+
+@partial(jax.jit, static_argnums=1)
+def _jit_deltas(params, config, tokens, valid, interventions):
+    h0 = embed(params, tokens, config)
+    return run_layers(params, h0, config, valid=valid, interventions=interventions, tap=lambda r, _: r.delta)[1]
+
+
+def _probs(params, config, tokens, valid, interventions=None):
+    return np.asarray(_jit_probs(params, config, tokens, valid, interventions))
+
+
+def _deltas(params, config, tokens, valid, interventions=None):
+    return np.asarray(_jit_deltas(params, config, tokens, valid, interventions))
+
+
+def test_the_configs_switch_their_families_features_on():
+    on = {name: family_config(name) for name in FAMILIES}
+    assert on["mistral_window"].sliding_layers == (True, True)
+    assert on["gemma2_softcapped"].sliding_layers == (True, False, True) and on["gemma2_softcapped"].attn_softcap == 3.0
+    assert on["gemma3_local_rope"].local_rope_theta == 999.0 and on["gemma3_local_rope"].rope_type == "linear"
+    assert on["olmo2_post_norm"].qk_norm_scope == "projection" and not on["olmo2_post_norm"].pre_norms
+    assert on["phi3_partial_rotary"].rotated_dims == on["phi3_partial_rotary"].head_dim // 2
+    assert on["gpt2"].positions == "learned" and on["gpt2"].norm == "layer"
+    assert on["pythia_parallel"].parallel_residual and not on["neox_sequential"].parallel_residual
+
+
+def test_the_module_is_the_pure_forward_and_the_lens_ends_at_the_model(family, batch):
+    params, config = family[1], family[0]
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    logits = forward(params, tokens, config, valid=valid)
+    np.testing.assert_array_equal(Decoder(params, config)(tokens, valid=valid), logits)
+    hs = residual_stream(params, tokens, config, valid=valid)
+    np.testing.assert_array_equal(unembed(params, hs[-1], config), logits)  # the family's norm and soft-cap
+    lens = logit_lens.logit_lens(params, batch, config)
+    assert lens.kl.shape == (config.num_layers,) and np.all(np.isfinite(lens.kl)) and np.all(lens.kl >= -1e-6)
+
+
+def test_the_sites_mean_what_they_mean_in_every_family(family, batch):
+    """a and m are what the residual receives, delta their sum, mlp_in what the MLP's norm reads;
+    the contributions are read from them."""
+    config, params = family
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    tap = lambda r, _: (r.h, r.attn, r.mlp, r.delta, r.mlp_in, r.out)  # noqa: E731
+    h, a, m, delta, mlp_in, out = run_layers(params, embed(params, tokens, config), config, valid=valid, tap=tap)[1]
+    # (equal up to float32 rounding: XLA may fuse the sums of the layer and of the test apart)
+    np.testing.assert_allclose(delta, a + m, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, h + delta, rtol=1e-6, atol=1e-6)
+    if config.parallel_residual:
+        np.testing.assert_array_equal(mlp_in, h)  # the MLP reads the layer's input itself
+    else:
+        np.testing.assert_allclose(mlp_in, h + a, rtol=1e-6, atol=1e-6)
+        assert np.abs(a).max() > 1e-2  # so that h + a is not h
+    stats = contributions.contributions(params, batch, config)
+    assert stats.num_tokens == int(batch.valid.sum())
+    for name in contributions.STATISTICS:
+        curve = getattr(stats, name)
+        assert curve.shape == (config.num_layers,) and np.all(np.isfinite(curve)), name
+
+
+def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family, batch):
+    """The prefix path of every suffix run (edges, the tuned lens): the window counts positions
+    of the prefix too."""
+    config, params = family
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    hs = residual_stream(params, tokens, config, valid=valid)
+    keys, values = clean_key_values(params, hs, config, valid=valid)
+    P = 11
+    h, _ = run_layers(params, hs[0][:, P:], config, valid=valid, prefix=(keys[:, :, :P], values[:, :, :P]))
+    np.testing.assert_allclose(h, hs[-1][:, P:], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_skip_sweep_equals_one_at_a_time(family, batch):
+    config, params = family
+    result = layer_skip.layer_skip(params, batch, config, sublayer="layer", progress=False)
+    one = batch.single(0)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    T, length, L = one.tokens.shape[1], int(one.lengths[0]), config.num_layers
+    pos = np.arange(T)
+    d_clean = _deltas(params, config, tokens, valid)
+    for s in range(L):
+        for split in [t for t in result.split_positions[0] if t >= 0][:2]:
+            iv = sites.skip(SUBLAYERS["layer"], s, ((pos >= 1) & (pos < split)).astype(np.float32))
+            d_skip = _deltas(params, config, tokens, valid, iv)
+            ratio = np.linalg.norm(d_clean - d_skip, axis=-1) / np.maximum(np.linalg.norm(d_clean, axis=-1), 1e-6)
+            future = (pos >= split) & (pos < length)
+            later = np.where(np.arange(L) > s, ratio[:, 0, future].max(-1), 0)
+            assert np.all(result.later_per_prompt[0][s] >= later - 2e-5)
+    assert np.all(np.isfinite(result.later)) and np.any(result.later > 0)
+
+
+def test_erasure_sweep_equals_one_at_a_time(family, batch):
+    config, params = family
+    baseline = erasure.mean_residuals(params, batch, config)
+    result = erasure.residual_erasure(params, batch, config, baseline, progress=False, blocks=3)
+    one = batch.single(1)
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    clean = _probs(params, config, tokens, valid)
+    answer = one.answer_prediction_mask()[0]
+    for layer in range(config.num_layers + 1):
+        for t in (0, 4, 9, 14):
+            iv = sites.replace("resid_pre", layer, np.arange(one.tokens.shape[1]) == t, baseline[layer])
+            diff = np.linalg.norm(_probs(params, config, tokens, valid, iv) - clean, axis=-1)[0]
+            assert result.effects[1, layer, t] == pytest.approx(diff[answer].max(), abs=2e-6)
+
+
+def test_integrated_gradients_equal_one_at_a_time(family, batch):
+    config, params = family
+    steps = 3
+    one = batch.single(1)
+    result = ig.integrated_gradients_of_answers(
+        params,
+        batch.select(slice(1, 2)),
+        config,
+        rule=FixedRule("midpoint", steps),
+        execution=Execution(progress=False),
+    )
+    tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
+    answer = jnp.asarray(one.answer_prediction_mask()[0])
+    T = tokens.shape[1]
+    target = jnp.concatenate([tokens[0, 1:], tokens[0, -1:]])
+
+    def objective(z, layer):
+        iv = sites.replace("resid_pre", layer + 1, jnp.ones(T, jnp.float32), z)
+        p = jax.nn.softmax(forward(params, tokens, config, valid=valid, interventions=iv), -1)[0]
+        return jnp.sum(jnp.where(answer, p[jnp.arange(T), target], 0.0))
+
+    grad = jax.jit(jax.grad(objective))  # the layer traced: one compilation for all
+    hs = residual_stream(params, tokens, config, valid=valid)
+    alphas, weights = quadrature("midpoint", steps)
+    for layer in range(config.num_layers):
+        x = np.asarray(hs[layer + 1])
+        v = one.valid[0][:, None]
+        b = (x[0] * v).sum(0, keepdims=True) / v.sum()
+        mean_grad = sum(w * np.asarray(grad(b + a * (x - b), layer)) for a, w in zip(alphas, weights))[0]
+        expected = np.sum((x[0] - b) * mean_grad, -1) * one.valid[0]
+        np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=2e-6)
+
+
+def _pairs():
+    rng = np.random.default_rng(5)
+    clean = rng.integers(3, 300, (2, 14))
+    corrupt = clean.copy()
+    corrupt[:, 6] = (corrupt[:, 6] + 17) % 300
+    return prompt_pairs(clean, corrupt, np.array([[1, 2], [2, 1]]))
+
+
+def test_edges_give_the_clean_and_corrupt_runs_or_are_refused_by_name(family):
+    config, params = family
+    pairs = _pairs()
+    if config.post_norms:
+        with pytest.raises(ValueError, match="not available for"):
+            edge_attribution(params, pairs, config, logit_difference)
+        return
+    graph = EdgeGraph.of(config)
+    scores = edge_attribution(params, pairs, config, logit_difference)
+    assert np.all(np.isfinite(scores.scores))
+    f = circuit_metric(params, pairs, config, logit_difference, [graph.edge_mask, np.zeros_like(graph.edge_mask)])
+    np.testing.assert_allclose(f[0], scores.f_clean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f[1], scores.f_corrupt, rtol=1e-5, atol=1e-5)
