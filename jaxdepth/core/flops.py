@@ -9,14 +9,15 @@ from jaxdepth.core.config import ModelConfig
 
 def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -> float:
     """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`: 2 x
-    matmul parameters per position (q, k, v, o, gate, up, down) plus attention scores and values
-    (4 queries keys H Dh, the full square as both implementations compute it)."""
+    matmul parameters per position (q, k, v, o, and the MLP's gate, up and down, or up and down
+    in a plain MLP) plus attention scores and values (4 queries keys H Dh, the full square as
+    both implementations compute it)."""
     c = config
     weights_per_layer = (
         c.hidden_size * c.num_heads * c.head_dim
         + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
         + c.num_heads * c.head_dim * c.hidden_size
-        + 3 * c.hidden_size * c.intermediate_size
+        + (3 if c.mlp == "gated" else 2) * c.hidden_size * c.intermediate_size
     )
     return layers * (2.0 * queries * weights_per_layer + 4.0 * queries * keys * c.num_heads * c.head_dim)
 

@@ -116,6 +116,17 @@ def test_the_sites_mean_what_they_mean_in_every_family(family, batch):
         assert curve.shape == (config.num_layers,) and np.all(np.isfinite(curve)), name
 
 
+def test_a_layer_split_per_head_is_the_layer(family, batch):
+    """Per-head inputs (the split sites of edges and head patching) change nothing by themselves,
+    OLMo 2's q/k norms over the whole projection included."""
+    config, params = family
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    plain = forward(params, tokens, config, valid=valid)
+    for site in ("q_in", "k_in", "head_result"):
+        split = forward(params, tokens, config, valid=valid, interventions=sites.unchanged(site))
+        np.testing.assert_allclose(split, plain, rtol=1e-5, atol=1e-5, err_msg=site)
+
+
 def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family, batch):
     """The prefix path of every suffix run (edges, the tuned lens): the window counts positions
     of the prefix too."""
