@@ -53,8 +53,7 @@ _INERT_KEYS = {
     "classifier_dropout",
     "is_decoder",
     "max_window_layers",  # Qwen2: already folded into `layer_types`
-    "_sliding_window_pattern",  # Gemma 3: already folded into `layer_types`
-    "sliding_window_pattern",
+    "task_specific_params",  # generation defaults (GPT-2)
     "cache_implementation",
     "final_logit_softcapping_enabled",
     "summary_type",  # GPT-2's sequence-classification head, not the LM
@@ -185,15 +184,24 @@ def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | N
     return fields
 
 
-def _layer_types(r: _Reader, num_layers: int, *, all_sliding: bool = False) -> dict:
-    """`sliding_window` and per-layer `layer_types` ('full' / 'sliding')."""
-    window = r.get("sliding_window")
+def _layer_types(
+    r: _Reader, num_layers: int, *, all_sliding: bool = False, pattern: int = 0, default_window: int | None = None
+) -> dict:
+    """`sliding_window` and per-layer `layer_types` ('full' / 'sliding'), as transformers builds
+    them: from `layer_types` where the config has it, else every layer sliding (`all_sliding`:
+    Mistral, Phi-3) or every layer but each `pattern`-th (Gemma). `default_window` is the
+    family's window where the config has no `sliding_window` key at all (transformers' default;
+    an explicit null means no window)."""
+    r.read.add("sliding_window")
+    window = r.hf["sliding_window"] if "sliding_window" in r.hf else default_window
     types = r.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - set(_LAYER_TYPES))
         if unknown:
             r.refuse("layer_types", f"layer types {unknown} are not implemented ({', '.join(_LAYER_TYPES)} are)")
         types = tuple(_LAYER_TYPES[t] for t in types)
+    elif pattern:
+        types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
     elif all_sliding and window is not None:
         types = ("sliding",) * num_layers
     if types and "sliding" in types and window is None:
@@ -248,7 +256,8 @@ def _llama_like(r: _Reader) -> dict:
         ]
         windows = _layer_types(r, shapes["num_layers"])
     else:
-        windows = _layer_types(r, shapes["num_layers"], all_sliding=model_type == "mistral")
+        mistral = model_type == "mistral"
+        windows = _layer_types(r, shapes["num_layers"], all_sliding=mistral, default_window=4096 if mistral else None)
     fields = dict(
         _common(r, shapes),
         activation=r.activation("hidden_act"),
@@ -289,7 +298,13 @@ def _gemma(r: _Reader) -> dict:
     return dict(
         _common(r, shapes),
         **rope,
-        **_layer_types(r, shapes["num_layers"]),
+        **_layer_types(
+            r,
+            shapes["num_layers"],
+            # older configs without layer_types: Gemma 2 alternates, Gemma 3 slides 5 layers in 6
+            pattern=2 if not gemma3 else int(r.get("sliding_window_pattern", r.get("_sliding_window_pattern", 6))),
+            default_window=4096,
+        ),
         activation=r.activation(act_key),
         qkv_bias=bool(r.get("attention_bias", False)),
         o_bias=bool(r.get("attention_bias", False)),

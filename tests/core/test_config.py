@@ -335,3 +335,158 @@ def test_dict_and_json_round_trip_frozen_keyword_only():
         ModelConfig(*c.to_dict().values())
     with pytest.raises(UnsupportedConfigError, match="model_type"):
         dataclasses.replace(c, model_type="mamba")
+
+
+# config.json files as the hub serves them (written by transformers 4.x, before `layer_types`
+# and `rope_parameters`): the readers must build the layers transformers builds from them.
+GPT2_HUB = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+PYTHIA_70M_HUB = {
+    "architectures": ["GPTNeoXForCausalLM"],
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "hidden_act": "gelu",
+    "hidden_size": 512,
+    "initializer_range": 0.02,
+    "intermediate_size": 2048,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 2048,
+    "model_type": "gpt_neox",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 6,
+    "rotary_emb_base": 10000,
+    "rotary_pct": 0.25,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.24.0",
+    "use_cache": True,
+    "use_parallel_residual": True,
+    "vocab_size": 50304,
+}
+GEMMA2_2B_HUB = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": 1,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "initializer_range": 0.02,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 8192,
+    "model_type": "gemma2",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 4,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "torch_dtype": "float32",
+    "transformers_version": "4.42.4",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+GEMMA3_1B_HUB = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "initializer_range": 0.02,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+
+
+def test_hub_configs_of_the_families_build_the_layers_transformers_builds():
+    gpt2 = ModelConfig.from_hf(GPT2_HUB)
+    assert (gpt2.positions, gpt2.norm, gpt2.mlp, gpt2.activation, gpt2.intermediate_size) == (
+        "learned",
+        "layer",
+        "plain",
+        "gelu_tanh",
+        3072,
+    )
+    pythia = ModelConfig.from_hf(PYTHIA_70M_HUB)
+    assert pythia.parallel_residual and pythia.rotated_dims == 16 and pythia.rope_theta == 10000.0
+    assert pythia.activation == "gelu" and pythia.qkv_bias and pythia.o_bias
+    gemma2 = ModelConfig.from_hf(GEMMA2_2B_HUB)
+    assert gemma2.sliding_layers[:4] == (True, False, True, False) and gemma2.sliding_window == 4096
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.attn_scale) == (50.0, 30.0, 256**-0.5)
+    gemma3 = ModelConfig.from_hf(GEMMA3_1B_HUB)
+    assert gemma3.sliding_layers[:6] == (True,) * 5 + (False,) and gemma3.sliding_window == 512
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.qk_norm) == (1e6, 1e4, True)
+    assert gemma3.attn_softcap == 0.0 and gemma3.final_softcap == 0.0
+    transformers = pytest.importorskip("transformers")
+    for hub, cls in ((GEMMA2_2B_HUB, transformers.Gemma2Config), (GEMMA3_1B_HUB, transformers.Gemma3TextConfig)):
+        theirs = cls(**{k: v for k, v in hub.items() if k not in ("architectures", "model_type")}).layer_types
+        ours = ModelConfig.from_hf(hub).sliding_layers
+        assert ours == tuple(t == "sliding_attention" for t in theirs)
+
+
+def test_a_mistral_config_without_a_window_key_slides_at_transformers_default():
+    base = {
+        "model_type": "mistral",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1e4,
+    }
+    assert ModelConfig.from_hf(base).sliding_window == 4096  # MistralConfig's default
+    assert not any(ModelConfig.from_hf({**base, "sliding_window": None}).sliding_layers)  # null: no window
