@@ -30,13 +30,6 @@ Params = dict[str, Any]
 # ----------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: Float[Array, "*b D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*b D"]:
-    """Llama's RMSNorm: normalised in float32, cast back, then scaled by `weight`."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
 def norm(x: Float[Array, "*b D"], weight, config: ModelConfig, bias=None) -> Float[Array, "*b D"]:
     """The family's norm (`ModelConfig.norm`): RMSNorm or LayerNorm (mean removed, then `bias`
     added), normalised in float32, scaled by `norm_offset + weight` after casting back to the
@@ -215,8 +208,14 @@ def attend(
 def attention_output(p: Params, heads: Float[Array, "B S H Dh"], config: ModelConfig) -> Float[Array, "B S D"]:
     """What the residual receives from the heads: the output projection (and its bias), then the
     post-attention norm where the family has one."""
-    a = heads.reshape(heads.shape[:2] + (-1,)) @ p["o"]
-    return _after_sublayer(p, "attn_post_norm", a + p["o_bias"] if config.o_bias else a, config)
+    return _attention_written(p, heads.reshape(heads.shape[:2] + (-1,)) @ p["o"], config)
+
+
+def _attention_written(p: Params, projected: Float[Array, "B S D"], config: ModelConfig) -> Float[Array, "B S D"]:
+    """The heads' projected sum as the residual receives it: plus the output bias, then the
+    post-attention norm, where the family has them."""
+    a = projected + p["o_bias"] if config.o_bias else projected
+    return _after_sublayer(p, "attn_post_norm", a, config)
 
 
 def _after_sublayer(p: Params, name: str, y, config: ModelConfig):
@@ -412,10 +411,7 @@ def layer_step(
         heads = at("head_out", heads)
         per_head_o = p["o"].reshape(H, config.head_dim, D)
         split["head_result"] = at("head_result", jnp.einsum("bshe,hed->bshd", heads, per_head_o))
-        summed = jnp.sum(split["head_result"], axis=2)
-        a = at(
-            "attn_out", _after_sublayer(p, "attn_post_norm", summed + p["o_bias"] if config.o_bias else summed, config)
-        )
+        a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
     else:
         q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, prefix)
         heads = at("head_out", heads)

@@ -20,7 +20,7 @@ import pytest
 from conftest import assert_close, assert_moved
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core import sites
-from jaxdepth.core.layer import attention, attention_mask, LayerRecord, mlp, rms_norm, rotary_tables
+from jaxdepth.core.layer import attention, attention_mask, LayerRecord, mlp, norm, rotary_tables
 from jaxdepth.core.loops import clean_key_values, run_layers
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
@@ -149,7 +149,7 @@ def reference(params, tokens, config, *, skip=(), zero_attn=(), zero_mlp=(), wri
 @partial(jax.jit, static_argnames="config")
 def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, write_value, bump):
     # A Python loop (unrolled under jit, no scan); interventions by `where`, not by multiplying.
-    L, eps = config.num_layers, config.rms_norm_eps
+    L = config.num_layers
     mask = attention_mask(jnp.ones((B, T), bool))
     cos, sin = rotary_tables(T, config)
 
@@ -162,9 +162,9 @@ def _reference(params, tokens, config, skip, zero_attn, zero_mlp, write_mask, wr
         h = boundary(h, l)
         hs.append(h)
         p = {name: w[l] for name, w in params["layers"].items()}
-        a = attention(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, config)
+        a = attention(p, norm(h, p["attn_norm"], config), cos, sin, mask, config)
         a = jnp.where(zero_attn[l][..., None], 0.0, a)
-        m = mlp(p, rms_norm(h + a, p["mlp_norm"], eps), config)
+        m = mlp(p, norm(h + a, p["mlp_norm"], config), config)
         m = jnp.where(zero_mlp[l][..., None], 0.0, m)
         sub.append((a, m))
         h = jnp.where(skip[l][..., None], h, h + (a + m))

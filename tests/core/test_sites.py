@@ -19,7 +19,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.analyses.integrated_gradients import ig_of_prompt
-from jaxdepth.core.layer import attention_heads, attention_mask, mlp_hidden, rms_norm, rotary_tables
+from jaxdepth.core.layer import attention_heads, attention_mask, mlp_hidden, norm, rotary_tables
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 
@@ -61,7 +61,6 @@ def reference(params, tokens, edits=()):
     tuple of pairs), applied where the layer computes that site; (L, 'resid_pre') edits the
     final residual h_L."""
     edits = dict(edits)
-    eps = CONFIG.rms_norm_eps
     cos, sin = rotary_tables(T, CONFIG)
     mask = attention_mask(jnp.ones((B, T), bool))
     h = embed(params, tokens, CONFIG)
@@ -69,9 +68,9 @@ def reference(params, tokens, edits=()):
         p = {name: w[l] for name, w in params["layers"].items()}
         edit = lambda site, v: edits[(l, site)](v) if (l, site) in edits else v
         h = edit("resid_pre", h)
-        heads = edit("head_out", attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)[-1])
+        heads = edit("head_out", attention_heads(p, norm(h, p["attn_norm"], CONFIG), cos, sin, mask, CONFIG)[-1])
         a = edit("attn_out", heads.reshape(B, T, H * Dh) @ p["o"])
-        hidden = edit("mlp_hidden", mlp_hidden(p, rms_norm(edit("mlp_in", h + a), p["mlp_norm"], eps), CONFIG))
+        hidden = edit("mlp_hidden", mlp_hidden(p, norm(edit("mlp_in", h + a), p["mlp_norm"], CONFIG), CONFIG))
         m = edit("mlp_out", hidden @ p["down"])
         h = edit("resid_post", h + edit("delta", a + m))
     if (L, "resid_pre") in edits:

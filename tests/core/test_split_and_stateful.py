@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_close, assert_moved
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.layer import attend, attention_heads, attention_mask, key_values, rms_norm, rotary_tables
+from jaxdepth.core.layer import attend, attention_heads, attention_mask, key_values, norm, rotary_tables
 from jaxdepth.core.loops import run_layers, run_layers_in_pieces, suffix_value_and_grad
 from jaxdepth.core.model import embed, forward, random_params, unembed
 
@@ -56,21 +56,20 @@ def _with_value_input(layer, head, vector):
     """Logits when query head `head` of layer `layer` reads its value from h + vector (by hand:
     the other heads, the residual and the MLP read h)."""
     params, tokens = _setup()
-    eps = CONFIG.rms_norm_eps
     cos, sin = rotary_tables(T, CONFIG)
     mask = attention_mask(jnp.ones((B, T), bool))
     h = embed(params, tokens, CONFIG)
     for l in range(L):
         p = {name: w[l] for name, w in params["layers"].items()}
-        q, k, v, _, heads = attention_heads(p, rms_norm(h, p["attn_norm"], eps), cos, sin, mask, CONFIG)
+        q, k, v, _, heads = attention_heads(p, norm(h, p["attn_norm"], CONFIG), cos, sin, mask, CONFIG)
         if l == layer:
-            _, v_moved = key_values(p, rms_norm(h + vector, p["attn_norm"], eps), cos, sin, CONFIG)
+            _, v_moved = key_values(p, norm(h + vector, p["attn_norm"], CONFIG), cos, sin, CONFIG)
             v_per_head = jnp.repeat(v, H // CONFIG.num_kv_heads, axis=2)
             v_per_head = v_per_head.at[:, :, head].set(v_moved[:, :, head // (H // CONFIG.num_kv_heads)])
             _, moved = attend(q, jnp.repeat(k, H // CONFIG.num_kv_heads, axis=2), v_per_head, mask, CONFIG)
             heads = heads.at[:, :, head].set(moved[:, :, head])
         a = heads.reshape(B, T, -1) @ p["o"]
-        x = rms_norm(h + a, p["mlp_norm"], eps)
+        x = norm(h + a, p["mlp_norm"], CONFIG)
         h = h + a + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
     return unembed(params, h, CONFIG)
 
