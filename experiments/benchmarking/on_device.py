@@ -200,6 +200,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="jaxdepth's IG backward, where its integrated_gradients takes a `backward` option",
     )
     work.add_argument(
+        "--ig-chunks",
+        default="",
+        help="comma-separated gradient widths: for each, one more IG row of jaxdepth at that chunk size "
+        "(compared with the same reference run), to see whether the width 'auto' picks runs at the "
+        "device's best speed",
+    )
+    work.add_argument(
         "--precision",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -242,6 +249,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, None)
     if min(args.repeat, args.ref_repeat, args.ig_steps) < 1:
         p.error("--repeat, --ref-repeat and --ig-steps must be at least 1")
+    try:
+        args.ig_chunks = [int(k) for k in args.ig_chunks.split(",") if k.strip()]
+    except ValueError:
+        p.error(f"--ig-chunks {args.ig_chunks!r}: want comma-separated integers")
+    if any(k < 1 for k in args.ig_chunks):
+        p.error("--ig-chunks: every width must be at least 1")
     names = [ALIASES.get(a.strip(), a.strip()) for a in args.analyses.split(",") if a.strip()]
     unknown = sorted(set(names) - set(ANALYSES))
     if unknown:
@@ -569,6 +582,35 @@ def ig_options(backward: Optional[str]) -> dict:
     return {"backward": backward}
 
 
+def with_chunk(options: dict, chunk: int) -> dict:
+    """`options` with jaxdepth's IG held to `chunk` gradients at a time."""
+    from jaxdepth.analyses.ig import Execution
+
+    execution = options.get("execution", Execution(progress=False))
+    return {**options, "execution": dataclasses.replace(execution, chunk_size=chunk)}
+
+
+def ig_plan(config, batch, steps: int, backward: Optional[str]) -> str:
+    """What jaxdepth's IG chooses for each prompt of `batch` on this device, now: its padded
+    length, its backward and its gradients' width."""
+    from jaxdepth.analyses.ig import FixedRule
+    from jaxdepth.analyses.ig.path import choose_backward, ig_memory_budget
+    from jaxdepth.analyses.integrated_gradients import ig_lengths
+    from jaxdepth.core.loops import stored_layers
+    from jaxdepth.core.sweep import auto_chunk_size
+
+    budget = ig_memory_budget()
+    padding = ig_lengths(batch, config, FixedRule("left", steps))
+    plans = []
+    for i in range(len(batch)):
+        T = batch.single(i, padding).tokens.shape[1]
+        chosen = choose_backward(backward or "auto", config, T, budget)
+        stored = stored_layers(chosen, config.num_layers)
+        width = auto_chunk_size(config, T, steps, grad=True, stored=stored, memory_budget=budget)
+        plans.append(f"prompt {i}: padded to {T}, backward {chosen!r}, {width} gradients at a time")
+    return f"memory budget {budget / 2**30:.1f} GiB; " + "; ".join(plans)
+
+
 def run_ig(params, batch, config, steps: int, options: dict):
     if not _takes("execution"):  # a jaxdepth whose IG options were keywords
         return integrated_gradients_function()(
@@ -867,6 +909,8 @@ def main(argv=None) -> int:
         else:
             jax_fn, case = (lambda w=w: run_layer_skip(bench, w)), skip_case
             note = f"; split positions {bench.splits}"
+        if name == "integrated_gradients":
+            log(f"{name}: jaxdepth's plan: {ig_plan(c, w.batch, steps, args.ig_backward)}")
         log(f"{name}: jaxdepth first call and {args.repeat} warm call(s)")
         try:
             jax_t = time_jaxdepth(jax_fn, args.repeat)
@@ -888,6 +932,31 @@ def main(argv=None) -> int:
                 if device == "cuda":
                     torch.cuda.empty_cache()
         finish(make_row(name, w, jax_t, ref_t, agreement, flops, executed, peaks["jax_float32"], note))
+        for chunk in args.ig_chunks if name == "integrated_gradients" else ():
+            log(f"{name}: jaxdepth at {chunk} gradients at a time")
+            try:
+                chunk_t = time_jaxdepth(
+                    lambda w=w, chunk=chunk: run_ig(model.params, w.batch, c, steps, with_chunk(options, chunk)),
+                    args.repeat,
+                )
+            except Exception as e:
+                if not out_of_memory(e):
+                    raise
+                oom(report, f"{name}[chunk {chunk}]", "jaxdepth", e)
+                continue
+            finish(
+                make_row(
+                    f"{name}[chunk {chunk}]",
+                    w,
+                    chunk_t,
+                    ref_t,
+                    [] if ref_t is None else case.CASE.agreement(chunk_t.result, ref_t.result, w, c),
+                    flops,
+                    executed,
+                    peaks["jax_float32"],
+                    note + f"; jaxdepth's gradients {chunk} at a time",
+                )
+            )
         if name == "integrated_gradients" and args.precision == "bfloat16":
             from .agreement import diff_row
 

@@ -168,6 +168,8 @@ def test_tiny_shape_on_the_cpu_agrees_with_the_reference(tmp_path):
         "2",
         "--repeat",
         "2",
+        "--ig-chunks",
+        "3",
         "--precision",
         "bfloat16",
         "--torch-threads",
@@ -187,7 +189,14 @@ def test_tiny_shape_on_the_cpu_agrees_with_the_reference(tmp_path):
 
     report = json.loads(out.read_text())
     rows = {r["analysis"]: r for r in report["rows"]}
-    assert list(rows) == ["integrated_gradients", "integrated_gradients[bfloat16]", "erasure", "layer_skip"]
+    assert list(rows) == [
+        "integrated_gradients",
+        "integrated_gradients[chunk 3]",
+        "integrated_gradients[bfloat16]",
+        "erasure",
+        "layer_skip",
+    ]
+    assert "jaxdepth's plan: memory budget" in run.stdout and "backward 'stored'" in run.stdout
     assert report["device"]["torch_device"] == "cpu" and report["device"]["jax_backend"] == "cpu"
     assert report["device"]["name"] and report["device"]["tf32"] is False
     for name, row in rows.items():
