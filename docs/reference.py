@@ -132,15 +132,20 @@ def _homes(named: list[tuple[str, ModuleType, list[tuple[str, Any]]]]) -> dict[i
 
 
 def sections() -> list[Section]:
-    """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, each analyses module, then
-    the modules of `BEYOND`. An object has one full entry (`_homes`); its other names link to it."""
+    """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, `jaxdepth.structure`, each
+    analyses module, then the modules of `BEYOND`. An object has one full entry (`_homes`); its
+    other names link to it."""
     import jaxdepth
-    from jaxdepth import sites
+    from jaxdepth import sites, structure
 
     top = [
         (name, getattr(jaxdepth, name)) for name in jaxdepth.__all__ if not inspect.ismodule(getattr(jaxdepth, name))
     ]
-    named = [("jaxdepth", jaxdepth, top), ("jaxdepth.sites", sites, _public(sites))]
+    named = [
+        ("jaxdepth", jaxdepth, top),
+        ("jaxdepth.sites", sites, _public(sites)),
+        ("jaxdepth.structure", structure, _public(structure)),
+    ]
     named += [(m.__name__, m, _public(m)) for m in analyses_modules()]
     for name, members in BEYOND.items():
         module = importlib.import_module(name)

@@ -3,7 +3,9 @@
 The top level holds what most code needs: `load` (a `Model` from a converted folder, a Hugging
 Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure forward pass
 (`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
-`skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), and gradients
+`skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), the order of the
+layers as data (`structure`: drop, swap, reverse, repeat or parallelise layers), generation
+under interventions and in any layer order (`generate`; `Model.generate` for text), and gradients
 at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`, with its rule a
 value, `FixedRule` or `AdaptiveRule`, and how it runs an `Execution`), and edge
 attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
@@ -18,7 +20,8 @@ new config compiles anew). Shapes are written with the axis names of `jaxdepth.c
 prompts, T positions, L layers, D residual width, V vocabulary, ...).
 """
 
-from jaxdepth.core import sites
+from jaxdepth.core import sites, structure
+from jaxdepth.core.decoding import generate
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import forward, residual_stream
@@ -44,6 +47,8 @@ __all__ = [
     "residual_stream",
     "run_layers",
     "sites",
+    "structure",
+    "generate",
     "site_gradients",
     "integrated_gradients",
     "FixedRule",

@@ -383,6 +383,7 @@ PAGE_SECONDS = {
     "docs/api.md": 240,
     "docs/getting-started.md": 40,
     "docs/circuits.md": 130,
+    "docs/generation.md": 60,
 }
 
 

@@ -120,7 +120,8 @@ def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N D
         return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = R // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    # tables [S, R], or [B, S, R] where each prompt's rows sit at positions of their own
+    cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 
@@ -510,6 +511,26 @@ def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelCon
         earlier = earlier[None] & valid[:, None, :]
         own = own[None] & jax.lax.dynamic_slice_in_dim(valid, start, width, axis=1)[:, None]
         return jnp.concatenate([jnp.broadcast_to(earlier, own.shape[:2] + (T,)), own], axis=2)
+
+    return _context(rotary_of, mask_of, config)
+
+
+def step_context(valid: Bool[Array, "B T"], positions: Int[Array, " B"], config: ModelConfig) -> LayerContext:
+    """The `layer_step` context of one new token per prompt, prompt b's at `positions[b]`,
+    whose prefix is a key/value buffer of T positions (`prefix = (keys, values)`,
+    `[B, T, K, Dh]` each; a decoding cache): the token attends to the buffer's valid positions
+    before its own (within the sliding window where the layer slides) and to itself. Keys are
+    `[buffer T | the token]`; rotary tables are `[B, 1, R]`."""
+    T = valid.shape[1]
+    where = positions[:, None]
+    keys = jnp.arange(T)[None, :]
+
+    def rotary_of(local):
+        return tuple(t[positions][:, None, :] for t in rotary_tables(T, config, local))
+
+    def mask_of(window):
+        earlier = (keys < where) & valid & ((where - keys < window) if window else True)
+        return jnp.concatenate([earlier, jnp.ones_like(where, bool)], axis=1)[:, None, :]
 
     return _context(rotary_of, mask_of, config)
 

@@ -3,7 +3,8 @@ after layer. Everything else (the forward, every analysis) calls these.
 
 - `run_layers`: layers start..L-1 on a residual, one `lax.scan` from boundary 0 (differentiable,
   optionally rematerialised) or a `fori_loop` from a traced boundary (forward only); with taps,
-  a prefix of keys and values, and stateful interventions carried through the loop;
+  a prefix of keys and values, and stateful interventions carried through the loop; or the
+  layers of a `jaxdepth.core.structure.LayerOrder` (dropped, swapped, repeated, parallel);
 - `run_layer`: one layer at a traced index (a site's value set inside it);
 - `run_layers_in_pieces`: layers from a boundary on, each over position pieces in order against
   a key/value buffer (erasure's suffix runs);
@@ -29,6 +30,7 @@ from jaxtyping import Array, Bool, Float
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import (
+    LayerContext,
     Params,
     Tap,
     check_layer_rows,
@@ -48,6 +50,7 @@ from jaxdepth.core.sites import (
     initial_states,
     splits_layer,
 )
+from jaxdepth.core.structure import LayerOrder, check_order
 
 
 def final_residual(h_last, config: ModelConfig, interventions, states: tuple = ()):
@@ -70,6 +73,8 @@ def run_layers(
     tap_inputs: Any = None,
     prefix: Optional[tuple[Array, Array]] = None,
     remat: bool = False,
+    order: Optional[LayerOrder] = None,
+    context: Optional[LayerContext] = None,
 ):
     """Run decoder layers start..L-1 on the residual `h` = h_start (`h_0` by default), applying
     `interventions`: a site `Intervention` (`jaxdepth.core.sites`), a `StatefulIntervention`,
@@ -94,6 +99,15 @@ def run_layers(
     position P (causal attention), and it saves the prefix's queries, MLPs and outputs. `valid`
     then covers all T positions; intervention data covers the S suffix rows.
 
+    `order` (a `jaxdepth.core.structure.LayerOrder` `[N, G]`, from boundary 0 only) runs its
+    steps instead of layers 0..L-1 (`_run_order`): taps are then stacked `[N, G, ...]` (step,
+    group member), `prefix` has those leading axes too, and `tap_inputs` rows are read by
+    each layer's original index, as interventions address it.
+
+    `context` (a `LayerContext`) replaces the one built from `valid` and the prefix's length:
+    the rotary tables and masks of rows that are not consecutive positions, such as one new
+    token per prompt at each prompt's own position (`jaxdepth.core.layer.step_context`).
+
     Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
     """
     L = config.num_layers
@@ -104,10 +118,19 @@ def run_layers(
         raise ValueError("remat is for gradients through every layer: run from start 0")
     ivs = check_layer_indices(interventions, L)
     check_layer_rows(tap_inputs, L, "tap_inputs")
-    check_layer_rows(prefix, L, "prefix")
-    offset = 0 if prefix is None else prefix[0].shape[2]
-    context = layer_context(h, valid, config, offset)
+    if order is None:
+        check_layer_rows(prefix, L, "prefix")
+    offset = 0 if prefix is None else prefix[0].shape[3 if order is not None else 2]
+    context = layer_context(h, valid, config, offset) if context is None else context
     states = initial_states(ivs)
+    if order is not None:
+        if not any(isinstance(a, jax.core.Tracer) for a in order):
+            check_order(order, L)  # a traced order is the caller's to check (`check_order`)
+        if not from_zero:
+            raise ValueError("a layer order runs from boundary 0: drop the layers before it from the order instead")
+        run = _run_order(params, config, order, ivs, context, tap, tap_inputs, prefix)
+        (h_last, states), taps = jax.lax.scan(jax.checkpoint(run) if remat else run, (h, states), (order, prefix))
+        return final_residual(h_last, config, ivs, states), taps
 
     def record(p, i, h, states, known):
         return layer_step(p, h, i, context, config, ivs, known, states)
@@ -149,6 +172,65 @@ def run_layers(
 
     h_last, states, taps = jax.lax.fori_loop(start, L, body, (h, states, buffers))
     return final_residual(h_last, config, ivs, states), taps
+
+
+def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, context, tap, tap_inputs, prefix):
+    """The scan body of `run_layers(order=...)`: one step of the order, `(h, states)` carried.
+    A step of one layer sets h to its output (`where`, so the identity order is the plain
+    forward bit for bit); a step of several adds each one's output minus h; a step of none
+    keeps h. Every group member runs (a vmapped stack of orders has no per-member shapes);
+    the unused ones' results are discarded."""
+    layers, used = order
+    if jnp.ndim(layers) != 2 or jnp.shape(layers) != jnp.shape(used):
+        raise ValueError(
+            f"run_layers takes one layer order, layers and used [steps, group], got {jnp.shape(layers)} and "
+            f"{jnp.shape(used)}: vmap over a stack of orders"
+        )
+    N, G = jnp.shape(layers)
+    if G > 1 and any(isinstance(iv, StatefulIntervention) for iv in ivs):
+        raise ValueError("a stateful intervention's state has no order among the layers of a parallel step")
+    if prefix is not None:
+        for leaf in jax.tree.leaves(prefix):
+            if jnp.shape(leaf)[:2] != (N, G):
+                raise ValueError(
+                    f"prefix rows under a layer order are [steps, group] = {(N, G)}, got {jnp.shape(leaf)}"
+                )
+
+    def step(carry, xs):
+        h, states = carry
+        (index, use), known = xs
+        records = [
+            layer_step(
+                layer_params(params, index[g]),
+                h,
+                index[g],
+                context,
+                config,
+                ivs,
+                None if known is None else layer_row(known, g),
+                states,
+            )
+            for g in range(G)
+        ]
+        if G == 1:
+            new = jnp.where(use[0], records[0].out, h)
+            states = jax.tree.map(lambda a, b: jnp.where(use[0], a, b), records[0].states, states)
+        else:
+            zero = jnp.zeros((), h.dtype)
+            alone, added = zero, h
+            for g, r in enumerate(records):  # x + 0 is x: `alone` is the one used output, exactly
+                alone = alone + jnp.where(use[g], r.out, zero)
+                added = added + jnp.where(use[g], r.out - h, zero)
+            count = jnp.sum(use)
+            new = jnp.where(count == 0, h, jnp.where(count == 1, alone, added))
+        if tap is None:
+            return (new, states), None
+        tapped = [
+            tap(r, None if tap_inputs is None else layer_row(tap_inputs, index[g])) for g, r in enumerate(records)
+        ]
+        return (new, states), jax.tree.map(lambda *rows: jnp.stack(rows), *tapped)
+
+    return step
 
 
 def run_layer(params: Params, layer, h: Float[Array, "B T D"], config: ModelConfig, *, valid=None, interventions=None):

@@ -108,14 +108,25 @@ def check_tokens(tokens, config: ModelConfig) -> None:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
 
 
-def embed(params: Params, tokens: Int[Array, "B T"], config: ModelConfig, offset: int = 0) -> Float[Array, "B T D"]:
+def embed(
+    params: Params,
+    tokens: Int[Array, "B T"],
+    config: ModelConfig,
+    offset: int = 0,
+    *,
+    positions: Optional[Int[Array, "B T"]] = None,
+) -> Float[Array, "B T D"]:
     """h_0: the token embeddings, scaled as the family scales them (Gemma) and with learned
-    position embeddings added (GPT-2), the tokens sitting at positions `offset, offset+1, ...`."""
-    h = params["embed"][tokens]
+    position embeddings added (GPT-2), the tokens sitting at positions `offset, offset+1, ...`,
+    or at `positions` (each token's own, e.g. one new token per prompt while decoding)."""
+    h = jnp.asarray(params["embed"])[tokens]  # (numpy params, closed over, cannot take traced tokens)
     if config.embed_scale != 1.0:
         h = h * jnp.asarray(config.embed_scale, h.dtype)
     if config.positions == "learned":
-        h = h + jax.lax.dynamic_slice_in_dim(params["pos_embed"], offset, tokens.shape[-1])
+        if positions is not None:
+            h = h + jnp.asarray(params["pos_embed"])[positions]
+        else:
+            h = h + jax.lax.dynamic_slice_in_dim(params["pos_embed"], offset, tokens.shape[-1])
     return h
 
 

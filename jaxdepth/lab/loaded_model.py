@@ -11,10 +11,14 @@ import dataclasses
 import functools
 from functools import partial
 
+from typing import Sequence
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.compilation import jit
+from jaxdepth.core.decoding import generate
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import check_tokens, embed, forward
 from jaxdepth.core.weights import ModelWeights
@@ -91,6 +95,63 @@ class Model(ModelWeights):
             self.params, tokens, self.config, metric, tuple(sites), valid, interventions, positions
         )
 
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        *,
+        stop: Sequence[str] = (),
+        interventions=None,
+        order=None,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> list[str]:
+        """The continuation of each prompt (a string, or a list of them), as text:
+        `jaxdepth.core.decoding.generate` on this model, greedy by default (`temperature` > 0
+        samples, seeded by `seed`), ending at the tokenizer's end-of-sequence token or after
+        `max_new_tokens`, and cut before the first of the `stop` strings (the decoding itself
+        runs on to its end). `interventions` and `order` (a `jaxdepth.core.structure.LayerOrder`)
+        apply to every step. The prompts are right-padded to a `LengthBuckets` length, so
+        batches of similar lengths share one compiled program."""
+        from jaxdepth.core.batch import LengthBuckets
+        from jaxdepth.core.decoding import check_prompt_mask
+
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not texts:
+            raise ValueError("no prompts to generate from")
+        ids = [self.encode(text) for text in texts]
+        width = LengthBuckets().padded(max(len(t) for t in ids))
+        tokens = np.zeros((len(ids), width), np.int32)
+        valid = np.zeros((len(ids), width), bool)
+        for i, t in enumerate(ids):
+            tokens[i, : len(t)], valid[i, : len(t)] = t, True
+        check_tokens(tokens, self.config)
+        check_prompt_mask(valid, max_new_tokens, self.config)
+        if order is not None:  # inside the jitted call it is traced and can no longer be checked
+            from jaxdepth.core.structure import check_order
+
+            order = check_order(order, self.config.num_layers)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        out = _jit_generate(
+            self.params,
+            jnp.asarray(tokens),
+            self.config,
+            valid=jnp.asarray(valid),
+            max_new_tokens=int(max_new_tokens),
+            interventions=interventions,
+            order=order,
+            eos_ids=() if eos is None else (int(eos),),
+            temperature=float(temperature),
+            key=jax.random.PRNGKey(seed) if temperature > 0 else None,
+        )
+        results = []
+        for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+            kept = [int(t) for t in row[:n] if t != eos]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            cut = min([text.find(s) for s in stop if s and s in text], default=len(text))
+            results.append(text[:cut])
+        return results
+
     def _checked(self, token_ids, valid):
         tokens = np.asarray(token_ids)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -110,6 +171,9 @@ class Model(ModelWeights):
 @partial(jit, static_argnames="config")
 def _jit_forward(params, tokens, config, valid, interventions=None):
     return forward(params, tokens, config, valid=valid, interventions=interventions)
+
+
+_jit_generate = jit(generate, static_argnames=("config", "max_new_tokens", "eos_ids", "pad_id", "temperature"))
 
 
 @partial(jit, static_argnames=("config", "tap"))

@@ -1,0 +1,157 @@
+"""Generation: greedy or sampled decoding with a key/value cache, under interventions and in any
+layer order (`jaxdepth.core.structure`), as one pure function to `jit` and `vmap`.
+
+Prompts are right-padded (`valid` marks the real tokens, a prefix of each row): each prompt's
+new tokens take the positions after its own last token, so a batch of ragged prompts decodes
+exactly as each prompt alone would (no position shift to correct, as left padding would need).
+The prompt runs once (the prefill), keeping every step's keys and values in a buffer of
+`T + max_new_tokens` positions; each new token then runs alone at its own position against
+that buffer (`jaxdepth.core.layer.step_context`) and writes its keys and values into it.
+
+Interventions act in the prefill and in every decoding step, on the rows of that call: the
+prompt's T positions, then one position per step. Their data must therefore fit any number of
+positions (a position mask of one entry, `[1]` or `[B, 1]`, or none); a mask of the prompt's
+T positions fails the shape check at trace time. Stateful interventions and split sites are
+refused: their state and per-head keys have no meaning across decoding steps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.layer import Params, step_context
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed, unembed
+from jaxdepth.core.sites import InterventionsLike, StatefulIntervention, check_layer_indices, splits_layer
+from jaxdepth.core.structure import LayerOrder, identity_order
+
+__all__ = ["Generated", "generate", "check_prompt_mask"]
+
+
+class Generated(NamedTuple):
+    """New tokens `[B, max_new_tokens]` (int32; `pad_id` after each row's end) and how many
+    each row generated `[B]` (its end-of-sequence token included)."""
+
+    tokens: Int[Array, "B N"]
+    lengths: Int[Array, " B"]
+
+
+def check_prompt_mask(valid, max_new_tokens: int, config: ModelConfig) -> None:
+    """Refuse prompts `generate` cannot take, where `valid` is concrete: a row that is not a
+    right-padded prefix of real tokens, an empty row, or a buffer past the model's context."""
+    valid = np.asarray(valid, bool)
+    lengths = valid.sum(axis=1)
+    if (lengths == 0).any():
+        raise ValueError(f"prompt {int(np.argmax(lengths == 0))} has no tokens")
+    prefix = np.arange(valid.shape[1])[None, :] < lengths[:, None]
+    if (valid != prefix).any():
+        raise ValueError(
+            f"prompt {int(np.argmax((valid != prefix).any(axis=1)))} is not right-padded: generation takes each "
+            "prompt's real tokens first, then padding"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if valid.shape[1] + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"{valid.shape[1]} prompt positions + {max_new_tokens} new tokens exceed the model's context of "
+            f"{config.max_position_embeddings}"
+        )
+
+
+def _pick(logits: Float[Array, "B V"], temperature: float, key) -> Int[Array, " B"]:
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+def _read_key_values(record, _):
+    return record.k, record.v
+
+
+def _new_key_values(record, _):
+    return record.k[:, -1], record.v[:, -1]  # keys are [buffer | the new token]
+
+
+def generate(
+    params: Params,
+    tokens: Int[Array, "B T"],
+    config: ModelConfig,
+    *,
+    max_new_tokens: int,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    order: Optional[LayerOrder] = None,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    temperature: float = 0.0,
+    key: Optional[Array] = None,
+) -> Generated:
+    """Up to `max_new_tokens` new tokens after each right-padded prompt of `tokens` (`valid`
+    marks the real tokens, default all), greedy (`temperature` 0, the default) or sampled at
+    `temperature` with `key`. A row ends after it emits one of `eos_ids`; the loop ends when
+    every row has. `interventions` and `order` (default the identity) apply to every forward
+    call (module docstring). Pure: `jit` it with `config`, `max_new_tokens`, `eos_ids`,
+    `pad_id` and `temperature` static, and `vmap` it over intervention data or a stack of
+    orders (`jaxdepth.core.structure.stack_orders`) to decode many configurations at once."""
+    B, T = tokens.shape
+    L = config.num_layers
+    ivs = check_layer_indices(interventions, L)
+    if any(isinstance(iv, StatefulIntervention) for iv in ivs) or splits_layer(ivs):
+        raise ValueError(
+            "generation takes site interventions at unsplit sites: a stateful intervention's state and a split "
+            "layer's per-head keys do not carry from one decoding step to the next"
+        )
+    if temperature < 0 or (temperature > 0 and key is None):
+        raise ValueError("sampling needs temperature > 0 and a key (temperature 0 decodes greedily)")
+    valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
+    if not isinstance(valid, jax.core.Tracer):
+        check_prompt_mask(valid, max_new_tokens, config)
+    order = identity_order(L) if order is None else order
+    eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)  # -1 is no token: nothing ends a row
+    rows = jnp.arange(B)
+    lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
+    keyed = lambda n: None if temperature == 0 else jax.random.fold_in(key, n)  # noqa: E731
+
+    h, (keys, values) = run_layers(
+        params, embed(params, tokens, config), config, valid=valid, interventions=ivs, order=order, tap=_read_key_values
+    )
+    grow = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, max_new_tokens)] + [(0, 0)] * (a.ndim - 4))  # noqa: E731
+    keys, values = grow(keys), grow(values)  # [N, G, B, T + new, K, Dh]
+    seen = jnp.pad(valid, ((0, 0), (0, max_new_tokens)))
+    first = _pick(unembed(params, h[rows, lengths - 1], config), temperature, keyed(0))
+    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+
+    def running(carry):
+        n, *_, done = carry
+        return (n < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        n, token, keys, values, seen, out, count, done = carry
+        at = lengths + n - 1  # the previous token's position
+        seen = seen.at[rows, at].set(True)
+        h, (k, v) = run_layers(
+            params,
+            embed(params, token[:, None], config, positions=at[:, None]),
+            config,
+            interventions=ivs,
+            order=order,
+            context=step_context(seen, at, config),
+            prefix=(keys, values),
+            tap=_new_key_values,
+        )
+        keys, values = keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v)
+        token = _pick(unembed(params, h[:, 0], config), temperature, keyed(n))
+        out = out.at[:, n].set(jnp.where(done, pad_id, token))
+        count = count + ~done
+        return n + 1, token, keys, values, seen, out, count, done | jnp.isin(token, eos)
+
+    carry = (jnp.int32(1), first, keys, values, seen, out, jnp.ones((B,), jnp.int32), done)
+    out, count = jax.lax.while_loop(running, step, carry)[-3:-1]
+    return Generated(out, count)
