@@ -274,6 +274,29 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_hf):
     assert diff <= TOL_SMOLLM2
 
 
+@pytest.mark.slow(seconds=90)  # transformers' model of the GGUF, if this worker has not loaded it yet
+def test_smollm2_greedy_generation_matches_transformers(smollm2, smollm2_hf):
+    """Three prompts of different lengths decoded together (right-padded) by jaxdepth, each
+    against transformers' greedy generate of that prompt alone: the same new tokens, 32 or up
+    to the end-of-sequence token, where both stop."""
+    from jaxdepth.core.decoding import generate
+
+    prompts = [smollm2.encode(text) for text in ("The capital of France is", "1, 2, 3,", "Water boils at a")]
+    T, new, eos = max(map(len, prompts)), 32, smollm2.tokenizer.eos_token_id
+    tokens, valid = np.zeros((3, T), np.int32), np.zeros((3, T), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)], valid[i, : len(p)] = p, True
+    decode = jax.jit(generate, static_argnames=("config", "max_new_tokens", "eos_ids"))
+    got = decode(smollm2.params, tokens, smollm2.config, valid=valid, max_new_tokens=new, eos_ids=(eos,))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            expected = smollm2_hf.generate(
+                torch.tensor(p[None].astype(np.int64)), max_new_tokens=new, do_sample=False, eos_token_id=eos
+            )[0, len(p) :].tolist()
+        assert np.asarray(got.tokens[i, : int(got.lengths[i])]).tolist() == expected, i
+    assert int(got.lengths.max()) == new  # one prompt at least runs to the end
+
+
 def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_config):
     hf = smollm2_hf_config
     c = smollm2.config

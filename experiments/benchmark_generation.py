@@ -1,0 +1,211 @@
+"""Generation under many layer orders: jaxdepth decoding every configuration of a sweep together
+(one vmapped program over a stack of `jaxdepth.structure` orders) against transformers'
+`generate` run once per configuration, with a hook that applies it (a forward hook returning a
+dropped layer's input; two modules of the layer list exchanged for a swap).
+
+The default workload: the embedded model (SmolLM2-135M-Instruct), every single-layer drop (30)
+and adjacent swap (29), 20 prompts (the 12 embedded arithmetic prompts and 8 counting
+prompts), 48 new tokens each, greedy, every row run to 48 tokens on both sides (no
+end-of-sequence stop). It prints each side's time and tokens per second, the process's peak
+memory after each side, the configurations whose tokens agree, and writes a JSON report.
+
+    python experiments/benchmark_generation.py --out experiments/results/generation_benchmark.json
+
+`--configs 4 --prompts 3 --new 8` is a check that everything runs (under a minute after the
+models load). transformers reads the GGUF file (about 70 s, excluded from the times) and needs
+torch and accelerate (the test extras).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarking.machine import cpu_description  # noqa: E402
+from benchmarking.report import log, write_json_atomic  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=20, help="prompts per configuration")
+    p.add_argument("--new", type=int, default=48, help="new tokens per prompt")
+    p.add_argument("--configs", type=int, default=0, help="the first N configurations only (0: all drops and swaps)")
+    p.add_argument("--chunk", type=int, default=8, help="configurations decoded together in one vmapped call")
+    p.add_argument("--no-reference", action="store_true", help="time jaxdepth only")
+    p.add_argument("--out", default="results/generation_benchmark.json")
+    return p.parse_args(argv)
+
+
+def prompts(count: int) -> list[str]:
+    """The embedded arithmetic prompts, then counting prompts, `count` in all."""
+    from jaxdepth.lab.prompts import load_prompts
+
+    texts = [p.question for p in load_prompts("default")]
+    texts += [f"{a}, {a + 1}, {a + 2}," for a in range(1, 1 + max(0, count - len(texts)))]
+    return texts[:count]
+
+
+def configurations(L: int, limit: int):
+    """(name, order) of every single-layer drop and adjacent swap."""
+    from jaxdepth import structure
+
+    found = [(f"drop {l}", structure.drop_block(L, l, 1)) for l in range(L)]
+    found += [(f"swap {l}-{l + 1}", structure.swap_pair(L, l)) for l in range(L - 1)]
+    return found[:limit] if limit else found
+
+
+def peak_memory_gib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_jaxdepth(model, token_ids, valid, orders, new: int, chunk: int):
+    """Every order's new tokens `[configs, B, new]`, decoded `chunk` orders at a time (the last
+    chunk padded with copies of its last order), and (first call seconds, the whole sweep's
+    seconds after it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdepth import generate, structure
+
+    stacked = structure.stack_orders(orders)
+
+    def decode(params, order):
+        return generate(params, token_ids, model.config, valid=valid, max_new_tokens=new, order=order).tokens
+
+    sweep = jax.jit(jax.vmap(decode, in_axes=(None, 0)))
+    starts = range(0, len(orders), chunk)
+
+    def piece(i):
+        rows = np.minimum(np.arange(i, i + chunk), len(orders) - 1)
+        return structure.LayerOrder(jnp.asarray(stacked.layers[rows]), jnp.asarray(stacked.used[rows]))
+
+    start = time.perf_counter()
+    jax.block_until_ready(sweep(model.params, piece(0)))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    out = [np.asarray(sweep(model.params, piece(i)))[: min(chunk, len(orders) - i)] for i in starts]
+    return np.concatenate(out), first, time.perf_counter() - start
+
+
+def run_reference(hf, texts, tokenizer, configs, new: int):
+    """transformers' greedy generate once per configuration (left-padded batch, its cache), each
+    configuration applied by a hook: `[configs, B, new]` tokens and the seconds."""
+    import torch
+
+    layers = hf.model.layers
+    hf.generation_config.eos_token_id = None  # every row runs to `new` tokens, as jaxdepth's do
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+
+    def passthrough(module, args, kwargs, output):
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return h if isinstance(output, torch.Tensor) else (h, *output[1:])
+
+    out, start = [], time.perf_counter()
+    for name, _ in configs:
+        kind, where = name.split(" ")
+        handle = None
+        if kind == "drop":
+            handle = layers[int(where)].register_forward_hook(passthrough, with_kwargs=True)
+        else:
+            i = int(where.split("-")[0])
+            layers[i], layers[i + 1] = layers[i + 1], layers[i]
+        try:
+            with torch.no_grad():
+                tokens = hf.generate(
+                    **batch, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
+        finally:
+            if handle is not None:
+                handle.remove()
+            else:
+                layers[i], layers[i + 1] = layers[i + 1], layers[i]
+        out.append(tokens[:, batch["input_ids"].shape[1] :].numpy())
+    return np.stack(out), time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jaxdepth
+    from jaxdepth.core.batch import LengthBuckets
+
+    model = jaxdepth.load("smollm2")
+    texts = prompts(args.prompts)
+    configs = configurations(model.config.num_layers, args.configs)
+    ids = [model.encode(t) for t in texts]
+    width = LengthBuckets().padded(max(map(len, ids)))
+    token_ids, valid = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), bool)
+    for i, t in enumerate(ids):
+        token_ids[i, : len(t)], valid[i, : len(t)] = t, True
+    generated = len(configs) * len(texts) * args.new
+    cpu = cpu_description()
+    log(
+        f"{len(configs)} configurations x {len(texts)} prompts ({min(map(len, ids))}-{max(map(len, ids))} tokens, "
+        f"padded to {width}) x {args.new} new tokens = {generated} tokens; {cpu}, {os.cpu_count()} cores"
+    )
+    report = dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        python=platform.python_version(),
+        configurations=[name for name, _ in configs],
+        prompts=len(texts),
+        new_tokens=args.new,
+        chunk=args.chunk,
+    )
+
+    jax_tokens, first, seconds = run_jaxdepth(
+        model, token_ids, valid, [order for _, order in configs], args.new, args.chunk
+    )
+    report["jaxdepth"] = dict(
+        first_call_s=first, seconds=seconds, tokens_per_s=generated / seconds, peak_memory_gib=peak_memory_gib()
+    )
+    log(
+        f"jaxdepth: first call (compile + {args.chunk} configurations) {first:.1f} s; every configuration "
+        f"{seconds:.1f} s, {generated / seconds:.0f} tokens/s; process peak memory {peak_memory_gib():.2f} GiB"
+    )
+    write_json_atomic(args.out, report)
+    if args.no_reference:
+        return 0
+
+    from jaxdepth.lab.sources import embedded_gguf_path
+    from reference_torch import load_hf_model
+
+    start = time.perf_counter()
+    hf = load_hf_model(embedded_gguf_path("smollm2"))
+    log(f"transformers read the GGUF file in {time.perf_counter() - start:.0f} s (excluded)")
+    ref_tokens, ref_seconds = run_reference(hf, texts, model.tokenizer, configs, args.new)
+    same = (jax_tokens == ref_tokens).all(axis=2)  # [configs, prompts]: a whole continuation alike
+    report["reference"] = dict(
+        seconds=ref_seconds, tokens_per_s=generated / ref_seconds, peak_memory_gib=peak_memory_gib()
+    )
+    report["speedup"] = ref_seconds / seconds
+    report["identical_continuations"] = dict(
+        fraction=float(same.mean()),
+        per_configuration={name: float(row.mean()) for (name, _), row in zip(configs, same)},
+    )
+    log(
+        f"transformers, once per configuration: {ref_seconds:.1f} s, {generated / ref_seconds:.0f} tokens/s; "
+        f"process peak memory {peak_memory_gib():.2f} GiB (both sides)"
+    )
+    log(
+        f"jaxdepth / transformers: {ref_seconds / seconds:.2f}x; identical continuations "
+        f"{same.sum()} of {same.size} ({100 * same.mean():.1f}%)"
+    )
+    write_json_atomic(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
