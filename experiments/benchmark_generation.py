@@ -124,7 +124,11 @@ def run_reference(hf, texts, tokenizer, configs, new: int):
         try:
             with torch.no_grad():
                 tokens = hf.generate(
-                    **batch, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                    **batch,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
                 )
         finally:
             if handle is not None:
