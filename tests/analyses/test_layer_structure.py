@@ -1,0 +1,101 @@
+"""The structure sweep (`jaxdepth.analyses.layer_structure`): the identity's scores are the plain
+forward's, a dropped block scores as those layers skipped, a vmapped sweep scores as each
+structure alone, and the angular-distance rule picks the block that changes nothing."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxdepth.analyses.layer_structure import (
+    Structure,
+    _answer_scores,
+    angular_distances,
+    gromov_choice,
+    structure_family,
+    structure_scores,
+)
+from jaxdepth.core import sites
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.model import forward, random_params, residual_stream
+
+# Compare at full float32 matmul precision; a vmapped sweep and a member alone are different
+# programs, which may round a sum differently by an ulp.
+pytestmark = pytest.mark.usefixtures("highest_precision")
+
+CONFIG = tiny_config(num_layers=5, qkv_bias=True)
+L = CONFIG.num_layers
+PARAMS = random_params(CONFIG, seed=7, scale=0.3)
+rng = np.random.default_rng(2)
+BATCH = make_batch([rng.integers(0, 97, n).tolist() for n in (12, 9, 15)], [8, 5, 11], pad_id=0)
+
+
+def test_the_family():
+    family = structure_family(L, 3)
+    drops = [s for s in family if s.kind == "drop"]
+    assert family[0] == Structure("intact", 0, 0) and str(family[0]) == "intact"
+    assert len(drops) == 5 + 4 + 3 and len([s for s in family if s.kind == "swap"]) == 4
+    assert [str(s) for s in family if s.kind == "reverse"] == ["reverse 1..2", "reverse 1..3"]
+    with pytest.raises(ValueError, match="max_block"):
+        structure_family(L, L)
+
+
+def test_the_intact_model_scores_as_the_plain_forward():
+    scores = structure_scores(PARAMS, BATCH, CONFIG, [Structure("intact", 0, 0)])
+    logits = forward(PARAMS, BATCH.tokens, CONFIG, valid=BATCH.valid)
+    logprob, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
+    np.testing.assert_allclose(scores.answer_logprob[0], np.asarray(logprob), rtol=1e-6)
+    assert np.array_equal(scores.answer_correct[0], np.asarray(correct, np.float32))
+    # against the definition: the mean log-probability of each prompt's answer tokens
+    log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for i, (n, start) in enumerate(zip(BATCH.lengths, BATCH.answer_start)):
+        expected = np.mean([log_probs[i, t - 1, BATCH.tokens[i, t]] for t in range(start, n)])
+        assert scores.answer_logprob[0, i] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_dropped_block_scores_as_those_layers_skipped():
+    for block in (Structure("drop", 1, 2), Structure("drop", 4, 1)):
+        skips = [
+            sites.skip("delta", l, np.ones(BATCH.tokens.shape[1])) for l in range(block.start, block.start + block.size)
+        ]
+        logits = jax.jit(forward, static_argnames="config")(
+            PARAMS, BATCH.tokens, CONFIG, valid=BATCH.valid, interventions=skips
+        )
+        logprob, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
+        scores = structure_scores(PARAMS, BATCH, CONFIG, [block])
+        np.testing.assert_allclose(scores.answer_logprob[0], np.asarray(logprob), rtol=1e-6, atol=1e-6)
+        assert np.array_equal(scores.answer_correct[0], np.asarray(correct, np.float32))
+
+
+def test_a_vmapped_sweep_scores_as_each_structure_alone():
+    family = structure_family(L, 2)
+    together = structure_scores(PARAMS, BATCH, CONFIG, family, chunk_size=4)
+    for i, s in enumerate(family):
+        alone = structure_scores(PARAMS, BATCH, CONFIG, [s])
+        np.testing.assert_allclose(together.answer_logprob[i], alone.answer_logprob[0], rtol=1e-6, err_msg=str(s))
+        assert np.array_equal(together.answer_correct[i], alone.answer_correct[0]), str(s)
+    assert len(set(map(tuple, together.answer_logprob.round(4)))) > len(family) // 2  # structures differ
+
+
+def test_angular_distances_and_the_rule_of_gromov():
+    params = jax.tree.map(np.array, PARAMS)
+    params["layers"]["o"][2] = 0.0  # layer 2 writes nothing: h_3 = h_2
+    params["layers"]["down"][2] = 0.0
+    distances = angular_distances(params, BATCH, CONFIG, 3)
+    assert distances.shape == (3, L) and np.isnan(distances[1, L - 1]) and np.isnan(distances[2, L - 2])
+    assert distances[0, 2] == pytest.approx(0.0, abs=1e-3) and (np.delete(distances[0], 2) > 0.01).all()
+    assert gromov_choice(distances)[0] == Structure("drop", 2, 1)
+    # against the definition, from the residual stream directly
+    hs = np.asarray(residual_stream(params, BATCH.tokens, CONFIG, valid=BATCH.valid), np.float64)
+    last = BATCH.answer_start - 1
+    a, b = hs[1, np.arange(3), last], hs[3, np.arange(3), last]
+    cos = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+    assert distances[1, 1] == pytest.approx(np.mean(np.arccos(np.clip(cos, -1, 1)) / np.pi), abs=1e-6)
+
+
+def test_prompts_without_answers_are_refused():
+    batch = make_batch([[1, 2, 3]], [3], pad_id=0)
+    with pytest.raises(ValueError, match="needs an answer"):
+        structure_scores(PARAMS, batch, CONFIG, [Structure("drop", 0, 1)])
