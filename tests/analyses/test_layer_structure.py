@@ -11,6 +11,9 @@ import pytest
 from conftest import tiny_config
 from jaxdepth.analyses.layer_structure import (
     Structure,
+    StructureResult,
+    structure_analysis,
+    structure_figure,
     _answer_scores,
     angular_distances,
     gromov_choice,
@@ -45,14 +48,18 @@ def test_the_family():
 def test_the_intact_model_scores_as_the_plain_forward():
     scores = structure_scores(PARAMS, BATCH, CONFIG, [Structure("intact", 0, 0)])
     logits = forward(PARAMS, BATCH.tokens, CONFIG, valid=BATCH.valid)
-    logprob, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
+    logprob, token_accuracy, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
     np.testing.assert_allclose(scores.answer_logprob[0], np.asarray(logprob), rtol=1e-6)
+    assert np.array_equal(scores.answer_token_accuracy[0], np.asarray(token_accuracy))
     assert np.array_equal(scores.answer_correct[0], np.asarray(correct, np.float32))
     # against the definition: the mean log-probability of each prompt's answer tokens
     log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     for i, (n, start) in enumerate(zip(BATCH.lengths, BATCH.answer_start)):
         expected = np.mean([log_probs[i, t - 1, BATCH.tokens[i, t]] for t in range(start, n)])
         assert scores.answer_logprob[0, i] == pytest.approx(expected, rel=1e-5)
+        top = [log_probs[i, t - 1].argmax() == BATCH.tokens[i, t] for t in range(start, n)]
+        assert scores.answer_token_accuracy[0, i] == pytest.approx(np.mean(top))
+        assert scores.answer_correct[0, i] == float(all(top))
 
 
 def test_a_dropped_block_scores_as_those_layers_skipped():
@@ -63,7 +70,7 @@ def test_a_dropped_block_scores_as_those_layers_skipped():
         logits = jax.jit(forward, static_argnames="config")(
             PARAMS, BATCH.tokens, CONFIG, valid=BATCH.valid, interventions=skips
         )
-        logprob, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
+        logprob, _, correct = _answer_scores(logits, BATCH.tokens, BATCH.valid, BATCH.answer_start)
         scores = structure_scores(PARAMS, BATCH, CONFIG, [block])
         np.testing.assert_allclose(scores.answer_logprob[0], np.asarray(logprob), rtol=1e-6, atol=1e-6)
         assert np.array_equal(scores.answer_correct[0], np.asarray(correct, np.float32))
@@ -99,3 +106,72 @@ def test_prompts_without_answers_are_refused():
     batch = make_batch([[1, 2, 3]], [3], pad_id=0)
     with pytest.raises(ValueError, match="needs an answer"):
         structure_scores(PARAMS, batch, CONFIG, [Structure("drop", 0, 1)])
+
+
+def test_the_result_saves_draws_and_sums_up(tmp_path):
+    result = structure_analysis(PARAMS, BATCH, CONFIG, max_block=2)
+    family = structure_family(L, 2)
+    assert result.structures() == family and result.answer_logprob.shape == (len(family), 3)
+    loaded = StructureResult.load(result.save(str(tmp_path / "structure.npz")))
+    assert loaded.structures() == family and np.array_equal(loaded.answer_logprob, result.answer_logprob)
+    assert (result.angular_distance[1, L - 1] == -1.0) and gromov_choice(result.angular_distance)[1].start < L - 1
+    grid = result.drop_grid(result.accuracy())
+    assert grid.shape == (2, L) and np.isnan(grid[1, L - 1])
+    assert grid[1, 2] == result.accuracy()[family.index(Structure("drop", 2, 2))]
+    best = result.largest_droppable(points=100.0)  # anything goes: the largest block, the best of its size
+    assert best.size == 2 and result.largest_droppable(points=-100.0) is None
+    fig = structure_figure(result)
+    assert len(fig.axes) >= 3
+    from jaxdepth.analyses.layer_structure import ANALYSIS
+
+    within = result.largest_droppable()
+    summary = ANALYSIS.summary(result)
+    if within is None:
+        assert summary == ["no layer droppable within 1 point of token accuracy"]
+    else:
+        assert summary[0] == f"droppable within 1 point: {within.size} layers ({within})"
+
+
+@pytest.mark.slow(seconds=30)
+def test_the_command_line_runs_it_as_a_plugin(tmp_path, capsys):
+    from conftest import save_tiny_checkpoint
+    from jaxdepth.lab import plugins
+    from jaxdepth.lab.cli import main
+    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.results import load_result
+
+    model = save_tiny_checkpoint(str(tmp_path / "model"), context=1024)
+    registered, loaded = dict(ANALYSES), dict(plugins.LOADED)
+    try:
+        code = main(
+            [
+                "run",
+                "--model",
+                model,
+                "--dataset",
+                "default",
+                "--prompts",
+                "2",
+                "--detail-prompts",
+                "2",
+                "--plugin",
+                "jaxdepth.analyses.layer_structure:ANALYSIS",
+                "--analyses",
+                "layer_structure",
+                "--structure-max-block",
+                "2",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+    finally:
+        ANALYSES.clear()
+        ANALYSES.update(registered)
+        plugins.LOADED.clear()
+        plugins.LOADED.update(loaded)
+    assert code == 0
+    result = load_result(str(tmp_path / "out" / "model" / "default" / "layer_structure.npz"))
+    assert isinstance(result, StructureResult) and result.answer_logprob.shape[1] == 2
+    assert result.settings["identity"]["structure_max_block"] == 2
+    printed = capsys.readouterr().out
+    assert "droppable within 1 point" in printed or "no layer droppable" in printed
