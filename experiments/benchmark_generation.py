@@ -142,16 +142,14 @@ def run_reference(hf, texts, tokenizer, configs, new: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jaxdepth
-    from jaxdepth.core.batch import LengthBuckets
+    from jaxdepth.core.batch import make_batch
 
     model = jaxdepth.load("smollm2")
     texts = prompts(args.prompts)
     configs = configurations(model.config.num_layers, args.configs)
     ids = [model.encode(t) for t in texts]
-    width = LengthBuckets().padded(max(map(len, ids)))
-    token_ids, valid = np.zeros((len(ids), width), np.int32), np.zeros((len(ids), width), bool)
-    for i, t in enumerate(ids):
-        token_ids[i, : len(t)], valid[i, : len(t)] = t, True
+    batch = make_batch(ids)  # right-padded to a bucket length
+    token_ids, valid, width = batch.tokens, batch.valid, batch.tokens.shape[1]
     generated = len(configs) * len(texts) * args.new
     cpu = cpu_description()
     log(

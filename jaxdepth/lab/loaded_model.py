@@ -113,18 +113,14 @@ class Model(ModelWeights):
         runs on to its end). `interventions` and `order` (a `jaxdepth.core.structure.LayerOrder`)
         apply to every step. The prompts are right-padded to a `LengthBuckets` length, so
         batches of similar lengths share one compiled program."""
-        from jaxdepth.core.batch import LengthBuckets
+        from jaxdepth.core.batch import make_batch
         from jaxdepth.core.decoding import check_prompt_mask
 
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts:
             raise ValueError("no prompts to generate from")
-        ids = [self.encode(text) for text in texts]
-        width = LengthBuckets().padded(max(len(t) for t in ids))
-        tokens = np.zeros((len(ids), width), np.int32)
-        valid = np.zeros((len(ids), width), bool)
-        for i, t in enumerate(ids):
-            tokens[i, : len(t)], valid[i, : len(t)] = t, True
+        batch = make_batch([self.encode(text) for text in texts])
+        tokens, valid = batch.tokens, batch.valid
         check_tokens(tokens, self.config)
         check_prompt_mask(valid, max_new_tokens, self.config)
         if order is not None:  # inside the jitted call it is traced and can no longer be checked
