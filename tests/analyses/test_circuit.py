@@ -59,14 +59,13 @@ def test_a_reachable_target_is_reached_by_the_fewest_edges_evaluated(params, pai
 # ----------------------------------------------------------------------------- the figure
 
 
-def crowded_circuit(num_layers: int, num_heads: int) -> Circuit:
+def crowded_circuit(num_layers: int, num_heads: int, post_norms: bool = False) -> Circuit:
     """Edges among every node of the first and the last two layers, and from the input to the
-    logits: neighbouring heads, neighbouring layers, the input and the logits, all drawn."""
-    graph = EdgeGraph(num_layers, num_heads)
+    logits: neighbouring heads, neighbouring layers, the input and the logits, all drawn (with
+    `post_norms`, each layer's attention as one writer, beside its heads' inputs)."""
+    graph = EdgeGraph(num_layers, num_heads, post_norms=post_norms)
     layers = sorted({0, 1, num_layers - 2, num_layers - 1} & set(range(num_layers)))
-    writers = [graph.head_writer(l, h) for l in layers for h in range(num_heads)] + [
-        graph.mlp_writer(l) for l in layers
-    ]
+    writers = [w for l in layers for w in graph.layer_attention_writers(l)] + [graph.mlp_writer(l) for l in layers]
     readers = [graph.mlp_reader(l) for l in layers] + [graph.logits_reader]
     edges = [(w, r) for w, r in itertools.product([0] + writers, readers) if graph.edge_mask[w, r]]
     edges += [(0, graph.head_reader(l, h, "q")) for l in layers for h in range(num_heads)]
@@ -77,15 +76,18 @@ def crowded_circuit(num_layers: int, num_heads: int) -> Circuit:
         faithfulness=0.8,
         sizes=np.array([len(edges)]),
         curve=np.array([0.8], np.float32),
-        num_layers=num_layers,
-        num_heads=num_heads,
+        **graph.fields(),
     )
 
 
-@pytest.mark.parametrize("num_layers, num_heads", [(30, 9), (4, 4), (24, 14)])
-def test_every_node_label_fits_its_circle_and_no_circle_is_clipped_or_overlaps(num_layers, num_heads):
-    """SmolLM2's graph (30 layers, 9 heads), the tiny model's, and a wide one (labels 'a23.h13')."""
-    circuit = crowded_circuit(num_layers, num_heads)
+@pytest.mark.parametrize(
+    "num_layers, num_heads, post_norms", [(30, 9, False), (4, 4, False), (24, 14, False), (26, 8, True)]
+)
+def test_every_node_label_fits_its_circle_and_no_circle_is_clipped_or_overlaps(num_layers, num_heads, post_norms):
+    """SmolLM2's graph (30 layers, 9 heads), the tiny model's, a wide one (labels 'a23.h13'), and
+    Gemma 2 2B's (26 layers, 8 heads; norms after the sublayers: each layer's attention a node
+    'a{l}' of its own, left of the MLPs)."""
+    circuit = crowded_circuit(num_layers, num_heads, post_norms)
     fig = circuit_figure(circuit, max_edges=len(circuit.edges))
     fig.canvas.draw()
     ax = fig.axes[0]

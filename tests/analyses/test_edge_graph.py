@@ -49,18 +49,26 @@ def test_bad_edge_names_are_refused(name, message):
         GRAPH.edge_index(name)
 
 
-@pytest.mark.parametrize("config", [CONFIG, tiny_config(), tiny_config(num_kv_heads=4, qk_norm=True)])
+# Gemma 2's norms after the sublayers (a layer's attention one writer, after its norm), its
+# embedding scale and 1 + w norm weights.
+POST_NORMS = tiny_config(
+    model_type="gemma2", post_norms=True, norm_offset=1.0, norm_scale_in_float32=True, embed_scale=32**0.5
+)
+
+
+@pytest.mark.parametrize("config", [CONFIG, tiny_config(), tiny_config(num_kv_heads=4, qk_norm=True), POST_NORMS])
 def test_the_edge_runs_are_the_model(config):
     """With no reader changed, a run whose layers are split per head (zero probes at every
-    reader) gives the model's logits, its writers sum to the residual stream, and a run from a
-    later boundary continues the run from 0."""
+    reader) gives the model's logits, its writers sum to the residual stream (with norms after
+    the sublayers too: there a layer's attention writes its output after the norm), and a run
+    from a later boundary continues the run from 0."""
     params = random_params(config, 3, scale=0.2)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 8)))
     valid, last = jnp.ones((2, 8), bool), jnp.array([7, 7])
     probes = probe_readers(reader_probes(config, 2, 8), config.num_layers)
-    run = edge_run(params, embed(params, tokens, CONFIG), valid, last, config, interventions=probes)
+    run = edge_run(params, embed(params, tokens, config), valid, last, config, interventions=probes)
     np.testing.assert_allclose(run.logits, forward(params, tokens, config)[:, -1], rtol=1e-4, atol=1e-4)
-    plain = edge_run(params, embed(params, tokens, CONFIG), valid, last, config)
+    plain = edge_run(params, embed(params, tokens, config), valid, last, config)
     np.testing.assert_allclose(plain.writers, run.writers, rtol=1e-4, atol=1e-5)
     graph = EdgeGraph.of(config)
     per_layer = np.asarray(run.writers[1:]).reshape(config.num_layers, graph.writers_per_layer, 2, 8, -1).sum(1)

@@ -214,16 +214,17 @@ def _pairs():
     return prompt_pairs(clean, corrupt, np.array([[1, 2], [2, 1]]))
 
 
-def test_edges_give_the_clean_and_corrupt_runs_or_are_refused_by_name(family):
+def test_edges_give_the_clean_and_the_corrupt_run(family):
+    """The whole graph is the clean run and the empty circuit the corrupt one, in every family:
+    with norms after the sublayers (Gemma 2/3, OLMo 2) a layer's attention is one writer, its
+    output after the norm (`tests/analyses/test_edge_post_norms.py`)."""
     config, params = family
     pairs = _pairs()
-    if config.post_norms:
-        with pytest.raises(ValueError, match="not available for"):
-            edge_attribution(params, pairs, config, logit_difference)
-        return
     graph = EdgeGraph.of(config)
+    assert graph.attention_writers == (1 if config.post_norms else config.num_heads)
     scores = edge_attribution(params, pairs, config, logit_difference)
-    assert np.all(np.isfinite(scores.scores))
+    assert np.all(np.isfinite(scores.scores)) and scores.graph == graph
+    assert np.max(np.abs(scores.f_clean - scores.f_corrupt)) > 1e-2  # the endpoints differ: the check has teeth
     f = circuit_metric(params, pairs, config, logit_difference, [graph.edge_mask, np.zeros_like(graph.edge_mask)])
     np.testing.assert_allclose(f[0], scores.f_clean, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(f[1], scores.f_corrupt, rtol=1e-5, atol=1e-5)

@@ -56,12 +56,13 @@ class Circuit(SavedResult):
     num_heads: int
     target: Optional[float] = None
     reached: bool = True
-    parallel: bool = False
+    parallel: bool = False  # the graph's fields (`EdgeGraph.fields`): `graph` reads them
+    post_norms: bool = False
 
     @property
     def graph(self) -> EdgeGraph:
         """The graph of the model the circuit is of."""
-        return EdgeGraph(self.num_layers, self.num_heads, self.parallel)
+        return EdgeGraph.of_result(self)
 
     @property
     def names(self) -> list[str]:
@@ -114,8 +115,8 @@ def find_circuit(
     if (size is None) == (target is None):
         raise ValueError("give the circuit's size or its faithfulness target, one of the two")
     graph = EdgeGraph.of(config)
-    if (scores.num_layers, scores.num_heads) != (graph.num_layers, graph.num_heads):
-        raise ValueError("the scores are of another model")
+    if scores.graph != graph:
+        raise ValueError(f"the scores are of another model's graph ({scores.graph}; this model's: {graph})")
     total = graph.num_edges
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
         raise ValueError(f"size must be an integer in 0..{total} (the graph's edges), got {size!r}")
@@ -174,11 +175,9 @@ def find_circuit(
         faithfulness=float(curve[np.flatnonzero(sizes == chosen)[0]]),
         sizes=sizes,
         curve=np.asarray(curve, np.float32),
-        num_layers=graph.num_layers,
-        num_heads=graph.num_heads,
-        parallel=graph.parallel,
         target=target,
         reached=reached,
+        **graph.fields(),
     )
 
 
@@ -186,6 +185,9 @@ def find_circuit(
 
 
 MLP_COLUMN = -1.5  # the x of the MLPs in the circuit figure, left of head 0
+# The x of a layer's attention where it is one writer (`EdgeGraph.post_norms`), left of the MLPs:
+# its heads stay readers, drawn at their own x.
+ATTENTION_COLUMN = MLP_COLUMN - 1.5
 NODE_FONT = 7  # points: the node labels' size, legible at the figure's printed size
 NODE_GAP = 4  # points between the circles of neighbouring nodes
 # Inches around the axes that constrained layout gives the title, tick labels, axis labels and
@@ -195,9 +197,10 @@ FIGURE_MARGINS = (1.1, 2.0)
 
 def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[int] = None) -> tuple[str, float, float]:
     """(name, x, y) of the node a writer or reader belongs to: heads 0..H-1 across at row
-    2l + 1, the MLPs in a column of their own left of them at row 2l + 2, the input at the
-    bottom (row -1) and the logits at the top (row 2L + 1), each two rows from its nearest
-    neighbour in its column."""
+    2l + 1, the MLPs in a column of their own left of them at row 2l + 2 (where a layer's
+    attention is one writer, `a{l}`, it has a column of its own left of the MLPs, at row 2l + 1),
+    the input at the bottom (row -1) and the logits at the top (row 2L + 1), each two rows from
+    its nearest neighbour in its column."""
     H = graph.num_heads
     name = graph.writer_name(writer) if writer is not None else graph.reader_name(reader).split("<")[0]
     if name == "input":
@@ -206,17 +209,20 @@ def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[in
         return name, (H - 1) / 2, 2.0 * graph.num_layers + 1
     if name.startswith("m"):
         return name, MLP_COLUMN, 2.0 * int(name[1:]) + 2
+    if ".h" not in name:  # a layer's attention as one writer
+        return name, ATTENTION_COLUMN, 2.0 * int(name[1:]) + 1
     layer, head = name[1:].split(".h")
     return name, float(head), 2.0 * int(layer) + 1
 
 
 def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: int = 200) -> Figure:
-    """The circuit as a graph: nodes (input, heads, MLPs, logits) by layer, its edges (at most
-    `max_edges`, the best) as arrows coloured by the sign of their mean score (red raises F,
-    blue lowers it) and as wide as its magnitude; an arrow into a head says which of its
-    inputs it feeds (q, k or v) by its line style. Each node is a circle that holds its label
-    (at `NODE_FONT` points), and the figure is sized so that no two circles overlap and none
-    is clipped: about 0.45 inches a layer."""
+    """The circuit as a graph: nodes (input, heads, MLPs, logits; and each layer's attention
+    where it is one writer, `EdgeGraph.post_norms`) by layer, its edges (at most `max_edges`,
+    the best) as arrows coloured by the sign of their mean score (red raises F, blue lowers it)
+    and as wide as its magnitude; an arrow into a head says which of its inputs it feeds (q, k
+    or v) by its line style. Each node is a circle that holds its label (at `NODE_FONT`
+    points), and the figure is sized so that no two circles overlap and none is clipped: about
+    0.45 inches a layer."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(circuit, Circuit, "circuit_figure")
@@ -240,7 +246,8 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     # Neighbouring heads are 1 x-unit apart and neighbouring layers 2 y-units: a unit of at least
     # a circle and a gap across, half of that up, leaves every circle clear of the next one.
     step = diameter + NODE_GAP
-    x_range, y_range = (MLP_COLUMN - 1, graph.num_heads), (-2, 2 * graph.num_layers + 2)
+    columns = ([(ATTENTION_COLUMN, "attn")] if graph.post_norms else []) + [(MLP_COLUMN, "MLP")]
+    x_range, y_range = (columns[0][0] - 1, graph.num_heads), (-2, 2 * graph.num_layers + 2)
     width = (x_range[1] - x_range[0]) * step / 72 + FIGURE_MARGINS[0]
     height = (y_range[1] - y_range[0]) * step / 2 / 72 + FIGURE_MARGINS[1]
     fig.set_size_inches(max(6.0, width), max(6.0, height))
@@ -271,7 +278,10 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
         )
     ax.set_xlim(*x_range)
     ax.set_ylim(*y_range)
-    ax.set_xticks([MLP_COLUMN] + list(range(graph.num_heads)), ["MLP"] + [f"h{h}" for h in range(graph.num_heads)])
+    ax.set_xticks(
+        [x for x, _ in columns] + list(range(graph.num_heads)),
+        [label for _, label in columns] + [f"h{h}" for h in range(graph.num_heads)],
+    )
     every = max(1, graph.num_layers // 10)
     layers = range(0, graph.num_layers, every)
     ax.set_yticks([2 * layer + 1.5 for layer in layers], [str(layer) for layer in layers])

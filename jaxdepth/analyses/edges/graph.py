@@ -1,22 +1,31 @@
 """The computational graph of a decoder as writers and readers of the residual stream.
 
-Writers put a vector into the residual stream: the token embedding (`input`), every attention
+Writers are what the residual stream receives: the token embedding (`input`), every attention
 head's output (`a{l}.h{h}`: head h's slice of o_proj applied to its output) and every MLP's
-output (`m{l}`). Readers take the residual stream as their input, each through its own
-normalization: every query head's query, key and value inputs (`a{l}.h{h}<q>`, `<k>`, `<v>`;
-with grouped-query attention the key and value readers of a query head use its group's
-weights), every MLP's input (`m{l}`) and the logits (`logits`, through the final norm). The
-names follow the EAP-IG package's.
+output (`m{l}`). In a family with norms after the sublayers (Gemma 2/3, OLMo 2:
+`EdgeGraph.post_norms`) the stream receives a layer's attention output only after its norm, a
+normalised sum of the heads, of which no head writes a part of its own: there a layer's
+attention is one writer (`a{l}`, its whole output after the norm; the MLP's writer is its output
+after its norm, as everywhere). `EdgeGraph.attention_writers` (H, or 1) is the one number every
+piece of the edges reads.
 
-An edge u -> v exists when u writes before v reads: the embedding feeds every reader, the heads
-of layer l feed the MLP of layer l and every reader of later layers, the MLP of layer l every
-reader of later layers. In a parallel block (GPT-NeoX) the MLP of layer l reads the layer's
-input beside its heads, so the heads of layer l do not feed it. The residual input of reader v
-is the sum of its writers' outputs, so a model is exactly the sum over its edges
-(`jaxdepth.analyses.edges.forward`).
+Readers take the residual stream as their input, each through its own normalization (OLMo 2 has
+none before the sublayers: there a reader reads the stream itself): every query head's query,
+key and value inputs (`a{l}.h{h}<q>`, `<k>`, `<v>`; with grouped-query attention the key and
+value readers of a query head use its group's weights), every MLP's input (`m{l}`) and the
+logits (`logits`, through the final norm). Readers are the same in every family. The names
+follow the EAP-IG package's.
 
-Writers are numbered `0` (input), then per layer its H heads and its MLP
-(`1 + l (H + 1) + h`, `1 + l (H + 1) + H`); readers per layer its H query, H key, H value
+An edge u -> v exists when u writes before v reads: the embedding feeds every reader, the
+attention writers of layer l feed the MLP of layer l and every reader of later layers, the MLP
+of layer l every reader of later layers. In a parallel block (GPT-NeoX) the MLP of layer l reads
+the layer's input beside its heads, so the heads of layer l do not feed it. The residual input
+of reader v is the sum of its writers' outputs, in both graphs, so a model is exactly the sum
+over its edges (`jaxdepth.analyses.edges.readers.edge_run`).
+
+Writers are numbered `0` (input), then per layer its A attention writers (A =
+`attention_writers`: the H heads, or the one output after the norm) and its MLP
+(`1 + l (A + 1) + h`, `1 + l (A + 1) + A`); readers per layer its H query, H key, H value
 readers and its MLP (`l (3H + 1) + ...`), and last the logits.
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from typing import Optional, Union
 
 import numpy as np
 
@@ -41,23 +51,43 @@ READER_KINDS = ("q", "k", "v")
 @dataclasses.dataclass(frozen=True)
 class EdgeGraph:
     """The writers, readers and edges of a decoder of `num_layers` layers with `num_heads`
-    query heads. Build it with `EdgeGraph.of(config)`."""
+    query heads. Build it with `EdgeGraph.of(config)`. `parallel`: each layer's MLP reads the
+    layer's input, beside its heads (GPT-NeoX). `post_norms`: norms after the sublayers, so
+    that each layer's attention writes one vector, its output after the norm (Gemma 2/3,
+    OLMo 2: `attention_writers` is 1)."""
 
     num_layers: int
     num_heads: int
     parallel: bool = False  # each layer's MLP reads the layer's input, beside its heads
+    post_norms: bool = False  # a layer's attention is one writer: its output after the norm
 
     @classmethod
     def of(cls, config: ModelConfig) -> "EdgeGraph":
         """The graph of a model of `config`."""
-        return cls(config.num_layers, config.num_heads, config.parallel_residual)
+        return cls(config.num_layers, config.num_heads, config.parallel_residual, config.post_norms)
+
+    @classmethod
+    def of_result(cls, result) -> "EdgeGraph":
+        """The graph a result records in fields of the graph's own names (`EdgeScores`,
+        `Circuit`: `num_layers`, `num_heads`, `parallel`, `post_norms`)."""
+        return cls(**{field.name: getattr(result, field.name) for field in dataclasses.fields(cls)})
+
+    def fields(self) -> dict:
+        """The graph's fields by name, as a result records them (`of_result` reads them back)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     # ------------------------------------------------------------------ sizes and indices
 
     @property
+    def attention_writers(self) -> int:
+        """A: the writers of one layer's attention: its H heads, or 1 (its whole output after
+        the post-attention norm) where `post_norms`. Every piece of the edges reads this."""
+        return 1 if self.post_norms else self.num_heads
+
+    @property
     def writers_per_layer(self) -> int:
-        """H + 1: the heads and the MLP."""
-        return self.num_heads + 1
+        """A + 1: the attention's writers (`attention_writers`) and the MLP."""
+        return self.attention_writers + 1
 
     @property
     def readers_per_layer(self) -> int:
@@ -66,7 +96,7 @@ class EdgeGraph:
 
     @property
     def num_writers(self) -> int:
-        """W = 1 + L (H + 1)."""
+        """W = 1 + L (A + 1): L (H + 1) + 1, or 2L + 1 where `post_norms`."""
         return 1 + self.num_layers * self.writers_per_layer
 
     @property
@@ -74,13 +104,31 @@ class EdgeGraph:
         """R = L (3H + 1) + 1."""
         return self.num_layers * self.readers_per_layer + 1
 
+    def attention_writer(self, layer: int, head: Optional[int] = None) -> int:
+        """The writer index of layer `layer`'s attention: of its head `head`, or, where
+        `post_norms`, of its one output (`head` None). A ValueError for a head where heads
+        write no vector of their own, and for no head where they do."""
+        if self.post_norms != (head is None):
+            raise ValueError(self._attention_writer_error(f"a{layer}" + ("" if head is None else f".h{head}")))
+        return self.first_writer(layer) + (0 if head is None else head)
+
     def head_writer(self, layer: int, head: int) -> int:
-        """The writer index of head `head` of layer `layer`."""
-        return 1 + layer * self.writers_per_layer + head
+        """The writer index of head `head` of layer `layer` (a graph whose heads write: not
+        `post_norms`, where `attention_writer(layer)` is the layer's one)."""
+        return self.attention_writer(layer, head)
+
+    def first_writer(self, layer: int) -> int:
+        """The index of layer `layer`'s first attention writer; its `attention_writers` follow,
+        then its MLP (`layer` may be traced)."""
+        return 1 + layer * self.writers_per_layer
+
+    def layer_attention_writers(self, layer: int) -> np.ndarray:
+        """The writer indices of layer `layer`'s attention (its node): `attention_writers` of them."""
+        return self.first_writer(layer) + np.arange(self.attention_writers)
 
     def mlp_writer(self, layer: int) -> int:
         """The writer index of the MLP of layer `layer`."""
-        return 1 + layer * self.writers_per_layer + self.num_heads
+        return self.first_writer(layer) + self.attention_writers
 
     def head_reader(self, layer: int, head: int, kind: str) -> int:
         """The reader index of query head `head`'s `kind` ('q', 'k' or 'v') input in layer `layer`."""
@@ -100,10 +148,11 @@ class EdgeGraph:
     @functools.cached_property
     def writer_nodes(self) -> np.ndarray:
         """`[W]`: each writer's node, its place in the order of computation: 0 the input, 2l + 1
-        the heads of layer l, 2l + 2 the MLP of layer l (`edge_forward`'s `shift` names nodes so)."""
+        the attention of layer l (its heads, or its one writer), 2l + 2 the MLP of layer l
+        (`readers.shift_node` names nodes so)."""
         w = np.arange(self.num_writers)
         layer, slot = np.divmod(np.maximum(w - 1, 0), self.writers_per_layer)
-        return np.where(w == 0, 0, 2 * layer + 1 + (slot == self.num_heads))
+        return np.where(w == 0, 0, 2 * layer + 1 + (slot == self.attention_writers))
 
     @functools.cached_property
     def reader_nodes(self) -> np.ndarray:
@@ -132,12 +181,14 @@ class EdgeGraph:
     # ------------------------------------------------------------------ names
 
     def writer_name(self, w: int) -> str:
-        """'input', 'a{l}.h{h}' or 'm{l}'."""
+        """'input', 'a{l}.h{h}' (a head; 'a{l}' where `post_norms`: the layer's attention) or 'm{l}'."""
         w = int(w)
         if w == 0:
             return "input"
         layer, h = divmod(w - 1, self.writers_per_layer)
-        return f"m{layer}" if h == self.num_heads else f"a{layer}.h{h}"
+        if h == self.attention_writers:
+            return f"m{layer}"
+        return f"a{layer}" if self.post_norms else f"a{layer}.h{h}"
 
     def reader_name(self, r: int) -> str:
         """'a{l}.h{h}<q>' (or <k>, <v>), 'm{l}' or 'logits'."""
@@ -159,7 +210,9 @@ class EdgeGraph:
         if name == "input":
             return 0
         layer, head = self._parse_node(name, "writer")
-        return self.mlp_writer(layer) if head is None else self.head_writer(layer, head)
+        if head == "mlp":
+            return self.mlp_writer(layer)
+        return self.attention_writer(layer, head)
 
     def reader_index(self, name: str) -> int:
         """The index of the reader named `name` (a ValueError for no reader of the graph)."""
@@ -170,8 +223,9 @@ class EdgeGraph:
             layer, head = self._parse_node(match.group(1), "reader")
             return self.head_reader(layer, head, match.group(2))
         layer, head = self._parse_node(name, "reader")
-        if head is not None:
-            raise ValueError(f"reader {name!r}: a head reads its query, key or value: {name}<q>, <k> or <v>")
+        if head != "mlp":
+            head_name = name if head is not None else f"a{layer}.h<head>"
+            raise ValueError(f"reader {name!r}: a head reads its query, key or value: {head_name}<q>, <k> or <v>")
         return self.mlp_reader(layer)
 
     def edge_index(self, name: str) -> tuple[int, int]:
@@ -185,20 +239,33 @@ class EdgeGraph:
             raise ValueError(f"there is no edge {name!r}: {u} does not write before {v} reads")
         return w, r
 
-    def _parse_node(self, name: str, role: str) -> tuple[int, int | None]:
-        match = re.fullmatch(r"m(\d+)|a(\d+)\.h(\d+)", name)
+    def _parse_node(self, name: str, role: str) -> tuple[int, Union[int, str, None]]:
+        """`(layer, head)` of a node named 'm{l}' (head 'mlp'), 'a{l}.h{h}' (head h) or 'a{l}'
+        (head None: a layer's attention)."""
+        match = re.fullmatch(r"m(\d+)|a(\d+)(?:\.h(\d+))?", name)
         if not match:
+            attention = "a<layer>" if self.post_norms else "a<layer>.h<head>"
             raise ValueError(
-                f"unknown {role} {name!r}: writers are input, a<layer>.h<head> and m<layer>; readers "
+                f"unknown {role} {name!r}: writers are input, {attention} and m<layer>; readers "
                 "a<layer>.h<head><q|k|v>, m<layer> and logits"
             )
         layer = int(match.group(1) or match.group(2))
-        head = None if match.group(1) else int(match.group(3))
-        if not 0 <= layer < self.num_layers or (head is not None and not 0 <= head < self.num_heads):
+        head = "mlp" if match.group(1) else (None if match.group(3) is None else int(match.group(3)))
+        if not 0 <= layer < self.num_layers or (isinstance(head, int) and not 0 <= head < self.num_heads):
             raise ValueError(
                 f"{role} {name!r} is outside the model: layers 0..{self.num_layers - 1}, heads 0..{self.num_heads - 1}"
             )
         return layer, head
+
+    def _attention_writer_error(self, name: str) -> str:
+        """Why `name` names no writer of this graph's attention."""
+        if self.post_norms:
+            layer = name.split(".")[0]
+            return (
+                f"{name!r} is no writer: this model's norm after attention makes a layer's output a normalised sum "
+                f"of its heads, so the layer's attention writes as one, {layer!r}"
+            )
+        return f"{name!r} is no writer: each head of a layer writes its own output, {name}.h<head>"
 
     def check_edge(self, w, r) -> tuple[int, int]:
         """`(w, r)` as ints, or a ValueError when writer w does not feed reader r in this graph."""

@@ -75,7 +75,6 @@ class PromptPairs:
         read: for `logit_difference`, labels that are not `[B, 2]` or a pair whose right and
         wrong answer are the same token (F would be 0 on both of its runs, and the pair would
         be averaged into every score and effect as if it had no circuit)."""
-        check_edge_family(config)
         check_tokens(np.asarray(self.clean), config)
         check_tokens(np.asarray(self.corrupt), config)
         if metric is not logit_difference:  # another metric's labels mean what that metric says
@@ -90,18 +89,6 @@ class PromptPairs:
         same = np.flatnonzero(labels[:, 0] == labels[:, 1])
         if len(same):
             raise ValueError("; ".join(f"pair {i}: token {labels[i, 0]}" for i in same) + f": {SHARED_ANSWER_TOKEN}")
-
-
-def check_edge_family(config: ModelConfig) -> None:
-    """Refuse a family whose residual stream is not the sum of the graph's writers as
-    `jaxdepth.analyses.edges.graph` wires them: norms after the sublayers (Gemma 2/3, OLMo 2)
-    normalise the heads' summed output, so no head writes a vector of its own. Scores and
-    patching there would be silently wrong."""
-    if config.post_norms:
-        raise ValueError(
-            f"edge attribution and patching are not available for {config.model_type!r}: its norms after attention "
-            "and the MLP make a layer's output a normalised sum of its heads, not their sum"
-        )
 
 
 def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:

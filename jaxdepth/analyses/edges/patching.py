@@ -96,7 +96,7 @@ def edge_effects(
     the layer of its first reader on."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
-    check_interventions(interventions)
+    check_interventions(interventions, graph)
     edges = _edge_indices(edges, graph)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
     P, prefix = suffix_run(params, pairs, clean, config, interventions)
@@ -134,7 +134,7 @@ def patched_metric(
     index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array)."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
-    check_interventions(interventions)
+    check_interventions(interventions, graph)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
     clean, corrupt = pair_runs(params, pairs, config, interventions)
     P, prefix = suffix_run(params, pairs, clean, config, interventions)

@@ -5,7 +5,10 @@ of `jaxdepth.core.loops.run_layers` under interventions built here.
 Readers (`jaxdepth.analyses.edges.graph`) and their sites: a query head's query, key and value
 inputs are `q_in`, `k_in`, `v_in` (head h's row), an MLP's input is `mlp_in`, the logits' input
 is the final residual (`resid_pre` at layer L). Writers: the input is h_0 (`resid_pre` at layer
-0), a head's output is its row of `head_result`, an MLP's output `mlp_out`.
+0), a head's output is its row of `head_result`, an MLP's output `mlp_out`; where a layer's
+attention is one writer (`EdgeGraph.post_norms`), its output is `attn_out`, after the norm
+(`attention_site`). Every function here reads the attention's writers of a layer as rows
+`[A, B, T, D]` of that site (`EdgeGraph.attention_writers` of them: `_attention_rows`).
 
 - `reader_probes` / `probe_readers`: zeros added at every reader's input; the gradient with
   respect to them is the gradient at every reader's input, from one backward pass (EAP);
@@ -15,8 +18,8 @@ is the final residual (`resid_pre` at layer L). Writers: the input is h_0 (`resi
   `corrupt[u] - current[u]` more, where `current[u]` is what u writes in this very run (so
   patches compose: a patched edge upstream changes what later writers write). The missing part
   of every writer is the state a `StatefulIntervention` carries through the layers;
-- `shift_node`: one node's output (the input, all heads of a layer together, or an MLP) moved
-  along its straight path: EAP-IG's 'activations' variant;
+- `shift_node`: one node's output (the input, a layer's attention writers together, or an MLP)
+  moved along its straight path: EAP-IG's 'activations' variant;
 - `edge_run`: a run's logits at each pair's last position, every writer's output and every
   layer's input (`EdgeRun`), under any interventions.
 
@@ -54,9 +57,27 @@ __all__ = [
     "logits_at",
     "SPLIT_LAYERS",
     "HEAD_INPUTS",
+    "attention_site",
 ]
 
 HEAD_INPUTS = ("q_in", "k_in", "v_in")  # the sites of a head's q, k and v readers, in the graph's order
+
+
+def attention_site(graph: EdgeGraph) -> str:
+    """The site whose value holds a layer's attention writers: `head_result` (each head's row),
+    or `attn_out` (the layer's output after its norm) in a graph whose attention is one writer
+    per layer (`EdgeGraph.post_norms`)."""
+    return "attn_out" if graph.post_norms else "head_result"
+
+
+def _attention_rows(graph: EdgeGraph, value):
+    """The value at `attention_site` as the writers' rows `[A, B, T, D]`."""
+    return value[None] if graph.post_norms else jnp.moveaxis(value, 2, 0)
+
+
+def _attention_value(graph: EdgeGraph, rows):
+    """Rows `[A, B, T, D]` of a layer's attention writers as a value of `attention_site`."""
+    return rows[0] if graph.post_norms else jnp.moveaxis(rows, 0, 2)
 
 
 def reader_probes(config: ModelConfig, batch: int, seq_len: int, dtype=jnp.float32) -> dict:
@@ -110,33 +131,32 @@ def move_reader(graph: EdgeGraph, reader, vector: Float[Array, "B T D"]) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class _ShiftHeads:
-    """Adds `factor` times each head's row of `delta [W, B, T, D]` to the heads' results of the
-    layer of node `node` (2l + 1); nothing at other layers or nodes."""
+class _ShiftAttention:
+    """Adds `factor` times each attention writer's row of `delta [W, B, T, D]` to the value of
+    `attention_site` of the layer of node `node` (2l + 1); nothing at other layers or nodes."""
 
     graph: EdgeGraph
 
     def __call__(self, value, layer, data):
         node, factor, delta = data
-        H = self.graph.num_heads
-        rows = jax.lax.dynamic_slice_in_dim(delta, self.graph.head_writer(0, 0) + layer * (H + 1), H, axis=0)
+        A = self.graph.attention_writers
+        rows = jax.lax.dynamic_slice_in_dim(delta, self.graph.first_writer(layer), A, axis=0)
         active = jnp.where(node == 2 * layer + 1, factor, 0).astype(value.dtype)
-        return value + active * jnp.moveaxis(rows, 0, 2).astype(value.dtype)
+        return value + active * _attention_value(self.graph, rows).astype(value.dtype)
 
 
 def shift_node(graph: EdgeGraph, node, factor, delta: Float[Array, "W B T D"]) -> tuple:
     """Interventions adding `factor * delta[u]` to the output of every writer u of node `node`
-    (0: the input; 2l + 1: the heads of layer l; 2l + 2: the MLP of layer l; traced or not):
-    the paths of EAP-IG's 'activations' variant."""
-    H = graph.num_heads
+    (0: the input; 2l + 1: the attention of layer l, its heads or its one writer; 2l + 2: the MLP
+    of layer l; traced or not): the paths of EAP-IG's 'activations' variant."""
     node = jnp.asarray(node, jnp.int32)
     mlp_layer = jnp.clip((node - 2) // 2, 0, graph.num_layers - 1)
-    mlp_row = jax.lax.dynamic_index_in_dim(delta, graph.head_writer(0, 0) + mlp_layer * (H + 1) + H, keepdims=False)
+    mlp_row = jax.lax.dynamic_index_in_dim(delta, graph.mlp_writer(mlp_layer), keepdims=False)
     on_input = jnp.where(node == 0, factor, 0)
     on_mlp = jnp.where((node > 0) & (node % 2 == 0), factor, 0)
     return (
         sites.add("resid_pre", 0, on_input * delta[0], 1.0),
-        sites.Intervention("head_result", _ShiftHeads(graph), (node, factor, delta)),
+        sites.Intervention(attention_site(graph), _ShiftAttention(graph), (node, factor, delta)),
         sites.add("mlp_out", mlp_layer, on_mlp * mlp_row, 1.0),
     )
 
@@ -150,22 +170,24 @@ class _PatchEdges:
 
     def __call__(self, site, value, layer, mask, missing):
         H, R = self.graph.num_heads, self.graph.readers_per_layer
+        A = self.graph.attention_writers
 
         def change(first: int, count: int):  # [count, B, T, D]: what readers first.. of this layer gain
             m = jax.lax.dynamic_slice_in_dim(mask, layer * R + first, count, axis=1).astype(missing.dtype)
             return jnp.einsum("wr,wbtd->rbtd", m, missing).astype(value.dtype)
 
-        first_head = self.graph.head_writer(0, 0) + layer * (H + 1)
+        first = self.graph.first_writer(layer)
         if site in HEAD_INPUTS:
             return value + jnp.moveaxis(change(HEAD_INPUTS.index(site) * H, H), 0, 2), missing
-        if site == "head_result":
-            own = jax.lax.dynamic_slice_in_dim(missing, first_head, H, axis=0)
-            return value, jax.lax.dynamic_update_slice_in_dim(missing, own - jnp.moveaxis(value, 2, 0), first_head, 0)
+        if site == attention_site(self.graph):
+            own = jax.lax.dynamic_slice_in_dim(missing, first, A, axis=0)
+            written = _attention_rows(self.graph, value)
+            return value, jax.lax.dynamic_update_slice_in_dim(missing, own - written, first, 0)
         if site == "mlp_in":
             return value + change(3 * H, 1)[0], missing
         if site == "mlp_out":
-            own = jax.lax.dynamic_index_in_dim(missing, first_head + H, keepdims=False)
-            return value, jax.lax.dynamic_update_index_in_dim(missing, own - value, first_head + H, 0)
+            own = jax.lax.dynamic_index_in_dim(missing, first + A, keepdims=False)
+            return value, jax.lax.dynamic_update_index_in_dim(missing, own - value, first + A, 0)
         # resid_pre: the logits reader, at the final residual (layer L) only
         final = lambda v: v + change(0, 1)[0]
         return jax.lax.cond(layer == self.graph.num_layers, final, lambda v: v, value), missing
@@ -178,32 +200,38 @@ def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"]
     output in this run). Vmap over stacks of masks to patch many edge sets at once."""
     missing = corrupt_writers.astype(h0.dtype).at[0].add(-h0)
     return sites.StatefulIntervention(
-        ("resid_pre",) + HEAD_INPUTS + ("head_result", "mlp_in", "mlp_out"), _PatchEdges(graph), mask, missing
+        ("resid_pre",) + HEAD_INPUTS + (attention_site(graph), "mlp_in", "mlp_out"), _PatchEdges(graph), mask, missing
     )
 
 
 # Sites whose value is a sum of writers' outputs, not a writer's: an edit there would reach the
-# readers through no edge of the graph.
+# readers through no edge. `attn_out` is one where the heads write (not where a layer's attention
+# is one writer, `attention_site`).
 WRITER_SUMS = ("attn_out", "delta", "resid_post")
 
 
-def check_interventions(interventions) -> None:
-    """Refuse interventions at a site whose value is a sum of writers' outputs (`WRITER_SUMS`):
-    the graph's writers are the heads' results and the MLPs' outputs, and a reader's input is
-    the sum of theirs. Edit the writers themselves (`head_out`, `head_result`, `mlp_hidden`,
-    `mlp_out`) or add to the stream at `resid_pre`."""
+def check_interventions(interventions, graph: Optional[EdgeGraph] = None) -> None:
+    """Refuse interventions at a site whose value is a sum of writers' outputs (`WRITER_SUMS`,
+    less the attention writers' own site of `graph`, `attention_site`; a graph whose heads write
+    when None): a reader's input is the sum of the writers' outputs. Edit the writers themselves
+    (`head_out`, `head_result`, `mlp_hidden`, `mlp_out`, and `attn_out` where a layer's attention
+    is one writer) or add to the stream at `resid_pre`."""
+    site = "head_result" if graph is None else attention_site(graph)
+    sums = set(WRITER_SUMS) - {site}
+    attention = f"{site!r} for " + ("a head" if site == "head_result" else "a layer's attention")
     for iv in sites.as_interventions(interventions):
-        hit = sorted(set(iv.sites if isinstance(iv, sites.StatefulIntervention) else (iv.site,)) & set(WRITER_SUMS))
+        hit = sorted(set(iv.sites if isinstance(iv, sites.StatefulIntervention) else (iv.site,)) & sums)
         if hit:
             raise ValueError(
                 f"an intervention at {hit[0]!r} edits a sum of the edge graph's writers, which no edge carries: "
-                "intervene on the writers themselves ('head_result' for a head, 'mlp_out' for an MLP; to skip "
-                "layer l, skip both) or add to the residual stream at 'resid_pre'"
+                f"intervene on the writers themselves ({attention}, 'mlp_out' for an MLP; to skip layer l, skip "
+                "both) or add to the residual stream at 'resid_pre'"
             )
 
 
 # A run under it computes every layer split per head, each head's result on its own, as the runs
-# whose readers move do, and its taps read every head's result.
+# whose readers move do (every family's readers are per head), and its taps read every head's
+# result.
 SPLIT_LAYERS = sites.unchanged("head_result")
 
 
@@ -211,20 +239,27 @@ SPLIT_LAYERS = sites.unchanged("head_result")
 @dataclasses.dataclass(frozen=True)
 class EdgeRun:
     """What `edge_run` returns: `logits [B, V]` at each row's `last` position, every writer's
-    output `writers [W, B, T, D]` (graph order; rows of layers before `start` are zeros, the
-    input row is `h` when `start` is 0) and every layer's input as the layer receives it,
-    before its own interventions, `residuals [L+1, B, T, D]` (h_0..h_L without interventions;
-    rows before `start` are zeros): a run from boundary l starts from `residuals[l]`."""
+    output `writers [W, B, T, D]` (in the order of `EdgeGraph.of(config)`; rows of layers before
+    `start` are zeros, the input row is `h` when `start` is 0) and every layer's input as the
+    layer receives it, before its own interventions, `residuals [L+1, B, T, D]` (h_0..h_L
+    without interventions; rows before `start` are zeros): a run from boundary l starts from
+    `residuals[l]`."""
 
     logits: Float[Array, "B V"]
     writers: Float[Array, "W B T D"]
     residuals: Float[Array, "Lp1 B T D"]
 
 
-def _writers_tap(record: LayerRecord, _):
-    """A layer's writers `[H + 1, B, T, D]` (each head's result, then the MLP's output) and its
-    output."""
-    return jnp.concatenate([jnp.moveaxis(record.head_result, 2, 0), record.mlp[None]]), record.out
+@dataclasses.dataclass(frozen=True)
+class _WritersTap:
+    """A layer's writers `[A + 1, B, T, D]` (its attention's, `_attention_rows` of the value at
+    `attention_site`, then the MLP's output) and its output."""
+
+    graph: EdgeGraph
+
+    def __call__(self, record: LayerRecord, _):
+        attention = getattr(record, attention_site(self.graph))
+        return jnp.concatenate([_attention_rows(self.graph, attention), record.mlp[None]]), record.out
 
 
 def logits_at(params: Params, h_last: Float[Array, "B S D"], last: Int[Array, " B"], config: ModelConfig, prefix=None):
@@ -256,7 +291,7 @@ def edge_run(
         start=start,
         valid=valid,
         interventions=(interventions, SPLIT_LAYERS),
-        tap=_writers_tap,
+        tap=_WritersTap(EdgeGraph.of(config)),
         prefix=prefix,
     )
     logits = logits_at(params, h_last, last, config, prefix)

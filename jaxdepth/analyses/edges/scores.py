@@ -14,7 +14,7 @@ Definitions (per pair; F is the user's metric of the logits at the pair's last p
   F(clean) - F(corrupt) up to the quadrature error (completeness), which the adaptive rule
   certifies.
 - EAP-IG, 'activations': for each writer u the path interpolates the output of u's own node
-  (the input, all heads of u's attention layer together, or u's MLP) from corrupt to clean,
+  (the input, all writers of u's attention layer together, or u's MLP) from corrupt to clean,
   with everything after it recomputed; the gradient at v is integrated along that path. The
   edges out of a node then sum to F(clean) - F(clean with that node's output corrupt). (The
   EAP-IG package instead averages every reader's gradient over all nodes' paths together.)
@@ -100,11 +100,12 @@ class EdgeScores(SavedResult):
     steps: int
     tolerance: Optional[float] = None
     parallel: bool = False  # the model's MLPs read their layer's input (`EdgeGraph.parallel`)
+    post_norms: bool = False  # a layer's attention is one writer (`EdgeGraph.post_norms`)
 
     @property
     def graph(self) -> EdgeGraph:
         """The graph of the model the scores are of."""
-        return EdgeGraph(self.num_layers, self.num_heads, self.parallel)
+        return EdgeGraph.of_result(self)
 
     @property
     def mean(self) -> np.ndarray:
@@ -179,9 +180,10 @@ def node_path_gradients(
     params, pairs: PromptPairs, prefix, delta, node, nodes, *, config, metric, chunk: int, interventions=None
 ):
     """As `input_path_gradients` on the path of one node of the 'activations' variant: the
-    output of node `node` (0 the input, 2l + 1 attention layer l, 2l + 2 MLP l; traced, so one
-    compilation serves every node) is a_corrupt + α_k `delta` (`delta = a_clean - a_corrupt`,
-    `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed."""
+    output of node `node` (0 the input, 2l + 1 attention layer l, its heads or its one writer,
+    2l + 2 MLP l; traced, so one compilation serves every node) is a_corrupt + α_k `delta`
+    (`delta = a_clean - a_corrupt`, `[W, B, S, D]`, after the shared `prefix`), everything after
+    it recomputed."""
     e_clean, _ = _suffix_embeddings(params, pairs, prefix, config)
 
     def gradient(alpha):
@@ -350,7 +352,7 @@ def edge_attribution(
     rule = _edge_rule(method, rule)
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
-    check_interventions(interventions)
+    check_interventions(interventions, graph)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config, interventions)
     P, prefix = suffix_run(params, pairs, clean, config, interventions)
@@ -400,13 +402,11 @@ def edge_attribution(
         evaluations=evaluations,
         bound=bound,
         converged=converged,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        parallel=config.parallel_residual,
         method=method,
         rule="clean" if rule is None else rule.name,
         steps=1 if rule is None else rule.evaluations,
         tolerance=rule.tolerance if isinstance(rule, rules.AdaptiveRule) else None,
+        **graph.fields(),
     )
 
 
