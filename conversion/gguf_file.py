@@ -1,35 +1,177 @@
-"""llama.cpp GGUF files (llama or qwen2 architecture) -> jaxdepth params.
+"""llama.cpp GGUF files -> jaxdepth params, read as transformers' GGUF loader reads them.
 
-Quantized tensors are dequantized with `gguf`. llama.cpp's converter permutes the rows of the
-llama q/k projections into its own rotary layout; we undo it exactly as transformers' GGUF
-loader does, so the result matches `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`.
+The model of a GGUF file is the one `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`
+builds: transformers renames some of llama.cpp's metadata keys to Hugging Face config keys, takes
+every other setting from its config class's defaults, and undoes what llama.cpp's converter did to
+the weights. `_ARCHS` holds this per architecture; the config it gives is read by the Hugging
+Face family readers (`ModelConfig.from_hf`), the tensors by llama.cpp's names
+(`conversion.layout.GGUF_NAMES`). Quantized tensors are dequantized with `gguf`.
+
+transformers does not read every key llama.cpp writes. A key it does not read is accepted where
+the file's value is the one transformers builds the model with anyway (llama.cpp writes Gemma 2's
+soft-caps, which are transformers' defaults) and refused otherwise, as every key no table names:
+jaxdepth never builds a model that differs from transformers', nor ignores what a file states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from conversion.errors import ConversionError
-from conversion.layout import GGUF_NAMES, assemble_params
+from conversion.layout import GGUF_NAMES, assemble_params, gguf_source
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.weights import ModelWeights
 
-# Per-architecture metadata keys (after the "<arch>." prefix) read or known to be inert.
-_HANDLED_KEYS = {
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "rope.freq_base",
-    "attention.layer_norm_rms_epsilon",
-    "vocab_size",
-    "rope.dimension_count",
-    "attention.key_length",
-    "attention.value_length",
+
+def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k row permutation (`[out, in]` layout, `n_heads` heads)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute_llama(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """llama.cpp permutes the rows of Llama's q and k projections (weights and biases) into its
+    own rotary layout; transformers undoes it for files of the 'llama' architecture only."""
+    if ".attn_q." in name:
+        return unpermute_rotary_rows(w, config.num_heads)
+    if ".attn_k." in name:
+        return unpermute_rotary_rows(w, config.num_kv_heads)
+    return w
+
+
+def _gemma_norms(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """llama.cpp stores Gemma's norm weights (all of them, q/k norms included) as 1 + w, the
+    factor they scale by; transformers subtracts the 1 again, in float32, and so does this."""
+    return w - np.float32(1) if name.endswith("norm.weight") else w
+
+
+# llama.cpp's metadata keys (after '<architecture>.') -> the Hugging Face config keys transformers
+# renames them to (`transformers.integrations.ggml.GGUF_CONFIG_MAPPING`).
+_DECODER_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+_GEMMA_KEYS = {**_DECODER_KEYS, "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}
+# Keys transformers does not read, and the `ModelConfig` field (or property) the file's value must
+# equal: llama.cpp writes the head size of most architectures twice, and the rotary width.
+_HEAD_SIZES = {"attention.key_length": "head_dim", "attention.value_length": "head_dim"}
+_ROTARY_WIDTH = {"rope.dimension_count": "rotated_dims"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """How transformers reads a llama.cpp architecture.
+
+    `model_type`: the Hugging Face family it builds. `keys`: the metadata keys it reads, renamed
+    to config keys. `defaults`: what its config class supplies where the file is silent (only
+    where jaxdepth's reader of the family would assume otherwise, or needs the key). `unread`:
+    keys llama.cpp writes that it does not read -> the `ModelConfig` field whose value the file's
+    must equal (None: no effect on the model). `fix`: its change to a tensor (GGUF name, array)."""
+
+    model_type: str
+    keys: Mapping[str, str]
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    unread: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    fix: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
+
+
+_ARCHS = {
+    # transformers takes the head size from the rotary width, which llama.cpp writes as it.
+    "llama": _Arch(
+        "llama",
+        {**_DECODER_KEYS, "rope.dimension_count": "head_dim"},
+        {"rope_theta": 1e4},
+        _HEAD_SIZES,
+        _unpermute_llama,
+    ),
+    "qwen2": _Arch("qwen2", _DECODER_KEYS, {"rope_theta": 1e4}, {**_HEAD_SIZES, **_ROTARY_WIDTH}),
+    # Qwen3Config's head size is 128 (every Qwen3's), whatever the file's key_length says.
+    "qwen3": _Arch("qwen3", _DECODER_KEYS, {"rope_theta": 1e4, "head_dim": 128}, {**_HEAD_SIZES, **_ROTARY_WIDTH}),
+    # transformers reads neither Phi-3's window (llama.cpp writes 0 for none) nor its rotary
+    # width: Phi3Config's defaults are no window and full rotary. Its original context matters
+    # only to the long-context rope scaling, which is refused (its factor tensors, `_DROPPED`).
+    "phi3": _Arch(
+        "phi3",
+        _DECODER_KEYS,
+        {"rope_theta": 1e4, "sliding_window": None},
+        {**_ROTARY_WIDTH, "attention.sliding_window": "sliding_window", "rope.scaling.original_context_length": None},
+    ),
+    # GPT-2 has keys of its own; transformers renames the MLP width to a key GPT2Config does not
+    # have (its width stays 4 D) and the context to `n_ctx`, leaving GPT2Config's 1024 positions.
+    "gpt2": _Arch(
+        "gpt2",
+        {
+            "block_count": "n_layer",
+            "context_length": "n_ctx",
+            "embedding_length": "n_embd",
+            "attention.head_count": "n_head",
+            "attention.layer_norm_epsilon": "layer_norm_epsilon",
+        },
+        {"n_positions": 1024, "activation_function": "gelu_new"},
+        {"feed_forward_length": "intermediate_size"},
+    ),
+    # llama.cpp writes Gemma 2's soft-caps, which transformers does not read (Gemma2Config's 50
+    # and 30 are Gemma 2's), and no query_pre_attn_scalar: Gemma2Config's 256 is that of 2B and
+    # 9B, not 27B's 144 (which llama.cpp derives from the model size). The layers alternate.
+    "gemma2": _Arch(
+        "gemma2",
+        _GEMMA_KEYS,
+        {
+            "rope_theta": 1e4,
+            "query_pre_attn_scalar": 256,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        {
+            **_ROTARY_WIDTH,
+            "attention.value_length": "head_dim",
+            "attn_logit_softcapping": "attn_softcap",
+            "final_logit_softcapping": "final_softcap",
+        },
+        _gemma_norms,
+    ),
+    # Gemma 3 as Gemma3TextConfig has it where the file is silent: query_pre_attn_scalar 256 (as
+    # for Gemma 2, not 27B's 168), 5 sliding layers in 6, base 10000 on them (llama.cpp writes it
+    # as `rope.freq_base_swa`, which transformers does not read). transformers does not read the
+    # linear rope scaling of Gemma 3 4B and larger either: such a file is refused.
+    "gemma3": _Arch(
+        "gemma3_text",
+        _GEMMA_KEYS,
+        {
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        {
+            **_ROTARY_WIDTH,
+            "attention.value_length": "head_dim",
+            "final_logit_softcapping": "final_softcap",
+            "rope.freq_base_swa": "local_rope_theta",
+        },
+        _gemma_norms,
+    ),
+}
+
+# Tensors llama.cpp writes that transformers' model has no place for: the rope scaling they hold
+# would be lost, so the file is refused.
+_DROPPED = {
+    "rope_freqs.weight": "Llama 3's rope scaling frequencies",
+    "rope_factors_long.weight": "Phi-3's long-context rope factors",
+    "rope_factors_short.weight": "Phi-3's long-context rope factors",
 }
 
 
@@ -40,47 +182,62 @@ def _field(reader, key, default=None):
     return field.contents()
 
 
-def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Invert llama.cpp's q/k row permutation (`[out, in]` layout, `n_heads` heads)."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _same(value, expected) -> bool:
+    """The file's value equals the config's (GGUF stores float32: compare at that precision)."""
+    if isinstance(value, float) or isinstance(expected, float):
+        return np.float32(value) == np.float32(expected)
+    return value == expected
 
 
 def gguf_config(reader) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file (`gguf.GGUFReader`), as transformers' GGUF loader reads it."""
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise UnsupportedConfigError(f"GGUF key 'general.architecture' = {arch!r} is not supported (llama, qwen2 are)")
-    for key in reader.fields:
-        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in _HANDLED_KEYS:
-            raise UnsupportedConfigError(
-                f"GGUF key {key!r} = {_field(reader, key)!r} is not handled by jaxdepth; refusing to ignore it"
-            )
-    get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    if arch not in _ARCHS:
         raise UnsupportedConfigError(
-            f"GGUF key '{arch}.rope.dimension_count' = {get('rope.dimension_count')}: partial rotary "
-            f"embeddings (head_dim {head_dim}) are not implemented"
+            f"GGUF key 'general.architecture' = {arch!r} is not supported; supported: {', '.join(_ARCHS)} "
+            "(the llama.cpp architectures transformers' GGUF loader reads and jaxdepth has a family for; "
+            "Mistral models are 'llama' files)"
         )
+    if arch == "llama" and _field(reader, "general.name") == "mistral":
+        raise UnsupportedConfigError(
+            "GGUF key 'general.name' = 'mistral': transformers reads this 'llama' file as a Mistral model, with a "
+            "4096-token window the file does not state, but cannot load its weights; refusing to guess which it is"
+        )
+    if arch == "llama" and "llama.attention.head_count_kv" not in reader.fields:
+        raise UnsupportedConfigError(
+            "the 'llama' GGUF file has no 'llama.attention.head_count_kv', without which transformers' GGUF "
+            "loader leaves llama.cpp's permutation of the q/k rows in place; refusing to build a model that differs "
+            "from either"
+        )
+    spec = _ARCHS[arch]
+    hf = {"model_type": spec.model_type, **spec.defaults}
+    unread = {}
+    for key in reader.fields:
+        if not key.startswith(arch + "."):
+            continue
+        name, value = key[len(arch) + 1 :], _field(reader, key)
+        if name in spec.keys:
+            hf[spec.keys[name]] = value
+        elif name in spec.unread:
+            unread[key] = (value, spec.unread[name])
+        else:
+            raise UnsupportedConfigError(
+                f"GGUF key {key!r} = {value!r} is read neither by transformers' GGUF loader nor by jaxdepth; "
+                "refusing to ignore it"
+            )
+    # As transformers: the vocabulary from the token list where the file does not state its size,
+    # and the LM head tied to the embeddings where llama.cpp wrote no `output.weight`.
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
-    names = {t.name for t in reader.tensors}
-    return ModelConfig(
-        model_type=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # llama.cpp's default when absent
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias=arch == "qwen2",
-    )
+    hf.setdefault("vocab_size", len(tokens) if tokens is not None else 0)
+    hf["tie_word_embeddings"] = "output.weight" not in {t.name for t in reader.tensors}
+    config = ModelConfig.from_hf(hf)
+    for key, (value, field) in unread.items():
+        if field is not None and not _same(value, getattr(config, field)):
+            raise UnsupportedConfigError(
+                f"GGUF key {key!r} = {value!r}: transformers' GGUF loader does not read it and builds the model "
+                f"with {field} = {getattr(config, field)!r}; refusing to build a model that differs from either"
+            )
+    return config
 
 
 def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> ModelWeights:
@@ -94,18 +251,22 @@ def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) ->
     except Exception as e:
         raise ConversionError(f"could not read GGUF file {path}: {type(e).__name__}: {e}") from None
     config = gguf_config(reader)
+    arch = _field(reader, "general.architecture")
     by_name = {t.name: t for t in reader.tensors}
+    for name, what in _DROPPED.items():
+        if name in by_name:
+            raise UnsupportedConfigError(
+                f"GGUF tensor {name!r} ({what}) has no place in transformers' model of the file; refusing to drop it"
+            )
+    fix = _ARCHS[arch].fix
 
-    def get(name: str) -> np.ndarray:
+    def read(name: str) -> np.ndarray:
         t = by_name[name]
         w = gguf.dequantize(t.data, t.tensor_type)
-        if config.model_type == "llama" and ".attn_q." in name:
-            w = unpermute_rotary_rows(w, config.num_heads)
-        elif config.model_type == "llama" and ".attn_k." in name:
-            w = unpermute_rotary_rows(w, config.num_kv_heads)
-        return w
+        return w if fix is None else fix(name, w, config)
 
-    params = assemble_params(config, by_name, get, GGUF_NAMES, dtype=dtype)
+    available, get = gguf_source(config, by_name, read, GGUF_NAMES[arch])
+    params = assemble_params(config, available, get, GGUF_NAMES[arch], dtype=dtype)
     tokenizer = None
     if load_tokenizer:
         from conversion.gguf_tokenizer import gguf_tokenizer

@@ -4,8 +4,10 @@ A GGUF file carries no `tokenizer.json`: its vocabulary, merges and special toke
 metadata under llama.cpp's key names. transformers' own GGUF tokenizer path reads that metadata
 with a reader that imports torch, which jaxdepth does not install. Here the metadata is read with
 `gguf` (already needed for the weights) and handed to transformers' torch-free converter, the same
-builder its GGUF loader uses, so the token ids are the same (`tests/test_gguf_tokenizer.py`
-compares them where torch is installed).
+builder its GGUF loader uses, with the file's `general.architecture` as it passes it (the
+architecture picks the builder of a sentencepiece vocabulary: Gemma's merges follow the pieces'
+order, Phi-3's prefix space comes from a normalizer), so the token ids are the same
+(`tests/conversion/test_gguf_tokenizer.py` compares them where torch is installed).
 """
 
 from __future__ import annotations

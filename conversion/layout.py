@@ -1,5 +1,6 @@
-"""Source tensor names to jaxdepth params: the GGUF table, and `assemble_params`, which every
-source format (the Hugging Face families, `conversion.hf_layouts`; GGUF) goes through.
+"""Source tensor names to jaxdepth params: llama.cpp's GGUF names per architecture (and
+`gguf_source`, which cuts its fused tensors), and `assemble_params`, which every source format (the
+Hugging Face families, `conversion.hf_layouts`; GGUF) goes through.
 
 Sources give tensors in the PyTorch `nn.Linear` layout `[out, in]`; jaxdepth stores `[in, out]`.
 `assemble_params` stacks per-layer tensors on a leading layer axis and checks that every
@@ -19,25 +20,86 @@ from jaxdepth.core.model import param_shapes
 # Params stored transposed relative to the source's [out, in] layout.
 _TRANSPOSED = {"q", "k", "v", "o", "gate", "up", "down", "lm_head"}
 
-GGUF_NAMES = {
+# llama.cpp's tensor names (gguf's `TensorNameMap`, which its converter writes them with), one
+# table per architecture; '{i}' is the layer. llama.cpp names a tensor by its place in the layer,
+# whatever the architecture (`ffn_norm` is the norm before the MLP, which Gemma's Hugging Face
+# checkpoints call `pre_feedforward_layernorm` and Llama's `post_attention_layernorm`), so one
+# table serves all with separate projections: `assemble_params` reads only the params the config
+# has.
+_GGUF_TOP = {
     "embed": "token_embd.weight",
+    "pos_embed": "position_embd.weight",
     "final_norm": "output_norm.weight",
+    "final_norm_bias": "output_norm.bias",
     "lm_head": "output.weight",
-    "layers": {
-        "attn_norm": "blk.{i}.attn_norm.weight",
-        "q": "blk.{i}.attn_q.weight",
-        "k": "blk.{i}.attn_k.weight",
-        "v": "blk.{i}.attn_v.weight",
-        "q_bias": "blk.{i}.attn_q.bias",
-        "k_bias": "blk.{i}.attn_k.bias",
-        "v_bias": "blk.{i}.attn_v.bias",
-        "o": "blk.{i}.attn_output.weight",
-        "mlp_norm": "blk.{i}.ffn_norm.weight",
-        "gate": "blk.{i}.ffn_gate.weight",
-        "up": "blk.{i}.ffn_up.weight",
-        "down": "blk.{i}.ffn_down.weight",
-    },
 }
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm.weight",
+    "attn_norm_bias": "attn_norm.bias",
+    **{f"{x}{part}": f"attn_{x}.{kind}" for x in "qkv" for part, kind in (("", "weight"), ("_bias", "bias"))},
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "o": "attn_output.weight",
+    "o_bias": "attn_output.bias",
+    "attn_post_norm": "post_attention_norm.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "mlp_norm_bias": "ffn_norm.bias",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "down": "ffn_down.weight",
+    "gate_bias": "ffn_gate.bias",
+    "up_bias": "ffn_up.bias",
+    "down_bias": "ffn_down.bias",
+    "mlp_post_norm": "post_ffw_norm.weight",
+}
+# Fused tensors, which llama.cpp keeps as the checkpoint has them, stacked by rows ('#' names a
+# part, `gguf_source` cuts it): q/k/v in `attn_qkv` (Phi-3, and GPT-2, whose `Conv1D` weights the
+# converter transposes to [out, in] first), gate and up in Phi-3's `ffn_up`.
+_GGUF_QKV = {f"{x}{part}": f"attn_qkv.{kind}#{x}" for x in "qkv" for part, kind in (("", "weight"), ("_bias", "bias"))}
+
+
+def _gguf_names(fused: Mapping[str, str]) -> dict:
+    layer = {**_GGUF_LAYER, **fused}
+    return {**_GGUF_TOP, "layers": {key: f"blk.{{i}}.{name}" for key, name in layer.items()}}
+
+
+GGUF_NAMES = {
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma2", "gemma3"), _gguf_names({})),
+    "phi3": _gguf_names({**_GGUF_QKV, "gate": "ffn_up.weight#gate", "up": "ffn_up.weight#up"}),
+    "gpt2": _gguf_names(_GGUF_QKV),
+}
+
+
+def gguf_source(
+    config: ModelConfig, available: Iterable[str], get: Callable[[str], np.ndarray], names: Mapping
+) -> tuple[set, Callable[[str], np.ndarray]]:
+    """`(available, get)` for `assemble_params`, each fused tensor of `names` replaced by its
+    parts ('#q', '#gate', ...), cut as llama.cpp stacks them: rows [q | k | v] of `attn_qkv` and
+    its bias (grouped-query widths), rows [gate | up] of Phi-3's `ffn_up`."""
+    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
+    rows = {"q": (0, H * Dh), "k": (H * Dh, (H + K) * Dh), "v": ((H + K) * Dh, (H + 2 * K) * Dh)}
+    available = set(available)
+    views = {
+        template.format(i=i)
+        for template in names["layers"].values()
+        if "#" in template
+        for i in range(config.num_layers)
+        if template.format(i=i).split("#")[0] in available
+    }
+
+    def cut(name: str) -> np.ndarray:
+        source, part = name.split("#")
+        x = np.asarray(get(source))
+        if part in ("gate", "up"):
+            half = x.shape[0] // 2
+            return x[:half] if part == "gate" else x[half:]
+        lo, hi = rows[part]
+        if x.shape[0] != (H + 2 * K) * Dh:
+            raise ConversionError(f"tensor {source!r} has {x.shape[0]} rows; q, k and v take {(H + 2 * K) * Dh}")
+        return x[lo:hi]
+
+    fused = {name.split("#")[0] for name in views}
+    return (available - fused) | views, lambda name: cut(name) if "#" in name else get(name)
 
 
 def assemble_params(

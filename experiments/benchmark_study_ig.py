@@ -12,7 +12,9 @@ sides takes about two hours on 2 CPU cores (SmolLM2-135M, a ~200-token prompt):
 
     python experiments/benchmark_study_ig.py --state experiments/results/study_ig
 
-and a quick check that it runs and agrees:
+`--dtype bf16-matmuls` runs jaxdepth's side with the layers' weight matrices in bf16 beside
+float32 activations (`docs/precision.md`), kept apart in the state as side `jaxdepth-bf16-matmuls`
+against the same reference. A quick check that it runs and agrees:
 
     python experiments/benchmark_study_ig.py --state /tmp/study_ig --max-tokens 24 --steps 16 --layers 28,29
 """
@@ -48,6 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--layers", default=None, help="comma-separated layers (default: every layer)")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ", ".join(SIDES))
     p.add_argument("--state", required=True, help="folder of the per-layer results (a rerun resumes from it)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bf16-matmuls"],
+        default="float32",
+        help="jaxdepth's precision (bf16-matmuls: bf16 weight matrices, float32 activations)",
+    )
     p.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="the reference's threads")
     return p.parse_args(argv)
 
@@ -160,16 +168,21 @@ def _record(seconds, attributions, f_input, f_baseline) -> dict:
     )
 
 
-def report(states: dict, layers: list, identity: dict) -> dict:
+def jaxdepth_side(dtype: str) -> str:
+    """The state's name for jaxdepth's side in `dtype`: 'jaxdepth' in float32."""
+    return "jaxdepth" if dtype == "float32" else f"jaxdepth-{dtype}"
+
+
+def report(states: dict, layers: list, identity: dict, ours: str = "jaxdepth") -> dict:
     """Per side: the layers done and their summed seconds; with both complete, the ratio and how
     far the attributions are apart (max |difference| relative to max |attribution|, per layer)."""
     out = {"identity": identity, "cpu": cpu_description(), "cores": os.cpu_count()}
     for side, s in states.items():
         done = [l for l in layers if l in s.layers]
         out[side] = dict(layers_done=len(done), seconds=sum(s.layers[l]["seconds"] for l in done))
-    if all(out.get(side, {}).get("layers_done") == len(layers) for side in SIDES):
-        j, r = states["jaxdepth"].layers, states["reference"].layers
-        out["speedup"] = out["reference"]["seconds"] / out["jaxdepth"]["seconds"]
+    if all(out.get(side, {}).get("layers_done") == len(layers) for side in (ours, "reference")):
+        j, r = states[ours].layers, states["reference"].layers
+        out["speedup"] = out["reference"]["seconds"] / out[ours]["seconds"]
         out["max_relative_difference"] = max(
             float(np.max(np.abs(np.subtract(j[l]["attributions"], r[l]["attributions"]))))
             / max(float(np.max(np.abs(r[l]["attributions"]))), 1e-30)
@@ -185,7 +198,7 @@ def main(argv=None) -> int:
     sides = args.sides.split(",")
     if not set(sides) <= set(SIDES):
         raise SystemExit(f"--sides must be a subset of {SIDES}, got {args.sides!r}")
-    model = jaxdepth.load(args.model)
+    model = jaxdepth.load(args.model, dtype=None if args.dtype == "float32" else args.dtype)
     L = model.config.num_layers
     layers = list(range(L)) if args.layers is None else [int(x) for x in args.layers.split(",")]
     if any(not 0 <= l < L for l in layers):
@@ -194,15 +207,17 @@ def main(argv=None) -> int:
     identity = dict(model=args.model, row=row, tokens=len(tokens), answer_start=start, steps=args.steps)
     os.makedirs(args.state, exist_ok=True)
     log(f"GSM8K row {row}: {len(tokens)} tokens, answer from {start}; {args.steps} steps x {len(layers)} layers")
-    states = {side: State(args.state, side, identity) for side in SIDES}
+    ours = jaxdepth_side(args.dtype)
+    states = {side: State(args.state, side, identity) for side in (ours, "reference")}
     if "jaxdepth" in sides:
-        run_jaxdepth(model, tokens, start, layers, args.steps, states["jaxdepth"])
+        run_jaxdepth(model, tokens, start, layers, args.steps, states[ours])
     if "reference" in sides:
         run_reference(args.model, tokens, start, layers, args.steps, states["reference"], args.torch_threads)
-    summary = report(states, layers, identity)
+    summary = report(states, layers, identity, ours)
     from jaxdepth.core.atomic import atomic_write
 
-    with atomic_write(os.path.join(args.state, "summary.json"), "w") as f:
+    name = "summary.json" if ours == "jaxdepth" else f"summary-{args.dtype}.json"
+    with atomic_write(os.path.join(args.state, name), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary, indent=1))
     return 0

@@ -3,10 +3,13 @@ the analyses under each option set, on random weights of the embedded model's sh
 
 Workloads: a `[1024, D] x [D, F]` matmul (GFLOP/s), a full forward at 1 x 64 and 8 x 64 tokens
 (seconds), and a chunk of 16 integrated-gradients steps of 16 positions from boundary 1 (seconds).
-`jaxdepth/core/compilation.py` keeps the option set that wins here on every CPU measured.
+Each in float32 and, with `--bf16-matmuls`, also with the layers' weight matrices in bf16 beside
+float32 activations (`ModelWeights.with_matmul_dtype`; the matmul then multiplies bf16 inputs into
+float32). `jaxdepth/core/compilation.py` keeps the option sets that win here on every CPU measured
+(`CPU_COMPILER_OPTIONS` for float32 programs, `CPU_NARROW_COMPILER_OPTIONS` for bf16 ones).
 
     python experiments/compile_options.py            # every option set, ~3 min on 2 cores
-    python experiments/compile_options.py ynn_dot default
+    python experiments/compile_options.py ynn_dot default --bf16-matmuls
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.loops import suffix_value_and_grad
-from jaxdepth.core.compilation import CPU_COMPILER_OPTIONS
+from jaxdepth.core.compilation import CPU_COMPILER_OPTIONS, CPU_NARROW_COMPILER_OPTIONS
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, random_params, unembed
+from jaxdepth.core.weights import ModelWeights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmarking.machine import cpu_description  # noqa: E402
@@ -50,6 +54,7 @@ OPTION_SETS = {
     "xnn_dot": {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
     "onednn": {"xla_cpu_use_onednn": True},
     "onednn_dot": {"xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "narrow": dict(CPU_NARROW_COMPILER_OPTIONS),
 }
 
 
@@ -67,8 +72,11 @@ def measure(options: dict, params, rng, config: ModelConfig = CONFIG) -> dict:
     """The four workloads' timings under XLA `options` (`params` of `config`'s shape)."""
     jit = lambda f: jax.jit(f, compiler_options=options)  # noqa: E731
     D, F = config.hidden_size, config.intermediate_size
-    a = jnp.asarray(rng.standard_normal((1024, D)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((D, F)), jnp.float32)
+    # the matmul in the weights' type: float32, or bf16 inputs accumulated in float32
+    narrow = params["layers"]["up"].dtype
+    a = jnp.asarray(rng.standard_normal((1024, D)), narrow)
+    b = jnp.asarray(rng.standard_normal((D, F)), narrow)
+    product = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)  # noqa: E731
     tokens = lambda B: jnp.asarray(rng.integers(0, config.vocab_size, (B, 64)))  # noqa: E731
     zs = jnp.asarray(rng.standard_normal((16, 1, 16, D)), jnp.float32)
 
@@ -80,7 +88,7 @@ def measure(options: dict, params, rng, config: ModelConfig = CONFIG) -> dict:
 
     run_forward = jit(lambda p, t: forward(p, t, config))
     return {
-        "matmul GFLOP/s": 2 * 1024 * D * F / median_seconds(jit(jnp.matmul), a, b, repeats=20) / 1e9,
+        "matmul GFLOP/s": 2 * 1024 * D * F / median_seconds(jit(product), a, b, repeats=20) / 1e9,
         "forward 1x64 s": median_seconds(run_forward, params, tokens(1)),
         "forward 8x64 s": median_seconds(run_forward, params, tokens(8)),
         "IG 16 steps x 16 tokens s": median_seconds(jit(ig_chunk), params, zs, repeats=3),
@@ -90,6 +98,9 @@ def measure(options: dict, params, rng, config: ModelConfig = CONFIG) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sets", nargs="*", help=f"option sets to time (default: all of {', '.join(OPTION_SETS)})")
+    parser.add_argument(
+        "--bf16-matmuls", action="store_true", help="also time each set with the weight matrices in bf16"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.sets) - set(OPTION_SETS))
     if unknown:
@@ -97,19 +108,23 @@ def main(argv=None) -> int:
     if jax.default_backend() != "cpu":
         parser.error("these are XLA:CPU options; the default backend is " + jax.default_backend())
     params = jax.device_put(random_params(CONFIG))
+    precisions = {"": params}
+    if args.bf16_matmuls:
+        precisions["+bf16mm"] = ModelWeights(params, CONFIG, None, "random").with_matmul_dtype("bfloat16").params
     rng = np.random.default_rng(0)
     print(f"{cpu_description()}, jax {jax.__version__}")
     header = None
     for name in args.sets or list(OPTION_SETS):
-        try:
-            row = measure(OPTION_SETS[name], params, rng)
-        except Exception as error:  # an option this XLA does not know
-            print(f"{name:12s} failed: {str(error).splitlines()[0][:100]}")
-            continue
-        if header is None:
-            header = list(row)
-            print(f"{'options':12s} " + " ".join(f"{h:>26s}" for h in header))
-        print(f"{name:12s} " + " ".join(f"{row[h]:26.3f}" for h in header), flush=True)
+        for suffix, weights in precisions.items():
+            try:
+                row = measure(OPTION_SETS[name], weights, rng)
+            except Exception as error:  # an option this XLA does not know
+                print(f"{name + suffix:18s} failed: {str(error).splitlines()[0][:100]}")
+                continue
+            if header is None:
+                header = list(row)
+                print(f"{'options':18s} " + " ".join(f"{h:>26s}" for h in header))
+            print(f"{name + suffix:18s} " + " ".join(f"{row[h]:26.3f}" for h in header), flush=True)
     return 0
 
 

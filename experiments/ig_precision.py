@@ -10,12 +10,16 @@ S[t] = sum_l IG_l[t]: |S_bf16[t] - S_f32[t]| / max_t |S_f32[t]| (`token_sum_erro
 |S_bf16[t] - S_f32[t]| / |S_f32[t]| (`token_sum_own_error`, large where S_f32[t] is near zero).
 
     python experiments/ig_precision.py --rows 0,1,3   # SmolLM2, 64 steps (2 CPU cores: ~30 min a row)
+    python experiments/ig_precision.py --rows 0,1 --steps 16 --narrow bf16-matmuls \
+        --cache results/ig_precision_bf16_matmuls --out experiments/results/ig_precision_bf16_matmuls.json
 
 Each (prompt, precision) result is cached in `--cache` as it finishes (keyed by a hash of the
 model, the prompt's tokens and the steps), so a killed run resumes with what it had; the report
-(`--out`) is rewritten after each prompt. On a CPU bf16 is a precision check, not a speed mode:
-without bf16 matrix units the CPU converts to float32 around every product, so the bf16 run is
-not faster; the times are recorded with the CPU they ran on all the same.
+(`--out`) is rewritten after each prompt. `--narrow bf16-matmuls` compares float32 with bf16
+weight matrices beside float32 activations instead (the products read bf16 inputs and accumulate
+in float32; docs/precision.md). Without bf16 matrix units (AMX, avx512_bf16) the CPU converts to
+float32 around every bf16 product, so there bf16 is a precision check, not a speed mode; the
+times are recorded with the CPU they ran on all the same.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.prompts import encode, format_short, read_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PRECISIONS = ("float32", "bfloat16")
+# What float32 is compared against: every weight and activation in bf16 (`--dtype bfloat16`),
+# or only the layers' weight matrices in bf16 with float32 activations, the products reading
+# bf16 inputs and accumulating in float32 (`ModelWeights.with_matmul_dtype`).
+NARROW = {
+    "bfloat16": lambda model: jaxdepth.load(model, dtype="bfloat16"),
+    "bf16-matmuls": lambda model: jaxdepth.load(model, dtype="float32").with_matmul_dtype("bfloat16"),
+}
 
 
 def cache_path(cache: str, model_name: str, tokens: np.ndarray, steps: int, precision: str) -> str:
@@ -76,14 +86,14 @@ def run_ig(model, batch, steps: int, path: str, precision: str) -> dict:
     return result
 
 
-def compare(f32: dict, bf16: dict) -> dict:
-    """Per layer and per token, how far the bf16 IG is from the float32 one (see the module's
-    docstring), with each precision's own F values and relative completeness gaps."""
+def compare(f32: dict, bf16: dict, narrow: str = "bfloat16") -> dict:
+    """Per layer and per token, how far the `narrow` IG (`bf16`) is from the float32 one (see the
+    module's docstring), with each precision's own F values and relative completeness gaps."""
     if not np.array_equal(f32["tokens"], bf16["tokens"]):
         raise ValueError("the two precisions' results are of different prompts")
     a32, a16 = f32["attributions"].astype(np.float64), bf16["attributions"].astype(np.float64)
     own = {}
-    for name, r in (("float32", f32), ("bfloat16", bf16)):
+    for name, r in (("float32", f32), (narrow, bf16)):
         delta = np.abs(float(r["f_input"]) - r["f_baseline"].astype(np.float64))
         own[name] = dict(
             f_input=float(r["f_input"]),
@@ -104,7 +114,7 @@ def compare(f32: dict, bf16: dict) -> dict:
         max_attribution_error=float(error.max()),
         median_attribution_error=float(np.median(error)),
         worst_layer=int(error.argmax()),
-        f_input_relative_difference=abs(own["bfloat16"]["f_input"] - own["float32"]["f_input"])
+        f_input_relative_difference=abs(own[narrow]["f_input"] - own["float32"]["f_input"])
         / abs(own["float32"]["f_input"]),
         token_sum_error=token_sum_error.tolist(),
         max_token_sum_error=float(token_sum_error.max()),
@@ -114,7 +124,7 @@ def compare(f32: dict, bf16: dict) -> dict:
     )
 
 
-def layer_groups(prompts: dict, width: int) -> list:
+def layer_groups(prompts: dict, width: int, narrow: str = "bfloat16") -> list:
     """Per group of `width` layers, over every prompt and layer in it: the largest and median bf16
     attribution error, and the largest and median completeness gap in each precision."""
     if not prompts:
@@ -128,7 +138,7 @@ def layer_groups(prompts: dict, width: int) -> list:
             return np.array([per_layer(p)[first:last] for p in prompts.values()])
 
         error = pick(lambda p: p["attribution_error"])
-        gap32, gap16 = pick(lambda p: p["float32"]["gap"]), pick(lambda p: p["bfloat16"]["gap"])
+        gap32, gap16 = pick(lambda p: p["float32"]["gap"]), pick(lambda p: p[narrow]["gap"])
         groups.append(
             dict(
                 layers=f"{first}-{last - 1}",
@@ -156,7 +166,7 @@ def table(report: dict) -> str:
         f"{'med err':>8} {'max gap32':>9} {'max gap16':>9} {'s f32':>6} {'s bf16':>6}",
     ]
     for name, p in report["prompts"].items():
-        f32, bf16 = p["float32"], p["bfloat16"]
+        f32, bf16 = p["float32"], p[report.get("narrow", "bfloat16")]
         lines.append(
             f"{name:<12} {p['tokens']:>6} {f32['f_input']:>9.4f} {bf16['f_input']:>9.4f} "
             f"{pct(p['max_attribution_error']):>8} {p['worst_layer']:>7} "
@@ -191,6 +201,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rows", default="0,1", help="GSM8K rows, comma-separated")
     parser.add_argument("--steps", type=int, default=64, help="left Riemann steps")
+    parser.add_argument(
+        "--narrow",
+        choices=sorted(NARROW),
+        default="bfloat16",
+        help="compared with float32: bf16 everywhere, or bf16 weight matrices with float32 activations",
+    )
     parser.add_argument("--group", type=int, default=10, help="layers per group in the summary")
     parser.add_argument("--cache", default="results/ig_precision", help="each (prompt, precision) result")
     parser.add_argument("--out", default="experiments/results/ig_precision.json")
@@ -198,12 +214,13 @@ def main(argv=None) -> int:
 
     # float32 explicitly: a converted folder may be stored in another dtype.
     f32 = jaxdepth.load(args.model, dtype="float32")
-    bf16 = None  # loaded when a bf16 result is not cached
+    bf16 = None  # loaded when a narrow result is not cached
     rows = read_rows("gsm8k", args.data)
     report = dict(
         model=args.model,
         steps=args.steps,
         rule="left",
+        narrow=args.narrow,
         cpu=cpu_description(),
         data=os.path.basename(args.data),
         prompts={},
@@ -214,10 +231,10 @@ def main(argv=None) -> int:
         batch = encode(f32.tokenizer, [prompt], context=f32.config.max_position_embeddings)
         tokens = batch.tokens[0, : int(batch.lengths[0])]
         results = {}
-        for precision in PRECISIONS:
+        for precision in ("float32", args.narrow):
             path = cache_path(args.cache, args.model, tokens, args.steps, precision)
-            if precision == "bfloat16" and bf16 is None and not os.path.exists(path):
-                bf16 = jaxdepth.load(args.model, dtype="bfloat16")
+            if precision != "float32" and bf16 is None and not os.path.exists(path):
+                bf16 = NARROW[args.narrow](args.model)
             model = f32 if precision == "float32" else bf16
             results[precision] = run_ig(model, batch, args.steps, path, precision)
             print(
@@ -227,9 +244,9 @@ def main(argv=None) -> int:
         report["prompts"][name] = dict(
             tokens=len(tokens),
             prompt=prompt.question + prompt.answer,
-            **compare(results["float32"], results["bfloat16"]),
+            **compare(results["float32"], results[args.narrow], args.narrow),
         )
-        report["layer_groups"] = layer_groups(report["prompts"], args.group)
+        report["layer_groups"] = layer_groups(report["prompts"], args.group, args.narrow)
         with atomic_write(args.out, "w") as f:
             json.dump(report, f, indent=1)
     print(table(report))

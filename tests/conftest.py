@@ -242,6 +242,25 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 TINY_VARIANTS.update(FAMILY_VARIANTS)
+# Phi-3's long-context rotary scaling (the 128k and 3.5 models), its original context cut to 24
+# tokens so that a short prompt takes the short factors and a longer one the long factors.
+TINY_VARIANTS["phi3_longrope"] = dict(
+    arch="phi3",
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    sliding_window=None,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 12345.0,
+        "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.1, 4.5, 6.0],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 7.0, 11.0, 19.0, 30.0],
+    },
+    original_max_position_embeddings=24,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # transformers' config and model class of each `arch`.
 _HF_CLASSES = {
@@ -409,71 +428,236 @@ def _llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+# The llama.cpp architecture each Hugging Face family is written as: llama.cpp converts Mistral
+# models with its Llama converter.
+LLAMA_CPP_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gpt2": "gpt2",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
 
 
-def write_tiny_gguf(tiny, path, *, arch="llama", extra=None):
-    """Write a tiny llama HF model as a float32 GGUF file the way llama.cpp's converter does
-    (q/k rows permuted, no output.weight when tied), with a small byte-level BPE tokenizer.
-    `extra(writer)` may add metadata."""
+def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
+    """The `GGUFWriter.add_<key>` calls llama.cpp's convert_hf_to_gguf.py makes for a model with
+    HF config `cfg`: its `TextModel` keys, and what each architecture's converter adds or writes
+    instead of them."""
+    if arch == "gpt2":  # GPT2Model writes these alone (no vocabulary size, no rotary)
+        return [
+            ("block_count", cfg.n_layer),
+            ("context_length", getattr(cfg, "n_ctx", cfg.n_positions)),
+            ("embedding_length", cfg.n_embd),
+            ("feed_forward_length", 4 * cfg.n_embd),
+            ("head_count", cfg.n_head),
+            ("layer_norm_eps", cfg.layer_norm_epsilon),
+        ]
+    rope = cfg.rope_parameters
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+    head_dim = cfg.to_dict().get("head_dim")
+    shapes = [
+        ("block_count", cfg.num_hidden_layers),
+        ("context_length", cfg.max_position_embeddings),
+        ("embedding_length", cfg.hidden_size),
+        ("feed_forward_length", cfg.intermediate_size),
+        ("head_count", cfg.num_attention_heads),
+        ("head_count_kv", cfg.num_key_value_heads),
+        ("layer_norm_rms_eps", cfg.rms_norm_eps),
+    ]
+    if arch == "phi3":  # Phi3MiniModel: its own keys, the window 0 when there is none
+        rotary = int(full.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+        return shapes + [
+            ("rope_scaling_orig_ctx_len", cfg.original_max_position_embeddings),
+            ("rope_dimension_count", rotary),
+            ("rope_freq_base", full["rope_theta"]),
+            ("sliding_window", cfg.sliding_window or 0),
+        ]
+    if arch == "gemma2":  # Gemma2Model: no rotary base (llama.cpp's default, 10000, is Gemma 2's)
+        return shapes + [
+            ("key_length", cfg.head_dim),
+            ("value_length", cfg.head_dim),
+            ("attn_logit_softcapping", cfg.attn_logit_softcapping),
+            ("final_logit_softcapping", cfg.final_logit_softcapping),
+            ("sliding_window", cfg.sliding_window),
+        ]
+    calls = list(shapes)  # TextModel's keys
+    if full.get("rope_type") == "linear":
+        calls += [("rope_scaling_type", pytest.importorskip("gguf").RopeScalingType.LINEAR)]
+        calls += [("rope_scaling_factor", full["factor"])]
+    calls.append(("rope_freq_base", full["rope_theta"]))
+    if "rope_theta" in local:
+        calls.append(("rope_freq_base_swa", local["rope_theta"]))
+    if head_dim is not None:
+        calls += [("key_length", head_dim), ("value_length", head_dim)]
+    if arch == "llama":  # LlamaModel adds these
+        calls += [
+            ("vocab_size", cfg.vocab_size),
+            ("rope_dimension_count", head_dim or cfg.hidden_size // cfg.num_attention_heads),
+        ]
+    if arch == "gemma3":  # Gemma3Model adds these
+        if cfg.final_logit_softcapping:
+            calls.append(("final_logit_softcapping", cfg.final_logit_softcapping))
+        calls.append(("sliding_window", cfg.sliding_window))
+    return calls
+
+
+def _llama_cpp_tensors(model, arch: str):
+    """`(GGUF name, float32 array)` for each tensor llama.cpp's converter writes: the names of
+    gguf's own `TensorNameMap` (the converter's), q/k rows permuted for 'llama', Gemma's norm
+    weights stored as 1 + w, GPT-2's `Conv1D` weights transposed to `[out, in]`, and no LM head
+    when it is the embedding matrix."""
     gguf = pytest.importorskip("gguf")
 
-    cfg = tiny.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1
+        elif arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            w = w.T
+        base, suffix = name.rsplit(".", 1)
+        gname = names.get_name(base)
+        assert gname is not None, f"gguf has no {arch} name for {name}"
+        yield f"{gname}.{suffix}", np.ascontiguousarray(w, np.float32)
+
+
+def _byte_level_vocab(writer, vocab_size):
+    """A small byte-level BPE vocabulary (llama.cpp's 'gpt2' tokenizer model)."""
     pairs = [("Ġ", c) for c in string.ascii_lowercase] + [("t", c) for c in string.ascii_lowercase]
-    pairs = pairs[: cfg.vocab_size - 257]
+    pairs = pairs[: vocab_size - 257]
     tokens = _bytes_to_unicode() + ["<|endoftext|>"] + [a + b for a, b in pairs]
-    assert len(tokens) == cfg.vocab_size
+    assert len(tokens) == vocab_size
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * 256 + [3] + [1] * len(pairs))
     writer.add_token_merges([f"{a} {b}" for a, b in pairs])
     writer.add_bos_token_id(256)
     writer.add_eos_token_id(256)
+
+
+def _sentencepiece_vocab(writer, vocab_size):
+    """A small sentencepiece vocabulary with byte fallback (llama.cpp's 'llama' tokenizer model,
+    as Gemma and Phi-3 files have), without merges, as llama.cpp writes it: the pieces' order and
+    scores say how they merge."""
+    pieces = list("▁thecasinord") + ["▁t", "he", "▁a", "in", "th", "▁the", "at", "▁c", "▁ca", "▁cat", "an", "▁s"]
+    pieces += ["on", "er", "re", "▁o", "▁on", "ti", "is", "▁is", "▁th", "▁in", "or", "nd", "▁and", "▁to", "es"]
+    pieces += ["▁m", "▁ma", "▁mat", "ed", "▁he", "▁it", "it", "en", "▁s", "▁sat"]
+    pieces = list(dict.fromkeys(pieces))[: vocab_size - 259]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    assert len(tokens) == vocab_size
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_space_prefix(False)
+
+
+def write_tiny_gguf(tiny, path, *, arch=None, name=None, extra=None, tokenizer="bpe"):
+    """Write a tiny HF model as a float32 GGUF file the way llama.cpp's convert_hf_to_gguf.py
+    does (`_llama_cpp_metadata`, `_llama_cpp_tensors`), with a small byte-level BPE (`tokenizer`
+    'bpe') or sentencepiece ('sentencepiece') vocabulary. `arch` overrides the architecture the
+    file states (its metadata and tensors stay those of the model's own), `name` is its
+    `general.name`, and `extra(writer)` may add metadata."""
+    gguf = pytest.importorskip("gguf")
+
+    model = tiny.model if isinstance(tiny, TinyModel) else tiny
+    cfg = model.config
+    own = LLAMA_CPP_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(path, arch or own)
+    if name is not None:
+        writer.add_name(name)
+    for key, value in _llama_cpp_metadata(cfg, own):
+        getattr(writer, f"add_{key}")(value)
+    {"bpe": _byte_level_vocab, "sentencepiece": _sentencepiece_vocab}[tokenizer](writer, cfg.vocab_size)
+    if getattr(cfg, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(cfg.pad_token_id)
     if extra is not None:
         extra(writer)
-    for name, tensor in tiny.model.state_dict().items():
-        w = tensor.detach().numpy()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            gname = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[name]
-        else:
-            _, _, i, *rest = name.split(".")
-            gname = f"blk.{i}.{_GGUF_LAYER_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-            if "q_proj" in name:
-                w = _llama_cpp_permute(w, cfg.num_attention_heads)
-            elif "k_proj" in name:
-                w = _llama_cpp_permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(gname, np.ascontiguousarray(w, np.float32))
+    for gname, w in _llama_cpp_tensors(model, own):
+        writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Tiny models that transformers' GGUF loader reads back whole, one per architecture it reads (and
+# jaxdepth has a family for): a `TINY_VARIANTS` entry, its changes, the `general.name` written. The
+# loader reads only some of llama.cpp's keys and takes the rest from its config classes' defaults,
+# so each feature it does not read is set to that default here: Qwen3's head_dim 128; Gemma's
+# query_pre_attn_scalar 256, Gemma 2's soft-caps 50 and 30 and rotary base 10000 (llama.cpp writes
+# none), Gemma 3's layer pattern (5 sliding layers in 6), its local rotary base 10000 and no rope
+# scaling; no window and full rotary for Phi-3; GPT-2's 1024 positions. A Mistral model is a
+# 'llama' file (llama.cpp writes no window for it), which transformers reads as Llama.
+GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
+    "llama": ("llama_gqa_untied", {}, None),
+    "mistral": ("mistral_window", dict(sliding_window=None), "Mistral Tiny"),
+    "qwen2": ("qwen2_gqa_untied", {}, None),
+    "qwen3": ("qwen3_gqa", dict(head_dim=128), None),
+    "phi3": (
+        "phi3_partial_rotary",
+        dict(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 12345.0}),
+        None,
+    ),
+    "gpt2": ("gpt2", dict(n_positions=1024), None),
+    "gemma2": (
+        "gemma2_softcapped",
+        dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=1e4),
+        None,
+    ),
+    "gemma3": (
+        "gemma3_local_rope",
+        dict(
+            num_hidden_layers=6,
+            layer_types=None,
+            query_pre_attn_scalar=256,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 12345.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+        None,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Callable[[str], tuple[TinyModel, str]]:
+    """Factory: `tiny_gguf(arch)` builds (once per session) the tiny model `GGUF_VARIANTS[arch]`,
+    saves it as a Hugging Face folder and writes it as a GGUF file (alone in its folder, as
+    transformers' loader wants it); it returns the model and the file's path."""
+    cache: dict[str, tuple[TinyModel, str]] = {}
+
+    def make(arch: str) -> tuple[TinyModel, str]:
+        if arch not in cache:
+            base, changes, name = GGUF_VARIANTS[arch]
+            variant = f"{base}__gguf"
+            with pytest.MonkeyPatch.context() as patch:  # a variant of the tiny models, for this build only
+                patch.setitem(TINY_VARIANTS, variant, {**TINY_VARIANTS[base], **changes})
+                model = build_tiny_model(variant, seed=sorted(GGUF_VARIANTS).index(arch))
+            folder = tmp_path_factory.mktemp(f"hf-{arch}-gguf")
+            model.save_pretrained(str(folder))
+            path = str(tmp_path_factory.mktemp(f"gguf-{arch}") / f"{arch}.gguf")
+            write_tiny_gguf(model, path, name=name)
+            cache[arch] = (TinyModel(name=variant, folder=str(folder), model=model, config=model.config), path)
+        return cache[arch]
+
+    return make
 
 
 # ----------------------------------------------------------------------------- a checkpoint for the CLI

@@ -108,18 +108,10 @@ VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf1
 def cpu_description() -> str:
     """The CPU model and the vector extensions that matter for matmuls, e.g. 'AMD EPYC (avx2,
     fma, avx512f)': speed ratios differ between CPUs, so every report names it."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    from jaxdepth.core.compilation import cpu_info
+
+    model, flags = cpu_info()
+    model = model or platform.processor() or platform.machine()
     return f"{model} ({', '.join(f for f in VECTOR_FLAGS if f in flags) or 'vector extensions unknown'})"
 
 

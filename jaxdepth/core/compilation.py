@@ -14,26 +14,70 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sites import Intervention, check_layer_indices
 
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+# Programs with bfloat16 operands (`--dtype bfloat16`, or bf16 weight matrices beside float32
+# activations: `ModelWeights.with_matmul_dtype`): YNNPACK runs their matmuls at float32's speed
+# or below, while XLA's own bf16 dots reach AMX's rate (an Intel Xeon with AMX, 2 cores: a
+# [1024, 576] x [576, 1536] bf16 product at 580 GFLOP/s under XLA's defaults, 150 under the
+# option above; float32: 150-180). `experiments/compile_options.py` measures both sets.
+CPU_NARROW_COMPILER_OPTIONS: dict[str, Any] = {}
 
 
 @functools.cache
-def compiler_options() -> dict[str, Any]:
-    """`CPU_COMPILER_OPTIONS` when the default backend is a CPU whose XLA knows them, else none.
+def compiler_options(narrow: bool = False) -> dict[str, Any]:
+    """`CPU_COMPILER_OPTIONS` (or, for programs with bfloat16 operands, `narrow`,
+    `CPU_NARROW_COMPILER_OPTIONS`) when the default backend is a CPU whose XLA knows them, else
+    none.
 
     Read at the first compilation, not at import: the backend must not start before
     `jax.distributed.initialize` has had its chance."""
     if jax.default_backend() != "cpu":
         return {}
+    options = CPU_NARROW_COMPILER_OPTIONS if narrow else CPU_COMPILER_OPTIONS
     try:
-        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(1.0).compile()
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
     except Exception:  # an XLA without this (experimental) option: compile with its defaults
         return {}
-    return dict(CPU_COMPILER_OPTIONS)
+    return dict(options)
+
+
+@functools.cache
+def cpu_info() -> tuple[str, frozenset]:
+    """This machine's CPU model name and its feature flags, from /proc/cpuinfo (empty where the
+    system has none)."""
+    model, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_multiplies_bf16_fast() -> bool:
+    """Whether this CPU has bf16 matrix units (Intel's AMX), where bf16 products run 3-4x
+    faster than float32 ones (`--dtype bf16-matmuls`)."""
+    return "amx_bf16" in cpu_info()[1]
+
+
+def has_narrow_floats(tree) -> bool:
+    """Whether any array of `tree` is a float narrower than 32 bits (bfloat16 weights, say)."""
+    return any(
+        jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.finfo(leaf.dtype).bits < 32
+        for leaf in jax.tree.leaves(tree)
+        if hasattr(leaf, "dtype")
+    )
 
 
 def _is_interventions(x) -> bool:
@@ -56,22 +100,27 @@ def check_interventions(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 class _Jitted:
-    """A function jitted at its first use, once the backend (and so the options) is known.
-    Behaves as the `jax.jit` object it wraps (`lower`, `_cache_size`, ...). A call first checks
-    the layer indices of the interventions among its arguments (`check_interventions`)."""
+    """A function jitted at its first use, once the backend (and so the options) is known, with
+    the options of its arguments' precision (`compiler_options(narrow=...)`). Behaves as the
+    `jax.jit` object it wraps (`lower`, `_cache_size`, ...). A call first checks the layer
+    indices of the interventions among its arguments (`check_interventions`)."""
 
     def __init__(self, fun: Callable, jit_kwargs: dict[str, Any]):
         functools.update_wrapper(self, fun)
-        self._fun, self._jit_kwargs, self._jitted = fun, jit_kwargs, None
+        self._fun, self._jit_kwargs, self._jitted = fun, jit_kwargs, {}
 
-    def _compiled(self):
-        if self._jitted is None:
-            self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._jit_kwargs)
-        return self._jitted
+    def _compiled(self, narrow: bool = False):
+        if narrow not in self._jitted:
+            options = compiler_options(narrow)
+            self._jitted[narrow] = jax.jit(self._fun, compiler_options=options, **self._jit_kwargs)
+        return self._jitted[narrow]
 
     def __call__(self, *args, **kwargs):
         args, kwargs = check_interventions(args, kwargs)
-        return self._compiled()(*args, **kwargs)
+        return self._compiled(has_narrow_floats((args, kwargs)))(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._compiled(has_narrow_floats((args, kwargs))).lower(*args, **kwargs)
 
     def __getattr__(self, name):
         if name in ("_fun", "_jit_kwargs", "_jitted"):  # not set yet (e.g. while copying)

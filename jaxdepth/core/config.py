@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from jaxdepth.core.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedConfigError, config_fields
 
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 NORMS = ("rms", "layer")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 MLPS = ("gated", "plain")
@@ -58,7 +58,10 @@ class ModelConfig:
     Positions: `positions` 'rotary' (rotate-half embeddings on the first `rotary_dim` dims of
     each head, 0 meaning all of them, base `rope_theta`; `rope_type` 'llama3' rescales the
     frequencies as Llama 3.1 / 3.2 do, with `rope_factor`, the low and high frequency factors
-    and the original context; 'linear' divides them by `rope_factor`; sliding layers use base
+    and the original context; 'linear' divides them by `rope_factor`; 'longrope' (Phi-3's long
+    context models) divides them per frequency by `rope_short_factor`, or by `rope_long_factor`
+    in a prompt longer than `rope_original_max_position`, and scales cos and sin by
+    `rope_attention_factor`; sliding layers use base
     `local_rope_theta` without scaling where it is not 0, as Gemma 3 does) or 'learned'
     (GPT-2's absolute position embeddings, param `pos_embed`).
 
@@ -89,6 +92,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 1.0
     rope_original_max_position: int = 0
+    rope_short_factor: tuple = ()
+    rope_long_factor: tuple = ()
+    rope_attention_factor: float = 1.0
     norm: str = "rms"
     norm_offset: float = 0.0
     norm_scale_in_float32: bool = False
@@ -111,7 +117,8 @@ class ModelConfig:
     mlp_bias: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON gives a list
+        for name in ("layer_types", "rope_short_factor", "rope_long_factor"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
                 f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -157,6 +164,18 @@ class ModelConfig:
                 "llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 and "
                 f"high_freq_factor > low_freq_factor > 0; got {self.rope_factor}, {self.rope_original_max_position}, "
                 f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}"
+            )
+
+        if self.rope_type == "longrope" and not (
+            self.rope_original_max_position > 0
+            and len(self.rope_short_factor) == len(self.rope_long_factor) == self.rotated_dims // 2
+            and self.rope_attention_factor > 0
+        ):
+            raise UnsupportedConfigError(
+                f"longrope scaling needs original_max_position_embeddings > 0, short and long factors of "
+                f"{self.rotated_dims // 2} (half the rotated dims) each and attention_factor > 0; got "
+                f"{self.rope_original_max_position}, {len(self.rope_short_factor)}, {len(self.rope_long_factor)}, "
+                f"{self.rope_attention_factor}"
             )
 
     @property

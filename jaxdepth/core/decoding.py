@@ -8,6 +8,11 @@ The prompt runs once (the prefill), keeping every step's keys and values in a bu
 `T + max_new_tokens` positions; each new token then runs alone at its own position against
 that buffer (`jaxdepth.core.layer.step_context`) and writes its keys and values into it.
 
+Under Phi-3's 'longrope' scaling, transformers' generate recomputes the whole sequence once, at
+the step whose token reaches past the original context, so that every key is rotated by the long
+factors from then on; so does this loop, per prompt (a `lax.cond`: under `vmap` it runs every
+step, so a vmapped longrope decoding costs a full forward per step).
+
 Interventions act in the prefill and in every decoding step, on the rows of that call: the
 prompt's T positions, then one position per step. Their data must therefore fit any number of
 positions (a position mask of one entry, `[1]` or `[B, 1]`, or none); a mask of the prompt's
@@ -128,6 +133,33 @@ def generate(
     out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
 
+    def refill_where_long_factors_begin(h, keys, values, at, seen, out):
+        """The rows whose token at `at` is the first past longrope's original context: their
+        whole sequence so far run again (the long factors throughout, as transformers does), its
+        keys and values replacing the buffer's and its output at `at` the step's."""
+        crossing = at == config.rope_original_max_position
+
+        def refill(_):
+            written = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]  # out[:, j] sits at lengths + j
+            sequence = jnp.pad(tokens, ((0, 0), (0, max_new_tokens))).at[rows[:, None], written].set(out)
+            h_all, (k_all, v_all) = run_layers(
+                params,
+                embed(params, sequence, config),
+                config,
+                valid=seen,
+                interventions=ivs,
+                order=order,
+                tap=_read_key_values,
+            )
+            pick = lambda new, old: jnp.where(crossing.reshape((1, 1, B) + (1,) * (new.ndim - 3)), new, old)  # noqa: E731
+            return (
+                jnp.where(crossing[:, None, None], h_all[rows, at][:, None], h),
+                pick(k_all, keys),
+                pick(v_all, values),
+            )
+
+        return jax.lax.cond(jnp.any(crossing), refill, lambda _: (h, keys, values), None)
+
     def running(carry):
         n, *_, done = carry
         return (n < max_new_tokens) & ~jnp.all(done)
@@ -147,6 +179,8 @@ def generate(
             tap=_new_key_values,
         )
         keys, values = keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v)
+        if config.rope_type == "longrope":
+            h, keys, values = refill_where_long_factors_begin(h, keys, values, at, seen, out)
         token = _pick(unembed(params, h[:, 0], config), temperature, keyed(n))
         out = out.at[:, n].set(jnp.where(done, pad_id, token))
         count = count + ~done

@@ -160,8 +160,8 @@ def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | N
         params = dict(r.get(key, {}))
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        r.refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: default, llama3, linear)")
+    if rope_type not in ("default", "llama3", "linear", "longrope"):
+        r.refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: default, llama3, linear, longrope)")
     both = dict(r.hf.get("rope_parameters") or {}) if key == "rope_scaling" else {}
     theta = params.get("rope_theta", both.get("rope_theta", r.get("rope_theta", r.get("rotary_emb_base"))))
     if theta is None:
@@ -179,9 +179,39 @@ def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | N
     elif rope_type == "linear":
         fields.update(rope_type="linear", rope_factor=float(params["factor"]))
         known.add("factor")
+    elif rope_type == "longrope":
+        fields.update(_longrope(r, key, params))
+        known |= {"short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"}
     if set(params) - known:
         r.refuse(key, f"rope settings {sorted(set(params) - known)} are not implemented")
     return fields
+
+
+def _longrope(r: _Reader, key: str, params: Mapping) -> dict:
+    """Phi-3's long-context rotary scaling, as transformers reads it: the context it was trained
+    at (`original_max_position_embeddings`, in the rope settings or at the top level), per
+    frequency factors for prompts up to it and beyond it, and the cos / sin scale
+    `attention_factor`, by default sqrt(1 + ln s / ln original) with s = `factor` or, without
+    one, max_position_embeddings / original (1 where s <= 1)."""
+    missing = {"short_factor", "long_factor"} - set(params)
+    if missing:
+        r.refuse(key, f"longrope scaling needs {', '.join(sorted(missing))}")
+    original = params.get("original_max_position_embeddings", r.get("original_max_position_embeddings"))
+    if not original:
+        r.refuse(key, "longrope scaling needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = r.need("max_position_embeddings") / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return dict(
+        rope_type="longrope",
+        rope_original_max_position=int(original),
+        rope_short_factor=tuple(float(f) for f in params["short_factor"]),
+        rope_long_factor=tuple(float(f) for f in params["long_factor"]),
+        rope_attention_factor=float(attention),
+    )
 
 
 def _layer_types(

@@ -57,9 +57,10 @@ def pre_norm(p: Params, name: str, x, config: ModelConfig):
     return layer_norm_of(p, name, x, config) if config.pre_norms else x
 
 
-def rotary_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+def rotary_frequencies(config: ModelConfig, local: bool = False, long: bool = False) -> np.ndarray:
     """The rotary inverse frequencies [rotated/2], float32, as HF computes them, bit for bit
-    (`local`: a sliding layer's, which differ where `local_rope_theta` is set).
+    (`local`: a sliding layer's, which differ where `local_rope_theta` is set; `long`: under
+    'longrope', a prompt's beyond the original context).
 
     Computed on the host with numpy, never by the compiler. The angle at position t is
     t * inv_freq, so a 1e-5 relative error in one frequency moves a tiny model's late logits by
@@ -68,7 +69,8 @@ def rotary_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     operation torch performs, in HF's order, so the bits are the same on every machine; the
     power is correctly rounded (torch's own is within an ulp of that, depending on the CPU).
     Rope type 'llama3' divides the low frequencies by `rope_factor` and blends the middle band
-    smoothly (Llama 3.1 / 3.2); 'linear' divides them all by it.
+    smoothly (Llama 3.1 / 3.2); 'linear' divides them all by it; 'longrope' divides each by its
+    short (or `long`) factor.
     """
     f32 = np.float32
     Dh = config.rotated_dims
@@ -77,6 +79,9 @@ def rotary_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     exponents = np.arange(0, Dh, 2).astype(f32) / f32(Dh)
     # torch casts the Python base to float32 and raises it to the float32 exponents
     power = (np.float64(f32(theta)) ** exponents.astype(np.float64)).astype(f32)
+    if config.rope_type == "longrope" and not own_base:
+        factors = config.rope_long_factor if long else config.rope_short_factor
+        return f32(1) / (np.asarray(factors, f32) * power)
     inv_freq = f32(1) / power
     if config.rope_type == "default" or own_base:
         return inv_freq
@@ -100,14 +105,38 @@ def rotary_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
 
 
 def rotary_tables(
-    seq_len: int, config: ModelConfig, local: bool = False
-) -> tuple[Float[Array, "T R"], Float[Array, "T R"]]:
-    """cos and sin of the rotate-half rotary embedding over the R rotated dims of a head,
-    computed in float32 as HF does (`local`: a sliding layer's, `rotary_frequencies`)."""
-    inv_freq = rotary_frequencies(config, local)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    seq_len: int, config: ModelConfig, local: bool = False, long: Optional[Bool[Array, " B"]] = None
+) -> tuple[Float[Array, "*B T R"], Float[Array, "*B T R"]]:
+    """cos and sin of the rotate-half rotary embedding over the R rotated dims of a head at
+    positions 0..seq_len-1, computed in float32 as HF does (`local`: a sliding layer's,
+    `rotary_frequencies`). `[T, R]` each, or, under 'longrope' scaling, `[B, T, R]`: each
+    prompt's own, by the long factors where `long[b]` (`longrope_rows`), scaled by the
+    attention factor."""
+
+    def tables(inv_freq):
+        angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        return jnp.cos(angles), jnp.sin(angles)
+
+    if config.rope_type != "longrope" or (local and config.local_rope_theta):
+        return tables(rotary_frequencies(config, local))
+    if long is None:
+        raise ValueError("longrope rotary tables need each prompt's choice of factors (`long`, `longrope_rows`)")
+    scale = np.float32(config.rope_attention_factor)
+    short, extended = (tables(rotary_frequencies(config, local, f)) for f in (False, True))
+    pick = lambda s, e: jnp.where(long[:, None, None], e * scale, s * scale)  # noqa: E731
+    return pick(short[0], extended[0]), pick(short[1], extended[1])
+
+
+def longrope_rows(valid: Bool[Array, "B T"], config: ModelConfig) -> Optional[Bool[Array, " B"]]:
+    """Per prompt, whether 'longrope' scaling takes its long factors: where the prompt reaches
+    past the original context (its last valid position + 1 > `rope_original_max_position`), as
+    transformers decides for that prompt alone (for a padded batch it decides by the padded
+    length, the whole batch at once). None under any other rope type."""
+    if config.rope_type != "longrope":
+        return None
+    ends = jnp.max(jnp.where(valid, jnp.arange(1, valid.shape[1] + 1), 0), axis=1)
+    return ends > config.rope_original_max_position
 
 
 def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N Dh"]:
@@ -135,9 +164,61 @@ def _qk_norm(p: Params, name: str, x: Float[Array, "B T N Dh"], config: ModelCon
     return flat.reshape(x.shape)
 
 
+def project(x: Array, w: Array, spec: Optional[str] = None) -> Array:
+    """`x @ w` (or `jnp.einsum(spec, x, w)`): the one product of activations with a weight
+    matrix. Where `w` is stored in a narrower float type than `x` (bfloat16 matrices beside
+    float32 activations: `ModelWeights.with_matmul_dtype`), the product reads its inputs rounded
+    to `w`'s type and accumulates in float32, forward and backward, as a GPU's bf16 or TF32
+    matmul does; the result keeps `x`'s type, so the residual stream, norms and softmaxes stay in
+    float32. Equal types: the plain product."""
+    if jnp.finfo(w.dtype).bits >= jnp.finfo(x.dtype).bits:
+        return x @ w if spec is None else jnp.einsum(spec, x, w)
+    return _rounded_product(x, w, spec or "...i,io->...o")
+
+
+def _narrow_einsum(spec: str, a: Array, b: Array) -> Array:
+    """`einsum(spec, a, b)` of two bf16 operands, accumulated in float32. XLA:CPU has no bf16 dot
+    with batch axes (an index in both operands and the output: the split layer's per-head
+    products), so those multiply float32 copies: the same numbers, since products of bf16 values
+    are exact in float32."""
+    operands, out = spec.split("->")
+    a_spec, b_spec = operands.split(",")
+    if set(a_spec) & set(b_spec) & set(out) - {"."}:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rounded_product(x: Array, w: Array, spec: str) -> Array:
+    return _narrow_einsum(spec, x.astype(w.dtype), w).astype(x.dtype)
+
+
+def _rounded_product_forward(x, w, spec):
+    return _rounded_product(x, w, spec), (x, w)
+
+
+def _rounded_product_backward(spec, saved, g):
+    # JAX's own transpose would multiply the float32 cotangent by the narrow weights in float32
+    # (the slow product) and then round the input's gradient to the narrow type; here both
+    # backward products are rounded-input, float32-accumulated products like the forward one.
+    x, w = saved
+    x_spec, rest = spec.split(",")
+    w_spec, out_spec = rest.split("->")
+    g = g.astype(w.dtype)
+    dx = _narrow_einsum(f"{out_spec},{w_spec}->{x_spec}", g, w)
+    if x_spec.startswith("..."):  # the leading axes are summed over for w's gradient: make them one
+        x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        x_spec, out_spec = x_spec.replace("...", "n"), out_spec.replace("...", "n")
+    dw = _narrow_einsum(f"{x_spec},{out_spec}->{w_spec}", x.astype(w.dtype), g)
+    return dx.astype(saved[0].dtype), dw.astype(w.dtype)
+
+
+_rounded_product.defvjp(_rounded_product_forward, _rounded_product_backward)
+
+
 def _projected(p: Params, x, name: str, heads: int, config: ModelConfig):
     B, T, _ = x.shape
-    y = x @ p[name]
+    y = project(x, p[name])
     if config.qkv_bias:
         y = y + p[f"{name}_bias"]
     return y.reshape(B, T, heads, config.head_dim)
@@ -209,7 +290,7 @@ def attend(
 def attention_output(p: Params, heads: Float[Array, "B S H Dh"], config: ModelConfig) -> Float[Array, "B S D"]:
     """What the residual receives from the heads: the output projection (and its bias), then the
     post-attention norm where the family has one."""
-    return _attention_written(p, heads.reshape(heads.shape[:2] + (-1,)) @ p["o"], config)
+    return _attention_written(p, project(heads.reshape(heads.shape[:2] + (-1,)), p["o"]), config)
 
 
 def _attention_written(p: Params, projected: Float[Array, "B S D"], config: ModelConfig) -> Float[Array, "B S D"]:
@@ -250,7 +331,7 @@ def mlp_hidden(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Floa
     act = _ACTIVATION[config.activation]
 
     def linear(name):
-        y = x @ p[name]
+        y = project(x, p[name])
         return y + p[f"{name}_bias"] if config.mlp_bias else y
 
     if config.mlp == "plain":
@@ -261,7 +342,7 @@ def mlp_hidden(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Floa
 def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) -> Float[Array, "B T D"]:
     """What the residual receives from the MLP's hidden units: the down projection (and its
     bias), then the post-MLP norm where the family has one."""
-    m = hidden @ p["down"]
+    m = project(hidden, p["down"])
     return _after_sublayer(p, "mlp_post_norm", m + p["down_bias"] if config.mlp_bias else m, config)
 
 
@@ -288,10 +369,10 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
     B, T, H, _ = xq.shape
     K, Dh = config.num_kv_heads, config.head_dim
 
-    def project(x, name, heads):
+    def per_group(x, name, heads):
         w = p[name].reshape(-1, heads, Dh)
         grouped = x.reshape(B, T, heads, H // heads, -1)
-        y = jnp.einsum("btkgd,dke->btkge", grouped, w)
+        y = project(grouped, w, "btkgd,dke->btkge")
         if config.qkv_bias:
             y = y + p[f"{name}_bias"].reshape(heads, 1, Dh)
         return y.reshape(B, T, H, Dh)
@@ -299,18 +380,18 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
     def normed_whole(x, name, heads):
         # OLMo 2 normalises a head's query (key) with the rest of the projection of the same
         # input: each query head's input is its own here, so it is projected whole, per head.
-        y = x @ p[name]
+        y = project(x, p[name])
         if config.qkv_bias:
             y = y + p[f"{name}_bias"]
         y = norm(y, p[f"{name}_norm"], config).reshape(B, T, H, heads, Dh)
         own = (jnp.arange(H) // (H // heads))[None, None, :, None, None]
         return jnp.take_along_axis(y, own, axis=3)[:, :, :, 0]
 
-    v = project(xv, "v", K)
+    v = per_group(xv, "v", K)
     if config.qk_norm and config.qk_norm_scope == "projection":
         q, k = normed_whole(xq, "q", H), normed_whole(xk, "k", K)
     else:
-        q, k = project(xq, "q", H), project(xk, "k", K)
+        q, k = per_group(xq, "q", H), per_group(xk, "k", K)
         q, k = _qk_norm(p, "q_norm", q, config), _qk_norm(p, "k_norm", k, config)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -411,7 +492,7 @@ def layer_step(
         probs, heads = attend(q, k, v, mask, config)
         heads = at("head_out", heads)
         per_head_o = p["o"].reshape(H, config.head_dim, D)
-        split["head_result"] = at("head_result", jnp.einsum("bshe,hed->bshd", heads, per_head_o))
+        split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
         a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
     else:
         q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, prefix)
@@ -486,7 +567,8 @@ def layer_context(h, valid, config, offset: int = 0) -> LayerContext:
     B, S, _ = h.shape
     T = offset + S
     valid = jnp.ones((B, T), bool) if valid is None else valid
-    rotary_of = lambda local: tuple(t[offset:] for t in rotary_tables(T, config, local))  # noqa: E731
+    long = longrope_rows(valid, config)
+    rotary_of = lambda local: tuple(t[..., offset:, :] for t in rotary_tables(T, config, local, long))  # noqa: E731
     return _context(rotary_of, lambda window: attention_mask(valid, offset, window), config)
 
 
@@ -498,9 +580,11 @@ def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelCon
     hold anything from `start` on. Keys are `[buffer T | piece width]`."""
     T = valid.shape[1]
     rows = jnp.arange(width)
+    long = longrope_rows(valid, config)
 
     def rotary_of(local):
-        return tuple(jax.lax.dynamic_slice_in_dim(t, start, width) for t in rotary_tables(T, config, local))
+        tables = rotary_tables(T, config, local, long)
+        return tuple(jax.lax.dynamic_slice_in_dim(t, start, width, axis=t.ndim - 2) for t in tables)
 
     def mask_of(window):
         query, key = start + rows[:, None], jnp.arange(T)[None, :]
@@ -524,9 +608,13 @@ def step_context(valid: Bool[Array, "B T"], positions: Int[Array, " B"], config:
     T = valid.shape[1]
     where = positions[:, None]
     keys = jnp.arange(T)[None, :]
+    # transformers decides longrope's factors by the positions of each call: a decoded token's own
+    long = None if config.rope_type != "longrope" else positions + 1 > config.rope_original_max_position
 
     def rotary_of(local):
-        return tuple(t[positions][:, None, :] for t in rotary_tables(T, config, local))
+        tables = rotary_tables(T, config, local, long)
+        rows = jnp.arange(positions.shape[0])
+        return tuple((t[rows, positions] if t.ndim == 3 else t[positions])[:, None, :] for t in tables)
 
     def mask_of(window):
         earlier = (keys < where) & valid & ((where - keys < window) if window else True)

@@ -39,3 +39,15 @@ class ModelWeights:
         is left as it is. The cast params are device arrays."""
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
         return dataclasses.replace(self, params=params)
+
+    def with_matmul_dtype(self, dtype):
+        """A copy whose layers' weight matrices (q, k, v, o and the MLP's) are stored in `dtype`
+        (e.g. 'bfloat16'), everything else as it is: the products of activations with those
+        matrices then read the activations rounded to `dtype` and accumulate in float32
+        (`jaxdepth.core.layer.project`), while the embeddings, the residual stream, norms,
+        softmaxes, the unembedding and every statistic stay in float32. On a CPU with AMX or
+        avx512_bf16 those products run 3-4x faster than in float32; what it does to the
+        analyses is measured in docs/precision.md. This one is left as it is."""
+        matrices = {name for name, w in self.params["layers"].items() if w.ndim == 3}  # [L, in, out]
+        layers = {name: jnp.asarray(w, dtype) if name in matrices else w for name, w in self.params["layers"].items()}
+        return dataclasses.replace(self, params={**self.params, "layers": layers})

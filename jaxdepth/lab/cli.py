@@ -86,6 +86,9 @@ def erasure_baseline_prompts(baseline_data, datasets, paths) -> tuple:
 def _load_model(args, mesh, start: float):
     """The model of `--model` in `--dtype`, and its name for result folders and the cache: bf16
     results are a different model for the cache, the folders and the table."""
+    import jax
+
+    from jaxdepth.core.compilation import cpu_multiplies_bf16_fast
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.study import saved_model_name
 
@@ -93,6 +96,8 @@ def _load_model(args, mesh, start: float):
     if model.tokenizer is None:
         raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    if args.dtype == "float32" and jax.default_backend() == "cpu" and cpu_multiplies_bf16_fast():
+        print("this CPU has AMX: --dtype bf16-matmuls runs the matmuls 3-4x faster (docs/precision.md#bf16-matmuls)")
     return model, saved_model_name(args.model, args.dtype)
 
 
@@ -410,9 +415,11 @@ def _parsed(field, text: str):
 def _dtype_argument(parser):
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "bf16-matmuls"],
         default="float32",
-        help="bfloat16: weights and activations in bf16, statistics in float32",
+        help="bfloat16: weights and activations in bf16, statistics in float32; bf16-matmuls: float32 "
+        "activations, the layers' weight matrices in bf16, products accumulated in float32 (3-4x faster "
+        "matmuls on CPUs with AMX; docs/precision.md)",
     )
 
 

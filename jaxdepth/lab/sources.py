@@ -112,6 +112,10 @@ def _check_finite_params(params, source: str) -> None:
             raise ValueError(f"{source}: parameter {jax.tree_util.keystr(path)} contains NaN or infinite values")
 
 
+# `load`'s precision of float32 activations with bf16 weight matrices (`--dtype bf16-matmuls`).
+BF16_MATMULS = "bf16-matmuls"
+
+
 def load(source: str, *, dtype=None, mesh=None) -> Model:
     """Load a model from a converted folder, HF folder, hub id, `.gguf` file, or embedded name.
 
@@ -125,7 +129,10 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     NaN or infinite weight a `ValueError` naming it.
 
     `dtype` (e.g. 'bfloat16') casts the params after loading; default: as stored (float32 for
-    GGUF and conversions, the checkpoint's own dtype for converted folders). With a `mesh`
+    GGUF and conversions, the checkpoint's own dtype for converted folders). `BF16_MATMULS`
+    ('bf16-matmuls') loads in float32, then stores the layers' weight matrices in bf16
+    (`ModelWeights.with_matmul_dtype`): activations and statistics stay float32, the products
+    round their inputs to bf16 and accumulate in float32. With a `mesh`
     (`jaxdepth.core.sharding.make_mesh`), params are placed on it as `PARTITION_RULES` says; a
     converted folder is restored straight into that layout, shard by shard."""
     from conversion.checkpoint import is_converted_dir, restore_converted
@@ -144,7 +151,10 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     on_device = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), converted.params)
     model = Model.of(dataclasses.replace(converted, params=on_device))
     _check_finite_params(model.params, model.source)
-    model = model if dtype is None else model.astype(dtype)
+    if dtype == BF16_MATMULS:
+        model = model.astype("float32").with_matmul_dtype("bfloat16")
+    elif dtype is not None:
+        model = model.astype(dtype)
     if mesh is not None:
         from jaxdepth.core.sharding import shard_params
 

@@ -193,8 +193,8 @@ def test_gguf_bad_input(tiny_model, tmp_path):
     )
     with pytest.raises(UnsupportedConfigError, match="llama.rope.scaling.type"):
         convert_gguf(scaled, load_tokenizer=False)
-    other_arch = write_tiny_gguf(tiny, str(tmp_path / "other.gguf"), arch="gpt2")
-    with pytest.raises(UnsupportedConfigError, match="general.architecture.*gpt2"):
+    other_arch = write_tiny_gguf(tiny, str(tmp_path / "other.gguf"), arch="gptneox")
+    with pytest.raises(UnsupportedConfigError, match="general.architecture.*gptneox"):
         convert_gguf(other_arch, load_tokenizer=False)
     truncated = write_tiny_gguf(tiny, str(tmp_path / "truncated.gguf"))
     with open(truncated, "r+b") as f:

@@ -127,3 +127,19 @@ def test_a_transformers_without_the_converter_is_named(monkeypatch):
     monkeypatch.delattr(mapping, "convert_gguf_tokenizer")
     with pytest.raises(ConversionError, match=r"transformers >= 5\.23"):
         gguf_tokenizer(reader=None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "phi3"])
+def test_sentencepiece_gguf_tokenizer_equals_transformers_gguf_loader(tiny_gguf, tmp_path, arch):
+    """A sentencepiece vocabulary (llama.cpp's tokenizer model 'llama', as Gemma and Phi-3 files
+    have it): transformers builds it by the file's architecture (Gemma's merges from the pieces'
+    order, Phi-3's prefix space from a normalizer), and so does jaxdepth."""
+    import gguf
+
+    from conversion.gguf_tokenizer import gguf_tokenizer
+
+    path = write_tiny_gguf(tiny_gguf(arch)[0], str(tmp_path / f"{arch}.gguf"), tokenizer="sentencepiece")
+    theirs = _transformers_gguf_tokenizer(path)
+    ours = gguf_tokenizer(gguf.GGUFReader(path))
+    texts = TRICKY + ["the cat sat on the mat", " the cat", "  and then", "is it in?"]
+    _assert_same_tokenization(ours, theirs, texts, f"tiny sentencepiece {arch} GGUF")

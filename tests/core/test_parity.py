@@ -327,6 +327,8 @@ FEATURE_MISTAKES = [
     ("olmo2_post_norm", "q/k norms ignored", {"qk_norm": False}),
     ("phi3_partial_rotary", "partial rotary ignored", {"rotary_dim": 0}),
     ("phi3_partial_rotary", "window ignored", {"layer_types": ()}),
+    ("phi3_longrope", "longrope scaling ignored", {"rope_type": "default"}),
+    ("phi3_longrope", "longrope's cos / sin scale ignored", {"rope_attention_factor": 1.0}),
     ("gpt2", "LayerNorm taken as RMSNorm", {"norm": "rms"}),
     ("pythia_parallel", "parallel block run in sequence", {"parallel_residual": False}),
     ("pythia_parallel", "partial rotary ignored", {"rotary_dim": 0}),

@@ -19,7 +19,7 @@ import benchmark_study_ig  # noqa: E402
 
 
 @pytest.mark.parity
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=40)
 def test_both_sides_agree_and_a_rerun_resumes(tiny_model, tmp_path, capsys):
     gguf_path = write_tiny_gguf(tiny_model("llama_gqa_untied"), str(tmp_path / "tiny.gguf"))
     data = tmp_path / "gsm8k.jsonl"
@@ -37,5 +37,13 @@ def test_both_sides_agree_and_a_rerun_resumes(tiny_model, tmp_path, capsys):
     layers = tiny_model("llama_gqa_untied").config.num_hidden_layers
     assert summary["jaxdepth"]["layers_done"] == summary["reference"]["layers_done"] == layers
     assert summary["speedup"] > 0 and summary["max_relative_difference"] < 1e-3
+    # bf16 weight matrices: a side of its own against the same reference (nothing rerun there)
+    reference = (state / "reference.json").read_text()
+    assert benchmark_study_ig.main([*args, "--sides", "jaxdepth", "--dtype", "bf16-matmuls"]) == 0
+    mixed = json.loads((state / "summary-bf16-matmuls.json").read_text())
+    assert (state / "reference.json").read_text() == reference
+    assert json.loads((state / "jaxdepth.json").read_text())["layers"] == kept  # float32's side untouched
+    assert mixed["jaxdepth-bf16-matmuls"]["layers_done"] == layers and mixed["speedup"] > 0
+    assert 0 < mixed["max_relative_difference"] < 0.1  # bf16 rounding, not another computation
     with pytest.raises(SystemExit, match="another run"):  # other steps: not the same measurement
         benchmark_study_ig.main(["--model", gguf_path, "--data", str(data), "--steps", "4", "--state", str(state)])

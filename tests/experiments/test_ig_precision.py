@@ -84,3 +84,24 @@ def test_float32_is_the_studys_ig_bf16_errors_are_finite_and_a_rerun_resumes(tmp
     assert json.loads(out.read_text()) == report
     with pytest.raises(AssertionError, match="recomputed"):  # other steps are other results
         experiment.main(argv[:-6] + ["--steps", "3"] + argv[-6:])
+
+
+def test_bf16_matmuls_are_compared_with_the_cached_float32_run(tmp_path, monkeypatch):
+    checkpoint = save_tiny_checkpoint(str(tmp_path / "tiny"), context=256)
+    data, cache = tmp_path / "gsm8k.jsonl", tmp_path / "cache"
+    data.write_text(json.dumps(ROW) + "\n")
+    common = ["--model", checkpoint, "--data", str(data), "--rows", "0", "--steps", "2", "--cache", str(cache)]
+    assert experiment.main([*common, "--out", str(tmp_path / "bf16.json")]) == 0
+    float32 = json.loads((tmp_path / "bf16.json").read_text())["prompts"]["gsm8k_row0"]["float32"]
+    computed = []
+    real = experiment.integrated_gradients_of_answers
+    monkeypatch.setattr(
+        experiment, "integrated_gradients_of_answers", lambda p, *a, **k: computed.append(p) or real(p, *a, **k)
+    )
+    out = tmp_path / "mixed.json"
+    assert experiment.main([*common, "--narrow", "bf16-matmuls", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    row = report["prompts"]["gsm8k_row0"]
+    assert report["narrow"] == "bf16-matmuls" and row["float32"] == float32  # float32 read from the cache
+    assert len(computed) == 1 and {x.dtype.name for x in computed[0]["layers"].values()} == {"bfloat16", "float32"}
+    assert row["bf16-matmuls"]["f_input"] != float32["f_input"] and row["max_attribution_error"] > 0

@@ -38,9 +38,12 @@ def test_weights_of_another_dtype_are_not_reused(tmp_path):
     bf16 = Model(jax.tree.map(lambda p: jnp.asarray(p, jnp.bfloat16), model.params), model.config, None, "tiny")
     run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
     run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
-    assert ["reusing" in line for line in logs] == [False, False, True]
+    mixed = model.with_matmul_dtype("bfloat16")  # float32 activations, bf16 weight matrices
+    run_study(mixed, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    assert ["reusing" in line for line in logs] == [False, False, True, False]
 
 
 def test_saved_model_names():
     assert saved_model_name("org/m") == saved_model_name("org/m", "float32") == "org/m"
     assert saved_model_name("org/m", "bfloat16") == "org/m-bfloat16"
+    assert saved_model_name("org/m", "bf16-matmuls") == "org/m-bf16-matmuls"

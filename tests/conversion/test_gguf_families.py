@@ -1,0 +1,246 @@
+"""GGUF files of every llama.cpp architecture that transformers' GGUF loader reads and jaxdepth has a
+family for, written as llama.cpp's converter writes them (`write_tiny_gguf`): jaxdepth's model of
+each file is transformers' (`AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`), and a
+file that transformers would read as another model than the one it states is refused, naming why.
+
+The tiny models (`GGUF_VARIANTS`) have every feature transformers takes from its config classes
+set to those defaults, so that transformers reads each file back whole: the parity tests check
+jaxdepth against both transformers' model of the file and the model that was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conversion.gguf_file
+from conftest import GGUF_VARIANTS, write_tiny_gguf
+from conversion.gguf_file import convert_gguf
+from conversion.hf import convert_hf_folder
+from jaxdepth.core.config import UnsupportedConfigError
+from jaxdepth.core.model import forward
+
+TOL = 1e-4  # float32 logits, as every tiny parity test (tests/core/test_parity.py)
+
+_forward = jax.jit(forward, static_argnames="config")
+
+
+def jax_logits(params, tokens, config) -> np.ndarray:
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(_forward(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens, jnp.int32), config))
+
+
+def _tokens(config) -> np.ndarray:
+    # 300 positions: past every tiny model's sliding window (40 in Gemma's)
+    return np.random.default_rng(5).integers(0, config.vocab_size, size=(2, 300))
+
+
+def _transformers_gguf_model(path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+def _torch_logits(model, tokens) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
+def test_gguf_matches_transformers_gguf_loader(tiny_gguf, arch):
+    tiny, path = tiny_gguf(arch)
+    converted = convert_gguf(path, load_tokenizer=False)
+    tokens = _tokens(converted.config)
+    ours = jax_logits(converted.params, tokens, converted.config)
+    theirs = _torch_logits(_transformers_gguf_model(path), tokens)
+    written = _torch_logits(tiny.model, tokens)
+    diff, diff_written = (float(np.abs(ours - x).max()) for x in (theirs, written))
+    scale = float(np.abs(theirs).max())
+    print(
+        f"\n[parity] {arch} GGUF, T=300: max |logit diff| vs transformers' GGUF loader = {diff:.3e}, "
+        f"vs the model written = {diff_written:.3e} (logit scale {scale:.2f})"
+    )
+    assert ours.shape == theirs.shape == (2, 300, converted.config.vocab_size)
+    assert diff <= TOL and diff <= TOL * scale
+    np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+    assert diff_written <= TOL, "transformers' model of the file is not the model written: the test model is wrong"
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
+def test_gguf_conversion_equals_the_hf_folder_conversion(tiny_gguf, arch):
+    """The same params and config as the Hugging Face folder of the model written, but for the
+    epsilon (float32 in a GGUF file) and Mistral, which a GGUF file holds as a Llama model; Gemma's
+    norm weights round-trip through 1 + w, so it is 1 + w that is identical."""
+    tiny, path = tiny_gguf(arch)
+    g, h = convert_gguf(path, load_tokenizer=False), convert_hf_folder(tiny.folder)
+    assert g.config.model_type == ("llama" if arch == "mistral" else h.config.model_type)
+    assert g.config.rms_norm_eps == pytest.approx(h.config.rms_norm_eps, rel=1e-6)
+    fields = lambda c: {**c.to_dict(), "model_type": None, "rms_norm_eps": None}  # noqa: E731
+    assert fields(g.config) == fields(h.config)
+    assert jax.tree.structure(g.params) == jax.tree.structure(h.params)
+    for (where, x), y in zip(jax.tree_util.tree_flatten_with_path(g.params)[0], jax.tree.leaves(h.params)):
+        offset = np.float32(g.config.norm_offset) if "norm'" in jax.tree_util.keystr(where) else np.float32(0)
+        np.testing.assert_array_equal(offset + x, offset + y, err_msg=jax.tree_util.keystr(where))
+
+
+# What each architecture's reading must get right and the file does not say, switched off: the
+# settings transformers takes from its config classes (Gemma's query_pre_attn_scalar 256, Gemma 2's
+# logit soft-cap 30, Gemma 3's local rotary base 10000 and layer pattern), and the changes
+# llama.cpp made to the tensors (`fix`: Llama's q/k rows, Gemma's norms stored as 1 + w).
+SWITCHED_OFF = [
+    ("gemma2", dict(attn_scale=0.0)),
+    ("gemma2", dict(final_softcap=0.0)),
+    ("gemma3", dict(attn_scale=0.0)),
+    ("gemma3", dict(local_rope_theta=0.0)),
+    ("gemma3", dict(layer_types=("sliding",) * 6)),
+    ("llama", "fix"),
+    ("gemma2", "fix"),
+    ("gemma3", "fix"),
+]
+
+
+@pytest.mark.parametrize("arch, off", SWITCHED_OFF, ids=lambda x: x if isinstance(x, str) else "-".join(x))
+def test_switching_off_what_the_file_does_not_say_breaks_parity(tiny_gguf, arch, off):
+    _, path = tiny_gguf(arch)
+    converted = convert_gguf(path, load_tokenizer=False)
+    tokens = _tokens(converted.config)
+    clean = jax_logits(converted.params, tokens, converted.config)
+    if off == "fix":
+        with pytest.MonkeyPatch.context() as patch:
+            spec = conversion.gguf_file._ARCHS[arch]
+            patch.setitem(conversion.gguf_file._ARCHS, arch, dataclasses.replace(spec, fix=None))
+            unfixed = convert_gguf(path, load_tokenizer=False)
+        moved = jax_logits(unfixed.params, tokens, converted.config)
+    else:
+        moved = jax_logits(converted.params, tokens, dataclasses.replace(converted.config, **off))
+    diff = float(np.abs(moved - clean).max())
+    print(f"\n[parity] {arch} GGUF with {off} switched off: max |logit diff| = {diff:.3e}")
+    assert diff > 100 * TOL
+
+
+@pytest.mark.parametrize("arch", sorted(conversion.gguf_file._ARCHS))
+def test_the_keys_read_are_those_transformers_reads(arch):
+    """Each architecture's table reads exactly the metadata keys transformers' GGUF loader reads,
+    under the same Hugging Face names; the keys it renames to nothing are among those checked
+    against the model it builds (`unread`), as is GPT-2's MLP width, which it renames to a key that
+    GPT2Config does not have."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    spec = conversion.gguf_file._ARCHS[arch]
+    theirs = GGUF_CONFIG_MAPPING[arch]
+    unused = {("gpt2", "feed_forward_length")}
+    assert spec.keys == {k: v for k, v in theirs.items() if v is not None and (arch, k) not in unused}
+    assert {k for k, v in theirs.items() if v is None or (arch, k) in unused} <= set(spec.unread)
+
+
+# ----------------------------------------------------------------------------- refused
+
+
+@pytest.mark.parametrize("arch", ["gptneox", "bloom", "falcon", "olmo2", "gemma", "mistral3"])
+def test_an_architecture_transformers_does_not_read_or_jaxdepth_has_no_family_for_is_refused(tiny_gguf, tmp_path, arch):
+    tiny, _ = tiny_gguf("llama")
+    path = write_tiny_gguf(tiny, str(tmp_path / "other.gguf"), arch=arch)
+    with pytest.raises(UnsupportedConfigError, match=rf"'general.architecture' = '{arch}'.*llama, qwen2, qwen3"):
+        convert_gguf(path, load_tokenizer=False)
+
+
+@pytest.mark.parity
+def test_a_llama_file_named_mistral_is_refused(tiny_gguf, tmp_path):
+    """transformers reads a 'llama' file whose `general.name` is exactly 'mistral' as Mistral (with
+    MistralConfig's 4096-token window, which the file does not state) and then fails to load its
+    weights. Should transformers learn to load it, jaxdepth should read it as transformers does."""
+    tiny, _ = tiny_gguf("mistral")
+    path = write_tiny_gguf(tiny, str(tmp_path / "mistral.gguf"), name="mistral")
+    with pytest.raises(UnsupportedConfigError, match="'general.name' = 'mistral'"):
+        convert_gguf(path, load_tokenizer=False)
+    with pytest.raises(NotImplementedError, match="mistral"):
+        _transformers_gguf_model(path)
+
+
+# Features the file states and transformers does not read, at values other than those it builds
+# the model with (the key named first in the file is the one refused).
+@pytest.mark.parity
+def test_a_llama_file_without_its_kv_head_count_is_refused(tiny_model, tmp_path):
+    """Without `llama.attention.head_count_kv` transformers does not undo llama.cpp's permutation
+    of the q/k rows: its model of a file with as many key/value heads as query heads (the count it
+    then assumes) is not the model written."""
+    tiny = tiny_model("llama_mha_tied")
+    extra = lambda w: w.kv_data[0].pop("llama.attention.head_count_kv")  # noqa: E731
+    path = write_tiny_gguf(tiny, str(tmp_path / "no_kv_heads.gguf"), extra=extra)
+    with pytest.raises(UnsupportedConfigError, match="head_count_kv"):
+        convert_gguf(path, load_tokenizer=False)
+    tokens = np.arange(40)[None]
+    assert np.abs(_torch_logits(_transformers_gguf_model(path), tokens) - _torch_logits(tiny.model, tokens)).max() > 1
+
+
+# A `GGUF_VARIANTS` model with `extra` metadata, or a `TINY_VARIANTS` one (its features away from
+# transformers' defaults: Gemma 2's soft-caps 3 and 5, Gemma 3's linear rope scaling, Qwen3's
+# head_dim 24).
+REFUSED = [
+    ("gemma2_softcapped", None, "gemma2.attn_logit_softcapping"),  # 3, where transformers uses 50
+    ("gemma3_local_rope", None, "gemma3.rope.scaling.type"),  # linear on the global layers
+    ("gemma3", lambda w: w.add_rope_freq_base_swa(999.0), "gemma3.rope.freq_base_swa"),
+    ("gemma3", lambda w: w.add_final_logit_softcapping(30.0), "gemma3.final_logit_softcapping"),
+    ("phi3", lambda w: w.add_sliding_window(2047), "phi3.attention.sliding_window"),
+    ("phi3", lambda w: w.add_rope_dimension_count(8), "phi3.rope.dimension_count"),
+    ("qwen3_gqa", None, "qwen3.attention.key_length"),  # 24, where transformers uses 128
+    ("gpt2", lambda w: w.add_feed_forward_length(100), "gpt2.feed_forward_length"),
+    ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),  # read by neither
+]
+
+
+@pytest.mark.parametrize("source, extra, key", REFUSED, ids=[r[2] for r in REFUSED])
+def test_a_key_transformers_would_misread_is_refused(tiny_gguf, tiny_model, tmp_path, source, extra, key):
+    model = tiny_gguf(source)[0] if source in GGUF_VARIANTS else tiny_model(source)
+    path = write_tiny_gguf(model, str(tmp_path / "refused.gguf"), extra=extra)
+    with pytest.raises(UnsupportedConfigError, match=key.replace(".", r"\.")):
+        convert_gguf(path, load_tokenizer=False)
+
+
+@pytest.mark.parametrize("tensor", ["rope_freqs.weight", "rope_factors_long.weight"])
+def test_a_tensor_transformers_drops_is_refused(tiny_gguf, tmp_path, tensor):
+    """Llama 3's rope scaling frequencies and Phi-3's long-context factors: transformers' model of
+    the file has no place for them."""
+    tiny, _ = tiny_gguf("llama")
+    extra = lambda w: w.add_tensor(tensor, np.ones(8, np.float32))  # noqa: E731
+    path = write_tiny_gguf(tiny, str(tmp_path / "dropped.gguf"), extra=extra)
+    with pytest.raises(UnsupportedConfigError, match=tensor):
+        convert_gguf(path, load_tokenizer=False)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_jaxdepth_load_reads_a_gguf_file_of_the_architecture(tiny_gguf, tmp_path, monkeypatch, arch):
+    """`jaxdepth.load` of the file (converted once into the cache, with its sentencepiece
+    tokenizer): the params and config of `convert_gguf`, the logits of transformers' model."""
+    import jaxdepth
+
+    monkeypatch.setenv("JAXDEPTH_CACHE", str(tmp_path / "cache"))
+    tiny, _ = tiny_gguf(arch)
+    path = write_tiny_gguf(tiny, str(tmp_path / f"{arch}.gguf"), tokenizer="sentencepiece")
+    model, converted = jaxdepth.load(path), convert_gguf(path, load_tokenizer=False)
+    assert model.config == converted.config
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, model.params), converted.params)
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(path)
+    assert (
+        model.encode(" the cat sat").tolist()
+        == AutoTokenizer.from_pretrained(folder, gguf_file=name)(" the cat sat")["input_ids"]
+    )
+    tokens = _tokens(model.config)[:1, :64]
+    theirs = _torch_logits(_transformers_gguf_model(path), tokens)
+    np.testing.assert_allclose(model.logits(tokens), theirs, rtol=0, atol=TOL)
