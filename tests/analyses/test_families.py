@@ -31,7 +31,7 @@ from jaxdepth.core.module import Decoder
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
-FAMILIES = sorted(FAMILY_VARIANTS)
+FAMILIES = sorted([*FAMILY_VARIANTS, "phi3_longrope"])  # longrope: the two prompts straddle its original context
 WINDOW = 6
 
 
@@ -81,6 +81,8 @@ def test_the_configs_switch_their_families_features_on():
     assert on["phi3_partial_rotary"].rotated_dims == on["phi3_partial_rotary"].head_dim // 2
     assert on["gpt2"].positions == "learned" and on["gpt2"].norm == "layer"
     assert on["pythia_parallel"].parallel_residual and not on["neox_sequential"].parallel_residual
+    longrope = on["phi3_longrope"]  # the batch's prompts (30 and 23 tokens) take its long and its short factors
+    assert longrope.rope_type == "longrope" and 23 <= longrope.rope_original_max_position < 30
 
 
 def test_the_module_is_the_pure_forward_and_the_lens_ends_at_the_model(family, batch):
