@@ -117,6 +117,17 @@ def assert_moved(actual, clean, what: str = "", tol: float = 1e-5):
     assert diff > 100 * tol, f"{what}: the intervention barely changed the logits ({diff:.3e})"
 
 
+def with_layers_silenced(params, layers):
+    """`params` with the output projections (o_proj, down_proj) of `layers` zeroed: in a family
+    without their biases, those layers' attention and MLP write nothing (a norm of zeros is zero),
+    what skipping their `attn_out` / `head_result` and `mlp_out` computes."""
+    silenced = dict(params["layers"])
+    for name in ("o", "down"):
+        silenced[name] = np.array(silenced[name])
+        silenced[name][np.asarray(layers)] = 0.0
+    return dict(params, layers=silenced)
+
+
 # Tiny architectures covering what the converter and the forward must get right: Qwen2 (q/k/v
 # biases) tied and untied, grouped-query and multi-head attention, Llama (no biases) with a
 # non-default RMSNorm epsilon. Every variant has a non-default rope_theta.

@@ -24,13 +24,12 @@ import dataclasses
 from functools import partial
 from typing import TYPE_CHECKING, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.suite import Analysis, Settings, option
-from jaxdepth.analyses.tuned_lens import translate
-from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
+from jaxdepth.analyses.logit_lens import map_lens
+from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, curve_band, resample_indices
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -61,12 +60,9 @@ def lens_top1(params, tokens, valid, config: ModelConfig, translators=None):
     own prediction), read one boundary at a time (`lax.map`: one `[B, T, V]` logit tensor at
     once). With `translators` (a tuned lens's), h_0..h_{L-1} go through their translators."""
     hs = residual_stream(params, tokens, config, valid=valid)
-    top1 = lambda h: jnp.argmax(unembed(params, h, config), axis=-1).astype(jnp.int32)  # noqa: E731
-    if translators is None:
-        early = jax.lax.map(top1, hs[:-1])
-    else:
-        early = jax.lax.map(lambda x: top1(translate(*x)), (hs[:-1], translators["weight"], translators["bias"]))
-    return jnp.concatenate([early, top1(hs[-1])[None]], axis=0)
+    top1 = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
+    early = map_lens(top1, params, hs[:-1], config, translators)
+    return jnp.concatenate([early, top1(unembed(params, hs[-1], config))[None]], axis=0)
 
 
 def decision_depths(top1) -> np.ndarray:
@@ -181,14 +177,17 @@ def decision_depth(
 
 
 def _bootstrap_mean(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float, float]:
-    """The mean of per-prompt values (NaN ones left out) and a 95% percentile interval over prompts."""
+    """The mean of per-prompt values (NaN ones left out) and its 95% percentile interval over
+    bootstrap resamples of those prompts (`uncertainty.resample_indices`; NaN bounds without
+    resamples or with a single prompt)."""
     values = values[np.isfinite(values)]
     if not values.size:
         return np.nan, np.nan, np.nan
     if resamples <= 0 or values.size < 2:
         return float(values.mean()), np.nan, np.nan
-    draws = np.random.default_rng(seed).choice(values, (resamples, values.size)).mean(axis=1)
-    return float(values.mean()), *map(float, np.quantile(draws, [0.025, 0.975]))
+    means = values[resample_indices(values.size, resamples=resamples, seed=seed)].mean(axis=1)
+    band = curve_band(means[:, None])
+    return float(values.mean()), float(band.low[0]), float(band.high[0])
 
 
 def decision_depth_figure(

@@ -39,6 +39,7 @@ __all__ = [
     "LogitLensResult",
     "lens_per_token",
     "lens_statistics",
+    "map_lens",
     "logit_lens_figure",
     "LogitLensSettings",
     "TOP_K",
@@ -75,11 +76,18 @@ def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None,
     final = unembed(params, hs[-1], config)
     final_logp = jax.nn.log_softmax(final, axis=-1)
     final_top = jax.lax.top_k(final, TOP_K)[1]
+    return map_lens(lambda logits: lens_statistics(logits, final_logp, final_top), params, hs[:-1], config, translators)
+
+
+def map_lens(read, params, hs, config: ModelConfig, translators=None):
+    """`read(lens logits [B, T, V])` of each residual boundary of `hs [n, B, T, D]` (h_0..h_{n-1}),
+    stacked on a leading axis: each read through the final norm and LM head (after its
+    layer's translator where a tuned lens's `translators` are given), one boundary at a time
+    (`lax.map`), so that only one `[B, T, V]` logit tensor exists at once."""
     if translators is None:
-        return jax.lax.map(lambda h: lens_statistics(unembed(params, h, config), final_logp, final_top), hs[:-1])
+        return jax.lax.map(lambda h: read(unembed(params, h, config)), hs)
     return jax.lax.map(
-        lambda x: lens_statistics(unembed(params, translate(*x), config), final_logp, final_top),
-        (hs[:-1], translators["weight"], translators["bias"]),
+        lambda x: read(unembed(params, translate(*x), config)), (hs, translators["weight"], translators["bias"])
     )
 
 

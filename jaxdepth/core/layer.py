@@ -124,8 +124,7 @@ def rotary_tables(
         raise ValueError("longrope rotary tables need each prompt's choice of factors (`long`, `longrope_rows`)")
     scale = np.float32(config.rope_attention_factor)
     short, extended = (tables(rotary_frequencies(config, local, f)) for f in (False, True))
-    pick = lambda s, e: jnp.where(long[:, None, None], e * scale, s * scale)  # noqa: E731
-    return pick(short[0], extended[0]), pick(short[1], extended[1])
+    return tuple(jnp.where(long[:, None, None], e, s) * scale for s, e in zip(short, extended))
 
 
 def longrope_rows(valid: Bool[Array, "B T"], config: ModelConfig) -> Optional[Bool[Array, " B"]]:
@@ -205,12 +204,12 @@ def _rounded_product_backward(spec, saved, g):
     x_spec, rest = spec.split(",")
     w_spec, out_spec = rest.split("->")
     g = g.astype(w.dtype)
-    dx = _narrow_einsum(f"{out_spec},{w_spec}->{x_spec}", g, w)
+    dx = _narrow_einsum(f"{out_spec},{w_spec}->{x_spec}", g, w).astype(x.dtype)
     if x_spec.startswith("..."):  # the leading axes are summed over for w's gradient: make them one
         x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
         x_spec, out_spec = x_spec.replace("...", "n"), out_spec.replace("...", "n")
     dw = _narrow_einsum(f"{x_spec},{out_spec}->{w_spec}", x.astype(w.dtype), g)
-    return dx.astype(saved[0].dtype), dw.astype(w.dtype)
+    return dx, dw.astype(w.dtype)
 
 
 _rounded_product.defvjp(_rounded_product_forward, _rounded_product_backward)

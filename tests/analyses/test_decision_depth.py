@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import tiny_config
+from conftest import tiny_config, with_layers_silenced
 from jaxdepth.analyses.decision_depth import (
     ANALYSIS,
     DecisionDepthResult,
@@ -68,10 +68,7 @@ def test_a_model_whose_later_layers_are_zeroed_decides_where_they_start():
     params = random_params(CONFIG, 0, scale=0.5)
     batch = _batch([9, 6, 12], [5, 3, 8])
     start = 2  # layers 2 and 3 write nothing: h_2 = h_3 = h_4
-    layers = dict(params["layers"])
-    for name in ("o", "down"):  # no biases in this family: attn_out = mlp_out = 0
-        layers[name] = jnp.asarray(layers[name]).at[start:].set(0.0)
-    zeroed = {**params, "layers": layers}
+    zeroed = with_layers_silenced(params, np.arange(start, CONFIG.num_layers))
     result = decision_depth(zeroed, batch, CONFIG)
     assert np.array_equal(result.depth, _brute_force(zeroed, batch, CONFIG))
     assert result.depth[result.valid].max() <= start and (result.depth[result.valid] == start).mean() > 0.5

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import with_layers_silenced
 from test_edge_scores import make_pairs
 from tiny_qwen import CONFIG
 from jaxdepth.analyses.edges.circuit import find_circuit
@@ -124,11 +125,7 @@ def test_a_circuit_under_an_intervention_is_the_circuit_of_the_model_that_carrie
     prefix is not reused, so they agree to float rounding.)"""
     T = pairs.clean.shape[1]
     skip_layer_1 = (sites.skip("head_result", 1, np.ones(T)), sites.skip("mlp_out", 1, np.ones(T)))
-    layers = dict(params["layers"])
-    for name in ("o", "down"):
-        layers[name] = np.array(layers[name])
-        layers[name][1] = 0.0
-    zeroed = dict(params, layers=layers)
+    zeroed = with_layers_silenced(params, [1])
     assert pairs.shared_prefix() > 0  # the plain runs reuse it: another computation than under interventions
     for method in ("eap", "eap-ig-inputs"):
         steps = {} if method == "eap" else {"rule": FixedRule(steps=4)}

@@ -22,7 +22,7 @@ from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faith
 from jaxdepth.analyses.edges.scores import EdgeScores, edge_attribution, ranked_edges
 from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import sites
-from conftest import tiny_config
+from conftest import tiny_config, with_layers_silenced
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
 
@@ -284,11 +284,7 @@ def test_an_attention_layer_skipped_by_interventions_is_the_layer_with_its_weigh
     graph = EdgeGraph.of(config)
     T = pairs.clean.shape[1]
     skip_layer_1 = (sites.skip("attn_out", 1, np.ones(T)), sites.skip("mlp_out", 1, np.ones(T)))
-    layers = dict(params["layers"])
-    for name in ("o", "down"):
-        layers[name] = np.array(layers[name])
-        layers[name][1] = 0.0
-    zeroed = dict(params, layers=layers)
+    zeroed = with_layers_silenced(params, [1])
     under = edge_attribution(params, pairs, config, logit_difference, interventions=skip_layer_1)
     carried = edge_attribution(zeroed, pairs, config, logit_difference)
     np.testing.assert_allclose(under.scores, carried.scores, rtol=1e-4, atol=1e-5)
