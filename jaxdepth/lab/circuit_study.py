@@ -38,6 +38,7 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     ranked_edges,
 )
+from jaxdepth.analyses.edges.selection import SEARCHES
 from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, rule_of
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.saved_result import SavedResult
@@ -75,9 +76,10 @@ def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float])
     return f"{method}-{rule}-{steps}"
 
 
-def circuit_choice(size: Optional[int], target: Optional[float]) -> str:
-    """How the circuit was chosen, as its files name it: `size10` or `target0.8`."""
-    return f"size{size}" if size is not None else f"target{target:g}"
+def circuit_choice(size: Optional[int], target: Optional[float], search: str = "top") -> str:
+    """How the circuit was chosen, as its files name it: `size10` or `target0.8`, with
+    `_greedy` after it for the greedy search."""
+    return (f"size{size}" if size is not None else f"target{target:g}") + ("" if search == "top" else f"_{search}")
 
 
 def _identity(model_name: str, task: TaskPairs, settings: dict) -> dict:
@@ -118,10 +120,13 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     start = time.perf_counter()
     with warnings.catch_warnings():  # an unreached target is the command's own error line (run_command)
         warnings.filterwarnings("ignore", message="no circuit reaches faithfulness", category=RuntimeWarning)
-        circuit = find_circuit(p, pairs, c, logit_difference, scores, size=args.size, target=args.target)
-    chosen = circuit_choice(args.size, args.target)
+        circuit = find_circuit(
+            p, pairs, c, logit_difference, scores, size=args.size, target=args.target, search=args.search
+        )
+    chosen = circuit_choice(args.size, args.target, args.search)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
-    print(f"circuit of {len(circuit.edges)} edges in {time.perf_counter() - start:.1f} s", flush=True)
+    took = time.perf_counter() - start
+    print(f"circuit of {len(circuit.edges)} edges ({circuit.num_live} live) in {took:.1f} s", flush=True)
     summary = summarise(scores, checks, circuit, model_name)
     with atomic_write(os.path.join(folder, f"summary_{checked}_{chosen}.txt"), "w") as f:
         f.write(summary["text"])
@@ -169,7 +174,8 @@ def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_na
         + ("" if scores.method == "eap" else f" ({scores.rule} rule, {scores.steps} steps)"),
         f"input-edge completeness gap (mean |.|): {np.abs(scores.completeness_gap()).mean():.3g}",
         f"top {len(effects)} edges: correlation of score and exact patching effect {corr:.3f}",
-        f"circuit: {len(circuit.edges)} edges, faithfulness {circuit.faithfulness:.3f}{goal}",
+        f"circuit ({circuit.search}): {len(circuit.edges)} edges, {circuit.num_live} live, "
+        f"faithfulness {circuit.faithfulness:.3f}{goal}",
         "top edges (mean score | exact effect):",
     ]
     lines += [
@@ -262,7 +268,14 @@ def add_parser(subparsers) -> None:
         help="the fewest top edges reaching this faithfulness, in (0, 1] (default 0.8 without --size); when no "
         "circuit reaches it, the command says so and ends with exit status 1",
     )
-    p.add_argument("--draw", type=int, default=60, help="edges drawn in the circuit figure (the best)")
+    p.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default="top",
+        help="the circuits' edges: the top ones by score anywhere (default), or grown greedily from the logits "
+        "(the EAP-IG package's apply_greedy)",
+    )
+    p.add_argument("--draw", type=int, default=60, help="edges drawn in the live circuit figure (the best)")
     p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/<scoring>/")
     p.add_argument("--no-figures", action="store_true", help="save results only (default: draw the figures)")
     p.set_defaults(func=run_command)

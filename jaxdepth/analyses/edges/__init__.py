@@ -11,6 +11,8 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
 - `patching`: exact patching of edges one at a time or in sets (`edge_effects`,
   `patched_metric`, `circuit_metric`, `faithfulness`);
+- `selection`: the order in which circuits take edges (by score, or grown greedily from the
+  logits) and which of a circuit's edges are live (`live_edges`);
 - `circuit`: circuits from scores (`find_circuit`) and their figures.
 
 The definitions (signs, which run each gradient comes from, what is patched) are in
@@ -32,6 +34,7 @@ from jaxdepth.analyses.edges.pairs import (
 from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
 from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import METHODS, EdgeScores, edge_attribution, ranked_edges
+from jaxdepth.analyses.edges.selection import SEARCHES, greedy_edges, live_edges, ordered_edges
 
 __all__ = [
     "EdgeGraph",
@@ -53,6 +56,10 @@ __all__ = [
     "EdgeScores",
     "edge_attribution",
     "ranked_edges",
+    "SEARCHES",
+    "greedy_edges",
+    "live_edges",
+    "ordered_edges",
     "edge_effects",
     "patched_metric",
     "circuit_metric",

@@ -4,11 +4,14 @@ A circuit is a set of edges kept clean; every other edge of the graph carries th
 values (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
 (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means.
 
-`find_circuit` ranks the edges by their mean score and evaluates the circuits of the top n edges
-for a grid of sizes n as one vmapped computation; with a faithfulness target it takes the
-smallest size of the grid that reaches it, then refines between that size and the one below
-(a second vmapped call), so the size is found to within a few percent of the edges at the cost
-of two calls.
+`find_circuit` orders the edges by their mean score (`search='top'`), or as the EAP-IG package's
+greedy search adds them (`'greedy'`: grown from the logits; `jaxdepth.analyses.edges.selection`),
+and evaluates the circuits of the first n edges for a grid of sizes n as one vmapped
+computation; with a faithfulness target it takes the smallest size of the grid that reaches it,
+then refines between that size and the one below (a second vmapped call), so the size is found
+to within a few percent of the edges at the cost of two calls. Sizes are reported as the
+circuit's live edges too (`Circuit.num_live`): those on a path from the input to the logits;
+the others are dead and change nothing (`live_edges`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import numpy as np
 from jaxdepth.analyses.edges.graph import READER_KINDS, EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs
 from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness
-from jaxdepth.analyses.edges.scores import EdgeScores, ranked_edges
+from jaxdepth.analyses.edges.scores import EdgeScores
+from jaxdepth.analyses.edges.selection import live_edges, ordered_edges
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.saved_result import SavedResult
 
@@ -45,7 +49,10 @@ class Circuit(SavedResult):
     evaluated) and their `curve [k]` of faithfulness. `target`: the faithfulness asked for
     (None when the size was given). `reached`: False when no circuit reached `target` (the
     circuit is then the whole graph, and `find_circuit` warned); True otherwise, and when the
-    size was given. A caller that reports a circuit checks it: the command exits non-zero."""
+    size was given. A caller that reports a circuit checks it: the command exits non-zero.
+    `search`: how the edges were ordered ('top' or 'greedy'); `live [n]`: whether each edge is
+    live (on a path from the input to the logits through the circuit); `live_sizes [k]`: the
+    live edges of each evaluated circuit."""
 
     edges: np.ndarray
     scores: np.ndarray
@@ -58,6 +65,9 @@ class Circuit(SavedResult):
     reached: bool = True
     parallel: bool = False  # the graph's fields (`EdgeGraph.fields`): `graph` reads them
     post_norms: bool = False
+    search: str = "top"
+    live: Optional[np.ndarray] = None  # None in files saved before pruning was known: `live_mask` computes it
+    live_sizes: Optional[np.ndarray] = None
 
     @property
     def graph(self) -> EdgeGraph:
@@ -74,16 +84,29 @@ class Circuit(SavedResult):
         """`[W, R]` bool: the circuit's edges."""
         return self.graph.edges_mask([tuple(e) for e in self.edges])
 
+    @property
+    def live_mask(self) -> np.ndarray:
+        """`[W, R]` bool: the circuit's live edges (`selection.live_edges`)."""
+        return live_edges(self.mask, self.graph)
 
-def top_circuits(scores: EdgeScores, sizes: Sequence[int], by: str = "abs") -> list[np.ndarray]:
-    """The `[W, R]` masks of the circuits of the top n edges by mean score, for each n of `sizes`."""
-    ranked = ranked_edges(scores.mean, scores.graph, by)
-    masks = []
-    for n in sizes:
-        mask = np.zeros(scores.graph.edge_mask.shape, bool)
-        mask[ranked[:n, 0], ranked[:n, 1]] = True
-        masks.append(mask)
-    return masks
+    @property
+    def num_live(self) -> int:
+        """How many of the circuit's edges are live: its size with the dead ones pruned."""
+        return int(self.live_mask.sum())
+
+    def pruned(self) -> "Circuit":
+        """The circuit without its dead edges: the same metric, the same faithfulness."""
+        keep = self.live_mask[self.edges[:, 0], self.edges[:, 1]]
+        return dataclasses.replace(
+            self, edges=self.edges[keep], scores=self.scores[keep], live=np.ones(keep.sum(), bool)
+        )
+
+
+def top_circuits(scores: EdgeScores, sizes: Sequence[int], by: str = "abs", search: str = "top") -> list[np.ndarray]:
+    """The `[W, R]` masks of the circuits of the first n edges, for each n of `sizes`, in the
+    order of `search` ('top': by mean score; 'greedy': as the greedy search adds them)."""
+    ranked = ordered_edges(scores.mean, scores.graph, by, search)
+    return [_first(ranked, n, scores.graph) for n in sizes]
 
 
 def find_circuit(
@@ -99,10 +122,13 @@ def find_circuit(
     grid: int = 12,
     chunk_size: Optional[int] = None,
     interventions=None,
+    search: str = "top",
 ) -> Circuit:
-    """A circuit of the top edges by `scores` (an `EdgeScores` of these pairs): the top `size`
-    edges, or the fewest top edges (to within the refinement) whose faithfulness reaches
-    `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at once.
+    """A circuit of the first edges in the order of `search` ('top': by `scores`, an
+    `EdgeScores` of these pairs; 'greedy': grown from the logits, module docstring): the first
+    `size` edges, or the fewest first edges (to within the refinement) whose faithfulness
+    reaches `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at
+    once.
     `interventions` act on every run, as in the `scores` (`edge_attribution(...,
     interventions=...)`).
 
@@ -117,6 +143,7 @@ def find_circuit(
     graph = EdgeGraph.of(config)
     if scores.graph != graph:
         raise ValueError(f"the scores are of another model's graph ({scores.graph}; this model's: {graph})")
+    taken = ordered_edges(scores.mean, graph, by, search)  # checks `by` and `search` before any work
     total = graph.num_edges
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
         raise ValueError(f"size must be an integer in 0..{total} (the graph's edges), got {size!r}")
@@ -131,7 +158,7 @@ def find_circuit(
             pairs,
             config,
             metric,
-            top_circuits(scores, ns, by),
+            [_first(taken, n, graph) for n in ns],
             chunk_size=chunk_size,
             interventions=interventions,
         ),
@@ -168,17 +195,28 @@ def find_circuit(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    ranked = ranked_edges(scores.mean, graph, by)[:chosen]
+    chosen_edges = taken[:chosen]
+    live = live_edges(_first(taken, chosen, graph), graph)
     return Circuit(
-        edges=ranked,
-        scores=scores.mean[ranked[:, 0], ranked[:, 1]].astype(np.float32),
+        edges=chosen_edges,
+        scores=scores.mean[chosen_edges[:, 0], chosen_edges[:, 1]].astype(np.float32),
         faithfulness=float(curve[np.flatnonzero(sizes == chosen)[0]]),
         sizes=sizes,
         curve=np.asarray(curve, np.float32),
         target=target,
         reached=reached,
+        search=search,
+        live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
+        live_sizes=np.array([live_edges(_first(taken, n, graph), graph).sum() for n in sizes], np.int64),
         **graph.fields(),
     )
+
+
+def _first(order: np.ndarray, n: int, graph: EdgeGraph) -> np.ndarray:
+    """The `[W, R]` mask of the first `n` edges of `order`."""
+    mask = np.zeros(graph.edge_mask.shape, bool)
+    mask[order[:n, 0], order[:n, 1]] = True
+    return mask
 
 
 # ----------------------------------------------------------------------------- the figure
@@ -217,17 +255,18 @@ def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[in
 
 def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: int = 200) -> Figure:
     """The circuit as a graph: nodes (input, heads, MLPs, logits; and each layer's attention
-    where it is one writer, `EdgeGraph.post_norms`) by layer, its edges (at most `max_edges`,
-    the best) as arrows coloured by the sign of their mean score (red raises F, blue lowers it)
-    and as wide as its magnitude; an arrow into a head says which of its inputs it feeds (q, k
-    or v) by its line style. Each node is a circle that holds its label (at `NODE_FONT`
-    points), and the figure is sized so that no two circles overlap and none is clipped: about
-    0.45 inches a layer."""
+    where it is one writer, `EdgeGraph.post_norms`) by layer, its live edges (at most
+    `max_edges`, the best; dead ones change nothing and are left out) as arrows coloured by the
+    sign of their mean score (red raises F, blue lowers it) and as wide as its magnitude; an
+    arrow into a head says which of its inputs it feeds (q, k or v) by its line style. Each node
+    is a circle that holds its label (at `NODE_FONT` points), and the figure is sized so that no
+    two circles overlap and none is clipped: about 0.45 inches a layer."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(circuit, Circuit, "circuit_figure")
     graph = circuit.graph
-    edges, scores = circuit.edges[:max_edges], circuit.scores[:max_edges]
+    live = circuit.live_mask[circuit.edges[:, 0], circuit.edges[:, 1]]  # dead edges change nothing: not drawn
+    edges, scores = circuit.edges[live][:max_edges], circuit.scores[live][:max_edges]
     fig = d.new_figure(6.0, 6.0)
     ax = fig.add_subplot()
     nodes = {}
@@ -292,25 +331,31 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     ax.plot([], [], color="tab:red", label="raises F (score > 0)")
     ax.plot([], [], color="tab:blue", label="lowers F (score < 0)")
     fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)  # below the axes: over no node
-    shown = f"{len(edges)} of {len(circuit.edges)} edges" if len(circuit.edges) > len(edges) else f"{len(edges)} edges"
+    shown = f"{len(edges)} of {int(live.sum())} live edges" if live.sum() > len(edges) else f"{len(edges)} live edges"
+    if live.sum() < len(circuit.edges):
+        shown += f" ({len(circuit.edges) - int(live.sum())} dead left out)"
     ax.set_title(title or f"Circuit: {shown}, faithfulness {circuit.faithfulness:.2f}")
     return fig
 
 
 def faithfulness_figure(circuit: Circuit, *, title: Optional[str] = None) -> Figure:
-    """Faithfulness of the top-n circuits against n (log scale), the chosen size marked."""
+    """Faithfulness of the circuits of the first n edges against n (log scale), the chosen size
+    marked with its live edges."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(circuit, Circuit, "faithfulness_figure")
     fig = d.new_figure(6, 4)
     ax = fig.add_subplot()
     ax.plot(circuit.sizes, circuit.curve, marker="o")
-    ax.axvline(len(circuit.edges), color="gray", linestyle="--", label=f"chosen: {len(circuit.edges)} edges")
+    chosen = f"chosen: {len(circuit.edges)} edges ({circuit.num_live} live)"
+    ax.axvline(len(circuit.edges), color="gray", linestyle="--", label=chosen)
     if circuit.target is not None:
         ax.axhline(circuit.target, color="tab:red", linestyle=":", label=f"target {circuit.target:g}")
     ax.set_xscale("log")
-    ax.set_xlabel("edges in the circuit (top n by score)")
+    ax.set_xlabel(
+        "edges in the circuit (top n by score)" if circuit.search == "top" else "edges in the circuit (greedy)"
+    )
     ax.set_ylabel("faithfulness")
     ax.legend(frameon=False)
-    ax.set_title(title or "Faithfulness of the top-n circuits (exact patching)")
+    ax.set_title(title or f"Faithfulness of the first-n circuits ({circuit.search}; exact patching)")
     return fig

@@ -165,6 +165,19 @@ class EdgeGraph:
         return np.where(r == self.logits_reader, 2 * self.num_layers + 1, 2 * layer + 1 + mlp)
 
     @functools.cached_property
+    def reader_writers(self) -> np.ndarray:
+        """`[R]`: the writer whose computation each reader feeds (its node's output): a head's q,
+        k and v inputs feed that head (the layer's one attention writer where `post_norms`), an
+        MLP's input its MLP; -1 for the logits, which feed no writer. A circuit's path runs
+        writer -> reader -> that reader's writer -> ..."""
+        r = np.arange(self.num_readers)
+        layer, slot = np.divmod(r, self.readers_per_layer)
+        head = np.where(self.post_norms, 0, slot % self.num_heads)
+        first = 1 + layer * self.writers_per_layer
+        feeds = np.where(slot == 3 * self.num_heads, first + self.attention_writers, first + head)
+        return np.where(r == self.logits_reader, -1, feeds)
+
+    @functools.cached_property
     def edge_mask(self) -> np.ndarray:
         """`[W, R]` bool: whether writer w feeds reader r."""
         return self.writer_nodes[:, None] < self.reader_nodes[None, :]
