@@ -21,6 +21,8 @@ Grouped three ways, each a mean over positions with a 95% bootstrap interval ove
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from functools import partial
 from typing import TYPE_CHECKING, Optional
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from jaxdepth.analyses.suite import Analysis, Settings, option
 from jaxdepth.analyses.logit_lens import map_lens
+from jaxdepth.analyses.tuned_lens import load_tuned_lens
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, curve_band, resample_indices
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
@@ -48,6 +51,7 @@ __all__ = [
     "frequency_ranks",
     "decision_depth_figure",
     "DecisionDepthSettings",
+    "lens_identity",
     "ANALYSIS",
 ]
 
@@ -234,6 +238,37 @@ class DecisionDepthSettings(Settings):
         "decision depth: rank predicted tokens by id (BPE merge order, the default) or by their count in the prompts",
         choices=FREQUENCY_RANKS,
     )
+    decision_lens: str = option(
+        "",
+        "decision depth: read it through the tuned lens trained in this folder (`jaxdepth tuned-lens`; default: "
+        "the logit lens)",
+        metavar="FOLDER",
+    )
+
+
+def lens_identity(folder: str) -> str:
+    """What a decision depth read through the tuned lens in `folder` depends on: the folder, its
+    settings (`lens.json`) and its latest checkpoint, so that a lens retrained there is not
+    taken for the old one ('' for the logit lens)."""
+    if not folder:
+        return ""
+    path = os.path.abspath(folder)
+    try:
+        with open(os.path.join(path, "lens.json"), "rb") as f:
+            settings = hashlib.sha256(f.read()).hexdigest()[:16]
+    except FileNotFoundError:
+        return path  # the run itself says there is no lens here
+    steps = [int(name) for name in os.listdir(path) if name.isdigit()]
+    return f"{path}:{settings}:step{max(steps, default=-1)}"
+
+
+def _run(x) -> DecisionDepthResult:
+    translators = None
+    if x.settings.decision_lens:
+        translators = load_tuned_lens(x.settings.decision_lens, x.model.config).translators()
+    return decision_depth(
+        x.model.params, x.batch, x.model.config, frequency=x.settings.decision_frequency, translators=translators
+    )
 
 
 def _summary(result: DecisionDepthResult) -> list[str]:
@@ -250,8 +285,8 @@ ANALYSIS = Analysis(
     name="decision_depth",
     result_type=DecisionDepthResult,
     settings=DecisionDepthSettings,
-    identity=lambda s: {"decision_frequency": s.decision_frequency},
-    run=lambda x: decision_depth(x.model.params, x.batch, x.model.config, frequency=x.settings.decision_frequency),
+    identity=lambda s: {"decision_frequency": s.decision_frequency, "decision_lens": lens_identity(s.decision_lens)},
+    run=_run,
     figures=lambda r, tokenizer, n: {"": decision_depth_figure(r)},
     summary=_summary,
 )

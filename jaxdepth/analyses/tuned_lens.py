@@ -18,6 +18,7 @@ IS the logit lens) and is trained to make the decoded distribution match the mod
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 from typing import Callable, Optional
 
@@ -43,6 +44,7 @@ __all__ = [
     "residual_tokens",
     "identity_translators",
     "lens_kl",
+    "load_tuned_lens",
 ]
 
 Translators = dict  # {"weight": [L, D, D], "bias": [L, D]}
@@ -227,3 +229,27 @@ def train_tuned_lens(
             if on_step is not None:
                 on_step(LensTrainingState(step + 1, translators, opt_state), losses[-1])
     return TunedLens(L, D, translators=translators), np.asarray(losses, np.float32)
+
+
+def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
+    """The lens of the latest checkpoint in `path`, a folder `jaxdepth tuned-lens` trains into
+    (`jaxdepth.lab.lens_study.train_resumably`): a FileNotFoundError where there is none, a
+    ValueError where its translators do not fit `config`'s model."""
+    import orbax.checkpoint as ocp
+
+    if not os.path.exists(os.path.join(path, "lens.json")):
+        raise FileNotFoundError(f"{path}: no tuned lens here (no lens.json)")
+    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{path}: the lens has no checkpoint yet")
+        state = manager.restore(step)
+    w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
+    if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
+        raise ValueError(
+            f"{path}: translators of shape {w.shape} do not fit this model "
+            f"(L={config.num_layers}, D={config.hidden_size})"
+        )
+    return TunedLens(
+        config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)}
+    )

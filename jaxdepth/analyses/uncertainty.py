@@ -31,6 +31,7 @@ __all__ = [
     "ScoreInterval",
     "resample_indices",
     "resampled_curves",
+    "prompt_mean_band",
     "aggregate",
     "depth_interval",
     "curve_band",
@@ -92,6 +93,24 @@ def resampled_curves(per_prompt: np.ndarray, counts: np.ndarray, weighting: str,
     # A [R, N] x [N, L] product instead of gathering [R, N, L]: memory stays O(R (N + L)).
     w = _multiplicities(indices, per_prompt.shape[0]) * _weights(weighting, counts)[None]
     return (w @ per_prompt) / w.sum(axis=1, keepdims=True)
+
+
+def prompt_mean_band(
+    per_prompt: np.ndarray, resamples: int, seed: int
+) -> tuple[Optional[np.ndarray], Optional[CurveBand], int]:
+    """The mean curve `[L]` of per-prompt curves `[N, L]` over the prompts whose curve is finite
+    everywhere (None when none is), its 95% bootstrap band over those prompts (None without
+    resamples or with fewer than two of them), and their count: the band of a figure that
+    draws a per-prompt quantity's mean (the geometry profile, the layer Jacobians)."""
+    kept = per_prompt[np.all(np.isfinite(per_prompt), axis=1)].astype(np.float64)
+    if not len(kept):
+        return None, None, 0
+    counts = np.ones(len(kept))
+    mean = aggregate(kept, counts, "prompt")
+    if resamples <= 0 or len(kept) < 2:
+        return mean, None, len(kept)
+    indices = resample_indices(len(kept), resamples=resamples, seed=seed)
+    return mean, curve_band(resampled_curves(kept, counts, "prompt", indices)), len(kept)
 
 
 # ----------------------------------------------------------------------------- summaries

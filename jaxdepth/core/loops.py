@@ -233,12 +233,25 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
     return step
 
 
-def run_layer(params: Params, layer, h: Float[Array, "B T D"], config: ModelConfig, *, valid=None, interventions=None):
+def run_layer(
+    params: Params,
+    layer,
+    h: Float[Array, "B T D"],
+    config: ModelConfig,
+    *,
+    valid=None,
+    interventions=None,
+    context: Optional[LayerContext] = None,
+    prefix: Optional[tuple[Array, Array]] = None,
+):
     """The `LayerRecord` of layer `layer` (traced or not) run on its input `h` under
-    `interventions` (stateful ones start from their initial state)."""
+    `interventions` (stateful ones start from their initial state). `context` and `prefix` as
+    in `jaxdepth.core.layer.layer_step` (this layer's keys and values `[B, P, K, Dh]`), for rows
+    that are not a prompt's first positions: one position against a key/value buffer
+    (`jaxdepth.core.layer.piece_context`)."""
     ivs = check_layer_indices(interventions, config.num_layers)
-    context = layer_context(h, valid, config)
-    return layer_step(layer_params(params, layer), h, layer, context, config, ivs, None, initial_states(ivs))
+    context = layer_context(h, valid, config) if context is None else context
+    return layer_step(layer_params(params, layer), h, layer, context, config, ivs, prefix, initial_states(ivs))
 
 
 def run_layers_in_pieces(

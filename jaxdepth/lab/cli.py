@@ -319,6 +319,21 @@ def _table(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from jaxdepth.core.atomic import atomic_write
+    from jaxdepth.lab.depth_comparison import depth_comparison_figure, depth_profiles, profiles_markdown
+    from jaxdepth.lab.plots import save_figure
+
+    profiles = depth_profiles(args.results)
+    table = profiles_markdown(profiles)
+    print(table, end="")
+    png, pdf = save_figure(depth_comparison_figure(profiles), args.out)
+    with atomic_write(f"{args.out}.md", "w") as f:
+        f.write(table)
+    print(f"wrote {png}, {pdf} and {args.out}.md")
+    return 0
+
+
 def _tuned_lens(args) -> int:
     from jaxdepth.analyses.tuned_lens import LensTrainingSettings
     from jaxdepth.lab.lens_study import compare_lenses, comparison_markdown, parse_rows, save_comparison
@@ -634,6 +649,13 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--out", default="effective_depth_table", help="output prefix for .md and .csv")
     _bootstrap_argument(table)
     table.set_defaults(func=_table)
+
+    compare = sub.add_parser(
+        "compare", help="every depth measure of saved results on one relative-depth axis (a figure and a table)"
+    )
+    compare.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")
+    compare.add_argument("--out", default="depth_comparison", help="output prefix for .png, .pdf and .md")
+    compare.set_defaults(func=_compare)
     return parser
 
 

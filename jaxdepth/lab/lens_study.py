@@ -16,12 +16,11 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses import logit_lens, tuned_lens, uncertainty
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
-from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
+from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens, load_tuned_lens  # noqa: F401 (its home before)
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.lab.runs import batch_digest, check_recorded_identity
@@ -223,25 +222,3 @@ def _checkpoint_manager(path: str, settings: LensTrainingSettings, data_identity
     os.makedirs(path, exist_ok=True)
     _check_lens_json(path, settings, data_identity, record=True)
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
-
-
-def load_tuned_lens(path: str, config: ModelConfig) -> TunedLens:
-    """The translators of the latest checkpoint in `path` (written by `train_resumably`)."""
-    import orbax.checkpoint as ocp
-
-    if not os.path.exists(os.path.join(path, "lens.json")):
-        raise FileNotFoundError(f"{path}: no tuned lens here (no lens.json)")
-    with ocp.CheckpointManager(os.path.abspath(path)) as manager:
-        step = manager.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{path}: the lens has no checkpoint yet")
-        state = manager.restore(step)
-    w, b = np.asarray(state["translators"]["weight"]), np.asarray(state["translators"]["bias"])
-    if w.shape != (config.num_layers, config.hidden_size, config.hidden_size):
-        raise ValueError(
-            f"{path}: translators of shape {w.shape} do not fit this model "
-            f"(L={config.num_layers}, D={config.hidden_size})"
-        )
-    return TunedLens(
-        config.num_layers, config.hidden_size, translators={"weight": jnp.asarray(w), "bias": jnp.asarray(b)}
-    )

@@ -21,6 +21,7 @@ from jaxdepth.analyses.edges.patching import circuit_metric
 from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.jacobians import clean_layer_states, layer_jacobians
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
@@ -139,6 +140,35 @@ def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family,
     P = 11
     h, _ = run_layers(params, hs[0][:, P:], config, valid=valid, prefix=(keys[:, :, :P], values[:, :, :P]))
     np.testing.assert_allclose(h, hs[-1][:, P:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
+    """A token's step through one layer (`jacobians.token_step`) is the forward at that token in
+    every family (the window, longrope's factors per prompt, the post-norms), and the exact
+    Jacobians of one layer and of the suffix to h_L equal the full run's derivatives."""
+    config, params = family
+    valid = jnp.asarray(batch.valid)
+    inputs, _, _ = clean_layer_states(params, jnp.asarray(batch.tokens), valid, config)
+    result = layer_jacobians(params, batch, config, positions=[[12], [22]], exact_width=config.hidden_size)
+
+    @jax.jit
+    def own_blocks(l, b, t):  # one compilation: the layer, prompt and position traced
+        row = lambda a: jax.lax.dynamic_slice_in_dim(a, b, 1)  # noqa: E731
+
+        def from_l(x):
+            h = row(inputs[l]).at[0, t].set(x)
+            final, outs = run_layers(params, h, config, start=l, valid=row(valid), tap=lambda r, _: r.out)
+            return outs[l, 0, t], final[0, t]
+
+        return jax.jacfwd(from_l)(inputs[l, b, t])
+
+    eye = jnp.eye(config.hidden_size)
+    for b, t in ((0, 12), (1, 22)):
+        for l in (0, config.num_layers - 1):
+            for which, J in zip(("layer", "suffix"), own_blocks(l, b, t)):
+                np.testing.assert_allclose(
+                    getattr(result, f"{which}_frob2")[b, 0, l], jnp.sum((J - eye) ** 2), rtol=1e-4, err_msg=which
+                )
 
 
 def test_layer_skip_sweep_equals_one_at_a_time(family, batch):

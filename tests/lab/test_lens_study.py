@@ -63,3 +63,26 @@ def test_bad_inputs(params, data, tmp_path):
     other = ModelConfig.from_dict({**CONFIG.to_dict(), "num_layers": 5})
     with pytest.raises(ValueError, match="do not fit"):
         load_tuned_lens(folder, other)
+
+
+def test_the_decision_depth_reads_a_trained_lens_from_its_folder(params, data, tmp_path):
+    """`--decision-lens FOLDER`: the suite's decision depth through the lens trained there equals
+    `decision_depth` with its translators, differs from the logit lens's, and a lens retrained
+    in the folder changes the result's identity."""
+    from types import SimpleNamespace
+
+    from jaxdepth.analyses.decision_depth import ANALYSIS, decision_depth, lens_identity
+    from jaxdepth.analyses.suite import RunInputs
+
+    folder = str(tmp_path / "lens")
+    lens, _ = train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=2, progress=False)
+    batch = prompts(3, 4)
+    model = SimpleNamespace(params=params, config=CONFIG)
+    settings = ANALYSIS.settings(decision_lens=folder)
+    through = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, progress=False))
+    expected = decision_depth(params, batch, CONFIG, translators=load_tuned_lens(folder, CONFIG).translators())
+    assert np.array_equal(through.depth, expected.depth) and through.settings["lens"] == "tuned"
+    assert not np.array_equal(through.depth, decision_depth(params, batch, CONFIG).depth)
+    before = ANALYSIS.identity(settings)["decision_lens"]
+    train_resumably(params, data, CONFIG, SETTINGS, folder, progress=False)  # trained on to its last step
+    assert ANALYSIS.identity(settings)["decision_lens"] != before and lens_identity("") == ""

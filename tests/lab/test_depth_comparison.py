@@ -1,0 +1,70 @@
+"""`jaxdepth compare`: the profiles read what each results folder holds (the effective depths as
+the table computes them, the mean decision depth, the curves of the Jacobians), the figure and
+the table are written, and a folder without any measure is refused."""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxdepth.analyses.contributions import contributions
+from jaxdepth.analyses.decision_depth import decision_depth
+from jaxdepth.analyses.jacobians import layer_jacobians
+from jaxdepth.analyses.logit_lens import logit_lens
+from jaxdepth.core.batch import make_batch
+from jaxdepth.core.model import random_params
+from jaxdepth.lab.cli import main
+from jaxdepth.lab.depth_comparison import depth_profiles
+from jaxdepth.lab.table import collect
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Two tiny models of 3 and 4 layers: one with every measure (its Jacobians in a second
+    output folder, `elsewhere`), one with the studies' only."""
+    root = tmp_path_factory.mktemp("compare")
+    elsewhere = root / "elsewhere"
+    rng = np.random.default_rng(0)
+    for name, layers, measures in (("deep", 4, "all"), ("shallow", 3, "studies")):
+        config = tiny_config(num_layers=layers)
+        params = random_params(config, 1, scale=0.5)
+        batch = make_batch([rng.integers(1, config.vocab_size, n).tolist() for n in (9, 6)], [5, 3])
+        folder = root / "run" / name / "default"
+        os.makedirs(folder)
+        contributions(params, batch, config).save(str(folder / "contributions.npz"))
+        logit_lens(params, batch, config).save(str(folder / "logit_lens.npz"))
+        if measures == "all":
+            decision_depth(params, batch, config).save(str(folder / "decision_depth.npz"))
+            os.makedirs(elsewhere / name / "default")
+            layer_jacobians(params, batch, config, tokens=2).save(str(elsewhere / name / "default" / "jacobians.npz"))
+    return root
+
+
+def test_the_profiles_read_what_each_folder_holds(results):
+    found = depth_profiles([str(results / "run"), str(results / "elsewhere")])
+    profiles = {p.model: p for p in found}  # the two folders of "deep" read as one profile
+    assert len(found) == 2 and set(profiles) == {"deep", "shallow"} and profiles["deep"].num_layers == 4
+    for p in profiles.values():
+        table = {row["method"]: row["ratio"] for row in collect([str(results / "run" / p.model)], resamples=0)}
+        assert {m: p.ratios[m] for m in table} == table
+    deep = profiles["deep"]
+    decided = np.load(results / "run" / "deep" / "default" / "decision_depth.npz", allow_pickle=True)["depth"]
+    assert deep.ratios["decision"] == pytest.approx(decided[decided >= 0].mean() / 4)
+    x, share = deep.curves["decided"]
+    assert share[-1] == 1.0 and np.all(np.diff(share) >= 0) and x[-1] == 1.0
+    x, distance = deep.curves["layer_distance"]
+    assert np.allclose(x, (np.arange(4) + 0.5) / 4) and np.all(distance > 0)
+    assert "decision" not in profiles["shallow"].ratios and not profiles["shallow"].curves
+
+
+def test_the_command_writes_the_figure_and_the_table(results, tmp_path, capsys):
+    out = str(tmp_path / "cmp")
+    assert main(["compare", str(results / "run"), str(results / "elsewhere"), "--out", out]) == 0
+    assert all(os.path.getsize(f"{out}.{ext}") > 0 for ext in ("png", "pdf", "md"))
+    printed = capsys.readouterr().out
+    assert printed.count("| deep | default | 4 |") == 1 and "| shallow | default | 3 |" in printed
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["compare", str(empty), "--out", out]) == 2
+    assert "no results" in capsys.readouterr().err
