@@ -11,9 +11,9 @@ memory after each side, the configurations whose tokens agree, and writes a JSON
 
     python experiments/benchmark_generation.py --out experiments/results/generation_benchmark.json
 
-`--configs 4 --prompts 3 --new 8` is a check that everything runs (under a minute after the
-models load). transformers reads the GGUF file (about 70 s, excluded from the times) and needs
-torch and accelerate (the test extras).
+`--configs 4 --prompts 3 --new 8` (or `--only 'drop 29,swap 0-1'`) is a check that everything
+runs (under a minute after the models load). transformers reads the GGUF file (about 70 s,
+excluded from the times) and needs torch and accelerate (the test extras).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=20, help="prompts per configuration")
     p.add_argument("--new", type=int, default=48, help="new tokens per prompt")
     p.add_argument("--configs", type=int, default=0, help="the first N configurations only (0: all drops and swaps)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="these configurations only, by name, comma-separated (e.g. 'drop 29,swap 0-1'); default: all of --configs",
+    )
     p.add_argument("--chunk", type=int, default=8, help="configurations decoded together in one vmapped call")
     p.add_argument("--no-reference", action="store_true", help="time jaxdepth only")
     p.add_argument("--out", default="results/generation_benchmark.json")
@@ -147,6 +152,14 @@ def main(argv=None) -> int:
     model = jaxdepth.load("smollm2")
     texts = prompts(args.prompts)
     configs = configurations(model.config.num_layers, args.configs)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",")]
+        unknown = sorted(set(wanted) - {name for name, _ in configs})
+        if unknown:
+            raise SystemExit(
+                f"no configuration named {', '.join(map(repr, unknown))}: drops are 'drop L', swaps 'swap L-L+1'"
+            )
+        configs = [c for c in configs if c[0] in wanted]
     ids = [model.encode(t) for t in texts]
     batch = make_batch(ids)  # right-padded to a bucket length
     token_ids, valid, width = batch.tokens, batch.valid, batch.tokens.shape[1]
