@@ -21,6 +21,8 @@ from jaxdepth.analyses.edges.patching import circuit_metric
 from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.ig.rules import quadrature
+from jaxdepth.analyses.decision_depth import decision_depth
+from jaxdepth.analyses.geometry import geometry
 from jaxdepth.analyses.jacobians import clean_layer_states, layer_jacobians
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
@@ -169,6 +171,29 @@ def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
                 np.testing.assert_allclose(
                     getattr(result, f"{which}_frob2")[b, 0, l], jnp.sum((J - eye) ** 2), rtol=1e-4, err_msg=which
                 )
+
+
+def test_the_geometry_and_the_decision_depth_of_each_prompt_alone(family, batch):
+    """The sink scores (the window and the post-norms change what heads attend to) and the
+    boundaries' geometry of a padded batch equal each prompt's alone; the decision depth is the
+    first boundary from which the lens's top-1 stays the model's, counted by hand."""
+    config, params = family
+    together = geometry(params, batch, config)
+    top1 = np.argmax(
+        np.stack(
+            [unembed(params, h, config) for h in residual_stream(params, batch.tokens, config, valid=batch.valid)]
+        ),
+        axis=-1,
+    )
+    depths = decision_depth(params, batch, config).depth
+    for i in range(len(batch)):
+        alone = geometry(params, batch.single(i), config)
+        np.testing.assert_allclose(alone.sink_scores[0], together.sink_scores[i], atol=2e-6)
+        np.testing.assert_allclose(alone.entropy[0], together.entropy[i], atol=2e-5)
+        np.testing.assert_allclose(alone.first_norm_ratio[0], together.first_norm_ratio[i], rtol=1e-5)
+        for t in range(int(batch.lengths[i])):
+            agrees = top1[:, i, t] == top1[-1, i, t]
+            assert depths[i, t] == min(l for l in range(len(agrees)) if agrees[l:].all())
 
 
 def test_layer_skip_sweep_equals_one_at_a_time(family, batch):
