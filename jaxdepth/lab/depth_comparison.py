@@ -50,33 +50,37 @@ def _profile(folder: str, files: set) -> DepthProfile:
     from jaxdepth.lab.table import collect
 
     ratios, curves, num_layers = {}, {}, None
+    # the names the results record (their identity), else the folders': as `table.collect` does
+    identity = {"model": os.path.basename(os.path.dirname(folder)), "dataset": os.path.basename(folder)}
     if {"contributions.npz", "logit_lens.npz"} & files:
         for row in collect([folder], resamples=0):
             ratios[row["method"]] = row["ratio"]
             num_layers = row["layers"]
+            identity = {"model": row["model"], "dataset": row["dataset"]}
+
+    def load(name):
+        result = load_result(os.path.join(folder, name))
+        identity.update({k: v for k, v in result.settings.get("identity", {}).items() if k in ("model", "dataset")})
+        return result
+
     if "geometry.npz" in files:
-        g = load_result(os.path.join(folder, "geometry.npz"))
+        g = load("geometry.npz")
         L = num_layers = g.num_layers
         curves["entropy"] = (np.arange(L + 1) / L, np.nanmean(g.entropy, axis=0))
         curves["sink_rate"] = ((np.arange(L) + 0.5) / L, np.nanmean(g.sink_rate(), axis=0))
     if "jacobians.npz" in files:
-        j = load_result(os.path.join(folder, "jacobians.npz"))
+        j = load("jacobians.npz")
         L = num_layers = j.num_layers
         curves["layer_distance"] = ((np.arange(L) + 0.5) / L, np.nanmean(j.per_prompt("layer_distance"), axis=0))
     if "decision_depth.npz" in files:
-        r = load_result(os.path.join(folder, "decision_depth.npz"))
+        r = load("decision_depth.npz")
         L = num_layers = r.num_layers
         depths = r.depth[r.valid]
         ratios["decision"] = float(depths.mean()) / L if depths.size else None
         curves["decided"] = (np.arange(L + 1) / L, np.array([(depths <= l).mean() for l in range(L + 1)]))
-    identity = {}
-    for name in _FILES:
-        if name in files:
-            identity = load_result(os.path.join(folder, name)).settings.get("identity", {}) or identity
-            break
     return DepthProfile(
-        model=identity.get("model", os.path.basename(os.path.dirname(folder))),
-        dataset=identity.get("dataset", os.path.basename(folder)),
+        model=identity["model"],
+        dataset=identity["dataset"],
         num_layers=int(num_layers),
         ratios=ratios,
         curves=curves,
