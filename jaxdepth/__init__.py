@@ -5,7 +5,8 @@ Face folder or hub id, a `.gguf` file or the embedded `"smollm2"`), the pure for
 (`forward`, `run_layers`, `residual_stream`), named sites and interventions as data (`sites`:
 `skip`, `replace`, `add`, `patch`, `keep`, `ablate_heads` and kinds of your own), the order of the
 layers as data (`structure`: drop, swap, reverse, repeat or parallelise layers), generation
-under interventions and in any layer order (`generate`; `Model.generate` for text), and gradients
+under interventions and in any layer order (`generate`, `generate_orders` for many orders at once;
+`Model.generate` for text), and gradients
 at any site (`site_gradients`; `integrated_gradients`, which returns a `SiteIG`, with its rule a
 value, `FixedRule` or `AdaptiveRule`, and how it runs an `Execution`), and edge
 attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`; patching and
@@ -21,7 +22,7 @@ prompts, T positions, L layers, D residual width, V vocabulary, ...).
 """
 
 from jaxdepth.core import sites, structure
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import generate, generate_orders
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import forward, residual_stream
@@ -49,6 +50,7 @@ __all__ = [
     "sites",
     "structure",
     "generate",
+    "generate_orders",
     "site_gradients",
     "integrated_gradients",
     "FixedRule",

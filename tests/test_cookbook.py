@@ -51,6 +51,7 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
         "final entropy:",
         "exact effect",
         "of the logit difference",
+        "right, answers",
     ):
         assert line in printed, line
     params, config, tokens, metric = ns["params"], ns["config"], ns["tokens"], ns["paris_vs_rome"]
@@ -154,3 +155,13 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     by_hand = read(h_clean) - read(h_clean + corrupt_out - clean_out)
     np.testing.assert_allclose(effects[i], by_hand, rtol=1e-3, atol=1e-4)
     assert 0 < ns["circuit"].faithfulness <= 1.5
+    # 11. generated answers: one structure's continuations are Model.generate's under its order
+    from jaxdepth.analyses.answers import same_answer
+
+    family, right, read = ns["family"], ns["right"], ns["read"]
+    texts = ns["model"].generate(
+        [ns["model"].tokenizer.decode(q) for q in ns["questions"]], max_new_tokens=4, order=family[2].order(L)
+    )
+    assert read[2] == [t.split("\n")[0] for t in texts]
+    assert [bool(r) for r in right[2]] == [same_answer(t, str(a + b)) for t, (a, b) in zip(read[2], ns["sums"])]
+    assert right[0].sum() > 0  # the intact model adds some of them

@@ -50,6 +50,7 @@ __all__ = [
     "DecisionDepthResult",
     "frequency_ranks",
     "decision_depth_figure",
+    "decision_depth_panel",
     "DecisionDepthSettings",
     "lens_identity",
     "ANALYSIS",
@@ -97,7 +98,8 @@ def frequency_ranks(predicted, valid, how: str = "id") -> np.ndarray:
 class DecisionDepthResult(SavedResult):
     """`depth [N, T]` (int; -1 at padding), each valid position's decision depth in 0..L;
     `predicted [N, T]` the model's top-1 token there; `rank [N, T]` its frequency rank
-    (`settings['frequency']` says which); `answer_start [N]`, `lengths [N]`; `num_layers` L."""
+    (`settings['frequency']` says which); `answer_start [N]`, `lengths [N]`; `num_layers` L;
+    `tokens [N, T]` the prompts' own tokens (`[0, 0]` in results saved before they were kept)."""
 
     depth: np.ndarray
     predicted: np.ndarray
@@ -106,6 +108,7 @@ class DecisionDepthResult(SavedResult):
     lengths: np.ndarray
     num_layers: int
     settings: dict
+    tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
     @property
     def valid(self) -> np.ndarray:
@@ -173,6 +176,7 @@ def decision_depth(
         answer_start=np.asarray(batch.answer_start, np.int64),
         lengths=np.asarray(batch.lengths, np.int64),
         num_layers=config.num_layers,
+        tokens=np.asarray(batch.tokens, np.int32),
         settings={**(settings or {}), "frequency": frequency, "lens": "logit" if translators is None else "tuned"},
     )
 
@@ -224,6 +228,34 @@ def decision_depth_figure(
     )
     d.title_figure(fig, "Decision depth", None, result.settings)
     return fig
+
+
+def decision_depth_panel(result: DecisionDepthResult, prompt: int = 0, *, tokenizer=None):
+    """One prompt's decision depths as a `TokenPanel` (a case study's per-token view): cell
+    (l, t) is 1 where boundary l already predicts, and keeps predicting, what position t's final
+    prediction is (l >= the position's decision depth), else 0; the boundary where each column
+    turns is its decision depth. Tokens are labelled by the prompt's own (by the prediction,
+    after an arrow, in results saved without them)."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, DecisionDepthResult, "decision_depth_panel")
+    p = d.prompt_index(result, prompt)
+    n = int(result.lengths[p])
+    if result.tokens.size:
+        labels = d.token_labels(result.tokens[p, :n], tokenizer)
+    else:
+        labels = ["→" + label for label in d.token_labels(result.predicted[p, :n], tokenizer)]
+    boundaries = np.arange(result.num_layers + 1)[:, None]
+    return d.TokenPanel(
+        (boundaries >= result.depth[p, :n][None, :]).astype(np.float32),
+        labels,
+        row_label="lens boundary l (0 = embeddings)",
+        answer_start=int(result.answer_start[p]),
+        cmap="Greens",
+        symmetric=False,
+        colorbar_label="top-1 is the final prediction from here on",
+        caption=f"decision depth ({result.settings.get('lens', 'logit')} lens)",
+    )
 
 
 # ----------------------------------------------------------------------------- in the suite
@@ -289,4 +321,5 @@ ANALYSIS = Analysis(
     run=_run,
     figures=lambda r, tokenizer, n: {"": decision_depth_figure(r)},
     summary=_summary,
+    panel=decision_depth_panel,
 )

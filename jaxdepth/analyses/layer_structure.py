@@ -9,6 +9,12 @@ once, under the structure):
   their position (what a small model's scores move with, where whole answers are rarely right);
 - `answer_correct`: 1 where every answer token is the top-1 prediction at its position, else 0.
 
+Generated (`generated_answers`): the model, under the structure, continues the prompt's question
+greedily (`jaxdepth.core.decoding.generate_orders`, every structure of a chunk decoded
+together, layer-major); the continuation, cut at its first blank line, is right when its final
+answer equals the reference answer's (`jaxdepth.analyses.answers`: the boxed answer, the one
+after "final answer is" or "####", else the last number, numbers compared as numbers).
+
 The angular-distance rule of Gromov et al. (arXiv 2403.17887) is the baseline: for a block of
 n layers it drops the block whose input h_l and output h_{l+n} are closest in angle at the
 last token of the prompt, d(l, n) = arccos(cos(h_l, h_{l+n})) / pi averaged over the prompts;
@@ -20,21 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdepth.analyses.answers import cut_generation, same_answer
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.decoding import generate_orders
 from jaxdepth.core.layer import Params
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
     drop_block,
+    group_orders,
     identity_order,
     parallel_block,
     repeat_block,
@@ -42,6 +51,7 @@ from jaxdepth.core.structure import (
     stack_orders,
     swap_pair,
 )
+from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.analyses.suite import Analysis, Settings, option
@@ -51,12 +61,14 @@ __all__ = [
     "structure_family",
     "StructureScores",
     "structure_scores",
+    "generated_answers",
     "angular_distances",
     "gromov_choice",
     "StructureResult",
     "structure_analysis",
     "structure_figure",
     "StructureSettings",
+    "new_tokens_for",
     "ANALYSIS",
 ]
 
@@ -175,6 +187,66 @@ def _scored(params, tokens, valid, starts, orders, config, chunk_size):
     return sweep(one, orders, chunk_size)
 
 
+def generated_answers(
+    params: Params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    structures,
+    decode,
+    *,
+    max_new_tokens: int,
+    eos_ids=(),
+    stops: Optional[Sequence[str]] = None,
+    chunk_size: Optional[int] = None,
+    memory_budget: Optional[int] = None,
+    progress: ProgressLike = False,
+) -> tuple[np.ndarray, list[list[str]]]:
+    """Whether each of `structures` answers each prompt of `batch` right by generation (module
+    docstring): `correct [structures, B]` (bool) and the continuations read (cut at their first
+    blank line, or before the first of `stops`), `texts[s][b]`. The model continues each
+    prompt's question (its tokens before `answer_start`) for up to `max_new_tokens`, greedily,
+    stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
+    reads the reference answer from the prompt's answer tokens. `chunk_size` structures decode
+    together (default: as many as `memory_budget` holds with their key/value caches), one
+    compiled program per chunk; `progress` (`jaxdepth.core.progress`) counts the chunks."""
+    structures = tuple(structures)
+    if not structures:
+        raise ValueError("no structures to generate under")
+    if (batch.answer_start >= batch.lengths).any():
+        raise ValueError("every prompt needs a reference answer: answer_start is past a prompt's end")
+    B, T = batch.tokens.shape
+    questions = np.arange(T)[None, :] < batch.answer_start[:, None]
+    references = [
+        decode([int(t) for t in row[a:n]]) for row, a, n in zip(batch.tokens, batch.answer_start, batch.lengths)
+    ]
+    orders = [s.order(config.num_layers) for s in structures]
+    steps = max(len(o.layers) for o in orders)
+    cache = steps * B * (T + max_new_tokens) * 2 * config.num_kv_heads * config.head_dim * 4
+    chunk_size = chunk_size or auto_chunk_size(
+        config, B * (T + max_new_tokens), len(structures), memory_budget=memory_budget, extra_bytes=cache
+    )
+    eos = {int(e) for e in eos_ids}
+    correct, texts = np.zeros((len(structures), B), bool), []
+    for first in track(range(0, len(structures), chunk_size), progress, "generating under each structure"):
+        grouped = group_orders(stack_orders(orders[first : first + chunk_size]), config.num_layers)
+        out = _generated(
+            params, jnp.asarray(batch.tokens), config, grouped, max_new_tokens, jnp.asarray(questions), tuple(eos)
+        )
+        for s, (rows, counts) in enumerate(zip(np.asarray(out.tokens), np.asarray(out.lengths)), first):
+            read = [
+                cut_generation(decode([int(t) for t in row[:n] if int(t) not in eos]), stops)
+                for row, n in zip(rows, counts)
+            ]
+            correct[s] = [same_answer(text, reference) for text, reference in zip(read, references)]
+            texts.append(read)
+    return correct, texts
+
+
+@partial(jit, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids"))
+def _generated(params, tokens, config, grouped, max_new_tokens, valid, eos_ids):
+    return generate_orders(params, tokens, config, grouped, max_new_tokens=max_new_tokens, valid=valid, eos_ids=eos_ids)
+
+
 def angular_distances(params: Params, batch: PromptBatch, config: ModelConfig, max_block: int) -> np.ndarray:
     """`[max_block, L]`: row n-1, column l is the mean over prompts of arccos(cos(h_l, h_{l+n}))
     / pi at the prompt's last token before its answer (NaN where l + n > L)."""
@@ -212,7 +284,9 @@ class StructureResult(SavedResult):
     `answer_logprob`, `answer_token_accuracy` (the fraction of answer tokens that are the top-1
     prediction, teacher-forced) and `answer_correct` (all of them); `angular_distance`
     `[max_block, L]` (`angular_distances`, with -1 where a block does not fit: a saved result
-    holds no NaN); `settings` as the caller passed them."""
+    holds no NaN); `generated_correct [S, B]` (1 where the structure's generated answer is
+    right, `generated_answers`; `[S, 0]` where nothing was generated) and `generated_texts`
+    (the continuations read, `[S][B]`); `settings` as the caller passed them."""
 
     kinds: list
     starts: np.ndarray
@@ -223,6 +297,20 @@ class StructureResult(SavedResult):
     angular_distance: np.ndarray
     num_layers: int
     settings: dict
+    generated_correct: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    generated_texts: list = dataclasses.field(default_factory=list)
+
+    @property
+    def generated(self) -> bool:
+        """Whether answers were generated (`generated_correct` has a column per prompt)."""
+        return self.generated_correct.shape[-1] > 0
+
+    def generated_accuracy(self) -> np.ndarray:
+        """Each structure's fraction of prompts answered right by generation `[S]` (NaN where
+        nothing was generated)."""
+        if not self.generated:
+            return np.full(len(self.kinds), np.nan)
+        return self.generated_correct.mean(axis=1)
 
     def structures(self) -> list[Structure]:
         """The family's structures, in the order of the score rows."""
@@ -261,10 +349,31 @@ def structure_analysis(
     max_block: int,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    decode=None,
+    max_new_tokens: int = 0,
+    eos_ids=(),
+    progress: ProgressLike = False,
 ) -> "StructureResult":
-    """`StructureResult` of `structure_family(L, max_block)` on `batch` (`structure_scores`)."""
+    """`StructureResult` of `structure_family(L, max_block)` on `batch` (`structure_scores`),
+    with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
+    tokenizer's, is needed)."""
     family = structure_family(config.num_layers, max_block)
     scores = structure_scores(params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget)
+    correct, texts = np.zeros((len(family), 0), bool), []
+    if max_new_tokens > 0:
+        if decode is None:
+            raise ValueError("generated answers are read as text: give decode (a tokenizer's decode)")
+        correct, texts = generated_answers(
+            params,
+            batch,
+            config,
+            family,
+            decode,
+            max_new_tokens=max_new_tokens,
+            eos_ids=eos_ids,
+            memory_budget=memory_budget,
+            progress=progress,
+        )
     return StructureResult(
         kinds=[s.kind for s in family],
         starts=np.array([s.start for s in family]),
@@ -274,7 +383,9 @@ def structure_analysis(
         answer_correct=scores.answer_correct,
         angular_distance=np.nan_to_num(angular_distances(params, batch, config, max_block), nan=-1.0),
         num_layers=config.num_layers,
-        settings={"max_block": max_block},
+        settings={"max_block": max_block, "max_new_tokens": max_new_tokens},
+        generated_correct=correct.astype(np.float32),
+        generated_texts=texts,
     )
 
 
@@ -285,13 +396,17 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     from jaxdepth.analyses import drawing as d
 
     d.expect(result, StructureResult, "structure_figure")
-    fig = d.new_figure(13, 4.2)
-    logprob_ax, accuracy_ax, rows_ax = fig.subplots(1, 3)
+    heatmaps = [
+        (result.answer_logprob.mean(axis=1), "answer log-probability"),
+        (result.accuracy(), "token accuracy"),
+    ]
+    if result.generated:
+        heatmaps.append((result.generated_accuracy(), "generated-answer accuracy"))
+    fig = d.new_figure(4.4 * (len(heatmaps) + 1), 4.2)
+    *heat_axes, rows_ax = fig.subplots(1, len(heatmaps) + 1)
+    accuracy_ax = heat_axes[1]
     rule = gromov_choice(result.angular_distance)
-    for ax, scores, label in (
-        (logprob_ax, result.answer_logprob.mean(axis=1), "answer log-probability"),
-        (accuracy_ax, result.accuracy(), "token accuracy"),
-    ):
+    for ax, (scores, label) in zip(heat_axes, heatmaps):
         image = ax.imshow(result.drop_grid(scores), aspect="auto", origin="lower", cmap="viridis")
         ax.scatter([s.start for s in rule], [s.size - 1 for s in rule], marker="x", color="r", label="angular rule")
         ax.set_xlabel("first dropped layer")
@@ -300,19 +415,23 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
         ax.set_title(f"drops: {label} (intact {scores[0]:.2f})")
         fig.colorbar(image, ax=ax, pad=0.01)
     accuracy_ax.legend(loc="upper right", fontsize="small")
-    accuracy = result.accuracy()
+    accuracy, generated = result.accuracy(), result.generated_accuracy()
     for i, kind in enumerate(("swap", "reverse", "repeat", "parallel")):
         picked = [
-            (s.start if kind == "swap" else s.size, a) for s, a in zip(result.structures(), accuracy) if s.kind == kind
+            (s.start if kind == "swap" else s.size, a, g)
+            for s, a, g in zip(result.structures(), accuracy, generated)
+            if s.kind == kind
         ]
         if picked:
-            x, y = zip(*picked)
+            x, y, z = zip(*picked)
             rows_ax.plot(
                 x, y, marker=".", color=f"C{i}", label=kind + (" (first layer)" if kind == "swap" else " (block size)")
             )
+            if result.generated:
+                rows_ax.plot(x, z, marker="x", linestyle=":", color=f"C{i}")
     rows_ax.axhline(accuracy[0], color="k", linestyle="--", label="intact")
     rows_ax.set_xlabel("first swapped layer, or middle block size")
-    rows_ax.set_ylabel("token accuracy")
+    rows_ax.set_ylabel("token accuracy" + (" (dotted x: generated-answer accuracy)" if result.generated else ""))
     rows_ax.grid(alpha=0.3)
     rows_ax.legend(fontsize="small")
     d.title_figure(fig, "What the model still does without its layers in order", title, result.settings)
@@ -326,10 +445,13 @@ def _summary(result: StructureResult) -> list[str]:
         return ["no layer droppable within 1 point of token accuracy"]
     by_rule = next(s for s in rule if s.size == best.size)
     accuracy = {str(s): 100 * a for s, a in zip(result.structures(), result.accuracy())}
-    return [
+    lines = [
         f"droppable within 1 point: {best.size} layers ({best})",
         f"angular rule at that size: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy[str(best)]:.0f}%)",
     ]
+    if result.generated:
+        lines.append(f"generated answers right: {100 * result.generated_accuracy()[0]:.0f}% intact")
+    return lines
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -339,29 +461,57 @@ class StructureSettings(Settings):
     structure_max_block: int = option(
         4, "layer structure: the largest block of consecutive layers dropped (and reversed, repeated, parallel)"
     )
+    structure_new_tokens: int = option(
+        -1,
+        "layer structure: generate up to this many tokens per prompt and score the answers (-1: the longest "
+        "reference answer's length plus 8, where the model has a tokenizer; 0: teacher-forced scores only)",
+    )
 
     def __post_init__(self):
         super().__post_init__()
         if self.structure_max_block < 1:
             raise ValueError(f"--structure-max-block must be at least 1, got {self.structure_max_block}")
+        if self.structure_new_tokens < -1:
+            raise ValueError(
+                f"--structure-new-tokens must be -1 (auto), 0 (none) or more, got {self.structure_new_tokens}"
+            )
+
+
+def new_tokens_for(batch: PromptBatch, setting: int) -> int:
+    """The generation budget of `--structure-new-tokens`: `setting`, or where it is -1 the
+    longest reference answer in `batch` (in tokens) plus 8, room for the answer and a few
+    tokens of slack."""
+    return int((batch.lengths - batch.answer_start).max()) + 8 if setting == -1 else setting
 
 
 def _run(x) -> StructureResult:
     L = x.model.config.num_layers
+    setting = x.settings.structure_new_tokens
+    # auto generates where answers can be read as text
+    new_tokens = 0 if setting == -1 and x.model.tokenizer is None else new_tokens_for(x.batch, setting)
     return structure_analysis(
         x.model.params,
         x.batch,
         x.model.config,
         max_block=min(x.settings.structure_max_block, L - 1),
         memory_budget=x.settings.memory_budget,
+        decode=None if x.model.tokenizer is None else x.model.tokenizer.decode,
+        max_new_tokens=new_tokens,
+        eos_ids=_eos_ids(x.model.tokenizer),
+        progress=x.progress,
     )
+
+
+def _eos_ids(tokenizer) -> tuple:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)
 
 
 ANALYSIS = Analysis(
     name="layer_structure",
     result_type=StructureResult,
     settings=StructureSettings,
-    identity=lambda s: {"structure_max_block": s.structure_max_block},
+    identity=lambda s: {"structure_max_block": s.structure_max_block, "structure_new_tokens": s.structure_new_tokens},
     run=_run,
     figures=lambda r, tokenizer, n: {"": structure_figure(r)},
     summary=_summary,

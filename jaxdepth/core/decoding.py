@@ -30,13 +30,13 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.layer import Params, step_context
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.layer import KeyValueBuffer, Params, step_context
+from jaxdepth.core.loops import run_grouped_orders, run_layers
 from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.sites import InterventionsLike, StatefulIntervention, check_layer_indices, splits_layer
-from jaxdepth.core.structure import LayerOrder, identity_order
+from jaxdepth.core.structure import GroupedSteps, LayerOrder, identity_order
 
-__all__ = ["Generated", "generate", "check_prompt_mask"]
+__all__ = ["Generated", "generate", "generate_orders", "check_prompt_mask"]
 
 
 class Generated(NamedTuple):
@@ -103,37 +103,28 @@ def generate(
     every row has. `interventions` and `order` (default the identity) apply to every forward
     call (module docstring). Pure: `jit` it with `config`, `max_new_tokens`, `eos_ids`,
     `pad_id` and `temperature` static, and `vmap` it over intervention data or a stack of
-    orders (`jaxdepth.core.structure.stack_orders`) to decode many configurations at once."""
-    B, T = tokens.shape
-    L = config.num_layers
-    ivs = check_layer_indices(interventions, L)
-    if any(isinstance(iv, StatefulIntervention) for iv in ivs) or splits_layer(ivs):
-        raise ValueError(
-            "generation takes site interventions at unsplit sites: a stateful intervention's state and a split "
-            "layer's per-head keys do not carry from one decoding step to the next"
-        )
-    if temperature < 0 or (temperature > 0 and key is None):
-        raise ValueError("sampling needs temperature > 0 and a key (temperature 0 decodes greedily)")
-    valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
-    if not isinstance(valid, jax.core.Tracer):
-        check_prompt_mask(valid, max_new_tokens, config)
-    order = identity_order(L) if order is None else order
-    eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)  # -1 is no token: nothing ends a row
+    orders (`jaxdepth.core.structure.stack_orders`) to decode many configurations at once
+    (`generate_orders` decodes many concrete orders faster)."""
+    B = tokens.shape[0]
+    decoding = _Decoding(max_new_tokens, tuple(eos_ids), pad_id, temperature, key)
+    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, decoding)
+    order = identity_order(config.num_layers) if order is None else order
     rows = jnp.arange(B)
-    lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
-    keyed = lambda n: None if temperature == 0 else jax.random.fold_in(key, n)  # noqa: E731
 
-    h, (keys, values) = run_layers(
-        params, embed(params, tokens, config), config, valid=valid, interventions=ivs, order=order, tap=_read_key_values
-    )
-    grow = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, max_new_tokens)] + [(0, 0)] * (a.ndim - 4))  # noqa: E731
-    keys, values = grow(keys), grow(values)  # [N, G, B, T + new, K, Dh]
-    seen = jnp.pad(valid, ((0, 0), (0, max_new_tokens)))
-    first = _pick(unembed(params, h[rows, lengths - 1], config), temperature, keyed(0))
-    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos)
+    def prefill(h0):
+        h, (keys, values) = run_layers(
+            params, h0, config, valid=valid, interventions=ivs, order=order, tap=_read_key_values
+        )
+        return h, (_grow(keys, 3, max_new_tokens), _grow(values, 3, max_new_tokens))
 
-    def refill_where_long_factors_begin(h, keys, values, at, seen, out):
+    def step(x, context, cache, at):
+        h, (k, v) = run_layers(
+            params, x, config, interventions=ivs, order=order, context=context, prefix=cache, tap=_new_key_values
+        )
+        keys, values = cache
+        return h, (keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v))
+
+    def refill_where_long_factors_begin(h, cache, at, seen, out):
         """The rows whose token at `at` is the first past longrope's original context: their
         whole sequence so far run again (the long factors throughout, as transformers does), its
         keys and values replacing the buffer's and its output at `at` the step's."""
@@ -142,7 +133,7 @@ def generate(
         def refill(_):
             written = lengths[:, None] + jnp.arange(max_new_tokens)[None, :]  # out[:, j] sits at lengths + j
             sequence = jnp.pad(tokens, ((0, 0), (0, max_new_tokens))).at[rows[:, None], written].set(out)
-            h_all, (k_all, v_all) = run_layers(
+            h_all, kv_all = run_layers(
                 params,
                 embed(params, sequence, config),
                 config,
@@ -152,40 +143,146 @@ def generate(
                 tap=_read_key_values,
             )
             pick = lambda new, old: jnp.where(crossing.reshape((1, 1, B) + (1,) * (new.ndim - 3)), new, old)  # noqa: E731
-            return (
-                jnp.where(crossing[:, None, None], h_all[rows, at][:, None], h),
-                pick(k_all, keys),
-                pick(v_all, values),
-            )
+            return jnp.where(crossing[:, None, None], h_all[rows, at][:, None], h), jax.tree.map(pick, kv_all, cache)
 
-        return jax.lax.cond(jnp.any(crossing), refill, lambda _: (h, keys, values), None)
+        return jax.lax.cond(jnp.any(crossing), refill, lambda _: (h, cache), None)
+
+    after_step = refill_where_long_factors_begin if config.rope_type == "longrope" else None
+    return _decode(params, tokens, config, valid, decoding, prefill, step, after_step=after_step)
+
+
+def generate_orders(
+    params: Params,
+    tokens: Int[Array, "B T"],
+    config: ModelConfig,
+    grouped: GroupedSteps,
+    *,
+    max_new_tokens: int,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    temperature: float = 0.0,
+    key: Optional[Array] = None,
+) -> Generated:
+    """`generate` under each of many concrete layer orders, `grouped` =
+    `jaxdepth.core.structure.group_orders(stack_orders(orders), L)`: new tokens
+    `[orders, B, max_new_tokens]`, each order's what `generate(order=...)` gives it (the same
+    arithmetic; under sampling, each order draws with the same `key` as alone).
+
+    Where `vmap(generate)` over the stacked orders runs every order's layer on that order's
+    rows, here every distinct layer of a step runs once on the rows of all the orders that run
+    it there (`jaxdepth.core.loops.run_grouped_orders`), and the prompt's steps that orders
+    share run once. The orders are static: `jit` with `grouped` static, one program per set of
+    orders (its size grows with the distinct layers per step). Refuses longrope models (their
+    mid-decoding refill is `generate`'s alone): vmap `generate` there."""
+    if config.rope_type == "longrope":
+        raise ValueError("generate_orders does not refill longrope's long factors: vmap generate over the orders")
+    decoding = _Decoding(max_new_tokens, tuple(eos_ids), pad_id, temperature, key)
+    ivs, valid, _ = _prepared(tokens, config, valid, interventions, decoding)
+    if grouped.num_orders < 1:
+        raise ValueError("no orders to decode")
+
+    def prefill(h0):  # the buffers head-major, as KeyValueBuffer keeps them
+        h, taps = run_grouped_orders(params, h0, config, grouped, valid=valid, interventions=ivs, tap=_read_key_values)
+        return h, jax.tree.map(lambda a: _grow(jnp.swapaxes(a, 2, 3), 3, max_new_tokens), taps)
+
+    def step(x, context, cache, at):
+        prefix = tuple(
+            tuple(KeyValueBuffer(k, v, jnp.broadcast_to(at, k.shape[:2])) for k, v in groups) for groups in cache
+        )
+        return run_grouped_orders(
+            params, x, config, grouped, interventions=ivs, context=context, prefix=prefix, tap=_read_key_values
+        )
+
+    return _decode(params, tokens, config, valid, decoding, prefill, step, orders=grouped.num_orders, buffered=True)
+
+
+class _Decoding(NamedTuple):
+    """How a decoding loop runs: `generate`'s static options and its key."""
+
+    max_new_tokens: int
+    eos_ids: tuple
+    pad_id: int
+    temperature: float
+    key: Optional[Array]
+
+
+def _prepared(tokens, config: ModelConfig, valid, interventions, decoding: _Decoding):
+    """The checked interventions, the prompt mask (all real by default) and each prompt's length."""
+    ivs = check_layer_indices(interventions, config.num_layers)
+    if any(isinstance(iv, StatefulIntervention) for iv in ivs) or splits_layer(ivs):
+        raise ValueError(
+            "generation takes site interventions at unsplit sites: a stateful intervention's state and a split "
+            "layer's per-head keys do not carry from one decoding step to the next"
+        )
+    if decoding.temperature < 0 or (decoding.temperature > 0 and decoding.key is None):
+        raise ValueError("sampling needs temperature > 0 and a key (temperature 0 decodes greedily)")
+    valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    if not isinstance(valid, jax.core.Tracer):
+        check_prompt_mask(valid, decoding.max_new_tokens, config)
+    return ivs, valid, jnp.sum(valid, axis=1).astype(jnp.int32)
+
+
+def _grow(a, axis: int, extra: int):
+    """`a` padded with `extra` positions on `axis` (a key/value buffer's room for new tokens)."""
+    return jnp.pad(a, [(0, 0)] * axis + [(0, extra)] + [(0, 0)] * (a.ndim - axis - 1))
+
+
+def _decode(
+    params,
+    tokens,
+    config: ModelConfig,
+    valid,
+    decoding: _Decoding,
+    prefill,
+    step,
+    *,
+    orders: Optional[int] = None,
+    after_step=None,
+    buffered: bool = False,
+) -> Generated:
+    """The decoding loop of `generate` and `generate_orders`: `prefill(h0)` gives the prompt's
+    last boundary and the key/value cache; `step(x, context, cache, at)` runs one new token per
+    prompt (at positions `at`) and writes its keys and values into the cache (`buffered`: the
+    step writes them before the token attends, `KeyValueBuffer`s, whose mask is
+    `step_context(..., buffered=True)`); `after_step` may amend what a step gives. With
+    `orders` C, the residuals, tokens and ends carry a leading axis of C orders."""
+    max_new_tokens, eos_ids, pad_id, temperature, key = decoding
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
+    eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)  # -1 is no token: nothing ends a row
+    per_order = (lambda f: f) if orders is None else jax.vmap
+    keyed = lambda n: None if temperature == 0 else jax.random.fold_in(key, n)  # noqa: E731
+
+    def pick(h_last, n):  # every order draws as it would alone: the same key for each
+        return per_order(lambda x: _pick(unembed(params, x, config), temperature, keyed(n)))(h_last)
+
+    h, cache = prefill(embed(params, tokens, config))
+    lead = () if orders is None else (orders,)
+    first = pick(h[..., rows, lengths - 1, :], 0)
+    out = jnp.full(lead + (B, max_new_tokens), pad_id, jnp.int32).at[..., 0].set(first)
+    done = jnp.isin(first, eos)
+    seen = jnp.pad(valid, ((0, 0), (0, max_new_tokens)))
 
     def running(carry):
         n, *_, done = carry
         return (n < max_new_tokens) & ~jnp.all(done)
 
-    def step(carry):
-        n, token, keys, values, seen, out, count, done = carry
+    def one_step(carry):
+        n, token, cache, seen, out, count, done = carry
         at = lengths + n - 1  # the previous token's position
         seen = seen.at[rows, at].set(True)
-        h, (k, v) = run_layers(
-            params,
-            embed(params, token[:, None], config, positions=at[:, None]),
-            config,
-            interventions=ivs,
-            order=order,
-            context=step_context(seen, at, config),
-            prefix=(keys, values),
-            tap=_new_key_values,
-        )
-        keys, values = keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v)
-        if config.rope_type == "longrope":
-            h, keys, values = refill_where_long_factors_begin(h, keys, values, at, seen, out)
-        token = _pick(unembed(params, h[:, 0], config), temperature, keyed(n))
-        out = out.at[:, n].set(jnp.where(done, pad_id, token))
+        x = per_order(lambda t: embed(params, t[:, None], config, positions=at[:, None]))(token)
+        h, cache = step(x, step_context(seen, at, config, buffered=buffered), cache, at)
+        if after_step is not None:
+            h, cache = after_step(h, cache, at, seen, out)
+        token = pick(h[..., 0, :], n)
+        out = out.at[..., n].set(jnp.where(done, pad_id, token))
         count = count + ~done
-        return n + 1, token, keys, values, seen, out, count, done | jnp.isin(token, eos)
+        return n + 1, token, cache, seen, out, count, done | jnp.isin(token, eos)
 
-    carry = (jnp.int32(1), first, keys, values, seen, out, jnp.ones((B,), jnp.int32), done)
-    out, count = jax.lax.while_loop(running, step, carry)[-3:-1]
+    carry = (jnp.int32(1), first, cache, seen, out, jnp.ones(lead + (B,), jnp.int32), done)
+    out, count = jax.lax.while_loop(running, one_step, carry)[-3:-1]
     return Generated(out, count)

@@ -235,6 +235,19 @@ def input_key_values(p: Params, h: Float[Array, "B T D"], cos, sin, config: Mode
     return key_values(p, pre_norm(p, "attn_norm", h, config), cos, sin, config)
 
 
+class KeyValueBuffer(NamedTuple):
+    """One layer's decoding buffer, head-major so that attention reads it where it lies: keys
+    and values `[B, K, S, Dh]`, and the position `[B]` at which each row's new token's key and
+    value are written before it attends (a `prefix` of `attention_heads` and `layer_step`, with
+    the context of `step_context(..., buffered=True)`). The layer's record then holds the
+    updated buffers as its `k` and `v`: decoding carries them to the next token with no copy
+    (a `(keys, values)` prefix is concatenated with the new key at every step)."""
+
+    keys: Array
+    values: Array
+    position: Array
+
+
 def attention_heads(
     p: Params,
     x: Float[Array, "B S D"],
@@ -250,10 +263,20 @@ def attention_heads(
 
     `prefix = (keys, values)`, each `[B, P, K, Dh]`, are the keys and values of P positions
     before those of `x`: the queries of `x` attend to them as well as to `x` (T = P + S keys).
+    A `KeyValueBuffer` prefix (one new token per row, S = 1) takes the token's key and value
+    at its position instead; the keys and values returned are then the buffers `[B, K, T, Dh]`.
     """
     q = _qk_norm(p, "q_norm", _projected(p, x, "q", config.num_heads, config), config)
     q = apply_rotary(q, cos, sin)
     k, v = key_values(p, x, cos, sin, config)
+    if isinstance(prefix, KeyValueBuffer):
+        if x.shape[1] != 1:
+            raise ValueError(f"a KeyValueBuffer takes one new token per row, got {x.shape[1]}")
+        rows = jnp.arange(x.shape[0])
+        write = lambda buffer, new: buffer.at[rows, :, prefix.position].set(new[:, 0].astype(buffer.dtype))  # noqa: E731
+        k, v = write(prefix.keys, k), write(prefix.values, v)
+        probs, heads = attend(q, k, v, mask, config, head_major=True)
+        return q, k, v, probs, heads
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
     probs, heads = attend(q, k, v, mask, config)
@@ -266,23 +289,27 @@ def attend(
     v: Float[Array, "B T N Dh"],
     mask: Bool[Array, "B S T"],
     config: ModelConfig,
+    *,
+    head_major: bool = False,
 ):
     """Softmax attention of the (rotated) queries over keys and values of N heads, where N divides
     H: query head h reads key/value head h // (H // N). N = K is grouped-query attention; N = H
     gives every query head keys and values of its own (the per-head readers of
     `jaxdepth.analyses.edges`). Scores are scaled by `config.attn_scale` (default Dh**-0.5) and
-    soft-capped where the family caps them. Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`."""
+    soft-capped where the family caps them. Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`.
+    `head_major`: k and v are `[B, N, T, Dh]` (a `KeyValueBuffer`'s layout)."""
     B, S, H, Dh = q.shape
-    N = k.shape[2]
+    N = k.shape[1 if head_major else 2]
+    keys = "bksd" if head_major else "bskd"
     # Group query heads by the kv head they read: head h = kv * G + g.
     grouped = q.reshape(B, S, N, H // N, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{keys}->bkgts", grouped, k, preferred_element_type=jnp.float32)
     scores = scores * (config.attn_scale or Dh**-0.5)
     if config.attn_softcap:
         scores = jnp.tanh(scores / config.attn_softcap) * config.attn_softcap
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    heads = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(B, S, H, Dh)
+    heads = jnp.einsum(f"bkgts,{keys}->btkgd", weights, v).reshape(B, S, H, Dh)
     return weights.reshape(B, H, S, -1), heads
 
 
@@ -484,6 +511,8 @@ def layer_step(
         q, k, v = head_projections(
             p, *(pre_norm(p, "attn_norm", split[name], config) for name in ("q_in", "k_in", "v_in")), cos, sin, config
         )
+        if isinstance(prefix, KeyValueBuffer):
+            raise ValueError("a layer split per head takes a (keys, values) prefix, not a KeyValueBuffer")
         if prefix is not None:  # each query head reads its group's keys and values
             G = H // config.num_kv_heads
             k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
@@ -598,12 +627,16 @@ def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelCon
     return _context(rotary_of, mask_of, config)
 
 
-def step_context(valid: Bool[Array, "B T"], positions: Int[Array, " B"], config: ModelConfig) -> LayerContext:
+def step_context(
+    valid: Bool[Array, "B T"], positions: Int[Array, " B"], config: ModelConfig, *, buffered: bool = False
+) -> LayerContext:
     """The `layer_step` context of one new token per prompt, prompt b's at `positions[b]`,
     whose prefix is a key/value buffer of T positions (`prefix = (keys, values)`,
     `[B, T, K, Dh]` each; a decoding cache): the token attends to the buffer's valid positions
     before its own (within the sliding window where the layer slides) and to itself. Keys are
-    `[buffer T | the token]`; rotary tables are `[B, 1, R]`."""
+    `[buffer T | the token]`; rotary tables are `[B, 1, R]`. `buffered`: the prefix is a
+    `KeyValueBuffer`, into which the token's key is written at its own position (which `valid`
+    then marks): keys are the buffer's T."""
     T = valid.shape[1]
     where = positions[:, None]
     keys = jnp.arange(T)[None, :]
@@ -616,6 +649,8 @@ def step_context(valid: Bool[Array, "B T"], positions: Int[Array, " B"], config:
         return tuple((t[rows, positions] if t.ndim == 3 else t[positions])[:, None, :] for t in tables)
 
     def mask_of(window):
+        if buffered:
+            return ((keys <= where) & valid & ((where - keys < window) if window else True))[:, None, :]
         earlier = (keys < where) & valid & ((where - keys < window) if window else True)
         return jnp.concatenate([earlier, jnp.ones_like(where, bool)], axis=1)[:, None, :]
 

@@ -5,6 +5,8 @@ after layer. Everything else (the forward, every analysis) calls these.
   optionally rematerialised) or a `fori_loop` from a traced boundary (forward only); with taps,
   a prefix of keys and values, and stateful interventions carried through the loop; or the
   layers of a `jaxdepth.core.structure.LayerOrder` (dropped, swapped, repeated, parallel);
+- `run_grouped_orders`: many concrete layer orders at once, layer-major (each distinct layer of
+  a step once, on the rows of every order that runs it there);
 - `run_layer`: one layer at a traced index (a site's value set inside it);
 - `run_layers_in_pieces`: layers from a boundary on, each over position pieces in order against
   a key/value buffer (erasure's suffix runs);
@@ -26,10 +28,12 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import (
+    KeyValueBuffer,
     LayerContext,
     Params,
     Tap,
@@ -50,7 +54,7 @@ from jaxdepth.core.sites import (
     initial_states,
     splits_layer,
 )
-from jaxdepth.core.structure import LayerOrder, check_order
+from jaxdepth.core.structure import GroupedSteps, LayerOrder, check_order
 
 
 def final_residual(h_last, config: ModelConfig, interventions, states: tuple = ()):
@@ -231,6 +235,97 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
         return (new, states), jax.tree.map(lambda *rows: jnp.stack(rows), *tapped)
 
     return step
+
+
+def run_grouped_orders(
+    params: Params,
+    h: Float[Array, "*C B S D"],
+    config: ModelConfig,
+    grouped: GroupedSteps,
+    *,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    interventions: InterventionsLike = None,
+    context: Optional[LayerContext] = None,
+    prefix=None,
+    tap: Optional[Tap] = None,
+):
+    """Every order of `grouped` (`jaxdepth.core.structure.group_orders`: C concrete orders) run
+    layer-major: at each step each distinct layer runs once, as one computation over the rows of
+    all the orders that run it there. `run_layers(order=...)` vmapped over a stack of orders
+    computes the same, but each order's layer on its own rows, reading (and copying) that
+    layer's weights once per order per step: with few rows per order, as in decoding, the
+    weights' memory traffic is the cost.
+
+    `h` is `[C, B, S, D]` (each order's own residual) or `[B, S, D]`, a residual every order
+    starts from (a prefill): then the orders whose steps so far are the same compute them once
+    (every drop and swap of layer l shares layers 0..l-1 with the intact model).
+
+    `prefix` (keys and values of earlier positions) and the taps are per step and group, as the
+    plan's `steps` are: `prefix[n][j] = (keys, values)`, `[members, B, P, K, Dh]` each, the
+    rows of group j's member orders (or a `jaxdepth.core.layer.KeyValueBuffer` of such rows,
+    as decoding keeps them, with its `context`); `tap(record, None)` results come back the same way (a
+    tuple per step of one result per group, with a leading member axis). `interventions`
+    apply to every order as `run_layers` applies them (stateful ones are refused: an order's
+    state would have to follow it across groups). Returns `(h_L [C, B, S, D], taps)`."""
+    L, C = config.num_layers, grouped.num_orders
+    shared = jnp.ndim(h) == 3
+    if not shared and (jnp.ndim(h) != 4 or jnp.shape(h)[0] != C):
+        raise ValueError(f"h is [B, S, D] (shared) or [orders={C}, B, S, D], got {jnp.shape(h)}")
+    if len(grouped.steps) != len(grouped.applied) or any(len(a) != C for a in grouped.applied):
+        raise ValueError("a malformed GroupedSteps: build it with jaxdepth.core.structure.group_orders")
+    ivs = check_layer_indices(interventions, L)
+    if any(isinstance(iv, StatefulIntervention) for iv in ivs):
+        raise ValueError("grouped orders take stateless interventions: run a stateful one under vmap of run_layers")
+    if prefix is not None and (shared or len(prefix) != len(grouped.steps)):
+        raise ValueError(
+            "prefix holds each order's keys and values: one (keys, values) per step and group, h per order"
+        )
+    if context is None:
+        if prefix is not None and isinstance(prefix[0][0], KeyValueBuffer):
+            raise ValueError("KeyValueBuffer prefixes take their context: step_context(..., buffered=True)")
+        offset = 0 if prefix is None else jnp.shape(prefix[0][0][0])[2]
+        context = layer_context(h if shared else h[0], valid, config, offset)
+    rows = jnp.expand_dims(h, 0) if shared else h  # one row per class of orders with the same residual
+    class_of = [0] * C if shared else list(range(C))
+    taps = []
+    for n, (groups, applied) in enumerate(zip(grouped.steps, grouped.applied)):
+        outs, step_taps, input_row = [], [], []
+        for j, (layer, members) in enumerate(groups):
+            inputs = sorted({class_of[c] for c in members})  # each distinct residual once
+            input_row.append([inputs.index(class_of[c]) for c in members])
+            x = rows if inputs == list(range(len(rows))) else rows[np.asarray(inputs)]
+            known = None if prefix is None else prefix[n][j]
+
+            def run(x, known, layer=layer):
+                r = layer_step(layer_params(params, layer), x, layer, context, config, ivs, known, ())
+                return r.out, None if tap is None else tap(r, None)
+
+            out, tapped = jax.vmap(run)(x, known)
+            if tap is not None and shared:  # one row per member, as a decoding prefix needs
+                tapped = jax.tree.map(lambda a, picks=np.asarray(input_row[-1]): a[picks], tapped)
+            outs.append(out)
+            step_taps.append(tapped)
+        taps.append(tuple(step_taps))
+        # the new classes: orders with the same residual before this step and the same layers in it
+        found: dict = {}
+        for c in range(C):
+            key = (class_of[c], tuple((j, input_row[j][i]) for j, i in applied[c]))
+            class_of[c] = found.setdefault(key, len(found))
+        rows = jnp.stack([_combined(rows[old], [outs[j][r] for j, r in apps]) for old, apps in found])
+    h_last = rows[np.asarray(class_of)]
+    return jax.vmap(lambda x: final_residual(x, config, ivs))(h_last), tuple(taps)
+
+
+def _combined(h, outputs):
+    """A step's result on residual h: h itself (no layer), the one layer's output (bit for bit),
+    or h plus each parallel layer's contribution, added in the group's order as `_run_order`
+    adds them."""
+    if len(outputs) == 1:
+        return outputs[0]
+    added = h
+    for out in outputs:
+        added = added + (out - h)
+    return added
 
 
 def run_layer(

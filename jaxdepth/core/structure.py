@@ -17,6 +17,13 @@ appears twice. Interventions address layers by their original index (an interven
 3 acts wherever layer 3 runs, every time it runs); the embedding, final norm and head are
 unchanged. `run_layers(order=...)` runs an order (`jaxdepth.core.loops`).
 
+Many concrete orders run together either as a vmapped stack (`stack_orders`: each order runs
+its own layer on its own rows, so every step reads each order's copy of that layer's weights)
+or layer-major (`group_orders`: at each step every distinct layer runs once, on the rows of all
+the orders that run it there; `jaxdepth.core.loops.run_grouped_orders`). A family of drops and
+swaps runs three distinct layers per step, so layer-major decoding reads three layers' weights
+per step where the vmapped stack reads one per order.
+
 The mask, not a sentinel index, says which entries are real: -1 is the last layer elsewhere in
 jaxdepth (`jaxdepth.core.sites`), so it cannot also mean "no layer" here.
 """
@@ -40,6 +47,8 @@ __all__ = [
     "stack_orders",
     "check_order",
     "describe_order",
+    "GroupedSteps",
+    "group_orders",
 ]
 
 Step = Union[int, Sequence[int]]
@@ -174,3 +183,47 @@ def describe_order(order: LayerOrder) -> str:
         if group:
             words.append(group[0] if len(group) == 1 else "(" + " ".join(group) + ")")
     return " ".join(words)
+
+
+class GroupedSteps(NamedTuple):
+    """A stack of concrete orders arranged layer-major (`group_orders`): `steps[n]` holds, for
+    each distinct layer some order runs at step n, `(layer, members)` with `members` the orders
+    that run it there (ascending); `applied[n][c]` lists where order c's layers of step n sit,
+    `(group, member position)` pairs in the order of its parallel group (empty: the step leaves
+    order c's residual as it is). Tuples throughout: hashable, a static argument of `jit`."""
+
+    num_orders: int
+    steps: tuple
+    applied: tuple
+
+
+def group_orders(orders: LayerOrder, num_layers: int) -> GroupedSteps:
+    """The layer-major plan of `orders` (a concrete stack `[C, N, G]`, `stack_orders`) on a model
+    of `num_layers` layers, checked as `check_order` checks one."""
+    layers, used = check_order(orders, num_layers)
+    if layers.ndim != 3:
+        raise ValueError(
+            f"group_orders takes a stack of orders [orders, steps, group] (stack_orders), got {layers.shape}"
+        )
+    C, N, G = layers.shape
+    steps, applied = [], []
+    for n in range(N):
+        members: dict[int, list[int]] = {}
+        for c in range(C):
+            for g in range(G):
+                if used[c, n, g]:
+                    members.setdefault(int(layers[c, n, g]), []).append(c)
+        groups = tuple((layer, tuple(cs)) for layer, cs in sorted(members.items()))
+        where = {layer: j for j, (layer, _) in enumerate(groups)}
+        applied.append(
+            tuple(
+                tuple(
+                    (where[int(layers[c, n, g])], groups[where[int(layers[c, n, g])]][1].index(c))
+                    for g in range(G)
+                    if used[c, n, g]
+                )
+                for c in range(C)
+            )
+        )
+        steps.append(groups)
+    return GroupedSteps(C, tuple(steps), tuple(applied))

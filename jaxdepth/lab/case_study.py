@@ -101,20 +101,28 @@ def write_case_figures(results: dict, folder: str, tokenizer=None) -> list[str]:
     return paths
 
 
+def case_analysis(entry) -> bool:
+    """Whether a case study may run the analysis `entry`: a per-prompt one, or one with a
+    per-token view."""
+    return entry.detail or entry.panel is not None
+
+
 def check_analyses(names: Sequence[str]) -> list[str]:
-    """The per-prompt analyses a case may run (erasure, IG and the attribution screens); the
-    whole-prompt-set ones (contributions, lens, layer skip) have nothing to say about one prompt
-    that the table does not."""
+    """The analyses a case may run: the per-prompt ones (erasure, IG and the attribution
+    screens) and those with a per-token view (`Analysis.panel`, e.g. the decision depth of a
+    plugin); the other whole-prompt-set ones (contributions, lens, layer skip) have nothing to
+    say about one prompt that the table does not."""
     from jaxdepth.lab.registry import ANALYSES
 
     names = list(names)
     unknown = [n for n in names if n not in ANALYSES]
     if unknown:
         raise ValueError(f"unknown analyses {unknown}; known: {', '.join(ANALYSES)}")
-    not_per_prompt = [n for n in names if not ANALYSES[n].detail]
+    not_per_prompt = [n for n in names if not case_analysis(ANALYSES[n])]
     if not_per_prompt:
         raise ValueError(
             f"{', '.join(not_per_prompt)} describe a prompt set, not one prompt; a case runs the "
-            f"per-prompt analyses: {', '.join(n for n, a in ANALYSES.items() if a.detail)}"
+            f"per-prompt analyses and those with a per-token view: "
+            f"{', '.join(n for n, a in ANALYSES.items() if case_analysis(a))}"
         )
     return names

@@ -118,22 +118,15 @@ def _study_settings(args, entries, **common):
 
 def _run(args) -> int:
     from jaxdepth.core.sharding import is_writer
-    from jaxdepth.lab.plugins import load_plugins, owners
+    from jaxdepth.lab.plugins import owners
     from jaxdepth.lab.prompts import DATASETS, load_prompts
     from jaxdepth.lab.registry import ANALYSES
     from jaxdepth.lab.runs import hold_folders
     from jaxdepth.lab.study import Failures, result_folder, saved_model_name
 
     start = time.perf_counter()
-    plugins = load_plugins(args.plugin or ())
-    not_loaded = [p for p in plugins if p.error is not None]
-    if not_loaded:  # stop now: a misspelt plugin should cost a second, not a run of the whole suite
-        _report_plugin_failures([(p.label, "failed to load", p.error) for p in not_loaded])
-        print(
-            f"error: nothing was run; plugins that failed to load: {', '.join(p.label for p in not_loaded)} "
-            "(correct the --plugin MODULE:OBJECT, or fix or uninstall the distribution of an entry point)",
-            file=sys.stderr,
-        )
+    plugins = _named_plugins(args)
+    if plugins is None:
         return 2
     plugin_of = owners(plugins)
     failures = Failures(isolated=plugin_of)  # a plugin's analysis may fail; the others' results are kept
@@ -251,6 +244,24 @@ def _report_plugin_failures(failed) -> None:
         print(f"error: plugin {label} {what}: {type(error).__name__}: {error}", file=sys.stderr)
 
 
+def _named_plugins(args):
+    """The plugins the command names (`--plugin`) and the installed ones, loaded; None, after
+    saying which, when one fails to load: a misspelt plugin should cost a second, not a run."""
+    from jaxdepth.lab.plugins import load_plugins
+
+    plugins = load_plugins(args.plugin or ())
+    not_loaded = [p for p in plugins if p.error is not None]
+    if not_loaded:
+        _report_plugin_failures([(p.label, "failed to load", p.error) for p in not_loaded])
+        print(
+            f"error: nothing was run; plugins that failed to load: {', '.join(p.label for p in not_loaded)} "
+            "(correct the --plugin MODULE:OBJECT, or fix or uninstall the distribution of an entry point)",
+            file=sys.stderr,
+        )
+        return None
+    return plugins
+
+
 def _case(args) -> int:
     from jaxdepth.lab.case_study import case_prompt, check_analyses, check_answer_tokens, write_case_figures
     from jaxdepth.lab.prompts import encode
@@ -259,6 +270,8 @@ def _case(args) -> int:
     from jaxdepth.lab.study import result_folder, run_study, saved_model_name
 
     start = time.perf_counter()
+    if _named_plugins(args) is None:
+        return 2
     if args.source and args.model and args.source != args.model:
         raise ValueError(f"two models given: {args.source} and --model {args.model}")
     args.model = args.model or args.source or "smollm2"
@@ -593,7 +606,16 @@ def build_parser() -> argparse.ArgumentParser:
         "default: as `run` (the dataset's GSM8K prompts, else the embedded prompts)",
     )
     case.add_argument("--seed", type=int, default=123)
-    analysis_options(case, [entry for entry in _registered() if entry.detail])
+    case.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE:OBJECT",
+        help="add the analysis of a plugin (repeatable), as `run` takes it; a case runs it where it is per-prompt "
+        "or has a per-token view (e.g. jaxdepth.analyses.decision_depth:ANALYSIS)",
+    )
+    from jaxdepth.lab.case_study import case_analysis
+
+    analysis_options(case, [entry for entry in _registered() if case_analysis(entry)])
     _dtype_argument(case)
     case.add_argument(
         "--out",
@@ -675,10 +697,10 @@ def _keep_compiled_programs(keep: bool) -> None:
 
 
 def _load_plugins_named_in(argv) -> None:
-    """For `jaxdepth run`: load (and register) the plugins its arguments name and the installed
-    ones, so that the parser offers their options; a plugin that fails to load is reported by
-    the run itself (`_run`), which loads the same plugins again (each is loaded once)."""
-    if not argv or argv[0] != "run":
+    """For `jaxdepth run` and `case`: load (and register) the plugins its arguments name and the
+    installed ones, so that the parser offers their options; a plugin that fails to load is
+    reported by the command itself, which loads the same plugins again (each is loaded once)."""
+    if not argv or argv[0] not in ("run", "case"):
         return
     from jaxdepth.lab.plugins import load_plugins
 

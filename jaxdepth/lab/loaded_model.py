@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.compilation import jit
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import generate, generate_orders
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import check_tokens, embed, forward
 from jaxdepth.core.weights import ModelWeights
@@ -103,16 +103,21 @@ class Model(ModelWeights):
         stop: Sequence[str] = (),
         interventions=None,
         order=None,
+        orders=None,
         temperature: float = 0.0,
         seed: int = 0,
-    ) -> list[str]:
+    ) -> list:
         """The continuation of each prompt (a string, or a list of them), as text:
         `jaxdepth.core.decoding.generate` on this model, greedy by default (`temperature` > 0
         samples, seeded by `seed`), ending at the tokenizer's end-of-sequence token or after
         `max_new_tokens`, and cut before the first of the `stop` strings (the decoding itself
         runs on to its end). `interventions` and `order` (a `jaxdepth.core.structure.LayerOrder`)
         apply to every step. The prompts are right-padded to a `LengthBuckets` length, so
-        batches of similar lengths share one compiled program."""
+        batches of similar lengths share one compiled program.
+
+        `orders` (a list of `LayerOrder`s, instead of `order`) decodes under each of them
+        together, layer-major (`jaxdepth.core.decoding.generate_orders`; one compiled program
+        per list of orders) and returns one list of continuations per order."""
         from jaxdepth.core.batch import make_batch
         from jaxdepth.core.decoding import check_prompt_mask
 
@@ -123,25 +128,34 @@ class Model(ModelWeights):
         tokens, valid = batch.tokens, batch.valid
         check_tokens(tokens, self.config)
         check_prompt_mask(valid, max_new_tokens, self.config)
-        if order is not None:  # inside the jitted call it is traced and can no longer be checked
-            from jaxdepth.core.structure import check_order
-
-            order = check_order(order, self.config.num_layers)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        out = _jit_generate(
-            self.params,
-            jnp.asarray(tokens),
-            self.config,
+        common = dict(
             valid=jnp.asarray(valid),
             max_new_tokens=int(max_new_tokens),
             interventions=interventions,
-            order=order,
             eos_ids=() if eos is None else (int(eos),),
             temperature=float(temperature),
             key=jax.random.PRNGKey(seed) if temperature > 0 else None,
         )
+        if orders is not None:
+            from jaxdepth.core.structure import group_orders, stack_orders
+
+            if order is not None:
+                raise ValueError("give order (one) or orders (several), not both")
+            grouped = group_orders(stack_orders(list(orders)), self.config.num_layers)
+            out = _jit_generate_orders(self.params, jnp.asarray(tokens), self.config, grouped, **common)
+            return [self._texts(rows, counts, eos, stop) for rows, counts in zip(out.tokens, out.lengths)]
+        if order is not None:  # inside the jitted call it is traced and can no longer be checked
+            from jaxdepth.core.structure import check_order
+
+            order = check_order(order, self.config.num_layers)
+        out = _jit_generate(self.params, jnp.asarray(tokens), self.config, order=order, **common)
+        return self._texts(out.tokens, out.lengths, eos, stop)
+
+    def _texts(self, tokens, lengths, eos, stop) -> list[str]:
+        """Each row's new tokens as text, end-of-sequence left out, cut before the first stop."""
         results = []
-        for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+        for row, n in zip(np.asarray(tokens), np.asarray(lengths)):
             kept = [int(t) for t in row[:n] if t != eos]
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
             cut = min([text.find(s) for s in stop if s and s in text], default=len(text))
@@ -170,6 +184,9 @@ def _jit_forward(params, tokens, config, valid, interventions=None):
 
 
 _jit_generate = jit(generate, static_argnames=("config", "max_new_tokens", "eos_ids", "pad_id", "temperature"))
+_jit_generate_orders = jit(
+    generate_orders, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids", "pad_id", "temperature")
+)
 
 
 @partial(jit, static_argnames=("config", "tap"))

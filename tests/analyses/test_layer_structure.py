@@ -15,6 +15,7 @@ from jaxdepth.analyses.layer_structure import (
     structure_analysis,
     structure_figure,
     _answer_scores,
+    generated_answers,
     angular_distances,
     gromov_choice,
     structure_family,
@@ -175,3 +176,42 @@ def test_the_command_line_runs_it_as_a_plugin(tmp_path, capsys):
     assert result.settings["identity"]["structure_max_block"] == 2
     printed = capsys.readouterr().out
     assert "droppable within 1 point" in printed or "no layer droppable" in printed
+
+
+def _words(ids):
+    """A stand-in tokenizer's decode: every token id as a number, so answers read as numbers."""
+    return " ".join(str(i) for i in ids)
+
+
+def test_generated_answers_are_each_structures_own_generation_read():
+    """A prompt whose reference answer is the intact model's own greedy continuation is answered
+    right by the intact model; every structure's verdict is its own generate(order=...) decoded,
+    cut and compared by hand."""
+    from jaxdepth.analyses.answers import cut_generation, same_answer
+    from jaxdepth.core.decoding import generate
+
+    questions = [rng.integers(0, 97, n).tolist() for n in (7, 4)]
+    new = 6
+    asked = make_batch(questions, pad_id=0)  # right-padded, as generate takes prompts
+    tokens, valid = asked.tokens, asked.valid
+    intact = generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=new).tokens
+    # the reference of prompt 0 is the intact continuation; of prompt 1, a token it never emits
+    answers = [np.asarray(intact[0]).tolist(), [int(np.setdiff1d(np.arange(97), np.asarray(intact[1]))[0])]]
+    batch = make_batch([q + a for q, a in zip(questions, answers)], [len(q) for q in questions], pad_id=0)
+    family = [Structure("intact", 0, 0), Structure("drop", 1, 1), Structure("swap", 2, 2)]
+    correct, texts = generated_answers(PARAMS, batch, CONFIG, family, _words, max_new_tokens=new, chunk_size=2)
+    assert correct.shape == (3, 2) and correct[0, 0] and not correct[0, 1]
+    for s, structure in enumerate(family):
+        alone = np.asarray(
+            generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=new, order=structure.order(L)).tokens
+        )
+        for b in range(2):
+            read = cut_generation(_words(alone[b]))
+            assert texts[s][b] == read
+            assert correct[s, b] == same_answer(read, _words(answers[b])), (structure, b)
+    result = structure_analysis(PARAMS, batch, CONFIG, max_block=1, decode=_words, max_new_tokens=new)
+    assert result.generated and result.generated_accuracy()[0] == 0.5
+    from jaxdepth.analyses.layer_structure import ANALYSIS
+
+    assert ANALYSIS.summary(result)[-1] == "generated answers right: 50% intact"
+    assert len(structure_figure(result).axes) >= 4  # a third heatmap: the generated answers

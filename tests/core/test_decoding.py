@@ -6,6 +6,7 @@ the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,9 +16,17 @@ import pytest
 
 from conftest import tiny_config
 from jaxdepth.core import sites
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import generate, generate_orders
 from jaxdepth.core.model import random_params
-from jaxdepth.core.structure import LayerOrder, drop_block, identity_order, stack_orders, swap_pair
+from jaxdepth.core.structure import (
+    LayerOrder,
+    drop_block,
+    group_orders,
+    identity_order,
+    parallel_block,
+    stack_orders,
+    swap_pair,
+)
 
 NEW = 32
 STATIC = ("config", "max_new_tokens", "eos_ids", "pad_id", "temperature")
@@ -170,3 +179,43 @@ def test_model_generate_on_the_embedded_model(smollm2):
     assert broken != texts
     with pytest.raises(ValueError, match="outside 0.."):
         smollm2.generate("hi", order=LayerOrder(np.array([[L]], np.int32), np.ones((1, 1), bool)))
+
+
+def test_layer_major_decoding_is_each_order_alone():
+    """generate_orders gives each order the tokens generate(order=...) gives it: greedy, under an
+    intervention, and sampled (each order drawing with the key it would draw with alone)."""
+    L = CONFIG.num_layers
+    orders = [identity_order(L), drop_block(L, 1, 1), swap_pair(L, 0), drop_block(L, 2, 2), parallel_block(L, 1, 2)]
+    plan = group_orders(stack_orders(orders), L)
+    tokens, valid = batch(PROMPTS)
+    many = jax.jit(generate_orders, static_argnames=("grouped",) + STATIC)
+    steer = sites.add("resid_post", 1, jnp.full(CONFIG.hidden_size, 0.5), jnp.ones(1))
+    key = jax.random.PRNGKey(3)
+    for options in ({}, {"interventions": steer}, {"temperature": 1.0, "key": key}):
+        together = many(PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=NEW, **options)
+        assert together.tokens.shape == (len(orders), len(PROMPTS), NEW)
+        for i, order in enumerate(orders):
+            alone = run(order=order, **options)
+            assert np.array_equal(together.tokens[i], alone.tokens), (i, options)
+            assert np.array_equal(together.lengths[i], alone.lengths), (i, options)
+
+
+def test_layer_major_decoding_stops_each_row_and_refuses_longrope():
+    L = CONFIG.num_layers
+    plan = group_orders(stack_orders([identity_order(L), drop_block(L, 3, 1)]), L)
+    tokens, valid = batch(PROMPTS)
+    eos = int(np.asarray(run().tokens)[0, 4])
+    together = generate_orders(PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=NEW, eos_ids=(eos,))
+    for i, order in enumerate([identity_order(L), drop_block(L, 3, 1)]):
+        alone = run(order=order, eos_ids=(eos,))
+        assert np.array_equal(together.tokens[i], alone.tokens) and np.array_equal(together.lengths[i], alone.lengths)
+    half = CONFIG.rotated_dims // 2
+    longrope = dataclasses.replace(
+        CONFIG,
+        rope_type="longrope",
+        rope_original_max_position=16,
+        rope_short_factor=(1.0,) * half,
+        rope_long_factor=(2.0,) * half,
+    )
+    with pytest.raises(ValueError, match="longrope"):
+        generate_orders(PARAMS, tokens, longrope, plan, valid=valid, max_new_tokens=4)

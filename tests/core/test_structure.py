@@ -12,12 +12,13 @@ import pytest
 
 from conftest import assert_close, tiny_config
 from jaxdepth.core import sites
-from jaxdepth.core.loops import run_layer, run_layers
+from jaxdepth.core.loops import run_grouped_orders, run_layer, run_layers
 from jaxdepth.core.model import embed, random_params
 from jaxdepth.core.structure import (
     LayerOrder,
     describe_order,
     drop_block,
+    group_orders,
     identity_order,
     layer_order,
     parallel_block,
@@ -156,3 +157,63 @@ def test_refusals_of_whole_orders():
         drop_block(L, 0, L)
     with pytest.raises(ValueError, match="from boundary 0"):
         run_layers(PARAMS, embed(PARAMS, TOKENS, CONFIG), CONFIG, start=1, order=identity_order(L))
+
+
+GROUPED_ORDERS = [
+    identity_order(L),
+    drop_block(L, 1, 2),
+    swap_pair(L, 3),
+    parallel_block(L, 2, 2),
+    repeat_block(L, 0, 1, 3),
+    drop_block(L, 4, 1),
+]
+
+
+def test_the_layer_major_plan_by_hand():
+    plan = group_orders(stack_orders(GROUPED_ORDERS[:3]), L)  # identity, drop 1..2, swap 3-4
+    assert plan.num_orders == 3
+    assert plan.steps[0] == ((0, (0, 1, 2)),)
+    assert plan.steps[1] == ((1, (0, 2)), (3, (1,)))  # the drop runs layer 3 at step 1
+    assert plan.steps[2] == ((2, (0, 2)), (4, (1,)))
+    assert plan.steps[3] == ((3, (0,)), (4, (2,)))  # the swap runs layer 4 first; the drop has ended
+    assert plan.applied[3] == (((0, 0),), (), ((1, 0),))  # a padding step leaves the drop as it is
+    assert plan.steps[4] == ((3, (2,)), (4, (0,)))
+    parallel = group_orders(stack_orders([parallel_block(L, 2, 2)]), L)
+    assert parallel.steps[2] == ((2, (0,)), (3, (0,))) and parallel.applied[2] == (((0, 0), (1, 0)),)
+    with pytest.raises(ValueError, match="a stack of orders"):
+        group_orders(identity_order(L), L)
+    with pytest.raises(ValueError, match="outside"):
+        group_orders(stack_orders([identity_order(L + 1)]), L)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one residual shared", "a residual per order"])
+def test_layer_major_orders_are_each_order_alone(shared):
+    """run_grouped_orders equals run_layers(order=...) of each order, residual and taps, whether
+    the orders share their input (a prefill: shared steps computed once) or each has its own."""
+    h0 = embed(PARAMS, TOKENS, CONFIG)
+    plan = group_orders(stack_orders(GROUPED_ORDERS), L)
+    h_in = h0 if shared else jnp.stack([h0 * (1 + 0.1 * c) for c in range(len(GROUPED_ORDERS))])
+    tap = lambda r, _: r.k  # noqa: E731
+    run = jax.jit(lambda h: run_grouped_orders(PARAMS, h, CONFIG, plan, valid=VALID, tap=tap))
+    together, taps = run(h_in)
+    alone = jax.jit(lambda h, o: run_layers(PARAMS, h, CONFIG, valid=VALID, order=o, tap=tap))
+    # a group's matmul holds the rows of several orders: a kernel blocked for more rows may sum
+    # in another order, about 10 ulps of the largest entry after five layers
+    tol = 2 * REL
+    for c, order in enumerate(GROUPED_ORDERS):
+        h, keys = alone(h0 if shared else h_in[c], order)
+        assert_close(np.asarray(together[c]), np.asarray(h), describe_order(order), tol=tol * np.abs(h).max())
+        for n, groups in enumerate(plan.steps):  # order c's keys at step n, from the group of its layer
+            for g, (j, i) in enumerate(plan.applied[n][c]):
+                assert groups[j][0] == int(order.layers[n, g])
+                np.testing.assert_allclose(taps[n][j][i], keys[n, g], rtol=0, atol=tol * np.abs(keys).max())
+
+
+def test_layer_major_refusals():
+    plan = group_orders(stack_orders(GROUPED_ORDERS[:2]), L)
+    h0 = embed(PARAMS, TOKENS, CONFIG)
+    with pytest.raises(ValueError, match="orders=2"):
+        run_grouped_orders(PARAMS, jnp.stack([h0] * 3), CONFIG, plan, valid=VALID)
+    counter = sites.StatefulIntervention(("resid_post",), lambda site, v, i, data, s: (v, s), None, jnp.zeros(()))
+    with pytest.raises(ValueError, match="stateless"):
+        run_grouped_orders(PARAMS, h0, CONFIG, plan, valid=VALID, interventions=counter)

@@ -147,3 +147,39 @@ def test_case_accepts_the_model_as_an_option(tiny, tmp_path):
 def test_case_names_differ_by_prompt_and_answer():
     names = {case_prompt(question=q, answer=a)[1] for q, a in [("1 + 1 = ", "2"), ("1 + 1 = ", "3"), ("2 + 1 = ", "3")]}
     assert len(names) == 3
+
+
+def test_a_case_draws_the_decision_depth_of_each_token_beside_erasure(tiny, tmp_path):
+    """A plugin with a per-token view runs in a case: the decision depth's panel has one column
+    per token that turns at that token's decision depth (computed directly), stacked with erasure."""
+    from jaxdepth.analyses.decision_depth import decision_depth, decision_depth_panel
+    from jaxdepth.lab import plugins
+    from jaxdepth.lab.case_study import case_figure
+    from jaxdepth.lab.registry import ANALYSES
+
+    registered, loaded = dict(ANALYSES), dict(plugins.LOADED)
+    try:
+        args = ["case", tiny, "--prompt", "2 + 3 = ", "--answer", "5", "--out", str(tmp_path)]
+        args += ["--plugin", "jaxdepth.analyses.decision_depth:ANALYSIS", "--analyses", "erasure,decision_depth"]
+        assert main(args) == 0
+        _, name = case_prompt(question="2 + 3 = ", answer="5")
+        folder = tmp_path / "model" / name
+        result = load_result(str(folder / "decision_depth.npz"))
+        assert (folder / "figures" / "case.png").stat().st_size > 5000
+        model = load(tiny)
+        batch = encode(model.tokenizer, [case_prompt(question="2 + 3 = ", answer="5")[0]])
+        expected = decision_depth(model.params, batch, model.config)
+        np.testing.assert_array_equal(result.depth, expected.depth)
+        panel = decision_depth_panel(result, 0)
+        n = int(batch.lengths[0])
+        assert panel.values.shape == (model.config.num_layers + 1, n)
+        for t in range(n):  # each column: 0 below the token's decision depth, 1 from it on
+            column, d = panel.values[:, t], int(expected.depth[0, t])
+            assert column[:d].sum() == 0 and column[d:].min() == 1, t
+        figure = case_figure({"erasure": load_result(str(folder / "erasure.npz")), "decision_depth": result})
+        assert len([ax for ax in figure.axes if ax.get_ylabel()]) >= 2
+    finally:
+        ANALYSES.clear()
+        ANALYSES.update(registered)
+        plugins.LOADED.clear()
+        plugins.LOADED.update(loaded)
