@@ -38,7 +38,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.decoding import generate_orders
 from jaxdepth.core.layer import Params
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import run_grouped_orders
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -53,7 +53,7 @@ from jaxdepth.core.structure import (
 )
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.core.sweep import auto_chunk_size, sweep
+from jaxdepth.core.sweep import available_memory_budget, member_bytes
 from jaxdepth.analyses.suite import Analysis, Settings, option
 
 __all__ = [
@@ -153,38 +153,37 @@ def structure_scores(
     *,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    progress: ProgressLike = False,
 ) -> StructureScores:
     """The teacher-forced scores of each of `structures` (`Structure`s) on `batch` (prompts with
-    their reference answers from `answer_start` on), `chunk_size` structures at a time in one
-    vmapped computation (default: as many as `memory_budget` holds, `auto_chunk_size`; all at
-    once can take many times longer, swapping memory)."""
+    their reference answers from `answer_start` on). Kindred structures run together
+    layer-major (`jaxdepth.core.loops.run_grouped_orders`: the steps they share with each other
+    on the same prompts run once), `chunk_size` at a time at most (default: as many as
+    `memory_budget` holds, `auto_chunk_size`), one compiled program per chunk; `progress`
+    counts the chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to score")
     if (batch.answer_start >= batch.lengths).any():
         raise ValueError("every prompt needs an answer to score: answer_start is past a prompt's end")
-    orders = stack_orders([s.order(config.num_layers) for s in structures])
+    orders = [s.order(config.num_layers) for s in structures]
     B, T = batch.tokens.shape
-    chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
+    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget)
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
     starts = jnp.asarray(batch.answer_start)
-    logprob, token_accuracy, correct = _scored(
-        params, tokens, valid, starts, LayerOrder(*map(jnp.asarray, orders)), config, chunk_size
-    )
-    return StructureScores(
-        structures, np.asarray(logprob), np.asarray(token_accuracy), np.asarray(correct).astype(np.float32)
-    )
+    scores = []
+    for first, last in track(_kindred_chunks(structures, chunk_size), progress, "scoring each structure"):
+        grouped = group_orders(stack_orders(orders[first:last]), config.num_layers)
+        scores.append([np.asarray(a) for a in _scored(params, tokens, valid, starts, config, grouped)])
+    logprob, token_accuracy, correct = (np.concatenate(column) for column in zip(*scores))
+    return StructureScores(structures, logprob, token_accuracy, correct.astype(np.float32))
 
 
-@partial(jit, static_argnames=("config", "chunk_size"))
-def _scored(params, tokens, valid, starts, orders, config, chunk_size):
-    h0 = embed(params, tokens, config)
-
-    def one(order):
-        h, _ = run_layers(params, h0, config, valid=valid, order=order)
-        return _answer_scores(unembed(params, h, config), tokens, valid, starts)
-
-    return sweep(one, orders, chunk_size)
+@partial(jit, static_argnames=("config", "grouped"))
+def _scored(params, tokens, valid, starts, config, grouped):
+    h, _ = run_grouped_orders(params, embed(params, tokens, config), config, grouped, valid=valid)
+    # one structure's logits at a time: all of them at once would be [S, B, T, V]
+    return jax.lax.map(lambda h: _answer_scores(unembed(params, h, config), tokens, valid, starts), h)
 
 
 def generated_answers(
@@ -206,9 +205,10 @@ def generated_answers(
     blank line, or before the first of `stops`), `texts[s][b]`. The model continues each
     prompt's question (its tokens before `answer_start`) for up to `max_new_tokens`, greedily,
     stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
-    reads the reference answer from the prompt's answer tokens. `chunk_size` structures decode
-    together (default: as many as `memory_budget` holds with their key/value caches), one
-    compiled program per chunk; `progress` (`jaxdepth.core.progress`) counts the chunks."""
+    reads the reference answer from the prompt's answer tokens. Structures of one kind and size
+    decode together, `chunk_size` at a time at most (default: as many as `memory_budget` holds
+    with their key/value caches), one compiled program per chunk; `progress`
+    (`jaxdepth.core.progress`) counts the chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to generate under")
@@ -222,13 +222,11 @@ def generated_answers(
     orders = [s.order(config.num_layers) for s in structures]
     steps = max(len(o.layers) for o in orders)
     cache = steps * B * (T + max_new_tokens) * 2 * config.num_kv_heads * config.head_dim * 4
-    chunk_size = chunk_size or auto_chunk_size(
-        config, B * (T + max_new_tokens), len(structures), memory_budget=memory_budget, extra_bytes=cache
-    )
+    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache)
     eos = {int(e) for e in eos_ids}
     correct, texts = np.zeros((len(structures), B), bool), []
-    for first in track(range(0, len(structures), chunk_size), progress, "generating under each structure"):
-        grouped = group_orders(stack_orders(orders[first : first + chunk_size]), config.num_layers)
+    for first, last in track(_kindred_chunks(structures, chunk_size), progress, "generating under each structure"):
+        grouped = group_orders(stack_orders(orders[first:last]), config.num_layers)
         out = _generated(
             params, jnp.asarray(batch.tokens), config, grouped, max_new_tokens, jnp.asarray(questions), tuple(eos)
         )
@@ -240,6 +238,33 @@ def generated_answers(
             correct[s] = [same_answer(text, reference) for text, reference in zip(read, references)]
             texts.append(read)
     return correct, texts
+
+
+def _chunk_size(config: ModelConfig, B: int, T: int, count: int, memory_budget, extra_bytes: int = 0) -> int:
+    """How many structures a layer-major chunk holds in `memory_budget` (default: the sweeps'
+    share of free memory): each keeps its residual and, while a layer runs, that layer's
+    activations of its B prompts of T tokens (`member_bytes` of one prompt, less the output
+    distribution, which is read one structure at a time), and `extra_bytes` more."""
+    budget = available_memory_budget() if memory_budget is None else memory_budget
+    one_prompt = member_bytes(config, T) - 3 * T * config.vocab_size * 4
+    return int(np.clip(budget // (B * one_prompt + extra_bytes), 1, max(count, 1)))
+
+
+def _kindred_chunks(structures, chunk_size: int) -> list[tuple[int, int]]:
+    """`[first, last)` runs of consecutive kindred structures, at most `chunk_size` each: the
+    drops of one size (the intact model with the single drops), or the structures of one other
+    kind. A chunk runs layer-major, and its compiled program grows with the distinct layers its
+    orders run at a step: two for the drops of one size, where drops of every size run K + 1."""
+
+    def kin(s):
+        return ("drop", 1) if s.kind == "intact" else ("drop", s.size) if s.kind == "drop" else (s.kind,)
+
+    chunks, first = [], 0
+    for i in range(1, len(structures) + 1):
+        if i == len(structures) or kin(structures[i]) != kin(structures[first]) or i - first == chunk_size:
+            chunks.append((first, i))
+            first = i
+    return chunks
 
 
 @partial(jit, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids"))
@@ -358,7 +383,9 @@ def structure_analysis(
     with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
     tokenizer's, is needed)."""
     family = structure_family(config.num_layers, max_block)
-    scores = structure_scores(params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget)
+    scores = structure_scores(
+        params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
+    )
     correct, texts = np.zeros((len(family), 0), bool), []
     if max_new_tokens > 0:
         if decode is None:

@@ -215,3 +215,18 @@ def test_generated_answers_are_each_structures_own_generation_read():
 
     assert ANALYSIS.summary(result)[-1] == "generated answers right: 50% intact"
     assert len(structure_figure(result).axes) >= 4  # a third heatmap: the generated answers
+
+
+def test_generation_chunks_hold_one_kind_and_size():
+    from jaxdepth.analyses.layer_structure import _kindred_chunks
+
+    family = structure_family(L, 2)  # intact; 5 + 4 drops; 4 swaps; reverse, repeat, parallel of 2
+    family.insert(15, Structure("reverse", 1, 3))  # beside the reverse of 2: one kind, one chunk
+    chunks = _kindred_chunks(family, 3)
+    assert chunks[:4] == [(0, 3), (3, 6), (6, 9), (9, 10)]  # the intact model with the single drops
+    assert [b - a for a, b in chunks] == [3, 3, 3, 1, 3, 1, 2, 1, 1]
+    for a, b in chunks:
+        kinds = {
+            ("drop", 1) if s.kind == "intact" else (s.kind, s.size if s.kind == "drop" else 0) for s in family[a:b]
+        }
+        assert len(kinds) == 1
