@@ -38,7 +38,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.decoding import generate_orders
 from jaxdepth.core.layer import Params
-from jaxdepth.core.loops import run_grouped_orders
+from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -53,7 +53,7 @@ from jaxdepth.core.structure import (
 )
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.core.sweep import available_memory_budget, member_bytes
+from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, member_bytes, sweep
 from jaxdepth.analyses.suite import Analysis, Settings, option
 
 __all__ = [
@@ -153,37 +153,38 @@ def structure_scores(
     *,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
-    progress: ProgressLike = False,
 ) -> StructureScores:
     """The teacher-forced scores of each of `structures` (`Structure`s) on `batch` (prompts with
-    their reference answers from `answer_start` on). Kindred structures run together
-    layer-major (`jaxdepth.core.loops.run_grouped_orders`: the steps they share with each other
-    on the same prompts run once), `chunk_size` at a time at most (default: as many as
-    `memory_budget` holds, `auto_chunk_size`), one compiled program per chunk; `progress`
-    counts the chunks."""
+    their reference answers from `answer_start` on), `chunk_size` structures at a time in one
+    vmapped computation (default: as many as `memory_budget` holds, `auto_chunk_size`; all at
+    once can take many times longer, swapping memory)."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to score")
     if (batch.answer_start >= batch.lengths).any():
         raise ValueError("every prompt needs an answer to score: answer_start is past a prompt's end")
-    orders = [s.order(config.num_layers) for s in structures]
+    orders = stack_orders([s.order(config.num_layers) for s in structures])
     B, T = batch.tokens.shape
-    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget)
+    chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
     starts = jnp.asarray(batch.answer_start)
-    scores = []
-    for first, last in track(_kindred_chunks(structures, chunk_size), progress, "scoring each structure"):
-        grouped = group_orders(stack_orders(orders[first:last]), config.num_layers)
-        scores.append([np.asarray(a) for a in _scored(params, tokens, valid, starts, config, grouped)])
-    logprob, token_accuracy, correct = (np.concatenate(column) for column in zip(*scores))
-    return StructureScores(structures, logprob, token_accuracy, correct.astype(np.float32))
+    logprob, token_accuracy, correct = _scored(
+        params, tokens, valid, starts, LayerOrder(*map(jnp.asarray, orders)), config, chunk_size
+    )
+    return StructureScores(
+        structures, np.asarray(logprob), np.asarray(token_accuracy), np.asarray(correct).astype(np.float32)
+    )
 
 
-@partial(jit, static_argnames=("config", "grouped"))
-def _scored(params, tokens, valid, starts, config, grouped):
-    h, _ = run_grouped_orders(params, embed(params, tokens, config), config, grouped, valid=valid)
-    # one structure's logits at a time: all of them at once would be [S, B, T, V]
-    return jax.lax.map(lambda h: _answer_scores(unembed(params, h, config), tokens, valid, starts), h)
+@partial(jit, static_argnames=("config", "chunk_size"))
+def _scored(params, tokens, valid, starts, orders, config, chunk_size):
+    h0 = embed(params, tokens, config)
+
+    def one(order):
+        h, _ = run_layers(params, h0, config, valid=valid, order=order)
+        return _answer_scores(unembed(params, h, config), tokens, valid, starts)
+
+    return sweep(one, orders, chunk_size)
 
 
 def generated_answers(
@@ -383,9 +384,7 @@ def structure_analysis(
     with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
     tokenizer's, is needed)."""
     family = structure_family(config.num_layers, max_block)
-    scores = structure_scores(
-        params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
-    )
+    scores = structure_scores(params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget)
     correct, texts = np.zeros((len(family), 0), bool), []
     if max_new_tokens > 0:
         if decode is None:
