@@ -148,7 +148,7 @@ def generate(
         return jax.lax.cond(jnp.any(crossing), refill, lambda _: (h, cache), None)
 
     after_step = refill_where_long_factors_begin if config.rope_type == "longrope" else None
-    return _decode(params, tokens, config, valid, decoding, prefill, step, after_step=after_step)
+    return _decode(params, tokens, config, valid, lengths, decoding, prefill, step, after_step=after_step)
 
 
 def generate_orders(
@@ -179,7 +179,7 @@ def generate_orders(
     if config.rope_type == "longrope":
         raise ValueError("generate_orders does not refill longrope's long factors: vmap generate over the orders")
     decoding = _Decoding(max_new_tokens, tuple(eos_ids), pad_id, temperature, key)
-    ivs, valid, _ = _prepared(tokens, config, valid, interventions, decoding)
+    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, decoding)
     if grouped.num_orders < 1:
         raise ValueError("no orders to decode")
 
@@ -195,7 +195,9 @@ def generate_orders(
             params, x, config, grouped, interventions=ivs, context=context, prefix=prefix, tap=_read_key_values
         )
 
-    return _decode(params, tokens, config, valid, decoding, prefill, step, orders=grouped.num_orders, buffered=True)
+    return _decode(
+        params, tokens, config, valid, lengths, decoding, prefill, step, orders=grouped.num_orders, buffered=True
+    )
 
 
 class _Decoding(NamedTuple):
@@ -234,6 +236,7 @@ def _decode(
     tokens,
     config: ModelConfig,
     valid,
+    lengths,
     decoding: _Decoding,
     prefill,
     step,
@@ -242,7 +245,8 @@ def _decode(
     after_step=None,
     buffered: bool = False,
 ) -> Generated:
-    """The decoding loop of `generate` and `generate_orders`: `prefill(h0)` gives the prompt's
+    """The decoding loop of `generate` and `generate_orders` on prompts of `lengths` (their
+    `valid` tokens, `_prepared`): `prefill(h0)` gives the prompt's
     last boundary and the key/value cache; `step(x, context, cache, at)` runs one new token per
     prompt (at positions `at`) and writes its keys and values into the cache (`buffered`: the
     step writes them before the token attends, `KeyValueBuffer`s, whose mask is
@@ -251,7 +255,6 @@ def _decode(
     max_new_tokens, eos_ids, pad_id, temperature, key = decoding
     B = tokens.shape[0]
     rows = jnp.arange(B)
-    lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
     eos = jnp.asarray(tuple(eos_ids) or (-1,), jnp.int32)  # -1 is no token: nothing ends a row
     per_order = (lambda f: f) if orders is None else jax.vmap
     keyed = lambda n: None if temperature == 0 else jax.random.fold_in(key, n)  # noqa: E731
