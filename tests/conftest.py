@@ -33,16 +33,20 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# One persistent compilation cache per test process, shared with the command-line runs that its
-# tests start in other processes (they would otherwise compile the same programs again), and
-# removed at the end. Each `pytest -n` worker has its own. (One cache shared by both workers ran
-# the test command in 940 s, but its run crashed a worker, as a later run with a cache each did:
-# the kernel's limit on memory maps, see `_release_compiled_programs`. Sharing it again is to be
-# measured with that fixed.) A cache the caller configured is used as it is.
-if jax.config.jax_compilation_cache_dir in (None, "", os.environ.get("JAXDEPTH_TESTS_XLA_CACHE")):
+# One persistent compilation cache for the whole test run: made by the first pytest process,
+# shared by its `pytest -n` workers and by the command-line runs that tests start in other
+# processes (each would otherwise compile the same programs again: the docs, the cookbook and the
+# command-line tests run the embedded model's programs in both workers), and removed at the end.
+# Two processes may write one entry at once; JAX writes an entry in one call and reads it
+# compressed, so a reader that catches a half-written entry fails to decompress it, warns and
+# compiles (it never loads a partial program). A cache the caller configured is used as it is.
+_inherited = os.environ.get("JAXDEPTH_TESTS_XLA_CACHE")
+if _inherited and jax.config.jax_compilation_cache_dir == _inherited:
+    pass  # a worker (or a process a test started) of a run whose first process made the cache
+elif jax.config.jax_compilation_cache_dir in (None, ""):
     _XLA_CACHE = tempfile.mkdtemp(prefix="jaxdepth-tests-xla-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-    # the second name tells a worker process that the inherited cache is a test cache, not the caller's
+    # the second name tells a later process that the inherited cache is the run's, not the caller's
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXDEPTH_TESTS_XLA_CACHE"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
