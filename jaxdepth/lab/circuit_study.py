@@ -39,6 +39,7 @@ from jaxdepth.analyses.edges import (
     ranked_edges,
 )
 from jaxdepth.analyses.edges.selection import SEARCHES
+from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, rule_of
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.core.saved_result import SavedResult
@@ -98,7 +99,9 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     start = time.perf_counter()
 
     def score():
-        return edge_attribution(p, pairs, c, logit_difference, **_score_options(settings), progress=True)
+        return edge_attribution(
+            p, pairs, c, logit_difference, **_score_options(settings), execution=Execution(progress=True)
+        )
 
     scores = produce(Step(file="edge_scores.npz", result_type=EdgeScores, identity=identity, run=score), folder)
     print(f"edge scores ({args.method}) {_took(start, scores.reused)}", flush=True)

@@ -33,18 +33,25 @@ def pairs():
     return prompt_pairs(*make_pairs())
 
 
+def made_linear(params, monkeypatch):
+    """`(params, config)` of the model made linear in every reader's input (for the test):
+    no normalization, a linear MLP, and input-independent attention (zero query and key
+    weights: each position averages the values before it)."""
+    linear = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
+    for module in (core_layer, core_model):  # the layer's norms and the final one
+        monkeypatch.setattr(module, "norm", lambda x, w, config, bias=None: x * w)
+    monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x, config: x @ p["up"])
+    layers = dict(params["layers"], q=0 * params["layers"]["q"], k=0 * params["layers"]["k"])
+    return dict(params, layers=layers), linear
+
+
 def test_on_a_linear_model_eap_is_exact_patching(params, monkeypatch):
     """No normalization, a linear MLP and input-independent attention (zero query and key
     weights: each position averages the values before it) make F linear in every reader's
     input: each edge's score equals its exact patching effect, and patching several edges into
     one reader removes the sum of their scores. (Not so for edges in series: patching u -> v
     replaces u's output as v reads it, including what an edge patched upstream of u changed.)"""
-    linear = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
-    for module in (core_layer, core_model):  # the layer's norms and the final one
-        monkeypatch.setattr(module, "norm", lambda x, w, config, bias=None: x * w)
-    monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x, config: x @ p["up"])
-    layers = dict(params["layers"], q=0 * params["layers"]["q"], k=0 * params["layers"]["k"])
-    flat = dict(params, layers=layers)
+    flat, linear = made_linear(params, monkeypatch)
     pairs = prompt_pairs(*make_pairs())
     scores = edge_attribution(flat, pairs, linear, logit_difference)
     edges = ranked_edges(scores.mean, GRAPH)

@@ -8,18 +8,29 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
   writers (`edge_run`);
 - `pairs`: clean/corrupt prompt pairs from token ids (`prompt_pairs`), texts (`text_pairs`) or a
   JSON Lines file (`read_pairs`), and metrics (`logit_difference`);
+- `ablations`: what an ablated edge carries: the corrupt run's values (the default), zero, or
+  means over a prompt set (`mean_ablation`, per token or per position);
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
 - `patching`: exact patching of edges one at a time or in sets (`edge_effects`,
   `patched_metric`, `circuit_metric`, `faithfulness`);
 - `selection`: the order in which circuits take edges (by score, or grown greedily from the
   logits) and which of a circuit's edges are live (`live_edges`);
-- `circuit`: circuits from scores (`find_circuit`) and their figures.
+- `circuit`: circuits from scores (`find_circuit`) and their figures (`position_figure`: edges
+  over the prompt's positions, from per-position scores).
 
 The definitions (signs, which run each gradient comes from, what is patched) are in
 `docs/circuits.md`.
 """
 
-from jaxdepth.analyses.edges.circuit import Circuit, circuit_figure, faithfulness_figure, find_circuit, top_circuits
+from jaxdepth.analyses.edges.ablations import ABLATIONS, CORRUPT, ZERO, Ablation, mean_ablation
+from jaxdepth.analyses.edges.circuit import (
+    Circuit,
+    circuit_figure,
+    faithfulness_figure,
+    find_circuit,
+    position_figure,
+    top_circuits,
+)
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import (
     PromptPairs,
@@ -44,6 +55,11 @@ __all__ = [
     "move_reader",
     "patch_edges",
     "shift_node",
+    "Ablation",
+    "ABLATIONS",
+    "CORRUPT",
+    "ZERO",
+    "mean_ablation",
     "PromptPairs",
     "prompt_pairs",
     "TaskPairs",
@@ -69,4 +85,5 @@ __all__ = [
     "top_circuits",
     "circuit_figure",
     "faithfulness_figure",
+    "position_figure",
 ]

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxdepth.analyses.edges.ablations import as_ablation
 from jaxdepth.analyses.edges.graph import READER_KINDS, EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs
 from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness
-from jaxdepth.analyses.edges.scores import EdgeScores
+from jaxdepth.analyses.edges.scores import EdgeScores, ranked_edges
 from jaxdepth.analyses.edges.selection import live_edges, ordered_edges
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.saved_result import SavedResult
@@ -39,6 +40,7 @@ __all__ = [
     "top_circuits",
     "circuit_figure",
     "faithfulness_figure",
+    "position_figure",
 ]
 
 
@@ -123,6 +125,7 @@ def find_circuit(
     chunk_size: Optional[int] = None,
     interventions=None,
     search: str = "top",
+    ablation=None,
 ) -> Circuit:
     """A circuit of the first edges in the order of `search` ('top': by `scores`, an
     `EdgeScores` of these pairs; 'greedy': grown from the logits, module docstring): the first
@@ -130,7 +133,9 @@ def find_circuit(
     reaches `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at
     once.
     `interventions` act on every run, as in the `scores` (`edge_attribution(...,
-    interventions=...)`).
+    interventions=...)`), and the edges outside the circuit carry `ablation`'s values, the
+    ablation the scores were computed under (`jaxdepth.analyses.edges.ablations`; None: the
+    corrupt run's; scores of another kind of ablation are refused).
 
     A ValueError, before anything is computed, when neither or both of `size` and `target` are
     given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
@@ -143,6 +148,12 @@ def find_circuit(
     graph = EdgeGraph.of(config)
     if scores.graph != graph:
         raise ValueError(f"the scores are of another model's graph ({scores.graph}; this model's: {graph})")
+    ablation = as_ablation(ablation)
+    if scores.ablation != ablation.kind:  # F(empty circuit) is `scores.f_corrupt`: of the scores' ablation
+        raise ValueError(
+            f"the scores were computed under a {scores.ablation!r} ablation and the circuit would patch under a "
+            f"{ablation.kind!r} one: pass the scores' ablation (faithfulness divides by their F(clean) - F(ablated))"
+        )
     taken = ordered_edges(scores.mean, graph, by, search)  # checks `by` and `search` before any work
     total = graph.num_edges
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
@@ -161,6 +172,7 @@ def find_circuit(
             [_first(taken, n, graph) for n in ns],
             chunk_size=chunk_size,
             interventions=interventions,
+            ablation=ablation,
         ),
         scores.f_clean,
         scores.f_corrupt,
@@ -358,4 +370,43 @@ def faithfulness_figure(circuit: Circuit, *, title: Optional[str] = None) -> Fig
     ax.set_ylabel("faithfulness")
     ax.legend(frameon=False)
     ax.set_title(title or f"Faithfulness of the first-n circuits ({circuit.search}; exact patching)")
+    return fig
+
+
+def position_figure(
+    scores: EdgeScores,
+    *,
+    edges=None,
+    k: int = 30,
+    labels: Optional[Sequence[str]] = None,
+    title: Optional[str] = None,
+) -> Figure:
+    """A circuit laid out over the prompt's positions: one row per edge (`edges`: a `Circuit`,
+    edge names or `(writer, reader)` pairs; default the `k` edges of largest mean |score|), one
+    column per position, each cell the edge's mean score at that position over the pairs
+    (`EdgeScores.position_scores`; red raises F, blue lowers it, one scale for all). `labels`:
+    the positions' tokens as text (default their indices)."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(scores, EdgeScores, "position_figure")
+    graph, positions = scores.graph, scores._positions().mean(axis=0)  # [W, R, T]
+    if edges is None:
+        rows = ranked_edges(scores.mean, graph)[:k]
+    elif isinstance(edges, Circuit):
+        rows = edges.edges[:k]
+    else:
+        rows = np.array([graph.edge_index(e) if isinstance(e, str) else tuple(e) for e in edges]).reshape(-1, 2)
+    T = positions.shape[-1]
+    if labels is not None and len(labels) != T:
+        raise ValueError(f"labels must name the {T} positions, got {len(labels)}")
+    cells = positions[rows[:, 0], rows[:, 1]]  # [n, T]
+    fig = d.new_figure(max(5.0, 1.5 + 0.35 * T), max(3.0, 1.0 + 0.22 * len(rows)))
+    ax = fig.add_subplot()
+    limit = float(np.max(np.abs(cells))) or 1.0
+    image = ax.imshow(cells, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(len(rows)), [graph.edge_name(w, r) for w, r in rows], fontsize=7)
+    ax.set_xticks(range(T), list(labels) if labels is not None else [str(t) for t in range(T)], rotation=90, fontsize=7)
+    ax.set_xlabel("position")
+    fig.colorbar(image, ax=ax, label="mean score at the position")
+    ax.set_title(title or f"{len(rows)} edges over the prompt's positions ({scores.method})")
     return fig

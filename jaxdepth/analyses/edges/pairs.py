@@ -91,19 +91,26 @@ class PromptPairs:
             raise ValueError("; ".join(f"pair {i}: token {labels[i, 0]}" for i in same) + f": {SHARED_ANSWER_TOKEN}")
 
 
-def prompt_pairs(clean, corrupt, labels=None) -> PromptPairs:
+def prompt_pairs(clean, corrupt=None, labels=None) -> PromptPairs:
     """Pairs from token ids: `clean` and `corrupt` are sequences of B token lists (or int arrays
     `[B, T]`, all positions real); the clean and corrupt prompt of each pair must have the same
     length (edge scores compare activations position by position). Shorter pairs are
     right-padded with token 0. `labels`: what the metric reads besides the logits, one row
-    per pair (e.g. `[B, 2]` token ids for `logit_difference`)."""
-    clean, corrupt = _token_lists(clean, "clean"), _token_lists(corrupt, "corrupt")
+    per pair (e.g. `[B, 2]` token ids for `logit_difference`). `corrupt` None: clean prompts
+    only, for ablations that need no corrupt run (`jaxdepth.analyses.edges.ablations`: zero,
+    mean); the corrupt ablation refuses them."""
+    clean = _token_lists(clean, "clean")
+    single = corrupt is None
+    corrupt = [list(c) for c in clean] if single else _token_lists(corrupt, "corrupt")
     if len(clean) != len(corrupt):
         raise ValueError(f"{len(clean)} clean prompts but {len(corrupt)} corrupt ones: give one of each per pair")
     if not clean:
         raise ValueError("no prompt pairs")
     for i, (a, b) in enumerate(zip(clean, corrupt)):
-        _check_pair(f"pair {i}", a, b)
+        if single and not a:
+            raise ValueError(f"prompt {i} is empty")
+        if not single:
+            _check_pair(f"pair {i}", a, b)
     T = max(len(a) for a in clean)
     lengths = np.array([len(a) for a in clean])
     pad = lambda rows: np.array([list(r) + [0] * (T - len(r)) for r in rows], np.int32)

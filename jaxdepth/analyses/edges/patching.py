@@ -28,11 +28,11 @@ import numpy as np
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
-from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patch_edges
+from jaxdepth.analyses.edges.ablations import as_ablation
+from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patched_sets
 from jaxdepth.analyses.edges.scores import pair_runs, suffix_run
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import embed
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import available_memory_budget, member_bytes
@@ -49,34 +49,19 @@ MAX_CHUNK = 16
 
 @partial(jit, static_argnames=("config", "metric"))
 def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, delta, interventions, *, config, metric):
-    """F `[c, B]` with edge (writers[i], readers[i]) of `edges = (writers, readers)` patched,
-    for edges whose readers lie in layer `start` or later (the run starts from the clean
-    layer input `h_start` there)."""
+    """F `[c, B]` with edge (writers[i], readers[i]) of `edges = (writers, readers, at)` patched
+    at the positions `at[i]` (`[c, T]` bool, positions after the shared prefix), for edges whose
+    readers lie in layer `start` or later (the run starts from the clean layer input `h_start`
+    there)."""
 
-    writers, readers = edges
     graph = EdgeGraph.of(config)
 
-    def one(w, r):
-        ivs = (interventions, move_reader(graph, r, delta[w]))
+    def one(w, r, at):
+        ivs = (interventions, move_reader(graph, r, delta[w] * at[None, :, None].astype(delta.dtype)))
         run = edge_run(params, h_start, pairs.valid, pairs.last, config, start=start, interventions=ivs, prefix=prefix)
         return metric_values(metric, run.logits, pairs.labels)
 
-    return jax.vmap(one)(writers, readers)
-
-
-@partial(jit, static_argnames=("config", "metric"))
-def _edge_sets(params, pairs: PromptPairs, prefix, masks, corrupt_writers, interventions, config, metric):
-    """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once."""
-    P = 0 if prefix is None else prefix[0].shape[2]
-    h0 = embed(params, pairs.clean[:, P:], config, offset=P)
-    graph = EdgeGraph.of(config)
-
-    def one(mask):
-        ivs = (interventions, patch_edges(graph, mask, corrupt_writers, h0))
-        run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
-        return metric_values(metric, run.logits, pairs.labels)
-
-    return jax.vmap(one)(masks)
+    return jax.vmap(one)(*edges)
 
 
 def edge_effects(
@@ -86,21 +71,37 @@ def edge_effects(
     metric: Callable,
     edges,
     *,
+    positions=None,
+    ablation=None,
     chunk_size: Optional[int] = None,
     interventions=None,
     progress: ProgressLike = False,
 ) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with edge i alone patched), per pair, for each of `edges`
     (names, `(writer, reader)` pairs, or an `[n, 2]` array as `ranked_edges` gives).
+    `positions`: None (each edge patched at every position), or one position per edge (counted
+    over all positions, as `EdgeScores.position_scores` and `top_positions` count them): edge i
+    patched at `positions[i]` alone, what its per-position score estimates (an effect before
+    the pairs' shared prefix ends, or past a pair's last position, is 0 up to rounding).
+    `ablation`: what a patched edge carries (`jaxdepth.analyses.edges.ablations`; None: the
+    corrupt run's values).
     Edges run `chunk_size` at a time (vmapped), sorted by their readers' layers, each chunk from
     the layer of its first reader on."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     edges = _edge_indices(edges, graph)
+    T = pairs.clean.shape[1]
+    if positions is not None:
+        positions = np.asarray(positions)
+        if positions.shape != (len(edges),) or not np.issubdtype(positions.dtype, np.integer):
+            raise ValueError(f"positions must be one integer position per edge ({len(edges)}), got {positions!r}")
+        if np.any((positions < 0) | (positions >= T)):
+            raise ValueError(f"positions must lie in 0..{T - 1} (the pairs' {T} positions), got {positions.tolist()}")
+    ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions)
-    delta = (corrupt.writers - clean.writers)[:, :, P:]
+    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    delta = (ablation.writers(graph, pairs, corrupt, config.hidden_size) - clean.writers)[:, :, P:]
     f_clean = metric_values(metric, clean.logits, pairs.labels)
     chunk = min(chunk_size or _chunk(config, pairs, P), len(edges))
     # Sorted by their readers' layers, the edges run in chunks that start at their first
@@ -110,10 +111,20 @@ def edge_effects(
     for part in track(np.array_split(order, -(-len(order) // chunk)), progress, "exact edge patching (chunks)"):
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
         w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
+        at = np.ones((len(padded), T - P), bool) if positions is None else np.arange(P, T) == positions[padded, None]
         layer = graph.reader_layer(edges[part[0], 1])
         h = clean.residuals[layer][:, P:]
         f = _single_edges(
-            params, pairs, prefix, jnp.int32(layer), h, (w, r), delta, interventions, config=config, metric=metric
+            params,
+            pairs,
+            prefix,
+            jnp.int32(layer),
+            h,
+            (w, r, jnp.asarray(at)),
+            delta,
+            interventions,
+            config=config,
+            metric=metric,
         )
         out[part] = to_host(f_clean[None] - f)[: len(part)]
     return out
@@ -126,32 +137,37 @@ def patched_metric(
     metric: Callable,
     edge_sets,
     *,
+    ablation=None,
     chunk_size: Optional[int] = None,
     interventions=None,
     progress: ProgressLike = False,
 ) -> np.ndarray:
     """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
-    index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array)."""
+    index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array), each patched edge
+    carrying `ablation`'s values (None: the corrupt run's)."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
+    ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions)
-    writers = corrupt.writers[:, :, P:]
+    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
+    writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]
     chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
     out = np.zeros((len(masks), len(pairs)), np.float32)
     for start in track(range(0, len(masks), chunk), progress, "exact patching of edge sets (chunks)"):
         part = masks[start : start + chunk]
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        f = _edge_sets(params, pairs, prefix, jnp.asarray(padded), writers, interventions, config, metric)
+        f = patched_sets(params, pairs, prefix, jnp.asarray(padded), writers, interventions, config, metric)
         out[start : start + len(part)] = to_host(f)[: len(part)]
     return out
 
 
 def circuit_metric(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, circuits, **kwargs) -> np.ndarray:
     """`[n, B]`: F with every edge outside circuit i patched (each circuit: edge names, index
-    pairs or a `[W, R]` bool mask of the edges kept clean). `kwargs` as `patched_metric`."""
+    pairs or a `[W, R]` bool mask of the edges kept clean). `kwargs` as `patched_metric`
+    (`ablation`: what the patched edges carry)."""
     graph = EdgeGraph.of(config)
     complements = [graph.edge_mask & ~graph.edges_mask(c) for c in circuits]
     return patched_metric(params, pairs, config, metric, complements, **kwargs)

@@ -32,6 +32,7 @@ over heads' results add in another order).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 import jax
@@ -39,11 +40,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
 from jaxdepth.core import sites
+from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord, Params
 from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import unembed
+from jaxdepth.core.model import embed, unembed
 
 __all__ = [
     "reader_probes",
@@ -51,6 +54,7 @@ __all__ = [
     "move_reader",
     "shift_node",
     "patch_edges",
+    "patched_sets",
     "check_interventions",
     "edge_run",
     "EdgeRun",
@@ -202,6 +206,22 @@ def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"]
     return sites.StatefulIntervention(
         ("resid_pre",) + HEAD_INPUTS + (attention_site(graph), "mlp_in", "mlp_out"), _PatchEdges(graph), mask, missing
     )
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def patched_sets(params, pairs: PromptPairs, prefix, masks, ablated_writers, interventions, config, metric):
+    """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once: carrying
+    `ablated_writers [W, B, S, D]` (the S positions after the shared `prefix`)."""
+    P = 0 if prefix is None else prefix[0].shape[2]
+    h0 = embed(params, pairs.clean[:, P:], config, offset=P)
+    graph = EdgeGraph.of(config)
+
+    def one(mask):
+        ivs = (interventions, patch_edges(graph, mask, ablated_writers, h0))
+        run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
+        return metric_values(metric, run.logits, pairs.labels)
+
+    return jax.vmap(one)(masks)
 
 
 # Sites whose value is a sum of writers' outputs, not a writer's: an edit there would reach the

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdepth.analyses.edges.ablations import CORRUPT, as_ablation
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
 from jaxdepth.analyses.edges.readers import (
@@ -44,27 +45,30 @@ from jaxdepth.analyses.edges.readers import (
     check_interventions,
     edge_run,
     logits_at,
+    patched_sets,
     probe_readers,
     reader_probes,
     shift_node,
 )
 from jaxdepth.analyses.ig import rules
+from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import clean_key_values, run_layers
 from jaxdepth.core.model import embed
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
-from jaxdepth.core.sweep import auto_chunk_size, sweep, weighted_sum
+from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep, weighted_sum
 
 __all__ = [
     "edge_attribution",
     "EdgeScores",
     "ranked_edges",
     "edge_scores",
+    "position_scores",
     "input_paths",
     "node_paths",
     "METHODS",
@@ -85,7 +89,11 @@ class EdgeScores(SavedResult):
     prompts (`f_clean`, `f_corrupt [B]`), and for the integrated methods the gradient
     `evaluations [B]` spent per pair, the adaptive rule's certified `bound` and `converged`
     (`[B]`; NaN and False for the fixed rules). `method`, `rule` (for EAP 'clean': the clean
-    run's gradient), `steps` and `tolerance` say how they were computed."""
+    run's gradient), `steps`, `tolerance` and `ablation` say how they were computed; under an
+    ablation other than 'corrupt', `f_corrupt` is F with every edge ablated. `position_scores
+    [B, W, R, T]` (with `edge_attribution(..., per_position=True)`, else None): each edge's
+    score at each position, summing over positions to `scores` (exact zeros before the pairs'
+    shared prefix ends and after a pair's last position, where F reads nothing)."""
 
     scores: np.ndarray
     f_clean: np.ndarray
@@ -101,11 +109,38 @@ class EdgeScores(SavedResult):
     tolerance: Optional[float] = None
     parallel: bool = False  # the model's MLPs read their layer's input (`EdgeGraph.parallel`)
     post_norms: bool = False  # a layer's attention is one writer (`EdgeGraph.post_norms`)
+    position_scores: Optional[np.ndarray] = None  # [B, W, R, T] with `per_position`, else None
+    ablation: str = "corrupt"  # what the clean run was measured against (`ablations.ABLATIONS`)
 
     @property
     def graph(self) -> EdgeGraph:
         """The graph of the model the scores are of."""
         return EdgeGraph.of_result(self)
+
+    def at_positions(self, edge: str) -> np.ndarray:
+        """`[B, T]`: the edge named `edge`'s score at each position (`per_position` scores)."""
+        w, r = self.graph.edge_index(edge)
+        return self._positions()[:, w, r]
+
+    def top_positions(self, k: int, by: str = "abs") -> list[tuple[str, int, float]]:
+        """The `k` (edge, position) pairs of largest mean score over the pairs (`by` as `top`),
+        as `(name, position, mean score)`: where along the prompt each edge carries the task."""
+        if by not in ("abs", "value"):
+            raise ValueError(f"by must be 'abs' or 'value', got {by!r}")
+        mean = self._positions().mean(axis=0)
+        key = np.where(self.graph.edge_mask[..., None], np.abs(mean) if by == "abs" else mean, -np.inf)
+        best = np.argsort(-key, axis=None, kind="stable")[: min(k, int(self.graph.edge_mask.sum()) * mean.shape[-1])]
+        return [
+            (self.graph.edge_name(w, r), int(t), float(mean[w, r, t]))
+            for w, r, t in zip(*np.unravel_index(best, mean.shape))
+        ]
+
+    def _positions(self) -> np.ndarray:
+        if self.position_scores is None:
+            raise ValueError(
+                "these scores hold no positions: compute them with edge_attribution(..., per_position=True)"
+            )
+        return self.position_scores
 
     @property
     def mean(self) -> np.ndarray:
@@ -217,14 +252,15 @@ def _prefix_key_values(params, residuals, valid, config: ModelConfig, length: in
     return keys[:, :, :length], values[:, :, :length]
 
 
-def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, interventions=None):
+def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, interventions=None, ablation=CORRUPT):
     """`(P, prefix)`: the positions every pair shares (`PromptPairs.shared_prefix`) and the clean
     run's keys and values there (`run_layers`' `prefix`; None when P is 0). Every edge's
     activation difference is zero before P, so scores and patching need only positions P..:
     one computation for the prefix instead of one per gradient or patched run. Under
     `interventions` P is 0: their data covers every position, and the keys of a layer under
-    them are not read off its input alone."""
-    P = 0 if as_interventions(interventions) else pairs.shared_prefix()
+    them are not read off its input alone. Under an `ablation` other than the corrupt run's, P
+    is 0: the ablated values differ from the clean ones everywhere."""
+    P = 0 if as_interventions(interventions) or ablation.kind != "corrupt" else pairs.shared_prefix()
     if P == 0:
         return 0, None
     return P, _prefix_key_values(params, clean.residuals, pairs.valid, config, P)
@@ -238,19 +274,43 @@ def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, met
     return _reader_gradient(params, e_clean, pairs, config, metric, (), prefix, interventions)
 
 
-@jit
-def edge_scores(delta, gradients: dict, edge_mask):
+@partial(jit, static_argnames="per_position")
+def edge_scores(delta, gradients: dict, edge_mask, per_position: bool = False):
     """`[B, W, R]`: `delta[w] . gradients[r]` summed over positions and channels, for every
     writer w (`delta [W, B, T, D]`) and reader r (`gradients` as `reader_probes`; stacked in
-    the graph's reader order), zero where `edge_mask` has no edge."""
+    the graph's reader order), zero where `edge_mask` has no edge. With `per_position`,
+    `[B, W, R, T]`: the terms of each position apart (summed over channels only)."""
+    t = "t" if per_position else ""
     delta = delta.astype(jnp.float32)
-    head = lambda g: jnp.einsum("wbtd,lbthd->bwlh", delta, g.astype(jnp.float32))
-    mlp = jnp.einsum("wbtd,lbtd->bwl", delta, gradients["mlp"].astype(jnp.float32))
-    per_layer = jnp.concatenate([head(gradients["q"]), head(gradients["k"]), head(gradients["v"]), mlp[..., None]], -1)
-    B, W = per_layer.shape[:2]
-    logits = jnp.einsum("wbtd,btd->bw", delta, gradients["logits"].astype(jnp.float32))
-    scores = jnp.concatenate([per_layer.reshape(B, W, -1), logits[..., None]], axis=-1)
-    return jnp.where(edge_mask, scores, 0.0)
+    head = lambda g: jnp.einsum(f"wbtd,lbthd->bwlh{t}", delta, g.astype(jnp.float32))
+    mlp = jnp.einsum(f"wbtd,lbtd->bwl{t}", delta, gradients["mlp"].astype(jnp.float32))
+    # [B, W, L, 3H + 1(, T)]: each layer's readers in the graph's order (q, k, v heads, the MLP)
+    per_layer = jnp.concatenate(
+        [head(gradients["q"]), head(gradients["k"]), head(gradients["v"]), mlp[:, :, :, None]], 3
+    )
+    B, W, positions = per_layer.shape[0], per_layer.shape[1], per_layer.shape[4:]
+    logits = jnp.einsum(f"wbtd,btd->bw{t}", delta, gradients["logits"].astype(jnp.float32))
+    scores = jnp.concatenate([per_layer.reshape(B, W, -1, *positions), logits[:, :, None]], axis=2)
+    return jnp.where(edge_mask[(...,) + (None,) * len(positions)], scores, 0.0)
+
+
+def position_scores(delta, gradients: dict, edge_mask, prefix_length: int = 0) -> np.ndarray:
+    """`[B, W, R, P + T]` on the host: `edge_scores(..., per_position=True)` of the positions
+    after a shared prefix of `prefix_length` (P) positions (`delta` and `gradients` hold the T
+    after it), with exact zeros at the prefix's, where no writer's output differs. Computed a
+    block of positions at a time, each block's `[B, W, R, c]` within an eighth of the free
+    memory (a model of many heads has hundreds of thousands of edges per position)."""
+    W, B, T = delta.shape[:3]
+    per_position = B * W * edge_mask.shape[-1] * 4 * 2  # the block and the einsums' partial products
+    block = int(np.clip(available_memory_budget() // 8 // per_position, 1, T))
+    out = np.zeros((B, W, edge_mask.shape[-1], prefix_length + T), np.float32)
+    for start in range(0, T, block):
+        at = slice(start, start + block)
+        part = {k: g[:, at] if k == "logits" else g[:, :, at] for k, g in gradients.items()}
+        out[..., prefix_length + start : prefix_length + start + block] = to_host(
+            edge_scores(delta[:, :, at], part, edge_mask, per_position=True)
+        )
+    return out
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
@@ -329,10 +389,10 @@ def edge_attribution(
     *,
     method: str = "eap",
     rule: Union[rules.Rule, str, None] = None,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
+    ablation=None,
     interventions=None,
-    progress: ProgressLike = False,
+    per_position: bool = False,
+    execution: Optional[Execution] = None,
 ) -> EdgeScores:
     """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`)
     under `metric(logits [B, V], labels) -> [B]` (one value per pair, from the logits at each
@@ -343,60 +403,86 @@ def edge_attribution(
     `FixedRule('left', 16)`, the EAP-IG package's) or, for 'eap-ig-inputs', an `AdaptiveRule`
     (one tolerance; per pair, its budget of gradient evaluations plus one per final node); a
     rule's name stands for that rule with its defaults (`jaxdepth.analyses.ig.rules.as_rule`:
-    256 steps). `chunk_size` bounds the path points vmapped at once (default: what
-    `memory_budget` allows). `interventions` (`jaxdepth.core.sites`) act on every run, clean,
-    corrupt and along the paths: the edges of the model as they intervene on it (a skipped
-    layer, a steering vector). Returns an `EdgeScores`."""
+    256 steps). `ablation`: what the clean run is measured against
+    (`jaxdepth.analyses.edges.ablations`: None or `CORRUPT`, the pair's corrupt run; `ZERO`;
+    `mean_ablation(...)`); 'eap-ig-inputs' takes the corrupt run only. `execution`: how it
+    runs, as integrated gradients' `Execution`, of which edges read `chunk_size` (the path
+    points vmapped at once; default: what `memory_budget` allows) and `progress`. `interventions`
+    (`jaxdepth.core.sites`) act on every run, clean, corrupt and along the paths: the edges of
+    the model as they intervene on it (a skipped layer, a steering vector). `per_position`:
+    also each edge's score at each position (`EdgeScores.position_scores [B, W, R, T]`, the
+    terms that sum to `scores`: the edge carrying its writer's ablated output at that position
+    alone, to first order). Returns an
+    `EdgeScores`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     rule = _edge_rule(method, rule)
+    execution = _edge_execution(execution)
+    ablation = as_ablation(ablation)
+    if ablation.kind != "corrupt" and method == "eap-ig-inputs":
+        raise ValueError(
+            f"'eap-ig-inputs' integrates along the input embeddings from the corrupt prompt to the clean one: it has "
+            f"no path to a {ablation.kind!r} ablation (as in the EAP-IG package); use 'eap' or 'eap-ig-activations'"
+        )
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions)
-    delta = (clean.writers - corrupt.writers)[:, :, P:]
-    f_clean, f_corrupt = (to_host(metric_values(metric, run.logits, pairs.labels)) for run in (clean, corrupt))
+    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    ablated = jnp.broadcast_to(ablation.writers(graph, pairs, corrupt, config.hidden_size), clean.writers.shape)
+    delta = (clean.writers - ablated)[:, :, P:]
+    f_clean = to_host(metric_values(metric, clean.logits, pairs.labels))
+    if ablation.kind == "corrupt":
+        f_corrupt = to_host(metric_values(metric, corrupt.logits, pairs.labels))
+    else:  # every edge ablated: the empty circuit
+        every = jnp.asarray(graph.edge_mask)[None]
+        f_corrupt = to_host(patched_sets(params, pairs, None, every, ablated, interventions, config, metric))[0]
     tokens = B * (T - P)
-    chunk = chunk_size or auto_chunk_size(
+    chunk = execution.chunk_size or auto_chunk_size(
         config,
         tokens,
         MAX_PATH_CHUNK,
         grad=True,
-        memory_budget=memory_budget,
+        memory_budget=execution.memory_budget,
         extra_bytes=_reader_bytes(config, tokens),
     )
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
+    scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
+    positions = np.zeros(scores.shape + (T,), np.float32) if per_position else None
+
+    def score(writers, batch, grads):  # the scores of `writers` of the pairs `batch`, from the readers' gradients
+        part = delta[writers][:, batch]
+        scores[batch, writers] = to_host(edge_scores(part, grads, mask[writers]))
+        if per_position:
+            positions[batch, writers] = position_scores(part, grads, mask[writers], P)
+
+    every_writer, every_pair = slice(None), slice(None)
     if rule is None:  # EAP
-        gradients = clean_gradients(params, pairs, prefix, config, metric, interventions)
-        scores = to_host(edge_scores(delta, gradients, mask))
+        score(every_writer, every_pair, clean_gradients(params, pairs, prefix, config, metric, interventions))
         evaluations = np.ones(B, np.int64)
     elif method == "eap-ig-activations":
         paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions)
-        scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-        for node in track(range(2 * config.num_layers + 1), progress, "EAP-IG, activations (nodes)"):
-            rows = np.flatnonzero(graph.writer_nodes == node)  # the node's writers score along its own path
-            grads = integrate_fixed(paths, node, rule)
-            scores[:, rows] = to_host(edge_scores(delta[rows], grads, jnp.asarray(graph.edge_mask[rows])))
+        for node in track(range(2 * config.num_layers + 1), execution.progress, "EAP-IG, activations (nodes)"):
+            # the node's writers score along its own path
+            score(np.flatnonzero(graph.writer_nodes == node), every_pair, integrate_fixed(paths, node, rule))
         evaluations = np.full(B, rule.steps * (2 * config.num_layers + 1), np.int64)
     elif isinstance(rule, rules.AdaptiveRule):
         paths = input_paths(params, pairs, prefix, config, metric, chunk, interventions)
-        scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
         evaluations = np.zeros(B, np.int64)
-        for b in track(range(B), progress, "EAP-IG, adaptive (pairs)"):
+        for b in track(range(B), execution.progress, "EAP-IG, adaptive (pairs)"):
             (finished,) = adapt(paths, [b], float(f_clean[b]), rule)  # the nodes, by plain gradients
-            grads = integrate_final(paths, b, finished)  # the readers' gradients at those nodes
-            scores[b] = to_host(edge_scores(delta[:, b : b + 1], grads, mask))[0]
+            score(every_writer, slice(b, b + 1), integrate_final(paths, b, finished))  # readers' gradients there
             evaluations[b] = finished.evaluations + len(finished.node_weights()[0])
             bound[b], converged[b] = finished.bound, finished.converged
     else:
         paths = input_paths(params, pairs, prefix, config, metric, chunk, interventions)
-        scores = to_host(edge_scores(delta, integrate_fixed(paths, None, rule), mask))
+        score(every_writer, every_pair, integrate_fixed(paths, None, rule))
         evaluations = np.full(B, rule.steps, np.int64)
     return EdgeScores(
-        scores=np.asarray(scores, np.float32),
+        scores=scores,
+        position_scores=positions,
         f_clean=np.asarray(f_clean, np.float32),
         f_corrupt=np.asarray(f_corrupt, np.float32),
         evaluations=evaluations,
@@ -406,6 +492,7 @@ def edge_attribution(
         rule="clean" if rule is None else rule.name,
         steps=1 if rule is None else rule.evaluations,
         tolerance=rule.tolerance if isinstance(rule, rules.AdaptiveRule) else None,
+        ablation=ablation.kind,
         **graph.fields(),
     )
 
@@ -424,6 +511,24 @@ def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
         if isinstance(rule.tolerance, tuple):
             raise ValueError("EAP-IG's adaptive rule takes one tolerance (a tuple is one per attributed layer)")
     return rule
+
+
+def _edge_execution(execution: Optional[Execution]) -> Execution:
+    """`execution` (default `Execution()`), refused where it sets what only integrated
+    gradients read: edges read its chunk size, memory budget and progress."""
+    execution = Execution() if execution is None else execution
+    if not isinstance(execution, Execution):
+        raise ValueError(f"execution must be an Execution (jaxdepth.analyses.ig), got {type(execution).__name__}")
+    defaults = Execution()
+    own = [
+        f for f in ("backward", "nonfinite", "per_channel", "on_layer") if getattr(execution, f) != getattr(defaults, f)
+    ]
+    if own:
+        raise ValueError(
+            f"edge attribution reads an Execution's chunk_size, memory_budget and progress; {', '.join(own)} "
+            "belong to integrated gradients"
+        )
+    return execution
 
 
 def _reader_bytes(config: ModelConfig, tokens: int) -> int:
