@@ -7,7 +7,9 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
   that probe, move or patch readers' inputs (`patch_edges`), and the runs that read the
   writers (`edge_run`);
 - `pairs`: clean/corrupt prompt pairs from token ids (`prompt_pairs`), texts (`text_pairs`) or a
-  JSON Lines file (`read_pairs`), and metrics (`logit_difference`);
+  JSON Lines file (`read_pairs`), and metrics: of the logits at the last position
+  (`logit_difference`), or of every position and the clean run's (`SequenceMetric`:
+  `kl_to_clean`, `mean_kl_to_clean`);
 - `ablations`: what an ablated edge carries: the corrupt run's values (the default), zero, or
   means over a prompt set (`mean_ablation`, per token or per position);
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
@@ -36,10 +38,14 @@ from jaxdepth.analyses.edges.pairs import (
     PromptPairs,
     TaskPairs,
     answer_probability,
+    SequenceMetric,
     answer_token,
+    kl_to_clean,
     logit_difference,
+    mean_kl_to_clean,
     prompt_pairs,
     read_pairs,
+    sequence_metric,
     text_pairs,
 )
 from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
@@ -68,6 +74,10 @@ __all__ = [
     "answer_token",
     "logit_difference",
     "answer_probability",
+    "SequenceMetric",
+    "sequence_metric",
+    "kl_to_clean",
+    "mean_kl_to_clean",
     "METHODS",
     "EdgeScores",
     "edge_attribution",

@@ -1,7 +1,15 @@
 """Prompt pairs (a clean and a corrupt prompt of the same length) and the metric of edge
 attribution: pairs from token ids (`prompt_pairs`), from texts and a tokenizer (`text_pairs`) or
-from a JSON Lines file (`read_pairs`), and the metrics `logit_difference` and
-`answer_probability`."""
+from a JSON Lines file (`read_pairs`), and the metrics.
+
+A metric F is one of two kinds:
+- `metric(logits [B, V], labels) -> [B]`, of the logits at each pair's last position:
+  `logit_difference`, `answer_probability`;
+- a `SequenceMetric` (`@sequence_metric`): `fn(logits [B, T, V], clean_logits [B, T, V], pairs)
+  -> [B]`, of the logits at every position and the clean run's (the run under the same
+  interventions, without any patch or path): `kl_to_clean`, `mean_kl_to_clean`. `pairs` gives
+  it `valid`, `last` and `labels`.
+Both are checked at trace time to give one floating value per pair."""
 
 from __future__ import annotations
 
@@ -26,6 +34,10 @@ __all__ = [
     "answer_token",
     "logit_difference",
     "answer_probability",
+    "SequenceMetric",
+    "sequence_metric",
+    "kl_to_clean",
+    "mean_kl_to_clean",
 ]
 
 
@@ -46,13 +58,16 @@ class PromptPairs:
     """A batch of B prompt pairs, right-padded to T positions: `clean`, `corrupt` int `[B, T]`,
     `valid [B, T]` (the same for both prompts of a pair), `last [B]` (each pair's last real
     position, whose logits the metric reads) and the metric's `labels` (`[B, ...]`, or None).
-    Build it with `prompt_pairs` (token ids), or `text_pairs` / `read_pairs` (texts)."""
+    Build it with `prompt_pairs` (token ids), or `text_pairs` / `read_pairs` (texts).
+    `clean_logits [B, T, V]`: the clean run's logits at every position, which the edge
+    functions fill in for a `SequenceMetric` (None otherwise)."""
 
     clean: jax.Array
     corrupt: jax.Array
     valid: jax.Array
     last: jax.Array
     labels: Optional[jax.Array] = None
+    clean_logits: Optional[jax.Array] = None
 
     def __len__(self) -> int:
         return self.clean.shape[0]
@@ -245,16 +260,72 @@ def _tokenized(tokenizer, rows: list, names: list) -> TaskPairs:
     return TaskPairs(clean, corrupt, np.array(labels, np.int32), [(row[0], row[1]) for row in rows])
 
 
-def metric_values(metric: Callable, logits, labels) -> jax.Array:
-    """`metric(logits [B, V], labels)`, checked at trace time to give one floating value per
-    pair `[B]` (`jaxdepth.analyses.stats.floating_metric`), as float32."""
-    values = floating_metric(metric(logits, labels), metric)
+@dataclasses.dataclass(frozen=True)
+class SequenceMetric:
+    """A metric of the logits at every position and the clean run's: `fn(logits [B, T, V],
+    clean_logits [B, T, V], pairs) -> [B]` (module docstring). Make one with
+    `@sequence_metric`; define it once (it is a static argument: a new one compiles anew)."""
+
+    fn: Callable
+
+    def __call__(self, logits, clean_logits, pairs: PromptPairs):
+        return self.fn(logits, clean_logits, pairs)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def sequence_metric(fn: Callable) -> SequenceMetric:
+    """`fn(logits [B, T, V], clean_logits [B, T, V], pairs) -> [B]` as a metric of the whole
+    sequence (`SequenceMetric`): the edge functions then run every position (no shared prefix
+    is reused: F may read any of them) and give it the clean run's logits."""
+    return SequenceMetric(fn)
+
+
+def metric_values(metric: Callable, logits, labels=None, pairs: Optional[PromptPairs] = None) -> jax.Array:
+    """F per pair `[B]`, float32, checked at trace time to give one floating value per pair
+    (`jaxdepth.analyses.stats.floating_metric`): `metric(logits [B, V], labels)` of a plain
+    metric, or for a `SequenceMetric` of `logits [B, T, V]` (every position) and `pairs`,
+    `metric(logits, pairs.clean_logits, pairs)`."""
+    if isinstance(metric, SequenceMetric):
+        if pairs is None or pairs.clean_logits is None:
+            raise ValueError("a sequence metric reads the clean run's logits: the pairs carry none")
+        values = metric(logits, pairs.clean_logits, pairs)
+    else:
+        values = metric(logits, labels)
+    values = floating_metric(values, metric)
     if jnp.shape(values) != logits.shape[:1]:
         raise ValueError(
             f"the metric must return one value per pair, shape [B] = {logits.shape[:1]}, got {jnp.shape(values)}: "
             "edge scores are per pair (sum or average them afterwards)"
         )
     return values.astype(jnp.float32)
+
+
+def _kl_to_clean(logits, clean_logits):
+    """KL(clean || run) per position `[B, T]`, in nats: sum_v p_clean (log p_clean - log p_run)."""
+    clean = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+    run = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(clean) * (clean - run), axis=-1)
+
+
+@sequence_metric
+def kl_to_clean(logits, clean_logits, pairs):
+    """KL(clean || run) of the next-token distributions at each pair's last position, in nats:
+    0 in the clean run, positive as a patch moves the prediction away from the clean one. (The
+    gradient of a KL at its minimum is zero: EAP scores of it are 0; score it along a path,
+    EAP-IG.)"""
+    rows = jnp.arange(logits.shape[0])
+    return _kl_to_clean(logits[rows, pairs.last], clean_logits[rows, pairs.last])
+
+
+@sequence_metric
+def mean_kl_to_clean(logits, clean_logits, pairs):
+    """KL(clean || run) averaged over each pair's real positions (`pairs.valid`), in nats."""
+    kl = _kl_to_clean(logits, clean_logits)
+    valid = pairs.valid.astype(kl.dtype)
+    return jnp.sum(kl * valid, axis=1) / jnp.sum(valid, axis=1)
 
 
 def logit_difference(logits, labels):

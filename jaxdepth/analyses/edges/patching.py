@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.pairs import PromptPairs
 from jaxdepth.analyses.edges.ablations import as_ablation
-from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patched_sets
-from jaxdepth.analyses.edges.scores import pair_runs, suffix_run
+from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patched_sets, run_metric
+from jaxdepth.analyses.edges.scores import pair_runs, suffix_run, with_clean_logits
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.progress import ProgressLike, track
@@ -59,7 +59,7 @@ def _single_edges(params, pairs: PromptPairs, prefix, start, h_start, edges, del
     def one(w, r, at):
         ivs = (interventions, move_reader(graph, r, delta[w] * at[None, :, None].astype(delta.dtype)))
         run = edge_run(params, h_start, pairs.valid, pairs.last, config, start=start, interventions=ivs, prefix=prefix)
-        return metric_values(metric, run.logits, pairs.labels)
+        return run_metric(params, metric, run, pairs, config)
 
     return jax.vmap(one)(*edges)
 
@@ -100,9 +100,10 @@ def edge_effects(
             raise ValueError(f"positions must lie in 0..{T - 1} (the pairs' {T} positions), got {positions.tolist()}")
     ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
+    pairs = with_clean_logits(params, pairs, clean, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     delta = (ablation.writers(graph, pairs, corrupt, config.hidden_size) - clean.writers)[:, :, P:]
-    f_clean = metric_values(metric, clean.logits, pairs.labels)
+    f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
     chunk = min(chunk_size or _chunk(config, pairs, P), len(edges))
     # Sorted by their readers' layers, the edges run in chunks that start at their first
     # reader's layer: the layers before it are the clean run's.
@@ -151,6 +152,7 @@ def patched_metric(
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
     ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
+    pairs = with_clean_logits(params, pairs, clean, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
     writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]

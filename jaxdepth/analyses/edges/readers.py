@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric, metric_values
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -59,6 +59,9 @@ __all__ = [
     "edge_run",
     "EdgeRun",
     "logits_at",
+    "final_metric",
+    "all_logits",
+    "run_metric",
     "SPLIT_LAYERS",
     "HEAD_INPUTS",
     "attention_site",
@@ -219,7 +222,7 @@ def patched_sets(params, pairs: PromptPairs, prefix, masks, ablated_writers, int
     def one(mask):
         ivs = (interventions, patch_edges(graph, mask, ablated_writers, h0))
         run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
-        return metric_values(metric, run.logits, pairs.labels)
+        return run_metric(params, metric, run, pairs, config)
 
     return jax.vmap(one)(masks)
 
@@ -260,14 +263,16 @@ SPLIT_LAYERS = sites.unchanged("head_result")
 class EdgeRun:
     """What `edge_run` returns: `logits [B, V]` at each row's `last` position, every writer's
     output `writers [W, B, T, D]` (in the order of `EdgeGraph.of(config)`; rows of layers before
-    `start` are zeros, the input row is `h` when `start` is 0) and every layer's input as the
+    `start` are zeros, the input row is `h` when `start` is 0), every layer's input as the
     layer receives it, before its own interventions, `residuals [L+1, B, T, D]` (h_0..h_L
     without interventions; rows before `start` are zeros): a run from boundary l starts from
-    `residuals[l]`."""
+    `residuals[l]`; and `final [B, T, D]`, the final residual the logits read (after the
+    interventions on it: the logits reader's patches)."""
 
     logits: Float[Array, "B V"]
     writers: Float[Array, "W B T D"]
     residuals: Float[Array, "Lp1 B T D"]
+    final: Float[Array, "B T D"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +292,35 @@ def logits_at(params: Params, h_last: Float[Array, "B S D"], last: Int[Array, " 
     `prefix` of P positions, `h_last` holds the rows after it)."""
     offset = 0 if prefix is None else prefix[0].shape[2]
     return unembed(params, h_last[jnp.arange(h_last.shape[0]), last - offset], config)
+
+
+@partial(jit, static_argnames="config")
+def all_logits(params: Params, h: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T V"]:
+    """The logits at every position of the final residual `h` (the clean logits a
+    `SequenceMetric` compares with: `PromptPairs.clean_logits`)."""
+    return unembed(params, h, config)
+
+
+def final_metric(params: Params, metric, h_final, pairs: PromptPairs, config: ModelConfig, prefix=None):
+    """F per pair `[B]` (`metric_values`) from the final residual `h_final [B, S, D]`: of the
+    logits at each pair's last position, or for a `SequenceMetric` of the logits at every
+    position (which runs no shared prefix: `suffix_run`)."""
+    if isinstance(metric, SequenceMetric):
+        if prefix is not None:
+            raise ValueError("a sequence metric reads every position: the runs must not reuse a shared prefix")
+        return metric_values(metric, unembed(params, h_final, config), pairs=pairs)
+    return metric_values(metric, logits_at(params, h_final, pairs.last, config, prefix), pairs.labels)
+
+
+def run_metric(params: Params, metric, run: EdgeRun, pairs: PromptPairs, config: ModelConfig, clean: bool = False):
+    """F per pair `[B]` of an `EdgeRun` (`final_metric`; a plain metric reads `run.logits`).
+    `clean`: the run is the clean one, whose logits a `SequenceMetric` reads from the pairs
+    (the very numbers every other run compares with: the KL of the clean run is exactly 0)."""
+    if not isinstance(metric, SequenceMetric):
+        return metric_values(metric, run.logits, pairs.labels)
+    if clean:
+        return metric_values(metric, pairs.clean_logits, pairs=pairs)
+    return final_metric(params, metric, run.final, pairs, config)
 
 
 def edge_run(
@@ -318,4 +352,4 @@ def edge_run(
     first_row = h if isinstance(start, int) and start == 0 else jnp.zeros_like(h)
     writers = jnp.concatenate([first_row[None], writers.reshape((-1,) + h.shape)])
     residuals = jnp.concatenate([jnp.zeros_like(h)[None], outputs]).at[start].set(h)
-    return EdgeRun(logits, writers, residuals)
+    return EdgeRun(logits, writers, residuals, h_last)

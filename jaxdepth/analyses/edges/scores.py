@@ -39,15 +39,17 @@ import numpy as np
 
 from jaxdepth.analyses.edges.ablations import CORRUPT, as_ablation
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, metric_values
+from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric
 from jaxdepth.analyses.edges.readers import (
     EdgeRun,
+    all_logits,
     check_interventions,
     edge_run,
-    logits_at,
+    final_metric,
     patched_sets,
     probe_readers,
     reader_probes,
+    run_metric,
     shift_node,
 )
 from jaxdepth.analyses.ig import rules
@@ -194,6 +196,14 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=Non
     return run(pairs.clean), run(pairs.corrupt)
 
 
+def with_clean_logits(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, metric) -> PromptPairs:
+    """`pairs` carrying the clean run's logits at every position (`PromptPairs.clean_logits`)
+    for a `SequenceMetric`, which reads them; `pairs` as they are for any other metric."""
+    if not isinstance(metric, SequenceMetric):
+        return pairs
+    return dataclasses.replace(pairs, clean_logits=all_logits(params, clean.final, config))
+
+
 @partial(jit, static_argnames=("config", "metric", "chunk"))
 def input_path_gradients(
     params, pairs: PromptPairs, prefix, nodes, config: ModelConfig, metric, chunk: int, *, interventions=None
@@ -235,7 +245,7 @@ def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, i
     def value(probes):
         ivs = (interventions, shift, probe_readers(probes, config.num_layers))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, prefix=prefix)
-        return jnp.sum(metric_values(metric, logits_at(params, h, pairs.last, config, prefix), pairs.labels))
+        return jnp.sum(final_metric(params, metric, h, pairs, config, prefix))
 
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
 
@@ -259,8 +269,10 @@ def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, 
     one computation for the prefix instead of one per gradient or patched run. Under
     `interventions` P is 0: their data covers every position, and the keys of a layer under
     them are not read off its input alone. Under an `ablation` other than the corrupt run's, P
-    is 0: the ablated values differ from the clean ones everywhere."""
-    P = 0 if as_interventions(interventions) or ablation.kind != "corrupt" else pairs.shared_prefix()
+    is 0: the ablated values differ from the clean ones everywhere; and for pairs that carry
+    the clean logits (a `SequenceMetric`'s), which reads every position."""
+    whole = as_interventions(interventions) or ablation.kind != "corrupt" or pairs.clean_logits is not None
+    P = 0 if whole else pairs.shared_prefix()
     if P == 0:
         return 0, None
     return P, _prefix_key_values(params, clean.residuals, pairs.valid, config, P)
@@ -326,7 +338,7 @@ def input_path_points(params, pairs: PromptPairs, alphas, config: ModelConfig, m
     def one(alpha):
         def f(h0):
             h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=interventions)
-            return jnp.sum(metric_values(metric, logits_at(params, h, pairs.last, config), pairs.labels))
+            return jnp.sum(final_metric(params, metric, h, pairs, config))
 
         phi, g = jax.value_and_grad(f)(e_corrupt + alpha.astype(e_clean.dtype) * (e_clean - e_corrupt))
         return phi, jnp.sum(g.astype(jnp.float32) * (e_clean - e_corrupt).astype(jnp.float32), axis=-1)[0]
@@ -396,7 +408,9 @@ def edge_attribution(
 ) -> EdgeScores:
     """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`)
     under `metric(logits [B, V], labels) -> [B]` (one value per pair, from the logits at each
-    pair's last position; static: define it once to reuse compilations).
+    pair's last position), or a `SequenceMetric` of the logits at every position and the clean
+    run's (`kl_to_clean`; `jaxdepth.analyses.edges.pairs`); static: define it once to reuse
+    compilations.
 
     method: 'eap' (one backward pass, gradients of the clean run; no rule), 'eap-ig-inputs' or
     'eap-ig-activations' (the module docstring) with `rule`: a `FixedRule` (default
@@ -429,12 +443,13 @@ def edge_attribution(
     check_interventions(interventions, graph)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config, interventions)
+    pairs = with_clean_logits(params, pairs, clean, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     ablated = jnp.broadcast_to(ablation.writers(graph, pairs, corrupt, config.hidden_size), clean.writers.shape)
     delta = (clean.writers - ablated)[:, :, P:]
-    f_clean = to_host(metric_values(metric, clean.logits, pairs.labels))
+    f_clean = to_host(run_metric(params, metric, clean, pairs, config, clean=True))
     if ablation.kind == "corrupt":
-        f_corrupt = to_host(metric_values(metric, corrupt.logits, pairs.labels))
+        f_corrupt = to_host(run_metric(params, metric, corrupt, pairs, config))
     else:  # every edge ablated: the empty circuit
         every = jnp.asarray(graph.edge_mask)[None]
         f_corrupt = to_host(patched_sets(params, pairs, None, every, ablated, interventions, config, metric))[0]
@@ -445,7 +460,7 @@ def edge_attribution(
         MAX_PATH_CHUNK,
         grad=True,
         memory_budget=execution.memory_budget,
-        extra_bytes=_reader_bytes(config, tokens),
+        extra_bytes=_reader_bytes(config, tokens) + _logit_bytes(config, tokens, metric),
     )
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
@@ -529,6 +544,12 @@ def _edge_execution(execution: Optional[Execution]) -> Execution:
             "belong to integrated gradients"
         )
     return execution
+
+
+def _logit_bytes(config: ModelConfig, tokens: int, metric) -> int:
+    """What a `SequenceMetric` adds to a path point: the logits at every position, their
+    softmax and their gradient (float32)."""
+    return config.vocab_size * tokens * 4 * 3 if isinstance(metric, SequenceMetric) else 0
 
 
 def _reader_bytes(config: ModelConfig, tokens: int) -> int:
