@@ -38,6 +38,7 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     ranked_edges,
 )
+from jaxdepth.analyses.edges.scores import RULELESS
 from jaxdepth.analyses.edges.selection import SEARCHES
 from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, rule_of
@@ -70,8 +71,8 @@ def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float])
     """The folder of one way of scoring edges: the method and the settings it reads, `eap`,
     `eap-ig-inputs-left-16` or `eap-ig-inputs-adaptive-tol0.01-max16` (the adaptive rule's
     tolerance and its budget of evaluations)."""
-    if method == "eap":
-        return "eap"
+    if method in RULELESS:
+        return method
     if rule == "adaptive":
         return f"{method}-adaptive-tol{tolerance:g}-max{steps}"
     return f"{method}-{rule}-{steps}"
@@ -153,8 +154,8 @@ def _took(start: float, reused: bool) -> str:
 def _score_options(settings: dict) -> dict:
     """`edge_attribution`'s method and rule from the command's settings (`rules.rule_of`: the
     adaptive rule's budget is `steps` evaluations)."""
-    if settings["method"] == "eap":
-        return {"method": "eap"}
+    if settings["method"] in RULELESS:
+        return {"method": settings["method"]}
     return {"method": settings["method"], "rule": rule_of(settings["rule"], settings["steps"], settings["tolerance"])}
 
 
@@ -294,8 +295,8 @@ def check_arguments(args) -> None:
         raise ValueError(f"--draw must be at least 0, got {args.draw}")
     if args.target is not None and not 0 < args.target <= 1:
         raise ValueError(f"--target is a faithfulness, in (0, 1]; got {args.target:g}")
-    if args.method == "eap" and (args.rule, args.steps, args.tolerance) != ("left", 16, None):
-        raise ValueError("--rule, --steps and --tolerance are EAP-IG's; --method eap takes none")
+    if args.method in RULELESS and (args.rule, args.steps, args.tolerance) != ("left", 16, None):
+        raise ValueError(f"--rule, --steps and --tolerance are EAP-IG's; --method {args.method} takes none")
     if args.rule == "adaptive" and args.method != "eap-ig-inputs":
         raise ValueError("--rule adaptive certifies the input path's completeness: use it with --method eap-ig-inputs")
     if args.tolerance is not None and (args.rule != "adaptive" or not args.tolerance > 0):

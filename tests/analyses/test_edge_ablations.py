@@ -90,7 +90,7 @@ def test_on_a_linear_model_eap_is_exact_patching_under_every_ablation(params, pa
     edge's score at a position its effect when patched there alone."""
     ablation = {"corrupt": None, "zero": ZERO, "mean-per-position": means[1]}[kind]
     flat, linear = made_linear(params, monkeypatch)
-    scores = edge_attribution(flat, pairs, linear, logit_difference, ablation=ablation, per_position=True)
+    scores = edge_attribution(flat, pairs, linear, logit_difference, ablation=ablation, detail=["positions"])
     edges = ranked_edges(scores.mean, GRAPH)
     sample = np.concatenate([edges[:20], edges[-3:], edges[:: max(1, len(edges) // 20)]])
     atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))  # rounding of two float32 values of F

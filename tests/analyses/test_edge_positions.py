@@ -33,7 +33,7 @@ def test_position_scores_sum_to_the_scores_and_are_zero_where_nothing_differs(pa
     """Pair 0 has 9 positions and pair 1 has 6 (padded to 9); pair 0's prompts differ from
     position 3 on, pair 1's from position 2."""
     kwargs = dict(method=method, rule=rule)
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, per_position=True, **kwargs)
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, detail=["positions"], **kwargs)
     plain = edge_attribution(params, pairs, CONFIG, logit_difference, **kwargs)
     positions = scores.position_scores
     assert positions.shape == scores.scores.shape + (9,) and plain.position_scores is None
@@ -85,9 +85,9 @@ def test_positions_are_checked_and_drawn(params, pairs, tmp_path):
     with pytest.raises(ValueError, match=r"positions must lie in 0..8"):
         edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m2"], positions=[9])
     scores = edge_attribution(params, pairs, CONFIG, logit_difference)
-    with pytest.raises(ValueError, match="per_position=True"):
+    with pytest.raises(ValueError, match=r"detail=\[.positions.\]"):
         scores.top_positions(3)
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, per_position=True)
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, detail=["positions"])
     loaded = type(scores).load(scores.save(str(tmp_path / "scores.npz")))
     np.testing.assert_array_equal(loaded.position_scores, scores.position_scores)
     fig = position_figure(scores, k=5, labels=[f"t{t}" for t in range(9)])

@@ -49,8 +49,8 @@ from jaxdepth.analyses.edges.pairs import (
     text_pairs,
 )
 from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
-from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, patched_metric
-from jaxdepth.analyses.edges.scores import METHODS, EdgeScores, edge_attribution, ranked_edges
+from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, neuron_effects, patched_metric
+from jaxdepth.analyses.edges.scores import DETAILS, METHODS, EdgeScores, edge_attribution, ranked_edges
 from jaxdepth.analyses.edges.selection import SEARCHES, greedy_edges, live_edges, ordered_edges
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "kl_to_clean",
     "mean_kl_to_clean",
     "METHODS",
+    "DETAILS",
     "EdgeScores",
     "edge_attribution",
     "ranked_edges",
@@ -90,6 +91,7 @@ __all__ = [
     "patched_metric",
     "circuit_metric",
     "faithfulness",
+    "neuron_effects",
     "Circuit",
     "find_circuit",
     "top_circuits",

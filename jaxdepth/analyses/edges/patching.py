@@ -12,6 +12,8 @@ write, and their other edges carry that). Every function takes `interventions`
   of the edge estimates (the same sign). An edge into a reader of layer l changes nothing
   before layer l, so each edge's run starts there, from the clean residual h_l.
 - `patched_metric`: F with each of several edge sets patched.
+- `neuron_effects`: each MLP hidden unit patched alone (every reader of its MLP reads its
+  corrupt value), F(clean) - F(patched): what its neuron score estimates.
 - `circuit_metric`, `faithfulness`: a circuit is a set of edges kept clean; its metric is F with
   every other edge patched, and its faithfulness (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)):
   1 for the whole graph, 0 for the empty circuit.
@@ -19,6 +21,7 @@ write, and their other edges carry that). Every function takes `interventions`
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Callable, Optional
 
@@ -29,9 +32,19 @@ import numpy as np
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs
 from jaxdepth.analyses.edges.ablations import as_ablation
-from jaxdepth.analyses.edges.readers import check_interventions, edge_run, move_reader, patched_sets, run_metric
-from jaxdepth.analyses.edges.scores import pair_runs, suffix_run, with_clean_logits
+from jaxdepth.analyses.edges.readers import (
+    check_interventions,
+    edge_run,
+    final_metric,
+    move_reader,
+    patched_sets,
+    run_metric,
+)
+from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
+from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.sharding import to_host
@@ -42,6 +55,7 @@ __all__ = [
     "patched_metric",
     "circuit_metric",
     "faithfulness",
+    "neuron_effects",
 ]
 
 MAX_CHUNK = 16
@@ -128,6 +142,72 @@ def edge_effects(
             metric=metric,
         )
         out[part] = to_host(f_clean[None] - f)[: len(part)]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _PatchUnit:
+    """At `mlp_hidden`, hidden unit `unit` of layer `target` takes its value in `corrupt [L, B,
+    T, F]`; nothing else changes (data: `(target, unit, corrupt)`, traced: one compilation)."""
+
+    def __call__(self, value, layer, data):
+        target, unit, corrupt = data
+        hit = (layer == target) & (jnp.arange(value.shape[-1]) == unit)
+        return jnp.where(hit, jax.lax.dynamic_index_in_dim(corrupt, layer, keepdims=False).astype(value.dtype), value)
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def _unit_runs(params, pairs: PromptPairs, units, corrupt_hidden, interventions, *, config, metric):
+    """F `[c, B]` with MLP hidden unit `units[i] = (layer, unit)` at its corrupt value."""
+    h0 = embed(params, pairs.clean, config)
+
+    def one(layer, unit):
+        ivs = (interventions, sites.Intervention("mlp_hidden", _PatchUnit(), (layer, unit, corrupt_hidden)))
+        h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs)
+        return final_metric(params, metric, h, pairs, config)
+
+    return jax.vmap(one)(units[:, 0], units[:, 1])
+
+
+def neuron_effects(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Callable,
+    neurons,
+    *,
+    chunk_size: Optional[int] = None,
+    interventions=None,
+    progress: ProgressLike = False,
+) -> np.ndarray:
+    """`[n, B]`: F(clean) - F(clean with MLP hidden unit `neurons[i] = (layer, unit)` at its
+    value in the corrupt run), per pair: the exact effect that its neuron score
+    (`edge_attribution(..., detail=['neurons'])`) estimates. `chunk_size` units vmapped at once."""
+    graph = EdgeGraph.of(config)
+    pairs.check(config, metric)
+    check_interventions(interventions, graph)
+    units = np.asarray(neurons, np.int64).reshape(-1, 2)
+    if len(units) == 0:
+        raise ValueError("no neurons given")
+    F = config.intermediate_size
+    bad = (units[:, 0] < 0) | (units[:, 0] >= config.num_layers) | (units[:, 1] < 0) | (units[:, 1] >= F)
+    if bad.any():
+        raise ValueError(
+            f"a neuron is (layer in 0..{config.num_layers - 1}, unit in 0..{F - 1}); got {units[bad][0].tolist()}"
+        )
+    clean, _ = pair_runs(params, pairs, config, interventions)
+    pairs = with_clean_logits(params, pairs, clean, config, metric)
+    f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
+    corrupt_hidden = hidden_units(params, pairs.corrupt, pairs.valid, config, interventions)
+    chunk = min(chunk_size or _chunk(config, pairs, 0), len(units))
+    out = np.zeros((len(units), len(pairs)), np.float32)
+    for start in track(range(0, len(units), chunk), progress, "exact neuron patching (chunks)"):
+        part = units[start : start + chunk]
+        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
+        f = _unit_runs(
+            params, pairs, jnp.asarray(padded, jnp.int32), corrupt_hidden, interventions, config=config, metric=metric
+        )
+        out[start : start + len(part)] = to_host(f_clean[None] - f)[: len(part)]
     return out
 
 

@@ -138,33 +138,40 @@ def move_reader(graph: EdgeGraph, reader, vector: Float[Array, "B T D"]) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class _ShiftAttention:
-    """Adds `factor` times each attention writer's row of `delta [W, B, T, D]` to the value of
-    `attention_site` of the layer of node `node` (2l + 1); nothing at other layers or nodes."""
+class _ShiftNode:
+    """Adds `factor` times the rows of `delta [W, B, T, D]` of node `node` to the value of the
+    node's site at its layer: a layer's attention writers (`attention_site`, node 2l + 1) or
+    its MLP (`mlp_out`, node 2l + 2); nothing at other layers or nodes. `detach` (traced): the
+    node's own output is a constant there (no gradient flows back through it)."""
 
     graph: EdgeGraph
+    mlp: bool
 
     def __call__(self, value, layer, data):
-        node, factor, delta = data
-        A = self.graph.attention_writers
-        rows = jax.lax.dynamic_slice_in_dim(delta, self.graph.first_writer(layer), A, axis=0)
-        active = jnp.where(node == 2 * layer + 1, factor, 0).astype(value.dtype)
-        return value + active * _attention_value(self.graph, rows).astype(value.dtype)
+        node, factor, delta, detach = data
+        this = node == 2 * layer + (2 if self.mlp else 1)
+        if self.mlp:
+            rows = jax.lax.dynamic_index_in_dim(delta, self.graph.mlp_writer(layer), keepdims=False)
+        else:
+            A = self.graph.attention_writers
+            rows = _attention_value(self.graph, jax.lax.dynamic_slice_in_dim(delta, self.graph.first_writer(layer), A))
+        value = jnp.where(this & detach, jax.lax.stop_gradient(value), value)
+        return value + jnp.where(this, factor, 0).astype(value.dtype) * rows.astype(value.dtype)
 
 
-def shift_node(graph: EdgeGraph, node, factor, delta: Float[Array, "W B T D"]) -> tuple:
+def shift_node(graph: EdgeGraph, node, factor, delta: Float[Array, "W B T D"], detach=False) -> tuple:
     """Interventions adding `factor * delta[u]` to the output of every writer u of node `node`
     (0: the input; 2l + 1: the attention of layer l, its heads or its one writer; 2l + 2: the MLP
-    of layer l; traced or not): the paths of EAP-IG's 'activations' variant."""
+    of layer l; traced or not): the paths of EAP-IG's 'activations' variant. `detach` (traced
+    or not): the node's output is a constant on the path, as the EAP-IG package's hooks set it
+    (no gradient reaches the readers before it through it)."""
     node = jnp.asarray(node, jnp.int32)
-    mlp_layer = jnp.clip((node - 2) // 2, 0, graph.num_layers - 1)
-    mlp_row = jax.lax.dynamic_index_in_dim(delta, graph.mlp_writer(mlp_layer), keepdims=False)
     on_input = jnp.where(node == 0, factor, 0)
-    on_mlp = jnp.where((node > 0) & (node % 2 == 0), factor, 0)
+    data = (node, factor, delta, jnp.asarray(detach, bool))
     return (
         sites.add("resid_pre", 0, on_input * delta[0], 1.0),
-        sites.Intervention(attention_site(graph), _ShiftAttention(graph), (node, factor, delta)),
-        sites.add("mlp_out", mlp_layer, on_mlp * mlp_row, 1.0),
+        sites.Intervention(attention_site(graph), _ShiftNode(graph, mlp=False), data),
+        sites.Intervention("mlp_out", _ShiftNode(graph, mlp=True), data),
     )
 
 

@@ -16,8 +16,14 @@ Definitions (per pair; F is the user's metric of the logits at the pair's last p
 - EAP-IG, 'activations': for each writer u the path interpolates the output of u's own node
   (the input, all writers of u's attention layer together, or u's MLP) from corrupt to clean,
   with everything after it recomputed; the gradient at v is integrated along that path. The
-  edges out of a node then sum to F(clean) - F(clean with that node's output corrupt). (The
-  EAP-IG package instead averages every reader's gradient over all nodes' paths together.)
+  edges out of a node then sum to F(clean) - F(clean with that node's output corrupt).
+- The EAP-IG package's definitions, for comparison with work that used them:
+  'clean-corrupted': (a_clean[u] - a_corrupt[u]) . (dF/d in_v (clean) + dF/d in_v (corrupt)) / 2,
+  the two ends of the input path (its trapezoid rule of one interval);
+  'eap-ig-activations-pooled': every reader's gradient averaged over all nodes' paths together
+  (each node's output a constant on its path, as the package's hooks set it; its rule 'right',
+  α_k = k/n, k = 1..n), and every edge scored with that one average. Its out-edges of a node
+  have no sum identity.
 
 The paths are integrated by integrated gradients' integrator (`jaxdepth.analyses.ig.integrator`)
 with its rules (`jaxdepth.analyses.ig.rules`): a `FixedRule`, 'left' (α_k = k/n, the EAP-IG
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -71,13 +77,19 @@ __all__ = [
     "ranked_edges",
     "edge_scores",
     "position_scores",
+    "neuron_scores",
+    "hidden_units",
     "input_paths",
     "node_paths",
     "METHODS",
+    "DETAILS",
     "DEFAULT_STEPS",
 ]
 
-METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "eap-ig-activations-pooled")
+# Methods of one evaluation each, of no rule: the clean run's gradient; both ends' gradients averaged.
+RULELESS = ("eap", "clean-corrupted")
+DETAILS = ("positions", "neurons")  # what edge_attribution resolves besides the edges, on request
 DEFAULT_STEPS = 16  # EAP-IG's default rule: FixedRule('left', 16), the EAP-IG package's
 # Path points vmapped at once at most: wider vmaps gain little, and each point holds every
 # reader's gradient.
@@ -91,11 +103,14 @@ class EdgeScores(SavedResult):
     prompts (`f_clean`, `f_corrupt [B]`), and for the integrated methods the gradient
     `evaluations [B]` spent per pair, the adaptive rule's certified `bound` and `converged`
     (`[B]`; NaN and False for the fixed rules). `method`, `rule` (for EAP 'clean': the clean
-    run's gradient), `steps`, `tolerance` and `ablation` say how they were computed; under an
+    run's gradient; for clean-corrupted 'ends'), `steps`, `tolerance` and `ablation` say how
+    they were computed; under an
     ablation other than 'corrupt', `f_corrupt` is F with every edge ablated. `position_scores
-    [B, W, R, T]` (with `edge_attribution(..., per_position=True)`, else None): each edge's
+    [B, W, R, T]` (with `edge_attribution(..., detail=['positions'])`, else None): each edge's
     score at each position, summing over positions to `scores` (exact zeros before the pairs'
-    shared prefix ends and after a pair's last position, where F reads nothing)."""
+    shared prefix ends and after a pair's last position, where F reads nothing). `neuron_scores
+    [B, L, F]` (with detail 'neurons'): each MLP hidden unit's activation difference times F's
+    gradient at it, a layer's units summing to its MLP's node score (`node_scores`)."""
 
     scores: np.ndarray
     f_clean: np.ndarray
@@ -111,8 +126,9 @@ class EdgeScores(SavedResult):
     tolerance: Optional[float] = None
     parallel: bool = False  # the model's MLPs read their layer's input (`EdgeGraph.parallel`)
     post_norms: bool = False  # a layer's attention is one writer (`EdgeGraph.post_norms`)
-    position_scores: Optional[np.ndarray] = None  # [B, W, R, T] with `per_position`, else None
+    position_scores: Optional[np.ndarray] = None  # [B, W, R, T] with detail 'positions', else None
     ablation: str = "corrupt"  # what the clean run was measured against (`ablations.ABLATIONS`)
+    neuron_scores: Optional[np.ndarray] = None  # [B, L, F] with detail 'neurons', else None
 
     @property
     def graph(self) -> EdgeGraph:
@@ -120,7 +136,7 @@ class EdgeScores(SavedResult):
         return EdgeGraph.of_result(self)
 
     def at_positions(self, edge: str) -> np.ndarray:
-        """`[B, T]`: the edge named `edge`'s score at each position (`per_position` scores)."""
+        """`[B, T]`: the edge named `edge`'s score at each position (detail 'positions')."""
         w, r = self.graph.edge_index(edge)
         return self._positions()[:, w, r]
 
@@ -140,7 +156,7 @@ class EdgeScores(SavedResult):
     def _positions(self) -> np.ndarray:
         if self.position_scores is None:
             raise ValueError(
-                "these scores hold no positions: compute them with edge_attribution(..., per_position=True)"
+                "these scores hold no positions: compute them with edge_attribution(..., detail=['positions'])"
             )
         return self.position_scores
 
@@ -222,17 +238,19 @@ def input_path_gradients(
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
 def node_path_gradients(
-    params, pairs: PromptPairs, prefix, delta, node, nodes, *, config, metric, chunk: int, interventions=None
+    params, pairs: PromptPairs, prefix, path, nodes, *, config, metric, chunk: int, interventions=None
 ):
-    """As `input_path_gradients` on the path of one node of the 'activations' variant: the
-    output of node `node` (0 the input, 2l + 1 attention layer l, its heads or its one writer,
-    2l + 2 MLP l; traced, so one compilation serves every node) is a_corrupt + α_k `delta`
-    (`delta = a_clean - a_corrupt`, `[W, B, S, D]`, after the shared `prefix`), everything after
-    it recomputed."""
+    """As `input_path_gradients` on the path of one node of the 'activations' variant, `path =
+    (node, delta, detach)`: the output of node `node` (0 the input, 2l + 1 attention layer l,
+    its heads or its one writer, 2l + 2 MLP l) is a_corrupt + α_k `delta` (`delta = a_clean -
+    a_corrupt`, `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed
+    (`detach`: the node's output a constant, as `shift_node` says). All three are traced: one
+    compilation serves every node."""
     e_clean, _ = _suffix_embeddings(params, pairs, prefix, config)
+    node, delta, detach = path
 
     def gradient(alpha):
-        shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta)
+        shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta, detach)
         return _reader_gradient(params, e_clean, pairs, config, metric, shift, prefix, interventions)
 
     return weighted_sum(gradient, *nodes, chunk)
@@ -306,6 +324,30 @@ def edge_scores(delta, gradients: dict, edge_mask, per_position: bool = False):
     return jnp.where(edge_mask[(...,) + (None,) * len(positions)], scores, 0.0)
 
 
+@partial(jit, static_argnames="config")
+def hidden_units(params, tokens, valid, config: ModelConfig, interventions=None):
+    """`[L, B, T, F]`: every MLP's hidden units (`mlp_hidden`) on `tokens`, under `interventions`."""
+    tap = lambda record, _: record.mlp_hidden
+    return run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap)[
+        1
+    ]
+
+
+@jit
+def neuron_scores(delta_hidden, gradients: dict, down):
+    """`[B, L, F]`: each MLP hidden unit's activation difference (`delta_hidden [L, B, T, F]`)
+    times F's gradient at it, summed over positions. The gradient at MLP l's output is the sum
+    of the gradients at every reader after it (the readers of layers l + 1.. and the logits),
+    and through the down projection (`down [L, F, D]`) it is the gradient at the hidden units:
+    a layer's units sum to its MLP's node score."""
+    per_layer = sum(gradients[k].astype(jnp.float32).sum(axis=3) for k in ("q", "k", "v"))
+    per_layer = per_layer + gradients["mlp"].astype(jnp.float32)  # [L, B, T, D]: each layer's readers
+    from_layer = jnp.cumsum(per_layer[::-1], axis=0)[::-1]  # [l]: the readers of layers l..
+    after = jnp.concatenate([from_layer[1:], jnp.zeros_like(from_layer[:1])]) + gradients["logits"][None]
+    at_hidden = jnp.einsum("lbtd,lfd->lbtf", after, down.astype(jnp.float32))
+    return jnp.einsum("lbtf,lbtf->blf", delta_hidden.astype(jnp.float32), at_hidden)
+
+
 def position_scores(delta, gradients: dict, edge_mask, prefix_length: int = 0) -> np.ndarray:
     """`[B, W, R, P + T]` on the host: `edge_scores(..., per_position=True)` of the positions
     after a shared prefix of `prefix_length` (P) positions (`delta` and `gradients` hold the T
@@ -369,17 +411,27 @@ def input_paths(params, pairs: PromptPairs, prefix, config: ModelConfig, metric,
     return Paths(weighted=weighted, points=points, chunk=chunk, call_size=chunk)
 
 
-def node_paths(params, pairs: PromptPairs, prefix, delta, config: ModelConfig, metric, chunk: int, interventions=None):
+def node_paths(
+    params,
+    pairs: PromptPairs,
+    prefix,
+    delta,
+    config: ModelConfig,
+    metric,
+    chunk: int,
+    interventions=None,
+    *,
+    detach=False,
+):
     """EAP-IG 'activations' as paths of the integrator: node n's output path, keyed n
-    (`node_path_gradients`); fixed rules only."""
+    (`node_path_gradients`; `detach` as there); fixed rules only."""
 
     def weighted(node, alphas, weights, size):
         return node_path_gradients(
             params,
             pairs,
             prefix,
-            delta,
-            jnp.int32(node),
+            (jnp.int32(node), delta, jnp.bool_(detach)),
             (alphas, weights),
             config=config,
             metric=metric,
@@ -403,7 +455,7 @@ def edge_attribution(
     rule: Union[rules.Rule, str, None] = None,
     ablation=None,
     interventions=None,
-    per_position: bool = False,
+    detail: Sequence[str] = (),
     execution: Optional[Execution] = None,
 ) -> EdgeScores:
     """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`)
@@ -412,8 +464,9 @@ def edge_attribution(
     run's (`kl_to_clean`; `jaxdepth.analyses.edges.pairs`); static: define it once to reuse
     compilations.
 
-    method: 'eap' (one backward pass, gradients of the clean run; no rule), 'eap-ig-inputs' or
-    'eap-ig-activations' (the module docstring) with `rule`: a `FixedRule` (default
+    method: 'eap' (one backward pass, gradients of the clean run; no rule), 'clean-corrupted'
+    (the clean and the corrupt run's gradients averaged; no rule), 'eap-ig-inputs',
+    'eap-ig-activations' or 'eap-ig-activations-pooled' (the module docstring) with `rule`: a `FixedRule` (default
     `FixedRule('left', 16)`, the EAP-IG package's) or, for 'eap-ig-inputs', an `AdaptiveRule`
     (one tolerance; per pair, its budget of gradient evaluations plus one per final node); a
     rule's name stands for that rule with its defaults (`jaxdepth.analyses.ig.rules.as_rule`:
@@ -423,19 +476,21 @@ def edge_attribution(
     runs, as integrated gradients' `Execution`, of which edges read `chunk_size` (the path
     points vmapped at once; default: what `memory_budget` allows) and `progress`. `interventions`
     (`jaxdepth.core.sites`) act on every run, clean, corrupt and along the paths: the edges of
-    the model as they intervene on it (a skipped layer, a steering vector). `per_position`:
-    also each edge's score at each position (`EdgeScores.position_scores [B, W, R, T]`, the
-    terms that sum to `scores`: the edge carrying its writer's ablated output at that position
-    alone, to first order). Returns an
+    the model as they intervene on it (a skipped layer, a steering vector). `detail`: what to
+    resolve besides the edges (`DETAILS`): 'positions', each edge's score at each position
+    (`EdgeScores.position_scores [B, W, R, T]`, the terms that sum to `scores`: the edge
+    carrying its writer's ablated output at that position alone, to first order); 'neurons',
+    each MLP hidden unit's score (`EdgeScores.neuron_scores [B, L, F]`, summing over a layer's
+    units to its MLP's node score). Returns an
     `EdgeScores`."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     rule = _edge_rule(method, rule)
     execution = _edge_execution(execution)
     ablation = as_ablation(ablation)
-    if ablation.kind != "corrupt" and method == "eap-ig-inputs":
+    if ablation.kind != "corrupt" and method in ("eap-ig-inputs", "clean-corrupted"):
         raise ValueError(
-            f"'eap-ig-inputs' integrates along the input embeddings from the corrupt prompt to the clean one: it has "
+            f"{method!r} takes gradients along the input embeddings from the corrupt prompt to the clean one: it has "
             f"no path to a {ablation.kind!r} ablation (as in the EAP-IG package); use 'eap' or 'eap-ig-activations'"
         )
     graph = EdgeGraph.of(config)
@@ -465,24 +520,49 @@ def edge_attribution(
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
     scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-    positions = np.zeros(scores.shape + (T,), np.float32) if per_position else None
+    detail = _edge_detail(detail, ablation, graph)
+    positions = np.zeros(scores.shape + (T,), np.float32) if "positions" in detail else None
+    neurons, delta_hidden = None, None
+    if "neurons" in detail:
+        hidden = lambda tokens: hidden_units(params, tokens, pairs.valid, config, interventions)
+        delta_hidden = (hidden(pairs.clean) - hidden(pairs.corrupt))[:, :, P:]
+        neurons = np.zeros((B, config.num_layers, delta_hidden.shape[-1]), np.float32)
+    mlp_writers = np.array([graph.mlp_writer(layer) for layer in range(config.num_layers)])
 
     def score(writers, batch, grads):  # the scores of `writers` of the pairs `batch`, from the readers' gradients
         part = delta[writers][:, batch]
         scores[batch, writers] = to_host(edge_scores(part, grads, mask[writers]))
-        if per_position:
+        if positions is not None:
             positions[batch, writers] = position_scores(part, grads, mask[writers], P)
+        layers = np.flatnonzero(np.isin(mlp_writers, np.arange(graph.num_writers)[writers]))
+        if neurons is not None and len(layers):
+            units = to_host(neuron_scores(delta_hidden[:, batch], grads, params["layers"]["down"]))
+            neurons[batch, layers] = units[:, layers]
 
     every_writer, every_pair = slice(None), slice(None)
-    if rule is None:  # EAP
+    nodes = range(2 * config.num_layers + 1)
+    if method == "eap":
         score(every_writer, every_pair, clean_gradients(params, pairs, prefix, config, metric, interventions))
         evaluations = np.ones(B, np.int64)
+    elif method == "clean-corrupted":  # the gradients at both ends of the input path, averaged
+        paths = input_paths(params, pairs, prefix, config, metric, 2, interventions)
+        ends, halves = np.array([0.0, 1.0], np.float32), np.array([0.5, 0.5], np.float32)
+        score(every_writer, every_pair, paths.weighted(None, ends, halves, 2))
+        evaluations = np.full(B, 2, np.int64)
     elif method == "eap-ig-activations":
         paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions)
-        for node in track(range(2 * config.num_layers + 1), execution.progress, "EAP-IG, activations (nodes)"):
+        for node in track(nodes, execution.progress, "EAP-IG, activations (nodes)"):
             # the node's writers score along its own path
             score(np.flatnonzero(graph.writer_nodes == node), every_pair, integrate_fixed(paths, node, rule))
-        evaluations = np.full(B, rule.steps * (2 * config.num_layers + 1), np.int64)
+        evaluations = np.full(B, rule.steps * len(nodes), np.int64)
+    elif method == "eap-ig-activations-pooled":  # every writer scores along every node's path, averaged
+        paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions, detach=True)
+        pooled = None
+        for node in track(nodes, execution.progress, "EAP-IG, activations pooled (nodes)"):
+            grads = integrate_fixed(paths, node, rule)
+            pooled = grads if pooled is None else jax.tree.map(jnp.add, pooled, grads)
+        score(every_writer, every_pair, jax.tree.map(lambda g: g / len(nodes), pooled))
+        evaluations = np.full(B, rule.steps * len(nodes), np.int64)
     elif isinstance(rule, rules.AdaptiveRule):
         paths = input_paths(params, pairs, prefix, config, metric, chunk, interventions)
         evaluations = np.zeros(B, np.int64)
@@ -498,14 +578,15 @@ def edge_attribution(
     return EdgeScores(
         scores=scores,
         position_scores=positions,
+        neuron_scores=neurons,
         f_clean=np.asarray(f_clean, np.float32),
         f_corrupt=np.asarray(f_corrupt, np.float32),
         evaluations=evaluations,
         bound=bound,
         converged=converged,
         method=method,
-        rule="clean" if rule is None else rule.name,
-        steps=1 if rule is None else rule.evaluations,
+        rule=("clean" if method == "eap" else "ends") if rule is None else rule.name,
+        steps=int(evaluations[0]) if rule is None else rule.evaluations,
         tolerance=rule.tolerance if isinstance(rule, rules.AdaptiveRule) else None,
         ablation=ablation.kind,
         **graph.fields(),
@@ -513,19 +594,38 @@ def edge_attribution(
 
 
 def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
-    """The rule `method` runs: None for EAP (the clean run's gradient), else `rule` as a value
-    (default `FixedRule('left', DEFAULT_STEPS)`), refused where the method cannot run it."""
-    if method == "eap":
+    """The rule `method` runs: None for EAP and clean-corrupted (their gradients are at the
+    path's ends), else `rule` as a value (default `FixedRule('left', DEFAULT_STEPS)`; for the
+    pooled activations, the EAP-IG package's `FixedRule('right', DEFAULT_STEPS)`), refused
+    where the method cannot run it."""
+    if method in RULELESS:
         if rule is not None:
-            raise ValueError("a rule is EAP-IG's: method 'eap' takes the clean run's gradient, no rule")
+            raise ValueError(f"a rule is EAP-IG's: method {method!r} takes the gradients at the path's ends, no rule")
         return None
-    rule = rules.FixedRule("left", DEFAULT_STEPS) if rule is None else rules.as_rule(rule)
+    default = "right" if method == "eap-ig-activations-pooled" else "left"
+    rule = rules.FixedRule(default, DEFAULT_STEPS) if rule is None else rules.as_rule(rule)
     if isinstance(rule, rules.AdaptiveRule):
         if method != "eap-ig-inputs":
             raise ValueError("the adaptive rule certifies the input path's completeness: use it with 'eap-ig-inputs'")
         if isinstance(rule.tolerance, tuple):
             raise ValueError("EAP-IG's adaptive rule takes one tolerance (a tuple is one per attributed layer)")
     return rule
+
+
+def _edge_detail(detail, ablation, graph: EdgeGraph) -> tuple[str, ...]:
+    """`detail` checked: names of `DETAILS`; 'neurons' needs the corrupt run's hidden units and
+    an MLP output linear in them (no norm after the MLP)."""
+    detail = (detail,) if isinstance(detail, str) else tuple(detail)
+    unknown = [d for d in detail if d not in DETAILS]
+    if unknown:
+        raise ValueError(f"detail takes {DETAILS}, got {unknown}")
+    if "neurons" in detail and (ablation.kind != "corrupt" or graph.post_norms):
+        why = "under the corrupt ablation only" if ablation.kind != "corrupt" else "without a norm after the MLP"
+        raise ValueError(
+            f"neuron scores are the hidden units' activation differences times their gradients, {why}: an MLP's "
+            "output must be linear in its hidden units, and the units' ablated values are the corrupt run's"
+        )
+    return detail
 
 
 def _edge_execution(execution: Optional[Execution]) -> Execution:
