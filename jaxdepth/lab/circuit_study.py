@@ -27,7 +27,9 @@ from typing import Optional
 import numpy as np
 
 from jaxdepth.analyses.edges import (
+    ABLATIONS,
     METHODS,
+    Ablation,
     Circuit,
     EdgeScores,
     circuit_figure,
@@ -36,8 +38,11 @@ from jaxdepth.analyses.edges import (
     faithfulness_figure,
     find_circuit,
     logit_difference,
+    mean_ablation,
+    position_figure,
     ranked_edges,
 )
+from jaxdepth.analyses.edges.ablations import as_ablation
 from jaxdepth.analyses.edges.scores import RULELESS
 from jaxdepth.analyses.edges.selection import SEARCHES
 from jaxdepth.analyses.ig.engine import Execution
@@ -48,6 +53,7 @@ from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
 from jaxdepth.lab.runs import Step, hold_folders, produce
 
 CIRCUIT_FORMAT = 1  # part of the cache identity: bumped when the computation or the results change
+POSITION_ROWS = 40  # at most this many of the circuit's edges in the figure over positions
 
 
 @dataclasses.dataclass
@@ -67,15 +73,18 @@ def circuit_folder(out: str, model_name: str, task: str) -> str:
     return os.path.join(out, slug(model_name), f"circuit_{slug(task)}")
 
 
-def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float]) -> str:
+def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float], ablation: str = "corrupt") -> str:
     """The folder of one way of scoring edges: the method and the settings it reads, `eap`,
     `eap-ig-inputs-left-16` or `eap-ig-inputs-adaptive-tol0.01-max16` (the adaptive rule's
-    tolerance and its budget of evaluations)."""
+    tolerance and its budget of evaluations), and an ablation other than the corrupt run's
+    after them (`eap-zero`, `eap-ig-activations-left-16-mean`)."""
     if method in RULELESS:
-        return method
-    if rule == "adaptive":
-        return f"{method}-adaptive-tol{tolerance:g}-max{steps}"
-    return f"{method}-{rule}-{steps}"
+        name = method
+    elif rule == "adaptive":
+        name = f"{method}-adaptive-tol{tolerance:g}-max{steps}"
+    else:
+        name = f"{method}-{rule}-{steps}"
+    return name if ablation == "corrupt" else f"{name}-{ablation}"
 
 
 def circuit_choice(size: Optional[int], target: Optional[float], search: str = "top") -> str:
@@ -96,12 +105,22 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
+    if args.ablation != "corrupt" or args.positions:  # files of earlier versions keep their identity
+        settings.update(ablation=args.ablation, positions=args.positions)
     identity = _identity(model_name, task, settings)
+    ablation = task_ablation(model, task, args.ablation)
     start = time.perf_counter()
 
     def score():
         return edge_attribution(
-            p, pairs, c, logit_difference, **_score_options(settings), execution=Execution(progress=True)
+            p,
+            pairs,
+            c,
+            logit_difference,
+            **_score_options(settings),
+            ablation=ablation,
+            detail=["positions"] if args.positions else [],
+            execution=Execution(progress=True),
         )
 
     scores = produce(Step(file="edge_scores.npz", result_type=EdgeScores, identity=identity, run=score), folder)
@@ -111,7 +130,7 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     top = ranked_edges(scores.mean, scores.graph)[: args.check]
 
     def check():
-        effects = edge_effects(p, pairs, c, logit_difference, top, progress=True)
+        effects = edge_effects(p, pairs, c, logit_difference, top, ablation=ablation, progress=True)
         return EdgeChecks(edges=top, scores=scores.mean[top[:, 0], top[:, 1]], effects=effects)
 
     checked = f"top{args.check}"
@@ -125,7 +144,15 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     with warnings.catch_warnings():  # an unreached target is the command's own error line (run_command)
         warnings.filterwarnings("ignore", message="no circuit reaches faithfulness", category=RuntimeWarning)
         circuit = find_circuit(
-            p, pairs, c, logit_difference, scores, size=args.size, target=args.target, search=args.search
+            p,
+            pairs,
+            c,
+            logit_difference,
+            scores,
+            size=args.size,
+            target=args.target,
+            search=args.search,
+            ablation=ablation,
         )
     chosen = circuit_choice(args.size, args.target, args.search)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
@@ -144,7 +171,20 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
             scores_vs_patching_figure(checks, scores.method),
             os.path.join(figure_folder, f"scores_vs_patching_{checked}"),
         )
+        if args.positions:
+            labels = [model.tokenizer.decode([t]) for t in np.asarray(pairs.clean[0])]
+            figure = position_figure(scores, edges=circuit, k=min(args.draw, POSITION_ROWS), labels=labels)
+            save_figure(figure, os.path.join(figure_folder, f"positions_{chosen}"))
     return summary
+
+
+def task_ablation(model, task: TaskPairs, kind: str) -> Ablation:
+    """The command's `--ablation`: the corrupt run's values, zero, or each writer's mean over
+    the task's clean prompts (per token, or per position)."""
+    if kind in ("mean", "mean-per-position"):
+        per_position = kind == "mean-per-position"
+        return mean_ablation(model.params, task.clean, model.config, per_position=per_position, progress=True)
+    return as_ablation(kind)
 
 
 def _took(start: float, reused: bool) -> str:
@@ -279,6 +319,19 @@ def add_parser(subparsers) -> None:
         help="the circuits' edges: the top ones by score anywhere (default), or grown greedily from the logits "
         "(the EAP-IG package's apply_greedy)",
     )
+    p.add_argument(
+        "--ablation",
+        choices=ABLATIONS,
+        default="corrupt",
+        help="what a patched edge carries: the corrupt prompt's values, zero, or each writer's mean over the "
+        "task's clean prompts (per token or per position); --method eap-ig-inputs and clean-corrupted take "
+        "the corrupt one only",
+    )
+    p.add_argument(
+        "--positions",
+        action="store_true",
+        help="also score each edge at each position, and draw the circuit's edges over the first pair's tokens",
+    )
     p.add_argument("--draw", type=int, default=60, help="edges drawn in the live circuit figure (the best)")
     p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/<scoring>/")
     p.add_argument("--no-figures", action="store_true", help="save results only (default: draw the figures)")
@@ -297,6 +350,11 @@ def check_arguments(args) -> None:
         raise ValueError(f"--target is a faithfulness, in (0, 1]; got {args.target:g}")
     if args.method in RULELESS and (args.rule, args.steps, args.tolerance) != ("left", 16, None):
         raise ValueError(f"--rule, --steps and --tolerance are EAP-IG's; --method {args.method} takes none")
+    if args.ablation != "corrupt" and args.method in ("eap-ig-inputs", "clean-corrupted"):
+        raise ValueError(
+            f"--method {args.method} takes gradients between the corrupt and the clean prompt: --ablation "
+            f"{args.ablation} needs --method eap or eap-ig-activations"
+        )
     if args.rule == "adaptive" and args.method != "eap-ig-inputs":
         raise ValueError("--rule adaptive certifies the input path's completeness: use it with --method eap-ig-inputs")
     if args.tolerance is not None and (args.rule != "adaptive" or not args.tolerance > 0):
@@ -327,7 +385,7 @@ def run_command(args) -> int:
         args.tolerance = DEFAULT_TOLERANCE  # named in the folder: the default and 0.01 are one setting
     check_arguments(args)
     task_name = os.path.splitext(os.path.basename(args.pairs))[0] if args.pairs else f"addition{args.num_pairs}"
-    scoring = scoring_name(args.method, args.rule, args.steps, args.tolerance)
+    scoring = scoring_name(args.method, args.rule, args.steps, args.tolerance, args.ablation)
     folder = os.path.join(circuit_folder(args.out, args.model, task_name), scoring)
     with hold_folders([folder]):
         start = time.perf_counter()

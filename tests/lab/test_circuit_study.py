@@ -87,6 +87,39 @@ def test_circuit_command_writes_scores_checks_circuit_and_figures(checkpoint, pa
     assert "edge scores (eap-ig-inputs) reused" in out and "edges reused" in out
 
 
+def test_an_ablation_and_positions_go_to_a_folder_of_their_own(checkpoint, pairs_file, tmp_path, capsys):
+    """Each writer at its mean over the task's clean prompts at each position: the scores, the
+    checks and the circuit under that ablation, beside the corrupt run's, with the figure over
+    positions."""
+    extra = ("--method", "eap", "--ablation", "mean-per-position", "--positions")
+    assert main(_circuit_args(checkpoint, pairs_file, tmp_path, *extra)) == 0
+    folder = tmp_path / "model" / "circuit_pairs" / "eap-mean-per-position"
+    scores = EdgeScores.load(str(folder / "edge_scores.npz"))
+    assert scores.ablation == "mean-per-position" and scores.method == "eap"
+    assert scores.position_scores.shape == scores.scores.shape + (scores.position_scores.shape[-1],)
+    np.testing.assert_allclose(scores.position_scores.sum(-1), scores.scores, rtol=1e-4, atol=1e-6)
+    assert (folder / "figures" / "positions_size10.png").stat().st_size > 1000
+    assert Circuit.load(str(folder / "circuit_size10.npz")).faithfulness == pytest.approx(
+        find_circuit_under(checkpoint, pairs_file, scores), abs=1e-5
+    )
+    capsys.readouterr()
+
+
+def find_circuit_under(checkpoint, pairs_file, scores) -> float:
+    """The size-10 circuit's faithfulness recomputed from the saved scores under the same
+    ablation, in this process."""
+    import jaxdepth
+    from jaxdepth.analyses.edges import logit_difference, mean_ablation
+
+    model = jaxdepth.load(checkpoint)
+    task = read_pairs(pairs_file, model.tokenizer)
+    ablation = mean_ablation(model.params, task.clean, model.config, per_position=True)
+    found = find_circuit(
+        model.params, task.prompt_pairs(), model.config, logit_difference, scores, size=10, ablation=ablation
+    )
+    return found.faithfulness
+
+
 def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp_path, capsys, monkeypatch):
     def unreached(*args, **kwargs):  # as find_circuit says it when no circuit of the grid reaches the target
         circuit = find_circuit(*args, **kwargs)
@@ -126,6 +159,7 @@ def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp
         (["--target", "0"], r"--target is a faithfulness, in \(0, 1\]; got 0"),
         (["--tolerance", "0.1"], "with --rule adaptive only"),
         (["--rule", "adaptive", "--method", "eap-ig-activations"], "use it with --method eap-ig-inputs"),
+        (["--ablation", "zero"], "--ablation zero needs --method eap or eap-ig-activations"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_scoring(checkpoint, tmp_path, capsys, monkeypatch, extra, message):
