@@ -26,11 +26,13 @@ The definitions (signs, which run each gradient comes from, what is patched) are
 
 from jaxdepth.analyses.edges.ablations import ABLATIONS, CORRUPT, ZERO, Ablation, mean_ablation
 from jaxdepth.analyses.edges.circuit import (
+    LEVELS,
     Circuit,
     circuit_figure,
     faithfulness_figure,
     find_circuit,
     position_figure,
+    ranked_nodes,
     top_circuits,
 )
 from jaxdepth.analyses.edges.graph import EdgeGraph
@@ -98,4 +100,6 @@ __all__ = [
     "circuit_figure",
     "faithfulness_figure",
     "position_figure",
+    "ranked_nodes",
+    "LEVELS",
 ]

@@ -41,7 +41,11 @@ __all__ = [
     "circuit_figure",
     "faithfulness_figure",
     "position_figure",
+    "ranked_nodes",
+    "LEVELS",
 ]
+
+LEVELS = ("edge", "node")  # what a circuit is made of
 
 
 @dataclasses.dataclass
@@ -54,7 +58,8 @@ class Circuit(SavedResult):
     size was given. A caller that reports a circuit checks it: the command exits non-zero.
     `search`: how the edges were ordered ('top' or 'greedy'); `live [n]`: whether each edge is
     live (on a path from the input to the logits through the circuit); `live_sizes [k]`: the
-    live edges of each evaluated circuit."""
+    live edges of each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
+    first), `sizes` count nodes, and `edges` are all their out-edges (node by node)."""
 
     edges: np.ndarray
     scores: np.ndarray
@@ -70,6 +75,8 @@ class Circuit(SavedResult):
     search: str = "top"
     live: Optional[np.ndarray] = None  # None in files saved before pruning was known: `live_mask` computes it
     live_sizes: Optional[np.ndarray] = None
+    level: str = "edge"
+    nodes: Optional[np.ndarray] = None  # [m] writers, best first, at level 'node'
 
     @property
     def graph(self) -> EdgeGraph:
@@ -126,6 +133,7 @@ def find_circuit(
     interventions=None,
     search: str = "top",
     ablation=None,
+    level: str = "edge",
 ) -> Circuit:
     """A circuit of the first edges in the order of `search` ('top': by `scores`, an
     `EdgeScores` of these pairs; 'greedy': grown from the logits, module docstring): the first
@@ -135,7 +143,8 @@ def find_circuit(
     `interventions` act on every run, as in the `scores` (`edge_attribution(...,
     interventions=...)`), and the edges outside the circuit carry `ablation`'s values, the
     ablation the scores were computed under (`jaxdepth.analyses.edges.ablations`; None: the
-    corrupt run's; scores of another kind of ablation are refused).
+    corrupt run's; scores of another kind of ablation are refused). `level`: 'edge', or 'node'
+    (the first nodes by node score, module docstring; `size` then counts nodes, `search` 'top').
 
     A ValueError, before anything is computed, when neither or both of `size` and `target` are
     given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
@@ -155,9 +164,19 @@ def find_circuit(
             f"{ablation.kind!r} one: pass the scores' ablation (faithfulness divides by their F(clean) - F(ablated))"
         )
     taken = ordered_edges(scores.mean, graph, by, search)  # checks `by` and `search` before any work
-    total = graph.num_edges
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if level == "node":
+        if search != "top":
+            raise ValueError(
+                "the greedy search grows edges: a circuit of nodes takes them by node score (search 'top')"
+            )
+        nodes = ranked_nodes(scores, by)
+        total, first, unit = graph.num_writers, lambda n: _out_edges(nodes[:n], graph), "nodes"
+    else:
+        total, first, unit = graph.num_edges, lambda n: _first(taken, n, graph), "edges"
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
-        raise ValueError(f"size must be an integer in 0..{total} (the graph's edges), got {size!r}")
+        raise ValueError(f"size must be an integer in 0..{total} (the graph's {unit}), got {size!r}")
     if target is not None and not (np.isfinite(target) and 0 < target <= 1):
         raise ValueError(
             f"target must be a faithfulness in (0, 1], got {target!r}: faithfulness is the share of F(clean) - "
@@ -169,7 +188,7 @@ def find_circuit(
             pairs,
             config,
             metric,
-            [_first(taken, n, graph) for n in ns],
+            [first(n) for n in ns],
             chunk_size=chunk_size,
             interventions=interventions,
             ablation=ablation,
@@ -202,13 +221,18 @@ def find_circuit(
             best = np.nanmax(curve) if np.isfinite(curve).any() else float("nan")
             warnings.warn(
                 f"no circuit reaches faithfulness {target:g}: the best of the {len(sizes)} evaluated has "
-                f"{best:.6g}; the circuit returned is the whole graph ({total} edges, faithfulness {curve[-1]:.6g}), "
+                f"{best:.6g}; the circuit returned is the whole graph ({total} {unit}, faithfulness {curve[-1]:.6g}), "
                 "with reached=False",
                 RuntimeWarning,
                 stacklevel=2,
             )
-    chosen_edges = taken[:chosen]
-    live = live_edges(_first(taken, chosen, graph), graph)
+    if level == "node":  # every out-edge of the chosen nodes, node by node, each node's best first
+        chosen_edges = np.concatenate(
+            [taken[taken[:, 0] == w] for w in nodes[:chosen]] or [np.zeros((0, 2), taken.dtype)]
+        )
+    else:
+        chosen_edges = taken[:chosen]
+    live = live_edges(first(chosen), graph)
     return Circuit(
         edges=chosen_edges,
         scores=scores.mean[chosen_edges[:, 0], chosen_edges[:, 1]].astype(np.float32),
@@ -219,9 +243,27 @@ def find_circuit(
         reached=reached,
         search=search,
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
-        live_sizes=np.array([live_edges(_first(taken, n, graph), graph).sum() for n in sizes], np.int64),
+        live_sizes=np.array([live_edges(first(n), graph).sum() for n in sizes], np.int64),
+        level=level,
+        nodes=nodes[:chosen] if level == "node" else None,
         **graph.fields(),
     )
+
+
+def ranked_nodes(scores: EdgeScores, by: str = "abs") -> np.ndarray:
+    """`[W]` the writers (nodes) best first by their mean node score (`EdgeScores.node_scores`,
+    averaged over the pairs; `by` as `ranked_edges`); ties keep the graph's order."""
+    if by not in ("abs", "value"):
+        raise ValueError(f"by must be 'abs' or 'value', got {by!r}")
+    mean = scores.node_scores().mean(axis=0)
+    return np.argsort(-(np.abs(mean) if by == "abs" else mean), kind="stable")
+
+
+def _out_edges(nodes: np.ndarray, graph: EdgeGraph) -> np.ndarray:
+    """The `[W, R]` mask of every out-edge of `nodes`."""
+    mask = np.zeros(graph.edge_mask.shape, bool)
+    mask[nodes] = graph.edge_mask[nodes]
+    return mask
 
 
 def _first(order: np.ndarray, n: int, graph: EdgeGraph) -> np.ndarray:
@@ -360,12 +402,15 @@ def faithfulness_figure(circuit: Circuit, *, title: Optional[str] = None) -> Fig
     ax = fig.add_subplot()
     ax.plot(circuit.sizes, circuit.curve, marker="o")
     chosen = f"chosen: {len(circuit.edges)} edges ({circuit.num_live} live)"
+    if circuit.level == "node":
+        chosen = f"chosen: {len(circuit.nodes)} nodes, {len(circuit.edges)} edges ({circuit.num_live} live)"
     ax.axvline(len(circuit.edges), color="gray", linestyle="--", label=chosen)
     if circuit.target is not None:
         ax.axhline(circuit.target, color="tab:red", linestyle=":", label=f"target {circuit.target:g}")
     ax.set_xscale("log")
+    unit = "nodes" if circuit.level == "node" else "edges"
     ax.set_xlabel(
-        "edges in the circuit (top n by score)" if circuit.search == "top" else "edges in the circuit (greedy)"
+        f"{unit} in the circuit (top n by score)" if circuit.search == "top" else "edges in the circuit (greedy)"
     )
     ax.set_ylabel("faithfulness")
     ax.legend(frameon=False)
