@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxdepth.analyses.edges import (
     ABLATIONS,
+    LEVELS,
     METHODS,
     Ablation,
     Circuit,
@@ -87,10 +88,11 @@ def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float],
     return name if ablation == "corrupt" else f"{name}-{ablation}"
 
 
-def circuit_choice(size: Optional[int], target: Optional[float], search: str = "top") -> str:
+def circuit_choice(size: Optional[int], target: Optional[float], search: str = "top", level: str = "edge") -> str:
     """How the circuit was chosen, as its files name it: `size10` or `target0.8`, with
-    `_greedy` after it for the greedy search."""
-    return (f"size{size}" if size is not None else f"target{target:g}") + ("" if search == "top" else f"_{search}")
+    `_greedy` after it for the greedy search and `_nodes` for a circuit of nodes."""
+    name = f"size{size}" if size is not None else f"target{target:g}"
+    return name + ("" if search == "top" else f"_{search}") + ("" if level == "edge" else "_nodes")
 
 
 def _identity(model_name: str, task: TaskPairs, settings: dict) -> dict:
@@ -153,11 +155,13 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
             target=args.target,
             search=args.search,
             ablation=ablation,
+            level=args.level,
         )
-    chosen = circuit_choice(args.size, args.target, args.search)
+    chosen = circuit_choice(args.size, args.target, args.search, args.level)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
     took = time.perf_counter() - start
-    print(f"circuit of {len(circuit.edges)} edges ({circuit.num_live} live) in {took:.1f} s", flush=True)
+    of_nodes = f"{len(circuit.nodes)} nodes, " if args.level == "node" else ""
+    print(f"circuit of {of_nodes}{len(circuit.edges)} edges ({circuit.num_live} live) in {took:.1f} s", flush=True)
     summary = summarise(scores, checks, circuit, model_name)
     with atomic_write(os.path.join(folder, f"summary_{checked}_{chosen}.txt"), "w") as f:
         f.write(summary["text"])
@@ -332,6 +336,13 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="also score each edge at each position, and draw the circuit's edges over the first pair's tokens",
     )
+    p.add_argument(
+        "--level",
+        choices=LEVELS,
+        default="edge",
+        help="what the circuit is made of: edges (default), or nodes (heads, MLPs, the input) by their node "
+        "scores, each with all its out-edges; --size then counts nodes",
+    )
     p.add_argument("--draw", type=int, default=60, help="edges drawn in the live circuit figure (the best)")
     p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/<scoring>/")
     p.add_argument("--no-figures", action="store_true", help="save results only (default: draw the figures)")
@@ -355,6 +366,8 @@ def check_arguments(args) -> None:
             f"--method {args.method} takes gradients between the corrupt and the clean prompt: --ablation "
             f"{args.ablation} needs --method eap or eap-ig-activations"
         )
+    if args.level == "node" and args.search != "top":
+        raise ValueError("--level node takes nodes by node score: --search greedy grows edges")
     if args.rule == "adaptive" and args.method != "eap-ig-inputs":
         raise ValueError("--rule adaptive certifies the input path's completeness: use it with --method eap-ig-inputs")
     if args.tolerance is not None and (args.rule != "adaptive" or not args.tolerance > 0):
@@ -363,13 +376,15 @@ def check_arguments(args) -> None:
         raise ValueError(f"--pairs {args.pairs}: no such file")
 
 
-def check_size(size: Optional[int], config) -> None:
-    """Refuse a circuit size the model's graph cannot have (known from its config, before any scoring)."""
+def check_size(size: Optional[int], config, level: str = "edge") -> None:
+    """Refuse a circuit size the model's graph cannot have (known from its config, before any
+    scoring): its edges, or its nodes (writers) at `level` 'node'."""
     from jaxdepth.analyses.edges.graph import EdgeGraph
 
-    total = EdgeGraph.of(config).num_edges
+    graph = EdgeGraph.of(config)
+    total, unit = (graph.num_writers, "nodes") if level == "node" else (graph.num_edges, "edges")
     if size is not None and not 1 <= size <= total:
-        raise ValueError(f"--size must be in 1..{total} (the edges of this model's graph), got {size}")
+        raise ValueError(f"--size must be in 1..{total} (the {unit} of this model's graph), got {size}")
 
 
 def run_command(args) -> int:
@@ -393,7 +408,7 @@ def run_command(args) -> int:
         print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", flush=True)
         if model.tokenizer is None:
             raise ValueError(f"the model from {args.model} has no tokenizer: its pairs cannot be encoded")
-        check_size(args.size, model.config)
+        check_size(args.size, model.config, args.level)
         tokenizer = model.tokenizer
         task = read_pairs(args.pairs, tokenizer) if args.pairs else addition_pairs(tokenizer, args.num_pairs)
         summary = find_and_save(model, task, folder, args, model_name=args.model, figures=not args.no_figures)

@@ -105,6 +105,18 @@ def test_an_ablation_and_positions_go_to_a_folder_of_their_own(checkpoint, pairs
     capsys.readouterr()
 
 
+def test_a_circuit_of_nodes_is_named_and_counted_in_nodes(checkpoint, pairs_file, tmp_path, capsys):
+    args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--level", "node")
+    args[args.index("--size") + 1] = "4"
+    assert main(args) == 0
+    folder = tmp_path / "model" / "circuit_pairs" / "eap"
+    circuit = Circuit.load(str(folder / "circuit_size4_nodes.npz"))
+    assert circuit.level == "node" and len(circuit.nodes) == 4
+    assert set(circuit.edges[:, 0].tolist()) <= set(circuit.nodes.tolist())
+    assert "circuit of 4 nodes, " in capsys.readouterr().out
+    assert (folder / "figures" / "faithfulness_size4_nodes.png").exists()
+
+
 def find_circuit_under(checkpoint, pairs_file, scores) -> float:
     """The size-10 circuit's faithfulness recomputed from the saved scores under the same
     ablation, in this process."""
@@ -160,6 +172,7 @@ def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp
         (["--tolerance", "0.1"], "with --rule adaptive only"),
         (["--rule", "adaptive", "--method", "eap-ig-activations"], "use it with --method eap-ig-inputs"),
         (["--ablation", "zero"], "--ablation zero needs --method eap or eap-ig-activations"),
+        (["--level", "node", "--search", "greedy"], "--level node takes nodes by node score"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_scoring(checkpoint, tmp_path, capsys, monkeypatch, extra, message):
