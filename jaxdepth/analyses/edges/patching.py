@@ -21,7 +21,6 @@ write, and their other edges carry that). Every function takes `interventions`
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from typing import Callable, Optional
 
@@ -145,24 +144,15 @@ def edge_effects(
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _PatchUnit:
-    """At `mlp_hidden`, hidden unit `unit` of layer `target` takes its value in `corrupt [L, B,
-    T, F]`; nothing else changes (data: `(target, unit, corrupt)`, traced: one compilation)."""
-
-    def __call__(self, value, layer, data):
-        target, unit, corrupt = data
-        hit = (layer == target) & (jnp.arange(value.shape[-1]) == unit)
-        return jnp.where(hit, jax.lax.dynamic_index_in_dim(corrupt, layer, keepdims=False).astype(value.dtype), value)
-
-
 @partial(jit, static_argnames=("config", "metric"))
 def _unit_runs(params, pairs: PromptPairs, units, corrupt_hidden, interventions, *, config, metric):
     """F `[c, B]` with MLP hidden unit `units[i] = (layer, unit)` at its corrupt value."""
     h0 = embed(params, pairs.clean, config)
+    L, F = corrupt_hidden.shape[0], corrupt_hidden.shape[-1]
 
-    def one(layer, unit):
-        ivs = (interventions, sites.Intervention("mlp_hidden", _PatchUnit(), (layer, unit, corrupt_hidden)))
+    def one(layer, unit):  # activation patching of one unit: `where [L, 1, 1, F]` true at (layer, unit) alone
+        where = (jnp.arange(L) == layer)[:, None, None, None] & (jnp.arange(F) == unit)[None, None, None, :]
+        ivs = (interventions, sites.patch("mlp_hidden", corrupt_hidden, where))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs)
         return final_metric(params, metric, h, pairs, config)
 
