@@ -190,14 +190,24 @@ def neuron_effects(
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
     corrupt_hidden = hidden_units(params, pairs.corrupt, pairs.valid, config, interventions)
     chunk = min(chunk_size or _chunk(config, pairs, 0), len(units))
-    out = np.zeros((len(units), len(pairs)), np.float32)
-    for start in track(range(0, len(units), chunk), progress, "exact neuron patching (chunks)"):
-        part = units[start : start + chunk]
-        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        f = _unit_runs(
-            params, pairs, jnp.asarray(padded, jnp.int32), corrupt_hidden, interventions, config=config, metric=metric
+    run = lambda part: (
+        f_clean[None]
+        - _unit_runs(
+            params, pairs, jnp.asarray(part, jnp.int32), corrupt_hidden, interventions, config=config, metric=metric
         )
-        out[start : start + len(part)] = to_host(f_clean[None] - f)[: len(part)]
+    )
+    return _in_chunks(run, units, chunk, progress, "exact neuron patching (chunks)")
+
+
+def _in_chunks(run, items: np.ndarray, chunk: int, progress: ProgressLike, what: str) -> np.ndarray:
+    """`[n, B]`: `run` (a vmapped call, `[chunk, ...] -> [chunk, B]`) over `items` `chunk` at a
+    time, the last chunk padded with its last item (one compiled shape) and the padding dropped."""
+    out = None
+    for start in track(range(0, len(items), chunk), progress, what):
+        part = items[start : start + chunk]
+        f = to_host(run(np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])))
+        out = np.zeros((len(items),) + f.shape[1:], np.float32) if out is None else out
+        out[start : start + len(part)] = f[: len(part)]
     return out
 
 
@@ -227,13 +237,8 @@ def patched_metric(
     ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
     writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]
     chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
-    out = np.zeros((len(masks), len(pairs)), np.float32)
-    for start in track(range(0, len(masks), chunk), progress, "exact patching of edge sets (chunks)"):
-        part = masks[start : start + chunk]
-        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])
-        f = patched_sets(params, pairs, prefix, jnp.asarray(padded), writers, interventions, config, metric)
-        out[start : start + len(part)] = to_host(f)[: len(part)]
-    return out
+    run = lambda part: patched_sets(params, pairs, prefix, jnp.asarray(part), writers, interventions, config, metric)
+    return _in_chunks(run, masks, chunk, progress, "exact patching of edge sets (chunks)")
 
 
 def circuit_metric(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, circuits, **kwargs) -> np.ndarray:
