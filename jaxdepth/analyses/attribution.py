@@ -1,8 +1,8 @@
 """Gradient attributions as functions: the gradient at every named site of every layer from one
 forward and one backward pass, gradient x activation, and attribution patching.
 
-`site_gradients` adds a zero "probe" at each requested site of every layer (an ordinary
-`jaxdepth.core.sites.Intervention`, appended after the caller's own) and differentiates the
+`site_gradients` adds a zero probe at each requested site of every layer (`jaxdepth.core.sites.probe`,
+an ordinary intervention appended after the caller's own) and differentiates the
 metric with respect to the probes: d metric / d probe_l is the gradient at that site of layer
 l, for all layers at once. The backward reads every layer's stored activations; above
 `STORED_ACTIVATIONS_LIMIT` bytes the stack runs under `jax.checkpoint` per layer instead, so the
@@ -32,7 +32,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, unembed
-from jaxdepth.core.sites import Intervention, as_interventions, site_shape
+from jaxdepth.core.sites import as_interventions, probe, site_shape
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
@@ -65,10 +65,6 @@ def recomputes_layers(config: ModelConfig, tokens: int) -> bool:
     `tokens` (batch x length) positions: when all layers' activations exceed
     `STORED_ACTIVATIONS_LIMIT`."""
     return config.num_layers * member_bytes(config, tokens) > STORED_ACTIVATIONS_LIMIT
-
-
-def _probe(value, layer, probes):
-    return value + probes[layer].astype(value.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +120,7 @@ def site_gradients(
         return {s: getattr(record, s) for s in sites}, None if tap is None else tap(record, x)
 
     def value(probes):
-        ivs = base + tuple(Intervention(s, _probe, probes[s], layer_data=True) for s in sites)
+        ivs = base + tuple(probe(s, probes[s]) for s in sites)
         h, (values, taps) = run_layers(
             params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=read, remat=remat
         )

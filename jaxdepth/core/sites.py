@@ -82,6 +82,7 @@ __all__ = [
     "replace",
     "add",
     "patch",
+    "probe",
     "ablate_heads",
 ]
 
@@ -556,6 +557,18 @@ def add(site: str, layer, vector, positions) -> Intervention:
         (jnp.asarray(layer, jnp.int32), jnp.asarray(positions, jnp.float32), _float(vector, "the added vector")),
         layer_index=0,
     )
+
+
+def _add_rows(value, layer, rows):
+    return value + rows[layer].astype(value.dtype)
+
+
+def probe(site: str, rows) -> Intervention:
+    """A gradient probe: at every layer l, add `rows[l]` to the value at `site` (`rows` `[L,
+    ...]`, each row broadcastable to the site's value; `[L+1, ...]` at `resid_pre` also reaches
+    the final residual). Zeros change nothing, and the gradient of a function of the run with
+    respect to `rows` is its gradient at the site, after the interventions before it."""
+    return Intervention(site, _add_rows, rows, layer_data=True)
 
 
 def _patch(value, layer, data):

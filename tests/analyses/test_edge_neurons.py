@@ -79,5 +79,5 @@ def test_neurons_refuse_what_they_cannot_mean(params, pairs):
         edge_attribution(params, pairs, CONFIG, logit_difference, detail=["neurons"], ablation="zero")
     with pytest.raises(ValueError, match="detail takes"):
         edge_attribution(params, pairs, CONFIG, logit_difference, detail=["heads"])
-    with pytest.raises(ValueError, match=r"a neuron is \(layer in 0..3, unit in 0..63\)"):
+    with pytest.raises(ValueError, match=r"a node of neurons is \(layer in 0..3, unit in 0..63\)"):
         neuron_effects(params, pairs, CONFIG, logit_difference, [(4, 0)])

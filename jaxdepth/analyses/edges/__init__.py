@@ -14,7 +14,10 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
   means over a prompt set (`mean_ablation`, per token or per position);
 - `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
 - `patching`: exact patching of edges one at a time or in sets (`edge_effects`,
-  `patched_metric`, `circuit_metric`, `faithfulness`);
+  `patched_metric`, `circuit_metric`, `faithfulness`), and of nodes (`node_effects`);
+- `atp_star`: attribution patching of nodes (a head's query, key or value at a position, a head's
+  or an MLP's output at a position, an MLP hidden unit), AtP* with the QK fix and GradDrop
+  (`atp_star`);
 - `selection`: the order in which circuits take edges (by score, or grown greedily from the
   logits) and which of a circuit's edges are live (`live_edges`);
 - `circuit`: circuits from scores (`find_circuit`) and their figures (`position_figure`: edges
@@ -25,6 +28,7 @@ The definitions (signs, which run each gradient comes from, what is patched) are
 """
 
 from jaxdepth.analyses.edges.ablations import ABLATIONS, CORRUPT, ZERO, Ablation, mean_ablation
+from jaxdepth.analyses.edges.atp_star import NODE_KINDS, NodeAttribution, atp_star, missed_nodes, node_shape
 from jaxdepth.analyses.edges.circuit import (
     LEVELS,
     Circuit,
@@ -51,7 +55,14 @@ from jaxdepth.analyses.edges.pairs import (
     text_pairs,
 )
 from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
-from jaxdepth.analyses.edges.patching import circuit_metric, edge_effects, faithfulness, neuron_effects, patched_metric
+from jaxdepth.analyses.edges.patching import (
+    circuit_metric,
+    edge_effects,
+    faithfulness,
+    neuron_effects,
+    node_effects,
+    patched_metric,
+)
 from jaxdepth.analyses.edges.scores import DETAILS, METHODS, EdgeScores, edge_attribution, ranked_edges
 from jaxdepth.analyses.edges.selection import SEARCHES, greedy_edges, live_edges, ordered_edges
 
@@ -94,6 +105,12 @@ __all__ = [
     "circuit_metric",
     "faithfulness",
     "neuron_effects",
+    "node_effects",
+    "NODE_KINDS",
+    "NodeAttribution",
+    "atp_star",
+    "node_shape",
+    "missed_nodes",
     "Circuit",
     "find_circuit",
     "top_circuits",

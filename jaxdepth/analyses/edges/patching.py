@@ -12,8 +12,10 @@ write, and their other edges carry that). Every function takes `interventions`
   of the edge estimates (the same sign). An edge into a reader of layer l changes nothing
   before layer l, so each edge's run starts there, from the clean residual h_l.
 - `patched_metric`: F with each of several edge sets patched.
-- `neuron_effects`: each MLP hidden unit patched alone (every reader of its MLP reads its
-  corrupt value), F(clean) - F(patched): what its neuron score estimates.
+- `node_effects`: each node (a head's query, key or value at a position, a head's or an MLP's
+  output at a position, an MLP hidden unit) patched alone, F(clean) - F(patched): what AtP
+  (`jaxdepth.analyses.edges.atp_star`) estimates; `neuron_effects`: hidden units, what their
+  neuron scores estimate (every reader of the MLP reads the unit's corrupt value).
 - `circuit_metric`, `faithfulness`: a circuit is a set of edges kept clean; its metric is F with
   every other edge patched, and its faithfulness (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)):
   1 for the whole graph, 0 for the empty circuit.
@@ -39,7 +41,8 @@ from jaxdepth.analyses.edges.readers import (
     patched_sets,
     run_metric,
 )
-from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
+from jaxdepth.analyses.edges.atp_star import NODE_INDEX, PATCH_SITE, node_shape
+from jaxdepth.analyses.edges.scores import pair_runs, suffix_run, with_clean_logits
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.loops import run_layers
@@ -55,6 +58,7 @@ __all__ = [
     "circuit_metric",
     "faithfulness",
     "neuron_effects",
+    "node_effects",
 ]
 
 MAX_CHUNK = 16
@@ -113,7 +117,7 @@ def edge_effects(
             raise ValueError(f"positions must lie in 0..{T - 1} (the pairs' {T} positions), got {positions.tolist()}")
     ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean, config, metric)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     delta = (ablation.writers(graph, pairs, corrupt, config.hidden_size) - clean.writers)[:, :, P:]
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
@@ -144,59 +148,98 @@ def edge_effects(
     return out
 
 
-@partial(jit, static_argnames=("config", "metric"))
-def _unit_runs(params, pairs: PromptPairs, units, corrupt_hidden, interventions, *, config, metric):
-    """F `[c, B]` with MLP hidden unit `units[i] = (layer, unit)` at its corrupt value."""
-    h0 = embed(params, pairs.clean, config)
-    L, F = corrupt_hidden.shape[0], corrupt_hidden.shape[-1]
+def _node_where(kind: str, node, config: ModelConfig, seq_len: int):
+    """Where `sites.patch` patches node `node` of `kind` (`atp_star.NODE_KINDS`): one row per
+    layer, true at the node alone."""
+    L, H, F = config.num_layers, config.num_heads, config.intermediate_size
+    hot = lambda n, i: jnp.arange(n) == i  # noqa: E731
+    layer = hot(L, node[0])
+    if kind == "neurons":  # [L, 1, 1, F]: the unit at every position
+        return layer[:, None, None, None] & hot(F, node[1])[None, None, None, :]
+    if kind == "mlps":  # [L, 1, T, 1]
+        return layer[:, None, None, None] & hot(seq_len, node[1])[None, None, :, None]
+    # [L, 1, T, H, 1]: one head at one position
+    return (
+        layer[:, None, None, None, None]
+        & hot(seq_len, node[2])[None, None, :, None, None]
+        & hot(H, node[1])[None, None, None, :, None]
+    )
 
-    def one(layer, unit):  # activation patching of one unit: `where [L, 1, 1, F]` true at (layer, unit) alone
-        where = (jnp.arange(L) == layer)[:, None, None, None] & (jnp.arange(F) == unit)[None, None, None, :]
-        ivs = (interventions, sites.patch("mlp_hidden", corrupt_hidden, where))
+
+@partial(jit, static_argnames=("config", "metric", "kind"))
+def _node_runs(params, pairs: PromptPairs, nodes, cached, interventions, *, config, metric, kind):
+    """F `[c, B]` with node `nodes[i]` of `kind` at its corrupt value (`cached`, every layer's
+    values at the kind's site in the corrupt run)."""
+    h0 = embed(params, pairs.clean, config)
+
+    def one(node):
+        where = _node_where(kind, node, config, pairs.clean.shape[1])
+        ivs = (interventions, sites.patch(PATCH_SITE[kind], cached, where))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs)
         return final_metric(params, metric, h, pairs, config)
 
-    return jax.vmap(one)(units[:, 0], units[:, 1])
+    return jax.vmap(one)(nodes)
 
 
-def neuron_effects(
+def _corrupt_values(params, pairs: PromptPairs, config: ModelConfig, kind: str, interventions):
+    """`[L, B, T, ...]`: what `kind`'s site holds in the corrupt run (a head's query, key and
+    value inputs: the layer's input h_l, as each head reads it)."""
+    tap = {
+        "heads": lambda r, _: r.head_out,
+        "mlps": lambda r, _: r.mlp,
+        "neurons": lambda r, _: r.mlp_hidden,
+    }.get(kind, lambda r, _: jnp.broadcast_to(r.h[:, :, None], r.h.shape[:2] + (config.num_heads, r.h.shape[-1])))
+    h0 = embed(params, pairs.corrupt, config)
+    return run_layers(params, h0, config, valid=pairs.valid, interventions=interventions, tap=tap)[1]
+
+
+def node_effects(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
     metric: Callable,
-    neurons,
+    kind: str,
+    nodes,
     *,
     chunk_size: Optional[int] = None,
     interventions=None,
     progress: ProgressLike = False,
 ) -> np.ndarray:
-    """`[n, B]`: F(clean) - F(clean with MLP hidden unit `neurons[i] = (layer, unit)` at its
-    value in the corrupt run), per pair: the exact effect that its neuron score
-    (`edge_attribution(..., detail=['neurons'])`) estimates. `chunk_size` units vmapped at once."""
+    """`[n, B]`: F(clean) - F(clean with node `nodes[i]` of `kind` at its value in the corrupt
+    run), per pair: the exact effect that AtP (`atp_star`) estimates. Nodes as
+    `jaxdepth.analyses.edges.atp_star` indexes them: (layer, head, position) for queries, keys,
+    values and heads, (layer, position) for MLPs, (layer, unit) for neurons (a hidden unit at
+    every position). `chunk_size` nodes vmapped at once."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
-    units = np.asarray(neurons, np.int64).reshape(-1, 2)
-    if len(units) == 0:
-        raise ValueError("no neurons given")
-    F = config.intermediate_size
-    bad = (units[:, 0] < 0) | (units[:, 0] >= config.num_layers) | (units[:, 1] < 0) | (units[:, 1] >= F)
+    shape = node_shape(kind, config, pairs.clean.shape[1])
+    index = np.asarray(nodes, np.int64).reshape(-1, len(shape))
+    if len(index) == 0:
+        raise ValueError("no nodes given")
+    bad = np.any((index < 0) | (index >= np.array(shape)), axis=1)
     if bad.any():
-        raise ValueError(
-            f"a neuron is (layer in 0..{config.num_layers - 1}, unit in 0..{F - 1}); got {units[bad][0].tolist()}"
-        )
+        ranges = ", ".join(f"{name} in 0..{n - 1}" for name, n in zip(NODE_INDEX[kind], shape))
+        raise ValueError(f"a node of {kind} is ({ranges}); got {index[bad][0].tolist()}")
     clean, _ = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean, config, metric)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
-    corrupt_hidden = hidden_units(params, pairs.corrupt, pairs.valid, config, interventions)
-    chunk = min(chunk_size or _chunk(config, pairs, 0), len(units))
+    cached = _corrupt_values(params, pairs, config, kind, interventions)
+    chunk = min(chunk_size or _chunk(config, pairs, 0), len(index))
     run = lambda part: (
         f_clean[None]
-        - _unit_runs(
-            params, pairs, jnp.asarray(part, jnp.int32), corrupt_hidden, interventions, config=config, metric=metric
+        - _node_runs(
+            params, pairs, jnp.asarray(part, jnp.int32), cached, interventions, config=config, metric=metric, kind=kind
         )
     )
-    return _in_chunks(run, units, chunk, progress, "exact neuron patching (chunks)")
+    return _in_chunks(run, index, chunk, progress, f"exact patching of {kind} (chunks)")
+
+
+def neuron_effects(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, neurons, **kwargs) -> np.ndarray:
+    """`[n, B]`: F(clean) - F(clean with MLP hidden unit `neurons[i] = (layer, unit)` at its
+    value in the corrupt run), per pair: the exact effect that its neuron score
+    (`edge_attribution(..., detail=['neurons'])`) estimates. `kwargs` as `node_effects`."""
+    return node_effects(params, pairs, config, metric, "neurons", neurons, **kwargs)
 
 
 def _in_chunks(run, items: np.ndarray, chunk: int, progress: ProgressLike, what: str) -> np.ndarray:
@@ -232,7 +275,7 @@ def patched_metric(
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
     ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean, config, metric)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
     writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]

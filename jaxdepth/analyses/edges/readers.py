@@ -96,15 +96,10 @@ def reader_probes(config: ModelConfig, batch: int, seq_len: int, dtype=jnp.float
     return {"q": head, "k": head, "v": head, "mlp": mlp, "logits": head[0, :, :, 0]}
 
 
-def _add_row(value, layer, rows):
-    return value + rows[layer].astype(value.dtype)
-
-
 def probe_readers(probes: dict, num_layers: int) -> tuple[sites.Intervention, ...]:
     """Interventions adding `probes` (`reader_probes`' dict) at every reader's input."""
     per_layer = [
-        sites.Intervention(site, _add_row, probes[kind], layer_data=True)
-        for site, kind in zip(HEAD_INPUTS + ("mlp_in",), ("q", "k", "v", "mlp"))
+        sites.probe(site, probes[kind]) for site, kind in zip(HEAD_INPUTS + ("mlp_in",), ("q", "k", "v", "mlp"))
     ]
     return (*per_layer, sites.add("resid_pre", num_layers, probes["logits"], 1.0))
 

@@ -212,12 +212,13 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=Non
     return run(pairs.clean), run(pairs.corrupt)
 
 
-def with_clean_logits(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, metric) -> PromptPairs:
-    """`pairs` carrying the clean run's logits at every position (`PromptPairs.clean_logits`)
-    for a `SequenceMetric`, which reads them; `pairs` as they are for any other metric."""
+def with_clean_logits(params, pairs: PromptPairs, clean_final, config: ModelConfig, metric) -> PromptPairs:
+    """`pairs` carrying the clean run's logits at every position (`PromptPairs.clean_logits`,
+    from its final residual `clean_final [B, T, D]`) for a `SequenceMetric`, which reads them;
+    `pairs` as they are for any other metric."""
     if not isinstance(metric, SequenceMetric):
         return pairs
-    return dataclasses.replace(pairs, clean_logits=all_logits(params, clean.final, config))
+    return dataclasses.replace(pairs, clean_logits=all_logits(params, clean_final, config))
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
@@ -498,7 +499,7 @@ def edge_attribution(
     check_interventions(interventions, graph)
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean, config, metric)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     ablated = jnp.broadcast_to(ablation.writers(graph, pairs, corrupt, config.hidden_size), clean.writers.shape)
     delta = (clean.writers - ablated)[:, :, P:]

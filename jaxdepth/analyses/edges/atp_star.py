@@ -1,0 +1,324 @@
+"""AtP* (Kramár et al. 2024, arXiv 2403.00745): attribution patching of nodes, with its two fixes
+for false negatives, the QK fix and GradDrop.
+
+Nodes (`NODE_KINDS`; the index of a node in its score array, after the pair axis):
+
+    queries  a head's query at a position, as the head reads it (rotated)   (layer, head, position)
+    keys     a key at a position, as one query head reads it                (layer, head, position)
+    values   a value at a position, as one query head reads it              (layer, head, position)
+    heads    a head's output at a position (before o_proj)                  (layer, head, position)
+    mlps     an MLP's output at a position                                  (layer, position)
+    neurons  an MLP hidden unit at every position                           (layer, unit)
+
+A node is patched when it takes its value in the corrupt run and everything after it is
+recomputed (`jaxdepth.analyses.edges.patching.node_effects` does so exactly). A key or value of a
+grouped-query model is one query head's reading of its group's key: patched for that head alone.
+
+Definitions (per pair; F the user's metric, as edge attribution's; every estimate is of the
+drop F(clean) - F(clean with the node patched), the sign of EAP and of `node_effects`):
+
+- AtP: (n_clean - n_corrupt) . dF/dn, the gradient taken in the clean run.
+- QK fix: a query's or key's effect passes through the attention softmax, whose linear
+  estimate misses where the softmax saturates. The fix computes the head's output with that
+  one query (key) at its corrupt value exactly, o', and linearizes only from there on:
+  sum over the head's positions of (o - o') . dF/do. A query at position s changes row s of the
+  attention pattern; a key at position t changes column t of every row. A value needs no fix:
+  the head's output is linear in its values, and its AtP is the same estimate.
+- GradDrop: F's gradient with layer l's contribution to the residual (site `delta`) held
+  constant in the backward pass (its forward value kept), for each layer l in turn, and the
+  estimate I_l(n) under each of those gradients; the score is sum_l |I_l(n)| / (L - 1). A node
+  of layer m has I_m(n) = 0 exactly (its own layer's contribution carries all of its effect)
+  and I_l(n) = I(n) for l < m, so where nothing cancels downstream the score is |I(n)|; where a
+  node's effects along two paths cancel, dropping one of them shows the other. GradDrop
+  scores are magnitudes (>= 0).
+
+AtP* is both fixes together (`atp_star`'s default); `qk_fix=False, grad_drop=False` is AtP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdepth.analyses.edges.graph import EdgeGraph
+from jaxdepth.analyses.edges.pairs import PromptPairs
+from jaxdepth.analyses.edges.readers import check_interventions, final_metric
+from jaxdepth.analyses.edges.scores import with_clean_logits
+from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.layer import attend, context_of_layer, layer_context
+from jaxdepth.core.loops import run_layers
+from jaxdepth.core.model import embed
+from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.core.sharding import to_host
+from jaxdepth.core.sites import Intervention, as_interventions, probe, site_shape
+from jaxdepth.core.sweep import auto_chunk_size, sweep
+
+__all__ = ["NODE_KINDS", "NodeAttribution", "atp_star", "node_shape", "missed_nodes"]
+
+NODE_KINDS = ("queries", "keys", "values", "heads", "mlps", "neurons")
+ATTENTION_KINDS = ("queries", "keys", "values")
+# The site each kind is patched at (`node_effects`), and the one whose gradient estimates it.
+PATCH_SITE = {
+    "queries": "q_in",
+    "keys": "k_in",
+    "values": "v_in",
+    "heads": "head_out",
+    "mlps": "mlp_out",
+    "neurons": "mlp_hidden",
+}
+# What each axis of a node's index is (`node_shape`).
+NODE_INDEX = {kind: ("layer", "head", "position") for kind in ("queries", "keys", "values", "heads")} | {
+    "mlps": ("layer", "position"),
+    "neurons": ("layer", "unit"),
+}
+_GRADIENT_SITE = {"heads": "head_out", "mlps": "mlp_out", "neurons": "mlp_hidden"}
+
+
+def node_shape(kind: str, config: ModelConfig, seq_len: int) -> tuple:
+    """The shape of one pair's scores of `kind`: the index of a node (module docstring)."""
+    _check_kind(kind)
+    L = config.num_layers
+    shapes = {"mlps": (L, seq_len), "neurons": (L, config.intermediate_size)}
+    return shapes.get(kind, (L, config.num_heads, seq_len))
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in NODE_KINDS:
+        raise ValueError(f"unknown node kind {kind!r}; kinds: {', '.join(NODE_KINDS)}")
+
+
+@dataclasses.dataclass
+class NodeAttribution(SavedResult):
+    """AtP's estimates per pair and node: one array per kind computed (`NODE_KINDS`; None for a
+    kind not asked for), `[B, *node_shape(kind)]`, each the drop F(clean) - F(patched) it
+    estimates (GradDrop: its magnitude), with F on the clean and the corrupt prompts
+    (`f_clean`, `f_corrupt [B]`) and which fixes were applied."""
+
+    f_clean: np.ndarray
+    f_corrupt: np.ndarray
+    qk_fix: bool
+    grad_drop: bool
+    queries: Optional[np.ndarray] = None
+    keys: Optional[np.ndarray] = None
+    values: Optional[np.ndarray] = None
+    heads: Optional[np.ndarray] = None
+    mlps: Optional[np.ndarray] = None
+    neurons: Optional[np.ndarray] = None
+
+    @property
+    def method(self) -> str:
+        """'AtP', 'AtP+QK', 'AtP+GD' or 'AtP*'."""
+        return {(False, False): "AtP", (True, False): "AtP+QK", (False, True): "AtP+GD"}.get(
+            (self.qk_fix, self.grad_drop), "AtP*"
+        )
+
+    def of(self, kind: str) -> np.ndarray:
+        """The scores of `kind`, `[B, *node_shape]`; an error if they were not computed."""
+        _check_kind(kind)
+        scores = getattr(self, kind)
+        if scores is None:
+            raise ValueError(f"no {kind} scores: pass kinds=[..., {kind!r}] to atp_star")
+        return scores
+
+    def top(self, kind: str, n: int) -> np.ndarray:
+        """`[n, k]`: the indices of the `n` nodes of `kind` with the largest mean |score| over
+        the pairs, largest first (each row a node index, as `node_effects` takes it)."""
+        mean = np.abs(np.mean(self.of(kind), axis=0))
+        best = np.argsort(-mean, axis=None, kind="stable")[:n]
+        return np.stack(np.unravel_index(best, mean.shape), axis=1)
+
+
+def missed_nodes(estimated: np.ndarray, exact: np.ndarray, k: int) -> float:
+    """The false-negative rate at `k`: the fraction of the `k` nodes with the largest |exact|
+    effect (any shape, one value per node, e.g. the mean over pairs) that are not among the `k`
+    nodes with the largest |estimated| score."""
+    estimated, exact = np.abs(np.ravel(estimated)), np.abs(np.ravel(exact))
+    if estimated.shape != exact.shape:
+        raise ValueError(f"estimated has {estimated.size} nodes, exact {exact.size}")
+    if not 0 < k <= exact.size:
+        raise ValueError(f"k must be in 1..{exact.size}, got {k}")
+    true = set(np.argsort(-exact, kind="stable")[:k].tolist())
+    found = set(np.argsort(-estimated, kind="stable")[:k].tolist())
+    return len(true - found) / k
+
+
+def atp_star(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Callable,
+    *,
+    kinds: Sequence[str] = ("queries", "keys", "values", "heads", "mlps"),
+    qk_fix: bool = True,
+    grad_drop: bool = True,
+    interventions=None,
+    chunk_size: Optional[int] = None,
+) -> NodeAttribution:
+    """AtP's estimate of every node of `kinds` (module docstring), with the QK fix and GradDrop
+    (AtP*) unless turned off, for the prompt pairs (each estimating F(clean) - F(clean with the
+    node at its corrupt value)). One clean and one corrupt forward, and one backward (GradDrop:
+    one per layer, `chunk_size` of them vmapped at a time); the QK fix recomputes each head's
+    output once per query row set and once per key position. `interventions` act on every run."""
+    kinds = tuple(dict.fromkeys(kinds))
+    for kind in kinds:
+        _check_kind(kind)
+    if not kinds:
+        raise ValueError(f"no node kinds given; kinds: {', '.join(NODE_KINDS)}")
+    pairs.check(config, metric)
+    check_interventions(interventions, EdgeGraph.of(config))
+    B, T = pairs.clean.shape
+    L = config.num_layers
+    if grad_drop and L < 2:
+        raise ValueError("GradDrop drops one layer's gradient while others carry it: it needs 2 layers or more")
+    dropped = np.arange(L) if grad_drop else np.array([L])  # layer L holds no delta: nothing dropped
+    chunk = chunk_size or auto_chunk_size(config, B * T, len(dropped), grad=True)
+    out = jax.tree.map(
+        to_host,
+        _estimates(
+            params,
+            pairs,
+            jnp.asarray(dropped, jnp.int32),
+            interventions,
+            config=config,
+            metric=metric,
+            kinds=kinds,
+            qk_fix=qk_fix,
+            chunk=min(chunk, len(dropped)),
+        ),
+    )
+    f_clean, f_corrupt, per_drop = out
+    scores = {}
+    for kind, value in per_drop.items():  # [G, B, ...]
+        scores[kind] = np.abs(value).sum(axis=0) / (L - 1) if grad_drop else value[0]
+    return NodeAttribution(f_clean=f_clean, f_corrupt=f_corrupt, qk_fix=qk_fix, grad_drop=grad_drop, **scores)
+
+
+def _hold_delta(value, layer, dropped):
+    """Layer `dropped`'s contribution to the residual, its gradient stopped (GradDrop)."""
+    return jnp.where(layer == dropped, jax.lax.stop_gradient(value), value)
+
+
+def _node_values(params, tokens, valid, config: ModelConfig, interventions):
+    """Every layer's values the estimates read, `[L, B, T, ...]` each (float32), and the final
+    residual."""
+    tap = lambda r, _: dict(q=r.q, k=r.k, v=r.v, head_out=r.head_out, mlp_out=r.mlp, mlp_hidden=r.mlp_hidden)  # noqa: E731
+    h, values = run_layers(
+        params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap
+    )
+    return h, jax.tree.map(lambda x: x.astype(jnp.float32), values)
+
+
+@partial(jit, static_argnames=("config", "metric", "kinds", "qk_fix", "chunk"))
+def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, metric, kinds, qk_fix, chunk):
+    """`(f_clean, f_corrupt, {kind: [G, B, *node_shape]})`: each kind's estimate under the
+    gradient with layer `dropped[g]`'s delta held (L: none)."""
+    ivs = as_interventions(interventions)
+    h_clean, clean = _node_values(params, pairs.clean, pairs.valid, config, ivs)
+    h_corrupt, corrupt = _node_values(params, pairs.corrupt, pairs.valid, config, ivs)
+    pairs = with_clean_logits(params, pairs, h_clean, config, metric)
+    f_corrupt = final_metric(params, metric, h_corrupt, pairs, config)
+    B, T = pairs.clean.shape
+    sites = sorted({_GRADIENT_SITE.get(kind, "head_out") for kind in kinds})
+    h0 = embed(params, pairs.clean, config)
+
+    def per_drop(layer):
+        def value(probes):
+            probed = tuple(probe(s, probes[s]) for s in sites)
+            h, _ = run_layers(
+                params,
+                h0,
+                config,
+                valid=pairs.valid,
+                interventions=(*ivs, *probed, Intervention("delta", _hold_delta, layer)),
+            )
+            f = final_metric(params, metric, h, pairs, config)
+            return jnp.sum(f), f
+
+        zeros = {s: jnp.zeros((config.num_layers,) + site_shape(s, config, B, T), jnp.float32) for s in sites}
+        grads, f = jax.grad(value, has_aux=True)(zeros)
+        drops = _output_estimates(grads, clean, corrupt, kinds)
+        if any(kind in ATTENTION_KINDS for kind in kinds):
+            drops["head_out_gradient"] = grads["head_out"]
+        return drops, f
+
+    drops, f = sweep(per_drop, dropped, chunk)
+    g_o = drops.pop("head_out_gradient", None)
+    if g_o is not None:
+        drops.update(_attention_estimates(g_o, clean, corrupt, pairs.valid, h0, config, kinds, qk_fix))
+    return f[0], f_corrupt, drops
+
+
+def _output_estimates(grads: dict, clean: dict, corrupt: dict, kinds) -> dict:
+    """AtP of heads, MLPs and neurons from F's gradients at their sites: `[B, *node_shape]`."""
+    drop = lambda site: grads[site] * (clean[site] - corrupt[site])  # noqa: E731
+    out = {}
+    if "heads" in kinds:  # [L, B, T, H, Dh] -> [B, L, H, T]
+        out["heads"] = jnp.einsum("lbthd->blht", drop("head_out"))
+    if "mlps" in kinds:
+        out["mlps"] = jnp.einsum("lbtd->blt", drop("mlp_out"))
+    if "neurons" in kinds:
+        out["neurons"] = jnp.einsum("lbtf->blf", drop("mlp_hidden"))
+    return out
+
+
+def _per_query_head(x, num_heads: int):
+    """Keys or values `[B, T, K, Dh]` as each of the H query heads reads them, `[B, T, H, Dh]`."""
+    return jnp.repeat(x, num_heads // x.shape[2], axis=2)
+
+
+def _attention_estimates(g_o, clean: dict, corrupt: dict, valid, h0, config: ModelConfig, kinds, qk_fix: bool) -> dict:
+    """Queries', keys' and values' estimates `[G, B, L, H, T]` from F's gradients at every head's
+    output `g_o [G, L, B, T, H, Dh]` (one per dropped layer), layer by layer."""
+    context = layer_context(h0, valid, config)
+    H = config.num_heads
+
+    def one_layer(xs):
+        layer, g, q, k, v, q2, k2, v2 = xs  # g [G, B, T, H, Dh]; q.. [B, T, H|K, Dh]
+        k, v, k2, v2 = (_per_query_head(x, H) for x in (k, v, k2, v2))
+        _, _, mask = context_of_layer(context, layer, config)
+        heads = lambda q, k, v: attend(q, k, v, mask, config)[1].astype(jnp.float32)  # noqa: E731
+        o, pull = jax.vjp(heads, q, k, v)
+        # the linear estimates: -(gradient at the query, key or value) . (corrupt - clean)
+        linear = jax.vmap(pull)(g)
+        drop_of = lambda grad, x, x2: jnp.einsum("gbthd,bthd->gbht", grad, x - x2)  # noqa: E731
+        out = {}
+        if "values" in kinds:
+            out["values"] = drop_of(linear[2], v, v2)
+        if "queries" in kinds:
+            # a query's row of the pattern: every row at its corrupt query at once (rows are independent)
+            out["queries"] = (
+                jnp.einsum("gbshd,bshd->gbhs", g, o - heads(q2, k, v)) if qk_fix else drop_of(linear[0], q, q2)
+            )
+        if "keys" in kinds:
+            if qk_fix:  # a key's column of the pattern: one recomputation per key position
+
+                def key_at(t):
+                    patched = heads(q, k.at[:, t].set(k2[:, t]), v)
+                    return jnp.einsum("gbshd,bshd->gbh", g, o - patched)
+
+                out["keys"] = jnp.moveaxis(jax.lax.map(key_at, jnp.arange(q.shape[1]), batch_size=8), 0, -1)
+            else:
+                out["keys"] = drop_of(linear[1], k, k2)
+        return out
+
+    L = config.num_layers
+    per_layer = jax.lax.map(
+        one_layer,
+        (
+            jnp.arange(L),
+            jnp.moveaxis(g_o, 1, 0),
+            clean["q"],
+            clean["k"],
+            clean["v"],
+            corrupt["q"],
+            corrupt["k"],
+            corrupt["v"],
+        ),
+    )
+    return {kind: jnp.moveaxis(value, 0, 2) for kind, value in per_layer.items()}  # [L, G, B, H, T] -> [G, B, L, H, T]
