@@ -4,7 +4,11 @@ machine, in one run.
 
 The workload: `--pairs` addition pairs (`jaxdepth.lab.circuit_tasks.addition_pairs`), logit
 difference; EAP for every edge; EAP-IG over the inputs at `--steps` steps (α = k / steps, the
-package's rule); exact patching of the `--top` edges of the EAP-IG scores, each edge alone.
+package's rule); exact patching of the `--top` edges of the EAP-IG scores, each edge alone; the
+greedy search for the fewest edges reaching 80% faithfulness (`--target`) from the EAP-IG
+scores, both sides evaluating the same geometric grid of sizes and its refinement, one patched
+run per size; EAP-IG with the MLP hidden units' scores (node scores are sums of edge scores, in
+every phase); EAP-IG with every edge's score at every position.
 Each implementation runs in a process of its own, so that each reports its own peak memory
 (resident set size, the model included); model loading is not timed. jaxdepth's times are
 given for the first call (compilation included) and for a second call (compiled;
@@ -31,7 +35,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-PHASES = ("eap", "eap_ig", "patching")
+PHASES = ("eap", "eap_ig", "patching", "greedy", "neurons", "positions")
+GRID = 12  # the sizes `find_circuit` evaluates at once, and its refinement
 
 
 def parse_args(argv=None):
@@ -40,6 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=100)
+    parser.add_argument("--target", type=float, default=0.8, help="the greedy circuit's faithfulness")
     parser.add_argument(
         "--compiled-calls",
         type=int,
@@ -75,6 +81,7 @@ def _task(args):
 
 
 def run_jax(args) -> dict:
+    from jaxdepth.analyses.edges.circuit import find_circuit
     from jaxdepth.analyses.edges.pairs import logit_difference
     from jaxdepth.analyses.edges.patching import edge_effects
     from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
@@ -93,11 +100,38 @@ def run_jax(args) -> dict:
     for name, phase in phases.items():
         times[name] = [_timed(phase) for _ in range(1 + args.compiled_calls)]
         results[name] = times[name][-1][1].scores.sum(axis=0)
+    eap_ig = times["eap_ig"][-1][1]
     top = ranked_edges(results["eap_ig"], model_graph(c))[: args.top]
-    times["patching"] = [
-        _timed(lambda: edge_effects(p, pairs, c, logit_difference, top)) for _ in range(1 + args.compiled_calls)
-    ]
-    np.savez(os.path.join(args.work, "jax.npz"), top=top, effects=times["patching"][-1][1], **results)
+    more = {
+        "patching": lambda: edge_effects(p, pairs, c, logit_difference, top),
+        "greedy": lambda: find_circuit(p, pairs, c, logit_difference, eap_ig, target=args.target, search="greedy"),
+        "neurons": lambda: edge_attribution(
+            p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps), detail=["neurons"]
+        ),
+        "positions": lambda: edge_attribution(
+            p,
+            pairs,
+            c,
+            logit_difference,
+            method="eap-ig-inputs",
+            rule=FixedRule(steps=args.steps),
+            detail=["positions"],
+        ),
+    }
+    for name, phase in more.items():
+        times[name] = [_timed(phase) for _ in range(1 + args.compiled_calls)]
+    circuit = times["greedy"][-1][1]
+    np.savez(
+        os.path.join(args.work, "jax.npz"),
+        top=top,
+        effects=times["patching"][-1][1],
+        greedy=np.array([len(circuit.edges), circuit.faithfulness]),
+        scores_mean=eap_ig.mean,
+        f=np.array([eap_ig.f_clean.mean(), eap_ig.f_corrupt.mean()]),
+        neurons=times["neurons"][-1][1].neuron_scores.sum(axis=0),
+        positions=times["positions"][-1][1].position_scores.sum(axis=0),
+        **results,
+    )
     return {
         "times": {k: [t for t, _ in v] for k, v in times.items()},
         "peak_rss_gb": peak_rss_gb(),
@@ -146,9 +180,49 @@ def run_torch(args) -> dict:
         return f_clean[None] - ref.patched(*inputs, masks)
 
     times["patching"], effects = _timed(patching)
-    results = {"eap": eap, "eap_ig": eap_ig, "effects": effects}
+    times["greedy"], greedy = _timed(lambda: greedy_circuit(ref, inputs, jax_side, graph, args.target))
+    detail = lambda **kw: ref.attribute(*inputs, steps=args.steps, **kw)  # noqa: E731
+    times["neurons"], neurons = _timed(lambda: detail(neurons=True)["neurons"].numpy())
+    times["positions"], positions = _timed(lambda: detail(per_position=True)["scores"].numpy())
+    results = {"eap": eap, "eap_ig": eap_ig, "effects": effects, "greedy": greedy}
+    results.update(neurons=neurons, positions=positions)
     np.savez(os.path.join(args.work, "torch.npz"), **results)
     return {"times": {k: [v] for k, v in times.items()}, "peak_rss_gb": peak_rss_gb()}
+
+
+def greedy_circuit(ref, inputs, jax_side, graph, target: float) -> np.ndarray:
+    """`[size, faithfulness]` of the fewest greedy edges reaching `target`: the package's
+    `apply_greedy` and one `evaluate_graph` per size, on the sizes `find_circuit` evaluates (a
+    geometric grid, then a finer one below the first size that reached). The greedy order is
+    of jaxdepth's mean EAP-IG scores, so that both sides patch the same circuits."""
+    import torch
+
+    scores = jax_side["scores_mean"]
+    f_clean, f_corrupt = jax_side["f"]
+    total = int(graph.edge_mask.sum())
+    order = ref.greedy(scores, total)
+
+    def curve(sizes):
+        complements = []
+        for n in sizes:
+            kept = np.zeros(graph.edge_mask.shape, bool)
+            kept[order[:n, 0], order[:n, 1]] = True
+            complements.append(graph.edge_mask & ~kept)
+        with torch.no_grad():
+            f = ref.patched(*inputs, complements)
+        return (f.mean(axis=1) - f_corrupt) / (f_clean - f_corrupt)
+
+    sizes = np.unique(np.round(np.geomspace(1, total, GRID)).astype(int))
+    faithful = curve(sizes)
+    first = int(np.flatnonzero(faithful >= target)[0])
+    chosen, reached = int(sizes[first]), float(faithful[first])
+    if first > 0:
+        finer = np.unique(np.linspace(sizes[first - 1], chosen, GRID).astype(int))[1:-1]
+        hits = np.flatnonzero(curve(finer) >= target) if len(finer) else []
+        if len(hits):
+            chosen = int(finer[hits[0]])
+            reached = float(curve(finer[hits[0] : hits[0] + 1])[0])
+    return np.array([chosen, reached])
 
 
 def _timed(fn):
@@ -165,6 +239,9 @@ def agreement(work: str) -> dict:
         "eap": rel(a["eap"], b["eap"]),
         "eap_ig": rel(a["eap_ig"], b["eap_ig"]),
         "patching": rel(a["effects"], b["effects"]),
+        "greedy": rel(a["greedy"], b["greedy"]),  # the circuit's size and faithfulness
+        "neurons": rel(a["neurons"], b["neurons"]),
+        "positions": rel(a["positions"], b["positions"]),
     }
 
 
@@ -185,6 +262,9 @@ def report(args, jax_side: dict, torch_side: dict, agree: dict) -> dict:
         "eap": "EAP, every edge",
         "eap_ig": f"EAP-IG inputs, {args.steps} steps",
         "patching": f"exact patching, top {args.top} edges",
+        "greedy": f"greedy circuit to {args.target:.0%} faithful",
+        "neurons": "EAP-IG with neuron scores",
+        "positions": "EAP-IG per position",
     }
     print(
         f"\nEdge attribution on {args.model}: {args.pairs} addition pairs of {jax_side['length']} tokens "
@@ -232,6 +312,8 @@ def main(argv=None) -> int:
                 str(args.steps),
                 "--top",
                 str(args.top),
+                "--target",
+                str(args.target),
                 "--compiled-calls",
                 str(args.compiled_calls),
                 "--torch-threads",

@@ -14,13 +14,20 @@ works with hooks:
   interpolated input embeddings (α = k / steps, k = 0..steps-1), scores averaged over steps;
 - exact patching: one forward per patched edge set, in which every reader's input gets
   `einsum(corrupt - current output of its writers, patched edges)` (the package's
-  `evaluate_graph`, with every edge but the patched ones in the graph).
+  `evaluate_graph`, with every edge but the patched ones in the graph);
+- the greedy search (the package's `Graph.apply_greedy`): from the logits, the best-scoring edge
+  among those into nodes already in the circuit, its writer's node joining the circuit;
+- per position (not in the package; its hooks summed over positions): the same einsum keeping
+  the position axis, `[W, R, T]`; neurons (the package's neuron-level scores on the MLP hidden
+  units): a hook on each MLP's hidden activations, activation difference times gradient.
 
 Every pass runs the whole batch of pairs at every position. The model is written here directly
 over the jaxdepth params (numpy), not through jaxdepth's code.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 
@@ -82,10 +89,11 @@ class EdgeReference:
         rotated = torch.cat([-x[..., Dh // 2 :], x[..., : Dh // 2]], -1)
         return x * angles.cos() + rotated * angles.sin()
 
-    def forward(self, h0, valid, last, *, writer_hook=None, reader_hook=None):
+    def forward(self, h0, valid, last, *, writer_hook=None, reader_hook=None, hidden_hook=None):
         """Logits `[B, V]` at `last`. `writer_hook(first, outputs [B, T, n, D])` sees each
         group of writers; `reader_hook(first, inputs [B, T, n, D], layer)` may return a changed
-        input for a group of readers (and registers gradient hooks)."""
+        input for a group of readers (and registers gradient hooks); `hidden_hook(layer, hidden
+        [B, T, F])` sees each MLP's hidden activations and returns them."""
         c = self.config
         H, Dh = c.num_heads, c.head_dim
         B, T, D = h0.shape
@@ -117,7 +125,10 @@ class EdgeReference:
             if reader_hook:
                 mlp_in = reader_hook(first + 3 * H, mlp_in, l)
             y = self._norm(mlp_in[:, :, 0], p["mlp_norm"])
-            m = (torch.nn.functional.silu(y @ p["gate"]) * (y @ p["up"])) @ p["down"]
+            hidden = torch.nn.functional.silu(y @ p["gate"]) * (y @ p["up"])
+            if hidden_hook:
+                hidden = hidden_hook(l, hidden)
+            m = hidden @ p["down"]
             if writer_hook:
                 writer_hook(1 + l * (H + 1) + H, m[:, :, None])
             h = h + a + m
@@ -137,22 +148,27 @@ class EdgeReference:
             return self.W
         return 1 + layer * (H + 1) + (H if slot == 3 * H else 0)
 
-    def _activations(self, tokens, valid, last, store, sign):
+    def _activations(self, tokens, valid, last, store, sign, hidden_store=None):
         def record(first, outputs):
             store[:, :, first : first + outputs.shape[2]] += sign * outputs.detach()
 
-        with torch.no_grad():
-            return self.forward(self.embed[tokens], valid, last, writer_hook=record)
+        def record_hidden(layer, hidden):
+            hidden_store[layer] += sign * hidden.detach()
+            return hidden
 
-    def _score_hooks(self, difference, scores):
+        with torch.no_grad():
+            hook = None if hidden_store is None else record_hidden
+            return self.forward(self.embed[tokens], valid, last, writer_hook=record, hidden_hook=hook)
+
+    def _score_hooks(self, difference, scores, per_position: bool):
+        spec = "btwd,btrd->wrt" if per_position else "btwd,btrd->wr"
+
         def reader_hook(first, inputs, layer):
             inputs = inputs.clone().requires_grad_(True)
             prev = self._prev_writers(first)
 
             def backward(grad):
-                scores[:prev, first : first + grad.shape[2]] += torch.einsum(
-                    "btwd,btrd->wr", difference[:, :, :prev], grad
-                )
+                scores[:prev, first : first + grad.shape[2]] += torch.einsum(spec, difference[:, :, :prev], grad)
 
             inputs.register_hook(backward)
             return inputs
@@ -162,18 +178,65 @@ class EdgeReference:
     def eap(self, clean, corrupt, valid, last, labels, steps: int = 0):
         """Scores `[W, R]` summed over the pairs: EAP (`steps` 0) or EAP-IG over the inputs
         with `steps` steps (averaged over the steps)."""
+        return self.attribute(clean, corrupt, valid, last, labels, steps)["scores"]
+
+    def attribute(self, clean, corrupt, valid, last, labels, steps: int = 0, per_position=False, neurons=False):
+        """`{"scores": [W, R] (per_position: [W, R, T]), "neurons": [L, F] (with neurons)}`,
+        summed over the pairs: EAP (`steps` 0) or EAP-IG over the inputs with `steps` steps."""
+        c = self.config
         B, T = clean.shape
-        difference = torch.zeros(B, T, self.W, self.config.hidden_size)
-        self._activations(clean, valid, last, difference, 1.0)
-        self._activations(corrupt, valid, last, difference, -1.0)
-        scores = torch.zeros(self.W, self.R)
-        hook = self._score_hooks(difference, scores)
+        difference = torch.zeros(B, T, self.W, c.hidden_size)
+        hidden_difference = torch.zeros(c.num_layers, B, T, c.intermediate_size) if neurons else None
+        self._activations(clean, valid, last, difference, 1.0, hidden_difference)
+        self._activations(corrupt, valid, last, difference, -1.0, hidden_difference)
+        scores = torch.zeros((self.W, self.R, T) if per_position else (self.W, self.R))
+        hook = self._score_hooks(difference, scores, per_position)
+        hidden_gradient = torch.zeros_like(hidden_difference) if neurons else None
+
+        def gradient_at_hidden(layer, hidden):
+            def backward(grad):
+                hidden_gradient[layer] += grad
+
+            hidden.register_hook(backward)
+            return hidden
+
         e_clean, e_corrupt = self.embed[clean], self.embed[corrupt]
         for k in range(max(steps, 1)):
             h0 = e_clean if steps == 0 else e_corrupt + (k / steps) * (e_clean - e_corrupt)
-            logits = self.forward(h0, valid, last, reader_hook=hook)
+            logits = self.forward(
+                h0, valid, last, reader_hook=hook, hidden_hook=gradient_at_hidden if neurons else None
+            )
             metric(logits, labels).sum().backward()
-        return scores / max(steps, 1)
+        out = {"scores": scores / max(steps, 1)}
+        if neurons:
+            out["neurons"] = torch.einsum("lbtf,lbtf->lf", hidden_difference, hidden_gradient) / max(steps, 1)
+        return out
+
+    def greedy(self, scores: np.ndarray, n: int) -> np.ndarray:
+        """`[n, 2]` (writer, reader): the package's `apply_greedy` by |score| (`scores [W, R]`)."""
+        H = self.config.num_heads
+        per_layer = 3 * H + 1
+
+        def writer_of_reader(r):  # the node a reader belongs to, as a writer index (-1: the logits)
+            if r == self.R - 1:
+                return -1
+            layer, slot = divmod(r, per_layer)
+            return 1 + layer * (H + 1) + (H if slot == 3 * H else slot % H)
+
+        def in_edges(node):  # every edge into the readers of a node, best first
+            readers = [r for r in range(self.R) if writer_of_reader(r) == node]
+            edges = [(w, r) for r in readers for w in range(self._prev_writers(r))]
+            return sorted(edges, key=lambda e: -abs(float(scores[e])))
+
+        candidates = heapq.merge(in_edges(-1), key=lambda e: -abs(float(scores[e])))
+        in_circuit, order = set(), []
+        while len(order) < n:
+            w, r = next(candidates)
+            order.append((w, r))
+            if w not in in_circuit:
+                in_circuit.add(w)
+                candidates = heapq.merge(candidates, in_edges(w), key=lambda e: -abs(float(scores[e])))
+        return np.array(order, np.int64)
 
     def patched(self, clean, corrupt, valid, last, labels, patched_edges: list[np.ndarray]):
         """F `[n, B]` with each edge set (a `[W, R]` bool array) patched, one forward each."""

@@ -7,6 +7,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments")
 sys.path.insert(0, os.path.abspath(EXPERIMENTS))
@@ -35,6 +36,7 @@ def test_rates_are_the_share_of_the_largest_exact_nodes_missed():
     assert row["AtP"]["largest_missed_effect"] == max(size[i] for i in true - found)
 
 
+@pytest.mark.slow(seconds=30)
 def test_the_report_runs_on_the_embedded_model_and_resumes(smollm2, tmp_path, capsys):
     argv = [
         "--pairs",

@@ -19,7 +19,7 @@ from reference_edges_torch import EdgeReference  # noqa: E402
 from tiny_qwen import CONFIG  # noqa: E402
 
 from jaxdepth.analyses.edges import edge_attribution, edge_effects, logit_difference, prompt_pairs  # noqa: E402
-from jaxdepth.analyses.edges import ranked_edges  # noqa: E402
+from jaxdepth.analyses.edges import greedy_edges, ranked_edges  # noqa: E402
 from jaxdepth.analyses.ig import FixedRule  # noqa: E402
 from jaxdepth.core.model import random_params  # noqa: E402
 
@@ -52,7 +52,41 @@ def test_the_reference_agrees_with_jaxdepth():
     np.testing.assert_allclose(f_clean[None] - ref.patched(*inputs, masks), effects, atol=1e-5)
 
 
-@pytest.mark.slow(seconds=50)
+def test_the_reference_s_greedy_search_neurons_and_positions_agree_with_jaxdepth():
+    """The package's `apply_greedy` written apart orders the edges as `greedy_edges`; its
+    neuron and per-position scores (EAP-IG, 2 steps) are jaxdepth's summed over the pairs."""
+    params = random_params(CONFIG, 1, scale=0.2)
+    rng = np.random.default_rng(1)
+    clean = [rng.integers(0, 97, 8).tolist() for _ in range(2)]
+    corrupt = [list(c) for c in clean]
+    corrupt[0][2], corrupt[1][4] = 5, 7
+    pairs = prompt_pairs(clean, corrupt, np.array([[3, 4], [10, 11]]))
+    ref = EdgeReference(params, CONFIG)
+    inputs = [torch.as_tensor(np.array(x)) for x in (pairs.clean, pairs.corrupt, pairs.valid, pairs.last, pairs.labels)]
+    inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
+    rule = FixedRule(steps=2)
+    neurons = edge_attribution(
+        params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule, detail=["neurons"]
+    )
+    positions = edge_attribution(
+        params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule, detail=["positions"]
+    )
+    theirs = ref.attribute(*inputs, steps=2, neurons=True)
+    np.testing.assert_allclose(theirs["neurons"].numpy(), neurons.neuron_scores.sum(0), atol=1e-5)
+    theirs = ref.attribute(*inputs, steps=2, per_position=True)["scores"].numpy()
+    np.testing.assert_allclose(theirs, positions.position_scores.sum(0), atol=1e-5)
+    graph = neurons.graph
+    n = int(graph.edge_mask.sum())
+    theirs, ours = ref.greedy(neurons.mean, n), greedy_edges(neurons.mean, graph)
+    # the same score taken at every step; edges of equal score (the zeros) in another order
+    size = lambda order: np.abs(neurons.mean[order[:, 0], order[:, 1]])  # noqa: E731
+    np.testing.assert_array_equal(size(theirs), size(ours))
+    untied = np.flatnonzero(np.diff(size(ours)) == 0)[0]
+    assert untied > 100
+    np.testing.assert_array_equal(theirs[:untied], ours[:untied])
+
+
+@pytest.mark.slow(seconds=75)
 def test_the_benchmark_runs_and_agrees(smollm2, tmp_path, capsys):
     out = tmp_path / "edges.json"
     # The test checks agreement, not speed: jaxdepth's first call only (no second, compiled call),
