@@ -90,9 +90,10 @@ def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float],
 
 def circuit_choice(size: Optional[int], target: Optional[float], search: str = "top", level: str = "edge") -> str:
     """How the circuit was chosen, as its files name it: `size10` or `target0.8`, with
-    `_greedy` after it for the greedy search and `_nodes` for a circuit of nodes."""
+    `_greedy` after it for the greedy search, `_nodes` for a circuit of nodes and `_neurons` for
+    one of heads and MLP units."""
     name = f"size{size}" if size is not None else f"target{target:g}"
-    return name + ("" if search == "top" else f"_{search}") + ("" if level == "edge" else "_nodes")
+    return name + ("" if search == "top" else f"_{search}") + {"edge": "", "node": "_nodes"}.get(level, f"_{level}s")
 
 
 def _identity(model_name: str, task: TaskPairs, settings: dict) -> dict:
@@ -109,6 +110,8 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
     if args.ablation != "corrupt" or args.positions:  # files of earlier versions keep their identity
         settings.update(ablation=args.ablation, positions=args.positions)
+    if args.level == "neuron":  # scores with the MLP units' own
+        settings.update(neurons=True)
     identity = _identity(model_name, task, settings)
     ablation = task_ablation(model, task, args.ablation)
     start = time.perf_counter()
@@ -121,7 +124,7 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
             logit_difference,
             **_score_options(settings),
             ablation=ablation,
-            detail=["positions"] if args.positions else [],
+            detail=(["positions"] if args.positions else []) + (["neurons"] if args.level == "neuron" else []),
             execution=Execution(progress=True),
         )
 
@@ -160,7 +163,10 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     chosen = circuit_choice(args.size, args.target, args.search, args.level)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
     took = time.perf_counter() - start
-    of_nodes = f"{len(circuit.nodes)} nodes, " if args.level == "node" else ""
+    of_nodes = {
+        "node": lambda: f"{len(circuit.nodes)} nodes, ",
+        "neuron": lambda: f"{len(circuit.nodes)} heads or input and {len(circuit.units)} MLP units, ",
+    }.get(args.level, lambda: "")()
     print(f"circuit of {of_nodes}{len(circuit.edges)} edges ({circuit.num_live} live) in {took:.1f} s", flush=True)
     summary = summarise(scores, checks, circuit, model_name)
     with atomic_write(os.path.join(folder, f"summary_{checked}_{chosen}.txt"), "w") as f:
@@ -340,8 +346,9 @@ def add_parser(subparsers) -> None:
         "--level",
         choices=LEVELS,
         default="edge",
-        help="what the circuit is made of: edges (default), or nodes (heads, MLPs, the input) by their node "
-        "scores, each with all its out-edges; --size then counts nodes",
+        help="what the circuit is made of: edges (default), nodes (heads, MLPs, the input) by their node "
+        "scores, each with all its out-edges, or neurons (heads, the input and MLP hidden units ranked "
+        "together); --size then counts nodes, or heads, input and units",
     )
     p.add_argument("--draw", type=int, default=60, help="edges drawn in the live circuit figure (the best)")
     p.add_argument("--out", default="results", help="results under OUT/<model>/circuit_<task>/<scoring>/")
@@ -366,8 +373,8 @@ def check_arguments(args) -> None:
             f"--method {args.method} takes gradients between the corrupt and the clean prompt: --ablation "
             f"{args.ablation} needs --method eap or eap-ig-activations"
         )
-    if args.level == "node" and args.search != "top":
-        raise ValueError("--level node takes nodes by node score: --search greedy grows edges")
+    if args.level != "edge" and args.search != "top":
+        raise ValueError(f"--level {args.level} takes its members by their scores: --search greedy grows edges")
     if args.rule == "adaptive" and args.method != "eap-ig-inputs":
         raise ValueError("--rule adaptive certifies the input path's completeness: use it with --method eap-ig-inputs")
     if args.tolerance is not None and (args.rule != "adaptive" or not args.tolerance > 0):
@@ -378,11 +385,16 @@ def check_arguments(args) -> None:
 
 def check_size(size: Optional[int], config, level: str = "edge") -> None:
     """Refuse a circuit size the model's graph cannot have (known from its config, before any
-    scoring): its edges, or its nodes (writers) at `level` 'node'."""
+    scoring): its edges, its nodes (writers) at `level` 'node', its heads, input and MLP units at
+    'neuron'."""
     from jaxdepth.analyses.edges.graph import EdgeGraph
 
     graph = EdgeGraph.of(config)
-    total, unit = (graph.num_writers, "nodes") if level == "node" else (graph.num_edges, "edges")
+    members = graph.num_writers - config.num_layers + config.num_layers * config.intermediate_size
+    total, unit = {
+        "node": (graph.num_writers, "nodes"),
+        "neuron": (members, "heads, input and MLP units"),
+    }.get(level, (graph.num_edges, "edges"))
     if size is not None and not 1 <= size <= total:
         raise ValueError(f"--size must be in 1..{total} (the {unit} of this model's graph), got {size}")
 

@@ -105,16 +105,26 @@ def test_an_ablation_and_positions_go_to_a_folder_of_their_own(checkpoint, pairs
     capsys.readouterr()
 
 
-def test_a_circuit_of_nodes_is_named_and_counted_in_nodes(checkpoint, pairs_file, tmp_path, capsys):
-    args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--level", "node")
-    args[args.index("--size") + 1] = "4"
+@pytest.mark.parametrize("level, name", [("node", "nodes"), ("neuron", "neurons")])
+def test_circuits_of_nodes_and_neurons_are_named_and_counted_in_members(
+    checkpoint, pairs_file, tmp_path, capsys, level, name
+):
+    args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--level", level)
+    args[args.index("--size") + 1] = "4" if level == "node" else "30"
     assert main(args) == 0
     folder = tmp_path / "model" / "circuit_pairs" / "eap"
-    circuit = Circuit.load(str(folder / "circuit_size4_nodes.npz"))
-    assert circuit.level == "node" and len(circuit.nodes) == 4
-    assert set(circuit.edges[:, 0].tolist()) <= set(circuit.nodes.tolist())
-    assert "circuit of 4 nodes, " in capsys.readouterr().out
-    assert (folder / "figures" / "faithfulness_size4_nodes.png").exists()
+    size = args[args.index("--size") + 1]
+    circuit = Circuit.load(str(folder / f"circuit_size{size}_{name}.npz"))
+    assert circuit.level == level
+    printed = capsys.readouterr().out
+    if level == "node":
+        assert len(circuit.nodes) == 4 and "circuit of 4 nodes, " in printed
+        assert set(circuit.edges[:, 0].tolist()) <= set(circuit.nodes.tolist())
+    else:
+        assert len(circuit.nodes) + len(circuit.units) == 30 and len(circuit.units) > 0
+        assert f"circuit of {len(circuit.nodes)} heads or input and {len(circuit.units)} MLP units, " in printed
+        assert EdgeScores.load(str(folder / "edge_scores.npz")).neuron_scores is not None
+    assert (folder / "figures" / f"faithfulness_size{size}_{name}.png").exists()
 
 
 def find_circuit_under(checkpoint, pairs_file, scores) -> float:
@@ -172,7 +182,8 @@ def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp
         (["--tolerance", "0.1"], "with --rule adaptive only"),
         (["--rule", "adaptive", "--method", "eap-ig-activations"], "use it with --method eap-ig-inputs"),
         (["--ablation", "zero"], "--ablation zero needs --method eap or eap-ig-activations"),
-        (["--level", "node", "--search", "greedy"], "--level node takes nodes by node score"),
+        (["--level", "node", "--search", "greedy"], "--level node takes its members by their scores"),
+        (["--level", "neuron", "--size", "50000"], r"--size must be in 1..\d+ \(the heads, input and MLP units"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_scoring(checkpoint, tmp_path, capsys, monkeypatch, extra, message):

@@ -25,7 +25,7 @@ import numpy as np
 from jaxdepth.analyses.edges.ablations import as_ablation
 from jaxdepth.analyses.edges.graph import READER_KINDS, EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs
-from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness
+from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import EdgeScores, ranked_edges
 from jaxdepth.analyses.edges.selection import live_edges, ordered_edges
 from jaxdepth.core.config import ModelConfig
@@ -42,10 +42,12 @@ __all__ = [
     "faithfulness_figure",
     "position_figure",
     "ranked_nodes",
+    "ranked_members",
+    "non_mlp_writers",
     "LEVELS",
 ]
 
-LEVELS = ("edge", "node")  # what a circuit is made of
+LEVELS = ("edge", "node", "neuron")  # what a circuit is made of
 
 
 @dataclasses.dataclass
@@ -59,7 +61,10 @@ class Circuit(SavedResult):
     `search`: how the edges were ordered ('top' or 'greedy'); `live [n]`: whether each edge is
     live (on a path from the input to the logits through the circuit); `live_sizes [k]`: the
     live edges of each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
-    first), `sizes` count nodes, and `edges` are all their out-edges (node by node)."""
+    first), `sizes` count nodes, and `edges` are all their out-edges (node by node). `level`
+    'neuron': the circuit is `nodes` (the input and heads it keeps) and `units [m, 2]` (the MLP
+    hidden units it keeps, (layer, unit)), `sizes` count both, and `edges` are the out-edges of
+    its nodes and of every MLP with a unit in it."""
 
     edges: np.ndarray
     scores: np.ndarray
@@ -76,7 +81,8 @@ class Circuit(SavedResult):
     live: Optional[np.ndarray] = None  # None in files saved before pruning was known: `live_mask` computes it
     live_sizes: Optional[np.ndarray] = None
     level: str = "edge"
-    nodes: Optional[np.ndarray] = None  # [m] writers, best first, at level 'node'
+    nodes: Optional[np.ndarray] = None  # [m] writers, best first, at levels 'node' and 'neuron'
+    units: Optional[np.ndarray] = None  # [m, 2] (layer, unit) of the MLP hidden units kept, at level 'neuron'
 
     @property
     def graph(self) -> EdgeGraph:
@@ -143,8 +149,11 @@ def find_circuit(
     `interventions` act on every run, as in the `scores` (`edge_attribution(...,
     interventions=...)`), and the edges outside the circuit carry `ablation`'s values, the
     ablation the scores were computed under (`jaxdepth.analyses.edges.ablations`; None: the
-    corrupt run's; scores of another kind of ablation are refused). `level`: 'edge', or 'node'
-    (the first nodes by node score, module docstring; `size` then counts nodes, `search` 'top').
+    corrupt run's; scores of another kind of ablation are refused). `level`: 'edge', 'node'
+    (the first nodes by node score, module docstring; `size` then counts nodes, `search` 'top'),
+    or 'neuron' (the input, the heads and the MLP hidden units ranked together by their scores,
+    `ranked_members`; the scores need `detail=['neurons']`; every head and input outside the
+    circuit is patched for all its readers, every unit outside it at its corrupt value).
 
     A ValueError, before anything is computed, when neither or both of `size` and `target` are
     given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
@@ -166,13 +175,19 @@ def find_circuit(
     taken = ordered_edges(scores.mean, graph, by, search)  # checks `by` and `search` before any work
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if level != "edge" and search != "top":
+        raise ValueError(
+            f"the greedy search grows edges: a circuit of {level}s takes its members by their scores (search 'top')"
+        )
     if level == "node":
-        if search != "top":
-            raise ValueError(
-                "the greedy search grows edges: a circuit of nodes takes them by node score (search 'top')"
-            )
         nodes = ranked_nodes(scores, by)
         total, first, unit = graph.num_writers, lambda n: _out_edges(nodes[:n], graph), "nodes"
+    elif level == "neuron":
+        if scores.neuron_scores is None:
+            raise ValueError("a circuit of neurons ranks MLP hidden units by their scores: pass detail=['neurons']")
+        members = ranked_members(scores, by)
+        total, first, unit = len(members), lambda n: _kept_members(members[:n], graph, config), "members"
+        outside = lambda kept: graph.edge_mask & ~_out_edges(np.concatenate([kept[0], _mlp_writers(graph)]), graph)  # noqa: E731
     else:
         total, first, unit = graph.num_edges, lambda n: _first(taken, n, graph), "edges"
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
@@ -182,20 +197,17 @@ def find_circuit(
             f"target must be a faithfulness in (0, 1], got {target!r}: faithfulness is the share of F(clean) - "
             "F(corrupt) that a circuit recovers, 1 for the whole graph"
         )
-    evaluate = lambda ns: faithfulness(
-        circuit_metric(
-            params,
-            pairs,
-            config,
-            metric,
-            [first(n) for n in ns],
-            chunk_size=chunk_size,
-            interventions=interventions,
-            ablation=ablation,
-        ),
-        scores.f_clean,
-        scores.f_corrupt,
-    )
+
+    def evaluate(ns):
+        run = dict(chunk_size=chunk_size, interventions=interventions, ablation=ablation)
+        if level == "neuron":  # the members outside: heads and input for all their readers, units
+            kept = [first(n) for n in ns]
+            sets, units = [outside(k) for k in kept], [~k[1] for k in kept]
+            f = patched_metric(params, pairs, config, metric, sets, unit_sets=units, **run)
+        else:
+            f = circuit_metric(params, pairs, config, metric, [first(n) for n in ns], **run)
+        return faithfulness(f, scores.f_clean, scores.f_corrupt)
+
     reached = True
     if size is not None:
         sizes = np.array([size])
@@ -226,13 +238,16 @@ def find_circuit(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    if level == "node":  # every out-edge of the chosen nodes, node by node, each node's best first
-        chosen_edges = np.concatenate(
-            [taken[taken[:, 0] == w] for w in nodes[:chosen]] or [np.zeros((0, 2), taken.dtype)]
-        )
+    kept = first(chosen)
+    # a circuit of neurons: its nodes, then the MLPs it keeps units of, with every out-edge of each
+    writers_of = lambda kept: np.concatenate([kept[0], _mlp_writers(graph)[kept[1].any(axis=1)]])  # noqa: E731
+    circuit_edges = (lambda n: _out_edges(writers_of(first(n)), graph)) if level == "neuron" else first
+    writers = {"node": lambda: nodes[:chosen], "neuron": lambda: writers_of(kept)}.get(level, lambda: None)()
+    if writers is not None:  # node by node, each node's best first
+        chosen_edges = np.concatenate([taken[taken[:, 0] == w] for w in writers] or [np.zeros((0, 2), taken.dtype)])
     else:
         chosen_edges = taken[:chosen]
-    live = live_edges(first(chosen), graph)
+    live = live_edges(circuit_edges(chosen), graph)
     return Circuit(
         edges=chosen_edges,
         scores=scores.mean[chosen_edges[:, 0], chosen_edges[:, 1]].astype(np.float32),
@@ -243,11 +258,45 @@ def find_circuit(
         reached=reached,
         search=search,
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
-        live_sizes=np.array([live_edges(first(n), graph).sum() for n in sizes], np.int64),
+        live_sizes=np.array([live_edges(circuit_edges(n), graph).sum() for n in sizes], np.int64),
         level=level,
-        nodes=nodes[:chosen] if level == "node" else None,
+        nodes=writers if level == "node" else kept[0] if level == "neuron" else None,
+        units=np.argwhere(kept[1]) if level == "neuron" else None,
         **graph.fields(),
     )
+
+
+def ranked_members(scores: EdgeScores, by: str = "abs") -> np.ndarray:
+    """`[M]` the members of a circuit of neurons, best first by their mean score over the pairs
+    (`by` as `ranked_edges`; ties keep this order): an id m < N is the N-th writer that is not an
+    MLP (`non_mlp_writers`: the input and the heads), scored by its node score; an id m >= N is
+    the MLP hidden unit (layer, unit) = divmod(m - N, F), scored by its neuron score."""
+    if by not in ("abs", "value"):
+        raise ValueError(f"by must be 'abs' or 'value', got {by!r}")
+    graph = scores.graph
+    mean = np.concatenate(
+        [scores.node_scores().mean(axis=0)[non_mlp_writers(graph)], scores.neuron_scores.mean(axis=0).ravel()]
+    )
+    return np.argsort(-(np.abs(mean) if by == "abs" else mean), kind="stable")
+
+
+def non_mlp_writers(graph: EdgeGraph) -> np.ndarray:
+    """The writers that are not MLPs (the input, the heads or attention layers), in the graph's order."""
+    return np.setdiff1d(np.arange(graph.num_writers), _mlp_writers(graph))
+
+
+def _mlp_writers(graph: EdgeGraph) -> np.ndarray:
+    return np.array([graph.mlp_writer(layer) for layer in range(graph.num_layers)], np.int64)
+
+
+def _kept_members(members: np.ndarray, graph: EdgeGraph, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The writers (not MLPs) and the `[L, F]` mask of the MLP hidden units among `members`
+    (`ranked_members`' ids), the writers in the members' order."""
+    writers = non_mlp_writers(graph)
+    N = len(writers)
+    units = np.zeros(config.num_layers * config.intermediate_size, bool)
+    units[members[members >= N] - N] = True
+    return writers[members[members < N]], units.reshape(config.num_layers, config.intermediate_size)
 
 
 def ranked_nodes(scores: EdgeScores, by: str = "abs") -> np.ndarray:
@@ -401,17 +450,19 @@ def faithfulness_figure(circuit: Circuit, *, title: Optional[str] = None) -> Fig
     fig = d.new_figure(6, 4)
     ax = fig.add_subplot()
     ax.plot(circuit.sizes, circuit.curve, marker="o")
-    chosen = f"chosen: {len(circuit.edges)} edges ({circuit.num_live} live)"
+    edges = f"{len(circuit.edges)} edges ({circuit.num_live} live)"
+    size, chosen, unit = len(circuit.edges), f"chosen: {edges}", "edges in the circuit"
     if circuit.level == "node":
-        chosen = f"chosen: {len(circuit.nodes)} nodes, {len(circuit.edges)} edges ({circuit.num_live} live)"
-    ax.axvline(len(circuit.edges), color="gray", linestyle="--", label=chosen)
+        size, chosen, unit = len(circuit.nodes), f"chosen: {len(circuit.nodes)} nodes, {edges}", "nodes in the circuit"
+    elif circuit.level == "neuron":
+        size = len(circuit.nodes) + len(circuit.units)
+        chosen = f"chosen: {len(circuit.nodes)} heads or input, {len(circuit.units)} MLP units, {edges}"
+        unit = "members of the circuit (heads, input, MLP units)"
+    ax.axvline(size, color="gray", linestyle="--", label=chosen)
     if circuit.target is not None:
         ax.axhline(circuit.target, color="tab:red", linestyle=":", label=f"target {circuit.target:g}")
     ax.set_xscale("log")
-    unit = "nodes" if circuit.level == "node" else "edges"
-    ax.set_xlabel(
-        f"{unit} in the circuit (top n by score)" if circuit.search == "top" else "edges in the circuit (greedy)"
-    )
+    ax.set_xlabel(f"{unit} (top n by score)" if circuit.search == "top" else f"{unit} (greedy)")
     ax.set_ylabel("faithfulness")
     ax.legend(frameon=False)
     ax.set_title(title or f"Faithfulness of the first-n circuits ({circuit.search}; exact patching)")

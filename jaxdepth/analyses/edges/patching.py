@@ -42,7 +42,7 @@ from jaxdepth.analyses.edges.readers import (
     run_metric,
 )
 from jaxdepth.analyses.edges.atp_star import NODE_INDEX, PATCH_SITE, node_shape
-from jaxdepth.analyses.edges.scores import pair_runs, suffix_run, with_clean_logits
+from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.loops import run_layers
@@ -265,23 +265,47 @@ def patched_metric(
     chunk_size: Optional[int] = None,
     interventions=None,
     progress: ProgressLike = False,
+    unit_sets=None,
 ) -> np.ndarray:
     """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
     index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array), each patched edge
-    carrying `ablation`'s values (None: the corrupt run's)."""
+    carrying `ablation`'s values (None: the corrupt run's). `unit_sets`: for each set, an
+    `[L, F]` bool array of the MLP hidden units patched with it, at their values in the
+    corrupt run (the corrupt ablation only)."""
     graph = EdgeGraph.of(config)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
     ablation = as_ablation(ablation)
+    units = None if unit_sets is None else _unit_masks(unit_sets, len(masks), config, ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
     pairs = with_clean_logits(params, pairs, clean.final, config, metric)
     P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
     ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
     writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]
+    hidden = (
+        None if units is None else hidden_units(params, pairs.corrupt, pairs.valid, config, interventions)[:, :, P:]
+    )
     chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
-    run = lambda part: patched_sets(params, pairs, prefix, jnp.asarray(part), writers, interventions, config, metric)
-    return _in_chunks(run, masks, chunk, progress, "exact patching of edge sets (chunks)")
+
+    def run(part):  # part: the sets' indices
+        extra = {} if units is None else {"units": (jnp.asarray(units[part]), hidden)}
+        return patched_sets(
+            params, pairs, prefix, jnp.asarray(masks[part]), writers, interventions, config, metric, **extra
+        )
+
+    return _in_chunks(run, np.arange(len(masks)), chunk, progress, "exact patching of edge sets (chunks)")
+
+
+def _unit_masks(unit_sets, n: int, config: ModelConfig, ablation) -> np.ndarray:
+    """`[n, L, F]` bool, checked: one array of units per edge set, under the corrupt ablation."""
+    if ablation.kind != "corrupt":
+        raise ValueError(f"units are patched at their corrupt values: the corrupt ablation only, not {ablation.kind!r}")
+    units = np.asarray(unit_sets, bool)
+    shape = (n, config.num_layers, config.intermediate_size)
+    if units.shape != shape:
+        raise ValueError(f"unit_sets must be one [L, F] = {shape[1:]} bool array per edge set ({n}), got {units.shape}")
+    return units
 
 
 def circuit_metric(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, circuits, **kwargs) -> np.ndarray:

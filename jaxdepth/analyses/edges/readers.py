@@ -214,19 +214,25 @@ def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"]
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def patched_sets(params, pairs: PromptPairs, prefix, masks, ablated_writers, interventions, config, metric):
+def patched_sets(
+    params, pairs: PromptPairs, prefix, masks, ablated_writers, interventions, config, metric, *, units=None
+):
     """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once: carrying
-    `ablated_writers [W, B, S, D]` (the S positions after the shared `prefix`)."""
+    `ablated_writers [W, B, S, D]` (the S positions after the shared `prefix`). `units`:
+    `(unit_masks [c, L, F], ablated_hidden [L, B, S, F])`, each set's MLP hidden units to patch
+    too (at every position: every reader of the MLP reads the unit's ablated value)."""
     P = 0 if prefix is None else prefix[0].shape[2]
     h0 = embed(params, pairs.clean[:, P:], config, offset=P)
     graph = EdgeGraph.of(config)
 
-    def one(mask):
+    def one(mask, unit_mask=None):
         ivs = (interventions, patch_edges(graph, mask, ablated_writers, h0))
+        if unit_mask is not None:
+            ivs += (sites.patch("mlp_hidden", units[1], unit_mask[:, None, None, :]),)
         run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
         return run_metric(params, metric, run, pairs, config)
 
-    return jax.vmap(one)(masks)
+    return jax.vmap(one)(masks) if units is None else jax.vmap(one)(masks, units[0])
 
 
 # Sites whose value is a sum of writers' outputs, not a writer's: an edit there would reach the
