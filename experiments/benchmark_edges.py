@@ -46,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=100)
     parser.add_argument("--target", type=float, default=0.8, help="the greedy circuit's faithfulness")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="the phases to run (all)")
     parser.add_argument(
         "--compiled-calls",
         type=int,
@@ -90,48 +91,45 @@ def run_jax(args) -> dict:
     model, task = _task(args)
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
-    phases = {
-        "eap": lambda: edge_attribution(p, pairs, c, logit_difference),
-        "eap_ig": lambda: edge_attribution(
-            p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps)
-        ),
-    }
-    times, results = {}, {}
-    for name, phase in phases.items():
-        times[name] = [_timed(phase) for _ in range(1 + args.compiled_calls)]
-        results[name] = times[name][-1][1].scores.sum(axis=0)
-    eap_ig = times["eap_ig"][-1][1]
-    top = ranked_edges(results["eap_ig"], model_graph(c))[: args.top]
-    more = {
-        "patching": lambda: edge_effects(p, pairs, c, logit_difference, top),
-        "greedy": lambda: find_circuit(p, pairs, c, logit_difference, eap_ig, target=args.target, search="greedy"),
-        "neurons": lambda: edge_attribution(
-            p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps), detail=["neurons"]
-        ),
-        "positions": lambda: edge_attribution(
-            p,
-            pairs,
-            c,
-            logit_difference,
-            method="eap-ig-inputs",
-            rule=FixedRule(steps=args.steps),
-            detail=["positions"],
-        ),
-    }
-    for name, phase in more.items():
-        times[name] = [_timed(phase) for _ in range(1 + args.compiled_calls)]
-    circuit = times["greedy"][-1][1]
-    np.savez(
-        os.path.join(args.work, "jax.npz"),
-        top=top,
-        effects=times["patching"][-1][1],
-        greedy=np.array([len(circuit.edges), circuit.faithfulness]),
-        scores_mean=eap_ig.mean,
-        f=np.array([eap_ig.f_clean.mean(), eap_ig.f_corrupt.mean()]),
-        neurons=times["neurons"][-1][1].neuron_scores.sum(axis=0),
-        positions=times["positions"][-1][1].position_scores.sum(axis=0),
-        **results,
+    ig = lambda **kw: edge_attribution(  # noqa: E731
+        p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps), **kw
     )
+    found = {}  # the EAP-IG scores the patching and greedy phases start from, and their top edges
+
+    def searched():  # the EAP-IG phase's scores, or computed untimed where it is not a phase
+        if "eap_ig" not in found:
+            found["eap_ig"] = ig()
+        return found["eap_ig"]
+
+    def top():
+        return ranked_edges(searched().scores.sum(0), model_graph(c))[: args.top]
+
+    def keep_scores(r):
+        found["eap_ig"] = r
+        return {"eap_ig": r.scores.sum(0)}
+
+    phases = {
+        "eap": (lambda: edge_attribution(p, pairs, c, logit_difference), lambda r: {"eap": r.scores.sum(0)}),
+        "eap_ig": (ig, keep_scores),
+        "patching": (lambda: edge_effects(p, pairs, c, logit_difference, top()), lambda r: {"effects": r}),
+        "greedy": (
+            lambda: find_circuit(p, pairs, c, logit_difference, searched(), target=args.target, search="greedy"),
+            lambda r: {"greedy": np.array([len(r.edges), r.faithfulness])},
+        ),
+        "neurons": (lambda: ig(detail=["neurons"]), lambda r: {"neurons": r.neuron_scores.sum(0)}),
+        "positions": (lambda: ig(detail=["positions"]), lambda r: {"positions": r.position_scores.sum(0)}),
+    }
+    if "patching" in args.phases or "greedy" in args.phases:
+        searched()  # before the timed phases when the EAP-IG phase does not run
+    times, results = {}, {}
+    for name in args.phases:
+        run, keep = phases[name]
+        times[name] = [_timed(run) for _ in range(1 + args.compiled_calls)]
+        results.update(keep(times[name][-1][1]))
+    if found:
+        scores = found["eap_ig"]
+        results.update(top=top(), scores_mean=scores.mean, f=np.array([scores.f_clean.mean(), scores.f_corrupt.mean()]))
+    np.savez(os.path.join(args.work, "jax.npz"), **results)
     return {
         "times": {k: [t for t, _ in v] for k, v in times.items()},
         "peak_rss_gb": peak_rss_gb(),
@@ -166,26 +164,29 @@ def run_torch(args) -> dict:
     jax_side = np.load(os.path.join(args.work, "jax.npz"))
     graph = model_graph(model.config)
     masks = []
-    for w, r in jax_side["top"]:
+    for w, r in jax_side["top"] if "top" in jax_side else ():
         mask = np.zeros(graph.edge_mask.shape, bool)
         mask[w, r] = True
         masks.append(mask)
-    times, results = {}, {}
-    times["eap"], eap = _timed(lambda: ref.eap(*inputs).numpy())
-    times["eap_ig"], eap_ig = _timed(lambda: ref.eap(*inputs, steps=args.steps).numpy())
 
     def patching():
         with torch.no_grad():
             f_clean = ref.patched(*inputs, [np.zeros_like(graph.edge_mask)])[0]
         return f_clean[None] - ref.patched(*inputs, masks)
 
-    times["patching"], effects = _timed(patching)
-    times["greedy"], greedy = _timed(lambda: greedy_circuit(ref, inputs, jax_side, graph, args.target))
     detail = lambda **kw: ref.attribute(*inputs, steps=args.steps, **kw)  # noqa: E731
-    times["neurons"], neurons = _timed(lambda: detail(neurons=True)["neurons"].numpy())
-    times["positions"], positions = _timed(lambda: detail(per_position=True)["scores"].numpy())
-    results = {"eap": eap, "eap_ig": eap_ig, "effects": effects, "greedy": greedy}
-    results.update(neurons=neurons, positions=positions)
+    phases = {
+        "eap": (lambda: ref.eap(*inputs).numpy(), "eap"),
+        "eap_ig": (lambda: ref.eap(*inputs, steps=args.steps).numpy(), "eap_ig"),
+        "patching": (patching, "effects"),
+        "greedy": (lambda: greedy_circuit(ref, inputs, jax_side, graph, args.target), "greedy"),
+        "neurons": (lambda: detail(neurons=True)["neurons"].numpy(), "neurons"),
+        "positions": (lambda: detail(per_position=True)["scores"].numpy(), "positions"),
+    }
+    times, results = {}, {}
+    for name in args.phases:
+        run, key = phases[name]
+        times[name], results[key] = _timed(run)
     np.savez(os.path.join(args.work, "torch.npz"), **results)
     return {"times": {k: [v] for k, v in times.items()}, "peak_rss_gb": peak_rss_gb()}
 
@@ -231,25 +232,19 @@ def _timed(fn):
     return time.perf_counter() - start, out
 
 
-def agreement(work: str) -> dict:
+def agreement(work: str, phases) -> dict:
     """The largest difference of the two sides' results relative to the largest value."""
     a, b = np.load(os.path.join(work, "jax.npz")), np.load(os.path.join(work, "torch.npz"))
     rel = lambda x, y: float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
-    return {
-        "eap": rel(a["eap"], b["eap"]),
-        "eap_ig": rel(a["eap_ig"], b["eap_ig"]),
-        "patching": rel(a["effects"], b["effects"]),
-        "greedy": rel(a["greedy"], b["greedy"]),  # the circuit's size and faithfulness
-        "neurons": rel(a["neurons"], b["neurons"]),
-        "positions": rel(a["positions"], b["positions"]),
-    }
+    keys = {"patching": "effects"}  # the greedy phase compares the circuit's size and faithfulness
+    return {phase: rel(a[keys.get(phase, phase)], b[keys.get(phase, phase)]) for phase in phases}
 
 
 def report(args, jax_side: dict, torch_side: dict, agree: dict) -> dict:
     from benchmarking.machine import cpu_description
 
     rows = []
-    for phase in PHASES:
+    for phase in args.phases:
         first, *compiled = jax_side["times"][phase]
         warm = compiled[-1] if compiled else None  # None: --compiled-calls 0
         ref = torch_side["times"][phase][0]
@@ -314,6 +309,8 @@ def main(argv=None) -> int:
                 str(args.top),
                 "--target",
                 str(args.target),
+                "--phases",
+                *args.phases,
                 "--compiled-calls",
                 str(args.compiled_calls),
                 "--torch-threads",
@@ -325,7 +322,7 @@ def main(argv=None) -> int:
                 print(done.stdout + done.stderr, file=sys.stderr)
                 return done.returncode
             sides[impl] = json.loads(done.stdout.split("RESULT ", 1)[1])
-        result = report(args, sides["jax"], sides["torch"], agreement(work))
+        result = report(args, sides["jax"], sides["torch"], agreement(work, args.phases))
     if args.out:
         from jaxdepth.core.atomic import atomic_write
 
