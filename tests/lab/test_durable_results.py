@@ -268,12 +268,26 @@ def test_every_command_that_writes_results_is_refused_while_another_holds_its_fo
         holder.wait(timeout=30)
 
 
+# Ctrl-C as a shell delivers it: the command starts with SIGINT neither ignored nor blocked,
+# whatever this test process inherited or set (both pass through fork and exec, and Python turns
+# SIGINT into KeyboardInterrupt only where it was not ignored when Python started). A wrapper
+# resets them and execs the command, where `preexec_fn` would fork a multithreaded JAX process.
+AS_FROM_A_SHELL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+)
+
+
 def test_a_command_interrupted_with_ctrl_c_ends_on_one_line(tiny, tmp_path):
     out = tmp_path / "out"
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    here = f"this process: SIGINT handler {signal.getsignal(signal.SIGINT)}, blocked {blocked}"
     # a fresh compilation cache: the command is still compiling its first scores when interrupted
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXDEPTH_TESTS_XLA_CACHE")}
     env.update(JAXDEPTH_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    args = [sys.executable, "-m", "jaxdepth.lab.cli", "circuit", "--model", tiny, "--num-pairs", "2", "--out", str(out)]
+    command = ["-m", "jaxdepth.lab.cli", "circuit", "--model", tiny, "--num-pairs", "2", "--out", str(out)]
+    args = [sys.executable, "-c", AS_FROM_A_SHELL, *command]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in child.stdout:
@@ -287,7 +301,7 @@ def test_a_command_interrupted_with_ctrl_c_ends_on_one_line(tiny, tmp_path):
         child.kill()
         child.wait()
     folder = out / "model" / "circuit_addition2" / "eap-ig-inputs-left-16"
-    assert child.returncode == 130, stderr[-2000:]
+    assert child.returncode == 130, here + "\n" + stderr[:2000] + "\n...\n" + stderr[-1000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
     said = [line for line in stderr.replace("\r", "\n").splitlines() if "interrupted" in line]
     assert said == [
