@@ -163,10 +163,11 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
     chosen = circuit_choice(args.size, args.target, args.search, args.level)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
     took = time.perf_counter() - start
-    of_nodes = {
-        "node": lambda: f"{len(circuit.nodes)} nodes, ",
-        "neuron": lambda: f"{len(circuit.nodes)} heads or input and {len(circuit.units)} MLP units, ",
-    }.get(args.level, lambda: "")()
+    of_nodes = ""
+    if args.level == "node":
+        of_nodes = f"{len(circuit.nodes)} nodes, "
+    elif args.level == "neuron":
+        of_nodes = f"{len(circuit.nodes)} heads or input and {len(circuit.units)} MLP units, "
     print(f"circuit of {of_nodes}{len(circuit.edges)} edges ({circuit.num_live} live) in {took:.1f} s", flush=True)
     summary = summarise(scores, checks, circuit, model_name)
     with atomic_write(os.path.join(folder, f"summary_{checked}_{chosen}.txt"), "w") as f:

@@ -239,10 +239,13 @@ def find_circuit(
                 stacklevel=2,
             )
     kept = first(chosen)
-    # a circuit of neurons: its nodes, then the MLPs it keeps units of, with every out-edge of each
-    writers_of = lambda kept: np.concatenate([kept[0], _mlp_writers(graph)[kept[1].any(axis=1)]])  # noqa: E731
-    circuit_edges = (lambda n: _out_edges(writers_of(first(n)), graph)) if level == "neuron" else first
-    writers = {"node": lambda: nodes[:chosen], "neuron": lambda: writers_of(kept)}.get(level, lambda: None)()
+    circuit_edges, writers, kept_nodes, kept_units = first, None, None, None
+    if level == "node":
+        writers = kept_nodes = nodes[:chosen]
+    elif level == "neuron":  # its nodes, then the MLPs it keeps units of, with every out-edge of each
+        writers_of = lambda kept: np.concatenate([kept[0], _mlp_writers(graph)[kept[1].any(axis=1)]])  # noqa: E731
+        circuit_edges = lambda n: _out_edges(writers_of(first(n)), graph)  # noqa: E731
+        writers, kept_nodes, kept_units = writers_of(kept), kept[0], np.argwhere(kept[1])
     if writers is not None:  # node by node, each node's best first
         chosen_edges = np.concatenate([taken[taken[:, 0] == w] for w in writers] or [np.zeros((0, 2), taken.dtype)])
     else:
@@ -260,8 +263,8 @@ def find_circuit(
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
         live_sizes=np.array([live_edges(circuit_edges(n), graph).sum() for n in sizes], np.int64),
         level=level,
-        nodes=writers if level == "node" else kept[0] if level == "neuron" else None,
-        units=np.argwhere(kept[1]) if level == "neuron" else None,
+        nodes=kept_nodes,
+        units=kept_units,
         **graph.fields(),
     )
 
