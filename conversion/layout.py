@@ -9,7 +9,7 @@ source tensor is used exactly once, so a renamed or extra tensor can never be dr
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -102,6 +102,12 @@ def gguf_source(
     return (available - fused) | views, lambda name: cut(name) if "#" in name else get(name)
 
 
+def _non_finite(x: np.ndarray) -> str:
+    """How many of `x`'s values are NaN and how many infinite, said in words."""
+    nan, inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
+    return " and ".join(f"{n} {what} value{'s' if n > 1 else ''}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+
+
 def assemble_params(
     config: ModelConfig, available: Iterable[str], get: Callable[[str], np.ndarray], names: Mapping, dtype=np.float32
 ) -> dict:
@@ -115,7 +121,7 @@ def assemble_params(
     used: set[str] = set()
     shapes = param_shapes(config)
 
-    def fetch(name: str, key: str, want_shape) -> np.ndarray:
+    def fetch(name: str, key: str, want_shape, layer: Optional[int] = None) -> np.ndarray:
         if name not in available:
             raise ConversionError(f"checkpoint has no tensor {name!r} (needed for {key!r})")
         if name in used:
@@ -126,11 +132,19 @@ def assemble_params(
             x = x.T
         if tuple(x.shape) != tuple(want_shape):
             raise ConversionError(f"tensor {name!r} has shape {x.shape} (as {key!r}); expected {tuple(want_shape)}")
+        # tensor by tensor, as it is read: a broken checkpoint is named before the rest is read
+        # and converted, by the checkpoint's own name and the layer
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            where = f"layer {layer}'s {key!r}" if layer is not None else repr(key)
+            raise ConversionError(
+                f"checkpoint tensor {name.split('#')[0]!r} ({where}) contains {_non_finite(x)}: the checkpoint is "
+                "damaged, or was saved from a diverged model"
+            )
         return x.astype(dtype)
 
     params = {key: fetch(names[key], key, shape) for key, shape in shapes.items() if key != "layers"}
     params["layers"] = {
-        key: np.stack([fetch(names["layers"][key].format(i=i), key, shape[1:]) for i in range(config.num_layers)])
+        key: np.stack([fetch(names["layers"][key].format(i=i), key, shape[1:], i) for i in range(config.num_layers)])
         for key, shape in shapes["layers"].items()
     }
     if config.tie_word_embeddings and names["lm_head"] in available:

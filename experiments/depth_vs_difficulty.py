@@ -46,7 +46,7 @@ from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
-from jaxdepth.lab.study import StudySettings, run_study, saved_model_name, slug
+from jaxdepth.lab.study import StudySettings, model_results_key, run_study, saved_model_name
 
 DIFFICULTY_DATASETS = ("math", "mquake")
 STUDY_ORDER_SEED = 42  # the study's code shuffles each level's rows with random.Random(42)
@@ -270,7 +270,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not is_writer():
         return 0
     tag = dataset_tag(args.dataset, args.subject)
-    base = os.path.join(args.out, slug(saved_model_name(args.model, args.dtype)), f"{tag}_depth_vs_difficulty")
+    # beside the model's study results, in its folder (its name and fingerprint)
+    key = model_results_key(model, saved_model_name(args.model, args.dtype))[0]
+    base = os.path.join(args.out, key, f"{tag}_depth_vs_difficulty")
     meta = {
         "model": args.model,
         "dataset": args.dataset,

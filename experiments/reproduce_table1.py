@@ -26,8 +26,8 @@ from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
 from jaxdepth.lab.results import load_result
 from jaxdepth.core.sharding import mesh_from_spec
-from jaxdepth.lab.study import StudySettings, result_folder, run_study
-from jaxdepth.lab.table import collect, to_markdown, write_table
+from jaxdepth.lab.study import StudySettings, run_study
+from jaxdepth.lab.table import collect, result_identity, to_markdown, write_table
 
 MODELS = list(published.TABLE1)
 
@@ -109,10 +109,14 @@ def write_table1_figures(out, sources, datasets, models):
     for dataset in datasets:
         for kind in ("contributions", "logit_lens"):
             curves = {}
-            for name in models:
-                path = os.path.join(result_folder(out, name, dataset), f"{kind}.npz")
-                if os.path.isfile(path):
-                    curves[name.split("/")[-1]] = load_result(path)
+            # each model's folder is named by its fingerprint too: found by what its results record
+            for folder, _, files in sorted(os.walk(out)):
+                if f"{kind}.npz" not in files:
+                    continue
+                result = load_result(os.path.join(folder, f"{kind}.npz"))
+                identity = result_identity(result, folder)
+                if identity["model"] in models and identity["dataset"] == dataset:
+                    curves.setdefault(identity["model"].split("/")[-1], result)
             if curves:
                 plots.save_figure(
                     plots.relative_depth_figure(curves, title=f"{kind} on {dataset}"),

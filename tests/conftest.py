@@ -726,13 +726,29 @@ def tiny_config(**changes):
     return ModelConfig(**{**base, **changes})
 
 
-def save_tiny_checkpoint(folder, context):
+def save_tiny_checkpoint(folder, context, seed: int = 0, **changes):
     """A converted checkpoint folder of a tiny random llama with a BPE tokenizer trained on the
-    embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests."""
+    embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests (`seed` its
+    weights', `changes` to its `tiny_config`)."""
     from conversion.checkpoint import save_converted
     from jaxdepth.core.model import random_params
     from jaxdepth.lab.loaded_model import Model
 
     tokenizer = tiny_tokenizer()
-    config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=context)
-    return save_converted(Model(random_params(config, 0, scale=0.3), config, tokenizer, "tiny"), folder)
+    config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=context, **changes)
+    return save_converted(Model(random_params(config, seed, scale=0.3), config, tokenizer, "tiny"), folder)
+
+
+def model_dir(out, source, dtype=None):
+    """`OUT/<model key>`: the folder of a model's results under `OUT`, named by its name and
+    fingerprint (`jaxdepth.lab.study.source_results_key`), as a `pathlib.Path`."""
+    import pathlib
+
+    from jaxdepth.lab.study import source_results_key
+
+    return pathlib.Path(out) / source_results_key(str(source), dtype)[0]
+
+
+def results_folder(out, source, dataset: str = "default", dtype=None) -> str:
+    """Where `jaxdepth run --model SOURCE --out OUT` writes its results on `dataset`."""
+    return str(model_dir(out, source, dtype) / dataset)

@@ -119,8 +119,19 @@ def folder_lock(folder: str) -> Iterator[None]:
     returning or raising, the lock file and its owner file are removed (a process killed outright
     leaves them behind, and the next run takes them over). Within a block that holds `folder`, the
     same process may lock it again: the inner block holds nothing more, and the folder is let go
-    when the outer one ends."""
+    when the outer one ends. Folders the lock created and nothing was written to are removed
+    again when it ends, so a refused or failed run leaves nothing behind."""
     key = os.path.realpath(folder)
+    if key not in _HELD and not writable(folder):
+        # No process can write a read-only folder: there is nothing to guard, and its results can
+        # still be read (a rerun whose results all exist, a table). Writing one is refused where
+        # it is tried (`jaxdepth.lab.runs.produce`).
+        _HELD[key] = 1
+        try:
+            yield
+        finally:
+            del _HELD[key]
+        return
     if key in _HELD:
         _HELD[key] += 1
         try:
@@ -128,9 +139,14 @@ def folder_lock(folder: str) -> Iterator[None]:
         finally:
             _HELD[key] -= 1
         return
+    created = _missing_folders(folder)
     os.makedirs(folder, exist_ok=True)
     owner = os.path.join(folder, OWNER_NAME)
-    release = _lock(os.path.join(folder, LOCK_NAME), owner)
+    try:
+        release = _lock(os.path.join(folder, LOCK_NAME), owner)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
     _HELD[key] = 1
     try:
         with atomic_write(owner, "w") as f:
@@ -146,6 +162,39 @@ def folder_lock(folder: str) -> Iterator[None]:
                 os.remove(owner)
         finally:
             release()
+            # a run that wrote nothing (refused, failed, interrupted before its first result)
+            # leaves no empty folders behind; a folder with anything in it stays
+            _remove_if_empty(created)
+
+
+def writable(folder: str) -> bool:
+    """Whether this process may create files in `folder`, or, where it does not exist yet, in the
+    nearest folder above it that does (False on a read-only file system or without permission)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """The folders `os.makedirs(folder)` would create, deepest first."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_if_empty(folders: list[str]) -> None:
+    """Remove each of `folders` (deepest first) that is empty; stop at the first that is not."""
+    for path in folders:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (or gone): it and the folders above it stay
+            return
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import zipfile
 from typing import Any, Optional
 
 import numpy as np
@@ -28,6 +29,19 @@ _PLACES: dict[tuple[str, str], type] = {}  # the same, by (module, qualified nam
 
 class UnknownResultTypeError(ValueError):
     """A saved result's type is not defined in this process, and its module cannot supply it."""
+
+
+class UnreadableResultError(ValueError):
+    """A result file that cannot be read as a result: cut short, not a result at all, missing an
+    array its type needs, or written in a format this version does not read. Its message names
+    the file, what is wrong and what to do; `path` and `reason` hold the first two."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(
+            f"{path} cannot be read as a result: {reason}. Remove it (or move it aside) and run the command that "
+            "wrote it again: the result is computed anew"
+        )
+        self.path, self.reason = path, reason
 
 
 class SavedResult:
@@ -65,12 +79,45 @@ def load_saved(path: str) -> Any:
     """Load any result written by `SavedResult.save`, as its own type. A type not imported yet is
     imported from the module the file names; where that fails (or the file, from an older
     version, names no module), an `UnknownResultTypeError` (a ValueError) names the type and the
-    module to import."""
-    with np.load(path) as data:
-        meta = json.loads(data["__meta__"].tobytes().decode())
-        arrays = {k: data[k] for k in data.files if k != "__meta__"}
+    module to import. A file that is no readable result (cut short, random bytes, no header, an
+    array missing, fields of another version) is an `UnreadableResultError` (a ValueError)
+    naming it; a missing file is a FileNotFoundError."""
+    try:
+        with np.load(path) as data:
+            if "__meta__" not in data.files:
+                raise UnreadableResultError(path, "it holds arrays but no result header (not written by jaxdepth)")
+            meta = json.loads(data["__meta__"].tobytes().decode())
+            if not isinstance(meta, dict) or "type" not in meta:
+                raise UnreadableResultError(path, "its header names no result type (not written by jaxdepth)")
+            arrays = {k: data[k] for k in data.files if k != "__meta__"}
+    except (FileNotFoundError, IsADirectoryError, PermissionError, UnreadableResultError):
+        raise
+    except Exception as error:  # zipfile.BadZipFile, EOFError, a pickle refusal, a bad header, ...
+        raise UnreadableResultError(path, _why_unreadable(error)) from None
     cls = _result_type(path, meta.pop("type"), meta.pop("type_module", None), meta.pop("type_qualname", None))
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+    given = set(arrays) | set(meta)
+    if fields is not None:
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing, unknown = sorted(required - given), sorted(given - fields)
+        if missing or unknown:
+            what = [f"missing {', '.join(missing)}"] if missing else []
+            what += [f"fields this version does not know: {', '.join(unknown)}"] if unknown else []
+            raise UnreadableResultError(path, f"a {cls.__name__} of another format ({'; '.join(what)})")
     return cls(**arrays, **meta)
+
+
+def _why_unreadable(error: Exception) -> str:
+    """What is wrong with a file `np.load` could not read, said for a person."""
+    if isinstance(error, (zipfile.BadZipFile, EOFError)):
+        return f"it is cut short or is no .npz archive ({type(error).__name__}: {error})"
+    if "pickled" in str(error):  # numpy's refusal of what is not an array archive
+        return "it is not an .npz archive (its bytes read as neither a zip archive nor an array)"
+    return f"{type(error).__name__}: {error}"
 
 
 def _result_type(path: str, name: str, module: Optional[str], qualname: Optional[str]) -> type:

@@ -8,6 +8,7 @@ functions. Defining the record here, below both, lets the converters depend on t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Optional
 
 import jax
@@ -26,19 +27,24 @@ class ModelWeights:
     leading layer axis): host numpy arrays straight from a converter, device arrays after
     `jaxdepth.load`. `config`: its `ModelConfig`. `tokenizer`: a Hugging Face tokenizer
     (`transformers`), or None. `source`: where it came from (the folder, `.gguf` file or hub id
-    as resolved; for a converted folder, the source recorded when it was converted)."""
+    as resolved; for a converted folder, the source recorded when it was converted).
+    `fingerprint`: what the model is, for its results (`jaxdepth.lab.model_identity`: the
+    SHA-256 of the files it was loaded from, and the dtype it was loaded in); None for a model
+    made in memory. A cast (`astype`, `with_matmul_dtype`) is another model: its fingerprint is
+    derived (`derived_fingerprint`)."""
 
     params: Params
     config: ModelConfig
     tokenizer: Optional[Any]
     source: str
+    fingerprint: Optional[str] = None
 
     def astype(self, dtype):
         """A copy (of the same class) with params cast to `dtype` (e.g. 'bfloat16': weights and
         activations in bf16; norms, softmaxes, logits and every statistic stay float32); this one
         is left as it is. The cast params are device arrays."""
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
-        return dataclasses.replace(self, params=params)
+        return dataclasses.replace(self, params=params, fingerprint=derived_fingerprint(self.fingerprint, str(dtype)))
 
     def with_matmul_dtype(self, dtype):
         """A copy whose layers' weight matrices (q, k, v, o and the MLP's) are stored in `dtype`
@@ -50,4 +56,13 @@ class ModelWeights:
         analyses is measured in docs/precision.md. This one is left as it is."""
         matrices = {name for name, w in self.params["layers"].items() if w.ndim == 3}  # [L, in, out]
         layers = {name: jnp.asarray(w, dtype) if name in matrices else w for name, w in self.params["layers"].items()}
-        return dataclasses.replace(self, params={**self.params, "layers": layers})
+        fingerprint = derived_fingerprint(self.fingerprint, f"matmuls {dtype}")
+        return dataclasses.replace(self, params={**self.params, "layers": layers}, fingerprint=fingerprint)
+
+
+def derived_fingerprint(fingerprint: Optional[str], change: str) -> Optional[str]:
+    """The fingerprint of a model made from the one of `fingerprint` by `change` (a dtype it is
+    cast to: 'bfloat16'), a SHA-256 hex digest; None stays None (a model without files)."""
+    if fingerprint is None:
+        return None
+    return hashlib.sha256(f"{fingerprint}:{change}".encode()).hexdigest()

@@ -67,11 +67,12 @@ class EdgeChecks(SavedResult):
     effects: np.ndarray
 
 
-def circuit_folder(out: str, model_name: str, task: str) -> str:
-    """`OUT/<model>/circuit_<task>`: the circuits of one task, one subfolder per way of scoring."""
+def circuit_folder(out: str, model_key: str, task: str) -> str:
+    """`OUT/<model key>/circuit_<task>`: the circuits of one task, one subfolder per way of
+    scoring, under the model's results key (`jaxdepth.lab.study.source_results_key`)."""
     from jaxdepth.lab.study import slug
 
-    return os.path.join(out, slug(model_name), f"circuit_{slug(task)}")
+    return os.path.join(out, model_key, f"circuit_{slug(task)}")
 
 
 def scoring_name(method: str, rule: str, steps: int, tolerance: Optional[float], ablation: str = "corrupt") -> str:
@@ -96,15 +97,20 @@ def circuit_choice(size: Optional[int], target: Optional[float], search: str = "
     return name + ("" if search == "top" else f"_{search}") + {"edge": "", "node": "_nodes"}.get(level, f"_{level}s")
 
 
-def _identity(model_name: str, task: TaskPairs, settings: dict) -> dict:
-    """What the edge scores depend on: the model, the pairs and the way of scoring."""
+def _identity(model_name: str, fingerprint: str, task: TaskPairs, settings: dict) -> dict:
+    """What the edge scores depend on: the model (its name and fingerprint), the pairs and the way
+    of scoring."""
     pairs = {"clean": task.clean, "corrupt": task.corrupt, "labels": task.labels.tolist()}
-    return {"format": CIRCUIT_FORMAT, "model": model_name, **pairs, **settings}
+    model = {"model": model_name, "model_fingerprint": fingerprint[:16]}
+    return {"format": CIRCUIT_FORMAT, **model, **pairs, **settings}
 
 
-def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str, figures: bool = True) -> dict:
+def find_and_save(
+    model, task: TaskPairs, folder: str, args, *, model_name: str, fingerprint: str, figures: bool = True
+) -> dict:
     """The command's work: scores, checks, circuit and figures in `folder` (one way of scoring's,
-    `scoring_name`); returns a summary (`summarise`)."""
+    `scoring_name`); returns a summary (`summarise`). `fingerprint`: the model's
+    (`jaxdepth.lab.study.source_results_key`), part of every result's identity."""
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
@@ -112,7 +118,7 @@ def find_and_save(model, task: TaskPairs, folder: str, args, *, model_name: str,
         settings.update(ablation=args.ablation, positions=args.positions)
     if args.level == "neuron":  # scores with the MLP units' own
         settings.update(neurons=True)
-    identity = _identity(model_name, task, settings)
+    identity = _identity(model_name, fingerprint, task, settings)
     ablation = task_ablation(model, task, args.ablation)
     start = time.perf_counter()
 
@@ -406,6 +412,7 @@ def run_command(args) -> int:
     beginning with one token), then score, check, find and draw (`find_and_save`). Exit status
     1 when no circuit reached the faithfulness target (what was computed is saved all the same)."""
     from jaxdepth.lab.sources import load
+    from jaxdepth.lab.study import source_results_key
 
     if args.size is None and args.target is None:
         args.target = 0.8
@@ -414,7 +421,8 @@ def run_command(args) -> int:
     check_arguments(args)
     task_name = os.path.splitext(os.path.basename(args.pairs))[0] if args.pairs else f"addition{args.num_pairs}"
     scoring = scoring_name(args.method, args.rule, args.steps, args.tolerance, args.ablation)
-    folder = os.path.join(circuit_folder(args.out, args.model, task_name), scoring)
+    model_key, fingerprint = source_results_key(args.model)
+    folder = os.path.join(circuit_folder(args.out, model_key, task_name), scoring)
     with hold_folders([folder]):
         start = time.perf_counter()
         model = load(args.model)
@@ -424,7 +432,9 @@ def run_command(args) -> int:
         check_size(args.size, model.config, args.level)
         tokenizer = model.tokenizer
         task = read_pairs(args.pairs, tokenizer) if args.pairs else addition_pairs(tokenizer, args.num_pairs)
-        summary = find_and_save(model, task, folder, args, model_name=args.model, figures=not args.no_figures)
+        summary = find_and_save(
+            model, task, folder, args, model_name=args.model, fingerprint=fingerprint, figures=not args.no_figures
+        )
     print(summary["text"], end="")
     print(f"written to {folder}")
     if not summary["reached"]:

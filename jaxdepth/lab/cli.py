@@ -122,7 +122,7 @@ def _run(args) -> int:
     from jaxdepth.lab.prompts import DATASETS, load_prompts
     from jaxdepth.lab.registry import ANALYSES
     from jaxdepth.lab.runs import hold_folders
-    from jaxdepth.lab.study import Failures, result_folder, saved_model_name
+    from jaxdepth.lab.study import Failures, result_folder, source_results_key
 
     start = time.perf_counter()
     plugins = _named_plugins(args)
@@ -151,13 +151,15 @@ def _run(args) -> int:
     mesh = mesh_from_args(args)
     # Held from before the load to the last figure: a second run on any of these folders is
     # refused at once, and nothing else writes them meanwhile.
-    folders = [result_folder(args.out, saved_model_name(args.model, args.dtype), name) for name in args.dataset]
+    # The folders are the model's (its name and fingerprint), known before it loads.
+    model_key = source_results_key(args.model, args.dtype)
+    folders = [result_folder(args.out, model_key[0], name) for name in args.dataset]
     with hold_folders(folders):
         model, model_name = _load_model(args, mesh, start)
         summary = _study_datasets(
             args,
             model,
-            model_name,
+            (model_name, model_key),
             texts,
             baseline_texts,
             analyses=analyses,
@@ -174,7 +176,8 @@ def _run(args) -> int:
 
         rows = collect([args.out], resamples=args.bootstrap)
         print(to_markdown(rows), end="")
-        write_table(rows, os.path.join(args.out, "effective_depth_table"))
+        if _can_write(args.out, "the effective-depth table"):
+            write_table(rows, os.path.join(args.out, "effective_depth_table"))
     print(f"total {time.perf_counter() - start:.1f} s; results in {args.out}")
     failed = [(plugin_of[f.name], f"(analysis {f.name!r}) raised while {f.stage}", f.error) for f in failures.records]
     _report_plugin_failures(failed)
@@ -182,10 +185,12 @@ def _run(args) -> int:
 
 
 def _study_datasets(
-    args, model, model_name, texts, baseline_texts, *, analyses, settings, mesh, baseline_name, failures
+    args, model, names, texts, baseline_texts, *, analyses, settings, mesh, baseline_name, failures
 ) -> list[str]:
     """`jaxdepth run`'s studies, one per dataset of `texts` (name -> prompts): results, figures,
-    and the summary lines it prints (process 0's; the other processes' are empty)."""
+    and the summary lines it prints (process 0's; the other processes' are empty). `names`:
+    the model's name and its `(key, fingerprint)` (`jaxdepth.lab.study.source_results_key`)."""
+    model_name, model_key = names
     import jax
 
     from jaxdepth.core.sharding import is_writer
@@ -220,11 +225,12 @@ def _study_datasets(
                 baseline_batch=baseline,
                 baseline_name=baseline_name,
                 failures=failures,
+                model_key=model_key,
             )
         if not is_writer():  # multi-host: process 0 alone writes figures, the summary and the table
             continue
-        if not args.no_figures:
-            folder = result_folder(args.out, model_name, name)
+        folder = result_folder(args.out, model_key[0], name)
+        if not args.no_figures and _can_write(folder, "figures"):
             if write_figures(results, folder, model.tokenizer, failures=failures):
                 print(f"  figures in {os.path.join(folder, 'figures')}")
         line = [name]
@@ -233,6 +239,17 @@ def _study_datasets(
                 line.extend(ANALYSES[a].summary(result))
         summary.append("  " + "; ".join(line))
     return summary
+
+
+def _can_write(folder: str, what: str) -> bool:
+    """Whether `folder` can be written; where not (a read-only results folder, read by a rerun
+    whose results all exist), says that `what` is not written there."""
+    from jaxdepth.core.atomic import writable
+
+    if writable(folder):
+        return True
+    print(f"{what} not written: {folder} is read-only", file=sys.stderr)
+    return False
 
 
 def _report_plugin_failures(failed) -> None:
@@ -267,7 +284,7 @@ def _case(args) -> int:
     from jaxdepth.lab.prompts import encode
     from jaxdepth.lab.registry import ANALYSES
     from jaxdepth.lab.runs import hold_folders
-    from jaxdepth.lab.study import result_folder, run_study, saved_model_name
+    from jaxdepth.lab.study import result_folder, run_study, source_results_key
 
     start = time.perf_counter()
     if _named_plugins(args) is None:
@@ -286,7 +303,8 @@ def _case(args) -> int:
         if any(ANALYSES[a].uses_baseline for a in analyses)
         else (None, None)
     )
-    folder = result_folder(args.out, saved_model_name(args.model, args.dtype), name)
+    model_key = source_results_key(args.model, args.dtype)
+    folder = result_folder(args.out, model_key[0], name)
     with hold_folders([folder]):  # from before the load to the last figure; a second run is refused at once
         model, model_name = _load_model(args, None, start)
         context = model.config.max_position_embeddings
@@ -310,12 +328,13 @@ def _case(args) -> int:
             settings=settings,
             baseline_batch=baseline,
             baseline_name=baseline_name,
+            model_key=model_key,
         )
         if baseline_name is not None:
             print(f"erasure baseline: {baseline_name}")
         for analysis_name, result in results.items():
             print("  " + "; ".join(ANALYSES[analysis_name].summary(result)))
-        if not args.no_figures:
+        if not args.no_figures and _can_write(folder, "figures"):
             paths = write_case_figures(results, folder, model.tokenizer)
             print(f"figures in {os.path.dirname(paths[0])}" if paths else "no figures")
     print(f"total {time.perf_counter() - start:.1f} s; results in {folder}")
@@ -353,7 +372,7 @@ def _tuned_lens(args) -> int:
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import encode, load_prompts
     from jaxdepth.lab.runs import hold_folders
-    from jaxdepth.lab.study import slug
+    from jaxdepth.lab.study import result_folder, source_results_key
 
     train_rows, eval_rows = parse_rows(args.train_rows), parse_rows(args.eval_rows)
     prompts = load_prompts(args.dataset, args.data)
@@ -369,7 +388,7 @@ def _tuned_lens(args) -> int:
     settings = LensTrainingSettings(
         steps=args.steps, tokens_per_step=args.tokens_per_step, learning_rate=args.learning_rate, seed=args.seed
     )
-    out = os.path.join(args.out, slug(args.model), slug(args.dataset))
+    out = result_folder(args.out, source_results_key(args.model)[0], args.dataset)
     with hold_folders([out]):  # the folder `run` holds for this model and dataset: one writer at a time
         model = load(args.model)
         context = model.config.max_position_embeddings

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -44,23 +44,25 @@ class DepthProfile:
     num_layers: int
     ratios: dict
     curves: dict
+    fingerprint: Optional[str] = None  # the model's (`jaxdepth.lab.model_identity`); None if unrecorded
 
 
 def _profile(folder: str, files: set) -> DepthProfile:
-    from jaxdepth.lab.table import collect
+    from jaxdepth.lab.table import collect, result_identity
 
     ratios, curves, num_layers = {}, {}, None
-    # the names the results record (their identity), else the folders': as `table.collect` does
-    identity = {"model": os.path.basename(os.path.dirname(folder)), "dataset": os.path.basename(folder)}
+    # the model and dataset the results record (their identity), else the folders': as `table.collect` does
+    identity = {"model": os.path.basename(os.path.dirname(folder)), "fingerprint": None}
+    identity["dataset"] = os.path.basename(folder)
     if {"contributions.npz", "logit_lens.npz"} & files:
         for row in collect([folder], resamples=0):
             ratios[row["method"]] = row["ratio"]
             num_layers = row["layers"]
-            identity = {"model": row["model"], "dataset": row["dataset"]}
+            identity = {k: row[k] for k in ("model", "fingerprint", "dataset")}
 
     def load(name):
         result = load_result(os.path.join(folder, name))
-        identity.update({k: v for k, v in result.settings.get("identity", {}).items() if k in ("model", "dataset")})
+        identity.update(result_identity(result, folder))
         return result
 
     if "geometry.npz" in files:
@@ -84,6 +86,7 @@ def _profile(folder: str, files: set) -> DepthProfile:
         num_layers=int(num_layers),
         ratios=ratios,
         curves=curves,
+        fingerprint=identity["fingerprint"],
     )
 
 
@@ -104,12 +107,16 @@ def depth_profiles(roots: Iterable[str]) -> list[DepthProfile]:
 
 
 def _merged(profiles: list[DepthProfile]) -> list[DepthProfile]:
-    """One profile per (model, dataset): folders of the same model and dataset (analyses run
-    into different output folders) are read as one, the first folder's measure kept where two
-    hold the same one. Models of one name and different depths are refused: not one model."""
+    """One profile per (model, fingerprint, dataset): folders of the same model and dataset
+    (analyses run into different output folders) are read as one, the first folder's measure
+    kept where two hold the same one; two models of one name are two profiles, told apart by
+    their fingerprints (`jaxdepth.lab.table.with_model_labels`). Results of one name and one
+    unrecorded fingerprint with different depths are refused: not one model."""
+    from jaxdepth.lab.table import with_model_labels
+
     merged: dict = {}
     for p in profiles:
-        key = (p.model, p.dataset)
+        key = (p.model, p.fingerprint, p.dataset)
         if key not in merged:
             merged[key] = p
             continue
@@ -122,7 +129,8 @@ def _merged(profiles: list[DepthProfile]) -> list[DepthProfile]:
         merged[key] = dataclasses.replace(
             first, ratios={**p.ratios, **first.ratios}, curves={**p.curves, **first.curves}
         )
-    return list(merged.values())
+    named = lambda p: {"model": p.model, "fingerprint": p.fingerprint}
+    return with_model_labels(list(merged.values()), named, lambda p, label: dataclasses.replace(p, model=label))
 
 
 def depth_comparison_figure(profiles: Sequence[DepthProfile]) -> Figure:

@@ -71,11 +71,12 @@ def _vocabulary(tokenizer) -> Optional[dict]:
 # ----------------------------------------------------------------------------- on disk
 
 
-def mapping_folder(out_dir: str, small_name: str, large_name: str, dataset: str) -> str:
-    """`OUT/<small>__<large>/<dataset>`: where a mapping's result and figure go."""
+def mapping_folder(out_dir: str, small_key: str, large_key: str, dataset: str) -> str:
+    """`OUT/<small key>__<large key>/<dataset>`: where a mapping's result and figure go, the
+    models named by their results keys (`jaxdepth.lab.study.model_results_key`)."""
     from jaxdepth.lab.study import slug
 
-    return os.path.join(out_dir, f"{slug(small_name)}__{slug(large_name)}", slug(dataset))
+    return os.path.join(out_dir, f"{small_key}__{large_key}", slug(dataset))
 
 
 def encode_both(
@@ -119,8 +120,9 @@ def map_models(
     otherwise), the first `settings.train_prompts` fitting and the rest held out.
 
     Writes `layer_mapping.npz` and the heatmap (`layer_mapping.png`, `.pdf`) under
-    `mapping_folder(out_dir, small_name, large_name, dataset)`, atomically, from the writer
-    process only; a saved result with the same models, prompts and settings is reused.
+    `mapping_folder(out_dir, small key, large key, dataset)` (each model's
+    `jaxdepth.lab.study.model_results_key`: its name and fingerprint), atomically, from the
+    writer process only; a saved result with the same models, prompts and settings is reused.
     `max_tokens` skips longer prompts (the AIME rule), `limit` caps the number encoded."""
     batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
     k = settings.train_prompts
@@ -130,11 +132,19 @@ def map_models(
             "were encoded (the rest are held out)"
         )
     train, held_out = batch.select(slice(0, k)), batch.select(slice(k, None))
-    folder = mapping_folder(out_dir, small_name, large_name, dataset)
+    from jaxdepth.lab.study import model_results_key
+
+    (small_key, small_fingerprint), (large_key, large_fingerprint) = (
+        model_results_key(small, small_name),
+        model_results_key(large, large_name),
+    )
+    folder = mapping_folder(out_dir, small_key, large_key, dataset)
     path = os.path.join(folder, f"{RESULT_NAME}.npz")
     identity = {
         "small": small_name,
         "large": large_name,
+        "small_fingerprint": small_fingerprint[:16],
+        "large_fingerprint": large_fingerprint[:16],
         "dataset": dataset,
         "format": MAPPING_FORMAT,
         "settings": dataclasses.asdict(settings),
@@ -250,7 +260,7 @@ def _map(args) -> int:
     from jaxdepth.lab.meshes import mesh_from_args
     from jaxdepth.lab.sources import load
     from jaxdepth.lab.prompts import DATASETS, load_prompts
-    from jaxdepth.lab.study import saved_model_name
+    from jaxdepth.lab.study import saved_model_name, source_results_key
 
     if not 0 < args.train_prompts < args.prompts:
         raise ValueError(
@@ -267,7 +277,8 @@ def _map(args) -> int:
         "large_name": saved_model_name(args.large, args.dtype),
     }
     # Held from before the loads to the figure: a second run on the folder is refused at once.
-    with hold_folders([mapping_folder(args.out, names["small_name"], names["large_name"], args.dataset)]):
+    keys = [source_results_key(source, args.dtype)[0] for source in (args.small, args.large)]
+    with hold_folders([mapping_folder(args.out, *keys, args.dataset)]):
         dtype = None if args.dtype == "float32" else args.dtype
         start = time.perf_counter()
         small, large = (load(source, dtype=dtype, mesh=mesh) for source in (args.small, args.large))

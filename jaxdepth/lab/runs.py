@@ -12,8 +12,10 @@ so that a second run writing any of them is refused at once.
 A result's identity is a JSON-able dict of the settings it depends on (the model, the prompts'
 digest `batch_digest`, the method's settings, a format number bumped when the computation
 changes); `identity_key` turns it into a short key. It is kept in the result's own
-`settings["identity"]`, beside the software versions and the seconds it took, or, for a result
-type without settings, in a sidecar file `<file>.identity` holding its key.
+`settings["identity"]`, beside the software versions, the devices and mesh it ran on
+(`devices_used`) and the seconds it took, or, for a result
+type without settings, in a sidecar file `<file>.identity`: its key on the first line, then
+those as JSON.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from jaxdepth.core.atomic import atomic_write, folder_lock
+from jaxdepth.core.atomic import atomic_write, folder_lock, writable
 from jaxdepth.core.compilation import CompileClock
+from jaxdepth.core.saved_result import UnreadableResultError
 from jaxdepth.core.sharding import is_writer, writer_decides
 
 SIDECAR = ".identity"  # suffix of the identity file of a result type without settings
@@ -71,30 +75,38 @@ def produce(step: Step, folder: str) -> Produced:
     saved = saved_result(path, step.identity, step.result_type)
     if writer_decides(saved is not None):
         return Produced(saved, reused=True)
+    if is_writer() and not writable(folder):  # before the work, not after it: it could not be saved
+        raise OSError(
+            f"{folder} is read-only: {step.file} is not there with these settings, and what would be computed "
+            "could not be saved; give the command another --out folder, or make this one writable"
+        )
     start = time.perf_counter()
     with CompileClock() as compiling:
         result = step.run()
     seconds = time.perf_counter() - start
+    # compilation and computation apart: a first run pays compiles a rerun or the persistent
+    # compilation cache does not
+    provenance = dict(
+        versions=software_versions(),
+        seconds=seconds,
+        compile_seconds=compiling.seconds,
+        compute_seconds=seconds - compiling.seconds,
+        compilations=compiling.compilations,
+        compilation_cache_hits=compiling.cache_hits,
+        devices=devices_used(),
+    )
     if _has_settings(step.result_type):
-        # compilation and computation apart: a first run pays compiles a rerun or the persistent
-        # compilation cache does not
-        result.settings.update(
-            identity=step.identity,
-            versions=software_versions(),
-            seconds=seconds,
-            compile_seconds=compiling.seconds,
-            compute_seconds=seconds - compiling.seconds,
-            compilations=compiling.compilations,
-            compilation_cache_hits=compiling.cache_hits,
-        )
+        result.settings.update(identity=step.identity, **provenance)
     if is_writer():
-        _save(result, path, step.identity)
+        _save(result, path, step.identity, provenance)
     return Produced(result, reused=False, seconds=seconds, compiling=compiling)
 
 
 def saved_result(path: str, identity: dict, result_type: type):
     """The result saved at `path` when it is a `result_type` saved with `identity`, else None
-    (nothing there, another identity, or a file this version cannot read: recompute)."""
+    (nothing there, another identity, or a file this version cannot read: recompute). A file that
+    is no readable result (`UnreadableResultError`: cut short, random bytes, an array missing) is
+    said on standard error and moved aside (`set_aside`), never silently overwritten."""
     from jaxdepth.lab.results import load_result
 
     if not os.path.isfile(path):
@@ -104,10 +116,14 @@ def saved_result(path: str, identity: dict, result_type: type):
         if not os.path.isfile(marker):
             return None
         with open(marker) as f:
-            if f.read() != identity_key(identity):
+            if f.readline().rstrip("\n") != identity_key(identity):
                 return None
     try:
         result = load_result(path)
+    except UnreadableResultError as error:
+        aside = set_aside(path) if is_writer() else path
+        print(f"recomputing {path}: {error.reason}; the unreadable file is kept as {aside}", file=sys.stderr)
+        return None
     except Exception:
         return None
     if not isinstance(result, result_type):
@@ -117,18 +133,31 @@ def saved_result(path: str, identity: dict, result_type: type):
     return result
 
 
-def _save(result, path: str, identity: dict) -> None:
+def set_aside(path: str) -> str:
+    """Rename the unreadable file `path` to `<path>.unreadable` (`.unreadable-2`, ... when taken)
+    beside it, so that recomputing it loses nothing a person may want to look at; returns the
+    new path."""
+    aside, n = f"{path}.unreadable", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.unreadable-{n}"
+    os.replace(path, aside)
+    return aside
+
+
+def _save(result, path: str, identity: dict, provenance: dict) -> None:
     if _has_settings(type(result)):
         result.save(path)
         return
     # The old key goes first: a run killed between the two writes must not leave a new result
-    # beside the key of the old one.
+    # beside the key of the old one. The sidecar's first line is the key; the provenance a
+    # result with settings keeps there (versions, seconds, devices) follows as JSON.
     marker = path + SIDECAR
     if os.path.exists(marker):
         os.remove(marker)
     result.save(path)
     with atomic_write(marker, "w") as f:
-        f.write(identity_key(identity))
+        f.write(identity_key(identity) + "\n" + json.dumps(provenance) + "\n")
 
 
 def _has_settings(result_type: type) -> bool:
@@ -172,6 +201,22 @@ def batch_digest(batch) -> str:
     for a in (batch.tokens, batch.valid, batch.answer_start):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]
+
+
+def devices_used() -> dict:
+    """Where a result was computed, recorded with it: the platform, the kind and number of devices
+    and of processes, and the device mesh in use (`jax.set_mesh`; its axes' sizes, or None when
+    the computation ran on one device without a mesh)."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return {
+        "platform": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "mesh": None if mesh.empty else {name: int(size) for name, size in mesh.shape.items()},
+    }
 
 
 def software_versions() -> dict:

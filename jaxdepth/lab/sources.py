@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+from typing import Optional
 
 import filelock
 import jax
@@ -74,6 +75,49 @@ def _cached_conversion(gguf_path: str) -> str:
     return out
 
 
+def _check_hub_id(source: str) -> None:
+    """Refuse a source that is no local model and cannot be a hub id either (a mistyped path)."""
+    if os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ConversionError(
+            f"model source {source!r} is neither an existing folder or .gguf file, an embedded model "
+            f"({', '.join(EMBEDDED)}), nor a hub id of the form 'org/name'"
+        )
+
+
+def resolve_files(source: str) -> tuple[str, list[str]]:
+    """`(root, files)`: the files a model source consists of, sorted (what its fingerprint reads,
+    `jaxdepth.lab.model_identity`). An embedded model is its GGUF file, a `.gguf` file itself, a
+    folder every file under it but hidden ones and Markdown (which change nothing the model
+    computes), a hub id its snapshot (downloaded, or read from the local cache)."""
+    if source in EMBEDDED:
+        source = embedded_gguf_path(source)
+    if os.path.isfile(source):
+        return os.path.dirname(os.path.abspath(source)), [os.path.abspath(source)]
+    if not os.path.isdir(source):
+        _check_hub_id(source)
+        from conversion.hf import download_from_hub
+
+        source = download_from_hub(source)
+    root = os.path.abspath(source)
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        files.extend(os.path.join(folder, n) for n in names if not n.startswith(".") and not n.lower().endswith(".md"))
+    if not files:
+        raise ConversionError(f"model source {source!r} is an empty folder")
+    return root, sorted(files)
+
+
+def model_fingerprint(source: str, dtype: Optional[str] = None) -> str:
+    """The SHA-256 (hex) of the model at `source` (an embedded model's name, a `.gguf` file, a
+    converted or Hugging Face folder, a hub id), loaded in `dtype` (None or 'float32': as stored):
+    what the model is, for its results (`jaxdepth.lab.model_identity`), known before it loads.
+    A source that names no files is a `conversion.errors.ConversionError`."""
+    from jaxdepth.lab.model_identity import files_fingerprint
+
+    return files_fingerprint(*resolve_files(source), dtype, cache=cache_dir())
+
+
 def convert_source(source: str, *, dtype=np.float32) -> ModelWeights:
     """Convert any supported source (without the cache) into `ModelWeights` with host (numpy)
     params."""
@@ -91,25 +135,36 @@ def convert_source(source: str, *, dtype=np.float32) -> ModelWeights:
         from conversion.hf import convert_hf_folder
 
         return convert_hf_folder(source, dtype=dtype)
-    if os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise ConversionError(
-            f"model source {source!r} is neither an existing folder or .gguf file, an embedded model "
-            f"({', '.join(EMBEDDED)}), nor a hub id of the form 'org/name'"
-        )
+    _check_hub_id(source)
     from conversion.hf import convert_hf
 
     return convert_hf(source, dtype=dtype)
 
 
-# One compiled check for every parameter (eager `jnp` calls would compile two programs per shape).
-_finite_leaves = jax.jit(lambda params: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
+# One compiled check for every parameter (eager `jnp` calls would compile two programs per shape):
+# a flag per layer for the layers' stacked weights, one for each other parameter.
+_finite_leaves = jax.jit(
+    lambda params: {
+        **{k: jnp.all(jnp.isfinite(v)) for k, v in params.items() if k != "layers"},
+        "layers": {k: jnp.isfinite(v).reshape(v.shape[0], -1).all(1) for k, v in params["layers"].items()},
+    }
+)
 
 
 def _check_finite_params(params, source: str) -> None:
-    """A NaN or infinite weight makes every analysis meaningless: say which one, up front."""
-    for path, finite in jax.tree_util.tree_flatten_with_path(_finite_leaves(params))[0]:
-        if not bool(finite):
-            raise ValueError(f"{source}: parameter {jax.tree_util.keystr(path)} contains NaN or infinite values")
+    """A NaN or infinite weight makes every analysis meaningless: say which one (the layer too),
+    up front. (The converters name a checkpoint's own tensor as they read it; this catches what
+    a cast or a restored folder brings.)"""
+    finite = jax.device_get(_finite_leaves(params))
+    for key, flags in finite["layers"].items():
+        if not flags.all():
+            layers = np.flatnonzero(~flags).tolist()
+            raise ValueError(
+                f"{source}: parameter ['layers'][{key!r}] contains NaN or infinite values at layer(s) {layers}"
+            )
+    for key, flag in finite.items():
+        if key != "layers" and not bool(flag):
+            raise ValueError(f"{source}: parameter [{key!r}] contains NaN or infinite values")
 
 
 # `load`'s precision of float32 activations with bf16 weight matrices (`--dtype bf16-matmuls`).
@@ -132,12 +187,13 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     GGUF and conversions, the checkpoint's own dtype for converted folders). `BF16_MATMULS`
     ('bf16-matmuls') loads in float32, then stores the layers' weight matrices in bf16
     (`ModelWeights.with_matmul_dtype`): activations and statistics stay float32, the products
-    round their inputs to bf16 and accumulate in float32. With a `mesh`
+    round their inputs to bf16 and accumulate in float32. The model's `fingerprint` is that of
+    the files it was loaded from, in `dtype` (`jaxdepth.lab.model_identity`). With a `mesh`
     (`jaxdepth.core.sharding.make_mesh`), params are placed on it as `PARTITION_RULES` says; a
     converted folder is restored straight into that layout, shard by shard."""
     from conversion.checkpoint import is_converted_dir, restore_converted
 
-    source = os.fspath(source)
+    source = given = os.fspath(source)
     if source in EMBEDDED:
         source = embedded_gguf_path(source)
     if source.endswith(".gguf") and os.path.isfile(source):
@@ -159,4 +215,6 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
         from jaxdepth.core.sharding import shard_params
 
         model = dataclasses.replace(model, params=shard_params(model.params, mesh))
-    return model
+    # what the model is, for its results: the files it came from, loaded in `dtype`
+    loaded_in = None if dtype is None else dtype if dtype == BF16_MATMULS else str(np.dtype(dtype))
+    return dataclasses.replace(model, fingerprint=model_fingerprint(given, loaded_in))

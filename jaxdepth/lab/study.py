@@ -96,10 +96,13 @@ class Failures:
 
 
 def saved_model_name(source: str, dtype: Optional[str] = None) -> str:
-    """The name results of `source` loaded in `dtype` are saved under: the source itself in
-    float32, `SOURCE-bfloat16` in bf16, because a bf16 model is another model for the cache, the
-    folders and the table."""
-    return source if dtype in (None, "float32") else f"{source}-{dtype}"
+    """The name results of `source` loaded in `dtype` are saved and shown under: a local folder's
+    or file's base name (where it lies is not what the model is: its fingerprint says that,
+    `jaxdepth.lab.model_identity`), else the source as given (`smollm2`, a hub id), in float32;
+    `NAME-bfloat16` in bf16, because a bf16 model is another model for the cache, the folders and
+    the table."""
+    name = os.path.basename(os.path.normpath(source)) if os.path.exists(source) else source
+    return name if dtype in (None, "float32") else f"{name}-{dtype}"
 
 
 def slug(text: str) -> str:
@@ -127,8 +130,38 @@ def run_analysis(
     )
 
 
-def result_folder(out_dir: str, model_name: str, dataset: str) -> str:
-    return os.path.join(out_dir, slug(model_name), slug(dataset))
+def result_folder(out_dir: str, model_key: str, dataset: str) -> str:
+    """`OUT/<model key>/<dataset>`: where a study of one model on one dataset writes, the model
+    named by its `results_key` (its name and fingerprint), so two models never share a folder."""
+    return os.path.join(out_dir, model_key, slug(dataset))
+
+
+FINGERPRINT_DIGITS = 8  # of the fingerprint in a folder name: one in 4e9 for two models of one name
+
+
+def results_key(name: str, fingerprint: str) -> str:
+    """The folder name of a model's results: `name` as a folder name (`slug`) and the first
+    `FINGERPRINT_DIGITS` hex digits of its fingerprint (`smollm2-f745e40a`)."""
+    return f"{slug(name)}-{fingerprint[:FINGERPRINT_DIGITS]}"
+
+
+def source_results_key(source: str, dtype: Optional[str] = None) -> tuple[str, str]:
+    """`(key, fingerprint)` of the results of the model at `source` loaded in `dtype`, known before
+    it loads (`jaxdepth.lab.sources.model_fingerprint`): what a command holds and writes."""
+    from jaxdepth.lab.sources import model_fingerprint
+
+    fingerprint = model_fingerprint(source, dtype)
+    return results_key(saved_model_name(source, dtype), fingerprint), fingerprint
+
+
+def model_results_key(model: Model, model_name: str) -> tuple[str, str]:
+    """`(key, fingerprint)` of a loaded model's results: its `fingerprint` (`jaxdepth.load`'s, of
+    the files it came from and the dtype it was loaded or cast in), else, for a model made in
+    memory, the fingerprint of its params and config (`jaxdepth.lab.model_identity`)."""
+    from jaxdepth.lab.model_identity import weights_fingerprint
+
+    fingerprint = model.fingerprint or weights_fingerprint(model.params, model.config)
+    return results_key(model_name, fingerprint), fingerprint
 
 
 def run_study(
@@ -145,9 +178,13 @@ def run_study(
     progress: bool = True,
     log: Callable[[str], None] = print,
     failures: Optional[Failures] = None,
+    model_key: Optional[tuple[str, str]] = None,
 ) -> dict:
     """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
     With several processes (multi-host), every process computes and only process 0 saves.
+    Results go to `result_folder(out_dir, key, dataset)`, the model's `key, fingerprint` given as
+    `model_key` (a command computes them from its source before loading it) or else
+    `model_results_key(model, model_name)`; the fingerprint is part of every result's identity.
 
     `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
     dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
@@ -157,9 +194,11 @@ def run_study(
     failures = Failures() if failures is None else failures
     entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
     settings.check(entries)
-    folder = result_folder(out_dir, model_name, dataset)
+    key, fingerprint = model_key or model_results_key(model, model_name)
+    folder = result_folder(out_dir, key, dataset)
     common = {
         "model": model_name,
+        "model_fingerprint": fingerprint[:16],
         "dataset": dataset,
         "num_prompts": settings.num_prompts,
         "prompt_tokens_sha": batch_digest(batch),

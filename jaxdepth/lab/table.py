@@ -46,44 +46,71 @@ def collect(
             rows.extend(_rows_for(folder, files, resamples, seed))
         if not found:
             raise FileNotFoundError(f"no contributions.npz or logit_lens.npz under {root}")
-    return rows
+    return with_model_labels(rows)
+
+
+def result_identity(result, folder: str) -> dict:
+    """`model`, `fingerprint` and `dataset` of a result saved in `folder`: as its identity records
+    them, else (results saved before they were recorded) the folders' names and no fingerprint."""
+    identity = result.settings.get("identity", {})
+    return {
+        "model": identity.get("model", os.path.basename(os.path.dirname(folder))),
+        "fingerprint": identity.get("model_fingerprint"),
+        "dataset": identity.get("dataset", os.path.basename(folder)),
+    }
+
+
+def with_model_labels(items: list, get=lambda item: item, put=None) -> list:
+    """`items` (rows, or anything `get` reads a dict of `model` and `fingerprint` from) with each
+    model named so that two models never read as one: the name as recorded, and where two
+    different models (fingerprints) share it, the first 8 digits of each one's fingerprint after
+    it (`tiny [1f3a9c20]`). `put(item, label)` returns the item renamed (default: a dict's
+    `model` replaced)."""
+    put = put or (lambda item, label: {**item, "model": label})
+    prints: dict = {}
+    for item in items:
+        prints.setdefault(get(item)["model"], set()).add(get(item)["fingerprint"])
+    renamed = []
+    for item in items:
+        model, fingerprint = get(item)["model"], get(item)["fingerprint"]
+        shared = len(prints[model]) > 1
+        renamed.append(put(item, f"{model} [{(fingerprint or 'unrecorded')[:8]}]") if shared else item)
+    return renamed
 
 
 def _rows_for(folder: str, files, resamples: int, seed: int) -> list[dict]:
-    depths, intervals, per_prompt, identity = {}, {}, {}, {}
+    """The rows of one folder's results, each method's under the identity of the file it comes
+    from (two files of one folder from two models, as older versions could write, are two rows)."""
+    rows = []
     for name in ("contributions.npz", "logit_lens.npz"):
         if name not in files:
             continue
         r = load_result(os.path.join(folder, name))
         if name == "contributions.npz":
-            depths["cosine"] = ed.cosine_effective_depth(r.mean_cosine)
+            depths = {"cosine": ed.cosine_effective_depth(r.mean_cosine)}
         else:
-            depths["kl"] = ed.kl_effective_depth(r.kl)
-            depths["overlap"] = ed.overlap_effective_depth(r.overlap)
+            depths = {"kl": ed.kl_effective_depth(r.kl), "overlap": ed.overlap_effective_depth(r.overlap)}
+        per_prompt, intervals = {}, {}
         if uncertainty.has_per_prompt(r):
-            per_prompt.update(uncertainty.per_prompt_depths(r))
+            per_prompt = uncertainty.per_prompt_depths(r)
             if resamples > 0:
-                intervals.update(uncertainty.effective_depth_intervals(r, resamples=resamples, seed=seed, level=LEVEL))
-        identity = identity or r.settings.get("identity", {})
-    model = identity.get("model", os.path.basename(os.path.dirname(folder)))
-    dataset = identity.get("dataset", os.path.basename(folder))
-    rows = []
-    for m, d in depths.items():
-        interval = intervals.get(m)
-        rows.append(
-            {
-                "model": model,
-                "dataset": dataset,
-                "method": m,
-                "layers": d.num_layers,
-                "ed": d.layer,
-                "ratio": None if d.ratio is None else round(d.ratio, 4),
-                "ed_low": None if interval is None else interval.low,
-                "ed_high": None if interval is None else interval.high,
-                "resamples": 0 if interval is None else interval.resamples,
-                "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]],
-            }
-        )
+                intervals = uncertainty.effective_depth_intervals(r, resamples=resamples, seed=seed, level=LEVEL)
+        identity = result_identity(r, folder)
+        for m, d in depths.items():
+            interval = intervals.get(m)
+            rows.append(
+                {
+                    **identity,
+                    "method": m,
+                    "layers": d.num_layers,
+                    "ed": d.layer,
+                    "ratio": None if d.ratio is None else round(d.ratio, 4),
+                    "ed_low": None if interval is None else interval.low,
+                    "ed_high": None if interval is None else interval.high,
+                    "resamples": 0 if interval is None else interval.resamples,
+                    "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]],
+                }
+            )
     return rows
 
 
@@ -137,7 +164,7 @@ def to_markdown(rows: list[dict]) -> str:
     """Rows (model, dataset), columns 'ED (ratio)' per method; 'none' where nothing crosses.
     Rows with a bootstrap interval read 'ED [low, high] (ratio)', the interval at 95% over
     prompts, and a note below the table says how it was drawn."""
-    cells = {(r["model"], r["dataset"], r["method"]): r for r in rows}
+    cells = {(r["model"], r["dataset"], r["method"]): r for r in rows}  # models named apart by `collect`
     keys = sorted({(r["model"], r["dataset"]) for r in rows})
     resamples = max((r.get("resamples", 0) for r in rows), default=0)
     what = f"ED [{LEVEL:.0%}] (ratio)" if resamples else "ED (ratio)"

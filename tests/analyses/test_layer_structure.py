@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, model_dir
 from jaxdepth.analyses.layer_structure import (
     Structure,
     StructureResult,
@@ -171,7 +171,7 @@ def test_the_command_line_runs_it_as_a_plugin(tmp_path, capsys):
         plugins.LOADED.clear()
         plugins.LOADED.update(loaded)
     assert code == 0
-    result = load_result(str(tmp_path / "out" / "model" / "default" / "layer_structure.npz"))
+    result = load_result(str(model_dir(tmp_path / "out", model) / "default" / "layer_structure.npz"))
     assert isinstance(result, StructureResult) and result.answer_logprob.shape[1] == 2
     assert result.settings["identity"]["structure_max_block"] == 2
     printed = capsys.readouterr().out

@@ -445,3 +445,56 @@ def test_a_gguf_conversion_under_way_in_another_process_is_waited_for_not_repeat
         monkeypatch.setattr(conversion.gguf_file, "convert_gguf", convert_again)
     waiting.join(timeout=60)
     assert found == [out]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_weight_is_named_by_its_tensor_and_layer_before_the_rest_is_read(
+    tiny_model, tmp_path, monkeypatch, value
+):
+    import conversion.hf
+
+    folder = copy_folder(tiny_model("qwen2_gqa_tied"), tmp_path)
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def spoil(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name][3, 5] = value
+
+    rewrite_safetensors(os.path.join(folder, "model.safetensors"), spoil)
+    monkeypatch.setattr(conversion.hf, "load_tokenizer", lambda folder: pytest.fail("the tokenizer was read first"))
+    what = "1 NaN value" if np.isnan(value) else "1 infinite value"
+    with pytest.raises(ConversionError, match=rf"checkpoint tensor '{name}' \(layer 1's 'down'\) contains {what}"):
+        convert_hf_folder(folder)
+
+
+def test_a_non_finite_gguf_tensor_is_named_by_its_own_name(tiny_model, tmp_path):
+    import copy
+    import dataclasses
+
+    import torch
+
+    tiny = tiny_model("llama_gqa_untied")
+    spoiled = dataclasses.replace(tiny, model=copy.deepcopy(tiny.model))  # the session's model stays as it is
+    with torch.no_grad():
+        spoiled.model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    path = write_tiny_gguf(spoiled, str(tmp_path / "tiny.gguf"))
+    with pytest.raises(ConversionError, match=r"checkpoint tensor 'blk\.1\.ffn_down\.weight' \(layer 1's 'down'\)"):
+        convert_gguf(path, load_tokenizer=False)
+
+
+def test_a_non_finite_weight_after_loading_is_named_by_its_layer():
+    """What a cast to a narrower dtype or a folder converted by an older version can bring: the
+    check after loading names the parameter and the layers where it is not finite."""
+    from conftest import tiny_config
+    from jaxdepth.core.model import random_params
+    from jaxdepth.lab.sources import _check_finite_params
+
+    params = random_params(tiny_config(), 0)
+    down = np.array(params["layers"]["down"])
+    down[2, 0, 0] = np.inf
+    spoiled = {**params, "layers": {**params["layers"], "down": down}}
+    with pytest.raises(
+        ValueError, match=r"src: parameter \['layers'\]\['down'\] contains NaN or infinite values at layer\(s\) \[2\]"
+    ):
+        _check_finite_params(spoiled, "src")
+    _check_finite_params(params, "src")  # finite: nothing said

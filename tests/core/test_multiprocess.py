@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import save_tiny_checkpoint
+from conftest import model_dir, save_tiny_checkpoint
 from jaxdepth.lab.cli import main
 from jaxdepth.lab.registry import ANALYSES
 from jaxdepth.lab.results import load_result
@@ -80,7 +80,7 @@ def test_two_processes_equal_one_and_only_process_0_writes(tmp_path, capsys):
     assert not (tmp_path / "out1").exists() or not any((tmp_path / "out1").rglob("*")), sorted(
         str(p) for p in (tmp_path / "out1").rglob("*")
     )
-    folder, single = tmp_path / "out0" / "model" / "default", tmp_path / "single" / "model" / "default"
+    folder, single = model_dir(tmp_path / "out0", model) / "default", model_dir(tmp_path / "single", model) / "default"
     assert (tmp_path / "out0" / "effective_depth_table.md").exists()
     figures = lambda root: sorted(p.name for p in (root / "figures").iterdir())  # noqa: E731
     assert figures(folder) == figures(single)

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from conftest import save_tiny_checkpoint
+from conftest import model_dir, save_tiny_checkpoint
 from jaxdepth.analyses.effective_depth import depth_score
 from jaxdepth.lab.results import load_result
 
@@ -51,7 +51,7 @@ def test_depth_against_two_math_levels_and_resume(tmp_path, capsys):
     assert experiment.main(args) == 0
     printed = capsys.readouterr().out
     assert "Level 2: no prompt of this difficulty" in printed
-    folder = out / "tiny"
+    folder = model_dir(out, checkpoint)
     summary = json.loads((folder / "math_depth_vs_difficulty.json").read_text())
     groups = summary["groups"]
     assert [g["difficulty"] for g in groups] == [1, 3] and [g["label"] for g in groups] == ["Level 1", "Level 3"]

@@ -4,7 +4,7 @@ checkpoint (results equal to the analyses run directly, figures, resume), and cl
 import numpy as np
 import pytest
 
-from conftest import save_tiny_checkpoint
+from conftest import save_tiny_checkpoint, model_dir
 from jaxdepth.analyses.erasure import mean_residuals, residual_erasure
 from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.integrated_gradients import integrated_gradients_of_answers
@@ -20,9 +20,9 @@ def tiny(tmp_path_factory):
     return save_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"), context=1024)
 
 
-def _case_folder(out):
+def _case_folder(out, tiny):
     prompt, name = case_prompt(question=ARITHMETIC_PROMPT.question, answer=ARITHMETIC_PROMPT.answer)
-    return out / "model" / name, prompt
+    return model_dir(out, tiny) / name, prompt
 
 
 def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
@@ -39,7 +39,7 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
         str(tmp_path),
     ]
     assert main(args) == 0
-    folder, prompt = _case_folder(tmp_path)
+    folder, prompt = _case_folder(tmp_path, tiny)
     erasure, ig = load_result(str(folder / "erasure.npz")), load_result(str(folder / "integrated_gradients.npz"))
     figures = {p.name for p in (folder / "figures").iterdir()}
     assert {"case.png", "case.pdf", "erasure_prompt0.png", "integrated_gradients_prompt0.png"} <= figures
@@ -84,7 +84,7 @@ def test_case_dataset_row(tiny, tmp_path):
         )
         == 0
     )
-    result = load_result(str(tmp_path / "model" / "case_default_row2" / "erasure.npz"))
+    result = load_result(str(model_dir(tmp_path, tiny) / "case_default_row2" / "erasure.npz"))
     model = load(tiny)
     expected = encode(model.tokenizer, [load_prompts("default")[2]])
     np.testing.assert_array_equal(result.tokens, expected.tokens)
@@ -141,7 +141,7 @@ def test_case_accepts_the_model_as_an_option(tiny, tmp_path):
         )
         == 0
     )
-    assert len(list((tmp_path / "model").glob("case_*/erasure.npz"))) == 1
+    assert len(list(model_dir(tmp_path, tiny).glob("case_*/erasure.npz"))) == 1
 
 
 def test_case_names_differ_by_prompt_and_answer():
@@ -163,7 +163,7 @@ def test_a_case_draws_the_decision_depth_of_each_token_beside_erasure(tiny, tmp_
         args += ["--plugin", "jaxdepth.analyses.decision_depth:ANALYSIS", "--analyses", "erasure,decision_depth"]
         assert main(args) == 0
         _, name = case_prompt(question="2 + 3 = ", answer="5")
-        folder = tmp_path / "model" / name
+        folder = model_dir(tmp_path, tiny) / name
         result = load_result(str(folder / "decision_depth.npz"))
         assert (folder / "figures" / "case.png").stat().st_size > 5000
         model = load(tiny)

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import save_tiny_checkpoint, tiny_tokenizer
+from conftest import save_tiny_checkpoint, tiny_tokenizer, model_dir
 from jaxdepth.analyses.edges import Circuit, EdgeScores, find_circuit
 from jaxdepth.lab import circuit_study
 from jaxdepth.lab.circuit_study import EdgeChecks
@@ -66,7 +66,7 @@ def test_circuit_command_writes_scores_checks_circuit_and_figures(checkpoint, pa
     assert main(args) == 0
     # the task is the pairs file's stem; the folder below it names the method and its settings,
     # each file the settings it depends on
-    folder = tmp_path / "out" / "model" / "circuit_pairs" / "eap-ig-inputs-left-2"
+    folder = model_dir(tmp_path / "out", checkpoint) / "circuit_pairs" / "eap-ig-inputs-left-2"
     scores = EdgeScores.load(str(folder / "edge_scores.npz"))
     checks = EdgeChecks.load(str(folder / "edge_checks_top6.npz"))
     circuit = Circuit.load(str(folder / "circuit_size10.npz"))
@@ -93,7 +93,7 @@ def test_an_ablation_and_positions_go_to_a_folder_of_their_own(checkpoint, pairs
     positions."""
     extra = ("--method", "eap", "--ablation", "mean-per-position", "--positions")
     assert main(_circuit_args(checkpoint, pairs_file, tmp_path, *extra)) == 0
-    folder = tmp_path / "model" / "circuit_pairs" / "eap-mean-per-position"
+    folder = model_dir(tmp_path, checkpoint) / "circuit_pairs" / "eap-mean-per-position"
     scores = EdgeScores.load(str(folder / "edge_scores.npz"))
     assert scores.ablation == "mean-per-position" and scores.method == "eap"
     assert scores.position_scores.shape == scores.scores.shape + (scores.position_scores.shape[-1],)
@@ -112,7 +112,7 @@ def test_circuits_of_nodes_and_neurons_are_named_and_counted_in_members(
     args = _circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--level", level)
     args[args.index("--size") + 1] = "4" if level == "node" else "30"
     assert main(args) == 0
-    folder = tmp_path / "model" / "circuit_pairs" / "eap"
+    folder = model_dir(tmp_path, checkpoint) / "circuit_pairs" / "eap"
     size = args[args.index("--size") + 1]
     circuit = Circuit.load(str(folder / f"circuit_size{size}_{name}.npz"))
     assert circuit.level == level
@@ -162,7 +162,7 @@ def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp
         "error: no circuit reaches faithfulness 0.9 (the circuit saved is the whole graph, faithfulness "
         in (printed.err.splitlines()[-1])
     )
-    folder = tmp_path / "model" / "circuit_pairs" / "eap"
+    folder = model_dir(tmp_path, checkpoint) / "circuit_pairs" / "eap"
     summary = (folder / "summary_top6_target0.9.txt").read_text()
     assert "(target 0.9 NOT reached by any circuit of the top edges: this is the whole graph)" in summary
     assert (folder / "circuit_target0.9.npz").exists()  # what was computed is saved all the same

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import save_tiny_checkpoint, shared_data_path
+from conftest import save_tiny_checkpoint, shared_data_path, model_dir
 from conversion.checkpoint import save_converted
 from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.lab.cli import main
@@ -74,7 +74,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
     # The IG summary of a result at 2 steps (the left rule), as the run prints it: the largest gap
     # as a share of |F(x)-F(b)|, with its layer, called a preview (the summary's wording on made-up
     # results: test_the_ig_summary_gives_the_gap_as_a_share_and_calls_a_large_one_a_preview).
-    result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
+    result = load_result(str(model_dir(tmp_path, tiny) / "default" / "integrated_gradients.npz"))
     share = np.abs(result.relative_gap)
     prompt, layer = np.unravel_index(np.nanargmax(share), share.shape)
     assert share[prompt, layer] > 0.05  # 2 steps are far from converged
@@ -83,7 +83,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
         f"(layer {layer}): a preview, not a measurement (use --ig-rule adaptive or more --ig-steps)"
     ) in printed
     for dataset in ("default", "hellaswag"):
-        folder = tmp_path / "model" / dataset
+        folder = model_dir(tmp_path, tiny) / dataset
         for name in ANALYSES:
             assert (folder / f"{name}.npz").stat().st_size > 0
         figures = sorted(p.name for p in (folder / "figures").iterdir())
@@ -108,7 +108,7 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
         (d, m) for d in ("default", "hellaswag") for m in ("cosine", "kl", "overlap")
     }
     for r in rows:
-        folder = tmp_path / "model" / r["dataset"]
+        folder = model_dir(tmp_path, tiny) / r["dataset"]
         if r["method"] == "cosine":
             depth = ed.cosine_effective_depth(load_result(str(folder / "contributions.npz")).mean_cosine)
         else:
@@ -137,14 +137,14 @@ def test_run_end_to_end(tiny, tmp_path, capsys):
 def test_killed_run_resumes_without_recomputing(tiny, tmp_path):
     args = [sys.executable, "-m", "jaxdepth.lab.cli", *_run_args(tiny, tmp_path, "--no-figures", datasets=["default"])]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = tmp_path / "model" / "default" / "logit_lens.npz"
+    first = model_dir(tmp_path, tiny) / "default" / "logit_lens.npz"
     deadline = time.time() + 300
     while not first.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert first.exists(), "the run did not get as far as the logit lens"
-    folder = tmp_path / "model" / "default"
+    folder = model_dir(tmp_path, tiny) / "default"
     done = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix == ".npz"}
     for name in done:
         load_result(str(folder / name))  # every file that exists is complete
@@ -347,7 +347,7 @@ def test_every_skip_sublayer_subset_runs_through_the_cli(tiny, tmp_path, capsys)
         == 0
     )
     assert "layer_skip: reusing" not in capsys.readouterr().out
-    saved = load_result(str(tmp_path / "model" / "default" / "layer_skip.npz"))
+    saved = load_result(str(model_dir(tmp_path, tiny) / "default" / "layer_skip.npz"))
     assert saved.settings["mode"] == "current" and saved.settings["identity"]["skip_mode"] == "current"
     np.testing.assert_allclose(np.diagonal(saved.later[0]), 1.0, atol=1e-6)  # whole-layer skip, own change
     assert main(["run", "--model", tiny, "--skip-sublayers", "attn,heads", "--out", str(tmp_path)]) == 2
@@ -378,7 +378,7 @@ def test_erasure_baseline_defaults_to_what_can_be_read_offline(tiny, tmp_path, c
     )
     printed = capsys.readouterr().out
     assert "erasure baseline: default[:10] (the embedded prompts, offline" in printed
-    saved = load_result(str(tmp_path / "model" / "default" / "erasure.npz"))
+    saved = load_result(str(model_dir(tmp_path, tiny) / "default" / "erasure.npz"))
     assert saved.settings["baseline"].startswith("default[:10] (the embedded prompts")
 
 
@@ -405,7 +405,7 @@ def test_tuned_lens_command_trains_resumes_and_compares(tiny, tmp_path, capsys):
     ]
     assert main(args) == 0
     first = capsys.readouterr().out
-    folder = os.path.join(out, "model", "default")
+    folder = os.path.join(model_dir(out, tiny), "default")
     for name in ("logit_lens", "tuned_lens"):
         assert os.path.exists(os.path.join(folder, f"lens_comparison_{name}.npz")), name
     for name in ("lens_comparison.md", "lens_comparison.png", "lens/lens.json"):
@@ -442,7 +442,7 @@ def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
         "--no-figures",
     )
     assert main(args) == 0
-    result = load_result(str(tmp_path / "model" / "default" / "integrated_gradients.npz"))
+    result = load_result(str(model_dir(tmp_path, tiny) / "default" / "integrated_gradients.npz"))
     assert result.converged is not None and result.settings["rule"] == "adaptive"
     assert result.settings["identity"]["ig_tolerance"] == 0.05 and "ig_steps" not in result.settings["identity"]
     # converged layers hold their certificate: |gap| <= bound <= tolerance * scale, the scale
@@ -468,7 +468,7 @@ def test_adaptive_integrated_gradients_through_the_cli(tiny, tmp_path, capsys):
 def test_adaptive_integrated_gradients_budget_through_the_cli(tiny, tmp_path, capsys):
     args = _run_args(tiny, tmp_path, "--analyses", "integrated_gradients", "--ig-rule", "adaptive", "--no-figures")
     assert main(args) == 0
-    path = str(tmp_path / "model" / "default" / "integrated_gradients.npz")
+    path = str(model_dir(tmp_path, tiny) / "default" / "integrated_gradients.npz")
     assert (
         load_result(path).settings["identity"]["ig_max_evaluations"] == 3
     )  # --ig-steps 2: the fixed rule's, at least 3
@@ -500,9 +500,9 @@ def test_a_run_compiles_few_programs_and_a_second_one_none(tiny, tmp_path):
         proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return {
-            a: load_result(str(tmp_path / out / "model" / "default" / f"{a}.npz")).settings
+            a: load_result(str(model_dir(tmp_path / out, tiny) / "default" / f"{a}.npz")).settings
             for a in ANALYSES
-            if os.path.exists(tmp_path / out / "model" / "default" / f"{a}.npz")
+            if os.path.exists(model_dir(tmp_path / out, tiny) / "default" / f"{a}.npz")
         }
 
     first = run("first")  # `compilations` counts the programs read from the cache too

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import save_tiny_checkpoint
+from conftest import model_dir, save_tiny_checkpoint
+from jaxdepth.lab.mapping_study import mapping_folder
 from jaxdepth.core import atomic
 from jaxdepth.core.atomic import LOCK_NAME, OWNER_NAME, TEMP_PREFIX, FolderBusyError, folder_lock, locked_folders
 from jaxdepth.lab.case_study import case_prompt
@@ -31,7 +32,7 @@ SETUP = textwrap.dedent("""
     from jaxdepth.lab.loaded_model import Model
     from jaxdepth.lab.registry import Analysis, register
     from jaxdepth.core.saved_result import SavedResult
-    from jaxdepth.lab.study import run_study
+    from jaxdepth.lab.study import model_results_key, result_folder, run_study
 
     CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
@@ -44,7 +45,8 @@ SETUP = textwrap.dedent("""
         settings: dict
 
     def sleep_mid_write(inputs):
-        with atomic_write(os.path.join(sys.argv[1], "tiny", "toy", "partial.bin")) as f:
+        folder = result_folder(sys.argv[1], model_results_key(model, "tiny")[0], "toy")
+        with atomic_write(os.path.join(folder, "partial.bin")) as f:
             f.write(b"half")
             print("writing", flush=True)
             time.sleep(120)
@@ -140,7 +142,8 @@ def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
     _wait_for(child, "writing")  # contributions saved; the sleeper is inside its atomic write
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
-    folder = tmp_path / "tiny" / "toy"
+    (model_folder,) = tmp_path.glob("tiny-*")  # the model's name and fingerprint
+    folder = model_folder / "toy"
     assert (folder / "contributions.npz").exists() and not (folder / "partial.bin").exists()
     assert any(name.startswith(TEMP_PREFIX) for name in os.listdir(folder))  # what the kill left behind
     rerun = subprocess.run(
@@ -168,15 +171,34 @@ def test_the_lock_files_go_when_the_run_ends_however_it_ends(tmp_path):
     with folder_lock(str(folder)):
         assert sorted(os.listdir(folder)) == [LOCK_NAME, OWNER_NAME]
         assert f"process {os.getpid()} on " in (folder / OWNER_NAME).read_text()
-    assert os.listdir(folder) == []
+    # the folders the lock made, empty again, go with it: a run that wrote nothing leaves nothing
+    assert os.listdir(tmp_path) == []
     with pytest.raises(RuntimeError, match="an analysis failed"):
         with folder_lock(str(folder)):
             raise RuntimeError("an analysis failed")
-    assert os.listdir(folder) == []
+    assert os.listdir(tmp_path) == []
+    folder.mkdir(parents=True)
     (folder / LOCK_NAME).write_text("")  # left by a run killed outright: taken over, then removed
     with folder_lock(str(folder)):
-        pass
-    assert os.listdir(folder) == []
+        (folder / "result.npz").write_text("")
+    assert os.listdir(folder) == ["result.npz"]  # a folder that holds a result stays
+
+
+def test_a_refused_model_leaves_no_folder_behind(tmp_path, capsys):
+    """An unsupported architecture is refused at the load, after the command held its folders:
+    they were empty, and are gone with the lock."""
+    import json
+
+    from jaxdepth.lab.cli import main
+
+    folder = tmp_path / "unsupported"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    (folder / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "out"
+    assert main(["run", "--model", str(folder), "--analyses", "contributions", "--out", str(out)]) == 2
+    assert "mixtral" in capsys.readouterr().err
+    assert not out.exists(), sorted(str(p) for p in out.rglob("*"))
 
 
 @pytest.mark.skipif(atomic.fcntl is None, reason="flock: POSIX only")
@@ -214,7 +236,7 @@ def test_a_folder_held_by_this_process_may_be_locked_again_inside(tmp_path):
             with folder_lock(str(folder)):  # a study inside a command that holds its folder
                 pass
             assert sorted(os.listdir(folder)) == [LOCK_NAME, OWNER_NAME]  # still held by the outer block
-        assert os.listdir(folder) == []
+        assert not folder.exists()  # made by the lock, and empty: gone with it
     assert written == [str(folder)]
 
 
@@ -243,15 +265,17 @@ def test_every_command_that_writes_results_is_refused_while_another_holds_its_fo
     out = tmp_path / "out"
     _, case_name = case_prompt(question="1 + 1 = ", answer="2")
     commands = {
-        out / "model" / "default": [
+        model_dir(out, tiny) / "default": [
             ["run", "--model", tiny, "--prompts", "1", "--analyses", "contributions", "--no-figures"],
             ["tuned-lens", "--model", tiny, "--dataset", "default", "--train-rows", "3:6", "--eval-rows", "0:2"],
         ],
-        out / "model" / case_name: [["case", tiny, "--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "erasure"]],
-        out / "model__model" / "default": [
+        model_dir(out, tiny) / case_name: [
+            ["case", tiny, "--prompt", "1 + 1 = ", "--answer", "2", "--analyses", "erasure"]
+        ],
+        mapping_folder(str(out), model_dir(out, tiny).name, model_dir(out, tiny).name, "default"): [
             ["map", tiny, tiny, "--dataset", "default", "--prompts", "3", "--train-prompts", "2"]
         ],
-        out / "model" / "circuit_addition2" / "eap-ig-inputs-left-16": [
+        model_dir(out, tiny) / "circuit_addition2" / "eap-ig-inputs-left-16": [
             ["circuit", "--model", tiny, "--num-pairs", "2"]
         ],
     }
@@ -300,11 +324,11 @@ def test_a_command_interrupted_with_ctrl_c_ends_on_one_line(tiny, tmp_path):
     finally:
         child.kill()
         child.wait()
-    folder = out / "model" / "circuit_addition2" / "eap-ig-inputs-left-16"
+    folder = model_dir(out, tiny) / "circuit_addition2" / "eap-ig-inputs-left-16"
     assert child.returncode == 130, here + "\n" + stderr[:2000] + "\n...\n" + stderr[-1000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
     said = [line for line in stderr.replace("\r", "\n").splitlines() if "interrupted" in line]
     assert said == [
         f"interrupted: what was finished is saved in {folder}; the same command again resumes from there"
     ], stderr[-2000:]
-    assert os.listdir(folder) == [], "the folder is still held, or holds a half-written file"
+    assert not folder.exists() or os.listdir(folder) == [], "the folder is still held, or holds a half-written file"

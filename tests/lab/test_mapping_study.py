@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxdepth
-from conftest import save_tiny_checkpoint, tiny_tokenizer
+from conftest import save_tiny_checkpoint, tiny_tokenizer, model_dir
 from conversion.checkpoint import save_converted
 from jaxdepth.lab import mapping_study
 from jaxdepth.analyses.layer_mapping import LayerMappingResult
@@ -74,8 +74,11 @@ def test_map_command_end_to_end_and_rerun(checkpoints, tmp_path, capsys):
     small, large = checkpoints
     args = parser().parse_args(map_args(small, large, tmp_path))
     assert args.func(args) == 0
-    folder = mapping_folder(str(tmp_path), small, large, "default")
-    assert folder == os.path.join(str(tmp_path), "small__large", "default")
+    keys = [model_dir(tmp_path, source).name for source in (small, large)]
+    folder = mapping_folder(str(tmp_path), *keys, "default")
+    # each model named by its folder's name and its fingerprint
+    assert folder == os.path.join(str(tmp_path), f"{keys[0]}__{keys[1]}", "default") and os.path.isdir(folder)
+    assert [k.rsplit("-", 1)[0] for k in keys] == ["small", "large"]
     path = os.path.join(folder, "layer_mapping.npz")
     for name in ("layer_mapping.png", "layer_mapping.pdf"):
         assert os.path.getsize(os.path.join(folder, name)) > 1000

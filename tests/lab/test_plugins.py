@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import save_tiny_checkpoint
+from conftest import save_tiny_checkpoint, model_dir
 from jaxdepth.lab import plugins as plugin_loader
 from jaxdepth.lab.cli import main
 from jaxdepth.lab.registry import ANALYSES, BUILT_IN
@@ -192,10 +192,10 @@ def test_an_entry_point_plugin_runs_caches_resumes_draws_and_sums_up(tiny, insta
     plugin = sys.modules[MODULE]
     assert plugin.CALLS == [2]
     assert [p.label for p in plugin_loader.LOADED.values()] == [ENTRY_LABEL]
-    folder = tmp_path / "model" / "default"
+    folder = model_dir(tmp_path, tiny) / "default"
     saved = load_result(str(folder / "token_count.npz"))
     assert isinstance(saved, plugin.PluginTokenCount)
-    assert saved.settings["identity"]["seed"] == 123 and saved.settings["identity"]["model"] == tiny
+    assert saved.settings["identity"]["seed"] == 123 and saved.settings["identity"]["model"] == os.path.basename(tiny)
     valid_tokens = load_result(str(folder / "contributions.npz")).tokens_per_prompt  # the built-in's count
     assert f"default: 2 prompts, {int(valid_tokens.sum())} tokens" in printed
     np.testing.assert_array_equal(saved.counts, valid_tokens * 123)
@@ -237,7 +237,7 @@ def test_failing_plugins_are_named_and_the_other_results_kept(tiny, installed, t
     assert 'raise RuntimeError("the boom plugin exploded")' in err  # its traceback, for the plugin's author
     assert "boom: failed (RuntimeError: the boom plugin exploded); going on with the others" in captured.out
     # the analyses after the failing one ran; every result but the failed one is saved, drawn and summed up
-    folder = tmp_path / "model" / "default"
+    folder = model_dir(tmp_path, tiny) / "default"
     assert sorted(p.name for p in folder.glob("*.npz")) == ["bad_figure.npz", "contributions.npz", "token_count.npz"]
     for name in ("bad_figure", "contributions", "token_count"):
         load_result(str(folder / f"{name}.npz"))
@@ -269,7 +269,7 @@ def test_a_plugin_that_does_not_load_stops_the_run_before_any_analysis(tiny, ins
     assert captured.err.splitlines()[-1].startswith(
         f"error: nothing was run; plugins that failed to load: {MODULE}:TOKEN_CUONT (correct the --plugin"
     )
-    assert "loaded" not in captured.out and not os.path.exists(tmp_path / "model"), "the run went on"
+    assert "loaded" not in captured.out and not os.path.exists(model_dir(tmp_path, tiny)), "the run went on"
     assert sys.modules[MODULE].CALLS == []
 
     plugins = [f"{MODULE}:NOPE", "no_such_plugin_module:THING", f"{MODULE}:NOT_AN_ANALYSIS"]
@@ -284,7 +284,7 @@ def test_a_plugin_that_does_not_load_stops_the_run_before_any_analysis(tiny, ins
         f"error: nothing was run; plugins that failed to load: {', '.join(plugins)}",
     ):
         assert any(said.startswith(line) for said in err.splitlines()), line
-    assert not os.path.exists(tmp_path / "model")
+    assert not os.path.exists(model_dir(tmp_path, tiny))
 
 
 def test_an_entry_point_that_does_not_load_stops_the_run(tiny, installed, tmp_path, monkeypatch, capsys):
@@ -301,12 +301,12 @@ def test_an_entry_point_that_does_not_load_stops_the_run(tiny, installed, tmp_pa
     label = f"entry point broken = {MODULE}:MISSING (jaxdepth-broken 0.2)"
     assert f"error: plugin {label} failed to load: AttributeError: module '{MODULE}' has no attribute 'MISSING'" in err
     assert f"plugins that failed to load: {label}" in err and "uninstall" in err
-    assert not os.path.exists(tmp_path / "out" / "model") and sys.modules[MODULE].CALLS == []
+    assert not os.path.exists(model_dir(tmp_path / "out", tiny)) and sys.modules[MODULE].CALLS == []
 
 
 def test_a_plugin_result_loads_in_a_process_that_never_imported_the_plugin(tiny, installed, tmp_path):
     assert _run(tiny, tmp_path, "--analyses", "token_count", "--no-figures") == 0
-    path = str(tmp_path / "model" / "default" / "token_count.npz")
+    path = str(model_dir(tmp_path, tiny) / "default" / "token_count.npz")
     counts = load_result(path).counts
     code = textwrap.dedent(f"""
         import sys
@@ -333,7 +333,7 @@ def test_a_plugin_result_loads_in_a_process_that_never_imported_the_plugin(tiny,
 
 
 def test_figures_are_announced_only_when_drawn_and_the_lock_goes_with_the_run(tiny, installed, tmp_path, capsys):
-    folder = tmp_path / "model" / "default"
+    folder = model_dir(tmp_path, tiny) / "default"
     assert _run(tiny, tmp_path, "--analyses", "no_figure", "--plugin", f"{MODULE}:NO_FIGURE") == 0
     assert "figures in" not in capsys.readouterr().out
     assert sorted(os.listdir(folder)) == ["no_figure.npz"]  # nothing drawn, no lock file left
@@ -366,7 +366,7 @@ def test_a_name_clash_or_a_malformed_plugin_stops_the_run(tiny, installed, tmp_p
     assert ANALYSES["token_count"] is entry_point.analysis is sys.modules[MODULE].TOKEN_COUNT
     assert _run(tiny, tmp_path, "--plugin", MODULE) == 2
     assert f"--plugin takes MODULE:OBJECT (e.g. mypackage.analyses:ENTROPY), got '{MODULE}'" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "model"), "a refused run computed something"
+    assert not os.path.exists(model_dir(tmp_path, tiny)), "a refused run computed something"
 
 
 def test_plugins_are_loaded_by_a_run_once_not_on_import(installed):
@@ -442,14 +442,16 @@ def test_a_plugin_declares_settings_and_gets_their_option(tiny, installed, tmp_p
     assert "--count-weight COUNT_WEIGHT" in capsys.readouterr().out
     assert _run(tiny, tmp_path, *named, "--count-weight", "3") == 0
     assert "weighted_count: reusing" not in capsys.readouterr().out
-    saved = load_result(str(tmp_path / "model" / "default" / "weighted_count.npz"))
+    saved = load_result(str(model_dir(tmp_path, tiny) / "default" / "weighted_count.npz"))
     assert saved.settings["identity"]["count_weight"] == 3
     valid = saved.counts // 3
     np.testing.assert_array_equal(saved.counts, valid * 3)
     assert _run(tiny, tmp_path, *named, "--count-weight", "3") == 0
     assert "weighted_count: reusing" in capsys.readouterr().out
     assert _run(tiny, tmp_path, *named) == 0  # the default weight, 1: another identity, computed
-    np.testing.assert_array_equal(load_result(str(tmp_path / "model" / "default" / "weighted_count.npz")).counts, valid)
+    np.testing.assert_array_equal(
+        load_result(str(model_dir(tmp_path, tiny) / "default" / "weighted_count.npz")).counts, valid
+    )
     assert _run(tiny, tmp_path, *named, "--count-weight", "0") == 2  # the settings class refuses it
     assert "--count-weight must be at least 1, got 0" in capsys.readouterr().err
     ANALYSES.pop("weighted_count")  # as in a new process that does not name the plugin

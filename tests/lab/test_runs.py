@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -48,7 +49,26 @@ def test_a_step_is_reused_when_its_identity_matches_and_computed_otherwise(kind,
         saved = WithSettings.load(str(tmp_path / "result.npz")).settings
         assert saved["identity"] == {"seed": 2} and "versions" in saved and not marker.exists()
     else:
-        assert marker.read_text() == identity_key({"seed": 2})
+        key, provenance = marker.read_text().splitlines()
+        assert key == identity_key({"seed": 2})
+        saved = json.loads(provenance)
+    # where it ran, beside every result: one CPU device here, no mesh
+    assert saved["devices"] == {
+        "platform": "cpu",
+        "device_kind": "cpu",
+        "device_count": jax.device_count(),
+        "process_count": 1,
+        "mesh": None,
+    }
+
+
+def test_a_result_records_the_mesh_it_ran_on(tmp_path):
+    from jaxdepth.core.sharding import make_mesh
+
+    with jax.set_mesh(make_mesh(data=jax.device_count())):
+        produce(_step(WithSettings, {"seed": 1}, []), str(tmp_path))
+    saved = WithSettings.load(str(tmp_path / "result.npz")).settings
+    assert saved["devices"]["mesh"] == {"data": jax.device_count(), "model": 1}
 
 
 def test_a_result_without_its_identity_file_is_computed_again(tmp_path):
