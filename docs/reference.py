@@ -48,7 +48,7 @@ BEYOND = {
     "jaxdepth.lab.prompts": ("Prompt", "load_prompts", "encode"),
     "jaxdepth.lab.results": ("load_result",),
     "jaxdepth.lab.registry": ("Analysis", "register"),
-    "jaxdepth.lab.study": ("StudySettings", "run_study"),
+    "jaxdepth.lab.study": ("StudySettings", "run_study", "result_folder", "source_results_key"),
     "jaxdepth.lab.mapping_study": ("MappingSettings", "map_models"),
     "jaxdepth.lab.circuit_tasks": ("addition_pairs",),
 }

@@ -21,23 +21,35 @@ new config compiles anew). Shapes are written with the axis names of `jaxdepth.c
 prompts, T positions, L layers, D residual width, V vocabulary, ...).
 """
 
-from jaxdepth.core import sites, structure
-from jaxdepth.core.decoding import generate, generate_orders
-from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
-from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import forward, residual_stream
-from jaxdepth.lab.loaded_model import Model
-from jaxdepth.lab.sources import load
-from jaxdepth.analyses.attribution import site_gradients
-from jaxdepth.analyses.ig import (
-    AdaptiveRule,
-    Execution,
-    FixedRule,
-    NonFiniteAttributionError,
-    SiteIG,
-    integrated_gradients,
-)
-from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Each name where it is defined. Loaded on first use (PEP 562), so that `import jaxdepth.core`
+# or `import conversion` loads the core alone, not the analyses and the shell.
+_WHERE = {
+    "ModelConfig": "jaxdepth.core.config",
+    "UnsupportedConfigError": "jaxdepth.core.config",
+    "Model": "jaxdepth.lab.loaded_model",
+    "load": "jaxdepth.lab.sources",
+    "forward": "jaxdepth.core.model",
+    "residual_stream": "jaxdepth.core.model",
+    "run_layers": "jaxdepth.core.loops",
+    "sites": "jaxdepth.core",
+    "structure": "jaxdepth.core",
+    "generate": "jaxdepth.core.decoding",
+    "generate_orders": "jaxdepth.core.decoding",
+    "site_gradients": "jaxdepth.analyses.attribution",
+    "integrated_gradients": "jaxdepth.analyses.ig",
+    "FixedRule": "jaxdepth.analyses.ig",
+    "AdaptiveRule": "jaxdepth.analyses.ig",
+    "Execution": "jaxdepth.analyses.ig",
+    "SiteIG": "jaxdepth.analyses.ig",
+    "NonFiniteAttributionError": "jaxdepth.analyses.ig",
+    "edge_attribution": "jaxdepth.analyses.edges",
+    "prompt_pairs": "jaxdepth.analyses.edges",
+}
 
 __all__ = [
     "ModelConfig",
@@ -61,3 +73,36 @@ __all__ = [
     "edge_attribution",
     "prompt_pairs",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'jaxdepth' has no attribute {name!r}")
+    module = importlib.import_module(_WHERE[name])
+    value = getattr(module, name) if hasattr(module, name) else importlib.import_module(f"{_WHERE[name]}.{name}")
+    globals()[name] = value  # found once; later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what a type checker and an editor see: the names, imported as usual
+    from jaxdepth.analyses.attribution import site_gradients
+    from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
+    from jaxdepth.analyses.ig import (
+        AdaptiveRule,
+        Execution,
+        FixedRule,
+        NonFiniteAttributionError,
+        SiteIG,
+        integrated_gradients,
+    )
+    from jaxdepth.core import sites, structure
+    from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
+    from jaxdepth.core.decoding import generate, generate_orders
+    from jaxdepth.core.loops import run_layers
+    from jaxdepth.core.model import forward, residual_stream
+    from jaxdepth.lab.loaded_model import Model
+    from jaxdepth.lab.sources import load

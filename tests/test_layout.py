@@ -431,3 +431,39 @@ def test_no_integrated_gradients_function_takes_more_than_ten_parameters():
     assert many_parameters(files, MAX_IG_PARAMETERS) == []
     synthetic = {"m.py": "def f(a, b, *, c, d=1, **e): pass\nclass C:\n    def g(self, a, *b): pass\n"}
     assert many_parameters(synthetic, 4) == ["m.py:1 f(5)"]
+
+
+# What each import may bring in, checked in a fresh interpreter: importing the core or the
+# converters loads nothing of the analyses or the shell (the package's top level loads its names
+# on first use), and every name the top level offers is there.
+LOADS_NOTHING_ABOVE = ("jaxdepth.core", "jaxdepth.core.model", "jaxdepth.core.loops", "conversion", "conversion.hf")
+
+
+def test_importing_the_core_or_the_converters_loads_nothing_above_them():
+    import subprocess
+    import sys
+
+    script = (
+        "import importlib, sys\n"
+        f"for name in {LOADS_NOTHING_ABOVE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('jaxdepth.analyses', 'jaxdepth.lab'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_every_name_of_the_top_level_is_where_it_says():
+    import jaxdepth
+
+    assert set(jaxdepth.__all__) == set(jaxdepth._WHERE)
+    for name in jaxdepth.__all__:
+        assert getattr(jaxdepth, name) is not None, name
+    assert set(jaxdepth.__all__) <= set(dir(jaxdepth))
+    try:
+        jaxdepth.no_such_name
+    except AttributeError as error:
+        assert "no attribute 'no_such_name'" in str(error)
+    else:
+        raise AssertionError("an unknown name must be an AttributeError")
