@@ -1,7 +1,7 @@
 """Circuits: sets of edges chosen by their scores, checked by exact patching, and drawn.
 
-A circuit is a set of edges kept clean; every other edge of the graph carries the corrupt run's
-values (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
+A circuit is a set of edges kept clean; every other edge of the graph carries its ablated value,
+the corrupt run's by default (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
 (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means.
 
 `find_circuit` orders the edges by their mean score (`search='top'`), or as the EAP-IG package's
@@ -10,8 +10,10 @@ and evaluates the circuits of the first n edges for a grid of sizes n as one vma
 computation; with a faithfulness target it takes the smallest size of the grid that reaches it,
 then refines between that size and the one below (a second vmapped call), so the size is found
 to within a few percent of the edges at the cost of two calls. Sizes are reported as the
-circuit's live edges too (`Circuit.num_live`): those on a path from the input to the logits;
-the others are dead and change nothing (`live_edges`).
+circuit's live edges too (`Circuit.num_live`): under the corrupt ablation those on a path from
+the input to the logits, under the others those on a path to the logits; the others are dead
+and change nothing (`live_edges` says why), so a circuit and its `pruned()` form have the same
+metric and faithfulness under the circuit's ablation.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class Circuit(SavedResult):
     (None when the size was given). `reached`: False when no circuit reached `target` (the
     circuit is then the whole graph, and `find_circuit` warned); True otherwise, and when the
     size was given. A caller that reports a circuit checks it: the command exits non-zero.
-    `search`: how the edges were ordered ('top' or 'greedy'); `live [n]`: whether each edge is
-    live (on a path from the input to the logits through the circuit); `live_sizes [k]`: the
-    live edges of each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
+    `search`: how the edges were ordered ('top' or 'greedy'); `ablation`: what the edges outside
+    the circuit carry (one of `ABLATIONS`); `live [n]`: whether each edge is live under it
+    (`selection.live_edges`: under 'corrupt' on a path from the input to the logits through the
+    circuit, under the others on a path to the logits); `live_sizes [k]`: the live edges of
+    each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
     first), `sizes` count nodes, and `edges` are all their out-edges (node by node). `level`
     'neuron': the circuit is `nodes` (the input and heads it keeps) and `units [m, 2]` (the MLP
     hidden units it keeps, (layer, unit)), `sizes` count both, and `edges` are the out-edges of
@@ -83,6 +87,9 @@ class Circuit(SavedResult):
     level: str = "edge"
     nodes: Optional[np.ndarray] = None  # [m] writers, best first, at levels 'node' and 'neuron'
     units: Optional[np.ndarray] = None  # [m, 2] (layer, unit) of the MLP hidden units kept, at level 'neuron'
+    # None in files saved before the ablation was recorded: pruning then takes only the rule
+    # that holds under every ablation (no path to the logits)
+    ablation: Optional[str] = None
 
     @property
     def graph(self) -> EdgeGraph:
@@ -101,8 +108,8 @@ class Circuit(SavedResult):
 
     @property
     def live_mask(self) -> np.ndarray:
-        """`[W, R]` bool: the circuit's live edges (`selection.live_edges`)."""
-        return live_edges(self.mask, self.graph)
+        """`[W, R]` bool: the circuit's live edges under its ablation (`selection.live_edges`)."""
+        return live_edges(self.mask, self.graph, self.ablation if self.ablation is not None else "zero")
 
     @property
     def num_live(self) -> int:
@@ -110,7 +117,8 @@ class Circuit(SavedResult):
         return int(self.live_mask.sum())
 
     def pruned(self) -> "Circuit":
-        """The circuit without its dead edges: the same metric, the same faithfulness."""
+        """The circuit without its dead edges: the same metric and faithfulness under the
+        circuit's ablation (`selection.live_edges` proves it, rule by rule), to float32 rounding."""
         keep = self.live_mask[self.edges[:, 0], self.edges[:, 1]]
         return dataclasses.replace(
             self, edges=self.edges[keep], scores=self.scores[keep], live=np.ones(keep.sum(), bool)
@@ -250,7 +258,7 @@ def find_circuit(
         chosen_edges = np.concatenate([taken[taken[:, 0] == w] for w in writers] or [np.zeros((0, 2), taken.dtype)])
     else:
         chosen_edges = taken[:chosen]
-    live = live_edges(circuit_edges(chosen), graph)
+    live = live_edges(circuit_edges(chosen), graph, ablation)
     return Circuit(
         edges=chosen_edges,
         scores=scores.mean[chosen_edges[:, 0], chosen_edges[:, 1]].astype(np.float32),
@@ -261,10 +269,11 @@ def find_circuit(
         reached=reached,
         search=search,
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
-        live_sizes=np.array([live_edges(circuit_edges(n), graph).sum() for n in sizes], np.int64),
+        live_sizes=np.array([live_edges(circuit_edges(n), graph, ablation).sum() for n in sizes], np.int64),
         level=level,
         nodes=kept_nodes,
         units=kept_units,
+        ablation=ablation.kind,
         **graph.fields(),
     )
 
