@@ -132,3 +132,15 @@ def test_a_circuit_saved_without_its_ablation_prunes_by_the_rule_of_every_ablati
     unknown = dataclasses.replace(circuit, ablation=None)
     np.testing.assert_array_equal(unknown.live_mask, live_edges(circuit.mask, GRAPH, "zero"))
     assert unknown.num_live >= live_edges(circuit.mask, GRAPH, "corrupt").sum()
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "mean-per-position"])
+def test_a_circuit_of_nodes_has_the_faithfulness_it_reports_pruned_or_not(params, pairs, ablations, scores, kind):
+    ablation, scored = ablations[kind], scores[kind]
+    circuit = find_circuit(params, pairs, CONFIG, logit_difference, scored, size=4, level="node", ablation=ablation)
+    assert circuit.num_live < len(circuit.edges)  # the nodes' out-edges into nodes outside reach no logits
+    f = circuit_metric(
+        params, pairs, CONFIG, logit_difference, [circuit.mask, circuit.pruned().mask], ablation=ablation
+    )
+    reported = [circuit.faithfulness] * 2
+    np.testing.assert_allclose(faithfulness(f, scored.f_clean, scored.f_corrupt), reported, **rounding(kind))
