@@ -431,7 +431,7 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     diagonal = max([np.hypot(e.width, e.height) for e in extents], default=0.0) * 72 / fig.dpi
     diameter = max(diagonal, NODE_FONT * 2) + 3
     # A step (node to node) holds a circle and, on each side of the arrows' band in the gap
-    # between two nodes, a radius and a gap: no circle reaches an arrow that passes it.
+    # between two nodes, a radius and half a gap: no circle reaches an arrow that passes it.
     step = (diameter + NODE_GAP) / (1 - 2 * ROUTE_SPREAD)
     rows = graph.num_heads + (2 if graph.post_norms else 1)
     x_range, y_range = (-1.7, graph.num_layers + 0.7), (-0.7, rows - 0.3)

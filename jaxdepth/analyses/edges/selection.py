@@ -27,7 +27,9 @@ the EAP-IG package's `Graph.prune()` (formerly `prune_dead_nodes`; parentless an
 nodes removed) keeps them, and under zero and mean ablations those on some path to the logits.
 Pruned either way, the metric is the same up to float32 rounding (a patched reader reads
 its run's residual plus the ablated value minus the writer's current output, and a pruned dead
-writer's current output differs). The package prunes parentless nodes under every ablation.
+writer's current output differs; under the zero ablation a reader fed almost nothing normalises
+that residue, which its norm magnifies by up to 1/sqrt(eps)). The package prunes parentless
+nodes under every ablation.
 
 Two ways to order the edges, the circuits of a size n being the first n:
 - `'top'`: by mean score (`scores.ranked_edges`), anywhere in the graph;
@@ -61,7 +63,7 @@ def live_edges(mask: np.ndarray, graph: EdgeGraph, ablation="corrupt") -> np.nda
     mask = graph.edges_mask(np.asarray(mask, bool))
     feeds = graph.reader_writers
     nodes = graph.writer_nodes
-    reached = _reached_from_input(mask, graph) if ablation_kind(ablation) == "corrupt" else np.ones(len(nodes), bool)
+    reached = _reached_from_input(mask, graph) if _ablation_kind(ablation) == "corrupt" else np.ones(len(nodes), bool)
     useful = np.zeros(graph.num_writers, bool)
     to_logits = feeds < 0
     for node in range(nodes.max(), -1, -1):
@@ -72,7 +74,7 @@ def live_edges(mask: np.ndarray, graph: EdgeGraph, ablation="corrupt") -> np.nda
     return mask & reached[:, None] & into_useful[None, :]
 
 
-def ablation_kind(ablation) -> str:
+def _ablation_kind(ablation) -> str:
     """The kind (one of `ABLATIONS`) of `ablation`: an `Ablation`, or its kind as a string."""
     kind = ablation.kind if isinstance(ablation, Ablation) else ablation
     if kind not in ABLATIONS:
