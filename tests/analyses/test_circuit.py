@@ -1,6 +1,7 @@
 """Circuits: `find_circuit` refuses an impossible target or size before computing anything, says
 when no circuit reaches its target, and reaches a reachable one on the tiny model; the circuit
-figure's labels fit their circles and nothing is clipped."""
+figure's labels fit their circles and nothing is clipped, and at 400 edges no circle lies on an
+arrow that is not its own, its aspect is one a page holds and every text lies inside it."""
 
 import itertools
 
@@ -10,7 +11,7 @@ import pytest
 from test_edge_scores import eap, pairs, params  # noqa: F401 (the edge tests' fixtures: the same tiny model and pairs)
 from tiny_qwen import CONFIG
 from jaxdepth.analyses.edges import circuit as circuit_module
-from jaxdepth.analyses.edges import Circuit, EdgeGraph, circuit_figure, find_circuit, logit_difference
+from jaxdepth.analyses.edges import Circuit, EdgeGraph, circuit_figure, find_circuit, greedy_edges, logit_difference
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -101,7 +102,7 @@ def test_every_node_label_fits_its_circle_and_no_circle_is_clipped_or_overlaps(n
         )
     ]
     labels = [t for t in ax.texts if t.get_text()]
-    assert len(labels) == len(circles) == len({t.get_text() for t in labels}) > 4 * num_heads
+    assert len(labels) == len(circles) == len({t.get_gid() for t in labels}) > 4 * num_heads
     box = ax.get_window_extent()
     for label in labels:
         assert label.get_fontsize() >= 7
@@ -114,3 +115,64 @@ def test_every_node_label_fits_its_circle_and_no_circle_is_clipped_or_overlaps(n
     centers = np.array([c for c, _ in circles])
     gaps = np.hypot(*(centers[:, None] - centers[None]).transpose(2, 0, 1)) + np.eye(len(centers)) * 1e9
     assert gaps.min() >= 2 * circles[0][1], "two circles overlap"
+
+
+def connected_circuit(num_layers: int, num_heads: int, size: int, post_norms: bool = False) -> Circuit:
+    """`size` edges grown greedily from the logits on random scores: every edge has a path to
+    the logits, so under the zero ablation every edge is live and drawn."""
+    graph = EdgeGraph(num_layers, num_heads, post_norms=post_norms)
+    scores = np.random.default_rng(0).normal(size=graph.edge_mask.shape) * graph.edge_mask
+    edges = greedy_edges(scores, graph, count=size)
+    return Circuit(
+        edges=edges,
+        scores=scores[edges[:, 0], edges[:, 1]].astype(np.float32),
+        faithfulness=0.8,
+        sizes=np.array([size]),
+        curve=np.array([0.8], np.float32),
+        ablation="zero",
+        **graph.fields(),
+    )
+
+
+def _distance_to_polyline(point: np.ndarray, vertices: np.ndarray) -> float:
+    a, b = vertices[:-1], vertices[1:]
+    along = np.clip(
+        np.einsum("ij,ij->i", point - a, b - a) / np.maximum(np.einsum("ij,ij->i", b - a, b - a), 1e-12), 0, 1
+    )
+    return float(np.min(np.hypot(*(a + along[:, None] * (b - a) - point).T)))
+
+
+@pytest.mark.parametrize("num_layers, num_heads, post_norms", [(30, 9, False), (26, 8, True)])
+def test_a_circuit_of_400_edges_keeps_every_node_off_every_foreign_arrow(num_layers, num_heads, post_norms):
+    """SmolLM2's graph and Gemma 2 2B's: the arrows run between the rows and columns of nodes."""
+    circuit = connected_circuit(num_layers, num_heads, 400, post_norms)
+    assert circuit.num_live == 400
+    fig = circuit_figure(circuit, max_edges=400)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.get_size_inches()
+    assert 0.5 <= width / height <= 2.0, f"{width:.1f} x {height:.1f} inches"
+    ax = fig.axes[0]
+    (radius,) = {np.sqrt(s) / 2 * fig.dpi / 72 for s in ax.collections[0].get_sizes()}
+    nodes = {t.get_gid(): ax.transData.transform(t.get_position()) for t in ax.texts}
+    arrows = [p for p in ax.patches if p.get_gid() and "|" in p.get_gid()]
+    assert len(arrows) == 400
+    for arrow in arrows:
+        own = set(arrow.get_gid().split("|"))
+        path = arrow.get_transform().transform_path(arrow.get_path())  # display coordinates, in pixels
+        for polygon in path.to_polygons(closed_only=False):
+            for name, center in nodes.items():
+                if name not in own:
+                    gap = _distance_to_polyline(center, polygon)
+                    assert gap > radius, (
+                        f"{name} lies on the arrow {arrow.get_gid()} ({gap:.1f} px, radius {radius:.1f})"
+                    )
+    texts = [
+        t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent")) if t.get_text()
+    ]
+    assert len(texts) > len(nodes)
+    box = fig.bbox
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        inside = box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1
+        assert inside, f"{text.get_text()!r} lies outside the figure"

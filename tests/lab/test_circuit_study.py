@@ -99,9 +99,12 @@ def test_an_ablation_and_positions_go_to_a_folder_of_their_own(checkpoint, pairs
     assert scores.position_scores.shape == scores.scores.shape + (scores.position_scores.shape[-1],)
     np.testing.assert_allclose(scores.position_scores.sum(-1), scores.scores, rtol=1e-4, atol=1e-6)
     assert (folder / "figures" / "positions_size10.png").stat().st_size > 1000
-    assert Circuit.load(str(folder / "circuit_size10.npz")).faithfulness == pytest.approx(
-        find_circuit_under(checkpoint, pairs_file, scores), abs=1e-5
-    )
+    saved = Circuit.load(str(folder / "circuit_size10.npz"))
+    assert saved.ablation == "mean-per-position"
+    found, drawn = find_circuit_under(checkpoint, pairs_file, scores, saved)
+    # the faithfulness saved is the circuit's, and that of its live edges, which the figure draws
+    assert saved.faithfulness == pytest.approx(found, abs=1e-5)
+    assert saved.faithfulness == pytest.approx(drawn, abs=1e-5)
     capsys.readouterr()
 
 
@@ -127,19 +130,19 @@ def test_circuits_of_nodes_and_neurons_are_named_and_counted_in_members(
     assert (folder / "figures" / f"faithfulness_size{size}_{name}.png").exists()
 
 
-def find_circuit_under(checkpoint, pairs_file, scores) -> float:
+def find_circuit_under(checkpoint, pairs_file, scores, saved: Circuit) -> tuple[float, float]:
     """The size-10 circuit's faithfulness recomputed from the saved scores under the same
-    ablation, in this process."""
+    ablation, in this process, and that of the `saved` circuit's live edges alone."""
     import jaxdepth
-    from jaxdepth.analyses.edges import logit_difference, mean_ablation
+    from jaxdepth.analyses.edges import circuit_metric, faithfulness, logit_difference, mean_ablation
 
     model = jaxdepth.load(checkpoint)
     task = read_pairs(pairs_file, model.tokenizer)
     ablation = mean_ablation(model.params, task.clean, model.config, per_position=True)
-    found = find_circuit(
-        model.params, task.prompt_pairs(), model.config, logit_difference, scores, size=10, ablation=ablation
-    )
-    return found.faithfulness
+    pairs = task.prompt_pairs()
+    found = find_circuit(model.params, pairs, model.config, logit_difference, scores, size=10, ablation=ablation)
+    live = circuit_metric(model.params, pairs, model.config, logit_difference, [saved.pruned().mask], ablation=ablation)
+    return found.faithfulness, float(faithfulness(live, scores.f_clean, scores.f_corrupt)[0])
 
 
 def test_a_target_no_circuit_reaches_is_said_plainly(checkpoint, pairs_file, tmp_path, capsys, monkeypatch):

@@ -1,7 +1,7 @@
 """Circuits: sets of edges chosen by their scores, checked by exact patching, and drawn.
 
-A circuit is a set of edges kept clean; every other edge of the graph carries the corrupt run's
-values (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
+A circuit is a set of edges kept clean; every other edge of the graph carries its ablated value,
+the corrupt run's by default (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
 (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means.
 
 `find_circuit` orders the edges by their mean score (`search='top'`), or as the EAP-IG package's
@@ -10,8 +10,10 @@ and evaluates the circuits of the first n edges for a grid of sizes n as one vma
 computation; with a faithfulness target it takes the smallest size of the grid that reaches it,
 then refines between that size and the one below (a second vmapped call), so the size is found
 to within a few percent of the edges at the cost of two calls. Sizes are reported as the
-circuit's live edges too (`Circuit.num_live`): those on a path from the input to the logits;
-the others are dead and change nothing (`live_edges`).
+circuit's live edges too (`Circuit.num_live`): under the corrupt ablation those on a path from
+the input to the logits, under the others those on a path to the logits; the others are dead
+and change nothing (`live_edges` says why), so a circuit and its `pruned()` form have the same
+metric and faithfulness under the circuit's ablation.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ class Circuit(SavedResult):
     (None when the size was given). `reached`: False when no circuit reached `target` (the
     circuit is then the whole graph, and `find_circuit` warned); True otherwise, and when the
     size was given. A caller that reports a circuit checks it: the command exits non-zero.
-    `search`: how the edges were ordered ('top' or 'greedy'); `live [n]`: whether each edge is
-    live (on a path from the input to the logits through the circuit); `live_sizes [k]`: the
-    live edges of each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
+    `search`: how the edges were ordered ('top' or 'greedy'); `ablation`: what the edges outside
+    the circuit carry (one of `ABLATIONS`); `live [n]`: whether each edge is live under it
+    (`selection.live_edges`: under 'corrupt' on a path from the input to the logits through the
+    circuit, under the others on a path to the logits); `live_sizes [k]`: the live edges of
+    each evaluated circuit. `level` 'node': the circuit is `nodes` (writers, best
     first), `sizes` count nodes, and `edges` are all their out-edges (node by node). `level`
     'neuron': the circuit is `nodes` (the input and heads it keeps) and `units [m, 2]` (the MLP
     hidden units it keeps, (layer, unit)), `sizes` count both, and `edges` are the out-edges of
@@ -83,6 +87,9 @@ class Circuit(SavedResult):
     level: str = "edge"
     nodes: Optional[np.ndarray] = None  # [m] writers, best first, at levels 'node' and 'neuron'
     units: Optional[np.ndarray] = None  # [m, 2] (layer, unit) of the MLP hidden units kept, at level 'neuron'
+    # None in files saved before the ablation was recorded: pruning then takes only the rule
+    # that holds under every ablation (no path to the logits)
+    ablation: Optional[str] = None
 
     @property
     def graph(self) -> EdgeGraph:
@@ -101,8 +108,8 @@ class Circuit(SavedResult):
 
     @property
     def live_mask(self) -> np.ndarray:
-        """`[W, R]` bool: the circuit's live edges (`selection.live_edges`)."""
-        return live_edges(self.mask, self.graph)
+        """`[W, R]` bool: the circuit's live edges under its ablation (`selection.live_edges`)."""
+        return live_edges(self.mask, self.graph, self.ablation if self.ablation is not None else "zero")
 
     @property
     def num_live(self) -> int:
@@ -110,7 +117,8 @@ class Circuit(SavedResult):
         return int(self.live_mask.sum())
 
     def pruned(self) -> "Circuit":
-        """The circuit without its dead edges: the same metric, the same faithfulness."""
+        """The circuit without its dead edges: the same metric and faithfulness under the
+        circuit's ablation (`selection.live_edges` proves it, rule by rule), to float32 rounding."""
         keep = self.live_mask[self.edges[:, 0], self.edges[:, 1]]
         return dataclasses.replace(
             self, edges=self.edges[keep], scores=self.scores[keep], live=np.ones(keep.sum(), bool)
@@ -250,7 +258,7 @@ def find_circuit(
         chosen_edges = np.concatenate([taken[taken[:, 0] == w] for w in writers] or [np.zeros((0, 2), taken.dtype)])
     else:
         chosen_edges = taken[:chosen]
-    live = live_edges(circuit_edges(chosen), graph)
+    live = live_edges(circuit_edges(chosen), graph, ablation)
     return Circuit(
         edges=chosen_edges,
         scores=scores.mean[chosen_edges[:, 0], chosen_edges[:, 1]].astype(np.float32),
@@ -261,10 +269,11 @@ def find_circuit(
         reached=reached,
         search=search,
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
-        live_sizes=np.array([live_edges(circuit_edges(n), graph).sum() for n in sizes], np.int64),
+        live_sizes=np.array([live_edges(circuit_edges(n), graph, ablation).sum() for n in sizes], np.int64),
         level=level,
         nodes=kept_nodes,
         units=kept_units,
+        ablation=ablation.kind,
         **graph.fields(),
     )
 
@@ -328,45 +337,78 @@ def _first(order: np.ndarray, n: int, graph: EdgeGraph) -> np.ndarray:
 # ----------------------------------------------------------------------------- the figure
 
 
-MLP_COLUMN = -1.5  # the x of the MLPs in the circuit figure, left of head 0
-# The x of a layer's attention where it is one writer (`EdgeGraph.post_norms`), left of the MLPs:
-# its heads stay readers, drawn at their own x.
-ATTENTION_COLUMN = MLP_COLUMN - 1.5
 NODE_FONT = 7  # points: the node labels' size, legible at the figure's printed size
-NODE_GAP = 4  # points between the circles of neighbouring nodes
+# Points between the circles of neighbouring nodes. The arrows run in the gaps between the rows
+# and the columns of nodes, each within `ROUTE_SPREAD` of a gap's middle: a gap of a circle's
+# radius on either side of that band keeps every circle off every arrow that is not its own.
+NODE_GAP = 4
+ROUTE_SPREAD = 0.18  # of a step: how far an arrow may run from the middle of its gap
 # Inches around the axes that constrained layout gives the title, tick labels, axis labels and
 # the legend below: the figure is the axes' size plus these.
-FIGURE_MARGINS = (1.1, 2.0)
+FIGURE_MARGINS = (1.2, 2.0)
+MAX_ASPECT = 2.0  # the figure is at most twice as wide as high, or as high as wide
 
 
-def _node_of(graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[int] = None) -> tuple[str, float, float]:
-    """(name, x, y) of the node a writer or reader belongs to: heads 0..H-1 across at row
-    2l + 1, the MLPs in a column of their own left of them at row 2l + 2 (where a layer's
-    attention is one writer, `a{l}`, it has a column of its own left of the MLPs, at row 2l + 1),
-    the input at the bottom (row -1) and the logits at the top (row 2L + 1), each two rows from
-    its nearest neighbour in its column."""
+def _node_of(
+    graph: EdgeGraph, writer: Optional[int] = None, reader: Optional[int] = None
+) -> tuple[str, str, int, float]:
+    """(name, label, column, row) of the node a writer or reader belongs to: a column per layer
+    (0..L-1; the input in column -1, the logits in column L), its heads in rows 0..H-1, its MLP
+    in row H, and, where a layer's attention is one writer (`EdgeGraph.post_norms`), that writer
+    in row H + 1 (its heads' inputs stay at their heads' rows); the input and the logits in the
+    middle row. The label is what the circle holds: the column names the layer."""
     H = graph.num_heads
     name = graph.writer_name(writer) if writer is not None else graph.reader_name(reader).split("<")[0]
-    if name == "input":
-        return name, (H - 1) / 2, -1.0
-    if name == "logits":
-        return name, (H - 1) / 2, 2.0 * graph.num_layers + 1
+    if name in ("input", "logits"):
+        return name, "in" if name == "input" else "out", -1 if name == "input" else graph.num_layers, (H - 1) / 2
     if name.startswith("m"):
-        return name, MLP_COLUMN, 2.0 * int(name[1:]) + 2
+        return name, "m", int(name[1:]), float(H)
     if ".h" not in name:  # a layer's attention as one writer
-        return name, ATTENTION_COLUMN, 2.0 * int(name[1:]) + 1
+        return name, "a", int(name[1:]), float(H + 1)
     layer, head = name[1:].split(".h")
-    return name, float(head), 2.0 * int(layer) + 1
+    return name, f"h{head}", int(layer), float(head)
+
+
+def _route(u: tuple[int, float], v: tuple[int, float], spread: tuple[float, float]) -> np.ndarray:
+    """`[k, 2]` the polyline of an arrow from the node at (column, row) `u` to the one at `v`,
+    in grid units, through gaps only: out of u to the right, into the gap column beside it
+    (x = column + 1/2), along it to the gap row next to u's row (y = row +- 1/2), along that
+    row to the gap column before v, along it to v's row, and into v from the side. Gap columns
+    and rows hold no node, and the two stubs run along a row between a node and its gap column,
+    where no other node is; `spread` (dx, dy), each within +-`ROUTE_SPREAD`, moves the arrow
+    within its gaps so that arrows side by side stay apart."""
+    (a, y1), (b, y2) = u, v
+    dx, dy = spread
+    out_x = a + 0.5 + dx
+    if b <= a + 1:  # v in the same column (an MLP after its heads) or the next: one gap column
+        return np.array([(a, y1), (out_x, y1), (out_x, y2), (b, y2)], float)
+    # the gap row next to u's row toward v (the input's and the logits' rows may be gap rows)
+    lane = (np.floor(y1) + 0.5 if y2 >= y1 else np.ceil(y1) - 0.5) + dy
+    in_x = b - 0.5 + dx
+    return np.array([(a, y1), (out_x, y1), (out_x, lane), (in_x, lane), (in_x, y2), (b, y2)], float)
+
+
+def _spread(i: int) -> tuple[float, float]:
+    """Arrow i's offsets within its gaps: a low-discrepancy sequence in +-`ROUTE_SPREAD`, so
+    arrows sharing a gap spread evenly over it."""
+    golden = (np.sqrt(5) - 1) / 2
+    return tuple(ROUTE_SPREAD * (2 * ((i * golden + shift) % 1.0) - 1) for shift in (0.0, 0.5))
 
 
 def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: int = 200) -> Figure:
-    """The circuit as a graph: nodes (input, heads, MLPs, logits; and each layer's attention
-    where it is one writer, `EdgeGraph.post_norms`) by layer, its live edges (at most
-    `max_edges`, the best; dead ones change nothing and are left out) as arrows coloured by the
-    sign of their mean score (red raises F, blue lowers it) and as wide as its magnitude; an
-    arrow into a head says which of its inputs it feeds (q, k or v) by its line style. Each node
-    is a circle that holds its label (at `NODE_FONT` points), and the figure is sized so that no
-    two circles overlap and none is clipped: about 0.45 inches a layer."""
+    """The circuit as a graph: a column per layer (the input left, the logits right), the
+    layer's heads and MLP (and its attention where it is one writer, `EdgeGraph.post_norms`)
+    in rows; its live edges (at most `max_edges`, the best; dead ones change nothing and are
+    left out) as arrows coloured by the sign of their mean score (red raises F, blue lowers it)
+    and as wide as its magnitude; an arrow into a head says which of its inputs it feeds (q, k
+    or v) by its line style. Each node is a circle that holds its label (at `NODE_FONT`
+    points). The arrows run in the gaps between the rows and columns of nodes (`_route`), so
+    no circle lies on an arrow that neither starts nor ends at it; the figure is at most
+    `MAX_ASPECT` times as wide as high (or high as wide), the rows or columns spread to make it
+    so. The title gives the faithfulness of the whole circuit (every edge the figure names)."""
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.path import Path
+
     from jaxdepth.analyses import drawing as d
 
     d.expect(circuit, Circuit, "circuit_figure")
@@ -377,61 +419,65 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     ax = fig.add_subplot()
     nodes = {}
     for w, r in edges:
-        for name, x, y in (_node_of(graph, writer=w), _node_of(graph, reader=r)):
-            nodes[name] = (x, y)
-    labels = [
-        ax.text(x, y, name, ha="center", va="center", fontsize=NODE_FONT, zorder=4) for name, (x, y) in nodes.items()
-    ]
+        for name, label, x, y in (_node_of(graph, writer=w), _node_of(graph, reader=r)):
+            nodes[name] = (label, x, y)
+    labels = []
+    for name, (label, x, y) in nodes.items():
+        labels.append(ax.text(x, y, label, ha="center", va="center", fontsize=NODE_FONT, zorder=4, gid=name))
     # The circles' diameter, in points, from the widest label's extent (a diagonal of its box):
     # text sizes are in points, whatever the figure's size.
     renderer = fig.canvas.get_renderer()
     extents = [t.get_window_extent(renderer) for t in labels]
     diagonal = max([np.hypot(e.width, e.height) for e in extents], default=0.0) * 72 / fig.dpi
     diameter = max(diagonal, NODE_FONT * 2) + 3
-    # Neighbouring heads are 1 x-unit apart and neighbouring layers 2 y-units: a unit of at least
-    # a circle and a gap across, half of that up, leaves every circle clear of the next one.
-    step = diameter + NODE_GAP
-    columns = ([(ATTENTION_COLUMN, "attn")] if graph.post_norms else []) + [(MLP_COLUMN, "MLP")]
-    x_range, y_range = (columns[0][0] - 1, graph.num_heads), (-2, 2 * graph.num_layers + 2)
-    width = (x_range[1] - x_range[0]) * step / 72 + FIGURE_MARGINS[0]
-    height = (y_range[1] - y_range[0]) * step / 2 / 72 + FIGURE_MARGINS[1]
-    fig.set_size_inches(max(6.0, width), max(6.0, height))
+    # A step (node to node) holds a circle and, on each side of the arrows' band in the gap
+    # between two nodes, a radius and half a gap: no circle reaches an arrow that passes it.
+    step = (diameter + NODE_GAP) / (1 - 2 * ROUTE_SPREAD)
+    rows = graph.num_heads + (2 if graph.post_norms else 1)
+    x_range, y_range = (-1.7, graph.num_layers + 0.7), (-0.7, rows - 0.3)
+    width = (x_range[1] - x_range[0]) * step / 72
+    height = (y_range[1] - y_range[0]) * step / 72
+    # Spread the shorter side until the figure's aspect is within MAX_ASPECT (margins included).
+    width, height = width + FIGURE_MARGINS[0], height + FIGURE_MARGINS[1]
+    width, height = max(width, height / MAX_ASPECT, 6.0), max(height, width / MAX_ASPECT, 4.0)
+    fig.set_size_inches(width, height)
     if nodes:
-        xy = np.array(list(nodes.values()))
+        xy = np.array([(x, y) for _, x, y in nodes.values()])
         ax.scatter(xy[:, 0], xy[:, 1], s=diameter**2, color="white", edgecolor="black", linewidth=0.8, zorder=3)
     styles = {kind: style for kind, style in zip(READER_KINDS, ("solid", "dashed", "dotted"))}
-    bends = {kind: bend for kind, bend in zip(READER_KINDS, (0.12, 0.22, 0.32))}  # q, k, v into one head apart
     biggest = float(np.max(np.abs(scores))) if len(scores) else 1.0
-    for (w, r), score in zip(edges, scores):
-        u, v = _node_of(graph, writer=w), _node_of(graph, reader=r)
+    fig.canvas.draw()  # the axes' final size: the stubs end on the circles, whose size is in points
+    unit = ax.transData.transform([(1, 0), (0, 0)])
+    radius = (diameter / 2 + 1) * fig.dpi / 72 / (unit[0, 0] - unit[1, 0])  # in x grid units
+    for i, ((w, r), score) in enumerate(zip(edges, scores)):
+        u_name, _, a, y1 = _node_of(graph, writer=w)
+        v_name, _, b, y2 = _node_of(graph, reader=r)
         reader_name = graph.reader_name(r)
         kind = reader_name[-2] if reader_name.endswith(">") else "q"
-        ax.annotate(
-            "",
-            xy=v[1:],
-            xytext=u[1:],
-            arrowprops=dict(
-                arrowstyle="-|>",
-                color="tab:red" if score > 0 else "tab:blue",
-                lw=0.5 + 3.5 * abs(score) / biggest,
-                alpha=0.7,
-                linestyle=styles[kind],
-                connectionstyle=f"arc3,rad={bends[kind]}",
-                shrinkA=diameter / 2 + 1,  # from circle edge to circle edge
-                shrinkB=diameter / 2 + 1,
-            ),
+        points = _route((a, y1), (b, y2), _spread(i))
+        points[0, 0] += radius  # from circle edge to circle edge (the stubs are horizontal)
+        points[-1, 0] += radius if points[-2, 0] > b else -radius
+        arrow = FancyArrowPatch(
+            path=Path(points),
+            arrowstyle="-|>",
+            mutation_scale=6 + 4 * abs(score) / biggest,
+            color="tab:red" if score > 0 else "tab:blue",
+            lw=0.4 + 2.0 * abs(score) / biggest,
+            alpha=0.6,
+            linestyle=styles[kind],
+            zorder=2,
+            gid=f"{u_name}|{v_name}",
         )
+        ax.add_patch(arrow)
     ax.set_xlim(*x_range)
     ax.set_ylim(*y_range)
-    ax.set_xticks(
-        [x for x, _ in columns] + list(range(graph.num_heads)),
-        [label for _, label in columns] + [f"h{h}" for h in range(graph.num_heads)],
-    )
-    every = max(1, graph.num_layers // 10)
-    layers = range(0, graph.num_layers, every)
-    ax.set_yticks([2 * layer + 1.5 for layer in layers], [str(layer) for layer in layers])
-    ax.set_xlabel("attention head (input and logits centred)")
-    ax.set_ylabel("layer (its heads, then its MLP above them)")
+    every = max(1, graph.num_layers // 15)
+    layers = list(range(0, graph.num_layers, every))
+    ax.set_xticks([-1] + layers + [graph.num_layers], ["input"] + [str(layer) for layer in layers] + ["logits"])
+    row_names = [f"h{h}" for h in range(graph.num_heads)] + ["MLP"] + (["attn"] if graph.post_norms else [])
+    ax.set_yticks(range(rows), row_names)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("head, MLP" + (", attention (one writer)" if graph.post_norms else ""))
     for kind, style in styles.items():
         ax.plot([], [], color="gray", linestyle=style, label=f"into a head's {kind} input")
     ax.plot([], [], color="tab:red", label="raises F (score > 0)")
@@ -440,7 +486,9 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     shown = f"{len(edges)} of {int(live.sum())} live edges" if live.sum() > len(edges) else f"{len(edges)} live edges"
     if live.sum() < len(circuit.edges):
         shown += f" ({len(circuit.edges) - int(live.sum())} dead left out)"
-    ax.set_title(title or f"Circuit: {shown}, faithfulness {circuit.faithfulness:.2f}")
+    ax.set_title(
+        title or f"Circuit of {len(circuit.edges)} edges, faithfulness {circuit.faithfulness:.2f}: {shown} drawn"
+    )
     return fig
 
 
