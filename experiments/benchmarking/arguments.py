@@ -20,9 +20,12 @@ DEFAULT_DATA = os.path.normpath(os.path.join(EXPERIMENTS, "..", "..", "shared", 
 
 
 def parse_args(argv=None, description=None):
-    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES, default_analyses
 
     from .cases import CASES
+
+    # what `jaxdepth run` runs by default, each with its benchmark case
+    defaults = default_analyses()
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument(
@@ -32,7 +35,7 @@ def parse_args(argv=None, description=None):
         "reads the same file with its GGUF loader",
     )
     p.add_argument("--data", default=DEFAULT_DATA, help="GSM8K JSONL file")
-    p.add_argument("--analyses", default=",".join(ANALYSES), help="comma-separated subset of " + ", ".join(ANALYSES))
+    p.add_argument("--analyses", default=",".join(defaults), help="comma-separated subset of " + ", ".join(defaults))
     p.add_argument("--prompts", type=int, default=10, help="prompts for contributions and logit lens")
     p.add_argument(
         "--max-tokens",

@@ -315,6 +315,7 @@ def _summary(result: DecisionDepthResult) -> list[str]:
 
 ANALYSIS = Analysis(
     name="decision_depth",
+    default=False,  # in the suite, run when named: `--analyses decision_depth`
     result_type=DecisionDepthResult,
     settings=DecisionDepthSettings,
     identity=lambda s: {"decision_frequency": s.decision_frequency, "decision_lens": lens_identity(s.decision_lens)},

@@ -325,6 +325,7 @@ def _summary(result: GeometryResult) -> list[str]:
 
 ANALYSIS = Analysis(
     name="geometry",
+    default=False,  # in the suite, run when named: `--analyses geometry`
     result_type=GeometryResult,
     settings=GeometrySettings,
     identity=lambda s: {"geometry_sink_threshold": s.geometry_sink_threshold},

@@ -438,6 +438,7 @@ def _summary(result: JacobianResult) -> list[str]:
 
 ANALYSIS = Analysis(
     name="jacobians",
+    default=False,  # in the suite, run when named: `--analyses jacobians`
     result_type=JacobianResult,
     settings=JacobianSettings,
     identity=lambda s: {

@@ -535,6 +535,7 @@ def _eos_ids(tokenizer) -> tuple:
 
 ANALYSIS = Analysis(
     name="layer_structure",
+    default=False,  # in the suite, run when named: `--analyses layer_structure`
     result_type=StructureResult,
     settings=StructureSettings,
     identity=lambda s: {"structure_max_block": s.structure_max_block, "structure_new_tokens": s.structure_new_tokens},

@@ -130,6 +130,9 @@ class Analysis:
     detail: runs on the first `detail_prompts` prompts only (the per-position sweeps).
     uses_baseline: reads the erasure baseline (its prompts enter the cache identity).
     feeds_table: its results enter the effective-depth table.
+    default: run when a run names no analyses (`jaxdepth run` without `--analyses`); an analysis
+        that is not is still in the suite, run when named. "Built in" is not "run by default":
+        the main command does not grow with every analysis the package has.
     """
 
     name: str
@@ -143,6 +146,7 @@ class Analysis:
     detail: bool = False
     uses_baseline: bool = False
     feeds_table: bool = False
+    default: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.settings, type) and issubclass(self.settings, Settings)):

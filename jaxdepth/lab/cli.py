@@ -120,7 +120,7 @@ def _run(args) -> int:
     from jaxdepth.core.sharding import is_writer
     from jaxdepth.lab.plugins import owners
     from jaxdepth.lab.prompts import DATASETS, load_prompts
-    from jaxdepth.lab.registry import ANALYSES
+    from jaxdepth.lab.registry import ANALYSES, default_analyses
     from jaxdepth.lab.runs import hold_folders
     from jaxdepth.lab.study import Failures, result_folder, source_results_key
 
@@ -130,7 +130,7 @@ def _run(args) -> int:
         return 2
     plugin_of = owners(plugins)
     failures = Failures(isolated=plugin_of)  # a plugin's analysis may fail; the others' results are kept
-    analyses = args.analyses.split(",") if args.analyses else list(ANALYSES)
+    analyses = args.analyses.split(",") if args.analyses else default_analyses()
     unknown = set(analyses) - set(ANALYSES)
     if unknown:
         raise ValueError(f"unknown analyses {sorted(unknown)}; known: {', '.join(ANALYSES)}")
@@ -630,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="MODULE:OBJECT",
         help="add the analysis of a plugin (repeatable), as `run` takes it; a case runs it where it is per-prompt "
-        "or has a per-token view (e.g. jaxdepth.analyses.decision_depth:ANALYSIS)",
+        "or has a per-token view",
     )
     from jaxdepth.lab.case_study import case_analysis
 

@@ -2,12 +2,14 @@
 
 Each analysis declares itself in its own module (`jaxdepth.analyses.suite.Analysis`: its name,
 result type, settings and options, cache identity, how it runs, its figures and summary); this
-module only lists the declarations. The study runner, the command line, result loading and the
-summary iterate `ANALYSES`; nothing in the shell keys on an analysis's name. A new analysis is
-one `register(Analysis(...))` call: `study.run_study` then runs, caches and resumes it like the
-others and draws its figures. `jaxdepth run` runs it too when a plugin brings it: an `Analysis`
-object named by `--plugin MODULE:OBJECT` or by an entry point of the group `jaxdepth.analyses`
-(`jaxdepth.lab.plugins` loads and registers them), and offers its options.
+module only lists the declarations. Every analysis of the package is here; those whose
+declaration says `default` are what a run that names none runs (`default_analyses`). The study
+runner, the command line, result loading and the summary iterate `ANALYSES`; nothing in the
+shell keys on an analysis's name. A new analysis is one `register(Analysis(...))` call:
+`study.run_study` then runs, caches and resumes it like the others and draws its figures.
+`jaxdepth run` runs it too when a plugin brings it: an `Analysis` object named by `--plugin
+MODULE:OBJECT` or by an entry point of the group `jaxdepth.analyses` (`jaxdepth.lab.plugins`
+loads and registers them), and offers its options.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "Settings",
     "analysis",
     "declared_options",
+    "default_analyses",
     "option",
     "register",
 ]
@@ -42,6 +45,12 @@ def register(analysis: Analysis) -> Analysis:
         raise ValueError(f"an analysis named {analysis.name!r} is already registered")
     ANALYSES[analysis.name] = analysis
     return analysis
+
+
+def default_analyses() -> list[str]:
+    """The names of the analyses a run names none of runs: each registered one whose declaration
+    says `default` (the built-in ones the studies run, and plugins' unless they say otherwise)."""
+    return [name for name, entry in ANALYSES.items() if entry.default]
 
 
 def analysis(name: str) -> Analysis:
@@ -70,7 +79,18 @@ def declared_options(entries: Iterable[Analysis]) -> dict[str, dataclasses.Field
 
 
 def _register_builtins():
-    from jaxdepth.analyses import attribution, contributions, erasure, integrated_gradients, layer_skip, logit_lens
+    from jaxdepth.analyses import (
+        attribution,
+        contributions,
+        decision_depth,
+        erasure,
+        geometry,
+        integrated_gradients,
+        jacobians,
+        layer_skip,
+        layer_structure,
+        logit_lens,
+    )
 
     for entry in (
         contributions.ANALYSIS,
@@ -80,6 +100,11 @@ def _register_builtins():
         integrated_gradients.ANALYSIS,
         attribution.ATTRIBUTION_PATCHING,
         attribution.GRAD_X_ACT,
+        # in the suite, run when named (their declarations say they are not run by default)
+        decision_depth.ANALYSIS,
+        geometry.ANALYSIS,
+        jacobians.ANALYSIS,
+        layer_structure.ANALYSIS,
     ):
         register(entry)
 

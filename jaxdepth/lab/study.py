@@ -25,7 +25,7 @@ import numpy as np
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
-from jaxdepth.lab.registry import ANALYSES, analysis
+from jaxdepth.lab.registry import ANALYSES, analysis, default_analyses
 from jaxdepth.lab.results import RESULT_FORMAT
 from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
@@ -188,11 +188,12 @@ def run_study(
 
     `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
     dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
-    `analyses` None: every registered analysis. An analysis that raises ends the study, unless
-    `failures` isolates it: then its error goes to `failures.records`, it has no entry in the
-    returned results, and the study goes on with the others."""
+    `analyses` None: every registered analysis run by default (`default_analyses`). An analysis
+    that raises ends the study, unless `failures` isolates it: then its error goes to
+    `failures.records`, it has no entry in the returned results, and the study goes on with the
+    others."""
     failures = Failures() if failures is None else failures
-    entries = [analysis(name) for name in (ANALYSES if analyses is None else analyses)]
+    entries = [analysis(name) for name in (default_analyses() if analyses is None else analyses)]
     settings.check(entries)
     key, fingerprint = model_key or model_results_key(model, model_name)
     folder = result_folder(out_dir, key, dataset)

@@ -160,7 +160,7 @@ def test_a_case_draws_the_decision_depth_of_each_token_beside_erasure(tiny, tmp_
     registered, loaded = dict(ANALYSES), dict(plugins.LOADED)
     try:
         args = ["case", tiny, "--prompt", "2 + 3 = ", "--answer", "5", "--out", str(tmp_path)]
-        args += ["--plugin", "jaxdepth.analyses.decision_depth:ANALYSIS", "--analyses", "erasure,decision_depth"]
+        args += ["--analyses", "erasure,decision_depth"]  # in the suite: no plugin needed
         assert main(args) == 0
         _, name = case_prompt(question="2 + 3 = ", answer="5")
         folder = model_dir(tmp_path, tiny) / name

@@ -133,3 +133,41 @@ def test_layer_skip_is_one_result_with_a_sublayer_axis(model, batch, tmp_path):
     np.testing.assert_array_equal(back.later, both.later)
     with pytest.raises(ValueError, match="distinct names"):
         layer_skip.layer_skip_sublayers(model.params, batch, CONFIG, sublayers=["attn", "attn"])
+
+
+def test_every_analysis_of_the_package_is_in_the_suite_and_the_main_run_does_not_grow():
+    """The package's own analyses are all registered (none only as a plugin); a run that names
+    none runs those whose declaration says `default`, the studies' seven."""
+    import importlib
+    import pkgutil
+
+    import jaxdepth.analyses
+    from jaxdepth.analyses.suite import Analysis
+    from jaxdepth.lab.registry import ANALYSES, BUILT_IN, default_analyses
+
+    declared = set()
+    for info in pkgutil.walk_packages(jaxdepth.analyses.__path__, "jaxdepth.analyses."):
+        module = importlib.import_module(info.name)
+        declared |= {value.name for value in vars(module).values() if isinstance(value, Analysis)}
+    assert declared == set(BUILT_IN) and declared <= set(ANALYSES)
+    assert default_analyses() == [
+        "contributions",
+        "logit_lens",
+        "layer_skip",
+        "erasure",
+        "integrated_gradients",
+        "attribution_patching",
+        "grad_x_act",
+    ]
+    assert {"decision_depth", "geometry", "jacobians", "layer_structure"} <= set(BUILT_IN) - set(default_analyses())
+
+
+def test_a_built_in_analysis_named_as_a_plugin_is_the_same_one(capsys):
+    """`--plugin jaxdepth.analyses.geometry:ANALYSIS`, as commands wrote before it was built in,
+    names the registered object itself: accepted, nothing registered twice."""
+    from jaxdepth.analyses import geometry
+    from jaxdepth.lab.plugins import load_plugins
+    from jaxdepth.lab.registry import ANALYSES
+
+    (plugin,) = load_plugins(["jaxdepth.analyses.geometry:ANALYSIS"])
+    assert plugin.error is None and ANALYSES["geometry"] is geometry.ANALYSIS
