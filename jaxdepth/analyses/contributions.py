@@ -20,7 +20,7 @@ from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.effective_depth import cosine_effective_depth
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
-from jaxdepth.analyses.suite import Analysis
+from jaxdepth.analyses.suite import Analysis, DepthReading
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
@@ -205,6 +205,18 @@ def contributions_figure(
 
 # ----------------------------------------------------------------------------- in the suite
 
+
+def depth_reading(result: ContributionResult) -> DepthReading:
+    """The cosine effective depth of `result`, for the table and the comparison."""
+    depth = cosine_effective_depth(result.mean_cosine)
+    return DepthReading(
+        num_layers=depth.num_layers,
+        effective_depths={"cosine": depth},
+        ratios={"cosine": ("cosine ED", depth.ratio)},
+        per_prompt=result.tokens_per_prompt is not None,
+    )
+
+
 ANALYSIS = Analysis(
     name="contributions",
     result_type=ContributionResult,
@@ -213,4 +225,5 @@ ANALYSIS = Analysis(
     figures=lambda r, tokenizer, n: {"": contributions_figure(r)},
     summary=lambda r: [f"cosine ED {cosine_effective_depth(r.mean_cosine)}"],
     feeds_table=True,
+    depth=depth_reading,
 )

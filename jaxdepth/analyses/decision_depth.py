@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.analyses.logit_lens import map_lens
 from jaxdepth.analyses.tuned_lens import load_tuned_lens
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, curve_band, resample_indices
@@ -313,6 +313,23 @@ def _summary(result: DecisionDepthResult) -> list[str]:
     ]
 
 
+def depth_reading(result: DecisionDepthResult) -> DepthReading:
+    """The mean decision depth as a ratio of the depth, and the share of positions decided by
+    each boundary, for the comparison on the relative-depth axis."""
+    L = result.num_layers
+    depths = result.depth[result.valid]
+    decided = np.array([(depths <= l).mean() for l in range(L + 1)])
+    return DepthReading(
+        num_layers=L,
+        ratios={"decision": ("mean decision depth", float(depths.mean()) / L if depths.size else None)},
+        curves={
+            "decided": DepthCurve(
+                "positions decided by boundary l", "share of positions", np.arange(L + 1) / L, decided
+            )
+        },
+    )
+
+
 ANALYSIS = Analysis(
     name="decision_depth",
     default=False,  # in the suite, run when named: `--analyses decision_depth`
@@ -323,4 +340,5 @@ ANALYSIS = Analysis(
     figures=lambda r, tokenizer, n: {"": decision_depth_figure(r)},
     summary=_summary,
     panel=decision_depth_panel,
+    depth=depth_reading,
 )

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, prompt_mean_band
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
@@ -323,6 +323,29 @@ def _summary(result: GeometryResult) -> list[str]:
     return lines
 
 
+def depth_reading(result: GeometryResult) -> DepthReading:
+    """The matrix entropy at every boundary and the attention-sink rate of every layer, each the
+    mean over prompts, on the relative-depth axis."""
+    L = result.num_layers
+    return DepthReading(
+        num_layers=L,
+        curves={
+            "entropy": DepthCurve(
+                "matrix entropy of the residual stream",
+                "normalized entropy",
+                np.arange(L + 1) / L,
+                np.nanmean(result.entropy, axis=0),
+            ),
+            "sink_rate": DepthCurve(
+                "attention-sink rate",
+                "share of heads",
+                (np.arange(L) + 0.5) / L,
+                np.nanmean(result.sink_rate(), axis=0),
+            ),
+        },
+    )
+
+
 ANALYSIS = Analysis(
     name="geometry",
     default=False,  # in the suite, run when named: `--analyses geometry`
@@ -332,4 +355,5 @@ ANALYSIS = Analysis(
     run=lambda x: geometry(x.model.params, x.batch, x.model.config, sink_threshold=x.settings.geometry_sink_threshold),
     figures=lambda r, tokenizer, n: {"": geometry_figure(r)},
     summary=_summary,
+    depth=depth_reading,
 )

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, prompt_mean_band
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
@@ -436,6 +436,17 @@ def _summary(result: JacobianResult) -> list[str]:
     ]
 
 
+def depth_reading(result: JacobianResult) -> DepthReading:
+    """Each layer's Jacobian's distance from the identity, the mean over prompts, on the
+    relative-depth axis."""
+    L = result.num_layers
+    distance = np.nanmean(result.per_prompt("layer_distance"), axis=0)
+    curve = DepthCurve(
+        "layer Jacobian's distance from I", "||J_l - I||_F / ||I||_F", (np.arange(L) + 0.5) / L, distance, log=True
+    )
+    return DepthReading(num_layers=L, curves={"layer_distance": curve})
+
+
 ANALYSIS = Analysis(
     name="jacobians",
     default=False,  # in the suite, run when named: `--analyses jacobians`
@@ -460,4 +471,5 @@ ANALYSIS = Analysis(
     ),
     figures=lambda r, tokenizer, n: {"": jacobian_figure(r)},
     summary=_summary,
+    depth=depth_reading,
 )

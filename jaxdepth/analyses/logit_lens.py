@@ -26,7 +26,7 @@ from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
-from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.suite import Analysis, DepthReading, Settings, option
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
 from jaxdepth.analyses.tuned_lens import translate
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
@@ -224,6 +224,17 @@ class LogitLensSettings(Settings):
     )
 
 
+def depth_reading(result: LogitLensResult) -> DepthReading:
+    """The KL and top-5 overlap effective depths of `result`, for the table and the comparison."""
+    kl, overlap = kl_effective_depth(result.kl), overlap_effective_depth(result.overlap)
+    return DepthReading(
+        num_layers=kl.num_layers,
+        effective_depths={"kl": kl, "overlap": overlap},
+        ratios={"kl": ("KL ED", kl.ratio), "overlap": ("top-5 overlap ED", overlap.ratio)},
+        per_prompt=result.tokens_per_prompt is not None,
+    )
+
+
 ANALYSIS = Analysis(
     name="logit_lens",
     result_type=LogitLensResult,
@@ -233,4 +244,5 @@ ANALYSIS = Analysis(
     figures=lambda r, tokenizer, n: {"": logit_lens_figure(r)},
     summary=lambda r: [f"KL ED {kl_effective_depth(r.kl)}", f"overlap ED {overlap_effective_depth(r.overlap)}"],
     feeds_table=True,
+    depth=depth_reading,
 )

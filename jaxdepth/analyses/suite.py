@@ -27,6 +27,8 @@ __all__ = [
     "option",
     "RunInputs",
     "per_prompt_figures",
+    "DepthReading",
+    "DepthCurve",
 ]
 
 
@@ -133,6 +135,10 @@ class Analysis:
     default: run when a run names no analyses (`jaxdepth run` without `--analyses`); an analysis
         that is not is still in the suite, run when named. "Built in" is not "run by default":
         the main command does not grow with every analysis the package has.
+    depth: result -> a `DepthReading`, what the result says about depth: its effective depths
+        (the effective-depth table reads them where `feeds_table`), ratios of the depth and
+        per-layer curves (`jaxdepth compare` puts them on one relative-depth axis); None when
+        it says nothing of depth. The shell reads results through this, never their fields.
     """
 
     name: str
@@ -147,10 +153,44 @@ class Analysis:
     uses_baseline: bool = False
     feeds_table: bool = False
     default: bool = True
+    depth: Optional[Callable[[Any], "DepthReading"]] = None
 
     def __post_init__(self):
         if not (isinstance(self.settings, type) and issubclass(self.settings, Settings)):
             raise TypeError(f"analysis {self.name!r}: settings must be Settings or a subclass of it")
+        if self.feeds_table and self.depth is None:
+            raise TypeError(f"analysis {self.name!r} feeds the effective-depth table: declare its `depth` reading")
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthCurve:
+    """A per-layer measure on the relative-depth axis: `x` the relative depth of each point (a
+    boundary l at l / L, a layer l at (l + 0.5) / L), `y` its value (the mean over prompts), and
+    how it is drawn: a panel `title`, its `ylabel`, a `log` scale or not."""
+
+    title: str
+    ylabel: str
+    x: Any
+    y: Any
+    log: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthReading:
+    """What a result says about depth, for the shell's tables and comparisons.
+
+    num_layers: L. effective_depths: method -> `jaxdepth.analyses.effective_depth.EffectiveDepth`
+    (the table's columns, `cosine`, `kl`, `overlap`); per-prompt depths and bootstrap intervals
+    come from `per_prompt` (the result then defines `depth_series`, see
+    `jaxdepth.analyses.uncertainty`). ratios: name -> (label, depth / L or None), each shown on
+    the comparison's axis of ratios (the effective depths' are named by the analysis too).
+    curves: name -> `DepthCurve`."""
+
+    num_layers: int
+    effective_depths: dict = dataclasses.field(default_factory=dict)
+    ratios: dict = dataclasses.field(default_factory=dict)
+    curves: dict = dataclasses.field(default_factory=dict)
+    per_prompt: bool = False
 
 
 def per_prompt_figures(draw: Callable[..., Any]) -> Callable[[Any, Any, int], dict]:

@@ -4,8 +4,10 @@ top-5 overlap) fall beside the shape of its residual stream (matrix entropy, the
 rate), its layers' distance from the identity, and the boundary by which its tokens are decided.
 
 A results folder is any `<model>/<dataset>/` folder `jaxdepth run` wrote; each measure is drawn
-where its result is there (contributions, logit_lens, geometry, jacobians, decision_depth) and
-left out where it is not. Plotting never recomputes anything."""
+where its result is there and left out where it is not. What a result gives is what its
+analysis declares (`Analysis.depth`, a `jaxdepth.analyses.suite.DepthReading`: ratios and
+curves), so a plugin's analysis that declares a reading joins the comparison as the built-in
+ones do. Plotting never recomputes anything."""
 
 from __future__ import annotations
 
@@ -21,23 +23,14 @@ from jaxdepth.lab.results import load_result
 
 __all__ = ["DepthProfile", "depth_profiles", "depth_comparison_figure", "profiles_markdown"]
 
-# The effective depths of `jaxdepth.lab.table`, and the mean decision depth, by name.
-RATIO_NAMES = {"cosine": "cosine ED", "kl": "KL ED", "overlap": "top-5 overlap ED", "decision": "mean decision depth"}
-# The curves, by name: (panel title, y label, log scale).
-CURVES = {
-    "entropy": ("matrix entropy of the residual stream", "normalized entropy", False),
-    "sink_rate": ("attention-sink rate", "share of heads", False),
-    "layer_distance": ("layer Jacobian's distance from I", "||J_l - I||_F / ||I||_F", True),
-    "decided": ("positions decided by boundary l", "share of positions", False),
-}
-_FILES = ("contributions.npz", "logit_lens.npz", "geometry.npz", "jacobians.npz", "decision_depth.npz")
 
 
 @dataclasses.dataclass(frozen=True)
 class DepthProfile:
-    """One model on one dataset: `ratios` (effective depth / L by method, and the mean decision
-    depth / L; None where no layer qualifies) and `curves` (name -> (relative depth, value),
-    each the mean over prompts), of what its folder holds."""
+    """One model on one dataset, as its results' declared readings say
+    (`jaxdepth.analyses.suite.DepthReading`): `ratios` (name -> depth / L: the effective depths,
+    the mean decision depth, ...; None where no layer qualifies) with their `labels`, and
+    `curves` (name -> `jaxdepth.analyses.suite.DepthCurve`, each the mean over prompts)."""
 
     model: str
     dataset: str
@@ -45,41 +38,30 @@ class DepthProfile:
     ratios: dict
     curves: dict
     fingerprint: Optional[str] = None  # the model's (`jaxdepth.lab.model_identity`); None if unrecorded
+    labels: dict = dataclasses.field(default_factory=dict)
+
+
+def _readers() -> dict:
+    """The registered analyses that declare a depth reading, by their result files' names."""
+    from jaxdepth.lab.registry import ANALYSES
+
+    return {f"{entry.name}.npz": entry for entry in ANALYSES.values() if entry.depth is not None}
 
 
 def _profile(folder: str, files: set) -> DepthProfile:
-    from jaxdepth.lab.table import collect, result_identity
+    from jaxdepth.lab.table import result_identity
 
-    ratios, curves, num_layers = {}, {}, None
-    # the model and dataset the results record (their identity), else the folders': as `table.collect` does
-    identity = {"model": os.path.basename(os.path.dirname(folder)), "fingerprint": None}
-    identity["dataset"] = os.path.basename(folder)
-    if {"contributions.npz", "logit_lens.npz"} & files:
-        for row in collect([folder], resamples=0):
-            ratios[row["method"]] = row["ratio"]
-            num_layers = row["layers"]
-            identity = {k: row[k] for k in ("model", "fingerprint", "dataset")}
-
-    def load(name):
+    ratios, labels, curves, num_layers, identity = {}, {}, {}, None, None
+    for name, entry in _readers().items():
+        if name not in files:
+            continue
         result = load_result(os.path.join(folder, name))
-        identity.update(result_identity(result, folder))
-        return result
-
-    if "geometry.npz" in files:
-        g = load("geometry.npz")
-        L = num_layers = g.num_layers
-        curves["entropy"] = (np.arange(L + 1) / L, np.nanmean(g.entropy, axis=0))
-        curves["sink_rate"] = ((np.arange(L) + 0.5) / L, np.nanmean(g.sink_rate(), axis=0))
-    if "jacobians.npz" in files:
-        j = load("jacobians.npz")
-        L = num_layers = j.num_layers
-        curves["layer_distance"] = ((np.arange(L) + 0.5) / L, np.nanmean(j.per_prompt("layer_distance"), axis=0))
-    if "decision_depth.npz" in files:
-        r = load("decision_depth.npz")
-        L = num_layers = r.num_layers
-        depths = r.depth[r.valid]
-        ratios["decision"] = float(depths.mean()) / L if depths.size else None
-        curves["decided"] = (np.arange(L + 1) / L, np.array([(depths <= l).mean() for l in range(L + 1)]))
+        identity = identity or result_identity(result, folder)
+        reading = entry.depth(result)
+        num_layers = reading.num_layers
+        for key, (label, ratio) in reading.ratios.items():
+            ratios[key], labels[key] = ratio, label
+        curves.update(reading.curves)
     return DepthProfile(
         model=identity["model"],
         dataset=identity["dataset"],
@@ -87,6 +69,7 @@ def _profile(folder: str, files: set) -> DepthProfile:
         ratios=ratios,
         curves=curves,
         fingerprint=identity["fingerprint"],
+        labels=labels,
     )
 
 
@@ -94,14 +77,14 @@ def depth_profiles(roots: Iterable[str]) -> list[DepthProfile]:
     """One profile per model and dataset of the results folders under `roots` (each a run's
     output, a model's folder or a dataset's) that hold any of the measures (folders of the same
     model and dataset read as one); a root with none is an error."""
-    profiles = []
+    profiles, readers = [], _readers()
     for root in roots:
         if not os.path.isdir(root):
             raise FileNotFoundError(f"no results folder {root}")
-        found = [(folder, set(files) & set(_FILES)) for folder, _, files in sorted(os.walk(root))]
+        found = [(folder, set(files) & set(readers)) for folder, _, files in sorted(os.walk(root))]
         found = [(folder, files) for folder, files in found if files]
         if not found:
-            raise FileNotFoundError(f"no results of {', '.join(_FILES)} under {root}")
+            raise FileNotFoundError(f"no results of {', '.join(readers)} under {root}")
         profiles.extend(_profile(folder, files) for folder, files in found)
     return _merged(profiles)
 
@@ -127,7 +110,10 @@ def _merged(profiles: list[DepthProfile]) -> list[DepthProfile]:
                 "not one model (rename a results folder)"
             )
         merged[key] = dataclasses.replace(
-            first, ratios={**p.ratios, **first.ratios}, curves={**p.curves, **first.curves}
+            first,
+            ratios={**p.ratios, **first.ratios},
+            curves={**p.curves, **first.curves},
+            labels={**p.labels, **first.labels},
         )
     named = lambda p: {"model": p.model, "fingerprint": p.fingerprint}
     return with_model_labels(list(merged.values()), named, lambda p, label: dataclasses.replace(p, model=label))
@@ -140,12 +126,13 @@ def depth_comparison_figure(profiles: Sequence[DepthProfile]) -> Figure:
     line in its colour: where the studies' depth ends against where the geometry turns."""
     if not profiles:
         raise ValueError("depth_comparison_figure needs at least one profile")
-    names = [n for n in CURVES if any(n in p.curves for p in profiles)]
+    names = list(dict.fromkeys(n for p in profiles for n in p.curves))  # in the order the readings give them
+    ratio_labels = _ratio_labels(profiles)
     fig = d.new_figure(4.6 * (len(names) + 1), 0.9 + max(3.3, 0.45 * len(profiles)))
     axes = np.atleast_1d(fig.subplots(1, len(names) + 1))
     labels = [f"{p.model} / {p.dataset} (L={p.num_layers})" for p in profiles]
     ax = axes[0]
-    for k, (method, label) in enumerate(RATIO_NAMES.items()):
+    for k, (method, label) in enumerate(ratio_labels.items()):
         ys = [i for i, p in enumerate(profiles) if p.ratios.get(method) is not None]
         xs = [profiles[i].ratios[method] for i in ys]
         ax.plot(xs, ys, "osD^"[k], linestyle="none", markersize=7, color=f"C{k}", label=label)
@@ -155,11 +142,13 @@ def depth_comparison_figure(profiles: Sequence[DepthProfile]) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     for ax, name in zip(axes[1:], names):
-        title, ylabel, log = CURVES[name]
+        style = next(p.curves[name] for p in profiles if name in p.curves)
+        title, ylabel, log = style.title, style.ylabel, style.log
         for i, p in enumerate(profiles):
             if name not in p.curves:
                 continue
-            ax.plot(*p.curves[name], color=f"C{i}", marker="o", markersize=2.5, label=labels[i])
+            curve = p.curves[name]
+            ax.plot(curve.x, curve.y, color=f"C{i}", marker="o", markersize=2.5, label=labels[i])
             marker = p.ratios.get("kl", p.ratios.get("cosine"))
             if marker is not None:
                 ax.axvline(marker, color=f"C{i}", linestyle=":", linewidth=1.2)
@@ -170,11 +159,17 @@ def depth_comparison_figure(profiles: Sequence[DepthProfile]) -> Figure:
     return fig
 
 
+def _ratio_labels(profiles: Sequence[DepthProfile]) -> dict:
+    """Every ratio any profile has, name -> label, in the order the readings give them."""
+    return {name: label for p in profiles for name, label in p.labels.items()}
+
+
 def profiles_markdown(profiles: Sequence[DepthProfile]) -> str:
     """The ratios of every profile as a Markdown table (blank where not measured or not found)."""
-    lines = ["| model | dataset | L | " + " | ".join(RATIO_NAMES.values()) + " |"]
-    lines.append("|---" * (3 + len(RATIO_NAMES)) + "|")
+    ratio_labels = _ratio_labels(profiles)
+    lines = ["| model | dataset | L | " + " | ".join(ratio_labels.values()) + " |"]
+    lines.append("|---" * (3 + len(ratio_labels)) + "|")
     for p in profiles:
-        cells = ["" if p.ratios.get(m) is None else f"{p.ratios[m]:.2f}" for m in RATIO_NAMES]
+        cells = ["" if p.ratios.get(m) is None else f"{p.ratios[m]:.2f}" for m in ratio_labels]
         lines.append(f"| {p.model} | {p.dataset} | {p.num_layers} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,8 @@
 """Table 1 of the second study from saved results: effective depth and ratio by method x
 dataset x model, with a bootstrap interval over prompts where the results carry per-prompt
-curves. Nothing is recomputed on the model: the curves are read from the result files."""
+curves. Nothing is recomputed on the model: the curves are read from the result files, each
+through what its analysis declares (`feeds_table` and its `depth` reading: the residual
+cosine's and the logit lens's effective depths, or a plugin's)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import io
 import os
 from typing import Iterable
 
-from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.results import load_result
@@ -34,18 +35,18 @@ def collect(
     prompt's own effective depth where the curves allow (else None)."""
     if resamples < 0:
         raise ValueError(f"resamples must be >= 0 (0: no bootstrap), got {resamples}")
-    rows = []
+    rows, tables = [], _table_analyses()
     for root in roots:
         if not os.path.isdir(root):
             raise FileNotFoundError(f"no results folder {root}")
         found = False
         for folder, _, files in sorted(os.walk(root)):
-            if "contributions.npz" not in files and "logit_lens.npz" not in files:
-                continue
-            found = True
-            rows.extend(_rows_for(folder, files, resamples, seed))
+            for entry in tables:
+                if f"{entry.name}.npz" in files:
+                    found = True
+                    rows.extend(_rows_for(folder, entry, resamples, seed))
         if not found:
-            raise FileNotFoundError(f"no contributions.npz or logit_lens.npz under {root}")
+            raise FileNotFoundError(f"no {' or '.join(f'{e.name}.npz' for e in tables)} under {root}")
     return with_model_labels(rows)
 
 
@@ -78,39 +79,42 @@ def with_model_labels(items: list, get=lambda item: item, put=None) -> list:
     return renamed
 
 
-def _rows_for(folder: str, files, resamples: int, seed: int) -> list[dict]:
-    """The rows of one folder's results, each method's under the identity of the file it comes
-    from (two files of one folder from two models, as older versions could write, are two rows)."""
+def _table_analyses() -> list:
+    """The registered analyses whose results feed the table (`Analysis.feeds_table`), each read
+    through its declared `depth` reading."""
+    from jaxdepth.lab.registry import ANALYSES
+
+    return [entry for entry in ANALYSES.values() if entry.feeds_table]
+
+
+def _rows_for(folder: str, entry, resamples: int, seed: int) -> list[dict]:
+    """The rows of one result of `folder`: each effective depth its analysis's reading declares,
+    under the identity of the file it comes from (two files of one folder from two models, as
+    older versions could write, are two rows)."""
+    r = load_result(os.path.join(folder, f"{entry.name}.npz"))
+    reading = entry.depth(r)
+    per_prompt, intervals = {}, {}
+    if reading.per_prompt:
+        per_prompt = uncertainty.per_prompt_depths(r)
+        if resamples > 0:
+            intervals = uncertainty.effective_depth_intervals(r, resamples=resamples, seed=seed, level=LEVEL)
+    identity = result_identity(r, folder)
     rows = []
-    for name in ("contributions.npz", "logit_lens.npz"):
-        if name not in files:
-            continue
-        r = load_result(os.path.join(folder, name))
-        if name == "contributions.npz":
-            depths = {"cosine": ed.cosine_effective_depth(r.mean_cosine)}
-        else:
-            depths = {"kl": ed.kl_effective_depth(r.kl), "overlap": ed.overlap_effective_depth(r.overlap)}
-        per_prompt, intervals = {}, {}
-        if uncertainty.has_per_prompt(r):
-            per_prompt = uncertainty.per_prompt_depths(r)
-            if resamples > 0:
-                intervals = uncertainty.effective_depth_intervals(r, resamples=resamples, seed=seed, level=LEVEL)
-        identity = result_identity(r, folder)
-        for m, d in depths.items():
-            interval = intervals.get(m)
-            rows.append(
-                {
-                    **identity,
-                    "method": m,
-                    "layers": d.num_layers,
-                    "ed": d.layer,
-                    "ratio": None if d.ratio is None else round(d.ratio, 4),
-                    "ed_low": None if interval is None else interval.low,
-                    "ed_high": None if interval is None else interval.high,
-                    "resamples": 0 if interval is None else interval.resamples,
-                    "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]],
-                }
-            )
+    for m, d in reading.effective_depths.items():
+        interval = intervals.get(m)
+        rows.append(
+            {
+                **identity,
+                "method": m,
+                "layers": d.num_layers,
+                "ed": d.layer,
+                "ratio": None if d.ratio is None else round(d.ratio, 4),
+                "ed_low": None if interval is None else interval.low,
+                "ed_high": None if interval is None else interval.high,
+                "resamples": 0 if interval is None else interval.resamples,
+                "per_prompt": None if m not in per_prompt else [p.layer for p in per_prompt[m]],
+            }
+        )
     return rows
 
 

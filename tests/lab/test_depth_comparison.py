@@ -47,15 +47,62 @@ def test_the_profiles_read_what_each_folder_holds(results):
     assert len(found) == 2 and set(profiles) == {"deep", "shallow"} and profiles["deep"].num_layers == 4
     for p in profiles.values():
         table = {row["method"]: row["ratio"] for row in collect([str(results / "run" / p.model)], resamples=0)}
-        assert {m: p.ratios[m] for m in table} == table
+        rounded = {m: None if p.ratios[m] is None else round(p.ratios[m], 4) for m in table}
+        assert rounded == table  # the table shows them rounded
     deep = profiles["deep"]
     decided = np.load(results / "run" / "deep" / "default" / "decision_depth.npz", allow_pickle=True)["depth"]
     assert deep.ratios["decision"] == pytest.approx(decided[decided >= 0].mean() / 4)
-    x, share = deep.curves["decided"]
+    x, share = deep.curves["decided"].x, deep.curves["decided"].y
     assert share[-1] == 1.0 and np.all(np.diff(share) >= 0) and x[-1] == 1.0
-    x, distance = deep.curves["layer_distance"]
+    x, distance = deep.curves["layer_distance"].x, deep.curves["layer_distance"].y
     assert np.allclose(x, (np.arange(4) + 0.5) / 4) and np.all(distance > 0)
     assert "decision" not in profiles["shallow"].ratios and not profiles["shallow"].curves
+
+
+def test_a_plugin_that_declares_a_reading_joins_the_table_and_the_comparison(results, tmp_path, monkeypatch):
+    """The table and the comparison read what analyses declare, not file names: an analysis of
+    one's own with a depth reading and `feeds_table` gives its rows and its curve."""
+    import dataclasses
+
+    from jaxdepth.analyses.effective_depth import EffectiveDepth
+    from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading
+    from jaxdepth.core.saved_result import SavedResult
+    from jaxdepth.lab import registry
+
+    @dataclasses.dataclass
+    class Halfway(SavedResult):
+        curve: np.ndarray
+        settings: dict
+
+    def reading(r):
+        L = len(r.curve)
+        depth = EffectiveDepth(layer=L // 2, num_layers=L, rule="the middle layer")
+        return DepthReading(
+            num_layers=L,
+            effective_depths={"halfway": depth},
+            ratios={"halfway": ("halfway ED", depth.ratio)},
+            curves={"halfway": DepthCurve("halfway", "value", (np.arange(L) + 0.5) / L, r.curve)},
+        )
+
+    entry = Analysis(
+        name="halfway",
+        result_type=Halfway,
+        run=None,
+        identity=lambda s: {},
+        figures=lambda *a: {},
+        summary=lambda r: [],
+        feeds_table=True,
+        depth=reading,
+    )
+    monkeypatch.setitem(registry.ANALYSES, "halfway", entry)
+    folder = tmp_path / "run" / "plug" / "default"
+    os.makedirs(folder)
+    Halfway(curve=np.linspace(0, 1, 6), settings={}).save(str(folder / "halfway.npz"))
+    (row,) = collect([str(tmp_path / "run")], resamples=0)
+    assert (row["model"], row["method"], row["ed"], row["layers"]) == ("plug", "halfway", 3, 6)
+    (profile,) = depth_profiles([str(tmp_path / "run")])
+    assert profile.ratios == {"halfway": 4 / 6} and profile.labels == {"halfway": "halfway ED"}
+    np.testing.assert_array_equal(profile.curves["halfway"].y, np.linspace(0, 1, 6))
 
 
 def test_the_command_writes_the_figure_and_the_table(results, tmp_path, capsys):

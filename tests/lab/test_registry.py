@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import os
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from jaxdepth.core.model import random_params
 from jaxdepth.lab.registry import ANALYSES, Analysis, register
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.results import load_result
-from jaxdepth.lab.study import StudySettings, run_study, write_figures
+from jaxdepth.lab.study import StudySettings, model_results_key, result_folder, run_study, write_figures
 
 CONFIG = ModelConfig(
     model_type="llama",
@@ -92,7 +94,8 @@ def test_a_registered_analysis_runs_caches_and_draws(model, batch, token_count, 
         model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
     )
     np.testing.assert_array_equal(first["token_count"].counts, [30 * 3, 23 * 3])
-    saved = load_result(str(tmp_path / "tiny" / "toy" / "token_count.npz"))
+    folder = result_folder(str(tmp_path), model_results_key(model, "tiny")[0], "toy")
+    saved = load_result(os.path.join(folder, "token_count.npz"))
     assert isinstance(saved, TokenCountResult) and saved.settings["identity"]["seed"] == 3
     again = run_study(
         model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
