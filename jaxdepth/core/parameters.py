@@ -456,7 +456,7 @@ GGUF = Naming(
 def param_shapes(config: ModelConfig) -> dict:
     """The shape of every parameter, as a nested dict mirroring the params pytree: what the
     family's features (`ModelConfig`) ask for, nothing more (one entry per row of `PARAMETERS`
-    whose shape rule gives a shape; per-layer ones under 'layers', where the first sits)."""
+    whose shape rule gives a shape; the per-layer ones under 'layers', where the first of them sits)."""
     shapes: dict = {}
     for row in PARAMETERS:
         shape = row.shape_in(config)
