@@ -14,6 +14,7 @@ from conversion.hf_layouts import hf_names
 from conversion.layout import GGUF_NAMES
 from jaxdepth.core import parameters
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.hf_config import SUPPORTED_MODEL_TYPES
 from jaxdepth.core.parameters import (
     GGUF,
     HF,
@@ -87,6 +88,15 @@ def test_rows_are_named_once_and_name_known_families():
         assert set(naming.base) | set(naming.base.values()) <= set(naming.layer_prefix)
         for row in PARAMETERS:
             assert set(getattr(row, naming.column)) <= set(naming.layer_prefix), (naming.column, row.name)
+
+
+def test_every_family_has_a_naming():
+    """Each GGUF architecture the converter reads has its naming; a `model_type` HF names is one
+    the config readers know (the others take Llama's names)."""
+    from conversion.gguf_file import _ARCHS
+
+    assert set(GGUF.family_of) == set(_ARCHS)
+    assert set(HF.family_of) <= set(SUPPORTED_MODEL_TYPES)
 
 
 def test_every_param_of_every_config_has_exactly_one_row():
