@@ -1,6 +1,7 @@
-"""Source tensor names to jaxdepth params: llama.cpp's GGUF names per architecture (and
-`gguf_source`, which cuts its fused tensors), and `assemble_params`, which every source format (the
-Hugging Face families, `conversion.hf_layouts`; GGUF) goes through.
+"""Source tensor names to jaxdepth params: llama.cpp's GGUF names per architecture (declared with
+the params, `jaxdepth.core.parameters`; `gguf_source` cuts its fused tensors), and
+`assemble_params`, which every source format (the Hugging Face families, `conversion.hf_layouts`;
+GGUF) goes through.
 
 Sources give tensors in the PyTorch `nn.Linear` layout `[out, in]`; jaxdepth stores `[in, out]`.
 `assemble_params` stacks per-layer tensors on a leading layer axis and checks that every
@@ -15,59 +16,25 @@ import numpy as np
 
 from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import param_shapes
+from jaxdepth.core.parameters import GGUF, param_shapes, transposed_params
 
 # Params stored transposed relative to the source's [out, in] layout.
-_TRANSPOSED = {"q", "k", "v", "o", "gate", "up", "down", "lm_head"}
-
-# llama.cpp's tensor names (gguf's `TensorNameMap`, which its converter writes them with), one
-# table per architecture; '{i}' is the layer. llama.cpp names a tensor by its place in the layer,
-# whatever the architecture (`ffn_norm` is the norm before the MLP, which Gemma's Hugging Face
-# checkpoints call `pre_feedforward_layernorm` and Llama's `post_attention_layernorm`), so one
-# table serves all with separate projections: `assemble_params` reads only the params the config
-# has.
-_GGUF_TOP = {
-    "embed": "token_embd.weight",
-    "pos_embed": "position_embd.weight",
-    "final_norm": "output_norm.weight",
-    "final_norm_bias": "output_norm.bias",
-    "lm_head": "output.weight",
-}
-_GGUF_LAYER = {
-    "attn_norm": "attn_norm.weight",
-    "attn_norm_bias": "attn_norm.bias",
-    **{f"{x}{part}": f"attn_{x}.{kind}" for x in "qkv" for part, kind in (("", "weight"), ("_bias", "bias"))},
-    "q_norm": "attn_q_norm.weight",
-    "k_norm": "attn_k_norm.weight",
-    "o": "attn_output.weight",
-    "o_bias": "attn_output.bias",
-    "attn_post_norm": "post_attention_norm.weight",
-    "mlp_norm": "ffn_norm.weight",
-    "mlp_norm_bias": "ffn_norm.bias",
-    "gate": "ffn_gate.weight",
-    "up": "ffn_up.weight",
-    "down": "ffn_down.weight",
-    "gate_bias": "ffn_gate.bias",
-    "up_bias": "ffn_up.bias",
-    "down_bias": "ffn_down.bias",
-    "mlp_post_norm": "post_ffw_norm.weight",
-}
-# Fused tensors, which llama.cpp keeps as the checkpoint has them, stacked by rows ('#' names a
-# part, `gguf_source` cuts it): q/k/v in `attn_qkv` (Phi-3, and GPT-2, whose `Conv1D` weights the
-# converter transposes to [out, in] first), gate and up in Phi-3's `ffn_up`.
-_GGUF_QKV = {f"{x}{part}": f"attn_qkv.{kind}#{x}" for x in "qkv" for part, kind in (("", "weight"), ("_bias", "bias"))}
+_TRANSPOSED = transposed_params()
 
 
-def _gguf_names(fused: Mapping[str, str]) -> dict:
-    layer = {**_GGUF_LAYER, **fused}
-    return {**_GGUF_TOP, "layers": {key: f"blk.{{i}}.{name}" for key, name in layer.items()}}
+def gguf_names(arch: str) -> dict:
+    """The jaxdepth param -> GGUF tensor name table of llama.cpp architecture `arch` ('{i}' the
+    layer), from the parameters' declaration (`jaxdepth.core.parameters.GGUF`). llama.cpp names a
+    tensor by its place in the layer, whatever the architecture (`ffn_norm` is the norm before the
+    MLP, which Gemma's Hugging Face checkpoints call `pre_feedforward_layernorm` and Llama's
+    `post_attention_layernorm`), so one table serves all with separate projections:
+    `assemble_params` reads only the params the config has. Fused tensors, which llama.cpp keeps
+    as the checkpoint has them, are named by part ('#q', '#gate', ...: `gguf_source` cuts them)."""
+    return GGUF.table(GGUF.family(arch))
 
 
-GGUF_NAMES = {
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma2", "gemma3"), _gguf_names({})),
-    "phi3": _gguf_names({**_GGUF_QKV, "gate": "ffn_up.weight#gate", "up": "ffn_up.weight#up"}),
-    "gpt2": _gguf_names(_GGUF_QKV),
-}
+# Every architecture's table, by llama.cpp's architecture name.
+GGUF_NAMES = {arch: gguf_names(arch) for arch in GGUF.family_of}
 
 
 def gguf_source(

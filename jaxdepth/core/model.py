@@ -13,10 +13,11 @@ head_dim  Dh  per-head width
 ffn       F   MLP width (`intermediate_size`)
 vocab     V   vocabulary
 
-Params are a plain nested dict of arrays (see `PARAM_SHAPES`); every per-layer weight is
-stacked on a leading layer axis, so the layer loop is a single `lax.scan`. Weights are stored
-`[in, out]` (`x @ W`). Pass params as an argument to jitted functions, never close over them:
-closed-over arrays become constants that XLA folds, and compile time explodes.
+Params are a plain nested dict of arrays (see `param_shapes`, derived from the parameters'
+declaration, `jaxdepth.core.parameters`); every per-layer weight is stacked on a leading layer
+axis, so the layer loop is a single `lax.scan`. Weights are stored `[in, out]` (`x @ W`). Pass
+params as an argument to jitted functions, never close over them: closed-over arrays become
+constants that XLA folds, and compile time explodes.
 """
 
 from __future__ import annotations
@@ -31,44 +32,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord, Params, norm
 from jaxdepth.core.loops import run_layers
+from jaxdepth.core.parameters import param_shapes
 from jaxdepth.core.sites import InterventionsLike
-
-
-def param_shapes(config: ModelConfig) -> Params:
-    """The shape of every parameter, as a nested dict mirroring the params pytree: what the
-    family's features (`ModelConfig`) ask for, nothing more."""
-    c = config
-    L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layers = {"q": (L, D, q), "k": (L, D, kv), "v": (L, D, kv), "o": (L, q, D), "up": (L, D, F), "down": (L, F, D)}
-    norms = (["attn_norm", "mlp_norm"] if c.pre_norms else []) + (
-        ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
-    )
-    for name in norms:
-        layers[name] = (L, D)
-        if c.norm == "layer":
-            layers[f"{name}_bias"] = (L, D)
-    if c.mlp == "gated":
-        layers["gate"] = (L, D, F)
-    if c.mlp_bias:
-        layers.update({"up_bias": (L, F), "down_bias": (L, D)})
-        if c.mlp == "gated":
-            layers["gate_bias"] = (L, F)
-    if c.qkv_bias:
-        layers.update({"q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv)})
-    if c.o_bias:
-        layers["o_bias"] = (L, D)
-    if c.qk_norm:
-        per_head = c.qk_norm_scope == "head"
-        layers.update({"q_norm": (L, c.head_dim if per_head else q), "k_norm": (L, c.head_dim if per_head else kv)})
-    shapes = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
-    if c.norm == "layer":
-        shapes["final_norm_bias"] = (D,)
-    if c.positions == "learned":
-        shapes["pos_embed"] = (c.max_position_embeddings, D)
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (D, c.vocab_size)
-    return shapes
 
 
 def check_params(params: Params, config: ModelConfig) -> None:

@@ -1,12 +1,12 @@
 """The decoder as a Flax NNX module.
 
 `Decoder` holds the weights as `nnx.Param`s, per-layer weights stacked on a leading layer axis,
-each carrying its partition spec from `jaxdepth.core.sharding.PARTITION_RULES` (the one table) as
-`out_sharding` metadata. It computes nothing of its own: calling it runs the pure
-`jaxdepth.core.model.forward` on `params()`, and `nnx.split(decoder)` gives a state whose
-`to_pure_dict()` is exactly that params pytree, the same arrays, not copies. So the module is
-the object a user holds, and the pure, jitted functions the analyses call take its state: no
-NNX graph traversal inside any hot loop.
+each carrying its partition spec from `jaxdepth.core.sharding.PARTITION_RULES` (derived from the
+parameters' declaration, `jaxdepth.core.parameters`) as `out_sharding` metadata. It computes
+nothing of its own: calling it runs the pure `jaxdepth.core.model.forward` on `params()`, and
+`nnx.split(decoder)` gives a state whose `to_pure_dict()` is exactly that params pytree, the
+same arrays, not copies. So the module is the object a user holds, and the pure, jitted
+functions the analyses call take its state: no NNX graph traversal inside any hot loop.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The mesh has two axes: `data` (prompts and sweep members: interventions are independent, so
 this axis needs no communication) and `model` (tensor parallelism: attention heads, MLP width
-and vocabulary are split, so a model larger than one device fits). `PARTITION_RULES` is the one
-table from parameter names to partition specs; everything else follows from GSPMD.
+and vocabulary are split, so a model larger than one device fits). `PARTITION_RULES`, from
+parameter names to partition specs, derives from the parameters' declaration
+(`jaxdepth.core.parameters`); everything else follows from GSPMD.
 
 Multi-host (TPU pods, several GPU hosts): call `initialize_distributed()` first on every host,
 then build the mesh over `jax.devices()` as on one host.
@@ -17,40 +18,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA, MODEL = "data", "model"
+from jaxdepth.core.parameters import MODEL, partition_rules
 
-# Parameter name (the leaf's key; per-layer weights have a leading layer axis) -> spec.
-# Column-parallel projections split their output, row-parallel ones their input, so each
-# attention head / MLP unit lives on one device and only o_proj / down_proj outputs are reduced.
-PARTITION_RULES = {
-    "embed": P(MODEL, None),  # [V, D]: vocabulary split
-    "lm_head": P(None, MODEL),  # [D, V]
-    "pos_embed": P(None, None),  # [positions, D] (GPT-2)
-    "final_norm": P(None),  # [D]
-    "final_norm_bias": P(None),  # (LayerNorm families)
-    "attn_norm": P(None, None),  # [L, D]
-    "attn_norm_bias": P(None, None),
-    "attn_post_norm": P(None, None),  # (Gemma, OLMo 2)
-    "q_norm": P(None, None),  # [L, Dh] (Qwen3, Gemma 3) or [L, H*Dh] (OLMo 2: normed whole)
-    "k_norm": P(None, None),
-    "mlp_norm": P(None, None),
-    "mlp_norm_bias": P(None, None),
-    "mlp_post_norm": P(None, None),
-    "q": P(None, None, MODEL),  # [L, D, H*Dh]: heads split
-    "k": P(None, None, MODEL),
-    "v": P(None, None, MODEL),
-    "q_bias": P(None, MODEL),  # [L, H*Dh]
-    "k_bias": P(None, MODEL),
-    "v_bias": P(None, MODEL),
-    "o": P(None, MODEL, None),  # [L, H*Dh, D]
-    "o_bias": P(None, None),  # [L, D]
-    "gate": P(None, None, MODEL),  # [L, D, F]: MLP width split
-    "up": P(None, None, MODEL),
-    "gate_bias": P(None, MODEL),  # [L, F]
-    "up_bias": P(None, MODEL),
-    "down": P(None, MODEL, None),  # [L, F, D]
-    "down_bias": P(None, None),  # [L, D]
-}
+DATA = "data"
+
+# Parameter name (the leaf's key; per-layer weights have a leading layer axis) -> spec, one per
+# row of the parameters' declaration (`jaxdepth.core.parameters.PARAMETERS`, where a new param's
+# spec is declared). Column-parallel projections split their output, row-parallel ones their
+# input, so each attention head / MLP unit lives on one device and only o_proj / down_proj
+# outputs are reduced; the vocabulary is split in the embeddings and the LM head.
+PARTITION_RULES = partition_rules()
 
 
 def initialize_distributed(**kwargs) -> None:
@@ -87,7 +64,7 @@ def _leaf_name(path) -> str:
 def param_spec(name: str, shape, mesh: Mesh) -> P:
     """The rule's spec for `name`, with any axis the mesh does not divide evenly replicated."""
     if name not in PARTITION_RULES:
-        raise KeyError(f"no partition rule for parameter {name!r}; add it to PARTITION_RULES")
+        raise KeyError(f"no partition rule for parameter {name!r}; declare it in jaxdepth.core.parameters")
     spec = PARTITION_RULES[name]
     if len(spec) != len(shape):
         raise ValueError(f"partition rule for {name!r} has rank {len(spec)}, the parameter {len(shape)}")

@@ -1,0 +1,479 @@
+"""The decoder's parameters, declared once: one row per param of the params pytree.
+
+A row (`Parameter`) says what the param is everywhere it matters: its name, whether it is per
+layer (stacked on a leading layer axis) or top level, its shape rule (a function of the
+`ModelConfig`: the shape of one layer's tensor, or None where the config has no such param), its
+partition spec (of one layer's tensor; `model` is the mesh axis of tensor parallelism), whether
+it is stored transposed relative to the checkpoints' `[out, in]` layout, and its checkpoint names:
+Hugging Face's per naming family and llama.cpp's (GGUF). Everything else derives from the rows:
+`param_shapes` (the params pytree's structure), `jaxdepth.core.sharding.PARTITION_RULES`, the
+converters' name tables (`conversion.hf_layouts.hf_names`, `conversion.layout.gguf_names`) and
+their transposes. A new param is one row, a new checkpoint naming one entry of `HF` or `GGUF`.
+
+Checkpoint names are plain strings, as the converters read them: a per-layer name is relative to
+the naming family's layer prefix; `name#part` is a part of a fused tensor that the converter cuts
+(`#q`, `#k`, `#v`, `#gate`, `#up`), `name#T` a tensor stored `[in, out]` (GPT-2's `Conv1D`), read
+transposed. A naming family takes the names of its `base` where a row names none of its own;
+None in a row says the family has no such tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Optional
+
+from jax.sharding import PartitionSpec
+
+from jaxdepth.core.config import ModelConfig
+
+# The mesh axis tensor parallelism splits parameters over (`jaxdepth.core.sharding`'s mesh).
+MODEL = "model"
+
+Shape = tuple[int, ...]
+Names = Mapping[str, Optional[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One param of the params pytree (see the module's docstring for the columns).
+
+    `shape` and `spec` describe one layer's tensor for a per-layer param: the params stack it on a
+    leading layer axis, which is never split. `hf` and `gguf` map a naming family (`HF`, `GGUF`)
+    to the checkpoint's name; a plain string is the name in the root family (`llama`)."""
+
+    name: str
+    per_layer: bool
+    shape: Callable[[ModelConfig], Optional[Shape]]
+    spec: tuple
+    transposed: bool = False
+    hf: Names | str = dataclasses.field(default_factory=dict)
+    gguf: Names | str = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for column in ("hf", "gguf"):
+            if isinstance(getattr(self, column), str):
+                object.__setattr__(self, column, {"llama": getattr(self, column)})
+
+    def shape_in(self, config: ModelConfig) -> Optional[Shape]:
+        """The param's shape in the params pytree of `config` (the layer axis first for a
+        per-layer param), or None where `config` has no such param."""
+        shape = self.shape(config)
+        if shape is None:
+            return None
+        return (config.num_layers, *shape) if self.per_layer else tuple(shape)
+
+    @property
+    def partition_spec(self) -> PartitionSpec:
+        """The partition spec of the param as the params pytree holds it (the layer axis first,
+        replicated, for a per-layer param)."""
+        return PartitionSpec(None, *self.spec) if self.per_layer else PartitionSpec(*self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How one checkpoint format names the params: the rows' column (`hf` or `gguf`), each naming
+    family's layer prefix ('{i}' the layer) and base (the family whose names it takes where a row
+    names none of its own), and the naming family of each model (Hugging Face `model_type` or
+    llama.cpp architecture; `default` for the ones not listed)."""
+
+    column: str
+    layer_prefix: Mapping[str, str]
+    base: Mapping[str, str]
+    family_of: Mapping[str, str]
+    default: Optional[str] = None
+
+    def family(self, model: str) -> str:
+        """The naming family of `model` (a `model_type` or an architecture)."""
+        if model in self.family_of:
+            return self.family_of[model]
+        if self.default is None:
+            raise KeyError(f"no {self.column} naming for {model!r}; known: {sorted(self.family_of)}")
+        return self.default
+
+    def name(self, row: Parameter, family: str) -> Optional[str]:
+        """`row`'s checkpoint name in `family` (per layer: relative to its prefix), or None."""
+        names = getattr(row, self.column)
+        while family not in names and family in self.base:
+            family = self.base[family]
+        return names.get(family)
+
+    def table(self, family: str) -> dict:
+        """The param -> checkpoint name table of `family`, shaped like the params pytree:
+        top-level names, and per-layer templates under 'layers' ('{i}' the layer)."""
+        top, layers = {}, {}
+        for row in PARAMETERS:
+            name = self.name(row, family)
+            if name is not None and row.per_layer:
+                layers[row.name] = self.layer_prefix[family] + name
+            elif name is not None:
+                top[row.name] = name
+        return {**top, "layers": layers}
+
+
+def _when(present: bool, *shape: int) -> Optional[Shape]:
+    return shape if present else None
+
+
+def _q_width(c: ModelConfig) -> int:
+    return c.num_heads * c.head_dim
+
+
+def _kv_width(c: ModelConfig) -> int:
+    return c.num_kv_heads * c.head_dim
+
+
+def _qk_norm_width(c: ModelConfig, width: int) -> Optional[Shape]:
+    # one weight per head dim, shared by the heads (Qwen3, Gemma 3), or over the projection (OLMo 2)
+    return _when(c.qk_norm, c.head_dim if c.qk_norm_scope == "head" else width)
+
+
+def _pre_norm(c: ModelConfig, bias: bool = False) -> Optional[Shape]:
+    return _when(c.pre_norms and (not bias or c.norm == "layer"), c.hidden_size)
+
+
+def _post_norm(c: ModelConfig, bias: bool = False) -> Optional[Shape]:
+    return _when(c.post_norms and (not bias or c.norm == "layer"), c.hidden_size)
+
+
+def _gated(c: ModelConfig) -> bool:
+    return c.mlp == "gated"
+
+
+def _layer(name, shape, spec, transposed=False, hf=None, gguf=None) -> Parameter:
+    return Parameter(name, True, shape, spec, transposed, hf or {}, gguf or {})
+
+
+def _top(name, shape, spec, transposed=False, hf=None, gguf=None) -> Parameter:
+    return Parameter(name, False, shape, spec, transposed, hf or {}, gguf or {})
+
+
+_COLUMN = (None, MODEL)  # [in, out] with the output split: each head / MLP unit on one device
+_ROW = (MODEL, None)  # [in, out] with the input split: only the sublayer's output is reduced
+_SPLIT, _WHOLE = (MODEL,), (None,)  # a bias on split outputs; one on the residual, or a norm
+
+# In the order of the params pytree (`param_shapes`): the top-level params around the layers, and
+# per layer the projections every layer has, its norms, then the optional weights.
+PARAMETERS: tuple[Parameter, ...] = (
+    _top(
+        "embed",
+        lambda c: (c.vocab_size, c.hidden_size),
+        (MODEL, None),  # [V, D]: vocabulary split
+        hf={
+            "llama": "model.embed_tokens.weight",
+            "gpt_neox": "gpt_neox.embed_in.weight",
+            "gpt2": "transformer.wte.weight",
+        },
+        gguf="token_embd.weight",
+    ),
+    _layer(
+        "q",
+        lambda c: (c.hidden_size, _q_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={
+            "llama": "self_attn.q_proj.weight",
+            "phi3": "self_attn.qkv_proj.weight#q",
+            "gpt_neox": "attention.query_key_value.weight#q",
+            "gpt2": "attn.c_attn.weight#q",
+        },
+        gguf={"llama": "attn_q.weight", "phi3": "attn_qkv.weight#q", "gpt2": "attn_qkv.weight#q"},
+    ),
+    _layer(
+        "k",
+        lambda c: (c.hidden_size, _kv_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={
+            "llama": "self_attn.k_proj.weight",
+            "phi3": "self_attn.qkv_proj.weight#k",
+            "gpt_neox": "attention.query_key_value.weight#k",
+            "gpt2": "attn.c_attn.weight#k",
+        },
+        gguf={"llama": "attn_k.weight", "phi3": "attn_qkv.weight#k", "gpt2": "attn_qkv.weight#k"},
+    ),
+    _layer(
+        "v",
+        lambda c: (c.hidden_size, _kv_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={
+            "llama": "self_attn.v_proj.weight",
+            "phi3": "self_attn.qkv_proj.weight#v",
+            "gpt_neox": "attention.query_key_value.weight#v",
+            "gpt2": "attn.c_attn.weight#v",
+        },
+        gguf={"llama": "attn_v.weight", "phi3": "attn_qkv.weight#v", "gpt2": "attn_qkv.weight#v"},
+    ),
+    _layer(
+        "o",
+        lambda c: (_q_width(c), c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"llama": "self_attn.o_proj.weight", "gpt_neox": "attention.dense.weight", "gpt2": "attn.c_proj.weight#T"},
+        gguf="attn_output.weight",
+    ),
+    _layer(
+        "up",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _COLUMN,
+        transposed=True,
+        hf={
+            "llama": "mlp.up_proj.weight",
+            "phi3": "mlp.gate_up_proj.weight#up",
+            "gpt_neox": "mlp.dense_h_to_4h.weight",
+            "gpt2": "mlp.c_fc.weight#T",
+        },
+        gguf={"llama": "ffn_up.weight", "phi3": "ffn_up.weight#up"},
+    ),
+    _layer(
+        "down",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"llama": "mlp.down_proj.weight", "gpt_neox": "mlp.dense_4h_to_h.weight", "gpt2": "mlp.c_proj.weight#T"},
+        gguf="ffn_down.weight",
+    ),
+    # Norms. Gemma 2/3 name the norm after attention `post_attention_layernorm`, Llama's name for
+    # the norm before the MLP; OLMo 2 has only the norms after the sublayers. llama.cpp names a
+    # norm by its place in the layer, whatever the architecture.
+    _layer(
+        "attn_norm",
+        _pre_norm,
+        _WHOLE,
+        hf={
+            "llama": "input_layernorm.weight",
+            "olmo2": None,
+            "gpt_neox": "input_layernorm.weight",
+            "gpt2": "ln_1.weight",
+        },
+        gguf="attn_norm.weight",
+    ),
+    _layer(
+        "attn_norm_bias",
+        lambda c: _pre_norm(c, bias=True),
+        _WHOLE,
+        hf={"gpt_neox": "input_layernorm.bias", "gpt2": "ln_1.bias"},
+        gguf="attn_norm.bias",
+    ),
+    _layer(
+        "mlp_norm",
+        _pre_norm,
+        _WHOLE,
+        hf={
+            "llama": "post_attention_layernorm.weight",
+            "gemma": "pre_feedforward_layernorm.weight",
+            "olmo2": None,
+            "gpt_neox": "post_attention_layernorm.weight",
+            "gpt2": "ln_2.weight",
+        },
+        gguf="ffn_norm.weight",
+    ),
+    _layer(
+        "mlp_norm_bias",
+        lambda c: _pre_norm(c, bias=True),
+        _WHOLE,
+        hf={"gpt_neox": "post_attention_layernorm.bias", "gpt2": "ln_2.bias"},
+        gguf="ffn_norm.bias",
+    ),
+    _layer(
+        "attn_post_norm",
+        _post_norm,
+        _WHOLE,
+        hf={"gemma": "post_attention_layernorm.weight", "olmo2": "post_attention_layernorm.weight"},
+        gguf="post_attention_norm.weight",
+    ),
+    # (no family has LayerNorms after its sublayers: no checkpoint names these two biases)
+    _layer("attn_post_norm_bias", lambda c: _post_norm(c, bias=True), _WHOLE),
+    _layer(
+        "mlp_post_norm",
+        _post_norm,
+        _WHOLE,
+        hf={"gemma": "post_feedforward_layernorm.weight", "olmo2": "post_feedforward_layernorm.weight"},
+        gguf="post_ffw_norm.weight",
+    ),
+    _layer("mlp_post_norm_bias", lambda c: _post_norm(c, bias=True), _WHOLE),
+    # The optional weights: the gated MLP's gate, the biases, the q/k norms.
+    _layer(
+        "gate",
+        lambda c: _when(_gated(c), c.hidden_size, c.intermediate_size),
+        _COLUMN,
+        transposed=True,
+        hf={"llama": "mlp.gate_proj.weight", "phi3": "mlp.gate_up_proj.weight#gate"},
+        gguf={"llama": "ffn_gate.weight", "phi3": "ffn_up.weight#gate"},
+    ),
+    _layer(
+        "up_bias",
+        lambda c: _when(c.mlp_bias, c.intermediate_size),
+        _SPLIT,
+        hf={"llama": "mlp.up_proj.bias", "gpt_neox": "mlp.dense_h_to_4h.bias", "gpt2": "mlp.c_fc.bias"},
+        gguf="ffn_up.bias",
+    ),
+    _layer(
+        "down_bias",
+        lambda c: _when(c.mlp_bias, c.hidden_size),
+        _WHOLE,
+        hf={"llama": "mlp.down_proj.bias", "gpt_neox": "mlp.dense_4h_to_h.bias", "gpt2": "mlp.c_proj.bias"},
+        gguf="ffn_down.bias",
+    ),
+    _layer(
+        "gate_bias",
+        lambda c: _when(c.mlp_bias and _gated(c), c.intermediate_size),
+        _SPLIT,
+        hf="mlp.gate_proj.bias",
+        gguf="ffn_gate.bias",
+    ),
+    _layer(
+        "q_bias",
+        lambda c: _when(c.qkv_bias, _q_width(c)),
+        _SPLIT,
+        hf={
+            "llama": "self_attn.q_proj.bias",
+            "gpt_neox": "attention.query_key_value.bias#q",
+            "gpt2": "attn.c_attn.bias#q",
+        },
+        gguf={"llama": "attn_q.bias", "phi3": "attn_qkv.bias#q", "gpt2": "attn_qkv.bias#q"},
+    ),
+    _layer(
+        "k_bias",
+        lambda c: _when(c.qkv_bias, _kv_width(c)),
+        _SPLIT,
+        hf={
+            "llama": "self_attn.k_proj.bias",
+            "gpt_neox": "attention.query_key_value.bias#k",
+            "gpt2": "attn.c_attn.bias#k",
+        },
+        gguf={"llama": "attn_k.bias", "phi3": "attn_qkv.bias#k", "gpt2": "attn_qkv.bias#k"},
+    ),
+    _layer(
+        "v_bias",
+        lambda c: _when(c.qkv_bias, _kv_width(c)),
+        _SPLIT,
+        hf={
+            "llama": "self_attn.v_proj.bias",
+            "gpt_neox": "attention.query_key_value.bias#v",
+            "gpt2": "attn.c_attn.bias#v",
+        },
+        gguf={"llama": "attn_v.bias", "phi3": "attn_qkv.bias#v", "gpt2": "attn_qkv.bias#v"},
+    ),
+    _layer(
+        "o_bias",
+        lambda c: _when(c.o_bias, c.hidden_size),
+        _WHOLE,
+        hf={"llama": "self_attn.o_proj.bias", "gpt_neox": "attention.dense.bias", "gpt2": "attn.c_proj.bias"},
+        gguf="attn_output.bias",
+    ),
+    _layer(
+        "q_norm",
+        lambda c: _qk_norm_width(c, _q_width(c)),
+        _WHOLE,
+        hf="self_attn.q_norm.weight",
+        gguf="attn_q_norm.weight",
+    ),
+    _layer(
+        "k_norm",
+        lambda c: _qk_norm_width(c, _kv_width(c)),
+        _WHOLE,
+        hf="self_attn.k_norm.weight",
+        gguf="attn_k_norm.weight",
+    ),
+    _top(
+        "final_norm",
+        lambda c: (c.hidden_size,),
+        _WHOLE,
+        hf={
+            "llama": "model.norm.weight",
+            "gpt_neox": "gpt_neox.final_layer_norm.weight",
+            "gpt2": "transformer.ln_f.weight",
+        },
+        gguf="output_norm.weight",
+    ),
+    _top(
+        "final_norm_bias",
+        lambda c: _when(c.norm == "layer", c.hidden_size),
+        _WHOLE,
+        hf={"gpt_neox": "gpt_neox.final_layer_norm.bias", "gpt2": "transformer.ln_f.bias"},
+        gguf="output_norm.bias",
+    ),
+    _top(
+        "pos_embed",
+        lambda c: _when(c.positions == "learned", c.max_position_embeddings, c.hidden_size),
+        (None, None),  # [positions, D] (GPT-2)
+        hf={"gpt2": "transformer.wpe.weight"},
+        gguf="position_embd.weight",
+    ),
+    _top(
+        "lm_head",
+        lambda c: _when(not c.tie_word_embeddings, c.hidden_size, c.vocab_size),
+        (None, MODEL),  # [D, V]: vocabulary split
+        transposed=True,
+        hf={"llama": "lm_head.weight", "gpt_neox": "embed_out.weight", "gpt2": "lm_head.weight"},
+        gguf="output.weight",
+    ),
+)
+
+# Hugging Face's naming families: Llama's (Qwen, Mistral and any `model_type` not listed), those
+# that rename some of its tensors or fuse them (Phi-3: q/k/v and gate/up), and GPT-NeoX's and
+# GPT-2's own (GPT-NeoX interleaves q/k/v per head; GPT-2 fuses them in a `Conv1D`, `[in, out]`).
+_LLAMA_LAYERS = "model.layers.{i}."
+HF = Naming(
+    column="hf",
+    layer_prefix={
+        "llama": _LLAMA_LAYERS,
+        "gemma": _LLAMA_LAYERS,
+        "olmo2": _LLAMA_LAYERS,
+        "phi3": _LLAMA_LAYERS,
+        "gpt_neox": "gpt_neox.layers.{i}.",
+        "gpt2": "transformer.h.{i}.",
+    },
+    base={"gemma": "llama", "olmo2": "llama", "phi3": "llama"},
+    family_of={
+        "gemma2": "gemma",
+        "gemma3_text": "gemma",
+        "olmo2": "olmo2",
+        "phi3": "phi3",
+        "gpt2": "gpt2",
+        "gpt_neox": "gpt_neox",
+    },
+    default="llama",
+)
+
+# llama.cpp's names (gguf's `TensorNameMap`, which its converter writes them with): one naming
+# serves every architecture with separate projections; Phi-3 and GPT-2 keep their fused tensors
+# as the checkpoint has them, stacked by rows (GPT-2's `Conv1D` weights transposed to [out, in]
+# by the converter): q/k/v in `attn_qkv`, Phi-3's gate and up in `ffn_up`.
+GGUF = Naming(
+    column="gguf",
+    layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2"), "blk.{i}."),
+    base={"phi3": "llama", "gpt2": "llama"},
+    family_of={
+        **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma2", "gemma3"), "llama"),
+        "phi3": "phi3",
+        "gpt2": "gpt2",
+    },
+)
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The shape of every parameter, as a nested dict mirroring the params pytree: what the
+    family's features (`ModelConfig`) ask for, nothing more (one entry per row of `PARAMETERS`
+    whose shape rule gives a shape; the per-layer ones under 'layers', where the first of them sits)."""
+    shapes: dict = {}
+    for row in PARAMETERS:
+        shape = row.shape_in(config)
+        if row.per_layer:
+            shapes.setdefault("layers", {})
+            if shape is not None:
+                shapes["layers"][row.name] = shape
+        elif shape is not None:
+            shapes[row.name] = shape
+    return shapes
+
+
+def partition_rules() -> dict[str, PartitionSpec]:
+    """Param name -> partition spec of every row (`jaxdepth.core.sharding.PARTITION_RULES`)."""
+    return {row.name: row.partition_spec for row in PARAMETERS}
+
+
+def transposed_params() -> frozenset[str]:
+    """The params stored transposed relative to the checkpoints' `[out, in]` layout."""
+    return frozenset(row.name for row in PARAMETERS if row.transposed)
