@@ -17,6 +17,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+__all__ = [
+    "PARTITION_RULES",
+    "make_mesh",
+    "mesh_from_spec",
+    "initialize_distributed",
+    "param_spec",
+    "param_shardings",
+    "shard_params",
+    "data_sharding",
+    "to_host",
+    "is_writer",
+    "writer_decides",
+]
+
 DATA, MODEL = "data", "model"
 
 # Parameter name (the leaf's key; per-layer weights have a leading layer axis) -> spec.

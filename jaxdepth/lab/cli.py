@@ -99,8 +99,28 @@ def _load_model(args, mesh, start: float):
         raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     if args.dtype == "float32" and jax.default_backend() == "cpu" and cpu_multiplies_bf16_fast():
-        print("this CPU has AMX: --dtype bf16-matmuls runs the matmuls 3-4x faster (docs/precision.md#bf16-matmuls)")
+        _hint_once(
+            "amx",
+            "this CPU has AMX: --dtype bf16-matmuls runs the matmuls 3-4x faster (docs/precision.md#bf16-matmuls; "
+            "said once, the --help of run repeats it)",
+        )
     return model, saved_model_name(args.model, args.dtype)
+
+
+def _hint_once(name: str, text: str) -> None:
+    """Print `text` unless it was printed before for this user on this machine: a marker file
+    `hints/<name>` in the jaxdepth cache folder (`cache_dir`) remembers it. A hint every run
+    repeats is noise in every log; where the marker cannot be written, the hint is printed."""
+    from jaxdepth.core.atomic import atomic_write
+    from jaxdepth.lab.sources import cache_dir
+
+    marker = os.path.join(cache_dir(), "hints", name)
+    if os.path.exists(marker):
+        return
+    print(text)
+    with contextlib.suppress(OSError):
+        with atomic_write(marker, "w") as f:
+            f.write(f"{text}\n")
 
 
 def _study_settings(args, entries, **common):
