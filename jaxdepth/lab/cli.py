@@ -737,7 +737,7 @@ def main(argv=None) -> int:
     130 (interrupted, Ctrl-C: one line says what is saved, and a rerun resumes from it).
 
     Called without `argv`, as the installed command and `python -m jaxdepth.lab.cli` call it, it
-    takes Ctrl-C itself (`CtrlC`): an interrupt ends the process with status 130, whenever it
+    takes Ctrl-C itself (`_CtrlC`): an interrupt ends the process with status 130, whenever it
     lands, once every block it interrupted has cleaned up; called with `argv` (from Python), an
     interrupt returns 130."""
     from jaxdepth.core.atomic import locked_folders
@@ -749,25 +749,27 @@ def main(argv=None) -> int:
     # Every command that writes results holds their folders (`folder_lock`): those it held are
     # where the work finished before an interrupt is.
     with locked_folders() as written:
-        ctrl_c = CtrlC.take(written) if as_command else None
+        ctrl_c = _CtrlC.take(written) if as_command else None
+        interrupted = False
         try:
             status = _command(argv)
-            if ctrl_c is None or not ctrl_c.noticed:
-                if ctrl_c is not None:
-                    ctrl_c.give_back()
-                return status
         except KeyboardInterrupt:
-            pass
+            interrupted = True
         except BaseException:
             if ctrl_c is None or not ctrl_c.noticed:
                 raise
-            # else the interrupt's KeyboardInterrupt became another error on its way out
-    # Here every block the interrupt unwound has ended: atomic writes removed their temporaries,
-    # folder locks let go.
-    if ctrl_c is not None:
+            interrupted = True  # the interrupt's KeyboardInterrupt became another error on its way out
+    if ctrl_c is not None and ctrl_c.noticed:
+        # every block the interrupt unwound has ended (atomic writes removed their temporaries,
+        # folder locks let go); an interrupt that a swallowing callback delayed past the command's
+        # end still ends it with 130
         ctrl_c.end()
-    _say_interrupted(written)
-    return 130
+    if interrupted:
+        _say_interrupted(written)
+        return 130
+    if ctrl_c is not None:
+        ctrl_c.give_back()
+    return status
 
 
 def _say_interrupted(folders) -> None:
@@ -775,7 +777,7 @@ def _say_interrupted(folders) -> None:
     print("\n" + interrupted_message(folders), file=sys.stderr, flush=True)
 
 
-class CtrlC:
+class _CtrlC:
     """How the `jaxdepth` command takes Ctrl-C (SIGINT): the first one raises KeyboardInterrupt in
     the main thread, as Python's own handler does, so that every `with` and `finally` on the way
     out runs (atomic writes remove their temporaries, folder locks let go); `main` then says the
@@ -809,7 +811,7 @@ class CtrlC:
         self._previous_hook = sys.unraisablehook
 
     @classmethod
-    def take(cls, written: list[str]) -> "CtrlC | None":
+    def take(cls, written: list[str]) -> "_CtrlC | None":
         """Take SIGINT for this process; None where it is not Python's default handler (a
         background job's ignored SIGINT, a caller's own handler) or not in the main thread."""
         import threading
