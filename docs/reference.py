@@ -45,6 +45,7 @@ BEYOND = {
     "jaxdepth.core.layer": ("LayerRecord",),
     "jaxdepth.core.batch": ("make_batch",),
     "jaxdepth.core.saved_result": ("SavedResult",),
+    "jaxdepth.core.sharding": ("make_mesh",),
     "jaxdepth.lab.prompts": ("Prompt", "load_prompts", "encode"),
     "jaxdepth.lab.results": ("load_result",),
     "jaxdepth.lab.registry": ("Analysis", "register"),

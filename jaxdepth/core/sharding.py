@@ -20,6 +20,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdepth.core.parameters import MODEL, partition_rules
 
+__all__ = [
+    "PARTITION_RULES",
+    "make_mesh",
+    "mesh_from_spec",
+    "initialize_distributed",
+    "param_spec",
+    "param_shardings",
+    "shard_params",
+    "data_sharding",
+    "to_host",
+    "is_writer",
+    "writer_decides",
+]
+
 DATA = "data"
 
 # Parameter name (the leaf's key; per-layer weights have a leading layer axis) -> spec, one per

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
 from functools import partial
+from typing import NoReturn
 
 from jaxdepth.lab.meshes import mesh_from_args
 from jaxdepth.lab.optional import MissingDependencyError
@@ -97,8 +99,28 @@ def _load_model(args, mesh, start: float):
         raise ValueError(f"the model from {args.model} has no tokenizer; prompts cannot be encoded")
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     if args.dtype == "float32" and jax.default_backend() == "cpu" and cpu_multiplies_bf16_fast():
-        print("this CPU has AMX: --dtype bf16-matmuls runs the matmuls 3-4x faster (docs/precision.md#bf16-matmuls)")
+        _hint_once(
+            "amx",
+            "this CPU has AMX: --dtype bf16-matmuls runs the matmuls 3-4x faster (docs/precision.md#bf16-matmuls; "
+            "said once, the --help of run repeats it)",
+        )
     return model, saved_model_name(args.model, args.dtype)
+
+
+def _hint_once(name: str, text: str) -> None:
+    """Print `text` unless it was printed before for this user on this machine: a marker file
+    `hints/<name>` in the jaxdepth cache folder (`cache_dir`) remembers it. A hint every run
+    repeats is noise in every log; where the marker cannot be written, the hint is printed."""
+    from jaxdepth.core.atomic import atomic_write
+    from jaxdepth.lab.sources import cache_dir
+
+    marker = os.path.join(cache_dir(), "hints", name)
+    if os.path.exists(marker):
+        return
+    print(text)
+    with contextlib.suppress(OSError):
+        with atomic_write(marker, "w") as f:
+            f.write(f"{text}\n")
 
 
 def _study_settings(args, entries, **common):
@@ -731,21 +753,134 @@ def _load_plugins_named_in(argv) -> None:
 def main(argv=None) -> int:
     """The `jaxdepth` command; returns its exit status: 0, 1 (a command's own failure, said on its
     last line), 2 (an error: bad input, a missing file or dependency, a busy results folder) or
-    130 (interrupted, Ctrl-C: one line says what is saved, and a rerun resumes from it)."""
+    130 (interrupted, Ctrl-C: one line says what is saved, and a rerun resumes from it).
+
+    Called without `argv`, as the installed command and `python -m jaxdepth.lab.cli` call it, it
+    takes Ctrl-C itself (`_CtrlC`): an interrupt ends the process with status 130, whenever it
+    lands, once every block it interrupted has cleaned up; called with `argv` (from Python), an
+    interrupt returns 130."""
     from jaxdepth.core.atomic import locked_folders
 
     # jaxdepth never needs torch: transformers' advice that it is missing is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    as_command = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     # Every command that writes results holds their folders (`folder_lock`): those it held are
     # where the work finished before an interrupt is.
     with locked_folders() as written:
+        ctrl_c = _CtrlC.take(written) if as_command else None
+        interrupted = False
         try:
-            return _command(argv)
+            status = _command(argv)
         except KeyboardInterrupt:
-            # on a line of its own: the terminal's ^C, or a progress bar, may end the current one
-            print("\n" + interrupted_message(written), file=sys.stderr, flush=True)
-            return 130
+            interrupted = True
+        except BaseException:
+            if ctrl_c is None or not ctrl_c.noticed:
+                raise
+            interrupted = True  # the interrupt's KeyboardInterrupt became another error on its way out
+    if ctrl_c is not None and ctrl_c.noticed:
+        # every block the interrupt unwound has ended (atomic writes removed their temporaries,
+        # folder locks let go); an interrupt that a swallowing callback delayed past the command's
+        # end still ends it with 130
+        ctrl_c.end()
+    if interrupted:
+        _say_interrupted(written)
+        return 130
+    if ctrl_c is not None:
+        ctrl_c.give_back()
+    return status
+
+
+def _say_interrupted(folders) -> None:
+    # on a line of its own: the terminal's ^C, or a progress bar, may end the current one
+    print("\n" + interrupted_message(folders), file=sys.stderr, flush=True)
+
+
+class _CtrlC:
+    """How the `jaxdepth` command takes Ctrl-C (SIGINT): the first one raises KeyboardInterrupt in
+    the main thread, as Python's own handler does, so that every `with` and `finally` on the way
+    out runs (atomic writes remove their temporaries, folder locks let go); `main` then says the
+    one line and `end`s the process.
+
+    Why the process ends with `os._exit` rather than Python's exit: XLA compiles on threads of its
+    own, and an interrupt that lands while the main thread waits for a compilation leaves that
+    compilation running. Python's exit then collects the JAX client, whose destructor tears down
+    the client's devices before it joins its compile threads; the compilation, finishing, builds
+    its executable's shardings on a device already destroyed (`SingleDeviceSharding::Create`,
+    called from `PjRtLoadedExecutable::Create`) and the process dies of a segmentation fault in
+    libjax_common.so (exit 139), after the line was printed. `os._exit` skips that teardown: the
+    kernel frees what the process held (its file locks included).
+
+    Why an interrupt is raised again: Python delivers a signal at the next bytecode the main
+    thread runs, and while it waits in XLA's C++ that bytecode is often a garbage-collection
+    callback's (jax's `_xla_gc_callback`), a destructor's or a weakref callback's, where an
+    exception cannot propagate: Python reports it as "Exception ignored" with a traceback and the
+    command ran on to the end (exit 0). Such a swallowed KeyboardInterrupt is taken from
+    `sys.unraisablehook`, silently, and raised again a moment later in ordinary code.
+
+    A second Ctrl-C while the first one unwinds ends the process at once (the same line, status
+    130), leaving what a kill leaves: a temporary or a lock file that the next run tidies away."""
+
+    REDELIVERY_S = 0.05  # after a swallowed interrupt: soon, and outside the callback that swallowed it
+
+    def __init__(self, written: list[str]):
+        self.written = written  # the folders held so far (`locked_folders`), for the line
+        self.noticed = False  # a Ctrl-C came
+        self.in_flight = False  # its KeyboardInterrupt is on its way out to `main`
+        self._previous_hook = sys.unraisablehook
+
+    @classmethod
+    def take(cls, written: list[str]) -> "_CtrlC | None":
+        """Take SIGINT for this process; None where it is not Python's default handler (a
+        background job's ignored SIGINT, a caller's own handler) or not in the main thread."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        ctrl_c = cls(written)
+        signal.signal(signal.SIGINT, ctrl_c._on_sigint)
+        sys.unraisablehook = ctrl_c._on_unraisable
+        return ctrl_c
+
+    def give_back(self) -> None:
+        """Python's own handling again (the command finished uninterrupted)."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = self._previous_hook
+
+    def _on_sigint(self, signum, frame):
+        if self.in_flight:
+            self.end()
+        self.noticed = self.in_flight = True
+        raise KeyboardInterrupt
+
+    def _on_unraisable(self, unraisable) -> None:
+        if self.in_flight and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            import threading
+
+            self.in_flight = False
+            # not from here: the main thread would take it inside this hook, swallowed again
+            timer = threading.Timer(self.REDELIVERY_S, self._raise_again)
+            timer.daemon = True
+            timer.start()
+            return
+        self._previous_hook(unraisable)
+
+    def _raise_again(self) -> None:
+        import _thread
+
+        if not self.in_flight:
+            _thread.interrupt_main(signal.SIGINT)
+
+    def end(self) -> NoReturn:
+        """Say the one line, flush what is printed, and end the process with status 130."""
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream has nobody to tell
+            _say_interrupted(self.written)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        os._exit(130)
 
 
 def interrupted_message(folders) -> str:

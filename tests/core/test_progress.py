@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import numpy as np
 import pytest
 
@@ -9,7 +12,7 @@ from conftest import tiny_config
 from jaxdepth.analyses import erasure
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.model import random_params
-from jaxdepth.core.progress import progress_bar, track
+from jaxdepth.core.progress import LineProgress, progress_bar, track
 
 
 class Recorder:
@@ -72,3 +75,53 @@ def test_a_driver_reports_to_the_callers_progress():
     assert recorder.steps == [(1, False), (2, False)] and recorder.bars[0]["closed"]
     n = int(batch.lengths[0])
     np.testing.assert_array_equal(alone.effects[0, :, :n], result.effects[0, :, :n])
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_true_writes_whole_lines_where_stderr_is_not_a_terminal(capsys):
+    """Piped or logged, a bar is lines (no carriage return redrawing it): one as it starts, one
+    per interval while it runs, one at the end; a loop stopped early says where it stopped."""
+    assert not sys.stderr.isatty()  # capsys: what a pipe or a log file is
+    for i in track(range(3), True, "three"):
+        pass
+    with progress_bar(True, total=10, desc="stopped", initial=2) as bar:
+        bar.update(3)
+    written = capsys.readouterr().err
+    assert "\r" not in written and written.endswith("\n")
+    lines = written.splitlines()
+    assert lines[0] == "three: 0/3" and lines[2:] == ["stopped: 2/10", "stopped: stopped at 5/10"], lines
+    assert lines[1].startswith("three: 3/3 in ") and lines[1].endswith(" s"), lines
+
+    clock, out = Clock(), io.StringIO()
+    bar = LineProgress(total=8, desc="steps", file=out, interval=30.0, clock=clock)
+    for seconds in (10, 25, 31, 40, 65, 70, 80):  # lines at 31 s and 65 s: 30 s or more after the last
+        clock.now = seconds
+        bar.set_postfix(kl="0.1")
+        bar.update(1)
+    clock.now = 90
+    bar.update(1)
+    bar.close()
+    assert out.getvalue().splitlines() == [
+        "steps: 0/8",
+        "steps: 3/8 (37%), 31 s [kl=0.1]",
+        "steps: 5/8 (62%), 65 s [kl=0.1]",
+        "steps: 8/8 in 90.0 s [kl=0.1]",
+    ]
+
+
+def test_progress_true_is_tqdms_bar_on_a_terminal(monkeypatch):
+    from tqdm.auto import tqdm
+
+    from jaxdepth.core import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress._default_bar() is tqdm
