@@ -884,7 +884,10 @@ class _CtrlC:
 
 
 def interrupted_message(folders) -> str:
-    """The one line an interrupted command ends on: what is saved, and that a rerun resumes."""
+    """The one line an interrupted command ends on: what is saved, and that a rerun resumes. A
+    folder that was held and is gone again held nothing (`folder_lock` removes the folders it
+    made where nothing was written): it is not named."""
+    folders = [f for f in folders if os.path.isdir(f)]
     if not folders:
         return "interrupted before any results were written: nothing is saved"
     return f"interrupted: what was finished is saved in {', '.join(folders)}; the same command again resumes from there"

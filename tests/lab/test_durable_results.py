@@ -324,11 +324,10 @@ def test_a_command_interrupted_with_ctrl_c_ends_on_one_line(tiny, tmp_path):
     finally:
         child.kill()
         child.wait()
-    folder = model_dir(out, tiny) / "circuit_addition2" / "eap-ig-inputs-left-16"
     assert child.returncode == 130, here + "\n" + stderr[:2000] + "\n...\n" + stderr[-1000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
     said = [line for line in stderr.replace("\r", "\n").splitlines() if "interrupted" in line]
-    assert said == [
-        f"interrupted: what was finished is saved in {folder}; the same command again resumes from there"
-    ], stderr[-2000:]
-    assert not folder.exists() or os.listdir(folder) == [], "the folder is still held, or holds a half-written file"
+    # interrupted while its first scores compiled: nothing was written, and the folder its lock
+    # made is gone with the lock (no lock file, no half-written file left)
+    assert said == ["interrupted before any results were written: nothing is saved"], stderr[-2000:]
+    assert not out.exists(), sorted(str(p) for p in out.rglob("*"))

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import save_tiny_checkpoint
+from conftest import model_dir, save_tiny_checkpoint
 from jaxdepth.core.atomic import LOCK_NAME, OWNER_NAME, TEMP_PREFIX
 from test_durable_results import AS_FROM_A_SHELL
 
@@ -72,7 +72,7 @@ def _interrupt_at(command, env, marker: str, delay: float, times: int) -> tuple[
 def test_ctrl_c_ends_a_run_with_130_and_one_line_whenever_it_lands_and_a_rerun_completes(tiny, tmp_path):
     out = tmp_path / "out"
     command, env = _command(tiny, out, tmp_path / "cache")
-    folder = out / "model" / "default"
+    folder = model_dir(out, tiny) / "default"
     saved = {}  # result file -> its modification time when first seen: never rewritten after
     for marker, delay, times in MOMENTS:
         status, printed = _interrupt_at(command, env, marker, delay, times)
@@ -81,12 +81,17 @@ def test_ctrl_c_ends_a_run_with_130_and_one_line_whenever_it_lands_and_a_rerun_c
         for noise in ("Traceback", "KeyboardInterrupt", "Exception ignored", "Fatal Python error"):
             assert noise not in printed, where
         said = [line for line in printed.replace("\r", "\n").splitlines() if "interrupted" in line]
-        assert said == [
+        # before its first result a run leaves no folder (made by its lock, and empty: removed)
+        listing = os.listdir(folder) if folder.exists() else []
+        expected = (
             f"interrupted: what was finished is saved in {folder}; the same command again resumes from there"
-        ], where
-        left = [n for n in os.listdir(folder) if not n.startswith(TEMP_PREFIX) and n not in (LOCK_NAME, OWNER_NAME)]
+            if folder.exists()
+            else "interrupted before any results were written: nothing is saved"
+        )
+        assert said == [expected], where
+        left = [n for n in listing if not n.startswith(TEMP_PREFIX) and n not in (LOCK_NAME, OWNER_NAME)]
         if times == 1:  # a second Ctrl-C may end the process before its clean-up: the rerun tidies
-            assert left == os.listdir(folder), (os.listdir(folder), where)
+            assert left == listing, (listing, where)
         for name in left:
             saved.setdefault(name, os.stat(folder / name).st_mtime_ns)
     assert "contributions.npz" in saved, "no interrupt landed after the first result was written"
