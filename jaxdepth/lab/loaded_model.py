@@ -124,7 +124,8 @@ class Model(ModelWeights):
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts:
             raise ValueError("no prompts to generate from")
-        batch = make_batch([self.encode(text) for text in texts])
+        # padded no further than the context: each prompt's real length is what counts against it
+        batch = make_batch([self.encode(text) for text in texts], max_length=self.config.max_position_embeddings)
         tokens, valid = batch.tokens, batch.valid
         check_tokens(tokens, self.config)
         check_prompt_mask(valid, max_new_tokens, self.config)
