@@ -132,13 +132,14 @@ def site_gradients(
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
         logits = unembed(params, h if positions is None else h[:, positions], config)
         out = metric(logits) if tap is None else metric(logits, taps)
-        return floating_metric(out, metric), (values, taps, logits if checked else None)
+        return floating_metric(out, metric), (values, taps, logits)
 
-    # Called outside a trace (concrete arrays), the metric's padding reads can be refused here;
-    # inside jit nothing can raise on data, and the caller checks (`Model.site_gradients` does).
-    checked = valid is not None and not isinstance(valid, jax.core.Tracer) and not isinstance(tokens, jax.core.Tracer)
     (out, (values, taps, logits)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
-    if checked:
+    # Called outside a trace (concrete logits), a metric reading padding is refused here; inside
+    # jit or grad nothing can raise on data (the logits are unused there, and compiled away), and
+    # the caller checks (`Model.site_gradients` does).
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((logits, valid)))
+    if valid is not None and not traced:
         valid = jnp.asarray(valid, bool)
         refuse_padding_reads(
             metric,
