@@ -82,7 +82,10 @@ def padding_reads(metric: Callable, logits, valid, args=()):
     reads = jax.lax.map(changed_by, jnp.arange(B))
     if jnp.issubdtype(jnp.asarray(clean).dtype, jnp.floating):
         grad = jax.grad(lambda x: jnp.sum(jnp.asarray(value(x), jnp.float32)))(logits)
-        moved = (grad != 0) & jnp.isfinite(grad) & padded[..., None]
+        # masked first: the gradient of a linear metric is a constant, which XLA would fold at
+        # full size (seconds of compilation at a large vocabulary) were it compared on its own
+        at_padding = jnp.where(padded[..., None], grad, 0.0)
+        moved = (at_padding != 0) & jnp.isfinite(at_padding)
         reads = reads | jnp.any(moved, axis=tuple(range(1, grad.ndim)))
     return reads
 
