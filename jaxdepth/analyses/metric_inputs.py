@@ -1,8 +1,7 @@
 """What a user's metric may read: never a prompt's padding. Every analysis that takes a metric of
-the logits (layer skip, erasure, site gradients, integrated gradients) runs `refuse_padding_reads`
-on the clean run's logits of each prompt before it measures anything, and refuses a metric that
-reads padded positions (`ValueError` naming the analysis, the prompt, its real and its padded
-length, and how to read real positions instead).
+the logits runs `refuse_padding_reads` on the clean run's logits of each prompt before it measures
+anything, and refuses a metric that reads padded positions (`ValueError` naming the analysis, the
+prompt, its real and its padded length, and how to read real positions instead).
 
 Prompts of different lengths run right-padded to a shared length (a length bucket), so a metric
 written for one prompt's logits `[1, T, V]`, say `logits[0, -1]`, reads the model's output at a
@@ -17,13 +16,21 @@ padding when
 - or, for a floating metric, its gradient with respect to b's padded logits is non-zero anywhere
   (finite entries): a dependence the replacement happens not to move.
 A metric that selects real positions by indexing, by `jnp.where` or by multiplying with a 0/1
-mask passes, and its numbers are untouched (the check only reads it). Limits, said honestly: the
-check is of the clean run's logits, not of every intervened run (a metric whose choice of
-positions depends on the logits, e.g. the argmax over positions, could read padding elsewhere); a
-read whose value and gradient both stay the same under the replacement (a comparison that is
-false for both rows, say) passes. The check costs one evaluation of the metric per prompt of the
-batch, its gradient once, and nothing where no position is padded; it compiles per padded shape,
-as the analyses do, never per real length (the mask is data).
+mask passes, and its numbers are untouched (the check only reads it).
+
+Where it runs: layer skip (on the clean h_L its first call of skipped runs computes, before any
+skipped run's metric), erasure (after the clean run, before any erasure), integrated gradients and
+`Model.site_gradients` (one more forward, where a prompt is padded), `site_gradients` where its
+logits are concrete (called outside `jit`), and edge attribution's sequence metrics (the run's
+logits replaced; the clean logits it also receives are not) where the clean logits are concrete.
+
+Limits, said honestly: the check is of the clean run's logits, not of every intervened run (a
+metric whose choice of positions depends on the logits, the argmax over positions say, could read
+padding in another run); a read whose value and gradient both stay the same under the replacement
+(a comparison false for both rows, say) passes; inside a user's `jit` nothing can be refused. It
+costs B + 1 evaluations of the metric and one gradient of it for B prompts, and nothing where no
+position is padded; it compiles per padded shape, as the analyses do, never per real length (the
+mask is data).
 """
 
 from __future__ import annotations
