@@ -361,7 +361,7 @@ def erasure_of_prompt(
     if metric is not None:
         refuse_padding_reads(
             metric,
-            _clean_logits(params, state[0][-1], config, interventions),
+            lambda: _clean_logits(params, state[0][-1], config, interventions),  # only where padded
             prompt.valid,
             analysis="erasure",
             prompts=[label],

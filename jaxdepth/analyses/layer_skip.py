@@ -296,7 +296,7 @@ def skip_effects_of_prompt(
         if metric is not None and first == 0:  # the clean run's logits, before the metric reads any skipped run
             refuse_padding_reads(
                 metric,
-                final_logits(params, clean_final[None], config),
+                lambda: final_logits(params, clean_final[None], config),  # only where padded
                 prompt.valid,
                 analysis="layer skip",
                 prompts=[label],
