@@ -37,6 +37,7 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.erasure import baseline_residuals
+from jaxdepth.analyses.metric_inputs import refuse_padding_reads
 from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.analyses.suite import Analysis, per_prompt_figures
 
@@ -108,7 +109,10 @@ def site_gradients(
     the answer tokens); `residual_attribution` is an example. `remat` (default:
     `recomputes_layers`) recomputes each layer in the backward instead of storing its
     activations. A metric that is not floating point (an argmax, an accuracy: its gradient is
-    zero) is refused at trace time."""
+    zero) is refused at trace time. A metric that reads a padded position (`valid` false) is
+    refused, a `ValueError` naming the prompt and its length, where the arrays are concrete
+    (called outside `jit`; `Model.site_gradients` checks before it jits); inside `jit`, check
+    it first with `jaxdepth.analyses.metric_inputs.refuse_padding_reads`."""
     B, T = tokens.shape
     L = config.num_layers
     if remat is None:
@@ -128,9 +132,23 @@ def site_gradients(
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
         logits = unembed(params, h if positions is None else h[:, positions], config)
         out = metric(logits) if tap is None else metric(logits, taps)
-        return floating_metric(out, metric), (values, taps)
+        return floating_metric(out, metric), (values, taps, logits)
 
-    (out, (values, taps)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
+    (out, (values, taps, logits)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
+    # Called outside a trace (concrete logits), a metric reading padding is refused here; inside
+    # jit or grad nothing can raise on data (the logits are unused there, and compiled away), and
+    # the caller checks (`Model.site_gradients` does).
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((logits, valid)))
+    if valid is not None and not traced:
+        valid = jnp.asarray(valid, bool)
+        refuse_padding_reads(
+            metric,
+            logits,
+            valid if positions is None else valid[:, positions],
+            analysis="site gradients",
+            args=() if tap is None else (taps,),
+            hint="or pass positions= at real positions of every prompt",
+        )
     return SiteGradients(out, grads, values, taps)
 
 

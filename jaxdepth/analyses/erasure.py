@@ -39,6 +39,7 @@ from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.suite import Analysis, RunInputs, per_prompt_figures
+from jaxdepth.analyses.metric_inputs import ONE_PROMPT_HINT, refuse_padding_reads
 from jaxdepth.analyses.stats import masked_max, metric_value, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
@@ -288,6 +289,14 @@ def erasure_sweep(
     return jax.lax.fori_loop(first, stop, piece_effects, zeros if metric is None else (zeros, zeros))
 
 
+@partial(jit, static_argnames="config")
+def _clean_logits(params, h_last, config: ModelConfig, interventions=None):
+    """The clean run's logits `[1, T, V]` from its last boundary's input (`clean_run`'s `hs[-1]`),
+    after the interventions at the final residual: what a metric reads of the clean run."""
+    ivs = check_layer_indices(interventions, config.num_layers)
+    return unembed(params, final_residual(h_last, config, ivs), config)
+
+
 def pieces_to_run(prompt: PromptArrays, blocks: Optional[int] = None, metric: Optional[Callable] = None) -> int:
     """How many position pieces the erasures of `prompt` run (`erasure_of_prompt`, `blocks` as
     there): those up to the one holding the last answer position, every piece with a metric."""
@@ -315,6 +324,7 @@ def erasure_of_prompt(
     interventions=None,
     metric: Optional[Callable] = None,
     on_piece: Optional[Callable[[], object]] = None,
+    label=0,
 ):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
     `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
@@ -327,7 +337,10 @@ def erasure_of_prompt(
     data must broadcast to a piece's rows and to the prompt's (`[L, 1]` masks, not `[L, T]`).
     With `metric` (a jit-traceable function of the prompt's logits `[1, T, V]` returning a
     scalar; define it once: it is a static argument), returns `(effects, metric_changes
-    [L+1, T])`, `metric(erased) - metric(clean)`, both under `interventions`.
+    [L+1, T])`, `metric(erased) - metric(clean)`, both under `interventions`; a metric that
+    reads the prompt's padding (or the positions added to whole pieces) is refused before any
+    erasure runs (`jaxdepth.analyses.metric_inputs.refuse_padding_reads`; `label` names the
+    prompt there).
 
     Erasing position t changes no position before t, so the positions are split into `blocks`
     pieces (default `default_blocks(T)`; 1 turns the saving off) and an erasure runs only the
@@ -345,6 +358,15 @@ def erasure_of_prompt(
             prompt, tokens=jnp.pad(prompt.tokens, ((0, 0), (0, pad))), valid=jnp.pad(prompt.valid, ((0, 0), (0, pad)))
         )
     state = clean_run(params, prompt, config, interventions=interventions)
+    if metric is not None:
+        refuse_padding_reads(
+            metric,
+            lambda: _clean_logits(params, state[0][-1], config, interventions),  # only where padded
+            prompt.valid,
+            analysis="erasure",
+            prompts=[label],
+            hint=ONE_PROMPT_HINT,
+        )
     run = partial(
         erasure_sweep,
         params,
@@ -424,7 +446,9 @@ def residual_erasure(
     a static argument: a new function compiles anew). `metric_change` then holds
     `metric(erased) - metric(clean)` for every erasure, beside `effects`. T is the prompt's
     padded length (its length bucket, `PromptBatch.buckets`): positions from its length on are
-    padding, and a metric should read only positions every prompt has.
+    padding, and a metric that reads them (`logits[0, -1]` of a padded prompt) is refused, a
+    `ValueError` naming the prompt and its length, before any erasure runs
+    (`jaxdepth.analyses.metric_inputs`): read only positions every prompt has.
 
     `chunk_size` and `memory_budget` (bytes; default a share of the free memory) bound how many
     erasures are vmapped at once: memory, not what is computed. `progress` shows a progress
@@ -456,6 +480,7 @@ def residual_erasure(
                 interventions=interventions,
                 metric=metric,
                 on_piece=bar.update,
+                label=i,
             )
             if metric is not None:
                 out, change = out

@@ -40,6 +40,7 @@ from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import layer_inputs, unembed
 from jaxdepth.core.sites import as_interventions, skip as skip_at
 from jaxdepth.core.saved_result import SavedResult
+from jaxdepth.analyses.metric_inputs import ONE_PROMPT_HINT, final_logits, refuse_padding_reads
 from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
 from jaxdepth.core.sharding import to_host
@@ -247,6 +248,7 @@ def skip_effects_of_prompt(
     memory_budget: Optional[int] = None,
     interventions=None,
     metric: Optional[Callable] = None,
+    label=0,
 ):
     """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
     (`PromptArrays`: its `tokens`, `valid` `[1, T]`; `masks`: `SkipMasks` of host arrays,
@@ -263,7 +265,10 @@ def skip_effects_of_prompt(
     skipped run: the user's first, then the skip (see `skipped_runs`). With `metric` (see
     `metric_changes`), returns `(later, output, metric_change [L, K])`: each member's
     `metric(logits) - metric(clean logits)` on the whole output `[1, T, V]`, positions before
-    the split included (where the skip acts directly), both under `interventions`.
+    the split included (where the skip acts directly), both under `interventions`. A metric
+    that reads the prompt's padding is refused before it is measured
+    (`jaxdepth.analyses.metric_inputs.refuse_padding_reads`, on the clean logits; `label` names
+    the prompt there).
     """
     L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
     measure_masks, valid_host = np.asarray(masks.measure, bool), np.asarray(prompt.valid, bool)[0]
@@ -288,6 +293,15 @@ def skip_effects_of_prompt(
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
+        if metric is not None and first == 0:  # the clean run's logits, before the metric reads any skipped run
+            refuse_padding_reads(
+                metric,
+                lambda: final_logits(params, clean_final[None], config),  # only where padded
+                prompt.valid,
+                analysis="layer skip",
+                prompts=[label],
+                hint=ONE_PROMPT_HINT,
+            )
         if metric is not None:
             changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
     joined = lambda parts: np.concatenate([to_host(x) for x in parts])  # on the host: no eager programs
@@ -394,7 +408,9 @@ def layer_skip(
     and `metric_change` then hold `metric(skipped) - metric(clean)` (see `LayerSkipResult`),
     read on the whole output, positions before the split included. T is the prompt's padded
     length (its length bucket, `PromptBatch.buckets`): positions from its length on are
-    padding, and a metric should read only positions every prompt has.
+    padding, and a metric that reads them (`logits[0, -1]` of a padded prompt) is refused, a
+    `ValueError` naming the prompt and its length, before it is measured
+    (`jaxdepth.analyses.metric_inputs`): read only positions every prompt has.
     """
     if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
         raise ValueError(f"sublayer must be one of {tuple(SUBLAYERS)}, mode one of {MODES} and splits one of {SPLITS}")
@@ -435,6 +451,7 @@ def layer_skip(
             memory_budget=memory_budget,
             interventions=interventions,
             metric=metric,
+            label=i,
         )
         later_pp[i] = to_host(later).max(axis=1)
         output_pp[i] = to_host(output).max(axis=1)

@@ -49,7 +49,14 @@ class Generated(NamedTuple):
 
 def check_prompt_mask(valid, max_new_tokens: int, config: ModelConfig) -> None:
     """Refuse prompts `generate` cannot take, where `valid` is concrete: a row that is not a
-    right-padded prefix of real tokens, an empty row, or a buffer past the model's context."""
+    right-padded prefix of real tokens, an empty row, or a prompt whose real tokens and
+    `max_new_tokens` exceed the model's context (`max_position_embeddings`).
+
+    Each prompt's own length counts, not the padded one: its new tokens take the positions after
+    its last real token, so the last position any prompt uses is its length + `max_new_tokens`
+    - 1 (the last new token is read off, never fed back: one less). Padding past the context
+    (`valid` longer than `max_position_embeddings`) is refused too: the prefill runs every
+    padded position, and a learned position table has none past the context."""
     valid = np.asarray(valid, bool)
     lengths = valid.sum(axis=1)
     if (lengths == 0).any():
@@ -62,10 +69,18 @@ def check_prompt_mask(valid, max_new_tokens: int, config: ModelConfig) -> None:
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if valid.shape[1] + max_new_tokens > config.max_position_embeddings:
+    context = config.max_position_embeddings
+    longest = int(np.argmax(lengths))
+    if lengths[longest] + max_new_tokens > context:
         raise ValueError(
-            f"{valid.shape[1]} prompt positions + {max_new_tokens} new tokens exceed the model's context of "
-            f"{config.max_position_embeddings}"
+            f"prompt {longest} has {int(lengths[longest])} tokens: with {max_new_tokens} new tokens they exceed the "
+            f"model's context of {context}; ask for at most {max(context - int(lengths[longest]), 0)} new tokens "
+            "or shorten the prompt"
+        )
+    if valid.shape[1] > context:
+        raise ValueError(
+            f"the prompts are padded to {valid.shape[1]} positions, past the model's context of {context}: pad them "
+            f"to at most {context} (the longest has {int(lengths[longest])} tokens)"
         )
 
 

@@ -88,9 +88,20 @@ class Model(ModelWeights):
         every layer, and the values there, each `[L, B, T, ...]` (`resid_pre`: L+1 rows, the
         last the final residual), from one forward and one backward pass. With `positions`
         (int `[A]`) the metric receives the logits of those positions only, `[B, A, V]`.
-        `metric` is static: define it once."""
+        `metric` is static: define it once. A metric that reads a padded position (`valid`
+        false) is refused first, naming the prompt (`jaxdepth.analyses.metric_inputs`)."""
         tokens, valid = self._checked(token_ids, valid)
         positions = None if positions is None else jnp.asarray(positions, jnp.int32)
+        if valid is not None:  # refused here: inside the jitted call nothing can raise on data
+            from jaxdepth.analyses.metric_inputs import clean_logits, refuse_padding_reads
+
+            refuse_padding_reads(
+                metric,
+                lambda: clean_logits(self.params, tokens, valid, self.config, interventions, positions),
+                valid if positions is None else valid[:, positions],
+                analysis="site gradients",
+                hint="or pass positions= at real positions of every prompt",
+            )
         return _jit_site_gradients(
             self.params, tokens, self.config, metric, tuple(sites), valid, interventions, positions
         )
@@ -124,7 +135,8 @@ class Model(ModelWeights):
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts:
             raise ValueError("no prompts to generate from")
-        batch = make_batch([self.encode(text) for text in texts])
+        # padded no further than the context: each prompt's real length is what counts against it
+        batch = make_batch([self.encode(text) for text in texts], max_length=self.config.max_position_embeddings)
         tokens, valid = batch.tokens, batch.valid
         check_tokens(tokens, self.config)
         check_prompt_mask(valid, max_new_tokens, self.config)

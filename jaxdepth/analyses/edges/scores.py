@@ -45,7 +45,8 @@ import numpy as np
 
 from jaxdepth.analyses.edges.ablations import CORRUPT, as_ablation
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric
+from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric, metric_values
+from jaxdepth.analyses.metric_inputs import refuse_padding_reads
 from jaxdepth.analyses.edges.readers import (
     EdgeRun,
     all_logits,
@@ -217,8 +218,13 @@ def with_clean_logits(params, pairs: PromptPairs, clean_final, config: ModelConf
     from its final residual `clean_final [B, T, D]`) for a `SequenceMetric`, which reads them;
     `pairs` as they are for any other metric."""
     if not isinstance(metric, SequenceMetric):
-        return pairs
-    return dataclasses.replace(pairs, clean_logits=all_logits(params, clean_final, config))
+        return pairs  # a plain metric reads each pair's last real position alone: never padding
+    logits = all_logits(params, clean_final, config)
+    pairs = dataclasses.replace(pairs, clean_logits=logits)
+    if not isinstance(logits, jax.core.Tracer):  # concrete: a sequence metric reading padding is refused here
+        jax.eval_shape(lambda: metric_values(metric, logits, pairs=pairs))  # its own refusals first
+        refuse_padding_reads(metric, logits, pairs.valid, args=(logits, pairs), analysis="edge attribution")
+    return pairs
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))

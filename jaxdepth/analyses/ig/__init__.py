@@ -32,6 +32,7 @@ from jaxdepth.analyses.ig.checks import (
 )
 from jaxdepth.analyses.ig.engine import Attribution, Execution, SiteIG, attribute
 from jaxdepth.analyses.ig.rules import AdaptiveRule, FixedRule
+from jaxdepth.analyses.metric_inputs import clean_logits, refuse_padding_reads
 from jaxdepth.core.config import ModelConfig
 
 __all__ = [
@@ -85,6 +86,8 @@ def integrated_gradients(
         prompts are attributed independently); jit-traceable, float32 logits. Static: define it
         once (module level) to reuse compilations; anything else is refused at trace time.
         `LogitsMetric(metric, positions)` passes it the logits at `positions` only, `[B, A, V]`.
+        A metric that reads a padded position of a prompt is refused before anything runs (a
+        `ValueError` naming the prompt and its length; `jaxdepth.analyses.metric_inputs`).
     site: any of `jaxdepth.core.sites.SITES`; layers: indices in 0..L-1 (default all).
     baseline: 'channel_mean' (per channel, the mean of x over each prompt's valid positions),
         'token_mean' (per position, the mean over the site's channels), 'zero', or an array
@@ -131,11 +134,19 @@ def integrated_gradients(
     valid = jnp.ones((B, T), bool) if valid is None else jnp.asarray(valid, bool)
     if not isinstance(metric, LogitsMetric):
         metric = LogitsMetric(metric)
+    positions = None if metric.positions is None else jnp.asarray(metric.positions, jnp.int32)
+    refuse_padding_reads(
+        metric.fn,
+        lambda: clean_logits(params, jnp.asarray(tokens, jnp.int32), valid, config, interventions, positions),
+        valid if positions is None else valid[:, positions],
+        analysis="integrated gradients",
+        hint="or declare the positions it reads, LogitsMetric(metric, positions), at real positions of every prompt",
+    )
     attribution = Attribution(
         site=site,
         layers=layers,
         metric=LogitsMetric(metric.fn),  # without its positions: one compilation for any positions
-        positions=None if metric.positions is None else jnp.asarray(metric.positions, jnp.int32),
+        positions=positions,
         baseline=baseline,
     )
     return attribute(
