@@ -36,14 +36,13 @@ from jaxdepth.analyses.answers import cut_generation, same_answer
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import generate_orders
+from jaxdepth.core.decoding import generate
 from jaxdepth.core.layer import Params
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
     drop_block,
-    group_orders,
     identity_order,
     parallel_block,
     repeat_block,
@@ -153,27 +152,31 @@ def structure_scores(
     *,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    progress: ProgressLike = False,
 ) -> StructureScores:
     """The teacher-forced scores of each of `structures` (`Structure`s) on `batch` (prompts with
     their reference answers from `answer_start` on), `chunk_size` structures at a time in one
     vmapped computation (default: as many as `memory_budget` holds, `auto_chunk_size`; all at
-    once can take many times longer, swapping memory)."""
+    once can take many times longer, swapping memory). The orders are data: one compiled
+    program serves every chunk of one shape (`_shape_families`: at most two); `progress`
+    (`jaxdepth.core.progress`) counts the chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to score")
     if (batch.answer_start >= batch.lengths).any():
         raise ValueError("every prompt needs an answer to score: answer_start is past a prompt's end")
-    orders = stack_orders([s.order(config.num_layers) for s in structures])
+    orders = [s.order(config.num_layers) for s in structures]
     B, T = batch.tokens.shape
     chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
     starts = jnp.asarray(batch.answer_start)
-    logprob, token_accuracy, correct = _scored(
-        params, tokens, valid, starts, LayerOrder(*map(jnp.asarray, orders)), config, chunk_size
-    )
-    return StructureScores(
-        structures, np.asarray(logprob), np.asarray(token_accuracy), np.asarray(correct).astype(np.float32)
-    )
+    scores = np.zeros((3, len(structures), B), np.float32)
+    chunks = _chunks(orders, chunk_size)
+    desc = f"teacher-forced scores ({_programs(chunks)} programs to compile)"
+    for members, stacked in track(chunks, progress, desc):
+        out = _scored(params, tokens, valid, starts, stacked, config, len(stacked.layers))
+        scores[:, members] = np.stack([np.asarray(x, np.float32) for x in out])[:, : len(members)]
+    return StructureScores(structures, *scores)
 
 
 @partial(jit, static_argnames=("config", "chunk_size"))
@@ -185,6 +188,39 @@ def _scored(params, tokens, valid, starts, orders, config, chunk_size):
         return _answer_scores(unembed(params, h, config), tokens, valid, starts)
 
     return sweep(one, orders, chunk_size)
+
+
+def _shape_families(orders: Sequence[LayerOrder]) -> list[list[int]]:
+    """The orders' indices in at most two families, each stacked into one shape and so run by
+    one compiled program whatever its orders: the orders of single-layer steps (the intact
+    model, drops, swaps, reversed and repeated blocks; padded to the longest, a repeated block's
+    L + k steps), and those with a parallel step (padded to the widest group). Apart, because
+    every step of a stack runs as many layers as its widest group has: a parallel block of k
+    among the others would make each of them run k layers a step."""
+    single = [i for i, o in enumerate(orders) if np.shape(o.layers)[1] == 1]
+    parallel = [i for i, o in enumerate(orders) if np.shape(o.layers)[1] > 1]
+    return [family for family in (single, parallel) if family]
+
+
+def _chunks(orders: Sequence[LayerOrder], chunk_size: int) -> list[tuple[list[int], LayerOrder]]:
+    """`(members, stacked)` per chunk: up to `chunk_size` orders of one shape family
+    (`_shape_families`) and their stack, padded to the family's one shape `[C, N, G]` (C the
+    family's chunk, the last chunk filled up with its last order, whose rows are dropped): every
+    chunk of a family is the same program."""
+    chunks = []
+    for family in _shape_families(orders):
+        stacked = stack_orders([orders[i] for i in family])
+        width = min(chunk_size, len(family))
+        for first in range(0, len(family), width):
+            members = family[first : first + width]
+            rows = np.minimum(np.arange(first, first + width), len(family) - 1)
+            chunks.append((members, LayerOrder(jnp.asarray(stacked.layers[rows]), jnp.asarray(stacked.used[rows]))))
+    return chunks
+
+
+def _programs(chunks) -> int:
+    """How many compiled programs `chunks` need: one per distinct chunk shape."""
+    return len({tuple(stacked.layers.shape) for _, stacked in chunks})
 
 
 def generated_answers(
@@ -206,10 +242,11 @@ def generated_answers(
     blank line, or before the first of `stops`), `texts[s][b]`. The model continues each
     prompt's question (its tokens before `answer_start`) for up to `max_new_tokens`, greedily,
     stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
-    reads the reference answer from the prompt's answer tokens. Structures of one kind and size
-    decode together, `chunk_size` at a time at most (default: as many as `memory_budget` holds
-    with their key/value caches), one compiled program per chunk; `progress`
-    (`jaxdepth.core.progress`) counts the chunks."""
+    reads the reference answer from the prompt's answer tokens. The structures decode
+    `chunk_size` at a time (default: as many as `memory_budget` holds with their key/value
+    caches), `generate` vmapped over a chunk's stacked orders: the orders are data, so one
+    compiled program serves every chunk of one shape (`_shape_families`: at most two programs);
+    `progress` (`jaxdepth.core.progress`) counts the chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to generate under")
@@ -221,56 +258,49 @@ def generated_answers(
         decode([int(t) for t in row[a:n]]) for row, a, n in zip(batch.tokens, batch.answer_start, batch.lengths)
     ]
     orders = [s.order(config.num_layers) for s in structures]
-    steps = max(len(o.layers) for o in orders)
+    steps = max(int(np.prod(np.shape(o.layers))) for o in orders)  # layers run per member, padding included
     cache = steps * B * (T + max_new_tokens) * 2 * config.num_kv_heads * config.head_dim * 4
-    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache)
+    # under vmap each member reads (gathers) its own copy of the layers of its step
+    width = max(np.shape(o.layers)[1] for o in orders)
+    layer_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params["layers"])) // config.num_layers
+    weights = width * layer_bytes
+    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache + weights)
     eos = {int(e) for e in eos_ids}
-    correct, texts = np.zeros((len(structures), B), bool), []
-    for first, last in track(_kindred_chunks(structures, chunk_size), progress, "generating under each structure"):
-        grouped = group_orders(stack_orders(orders[first:last]), config.num_layers)
+    correct, texts = np.zeros((len(structures), B), bool), [None] * len(structures)
+    chunks = _chunks(orders, chunk_size)
+    desc = f"generating under each structure ({_programs(chunks)} programs to compile)"
+    for members, stacked in track(chunks, progress, desc):
         out = _generated(
-            params, jnp.asarray(batch.tokens), config, grouped, max_new_tokens, jnp.asarray(questions), tuple(eos)
+            params, jnp.asarray(batch.tokens), config, stacked, max_new_tokens, jnp.asarray(questions), tuple(eos)
         )
-        for s, (rows, counts) in enumerate(zip(np.asarray(out.tokens), np.asarray(out.lengths)), first):
+        for s, rows, counts in zip(members, np.asarray(out.tokens), np.asarray(out.lengths)):
             read = [
                 cut_generation(decode([int(t) for t in row[:n] if int(t) not in eos]), stops)
                 for row, n in zip(rows, counts)
             ]
             correct[s] = [same_answer(text, reference) for text, reference in zip(read, references)]
-            texts.append(read)
+            texts[s] = read
     return correct, texts
 
 
 def _chunk_size(config: ModelConfig, B: int, T: int, count: int, memory_budget, extra_bytes: int = 0) -> int:
-    """How many structures a layer-major chunk holds in `memory_budget` (default: the sweeps'
+    """How many structures a generation chunk holds in `memory_budget` (default: the sweeps'
     share of free memory): each keeps its residual and, while a layer runs, that layer's
     activations of its B prompts of T tokens (`member_bytes` of one prompt, less the output
-    distribution, which is read one structure at a time), and `extra_bytes` more."""
+    distribution: only each prompt's last position is read), and `extra_bytes` more."""
     budget = available_memory_budget() if memory_budget is None else memory_budget
     one_prompt = member_bytes(config, T) - 3 * T * config.vocab_size * 4
     return int(np.clip(budget // (B * one_prompt + extra_bytes), 1, max(count, 1)))
 
 
-def _kindred_chunks(structures, chunk_size: int) -> list[tuple[int, int]]:
-    """`[first, last)` runs of consecutive kindred structures, at most `chunk_size` each: the
-    drops of one size (the intact model with the single drops), or the structures of one other
-    kind. A chunk runs layer-major, and its compiled program grows with the distinct layers its
-    orders run at a step: two for the drops of one size, where drops of every size run K + 1."""
+@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids"))
+def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids):
+    def one(order):
+        return generate(
+            params, tokens, config, max_new_tokens=max_new_tokens, valid=valid, order=order, eos_ids=eos_ids
+        )
 
-    def kin(s):
-        return ("drop", 1) if s.kind == "intact" else ("drop", s.size) if s.kind == "drop" else (s.kind,)
-
-    chunks, first = [], 0
-    for i in range(1, len(structures) + 1):
-        if i == len(structures) or kin(structures[i]) != kin(structures[first]) or i - first == chunk_size:
-            chunks.append((first, i))
-            first = i
-    return chunks
-
-
-@partial(jit, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids"))
-def _generated(params, tokens, config, grouped, max_new_tokens, valid, eos_ids):
-    return generate_orders(params, tokens, config, grouped, max_new_tokens=max_new_tokens, valid=valid, eos_ids=eos_ids)
+    return jax.vmap(one)(orders)
 
 
 def angular_distances(params: Params, batch: PromptBatch, config: ModelConfig, max_block: int) -> np.ndarray:
@@ -384,7 +414,9 @@ def structure_analysis(
     with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
     tokenizer's, is needed)."""
     family = structure_family(config.num_layers, max_block)
-    scores = structure_scores(params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget)
+    scores = structure_scores(
+        params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
+    )
     correct, texts = np.zeros((len(family), 0), bool), []
     if max_new_tokens > 0:
         if decode is None:
@@ -416,9 +448,13 @@ def structure_analysis(
 
 
 def structure_figure(result: StructureResult, *, title: Optional[str] = None):
-    """The drop heatmaps (block start x size) of the answer log-probability and the token
-    accuracy, each with the angular-distance rule's choice per size marked x, and the other
-    structures' token accuracy against the intact model's."""
+    """The drop heatmaps (block start x size) of the answer log-probability, the token accuracy
+    and (where answers were generated) the generated-answer accuracy, each with the
+    angular-distance rule's choice per size marked x; then the swaps' scores against the first
+    swapped layer, and the middle block's reversal, repetition and parallel run against the
+    block's size (a panel each, so that each x axis has one meaning), the intact model dashed."""
+    import matplotlib.ticker
+
     from jaxdepth.analyses import drawing as d
 
     d.expect(result, StructureResult, "structure_figure")
@@ -428,11 +464,12 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     ]
     if result.generated:
         heatmaps.append((result.generated_accuracy(), "generated-answer accuracy"))
-    fig = d.new_figure(4.4 * (len(heatmaps) + 1), 4.2)
-    *heat_axes, rows_ax = fig.subplots(1, len(heatmaps) + 1)
-    accuracy_ax = heat_axes[1]
+    blocks = [kind for kind in ("reverse", "repeat", "parallel") if kind in result.kinds]
+    panels = len(heatmaps) + 1 + bool(blocks)
+    fig = d.new_figure(4.4 * panels, 4.2)
+    axes = fig.subplots(1, panels)
     rule = gromov_choice(result.angular_distance)
-    for ax, (scores, label) in zip(heat_axes, heatmaps):
+    for ax, (scores, label) in zip(axes, heatmaps):
         image = ax.imshow(result.drop_grid(scores), aspect="auto", origin="lower", cmap="viridis")
         ax.scatter([s.start for s in rule], [s.size - 1 for s in rule], marker="x", color="r", label="angular rule")
         ax.set_xlabel("first dropped layer")
@@ -440,41 +477,59 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
         ax.set_yticks(range(result.angular_distance.shape[0]), range(1, result.angular_distance.shape[0] + 1))
         ax.set_title(f"drops: {label} (intact {scores[0]:.2f})")
         fig.colorbar(image, ax=ax, pad=0.01)
-    accuracy_ax.legend(loc="upper right", fontsize="small")
-    accuracy, generated = result.accuracy(), result.generated_accuracy()
-    for i, kind in enumerate(("swap", "reverse", "repeat", "parallel")):
-        picked = [
-            (s.start if kind == "swap" else s.size, a, g)
-            for s, a, g in zip(result.structures(), accuracy, generated)
-            if s.kind == kind
-        ]
-        if picked:
-            x, y, z = zip(*picked)
-            rows_ax.plot(
-                x, y, marker=".", color=f"C{i}", label=kind + (" (first layer)" if kind == "swap" else " (block size)")
-            )
-            if result.generated:
-                rows_ax.plot(x, z, marker="x", linestyle=":", color=f"C{i}")
-    rows_ax.axhline(accuracy[0], color="k", linestyle="--", label="intact")
-    rows_ax.set_xlabel("first swapped layer, or middle block size")
-    rows_ax.set_ylabel("token accuracy" + (" (dotted x: generated-answer accuracy)" if result.generated else ""))
-    rows_ax.grid(alpha=0.3)
-    rows_ax.legend(fontsize="small")
+    axes[1].legend(loc="upper right", fontsize="small")
+    swap_ax = axes[len(heatmaps)]
+    _draw_structure_scores(swap_ax, result, ["swap"], lambda s: s.start)
+    swap_ax.set(xlabel="first swapped layer (swapped with the next)", title="adjacent layers swapped")
+    if blocks:
+        block_ax = axes[-1]
+        _draw_structure_scores(block_ax, result, blocks, lambda s: s.size)
+        block_ax.set(xlabel="size of the middle block", title="the middle block reversed, repeated, parallel")
+        block_ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # block sizes
     d.title_figure(fig, "What the model still does without its layers in order", title, result.settings)
     return fig
 
 
+def _draw_structure_scores(ax, result: StructureResult, kinds: Sequence[str], x_of):
+    """Each of `kinds`' structures' token accuracy (dots, solid) and, where answers were
+    generated, generated-answer accuracy (crosses, dotted) at x = `x_of(structure)`, with the
+    intact model's as dashed lines."""
+    accuracy, generated = result.accuracy(), result.generated_accuracy()
+    structures = result.structures()
+    for kind in kinds:
+        picked = [(x_of(s), a, g) for s, a, g in zip(structures, accuracy, generated) if s.kind == kind]
+        x, y, z = zip(*picked)
+        color = f"C{('swap', 'reverse', 'repeat', 'parallel').index(kind)}"
+        ax.plot(x, y, marker=".", color=color, label=f"{kind}: token accuracy")
+        if result.generated:
+            ax.plot(x, z, marker="x", linestyle=":", color=color, label=f"{kind}: generated answers")
+    ax.axhline(accuracy[0], color="k", linestyle="--", label="intact: token accuracy")
+    if result.generated:
+        ax.axhline(generated[0], color="grey", linestyle="--", label="intact: generated answers")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def _summary(result: StructureResult) -> list[str]:
+    """The largest block droppable within a point of token accuracy (or that none is) and the
+    angular-distance rule's block of that size (of one layer where none is droppable), with
+    both token accuracies; the intact model's generated accuracy where answers were generated."""
     best = result.largest_droppable()
-    rule = gromov_choice(result.angular_distance)
-    if best is None:
-        return ["no layer droppable within 1 point of token accuracy"]
-    by_rule = next(s for s in rule if s.size == best.size)
     accuracy = {str(s): 100 * a for s, a in zip(result.structures(), result.accuracy())}
-    lines = [
-        f"droppable within 1 point: {best.size} layers ({best})",
-        f"angular rule at that size: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy[str(best)]:.0f}%)",
-    ]
+    size = 1 if best is None else best.size
+    by_rule = next(s for s in gromov_choice(result.angular_distance) if s.size == size)
+    if best is None:
+        lines = [
+            "no layer droppable within 1 point of token accuracy",
+            f"angular rule at 1 layer: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy['intact']:.0f}% "
+            "intact)",
+        ]
+    else:
+        lines = [
+            f"droppable within 1 point: {best.size} layers ({best})",
+            f"angular rule at that size: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy[str(best)]:.0f}%)",
+        ]
     if result.generated:
         lines.append(f"generated answers right: {100 * result.generated_accuracy()[0]:.0f}% intact")
     return lines
