@@ -235,7 +235,7 @@ def decision_depth_figure(
     group_ax.set_yticks(y, names)
     group_ax.invert_yaxis()
     group_ax.set(
-        xlabel="decision depth / L: mean over prompts of each prompt's mean",
+        xlabel="mean of the prompts' mean depth / L",
         xlim=(0, 1),
         title=f"by group (frequency: {result.settings['frequency']})",
     )

@@ -484,7 +484,7 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     if blocks:
         block_ax = axes[-1]
         _draw_structure_scores(block_ax, result, blocks, lambda s: s.size)
-        block_ax.set(xlabel="size of the middle block", title="the middle block reversed, repeated, parallel")
+        block_ax.set(xlabel="size of the middle block", title="the middle block, rearranged")
         block_ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # block sizes
     d.title_figure(fig, "What the model still does without its layers in order", title, result.settings)
     return fig

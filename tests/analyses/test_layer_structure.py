@@ -299,7 +299,7 @@ def test_each_panel_of_the_figure_has_one_x_axis_meaning():
     fig = structure_figure(result)
     by_title = {ax.get_title(): ax for ax in fig.axes}
     swaps = by_title["adjacent layers swapped"]
-    blocks = by_title["the middle block reversed, repeated, parallel"]
+    blocks = by_title["the middle block, rearranged"]
     assert swaps.get_xlabel() == "first swapped layer (swapped with the next)"
     assert blocks.get_xlabel() == "size of the middle block"
     curves = lambda ax: {
@@ -314,4 +314,4 @@ def test_each_panel_of_the_figure_has_one_x_axis_meaning():
     np.testing.assert_array_equal(swaps.get_lines()[0].get_ydata(), result.accuracy()[swap_rows])
     # one layer at most: no middle block of two or more, no panel for it
     single = structure_figure(_made_up_result(L_, 1, drop_accuracy=0.5))
-    assert "the middle block reversed, repeated, parallel" not in {ax.get_title() for ax in single.axes}
+    assert "the middle block, rearranged" not in {ax.get_title() for ax in single.axes}
