@@ -10,10 +10,11 @@ once, under the structure):
 - `answer_correct`: 1 where every answer token is the top-1 prediction at its position, else 0.
 
 Generated (`generated_answers`): the model, under the structure, continues the prompt's question
-greedily (`jaxdepth.core.decoding.generate_orders`, every structure of a chunk decoded
-together, layer-major); the continuation, cut at its first blank line, is right when its final
-answer equals the reference answer's (`jaxdepth.analyses.answers`: the boxed answer, the one
-after "final answer is" or "####", else the last number, numbers compared as numbers).
+greedily (`jaxdepth.core.decoding.generate` vmapped over a chunk of structures: their layer
+orders are data, so one compiled program decodes every chunk of one shape); the continuation,
+cut at its first blank line, is right when its final answer equals the reference answer's
+(`jaxdepth.analyses.answers`: the boxed answer, the one after "final answer is" or "####",
+else the last number, numbers compared as numbers).
 
 The angular-distance rule of Gromov et al. (arXiv 2403.17887) is the baseline: for a block of
 n layers it drops the block whose input h_l and output h_{l+n} are closest in angle at the
@@ -412,7 +413,8 @@ def structure_analysis(
 ) -> "StructureResult":
     """`StructureResult` of `structure_family(L, max_block)` on `batch` (`structure_scores`),
     with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
-    tokenizer's, is needed)."""
+    tokenizer's, is needed); both `chunk_size` structures at a time (default: as memory allows),
+    `progress` counting the chunks of each."""
     family = structure_family(config.num_layers, max_block)
     scores = structure_scores(
         params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
@@ -429,6 +431,7 @@ def structure_analysis(
             decode,
             max_new_tokens=max_new_tokens,
             eos_ids=eos_ids,
+            chunk_size=chunk_size,
             memory_budget=memory_budget,
             progress=progress,
         )

@@ -315,3 +315,29 @@ def test_each_panel_of_the_figure_has_one_x_axis_meaning():
     # one layer at most: no middle block of two or more, no panel for it
     single = structure_figure(_made_up_result(L_, 1, drop_accuracy=0.5))
     assert "the middle block, rearranged" not in {ax.get_title() for ax in single.axes}
+
+
+def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
+    """A bar opens before the first chunk runs (its compilation included), saying how many
+    programs the sweep compiles, and steps once per chunk: the teacher-forced scores of the
+    single-layer orders in chunks of 4 and the parallel block's, then the same for generation."""
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.desc, self.total, self.done = desc, total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+    batch = make_batch([rng.integers(0, 97, n).tolist() for n in (9, 7)], [6, 5], pad_id=0)
+    family = structure_family(L, 2)  # 1 + 5 + 4 + 4 + 2 single-layer orders, 1 parallel
+    structure_analysis(
+        PARAMS, batch, CONFIG, max_block=2, chunk_size=4, decode=_words, max_new_tokens=2, progress=Recorder
+    )
+    chunks = -(-(len(family) - 1) // 4) + 1
+    assert [(b.desc, b.total, b.done) for b in bars] == [
+        ("teacher-forced scores (2 programs to compile)", chunks, chunks),
+        ("generating under each structure (2 programs to compile)", chunks, chunks),
+    ]
