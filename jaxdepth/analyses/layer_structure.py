@@ -221,7 +221,7 @@ def _chunks(orders: Sequence[LayerOrder], chunk_size: int) -> list[tuple[list[in
 
 def _programs(chunks) -> int:
     """How many compiled programs `chunks` need: one per distinct chunk shape."""
-    return len({tuple(stacked.layers.shape) for _, stacked in chunks})
+    return len({(tuple(stacked.layers.shape), tuple(stacked.used.shape)) for _, stacked in chunks})
 
 
 def generated_answers(
@@ -259,7 +259,8 @@ def generated_answers(
         decode([int(t) for t in row[a:n]]) for row, a, n in zip(batch.tokens, batch.answer_start, batch.lengths)
     ]
     orders = [s.order(config.num_layers) for s in structures]
-    steps = max(int(np.prod(np.shape(o.layers))) for o in orders)  # layers run per member, padding included
+    # layers run per member, padding included: a swap's schedule has 2L - 1 steps
+    steps = max([int(np.prod(np.shape(o.layers))) for o in orders] + [2 * config.num_layers - 1])
     cache = steps * B * (T + max_new_tokens) * 2 * config.num_kv_heads * config.head_dim * 4
     # under vmap each member reads (gathers) its own copy of the layers of its step
     width = max(np.shape(o.layers)[1] for o in orders)
@@ -268,11 +269,18 @@ def generated_answers(
     chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache + weights)
     eos = {int(e) for e in eos_ids}
     correct, texts = np.zeros((len(structures), B), bool), [None] * len(structures)
-    chunks = _chunks(orders, chunk_size)
+    chunks = _generation_chunks(structures, orders, config.num_layers, chunk_size)
     desc = f"generating under each structure ({_programs(chunks)} programs to compile)"
     for members, stacked in track(chunks, progress, desc):
         out = _generated(
-            params, jnp.asarray(batch.tokens), config, stacked, max_new_tokens, jnp.asarray(questions), tuple(eos)
+            params,
+            jnp.asarray(batch.tokens),
+            config,
+            stacked,
+            max_new_tokens,
+            jnp.asarray(questions),
+            tuple(eos),
+            shared=stacked.layers.ndim == 2,
         )
         for s, rows, counts in zip(members, np.asarray(out.tokens), np.asarray(out.lengths)):
             read = [
@@ -294,14 +302,77 @@ def _chunk_size(config: ModelConfig, B: int, T: int, count: int, memory_budget, 
     return int(np.clip(budget // (B * one_prompt + extra_bytes), 1, max(count, 1)))
 
 
-@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids"))
-def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids):
+@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "shared"))
+def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids, shared):
+    """`generate` under each order of `orders`: vmapped over `used` and, unless `shared` (one
+    schedule of layers `[J, 1]` for every member), over `layers` too."""
+
     def one(order):
         return generate(
             params, tokens, config, max_new_tokens=max_new_tokens, valid=valid, order=order, eos_ids=eos_ids
         )
 
-    return jax.vmap(one)(orders)
+    return jax.vmap(one, in_axes=(LayerOrder(None if shared else 0, 0),))(orders)
+
+
+def _schedule_of(kind: str, num_layers: int) -> Optional[np.ndarray]:
+    """The layers every structure of `kind` runs a subsequence of, in order (None: the kind's
+    structures run their own orders): the identity for the intact model and the drops; for the
+    swaps 0, 1, 0, 2, 1, 3, 2, ..., L-1, L-2 (layer m + 1 then m, for each m), in which swap s
+    finds 0..s-1, s+1, s, s+2..L-1 in turn.
+
+    A stack whose layers are one schedule shared by every member reads each step's weights once
+    for all of them, in one matmul over all their rows; a step a member does not run leaves its
+    residual as it is (the `used` mask), so each member computes what its own order computes.
+    Stacked orders of their own (the vmapped stack) read a copy of the step's layer per member:
+    with a few new tokens a step, that copy is decoding's cost. The swaps' schedule runs two
+    steps a layer, twice the arithmetic of a swap alone: still cheaper than a copy per member."""
+    if kind in ("intact", "drop"):
+        return np.arange(num_layers)
+    if kind == "swap":
+        return np.array([0] + [m for n in range(num_layers - 1) for m in (n + 1, n)])
+    return None
+
+
+def _on_schedule(order: LayerOrder, schedule: np.ndarray) -> np.ndarray:
+    """`used [J]`: the steps of `schedule` at which `order` (single-layer steps) runs its layers,
+    each matched at the first step from there that runs it."""
+    layers = np.asarray(order.layers)[np.asarray(order.used)]
+    used, at = np.zeros(len(schedule), bool), 0
+    for layer in layers:
+        found = np.nonzero(schedule[at:] == layer)[0]
+        if not found.size:
+            raise ValueError(f"the order {layers.tolist()} is not a subsequence of the schedule {schedule.tolist()}")
+        at += int(found[0])
+        used[at], at = True, at + 1
+    return used
+
+
+def _generation_chunks(structures, orders, num_layers: int, chunk_size: int) -> list[tuple[list[int], LayerOrder]]:
+    """`(members, stacked)` per generation chunk, up to `chunk_size` structures of one family,
+    the last chunk filled up with its last member: the intact model and the drops on the
+    identity's schedule, the swaps on theirs (`_schedule_of`: `layers [J, 1]` shared by the
+    chunk, `used [C, J, 1]`), and the middle blocks' structures (reversed, repeated, parallel:
+    few, one per size) stacked as their own orders `[C, N, G]`. One compiled program each."""
+    families: dict = {}
+    for i, s in enumerate(structures):
+        families.setdefault("drop" if s.kind == "intact" else s.kind if s.kind == "swap" else "block", []).append(i)
+    chunks = []
+    for kind, family in families.items():
+        schedule = _schedule_of(kind, num_layers)
+        if schedule is None:  # few structures: one stack, padded to the longest and the widest
+            stacked = stack_orders([orders[i] for i in family])
+        else:
+            used = np.stack([_on_schedule(orders[i], schedule) for i in family])[..., None]
+            stacked = LayerOrder(schedule[:, None].astype(np.int32), used)
+        width = min(chunk_size, len(family))
+        for first in range(0, len(family), width):
+            rows = np.minimum(np.arange(first, first + width), len(family) - 1)
+            layers = stacked.layers if schedule is not None else stacked.layers[rows]
+            chunks.append(
+                (family[first : first + width], LayerOrder(jnp.asarray(layers), jnp.asarray(stacked.used[rows])))
+            )
+    return chunks
 
 
 def angular_distances(params: Params, batch: PromptBatch, config: ModelConfig, max_block: int) -> np.ndarray:

@@ -320,7 +320,8 @@ def test_each_panel_of_the_figure_has_one_x_axis_meaning():
 def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
     """A bar opens before the first chunk runs (its compilation included), saying how many
     programs the sweep compiles, and steps once per chunk: the teacher-forced scores of the
-    single-layer orders in chunks of 4 and the parallel block's, then the same for generation."""
+    single-layer orders in chunks of 4 and the parallel block's, then generation's chunks of
+    drops, of swaps and of the middle blocks."""
     bars = []
 
     class Recorder:
@@ -332,12 +333,29 @@ def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
             self.done += n
 
     batch = make_batch([rng.integers(0, 97, n).tolist() for n in (9, 7)], [6, 5], pad_id=0)
-    family = structure_family(L, 2)  # 1 + 5 + 4 + 4 + 2 single-layer orders, 1 parallel
+    family = structure_family(L, 2)  # intact, 5 + 4 drops, 4 swaps, reverse and repeat: single-layer; 1 parallel
     structure_analysis(
         PARAMS, batch, CONFIG, max_block=2, chunk_size=4, decode=_words, max_new_tokens=2, progress=Recorder
     )
-    chunks = -(-(len(family) - 1) // 4) + 1
+    scored = -(-(len(family) - 1) // 4) + 1  # the 16 single-layer orders by 4, the parallel one
+    generated = 3 + 1 + 1  # the intact model and the 9 drops by 4; the 4 swaps; the 3 middle blocks
     assert [(b.desc, b.total, b.done) for b in bars] == [
-        ("teacher-forced scores (2 programs to compile)", chunks, chunks),
-        ("generating under each structure (2 programs to compile)", chunks, chunks),
+        ("teacher-forced scores (2 programs to compile)", scored, scored),
+        ("generating under each structure (3 programs to compile)", generated, generated),
     ]
+
+
+@pytest.mark.parametrize("num_layers", [2, 5, 30])
+def test_drops_and_swaps_run_their_own_layers_on_a_shared_schedule(num_layers):
+    """On its family's schedule, the steps each structure runs are its own order's layers, in
+    order; the others leave its residual as it is."""
+    from jaxdepth.analyses.layer_structure import _on_schedule, _schedule_of
+
+    assert _schedule_of("swap", 4).tolist() == [0, 1, 0, 2, 1, 3, 2]
+    for s in structure_family(num_layers, 1 if num_layers == 2 else 3):
+        schedule = _schedule_of(s.kind, num_layers)
+        if schedule is None:
+            assert s.kind in ("reverse", "repeat", "parallel")
+            continue
+        order = s.order(num_layers)
+        assert schedule[_on_schedule(order, schedule)].tolist() == np.asarray(order.layers)[:, 0].tolist(), str(s)
