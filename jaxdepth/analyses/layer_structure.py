@@ -354,9 +354,10 @@ def _generation_chunks(structures, orders, num_layers: int, chunk_size: int) -> 
     identity's schedule, the swaps on theirs (`_schedule_of`: `layers [J, 1]` shared by the
     chunk, `used [C, J, 1]`), and the middle blocks' structures (reversed, repeated, parallel:
     few, one per size) stacked as their own orders `[C, N, G]`. One compiled program each."""
+    family_of = {"intact": "drop", "drop": "drop", "swap": "swap"}  # the others: "block"
     families: dict = {}
     for i, s in enumerate(structures):
-        families.setdefault("drop" if s.kind == "intact" else s.kind if s.kind == "swap" else "block", []).append(i)
+        families.setdefault(family_of.get(s.kind, "block"), []).append(i)
     chunks = []
     for kind, family in families.items():
         schedule = _schedule_of(kind, num_layers)

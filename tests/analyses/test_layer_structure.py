@@ -345,6 +345,23 @@ def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
     ]
 
 
+def test_generation_chunks_run_drops_and_swaps_on_their_schedules():
+    """The intact model and the drops share the identity's schedule, the swaps theirs (one
+    `[J, 1]` of layers for the whole chunk); the middle blocks are stacked as their own orders."""
+    from jaxdepth.analyses.layer_structure import _generation_chunks, _schedule_of
+
+    family = structure_family(L, 2)
+    chunks = _generation_chunks(family, [s.order(L) for s in family], L, 4)
+    kinds = [[family[i].kind for i in members] for members, _ in chunks]
+    assert kinds[:4] == [["intact", "drop", "drop", "drop"], ["drop"] * 4, ["drop"] * 2, ["swap"] * 4]
+    assert kinds[4:] == [["reverse", "repeat", "parallel"]]
+    for members, stacked in chunks[:4]:
+        kind = "swap" if family[members[0]].kind == "swap" else "drop"
+        assert np.array_equal(np.asarray(stacked.layers)[:, 0], _schedule_of(kind, L))
+        assert stacked.used.shape == (4,) + stacked.layers.shape
+    assert chunks[4][1].layers.shape == (3, L + 2, 2)
+
+
 @pytest.mark.parametrize("num_layers", [2, 5, 30])
 def test_drops_and_swaps_run_their_own_layers_on_a_shared_schedule(num_layers):
     """On its family's schedule, the steps each structure runs are its own order's layers, in
