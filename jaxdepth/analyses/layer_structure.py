@@ -169,8 +169,9 @@ def structure_scores(
     orders = [s.order(config.num_layers) for s in structures]
     B, T = batch.tokens.shape
     chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
-    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
-    starts = jnp.asarray(batch.answer_start)
+    # numpy arrays into the jitted sweep: converting each with jnp.asarray would compile a
+    # program per shape (jax's "stage"), counted among the study's compilations
+    tokens, valid, starts = np.asarray(batch.tokens), np.asarray(batch.valid), np.asarray(batch.answer_start)
     scores = np.zeros((3, len(structures), B), np.float32)
     chunks = _chunks(orders, chunk_size)
     desc = f"teacher-forced scores ({_programs(chunks)} programs to compile)"
@@ -215,7 +216,7 @@ def _chunks(orders: Sequence[LayerOrder], chunk_size: int) -> list[tuple[list[in
         for first in range(0, len(family), width):
             members = family[first : first + width]
             rows = np.minimum(np.arange(first, first + width), len(family) - 1)
-            chunks.append((members, LayerOrder(jnp.asarray(stacked.layers[rows]), jnp.asarray(stacked.used[rows]))))
+            chunks.append((members, LayerOrder(stacked.layers[rows], stacked.used[rows])))
     return chunks
 
 
@@ -274,11 +275,11 @@ def generated_answers(
     for members, stacked in track(chunks, progress, desc):
         out = _generated(
             params,
-            jnp.asarray(batch.tokens),
+            np.asarray(batch.tokens),
             config,
             stacked,
             max_new_tokens,
-            jnp.asarray(questions),
+            questions,
             tuple(eos),
             shared=stacked.layers.ndim == 2,
         )
@@ -370,17 +371,15 @@ def _generation_chunks(structures, orders, num_layers: int, chunk_size: int) -> 
         for first in range(0, len(family), width):
             rows = np.minimum(np.arange(first, first + width), len(family) - 1)
             layers = stacked.layers if schedule is not None else stacked.layers[rows]
-            chunks.append(
-                (family[first : first + width], LayerOrder(jnp.asarray(layers), jnp.asarray(stacked.used[rows])))
-            )
+            chunks.append((family[first : first + width], LayerOrder(layers, stacked.used[rows])))
     return chunks
 
 
 def angular_distances(params: Params, batch: PromptBatch, config: ModelConfig, max_block: int) -> np.ndarray:
     """`[max_block, L]`: row n-1, column l is the mean over prompts of arccos(cos(h_l, h_{l+n}))
     / pi at the prompt's last token before its answer (NaN where l + n > L)."""
-    hs = _residuals(params, jnp.asarray(batch.tokens), config, jnp.asarray(batch.valid))
-    last = jnp.asarray(batch.answer_start) - 1
+    hs = np.asarray(_residuals(params, np.asarray(batch.tokens), config, np.asarray(batch.valid)))
+    last = np.asarray(batch.answer_start) - 1  # in numpy: no small programs compiled to index
     h = np.asarray(hs[:, np.arange(len(batch)), last], np.float64)  # [L+1, B, D]
     unit = h / np.linalg.norm(h, axis=-1, keepdims=True)
     L = config.num_layers
