@@ -527,8 +527,6 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     angular-distance rule's choice per size marked x; then the swaps' scores against the first
     swapped layer, and the middle block's reversal, repetition and parallel run against the
     block's size (a panel each, so that each x axis has one meaning), the intact model dashed."""
-    import matplotlib.ticker
-
     from jaxdepth.analyses import drawing as d
 
     d.expect(result, StructureResult, "structure_figure")
@@ -559,7 +557,9 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
         block_ax = axes[-1]
         _draw_structure_scores(block_ax, result, blocks, lambda s: s.size)
         block_ax.set(xlabel="size of the middle block", title="the middle block, rearranged")
-        block_ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # block sizes
+        sizes = sorted({int(n) for k, n in zip(result.kinds, result.sizes) if k in blocks})
+        block_ax.set_xticks(sizes)  # the block sizes themselves: one size would get fractional ticks
+        block_ax.set_xlim(sizes[0] - 0.5, sizes[-1] + 0.5)
     d.title_figure(fig, "What the model still does without its layers in order", title, result.settings)
     return fig
 
