@@ -246,9 +246,10 @@ def generated_answers(
     stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
     reads the reference answer from the prompt's answer tokens. The structures decode
     `chunk_size` at a time (default: as many as `memory_budget` holds with their key/value
-    caches), `generate` vmapped over a chunk's stacked orders: the orders are data, so one
-    compiled program serves every chunk of one shape (`_shape_families`: at most two programs);
-    `progress` (`jaxdepth.core.progress`) counts the chunks."""
+    caches), `generate` vmapped over a chunk's orders: the orders are data, so one compiled
+    program serves every chunk of one family (`_generation_chunks`: the drops, the swaps, the
+    middle blocks; three programs at most); `progress` (`jaxdepth.core.progress`) counts the
+    chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to generate under")
