@@ -9,7 +9,9 @@ boundary: d = min {l : top1(h_k) = y for all k in l..L}, in 0..L. d = 0: the emb
 predict y; d = L: only the last layer does. With a tuned lens's translators, h_l goes through its
 layer's translator first (h_L through none).
 
-Grouped three ways, each a mean over positions with a 95% bootstrap interval over prompts:
+Grouped three ways; every average over prompts (the summary's, the figure's) is the mean over
+prompts of each prompt's mean over its positions in the group (`DecisionDepthResult.prompt_mean`),
+so that a long prompt counts as much as a short one, with a 95% bootstrap interval over prompts:
 - by position in the answer: the position that predicts the answer's first token
   (`answer_start - 1`) against those that predict its later tokens;
 - by the predicted token's frequency: quartiles of its rank, where a token's rank is its id
@@ -138,6 +140,15 @@ class DecisionDepthResult(SavedResult):
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, np.where(mask, self.depth, 0).sum(axis=1) / counts, np.nan)
 
+    def prompt_mean(self, mask: Optional[np.ndarray] = None) -> float:
+        """The mean over prompts of each prompt's mean decision depth over its positions in
+        `mask` (`per_prompt`; prompts without such positions left out; NaN if none has any):
+        the one average of the summary and the figure, every prompt weighing the same whatever
+        its length."""
+        values = self.per_prompt(mask)
+        values = values[np.isfinite(values)]
+        return float(values.mean()) if values.size else float("nan")
+
     def groups(self) -> dict[str, np.ndarray]:
         """The masks of the figure's groups, by name."""
         first, later = self.answer_positions()
@@ -224,7 +235,9 @@ def decision_depth_figure(
     group_ax.set_yticks(y, names)
     group_ax.invert_yaxis()
     group_ax.set(
-        xlabel="mean decision depth / L", xlim=(0, 1), title=f"by group (frequency: {result.settings['frequency']})"
+        xlabel="mean of the prompts' mean depth / L",
+        xlim=(0, 1),
+        title=f"by group (frequency: {result.settings['frequency']})",
     )
     d.title_figure(fig, "Decision depth", None, result.settings)
     return fig
@@ -305,23 +318,24 @@ def _run(x) -> DecisionDepthResult:
 
 def _summary(result: DecisionDepthResult) -> list[str]:
     first, later = result.answer_positions()
-    L = result.num_layers
-    mean = lambda mask: float(result.depth[mask].mean()) if mask.any() else float("nan")  # noqa: E731
     return [
-        f"mean decision depth {mean(result.valid):.1f} of {L}",
-        f"answer's first token {mean(first):.1f}, later ones {mean(later):.1f}",
+        f"mean decision depth {result.prompt_mean():.1f} of {result.num_layers} "
+        "(mean over prompts of each prompt's mean)",
+        f"answer's first token {result.prompt_mean(first):.1f}, later ones {result.prompt_mean(later):.1f}",
     ]
 
 
 def depth_reading(result: DecisionDepthResult) -> DepthReading:
-    """The mean decision depth as a ratio of the depth, and the share of positions decided by
-    each boundary, for the comparison on the relative-depth axis."""
+    """The mean decision depth as a ratio of the depth (the summary's average, `prompt_mean`),
+    and the share of positions decided by each boundary, for the comparison on the
+    relative-depth axis."""
     L = result.num_layers
     depths = result.depth[result.valid]
     decided = np.array([(depths <= l).mean() for l in range(L + 1)])
+    mean = result.prompt_mean()
     return DepthReading(
         num_layers=L,
-        ratios={"decision": ("mean decision depth", float(depths.mean()) / L if depths.size else None)},
+        ratios={"decision": ("mean decision depth", mean / L if np.isfinite(mean) else None)},
         curves={
             "decided": DepthCurve(
                 "positions decided by boundary l", "share of positions", np.arange(L + 1) / L, decided

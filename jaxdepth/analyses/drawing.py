@@ -161,7 +161,17 @@ def title_figure(fig: Figure, default: str, title: Optional[str], settings: Opti
         identity = (settings or {}).get("identity", {})
         where = ", ".join(str(identity[k]) for k in ("model", "dataset") if k in identity)
         title = f"{default} ({where})" if where else default
-    fig.suptitle(title)
+    # wrapped at drawing time to the figure's width: a long title (IG's caption) stays in the image
+    fig.suptitle(title, wrap=True)
+
+
+def wrap_at_the_edge(text):
+    """Let `text` (a label) break into lines where it would leave the figure (matplotlib's
+    wrapping at draw time, which the constrained layout sees): a colour bar's label runs along
+    the bar, and with a clipping note it can be longer than a short figure is tall. Its text
+    stays as set (`get_text`); only its drawing breaks. Returns `text`."""
+    text.set_wrap(True)
+    return text
 
 
 # Whitespace made visible in token labels: a leading space or a newline is often the whole
@@ -287,13 +297,14 @@ def draw_token_panel(fig: Figure, ax, panel: TokenPanel):
                 path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")],
             )
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-    fig.colorbar(
+    bar = fig.colorbar(
         image,
         ax=ax,
         label=colorbar_label,
         pad=0.01,
         extend=("both" if panel.symmetric else "max") if clipped else "neither",
     )
+    wrap_at_the_edge(bar.ax.yaxis.label)
 
 
 def token_heatmap(panel: TokenPanel) -> Figure:

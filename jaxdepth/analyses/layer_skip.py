@@ -634,7 +634,8 @@ def layer_skip_figure(
         out_ax.grid(axis="x", alpha=0.3)
         # Each heat map its own colour bar, beside it and exactly as tall (one shared scale, so
         # the bars are alike): a single bar under the heat maps left a blank band above it.
-        fig.colorbar(image, ax=heat_ax, pad=0.01, extend="max" if clipped else "neither", label=label)
+        bar = fig.colorbar(image, ax=heat_ax, pad=0.01, extend="max" if clipped else "neither", label=label)
+        d.wrap_at_the_edge(bar.ax.yaxis.label)  # a short model's bar is shorter than its label
     d.title_figure(fig, "Effect of skipping a layer", title, next(iter(rows.values())).settings)
     return fig
 

@@ -10,10 +10,11 @@ once, under the structure):
 - `answer_correct`: 1 where every answer token is the top-1 prediction at its position, else 0.
 
 Generated (`generated_answers`): the model, under the structure, continues the prompt's question
-greedily (`jaxdepth.core.decoding.generate_orders`, every structure of a chunk decoded
-together, layer-major); the continuation, cut at its first blank line, is right when its final
-answer equals the reference answer's (`jaxdepth.analyses.answers`: the boxed answer, the one
-after "final answer is" or "####", else the last number, numbers compared as numbers).
+greedily (`jaxdepth.core.decoding.generate` vmapped over a chunk of structures: their layer
+orders are data, so one compiled program decodes every chunk of one shape); the continuation,
+cut at its first blank line, is right when its final answer equals the reference answer's
+(`jaxdepth.analyses.answers`: the boxed answer, the one after "final answer is" or "####",
+else the last number, numbers compared as numbers).
 
 The angular-distance rule of Gromov et al. (arXiv 2403.17887) is the baseline: for a block of
 n layers it drops the block whose input h_l and output h_{l+n} are closest in angle at the
@@ -36,14 +37,13 @@ from jaxdepth.analyses.answers import cut_generation, same_answer
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import generate_orders
+from jaxdepth.core.decoding import generate
 from jaxdepth.core.layer import Params
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
     drop_block,
-    group_orders,
     identity_order,
     parallel_block,
     repeat_block,
@@ -153,27 +153,32 @@ def structure_scores(
     *,
     chunk_size: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    progress: ProgressLike = False,
 ) -> StructureScores:
     """The teacher-forced scores of each of `structures` (`Structure`s) on `batch` (prompts with
     their reference answers from `answer_start` on), `chunk_size` structures at a time in one
     vmapped computation (default: as many as `memory_budget` holds, `auto_chunk_size`; all at
-    once can take many times longer, swapping memory)."""
+    once can take many times longer, swapping memory). The orders are data: one compiled
+    program serves every chunk of one shape (`_shape_families`: at most two); `progress`
+    (`jaxdepth.core.progress`) counts the chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to score")
     if (batch.answer_start >= batch.lengths).any():
         raise ValueError("every prompt needs an answer to score: answer_start is past a prompt's end")
-    orders = stack_orders([s.order(config.num_layers) for s in structures])
+    orders = [s.order(config.num_layers) for s in structures]
     B, T = batch.tokens.shape
     chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
-    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
-    starts = jnp.asarray(batch.answer_start)
-    logprob, token_accuracy, correct = _scored(
-        params, tokens, valid, starts, LayerOrder(*map(jnp.asarray, orders)), config, chunk_size
-    )
-    return StructureScores(
-        structures, np.asarray(logprob), np.asarray(token_accuracy), np.asarray(correct).astype(np.float32)
-    )
+    # numpy arrays into the jitted sweep: converting each with jnp.asarray would compile a
+    # program per shape (jax's "stage"), counted among the study's compilations
+    tokens, valid, starts = np.asarray(batch.tokens), np.asarray(batch.valid), np.asarray(batch.answer_start)
+    scores = np.zeros((3, len(structures), B), np.float32)
+    chunks = _chunks(orders, chunk_size)
+    desc = f"teacher-forced scores ({_programs(chunks)} programs to compile)"
+    for members, stacked in track(chunks, progress, desc):
+        out = _scored(params, tokens, valid, starts, stacked, config, len(stacked.layers))
+        scores[:, members] = np.stack([np.asarray(x, np.float32) for x in out])[:, : len(members)]
+    return StructureScores(structures, *scores)
 
 
 @partial(jit, static_argnames=("config", "chunk_size"))
@@ -185,6 +190,39 @@ def _scored(params, tokens, valid, starts, orders, config, chunk_size):
         return _answer_scores(unembed(params, h, config), tokens, valid, starts)
 
     return sweep(one, orders, chunk_size)
+
+
+def _shape_families(orders: Sequence[LayerOrder]) -> list[list[int]]:
+    """The orders' indices in at most two families, each stacked into one shape and so run by
+    one compiled program whatever its orders: the orders of single-layer steps (the intact
+    model, drops, swaps, reversed and repeated blocks; padded to the longest, a repeated block's
+    L + k steps), and those with a parallel step (padded to the widest group). Apart, because
+    every step of a stack runs as many layers as its widest group has: a parallel block of k
+    among the others would make each of them run k layers a step."""
+    single = [i for i, o in enumerate(orders) if np.shape(o.layers)[1] == 1]
+    parallel = [i for i, o in enumerate(orders) if np.shape(o.layers)[1] > 1]
+    return [family for family in (single, parallel) if family]
+
+
+def _chunks(orders: Sequence[LayerOrder], chunk_size: int) -> list[tuple[list[int], LayerOrder]]:
+    """`(members, stacked)` per chunk: up to `chunk_size` orders of one shape family
+    (`_shape_families`) and their stack, padded to the family's one shape `[C, N, G]` (C the
+    family's chunk, the last chunk filled up with its last order, whose rows are dropped): every
+    chunk of a family is the same program."""
+    chunks = []
+    for family in _shape_families(orders):
+        stacked = stack_orders([orders[i] for i in family])
+        width = min(chunk_size, len(family))
+        for first in range(0, len(family), width):
+            members = family[first : first + width]
+            rows = np.minimum(np.arange(first, first + width), len(family) - 1)
+            chunks.append((members, LayerOrder(stacked.layers[rows], stacked.used[rows])))
+    return chunks
+
+
+def _programs(chunks) -> int:
+    """How many compiled programs `chunks` need: one per distinct chunk shape."""
+    return len({(tuple(stacked.layers.shape), tuple(stacked.used.shape)) for _, stacked in chunks})
 
 
 def generated_answers(
@@ -206,10 +244,12 @@ def generated_answers(
     blank line, or before the first of `stops`), `texts[s][b]`. The model continues each
     prompt's question (its tokens before `answer_start`) for up to `max_new_tokens`, greedily,
     stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
-    reads the reference answer from the prompt's answer tokens. Structures of one kind and size
-    decode together, `chunk_size` at a time at most (default: as many as `memory_budget` holds
-    with their key/value caches), one compiled program per chunk; `progress`
-    (`jaxdepth.core.progress`) counts the chunks."""
+    reads the reference answer from the prompt's answer tokens. The structures decode
+    `chunk_size` at a time (default: as many as `memory_budget` holds with their key/value
+    caches), `generate` vmapped over a chunk's orders: the orders are data, so one compiled
+    program serves every chunk of one family (`_generation_chunks`: the drops, the swaps, the
+    middle blocks; three programs at most); `progress` (`jaxdepth.core.progress`) counts the
+    chunks."""
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to generate under")
@@ -221,63 +261,126 @@ def generated_answers(
         decode([int(t) for t in row[a:n]]) for row, a, n in zip(batch.tokens, batch.answer_start, batch.lengths)
     ]
     orders = [s.order(config.num_layers) for s in structures]
-    steps = max(len(o.layers) for o in orders)
+    # layers run per member, padding included: a swap's schedule has 2L - 1 steps
+    steps = max([int(np.prod(np.shape(o.layers))) for o in orders] + [2 * config.num_layers - 1])
     cache = steps * B * (T + max_new_tokens) * 2 * config.num_kv_heads * config.head_dim * 4
-    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache)
+    # under vmap each member reads (gathers) its own copy of the layers of its step
+    width = max(np.shape(o.layers)[1] for o in orders)
+    layer_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params["layers"])) // config.num_layers
+    weights = width * layer_bytes
+    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache + weights)
     eos = {int(e) for e in eos_ids}
-    correct, texts = np.zeros((len(structures), B), bool), []
-    for first, last in track(_kindred_chunks(structures, chunk_size), progress, "generating under each structure"):
-        grouped = group_orders(stack_orders(orders[first:last]), config.num_layers)
+    correct, texts = np.zeros((len(structures), B), bool), [None] * len(structures)
+    chunks = _generation_chunks(structures, orders, config.num_layers, chunk_size)
+    desc = f"generating under each structure ({_programs(chunks)} programs to compile)"
+    for members, stacked in track(chunks, progress, desc):
         out = _generated(
-            params, jnp.asarray(batch.tokens), config, grouped, max_new_tokens, jnp.asarray(questions), tuple(eos)
+            params,
+            np.asarray(batch.tokens),
+            config,
+            stacked,
+            max_new_tokens,
+            questions,
+            tuple(eos),
+            shared=stacked.layers.ndim == 2,
         )
-        for s, (rows, counts) in enumerate(zip(np.asarray(out.tokens), np.asarray(out.lengths)), first):
+        for s, rows, counts in zip(members, np.asarray(out.tokens), np.asarray(out.lengths)):
             read = [
                 cut_generation(decode([int(t) for t in row[:n] if int(t) not in eos]), stops)
                 for row, n in zip(rows, counts)
             ]
             correct[s] = [same_answer(text, reference) for text, reference in zip(read, references)]
-            texts.append(read)
+            texts[s] = read
     return correct, texts
 
 
 def _chunk_size(config: ModelConfig, B: int, T: int, count: int, memory_budget, extra_bytes: int = 0) -> int:
-    """How many structures a layer-major chunk holds in `memory_budget` (default: the sweeps'
+    """How many structures a generation chunk holds in `memory_budget` (default: the sweeps'
     share of free memory): each keeps its residual and, while a layer runs, that layer's
     activations of its B prompts of T tokens (`member_bytes` of one prompt, less the output
-    distribution, which is read one structure at a time), and `extra_bytes` more."""
+    distribution: only each prompt's last position is read), and `extra_bytes` more."""
     budget = available_memory_budget() if memory_budget is None else memory_budget
     one_prompt = member_bytes(config, T) - 3 * T * config.vocab_size * 4
     return int(np.clip(budget // (B * one_prompt + extra_bytes), 1, max(count, 1)))
 
 
-def _kindred_chunks(structures, chunk_size: int) -> list[tuple[int, int]]:
-    """`[first, last)` runs of consecutive kindred structures, at most `chunk_size` each: the
-    drops of one size (the intact model with the single drops), or the structures of one other
-    kind. A chunk runs layer-major, and its compiled program grows with the distinct layers its
-    orders run at a step: two for the drops of one size, where drops of every size run K + 1."""
+@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "shared"))
+def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids, shared):
+    """`generate` under each order of `orders`: vmapped over `used` and, unless `shared` (one
+    schedule of layers `[J, 1]` for every member), over `layers` too."""
 
-    def kin(s):
-        return ("drop", 1) if s.kind == "intact" else ("drop", s.size) if s.kind == "drop" else (s.kind,)
+    def one(order):
+        return generate(
+            params, tokens, config, max_new_tokens=max_new_tokens, valid=valid, order=order, eos_ids=eos_ids
+        )
 
-    chunks, first = [], 0
-    for i in range(1, len(structures) + 1):
-        if i == len(structures) or kin(structures[i]) != kin(structures[first]) or i - first == chunk_size:
-            chunks.append((first, i))
-            first = i
+    return jax.vmap(one, in_axes=(LayerOrder(None if shared else 0, 0),))(orders)
+
+
+def _schedule_of(kind: str, num_layers: int) -> Optional[np.ndarray]:
+    """The layers every structure of `kind` runs a subsequence of, in order (None: the kind's
+    structures run their own orders): the identity for the intact model and the drops; for the
+    swaps 0, 1, 0, 2, 1, 3, 2, ..., L-1, L-2 (layer m + 1 then m, for each m), in which swap s
+    finds 0..s-1, s+1, s, s+2..L-1 in turn.
+
+    A stack whose layers are one schedule shared by every member reads each step's weights once
+    for all of them, in one matmul over all their rows; a step a member does not run leaves its
+    residual as it is (the `used` mask), so each member computes what its own order computes.
+    Stacked orders of their own (the vmapped stack) read a copy of the step's layer per member:
+    with a few new tokens a step, that copy is decoding's cost. The swaps' schedule runs two
+    steps a layer, twice the arithmetic of a swap alone: still cheaper than a copy per member."""
+    if kind in ("intact", "drop"):
+        return np.arange(num_layers)
+    if kind == "swap":
+        return np.array([0] + [m for n in range(num_layers - 1) for m in (n + 1, n)])
+    return None
+
+
+def _on_schedule(order: LayerOrder, schedule: np.ndarray) -> np.ndarray:
+    """`used [J]`: the steps of `schedule` at which `order` (single-layer steps) runs its layers,
+    each matched at the first step from there that runs it."""
+    layers = np.asarray(order.layers)[np.asarray(order.used)]
+    used, at = np.zeros(len(schedule), bool), 0
+    for layer in layers:
+        found = np.nonzero(schedule[at:] == layer)[0]
+        if not found.size:
+            raise ValueError(f"the order {layers.tolist()} is not a subsequence of the schedule {schedule.tolist()}")
+        at += int(found[0])
+        used[at], at = True, at + 1
+    return used
+
+
+def _generation_chunks(structures, orders, num_layers: int, chunk_size: int) -> list[tuple[list[int], LayerOrder]]:
+    """`(members, stacked)` per generation chunk, up to `chunk_size` structures of one family,
+    the last chunk filled up with its last member: the intact model and the drops on the
+    identity's schedule, the swaps on theirs (`_schedule_of`: `layers [J, 1]` shared by the
+    chunk, `used [C, J, 1]`), and the middle blocks' structures (reversed, repeated, parallel:
+    few, one per size) stacked as their own orders `[C, N, G]`. One compiled program each."""
+    family_of = {"intact": "drop", "drop": "drop", "swap": "swap"}  # the others: "block"
+    families: dict = {}
+    for i, s in enumerate(structures):
+        families.setdefault(family_of.get(s.kind, "block"), []).append(i)
+    chunks = []
+    for kind, family in families.items():
+        schedule = _schedule_of(kind, num_layers)
+        if schedule is None:  # few structures: one stack, padded to the longest and the widest
+            stacked = stack_orders([orders[i] for i in family])
+        else:
+            used = np.stack([_on_schedule(orders[i], schedule) for i in family])[..., None]
+            stacked = LayerOrder(schedule[:, None].astype(np.int32), used)
+        width = min(chunk_size, len(family))
+        for first in range(0, len(family), width):
+            rows = np.minimum(np.arange(first, first + width), len(family) - 1)
+            layers = stacked.layers if schedule is not None else stacked.layers[rows]
+            chunks.append((family[first : first + width], LayerOrder(layers, stacked.used[rows])))
     return chunks
-
-
-@partial(jit, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids"))
-def _generated(params, tokens, config, grouped, max_new_tokens, valid, eos_ids):
-    return generate_orders(params, tokens, config, grouped, max_new_tokens=max_new_tokens, valid=valid, eos_ids=eos_ids)
 
 
 def angular_distances(params: Params, batch: PromptBatch, config: ModelConfig, max_block: int) -> np.ndarray:
     """`[max_block, L]`: row n-1, column l is the mean over prompts of arccos(cos(h_l, h_{l+n}))
     / pi at the prompt's last token before its answer (NaN where l + n > L)."""
-    hs = _residuals(params, jnp.asarray(batch.tokens), config, jnp.asarray(batch.valid))
-    last = jnp.asarray(batch.answer_start) - 1
+    hs = np.asarray(_residuals(params, np.asarray(batch.tokens), config, np.asarray(batch.valid)))
+    last = np.asarray(batch.answer_start) - 1  # in numpy: no small programs compiled to index
     h = np.asarray(hs[:, np.arange(len(batch)), last], np.float64)  # [L+1, B, D]
     unit = h / np.linalg.norm(h, axis=-1, keepdims=True)
     L = config.num_layers
@@ -382,9 +485,12 @@ def structure_analysis(
 ) -> "StructureResult":
     """`StructureResult` of `structure_family(L, max_block)` on `batch` (`structure_scores`),
     with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
-    tokenizer's, is needed)."""
+    tokenizer's, is needed); both `chunk_size` structures at a time (default: as memory allows),
+    `progress` counting the chunks of each."""
     family = structure_family(config.num_layers, max_block)
-    scores = structure_scores(params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget)
+    scores = structure_scores(
+        params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
+    )
     correct, texts = np.zeros((len(family), 0), bool), []
     if max_new_tokens > 0:
         if decode is None:
@@ -397,6 +503,7 @@ def structure_analysis(
             decode,
             max_new_tokens=max_new_tokens,
             eos_ids=eos_ids,
+            chunk_size=chunk_size,
             memory_budget=memory_budget,
             progress=progress,
         )
@@ -416,9 +523,11 @@ def structure_analysis(
 
 
 def structure_figure(result: StructureResult, *, title: Optional[str] = None):
-    """The drop heatmaps (block start x size) of the answer log-probability and the token
-    accuracy, each with the angular-distance rule's choice per size marked x, and the other
-    structures' token accuracy against the intact model's."""
+    """The drop heatmaps (block start x size) of the answer log-probability, the token accuracy
+    and (where answers were generated) the generated-answer accuracy, each with the
+    angular-distance rule's choice per size marked x; then the swaps' scores against the first
+    swapped layer, and the middle block's reversal, repetition and parallel run against the
+    block's size (a panel each, so that each x axis has one meaning), the intact model dashed."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(result, StructureResult, "structure_figure")
@@ -428,11 +537,12 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     ]
     if result.generated:
         heatmaps.append((result.generated_accuracy(), "generated-answer accuracy"))
-    fig = d.new_figure(4.4 * (len(heatmaps) + 1), 4.2)
-    *heat_axes, rows_ax = fig.subplots(1, len(heatmaps) + 1)
-    accuracy_ax = heat_axes[1]
+    blocks = [kind for kind in ("reverse", "repeat", "parallel") if kind in result.kinds]
+    panels = len(heatmaps) + 1 + bool(blocks)
+    fig = d.new_figure(4.4 * panels, 4.2)
+    axes = fig.subplots(1, panels)
     rule = gromov_choice(result.angular_distance)
-    for ax, (scores, label) in zip(heat_axes, heatmaps):
+    for ax, (scores, label) in zip(axes, heatmaps):
         image = ax.imshow(result.drop_grid(scores), aspect="auto", origin="lower", cmap="viridis")
         ax.scatter([s.start for s in rule], [s.size - 1 for s in rule], marker="x", color="r", label="angular rule")
         ax.set_xlabel("first dropped layer")
@@ -440,41 +550,61 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
         ax.set_yticks(range(result.angular_distance.shape[0]), range(1, result.angular_distance.shape[0] + 1))
         ax.set_title(f"drops: {label} (intact {scores[0]:.2f})")
         fig.colorbar(image, ax=ax, pad=0.01)
-    accuracy_ax.legend(loc="upper right", fontsize="small")
-    accuracy, generated = result.accuracy(), result.generated_accuracy()
-    for i, kind in enumerate(("swap", "reverse", "repeat", "parallel")):
-        picked = [
-            (s.start if kind == "swap" else s.size, a, g)
-            for s, a, g in zip(result.structures(), accuracy, generated)
-            if s.kind == kind
-        ]
-        if picked:
-            x, y, z = zip(*picked)
-            rows_ax.plot(
-                x, y, marker=".", color=f"C{i}", label=kind + (" (first layer)" if kind == "swap" else " (block size)")
-            )
-            if result.generated:
-                rows_ax.plot(x, z, marker="x", linestyle=":", color=f"C{i}")
-    rows_ax.axhline(accuracy[0], color="k", linestyle="--", label="intact")
-    rows_ax.set_xlabel("first swapped layer, or middle block size")
-    rows_ax.set_ylabel("token accuracy" + (" (dotted x: generated-answer accuracy)" if result.generated else ""))
-    rows_ax.grid(alpha=0.3)
-    rows_ax.legend(fontsize="small")
+    axes[1].legend(loc="upper right", fontsize="small")
+    swap_ax = axes[len(heatmaps)]
+    _draw_structure_scores(swap_ax, result, ["swap"], lambda s: s.start)
+    swap_ax.set(xlabel="first swapped layer (swapped with the next)", title="adjacent layers swapped")
+    if blocks:
+        block_ax = axes[-1]
+        _draw_structure_scores(block_ax, result, blocks, lambda s: s.size)
+        block_ax.set(xlabel="size of the middle block", title="the middle block, rearranged")
+        sizes = sorted({int(n) for k, n in zip(result.kinds, result.sizes) if k in blocks})
+        block_ax.set_xticks(sizes)  # the block sizes themselves: one size would get fractional ticks
+        block_ax.set_xlim(sizes[0] - 0.5, sizes[-1] + 0.5)
     d.title_figure(fig, "What the model still does without its layers in order", title, result.settings)
     return fig
 
 
+def _draw_structure_scores(ax, result: StructureResult, kinds: Sequence[str], x_of):
+    """Each of `kinds`' structures' token accuracy (dots, solid) and, where answers were
+    generated, generated-answer accuracy (crosses, dotted) at x = `x_of(structure)`, with the
+    intact model's as dashed lines."""
+    accuracy, generated = result.accuracy(), result.generated_accuracy()
+    structures = result.structures()
+    for kind in kinds:
+        picked = [(x_of(s), a, g) for s, a, g in zip(structures, accuracy, generated) if s.kind == kind]
+        x, y, z = zip(*picked)
+        color = f"C{('swap', 'reverse', 'repeat', 'parallel').index(kind)}"
+        ax.plot(x, y, marker=".", color=color, label=f"{kind}: token accuracy")
+        if result.generated:
+            ax.plot(x, z, marker="x", linestyle=":", color=color, label=f"{kind}: generated answers")
+    ax.axhline(accuracy[0], color="k", linestyle="--", label="intact: token accuracy")
+    if result.generated:
+        ax.axhline(generated[0], color="grey", linestyle="--", label="intact: generated answers")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def _summary(result: StructureResult) -> list[str]:
+    """The largest block droppable within a point of token accuracy (or that none is) and the
+    angular-distance rule's block of that size (of one layer where none is droppable), with
+    both token accuracies; the intact model's generated accuracy where answers were generated."""
     best = result.largest_droppable()
-    rule = gromov_choice(result.angular_distance)
-    if best is None:
-        return ["no layer droppable within 1 point of token accuracy"]
-    by_rule = next(s for s in rule if s.size == best.size)
     accuracy = {str(s): 100 * a for s, a in zip(result.structures(), result.accuracy())}
-    lines = [
-        f"droppable within 1 point: {best.size} layers ({best})",
-        f"angular rule at that size: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy[str(best)]:.0f}%)",
-    ]
+    size = 1 if best is None else best.size
+    by_rule = next(s for s in gromov_choice(result.angular_distance) if s.size == size)
+    if best is None:
+        lines = [
+            "no layer droppable within 1 point of token accuracy",
+            f"angular rule at 1 layer: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy['intact']:.0f}% "
+            "intact)",
+        ]
+    else:
+        lines = [
+            f"droppable within 1 point: {best.size} layers ({best})",
+            f"angular rule at that size: {by_rule} ({accuracy[str(by_rule)]:.0f}% against {accuracy[str(best)]:.0f}%)",
+        ]
     if result.generated:
         lines.append(f"generated answers right: {100 * result.generated_accuracy()[0]:.0f}% intact")
     return lines

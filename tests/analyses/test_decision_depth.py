@@ -104,3 +104,30 @@ def test_the_answer_groups_and_the_suite_analysis(tmp_path):
     suite = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, progress=False))
     assert np.array_equal(suite.depth, result.depth)
     assert ANALYSIS.summary(suite)[0].startswith("mean decision depth")
+
+
+def test_the_summary_averages_each_prompts_mean_over_the_prompts():
+    """Prompts of 3 and 6 positions: the summary's means are those of the two prompts' means (as
+    the figure's bars are), not of the nine positions pooled."""
+    depth = np.array([[1, 1, 1, -1, -1, -1], [4, 4, 4, 4, 4, 2]])
+    result = DecisionDepthResult(
+        depth=depth,
+        predicted=np.zeros_like(depth),
+        rank=np.where(depth >= 0, 0, -1),
+        answer_start=np.array([1, 3]),
+        lengths=np.array([3, 6]),
+        num_layers=4,
+        settings={"frequency": "id"},
+    )
+    by_prompt = (1.0 + (5 * 4 + 2) / 6) / 2  # 2.333...
+    pooled = (3 * 1 + 5 * 4 + 2) / 9  # 2.777...: the token-weighted mean, which the summary is not
+    # the first answer token: position 0 of prompt 0 (depth 1) and position 2 of prompt 1 (depth 4);
+    # later ones: position 1 of prompt 0 (1), positions 3 and 4 of prompt 1 (4 and 4; pooled: 3.0)
+    overall, groups = ANALYSIS.summary(result)
+    assert f"{by_prompt:.1f}" != f"{pooled:.1f}"
+    assert overall == f"mean decision depth {by_prompt:.1f} of 4 (mean over prompts of each prompt's mean)"
+    assert groups == f"answer's first token {(1 + 4) / 2:.1f}, later ones {(1 + 4) / 2:.1f}"
+    assert result.prompt_mean() == by_prompt
+    fig = decision_depth_figure(result, resamples=0)
+    bars = [patch.get_width() for patch in fig.axes[1].patches]
+    assert bars[0] == by_prompt / 4  # "all positions", the figure's first group

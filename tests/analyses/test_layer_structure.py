@@ -128,7 +128,7 @@ def test_the_result_saves_draws_and_sums_up(tmp_path):
     within = result.largest_droppable()
     summary = ANALYSIS.summary(result)
     if within is None:
-        assert summary == ["no layer droppable within 1 point of token accuracy"]
+        assert summary[0] == "no layer droppable within 1 point of token accuracy"
     else:
         assert summary[0] == f"droppable within 1 point: {within.size} layers ({within})"
 
@@ -217,16 +217,162 @@ def test_generated_answers_are_each_structures_own_generation_read():
     assert len(structure_figure(result).axes) >= 4  # a third heatmap: the generated answers
 
 
-def test_generation_chunks_hold_one_kind_and_size():
-    from jaxdepth.analyses.layer_structure import _kindred_chunks
+def test_the_chunks_of_a_sweep_are_at_most_two_programs():
+    """Every chunk of one shape family has one shape (the last filled up with its last order), so
+    that one compiled program serves them all: the single-layer orders' and the parallel ones'."""
+    from jaxdepth.analyses.layer_structure import _chunks, _programs
 
-    family = structure_family(L, 2)  # intact; 5 + 4 drops; 4 swaps; reverse, repeat, parallel of 2
-    family.insert(15, Structure("reverse", 1, 3))  # beside the reverse of 2: one kind, one chunk
-    chunks = _kindred_chunks(family, 3)
-    assert chunks[:4] == [(0, 3), (3, 6), (6, 9), (9, 10)]  # the intact model with the single drops
-    assert [b - a for a, b in chunks] == [3, 3, 3, 1, 3, 1, 2, 1, 1]
-    for a, b in chunks:
-        kinds = {
-            ("drop", 1) if s.kind == "intact" else (s.kind, s.size if s.kind == "drop" else 0) for s in family[a:b]
-        }
-        assert len(kinds) == 1
+    family = structure_family(L, 3)  # intact; 5 + 4 + 3 drops; 4 swaps; reverse, repeat, parallel of 2 and 3
+    orders = [s.order(L) for s in family]
+    chunks = _chunks(orders, 4)
+    members = [m for m, _ in chunks]
+    single = [i for i, s in enumerate(family) if s.kind != "parallel"]
+    parallel = [i for i, s in enumerate(family) if s.kind == "parallel"]
+    assert sum(members, []) == single + parallel
+    assert [len(m) for m in members] == [4, 4, 4, 4, 4, 1, 2]
+    assert {tuple(o.layers.shape) for _, o in chunks[:6]} == {(4, L + 3, 1)}  # a repeated block of 3: L + 3 steps
+    assert tuple(chunks[6][1].layers.shape) == (2, L - 1, 3)
+    assert _programs(chunks) == 2
+    for m, stacked in chunks:  # each member's rows are its own order, padded; the filler repeats the last
+        for row, i in enumerate(m + [m[-1]] * (len(stacked.layers) - len(m))):
+            alone = orders[i]
+            n, g = np.shape(alone.layers)
+            assert np.array_equal(np.asarray(stacked.layers[row, :n, :g])[alone.used], alone.layers[alone.used])
+            assert not np.asarray(stacked.used[row, n:]).any() and not np.asarray(stacked.used[row, :, g:]).any()
+
+
+def _made_up_result(num_layers, max_block, *, drop_accuracy, generated=True, seed=0):
+    """A `StructureResult` of the family with chosen scores (no model run): the intact model's
+    token accuracy 0.8, every drop's `drop_accuracy`, the others' random; angular distances
+    smallest at layer 2 for every block size."""
+    family = structure_family(num_layers, max_block)
+    rng = np.random.default_rng(seed)
+    B = 4
+    token_accuracy = rng.uniform(0, 1, (len(family), B))
+    token_accuracy[0] = 0.8
+    for i, s in enumerate(family):
+        if s.kind == "drop":
+            token_accuracy[i] = drop_accuracy
+    distance = np.full((max_block, num_layers), -1.0)
+    for n in range(1, max_block + 1):
+        distance[n - 1, : num_layers + 1 - n] = 0.5
+        distance[n - 1, 2] = 0.1
+    correct = (rng.uniform(0, 1, (len(family), B)) < 0.5).astype(np.float32)
+    correct[0] = [1, 0, 0, 0]  # the intact model answers one prompt in four by generation
+    return StructureResult(
+        kinds=[s.kind for s in family],
+        starts=np.array([s.start for s in family]),
+        sizes=np.array([s.size for s in family]),
+        answer_logprob=-rng.uniform(0, 5, (len(family), B)),
+        answer_token_accuracy=token_accuracy,
+        answer_correct=(token_accuracy == 1).astype(np.float32),
+        angular_distance=distance,
+        num_layers=num_layers,
+        settings={"max_block": max_block, "max_new_tokens": 8 if generated else 0},
+        generated_correct=correct if generated else np.zeros((len(family), 0), np.float32),
+    )
+
+
+def test_the_summary_names_the_rules_block_and_the_generated_accuracy_when_nothing_is_droppable():
+    from jaxdepth.analyses.layer_structure import ANALYSIS
+
+    result = _made_up_result(6, 2, drop_accuracy=0.5)  # every drop loses 30 points
+    assert result.largest_droppable() is None
+    assert ANALYSIS.summary(result) == [
+        "no layer droppable within 1 point of token accuracy",
+        "angular rule at 1 layer: drop 2..2 (50% against 80% intact)",
+        "generated answers right: 25% intact",
+    ]
+    droppable = _made_up_result(6, 2, drop_accuracy=0.8)  # every drop keeps it: the largest is of 2 layers
+    assert ANALYSIS.summary(droppable) == [
+        "droppable within 1 point: 2 layers (drop 0..1)",
+        "angular rule at that size: drop 2..3 (80% against 80%)",
+        "generated answers right: 25% intact",
+    ]
+
+
+def test_each_panel_of_the_figure_has_one_x_axis_meaning():
+    """The swaps are drawn against their first layer, the middle blocks' structures against
+    their size, on two panels; each panel's curves hold only its own structures."""
+    L_, K = 8, 3
+    result = _made_up_result(L_, K, drop_accuracy=0.5)
+    fig = structure_figure(result)
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    swaps = by_title["adjacent layers swapped"]
+    blocks = by_title["the middle block, rearranged"]
+    assert swaps.get_xlabel() == "first swapped layer (swapped with the next)"
+    assert blocks.get_xlabel() == "size of the middle block"
+    curves = lambda ax: {
+        line.get_label(): line.get_xdata() for line in ax.get_lines() if "intact" not in line.get_label()
+    }  # noqa: E731
+    assert set(curves(swaps)) == {"swap: token accuracy", "swap: generated answers"}
+    assert all(list(x) == list(range(L_ - 1)) for x in curves(swaps).values())
+    assert {label.split(":")[0] for label in curves(blocks)} == {"reverse", "repeat", "parallel"}
+    assert all(list(x) == list(range(2, K + 1)) for x in curves(blocks).values())
+    family = result.structures()
+    swap_rows = [i for i, s in enumerate(family) if s.kind == "swap"]
+    np.testing.assert_array_equal(swaps.get_lines()[0].get_ydata(), result.accuracy()[swap_rows])
+    # one layer at most: no middle block of two or more, no panel for it
+    single = structure_figure(_made_up_result(L_, 1, drop_accuracy=0.5))
+    assert "the middle block, rearranged" not in {ax.get_title() for ax in single.axes}
+
+
+def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
+    """A bar opens before the first chunk runs (its compilation included), saying how many
+    programs the sweep compiles, and steps once per chunk: the teacher-forced scores of the
+    single-layer orders in chunks of 4 and the parallel block's, then generation's chunks of
+    drops, of swaps and of the middle blocks."""
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.desc, self.total, self.done = desc, total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+    batch = make_batch([rng.integers(0, 97, n).tolist() for n in (9, 7)], [6, 5], pad_id=0)
+    family = structure_family(L, 2)  # intact, 5 + 4 drops, 4 swaps, reverse and repeat: single-layer; 1 parallel
+    structure_analysis(
+        PARAMS, batch, CONFIG, max_block=2, chunk_size=4, decode=_words, max_new_tokens=2, progress=Recorder
+    )
+    scored = -(-(len(family) - 1) // 4) + 1  # the 16 single-layer orders by 4, the parallel one
+    generated = 3 + 1 + 1  # the intact model and the 9 drops by 4; the 4 swaps; the 3 middle blocks
+    assert [(b.desc, b.total, b.done) for b in bars] == [
+        ("teacher-forced scores (2 programs to compile)", scored, scored),
+        ("generating under each structure (3 programs to compile)", generated, generated),
+    ]
+
+
+def test_generation_chunks_run_drops_and_swaps_on_their_schedules():
+    """The intact model and the drops share the identity's schedule, the swaps theirs (one
+    `[J, 1]` of layers for the whole chunk); the middle blocks are stacked as their own orders."""
+    from jaxdepth.analyses.layer_structure import _generation_chunks, _schedule_of
+
+    family = structure_family(L, 2)
+    chunks = _generation_chunks(family, [s.order(L) for s in family], L, 4)
+    kinds = [[family[i].kind for i in members] for members, _ in chunks]
+    assert kinds[:4] == [["intact", "drop", "drop", "drop"], ["drop"] * 4, ["drop"] * 2, ["swap"] * 4]
+    assert kinds[4:] == [["reverse", "repeat", "parallel"]]
+    for members, stacked in chunks[:4]:
+        kind = "swap" if family[members[0]].kind == "swap" else "drop"
+        assert np.array_equal(np.asarray(stacked.layers)[:, 0], _schedule_of(kind, L))
+        assert stacked.used.shape == (4,) + stacked.layers.shape
+    assert chunks[4][1].layers.shape == (3, L + 2, 2)
+
+
+@pytest.mark.parametrize("num_layers", [2, 5, 30])
+def test_drops_and_swaps_run_their_own_layers_on_a_shared_schedule(num_layers):
+    """On its family's schedule, the steps each structure runs are its own order's layers, in
+    order; the others leave its residual as it is."""
+    from jaxdepth.analyses.layer_structure import _on_schedule, _schedule_of
+
+    assert _schedule_of("swap", 4).tolist() == [0, 1, 0, 2, 1, 3, 2]
+    for s in structure_family(num_layers, 1 if num_layers == 2 else 3):
+        schedule = _schedule_of(s.kind, num_layers)
+        if schedule is None:
+            assert s.kind in ("reverse", "repeat", "parallel")
+            continue
+        order = s.order(num_layers)
+        assert schedule[_on_schedule(order, schedule)].tolist() == np.asarray(order.layers)[:, 0].tolist(), str(s)

@@ -51,7 +51,9 @@ def test_the_profiles_read_what_each_folder_holds(results):
         assert rounded == table  # the table shows them rounded
     deep = profiles["deep"]
     decided = np.load(results / "run" / "deep" / "default" / "decision_depth.npz", allow_pickle=True)["depth"]
-    assert deep.ratios["decision"] == pytest.approx(decided[decided >= 0].mean() / 4)
+    # the summary's average: each prompt's mean over its positions, then the mean over prompts
+    per_prompt = [row[row >= 0].mean() for row in decided]
+    assert deep.ratios["decision"] == pytest.approx(np.mean(per_prompt) / 4)
     x, share = deep.curves["decided"].x, deep.curves["decided"].y
     assert share[-1] == 1.0 and np.all(np.diff(share) >= 0) and x[-1] == 1.0
     x, distance = deep.curves["layer_distance"].x, deep.curves["layer_distance"].y
