@@ -24,7 +24,6 @@ from jaxdepth.lab.results import load_result
 __all__ = ["DepthProfile", "depth_profiles", "depth_comparison_figure", "profiles_markdown"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DepthProfile:
     """One model on one dataset, as its results' declared readings say
