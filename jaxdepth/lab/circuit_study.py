@@ -38,7 +38,6 @@ from jaxdepth.analyses.edges import (
     edge_effects,
     faithfulness_figure,
     find_circuit,
-    logit_difference,
     mean_ablation,
     position_figure,
     ranked_edges,
@@ -102,6 +101,8 @@ def _identity(model_name: str, fingerprint: str, task: TaskPairs, settings: dict
     of scoring."""
     pairs = {"clean": task.clean, "corrupt": task.corrupt, "labels": task.labels.tolist()}
     model = {"model": model_name, "model_fingerprint": fingerprint[:16]}
+    if task.metric is not None:  # a task scored by its own metric (the default's files keep their identity)
+        pairs["metric"] = f"{task.metric.__module__}.{task.metric.__qualname__}"
     return {"format": CIRCUIT_FORMAT, **model, **pairs, **settings}
 
 
@@ -111,7 +112,7 @@ def find_and_save(
     """The command's work: scores, checks, circuit and figures in `folder` (one way of scoring's,
     `scoring_name`); returns a summary (`summarise`). `fingerprint`: the model's
     (`jaxdepth.lab.study.source_results_key`), part of every result's identity."""
-    pairs = task.prompt_pairs()
+    pairs, metric = task.prompt_pairs(), task.scored_by()
     p, c = model.params, model.config
     settings = dict(method=args.method, rule=args.rule, steps=args.steps, tolerance=args.tolerance)
     if args.ablation != "corrupt" or args.positions:  # files of earlier versions keep their identity
@@ -127,7 +128,7 @@ def find_and_save(
             p,
             pairs,
             c,
-            logit_difference,
+            metric,
             **_score_options(settings),
             ablation=ablation,
             detail=(["positions"] if args.positions else []) + (["neurons"] if args.level == "neuron" else []),
@@ -141,7 +142,7 @@ def find_and_save(
     top = ranked_edges(scores.mean, scores.graph)[: args.check]
 
     def check():
-        effects = edge_effects(p, pairs, c, logit_difference, top, ablation=ablation, progress=True)
+        effects = edge_effects(p, pairs, c, metric, top, ablation=ablation, progress=True)
         return EdgeChecks(edges=top, scores=scores.mean[top[:, 0], top[:, 1]], effects=effects)
 
     checked = f"top{args.check}"
@@ -158,7 +159,7 @@ def find_and_save(
             p,
             pairs,
             c,
-            logit_difference,
+            metric,
             scores,
             size=args.size,
             target=args.target,

@@ -261,3 +261,31 @@ def test_read_pairs_reads_json_lines(tmp_path):
     with pytest.raises(ValueError, match="holds no pairs"):
         read_pairs(str(empty), Words())
     assert os.path.exists(path)
+
+
+def test_a_task_of_ones_own_is_scored_by_its_own_metric(checkpoint, pairs_file, tmp_path, capsys):
+    """The circuit command reads the task's metric (`TaskPairs.metric`), not a fixed one: scored
+    by the negated logit difference, every edge's score is negated, and the identity names it."""
+    import dataclasses
+
+    import jaxdepth
+    from jaxdepth.analyses.edges import logit_difference
+    from jaxdepth.lab.circuit_study import find_and_save
+    from jaxdepth.lab.circuit_tasks import read_pairs
+    from jaxdepth.lab.cli import build_parser
+
+    model = jaxdepth.load(checkpoint)
+    task = read_pairs(pairs_file, model.tokenizer)
+    args = build_parser().parse_args(_circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--no-figures"))
+
+    def negated(logits, labels):
+        return -logit_difference(logits, labels)
+
+    scores = {}
+    for name, each in (("default", task), ("negated", dataclasses.replace(task, metric=negated))):
+        folder = tmp_path / name
+        find_and_save(model, each, str(folder), args, model_name="tiny", fingerprint="0" * 16, figures=False)
+        scores[name] = EdgeScores.load(str(folder / "edge_scores.npz"))
+    capsys.readouterr()
+    np.testing.assert_allclose(scores["negated"].scores, -scores["default"].scores, rtol=1e-6, atol=1e-7)
+    assert task.scored_by() is logit_difference and dataclasses.replace(task, metric=negated).scored_by() is negated

@@ -173,16 +173,23 @@ class TaskPairs:
     """Pairs of prompts as text and as tokens: `clean`, `corrupt` (token lists), `labels [n, 2]`
     (the right and the wrong answer's first token, what `logit_difference` reads) and `texts`
     (the clean and the corrupt text of each pair). `prompt_pairs()` gives the `PromptPairs`
-    the edge functions take. Build it with `text_pairs` or `read_pairs`."""
+    the edge functions take. Build it with `text_pairs` or `read_pairs`. `metric`: what the task
+    is scored by, an edge metric `(logits, labels) -> [B]` (None: `logit_difference`); the
+    circuit command reads it from the task (`scored_by`), so a task of one's own brings its own."""
 
     clean: list
     corrupt: list
     labels: np.ndarray
     texts: list
+    metric: Optional[Callable] = None
 
     def prompt_pairs(self) -> PromptPairs:
         """The pairs as a padded batch (`prompt_pairs`)."""
         return prompt_pairs(self.clean, self.corrupt, self.labels)
+
+    def scored_by(self) -> Callable:
+        """The task's metric: `metric`, or `logit_difference` where it names none."""
+        return logit_difference if self.metric is None else self.metric
 
 
 def answer_token(tokenizer, text: str) -> int:
