@@ -41,6 +41,7 @@ if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is n
 # those names in the examples and fails when one has no entry.
 BEYOND = {
     "jaxdepth.core.model": ("forward", "residual_stream", "embed", "unembed"),
+    "jaxdepth.core.parameters": ("Parameter",),
     "jaxdepth.core.loops": ("run_layers",),
     "jaxdepth.core.layer": ("LayerRecord",),
     "jaxdepth.core.batch": ("make_batch",),

@@ -122,7 +122,10 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
         iv = sites.replace("resid_post", layer, jnp.ones(T), projected)
         assert float(ns["projection"][layer]) == pytest.approx(float(run(params, iv)), abs=1e-3)
     # 9. the user analysis: saved where the study keeps results, its numbers the entropy itself
-    saved = tmp_path / "cookbook-results" / "smollm2" / "cookbook" / "final_entropy.npz"
+    from jaxdepth.lab.study import model_results_key
+
+    key = model_results_key(ns["model"], "smollm2")[0]  # the model's name and fingerprint
+    saved = tmp_path / "cookbook-results" / key / "cookbook" / "final_entropy.npz"
     assert saved.exists()
     logits = ns["model"].logits(ns["short"].tokens, ns["short"].valid)[0, ns["short"].lengths[0] - 1]
     logp = jax.nn.log_softmax(jnp.asarray(logits))
