@@ -170,10 +170,9 @@ def folder_lock(folder: str) -> Iterator[None]:
 def writable(folder: str) -> bool:
     """Whether this process may create files in `folder`, or, where it does not exist yet, in the
     nearest folder above it that does (False on a read-only file system or without permission)."""
-    path = os.path.abspath(folder)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return os.access(path, os.W_OK | os.X_OK)
+    missing = _missing_folders(folder)
+    nearest = os.path.dirname(missing[-1]) if missing else os.path.abspath(folder)
+    return os.access(nearest, os.W_OK | os.X_OK)
 
 
 def _missing_folders(folder: str) -> list[str]:
