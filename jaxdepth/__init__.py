@@ -44,7 +44,11 @@ _WHERE = {
     "integrated_gradients": "jaxdepth.analyses.ig",
     "FixedRule": "jaxdepth.analyses.ig",
     "AdaptiveRule": "jaxdepth.analyses.ig",
-    "Execution": "jaxdepth.analyses.ig",
+    "Execution": "jaxdepth.core.execution",
+    "metric": "jaxdepth.analyses.metrics",
+    "Metric": "jaxdepth.analyses.metrics",
+    "Readout": "jaxdepth.analyses.metrics",
+    "metrics": "jaxdepth.analyses",
     "SiteIG": "jaxdepth.analyses.ig",
     "NonFiniteAttributionError": "jaxdepth.analyses.ig",
     "edge_attribution": "jaxdepth.analyses.edges",
@@ -68,6 +72,10 @@ __all__ = [
     "FixedRule",
     "AdaptiveRule",
     "Execution",
+    "metric",
+    "Metric",
+    "Readout",
+    "metrics",
     "SiteIG",
     "NonFiniteAttributionError",
     "edge_attribution",
@@ -89,11 +97,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what a type checker and an editor see: the names, imported as usual
+    from jaxdepth.analyses import metrics
     from jaxdepth.analyses.attribution import site_gradients
+    from jaxdepth.analyses.metrics import Metric, Readout, metric
     from jaxdepth.analyses.edges import edge_attribution, prompt_pairs
     from jaxdepth.analyses.ig import (
         AdaptiveRule,
-        Execution,
         FixedRule,
         NonFiniteAttributionError,
         SiteIG,
@@ -102,6 +111,7 @@ if TYPE_CHECKING:  # what a type checker and an editor see: the names, imported 
     from jaxdepth.core import sites, structure
     from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
     from jaxdepth.core.decoding import generate, generate_orders
+    from jaxdepth.core.execution import Execution
     from jaxdepth.core.loops import run_layers
     from jaxdepth.core.model import forward, residual_stream
     from jaxdepth.lab.loaded_model import Model

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.ig.path import BACKWARDS
 from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import NONFINITE, check_backward, check_nonfinite_option
 from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sites import SITES
 
@@ -98,14 +98,6 @@ def check_prompts(rule: Rule, prompts: int) -> Rule:
     return rule
 
 
-def check_backward(backward) -> None:
-    """Refuse a `backward` other than those of `jaxdepth.analyses.ig.path.BACKWARDS` or a number
-    of stored layers (an int >= 0; `jaxdepth.core.loops.stored_layers` checks it against L)."""
-    layers = isinstance(backward, int) and not isinstance(backward, bool) and backward >= 0
-    if not layers and backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS} or a number of stored layers, got {backward!r}")
-
-
 def check_site(site: str) -> None:
     """Refuse a name that is not a site of `jaxdepth.core.sites.SITES`."""
     if site not in SITES:
@@ -119,7 +111,6 @@ def check_site(site: str) -> None:
 # functions raise `NonFiniteAttributionError` (or, with `nonfinite="warn"`, warn and return
 # them), naming the layers and positions. The usual cause is a zero baseline at a residual.
 
-NONFINITE = ("raise", "warn")
 # Sites whose value an RMSNorm reads as a whole (the next layer's, or the final, norm): a zero
 # baseline there puts the path's start where the norm's gradient is 1/sqrt(eps).
 NORMALISED_SITES = ("resid_pre", "resid_post")
@@ -134,12 +125,6 @@ ZERO_BASELINE_ADVICE = (
 
 class NonFiniteAttributionError(FloatingPointError):
     """F, its gradient or an attribution of integrated gradients is NaN or infinite."""
-
-
-def check_nonfinite_option(nonfinite: str) -> None:
-    """Refuse a `nonfinite` argument other than 'raise' or 'warn'."""
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
 
 
 def warn_if_zero_baseline_diverges(baseline, site: str) -> None:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxdepth.analyses.stats import floating_metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import BACKWARDS
 from jaxdepth.core.flops import layer_flops
 from jaxdepth.core.loops import Backward, run_layer, run_layers, stored_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs, unembed
@@ -144,10 +145,6 @@ clean_run = jit(clean_values, static_argnames="config")
 clean_run.__doc__ = "`clean_values`, jitted."
 
 
-# How a gradient's backward gets the activations of the layers after the attributed one: the
-# drivers' choices ('auto' picks one of the others, or a number of stored layers, by memory,
-# `choose_backward`).
-BACKWARDS = ("auto", "recompute", "stored")
 # Integrated gradients' share of the free memory when no budget is given (the other sweeps take
 # `jaxdepth.core.sweep.MEMORY_FRACTION`, a quarter). The published code holds a block of 16
 # steps at once, each with what torch's autograd keeps of the later layers for the backward: at
