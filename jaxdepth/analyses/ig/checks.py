@@ -14,7 +14,6 @@ import numpy as np
 
 from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.execution import NONFINITE, check_backward, check_nonfinite_option
 from jaxdepth.core.model import check_tokens
 from jaxdepth.core.sites import SITES
 

@@ -20,8 +20,6 @@ import numpy as np
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import (
-    check_backward,
-    check_nonfinite_option,
     layer_baselines,
     nonfinite_report,
     raise_or_warn,
@@ -39,6 +37,7 @@ from jaxdepth.analyses.ig.path import (
 )
 from jaxdepth.core.progress import ProgressLike, progress_bar, track
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import check_backward, check_nonfinite_option
 from jaxdepth.core.loops import stored_layers
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
