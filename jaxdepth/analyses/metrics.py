@@ -134,6 +134,8 @@ class Metric:
 def metric(reads: str = "last", *, clean: bool = False) -> Callable[[Callable], Metric]:
     """Decorator: `fn(Readout) -> [B]` as a `Metric` reading `reads` ('last', 'answer' or
     'all'), with the clean run's logits where `clean` (module docstring)."""
+    if reads not in READS:  # refused where it is written, not where it is first applied
+        raise ValueError(f"a metric reads one of {READS}, got reads={reads!r}")
 
     def make(fn: Callable) -> Metric:
         made = Metric(fn, reads, clean)
