@@ -29,18 +29,27 @@ lens costs one forward, not one per token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from functools import partial
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdepth.analyses.answers import cut_generation, final_answer, same_answer
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
+from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.decoding import generate
 from jaxdepth.core.model import residual_stream, unembed
+from jaxdepth.core.saved_result import SavedResult
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
+    from matplotlib.figure import Figure
 
 __all__ = [
     "jensen_shannon",
@@ -51,6 +60,13 @@ __all__ = [
     "deep_thinking_ratio",
     "majority_answer",
     "think_at_n",
+    "generated_depth",
+    "GeneratedDepthResult",
+    "Reading",
+    "GeneratedDepthSettings",
+    "generated_depth_figure",
+    "depth_reading",
+    "ANALYSIS",
     "DEFAULT_THRESHOLD",
     "DEFAULT_RHO",
     "DEFAULT_KEEP",
@@ -162,3 +178,354 @@ def think_at_n(answers: Sequence[str], ratios: Sequence[float], keep: float = DE
     order = sorted(range(len(answers)), key=lambda i: (-r[i], i))
     kept = sorted(order[: max(1, round(keep * len(answers)))])
     return majority_answer([answers[i] for i in kept])
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+
+@dataclasses.dataclass
+class GeneratedDepthResult(SavedResult):
+    """The depth of the answers a model generated to `N` prompts, `S` samples each, up to `G`
+    new tokens: per token `settling [N, S, G]` (its settling depth, 0 where not `counted`) and
+    `counted [N, S, G]` (a generated token, end-of-sequence included); per layer the mean over
+    prompts of each prompt's mean over its generated tokens of the JSD to the output
+    `jsd [N, L]` (layers 1..L) and of the entropy lens `entropy [N, L+1]` (boundaries 0..L),
+    and the teacher-forced entropy lens over the reference answers' positions
+    `entropy_forced [N, L+1]`; per answer `dtr [N, S]`, `correct [N, S]` (its answer read as
+    the dataset's evaluation reads it, `jaxdepth.analyses.answers.same_answer`) and `answers`
+    (the final answers read, `[N][S]`, what Think@n votes on). `settings` holds threshold, rho,
+    keep, samples, temperature and max_new_tokens."""
+
+    settling: np.ndarray
+    counted: np.ndarray
+    jsd: np.ndarray
+    entropy: np.ndarray
+    entropy_forced: np.ndarray
+    dtr: np.ndarray
+    correct: np.ndarray
+    answers: list
+    num_layers: int
+    settings: dict
+
+    def deep(self) -> np.ndarray:
+        """bool `[N, S, G]`: the counted tokens that are deep-thinking (`deep_thinking`)."""
+        return deep_thinking(self.settling, self.num_layers, self.settings["rho"]) & self.counted
+
+    def accuracies(self) -> dict:
+        """Accuracy over prompts of: 'mean' (each sample alone, averaged), 'majority' (the vote
+        of all samples, self-consistency) and 'think@n' (the vote of the deepest `keep` share,
+        `think_at_n`); a vote is right when a sample giving the voted answer is right."""
+        mean = float(self.correct.mean())
+        majority, think = [], []
+        for answers, ratios, correct in zip(self.answers, self.dtr, self.correct):
+            for chosen, out in (
+                (majority_answer(answers), majority),
+                (think_at_n(answers, ratios, self.settings["keep"]), think),
+            ):
+                out.append(bool(correct[answers.index(chosen)]))
+        return {"mean": mean, "majority": float(np.mean(majority)), "think@n": float(np.mean(think))}
+
+
+def _question_lengths(batch: PromptBatch) -> np.ndarray:
+    return np.asarray(batch.answer_start, np.int64)
+
+
+@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "temperature"))
+def _sampled(params, tokens, valid, key, config, max_new_tokens, eos_ids, temperature):
+    return generate(
+        params,
+        tokens,
+        config,
+        max_new_tokens=max_new_tokens,
+        valid=valid,
+        eos_ids=eos_ids,
+        temperature=temperature,
+        key=key,
+    )
+
+
+def _gathered(x, rows, positions):
+    """`x [L, B, T]` at each row's `positions [B, G]`: `[B, G, L]` (host)."""
+    return np.moveaxis(np.asarray(x)[:, rows[:, None], positions], 0, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How generated tokens are made and read: up to `max_new_tokens` per answer, `samples`
+    answers per prompt (greedy for one, else sampled at `temperature`, sample s with the key of
+    `seed + s`), ending at `eos_ids`; a token settles at JSD <= `threshold` bits, is
+    deep-thinking from layer ceil(`rho` L), and Think@n keeps the `keep` share of samples."""
+
+    max_new_tokens: int = 64
+    samples: int = 1
+    temperature: float = 0.7
+    seed: int = 0
+    eos_ids: tuple = ()
+    threshold: float = DEFAULT_THRESHOLD
+    rho: float = DEFAULT_RHO
+    keep: float = DEFAULT_KEEP
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.samples < 1:
+            raise ValueError(f"max_new_tokens and samples must be >= 1, got {self.max_new_tokens}, {self.samples}")
+        if self.samples > 1 and not self.temperature > 0:
+            raise ValueError(
+                f"several samples need a temperature > 0 (greedy answers are all one), got {self.temperature}"
+            )
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"threshold is a JSD in bits, in [0, 1]; got {self.threshold}")
+        for name in ("rho", "keep"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+def generated_depth(
+    params, batch: PromptBatch, config: ModelConfig, decode, reading: Reading = Reading(), *, progress=False
+) -> GeneratedDepthResult:
+    """The depth of generated tokens (module docstring) for the prompts of `batch` (a
+    `PromptBatch` whose answers, the tokens from `answer_start`, are the references): each
+    question (the tokens before `answer_start`) is continued `reading.samples` times (greedy
+    for one sample, else sampled at `reading.temperature`) for up to `max_new_tokens`, each
+    answer's lens read from one teacher-forced forward of question and answer. `decode` turns
+    token ids into text (a tokenizer's), for the answers' correctness; `reading` a
+    `GeneratedDepthSettings`."""
+    from jaxdepth.core.progress import track
+
+    if (batch.answer_start >= batch.lengths).any():
+        raise ValueError("every prompt needs a reference answer: answer_start is past a prompt's end")
+    B = batch.tokens.shape[0]
+    L, G, S = config.num_layers, reading.max_new_tokens, reading.samples
+    questions = _question_lengths(batch)
+    Q = int(questions.max())  # the questions alone, right-padded to the longest
+    asked = np.arange(Q)[None, :] < questions[:, None]
+    references = [
+        decode([int(t) for t in row[a:n]]) for row, a, n in zip(batch.tokens, batch.answer_start, batch.lengths)
+    ]
+    eos = tuple(int(e) for e in reading.eos_ids)
+    temperature = 0.0 if S == 1 else float(reading.temperature)
+    rows = np.arange(B)
+    width = int(questions.max()) + G
+    out = {k: np.zeros((B, S) + s) for k, s in (("settling", (G,)), ("counted", (G,)))}
+    jsd_sum, entropy_sum = np.zeros((B, L)), np.zeros((B, L + 1))
+    dtr, correct, answers = np.zeros((B, S)), np.zeros((B, S), bool), [[None] * S for _ in range(B)]
+    for s in track(range(S), progress, "generating and reading the lens of each sample"):
+        key = jax.random.key(reading.seed + s)
+        new = _sampled(params, batch.tokens[:, :Q], asked, key, config, G, eos, temperature)
+        new_tokens, counts = np.asarray(new.tokens), np.asarray(new.lengths)
+        sequence = np.zeros((B, width), np.int32)
+        sequence[:, :Q] = np.where(asked, batch.tokens[:, :Q], 0)
+        at = questions[:, None] + np.arange(G)[None, :]  # where new token j sits
+        sequence[rows[:, None], at] = new_tokens
+        counted = np.arange(G)[None, :] < counts[:, None]
+        valid = np.arange(width)[None, :] < (questions + counts)[:, None]
+        jsd, entropy = lens_trajectories(params, jnp.asarray(sequence), jnp.asarray(valid), config)
+        read_at = at - 1  # the output at the position before a token chose it
+        token_jsd = _gathered(jsd, rows, read_at)  # [B, G, L]
+        token_entropy = _gathered(entropy, rows, read_at)
+        depths = settling_depths(np.moveaxis(token_jsd, -1, 0), reading.threshold)
+        out["settling"][:, s] = np.where(counted, depths, 0)
+        out["counted"][:, s] = counted
+        n = np.maximum(counted.sum(axis=1), 1)[:, None]
+        jsd_sum += (token_jsd * counted[..., None]).sum(axis=1) / n / S
+        entropy_sum += (token_entropy * counted[..., None]).sum(axis=1) / n / S
+        dtr[:, s] = deep_thinking_ratio(deep_thinking(depths, L, reading.rho), counted)
+        for b in range(B):
+            text = cut_generation(decode([int(t) for t in new_tokens[b, : counts[b]] if int(t) not in eos]))
+            answers[b][s] = final_answer(text)
+            correct[b, s] = same_answer(text, references[b])
+    _, forced = lens_trajectories(params, jnp.asarray(batch.tokens), jnp.asarray(batch.valid), config)
+    mask = batch.answer_prediction_mask()
+    entropy_forced = np.einsum("lbt,bt->bl", np.asarray(forced), mask) / mask.sum(axis=1)[:, None]
+    return GeneratedDepthResult(
+        settling=out["settling"].astype(np.int32),
+        counted=out["counted"].astype(bool),
+        jsd=jsd_sum,
+        entropy=entropy_sum,
+        entropy_forced=entropy_forced,
+        dtr=dtr,
+        correct=correct,
+        answers=answers,
+        num_layers=L,
+        settings={
+            "threshold": reading.threshold,
+            "rho": reading.rho,
+            "keep": reading.keep,
+            "samples": S,
+            "temperature": temperature,
+            "max_new_tokens": G,
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- figure, summary
+
+
+def _prompt_means(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean over prompts of `values [N, K]` and its 95% bootstrap band over prompts."""
+    from jaxdepth.analyses.uncertainty import curve_band, resample_indices
+
+    mean = values.mean(axis=0)
+    if len(values) < 2:
+        return mean, mean, mean
+    band = curve_band(values[resample_indices(len(values))].mean(axis=1))
+    return mean, band.low, band.high
+
+
+def generated_depth_figure(result: GeneratedDepthResult) -> "Figure":
+    """Left: the lens of generated tokens over relative depth, JSD to the output (bits) and
+    entropy (bits), with the teacher-forced entropy lens, each a mean over prompts with a 95%
+    bootstrap band. Middle: where generated tokens settle (their settling depths), the
+    deep-thinking regime shaded. Right: each answer's DTR, right answers apart from wrong ones."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, GeneratedDepthResult, "generated_depth_figure")
+    L = result.num_layers
+    fig = d.new_figure(14, 4.2)
+    lens_ax, settle_ax, dtr_ax = fig.subplots(1, 3)
+    entropy_ax = lens_ax.twinx()
+    for ax, values, x, color, label in (
+        (lens_ax, result.jsd, np.arange(1, L + 1) / L, "C0", "JSD to the output (generated)"),
+        (entropy_ax, result.entropy, np.arange(L + 1) / L, "C1", "entropy (generated)"),
+        (entropy_ax, result.entropy_forced, np.arange(L + 1) / L, "C2", "entropy (teacher-forced answers)"),
+    ):
+        mean, low, high = _prompt_means(values)
+        ax.plot(x, mean, color=color, label=label)
+        ax.fill_between(x, low, high, color=color, alpha=0.2, linewidth=0)
+    lens_ax.set(xlabel="relative depth l / L", ylabel="JSD (bits)", xlim=(0, 1), title="the lens of generated tokens")
+    entropy_ax.set_ylabel("entropy (bits)")
+    handles = [h for ax in (lens_ax, entropy_ax) for h in ax.get_legend_handles_labels()[0]]
+    lens_ax.legend(handles, [h.get_label() for h in handles], fontsize="small")
+    deep_from = math.ceil(result.settings["rho"] * L)
+    settle_ax.hist(result.settling[result.counted], bins=np.arange(1, L + 2) - 0.5, color="C0")
+    settle_ax.axvspan(deep_from - 0.5, L + 0.5, color="C3", alpha=0.15, label=f"deep-thinking (from layer {deep_from})")
+    settle_ax.set(
+        xlabel="settling depth (layer)",
+        ylabel="generated tokens",
+        title=f"where each token settles (JSD <= {result.settings['threshold']:g} bits)",
+    )
+    settle_ax.legend(fontsize="small")
+    for column, (name, mask, color) in enumerate((("right", result.correct, "C2"), ("wrong", ~result.correct, "C3"))):
+        ratios = result.dtr[mask]
+        ratios = ratios[np.isfinite(ratios)]
+        jitter = np.random.default_rng(column).uniform(-0.12, 0.12, ratios.size)
+        dtr_ax.scatter(column + jitter, ratios, s=14, color=color, alpha=0.7)
+        if ratios.size:
+            dtr_ax.hlines(ratios.mean(), column - 0.25, column + 0.25, color="k")
+    accuracy = result.accuracies()
+    dtr_ax.set_xticks([0, 1], [f"right ({int(result.correct.sum())})", f"wrong ({int((~result.correct).sum())})"])
+    dtr_ax.set(
+        xlim=(-0.6, 1.6),
+        ylabel="deep-thinking ratio",
+        title=(
+            f"accuracy: one sample {100 * accuracy['mean']:.0f}%, majority {100 * accuracy['majority']:.0f}%, "
+            f"Think@n {100 * accuracy['think@n']:.0f}%"
+        ),
+    )
+    dtr_ax.title.set_fontsize("small")
+    d.title_figure(fig, "Depth of the generated tokens", None, result.settings)
+    return fig
+
+
+def _summary(result: GeneratedDepthResult) -> list[str]:
+    """Mean DTR with its interval, the settling depth, and the three accuracies."""
+    per_prompt = np.nanmean(np.where(np.isfinite(result.dtr), result.dtr, np.nan), axis=1)
+    mean, low, high = _prompt_means(per_prompt[np.isfinite(per_prompt), None])
+    depth = result.settling[result.counted]
+    accuracy = result.accuracies()
+    return [
+        f"deep-thinking ratio {mean[0]:.2f} [{low[0]:.2f}, {high[0]:.2f}]; mean settling depth "
+        f"{depth.mean():.1f} of {result.num_layers}",
+        f"right {100 * accuracy['mean']:.0f}% (one sample), {100 * accuracy['majority']:.0f}% (majority), "
+        f"{100 * accuracy['think@n']:.0f}% (Think@n)",
+    ]
+
+
+def depth_reading(result: GeneratedDepthResult) -> DepthReading:
+    """The mean settling depth as a ratio of the depth, and the entropy lens of generated and of
+    teacher-forced tokens, for the comparison on the relative-depth axis."""
+    L = result.num_layers
+    depth = result.settling[result.counted]
+    x = np.arange(L + 1) / L
+    return DepthReading(
+        num_layers=L,
+        ratios={
+            "settling": ("mean settling depth of generated tokens", float(depth.mean()) / L if depth.size else None)
+        },
+        curves={
+            "entropy_generated": DepthCurve("entropy lens, generated tokens", "bits", x, result.entropy.mean(axis=0)),
+            "entropy_forced": DepthCurve(
+                "entropy lens, teacher-forced answers", "bits", x, result.entropy_forced.mean(axis=0)
+            ),
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GeneratedDepthSettings(Settings):
+    """The depth of generated tokens in a study (`Settings` and its options)."""
+
+    generated_new_tokens: int = option(
+        -1, "generated depth: new tokens per answer (-1: the longest reference answer's length plus 8)"
+    )
+    generated_samples: int = option(1, "generated depth: answers per prompt (1: greedy; more: sampled, for Think@n)")
+    generated_temperature: float = option(0.7, "generated depth: the sampling temperature of several samples")
+    depth_threshold: float = option(
+        DEFAULT_THRESHOLD, "generated depth: a token settles at a JSD to the output <= this (bits)"
+    )
+    depth_rho: float = option(DEFAULT_RHO, "generated depth: deep-thinking tokens settle at or after layer ceil(rho L)")
+    think_keep: float = option(DEFAULT_KEEP, "generated depth: the share of samples Think@n keeps, deepest first")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.generated_new_tokens < -1 or self.generated_new_tokens == 0:
+            raise ValueError(f"--generated-new-tokens must be -1 (auto) or >= 1, got {self.generated_new_tokens}")
+        self.reading(1)  # the reading's own checks, at once
+
+    def reading(self, new_tokens: int, eos_ids: tuple = ()) -> Reading:
+        """These settings as the `Reading` of `generated_depth`, `new_tokens` per answer."""
+        return Reading(
+            max_new_tokens=new_tokens,
+            samples=self.generated_samples,
+            temperature=self.generated_temperature,
+            seed=self.seed,
+            eos_ids=eos_ids,
+            threshold=self.depth_threshold,
+            rho=self.depth_rho,
+            keep=self.think_keep,
+        )
+
+
+def _run(x) -> GeneratedDepthResult:
+    if x.model.tokenizer is None:
+        raise ValueError("the depth of generated tokens reads answers as text: the model needs a tokenizer")
+    setting = x.settings.generated_new_tokens
+    new_tokens = int((x.batch.lengths - x.batch.answer_start).max()) + 8 if setting == -1 else setting
+    eos = getattr(x.model.tokenizer, "eos_token_id", None)
+    reading = x.settings.reading(new_tokens, () if eos is None else (int(eos),))
+    return generated_depth(
+        x.model.params, x.batch, x.model.config, x.model.tokenizer.decode, reading, progress=x.progress
+    )
+
+
+ANALYSIS = Analysis(
+    name="generated_depth",
+    default=False,  # in the suite, run when named: `--analyses generated_depth`
+    result_type=GeneratedDepthResult,
+    settings=GeneratedDepthSettings,
+    identity=lambda s: {
+        f: getattr(s, f)
+        for f in (
+            "generated_new_tokens",
+            "generated_samples",
+            "generated_temperature",
+            "depth_threshold",
+            "depth_rho",
+            "think_keep",
+        )
+    },
+    run=_run,
+    figures=lambda r, tokenizer, n: {"": generated_depth_figure(r)},
+    summary=_summary,
+    depth=depth_reading,
+    detail=True,
+)

@@ -90,3 +90,62 @@ def test_lens_trajectories_equal_the_lens_read_layer_by_layer():
     for layer in range(L + 1):
         np.testing.assert_allclose(entropy[layer], G.entropy_bits(unembed(params, hs[layer], CONFIG)), rtol=1e-5)
     assert np.all(np.asarray(jsd[-1]) == 0.0)  # the output against itself
+
+
+def _decode(ids):
+    return " ".join(str(int(i)) for i in ids)
+
+
+def test_generated_depth_equals_the_lens_read_at_each_generation_step():
+    """Each generated token's JSD per layer, settling depth and each answer's DTR equal a hand
+    computation from the model run on the question and the tokens generated so far, at the step
+    that generated the token (the lens of generation itself, not of a teacher-forced pass)."""
+    from jaxdepth.core.batch import make_batch
+    from jaxdepth.core.decoding import generate
+
+    params = random_params(CONFIG, 5, scale=0.6)
+    rng = np.random.default_rng(2)
+    batch = make_batch([rng.integers(0, 97, 9).tolist(), rng.integers(0, 97, 6).tolist()], [6, 4])
+    reading = G.Reading(max_new_tokens=5, threshold=0.3, rho=0.5)
+    result = G.generated_depth(params, batch, CONFIG, _decode, reading)
+    L = CONFIG.num_layers
+    for b in range(2):
+        question = [int(t) for t in batch.tokens[b, : batch.answer_start[b]]]
+        out = generate(params, jnp.asarray([question]), CONFIG, max_new_tokens=5)
+        new = [int(t) for t in np.asarray(out.tokens[0, : int(out.lengths[0])])]
+        depths = []
+        for j, token in enumerate(new):
+            seen = jnp.asarray([question + new[:j]], jnp.int32)
+            hs = residual_stream(params, seen, CONFIG)
+            final = np.asarray(unembed(params, hs[-1, 0, -1], CONFIG))
+            jsd = [
+                float(G.jensen_shannon(unembed(params, hs[layer, 0, -1], CONFIG), final)) for layer in range(1, L + 1)
+            ]
+            depths.append(next(layer for layer, v in enumerate(jsd, 1) if v <= 0.3 or layer == L))
+            assert int(np.argmax(final)) == token  # greedy: the output at that step chose it
+        np.testing.assert_array_equal(result.settling[b, 0, : len(new)], depths)
+        assert result.counted[b, 0].sum() == len(new)
+        assert result.dtr[b, 0] == np.mean([d >= math.ceil(0.5 * L) for d in depths])
+
+
+def test_think_at_n_over_samples_equals_the_vote_by_hand():
+    from jaxdepth.core.batch import make_batch
+
+    params = random_params(CONFIG, 6, scale=0.6)
+    rng = np.random.default_rng(3)
+    batch = make_batch([rng.integers(0, 97, 8).tolist() for _ in range(3)], [5, 6, 7])
+    result = G.generated_depth(params, batch, CONFIG, _decode, G.Reading(max_new_tokens=3, samples=4, temperature=1.5))
+    assert result.dtr.shape == (3, 4) and len(result.answers[0]) == 4
+    majority, think = [], []
+    for answers, ratios, correct in zip(result.answers, result.dtr, result.correct):
+        kept = sorted(sorted(range(4), key=lambda i: (-np.nan_to_num(ratios[i], nan=-1), i))[:2])
+        for pool, out in ((range(4), majority), (kept, think)):
+            votes = [answers[i] for i in pool]
+            best = max(votes.count(a) for a in votes)
+            chosen = next(a for a in votes if votes.count(a) == best)
+            out.append(correct[answers.index(chosen)])
+    accuracy = result.accuracies()
+    assert accuracy["majority"] == np.mean(majority) and accuracy["think@n"] == np.mean(think)
+    assert accuracy["mean"] == result.correct.mean()
+    with pytest.raises(ValueError, match="several samples need a temperature"):
+        G.Reading(samples=2, temperature=0.0)
