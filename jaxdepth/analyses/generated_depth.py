@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.answers import cut_generation, final_answer, same_answer
+from jaxdepth.analyses.decision_depth import decision_depths, lens_identity
+from jaxdepth.analyses.logit_lens import map_lens
 from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
@@ -103,30 +105,25 @@ def entropy_bits(logits, axis: int = -1):
 @partial(jit, static_argnames="config")
 def lens_trajectories(params, tokens, valid, config: ModelConfig, translators=None):
     """The lens of every position of `tokens [B, T]`: `jsd [L, B, T]`, row l-1 the JSD in bits
-    of the lens of h_l (after layer l, l = 1..L) to the output distribution (row L-1 is 0), and
-    `entropy [L+1, B, T]`, row l the entropy of the lens of h_l (l = 0..L). With `translators`
-    (a tuned lens's, one per boundary 0..L-1) h_0..h_{L-1} go through theirs first; h_L, the
-    output, never does. One boundary's `[B, T, V]` logits exist at a time (`lax.map`).
-    Padded positions (`valid` false) hold numbers of no prompt: leave them out."""
+    of the lens of h_l (after layer l, l = 1..L) to the output distribution (row L-1 is 0),
+    `entropy [L+1, B, T]`, row l the entropy of the lens of h_l (l = 0..L), and `top1 [L+1,
+    B, T]`, its top-1 token (what `jaxdepth.analyses.decision_depth.decision_depths` reads).
+    With `translators` (a tuned lens's, one per boundary 0..L-1) h_0..h_{L-1} go through
+    theirs first; h_L, the output, never does. One boundary's `[B, T, V]` logits exist at a
+    time (`jaxdepth.analyses.logit_lens.map_lens`). Padded positions (`valid` false) hold
+    numbers of no prompt: leave them out."""
     hs = residual_stream(params, tokens, config, valid=valid)
     final = unembed(params, hs[-1], config)
 
     def read(logits):
-        return jensen_shannon(logits, final), entropy_bits(logits)
+        return jensen_shannon(logits, final), entropy_bits(logits), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    if translators is None:
-        jsd, entropy = jax.lax.map(lambda h: read(unembed(params, h, config)), hs[:-1])
-    else:
-        from jaxdepth.analyses.tuned_lens import translate
-
-        jsd, entropy = jax.lax.map(
-            lambda x: read(unembed(params, translate(*x), config)),
-            (hs[:-1], translators["weight"], translators["bias"]),
-        )
-    # jsd rows are of h_0..h_{L-1}; the settling depth counts layers 1..L, so drop h_0 and end
-    # with the output's own 0
+    jsd, entropy, top1 = map_lens(read, params, hs[:-1], config, translators)
+    # the rows are of h_0..h_{L-1}: the settling depth counts layers 1..L, so h_0's JSD goes and
+    # the output's own 0 ends the rows
     jsd = jnp.concatenate([jsd[1:], jnp.zeros_like(jsd[:1])], axis=0)
-    return jsd, jnp.concatenate([entropy, entropy_bits(final)[None]], axis=0)
+    last = lambda x, y: jnp.concatenate([x, y[None]], axis=0)  # noqa: E731
+    return jsd, last(entropy, entropy_bits(final)), last(top1, jnp.argmax(final, axis=-1).astype(jnp.int32))
 
 
 def settling_depths(jsd, threshold: float = DEFAULT_THRESHOLD) -> np.ndarray:
@@ -186,17 +183,20 @@ def think_at_n(answers: Sequence[str], ratios: Sequence[float], keep: float = DE
 @dataclasses.dataclass
 class GeneratedDepthResult(SavedResult):
     """The depth of the answers a model generated to `N` prompts, `S` samples each, up to `G`
-    new tokens: per token `settling [N, S, G]` (its settling depth, 0 where not `counted`) and
-    `counted [N, S, G]` (a generated token, end-of-sequence included); per layer the mean over
-    prompts of each prompt's mean over its generated tokens of the JSD to the output
-    `jsd [N, L]` (layers 1..L) and of the entropy lens `entropy [N, L+1]` (boundaries 0..L),
-    and the teacher-forced entropy lens over the reference answers' positions
-    `entropy_forced [N, L+1]`; per answer `dtr [N, S]`, `correct [N, S]` (its answer read as
-    the dataset's evaluation reads it, `jaxdepth.analyses.answers.same_answer`) and `answers`
-    (the final answers read, `[N][S]`, what Think@n votes on). `settings` holds threshold, rho,
-    keep, samples, temperature and max_new_tokens."""
+    new tokens. Per token: `settling [N, S, G]` (its settling depth, 0 where not `counted`),
+    `decision [N, S, G]` (its decision depth, a boundary 0..L, as
+    `jaxdepth.analyses.decision_depth` defines it) and `counted [N, S, G]` (a generated
+    token, end-of-sequence included). Per prompt and layer, the mean over its generated tokens
+    (and samples) of the JSD to the output `jsd [N, L]` (layers 1..L) and of the entropy lens
+    `entropy [N, L+1]` (boundaries 0..L), and the teacher-forced entropy lens over the
+    reference answer's positions `entropy_forced [N, L+1]`. Per answer: `dtr [N, S]`,
+    `correct [N, S]` (its answer read as the dataset's evaluation reads it,
+    `jaxdepth.analyses.answers.same_answer`) and `answers` (the final answers read, `[N][S]`,
+    what Think@n votes on). `settings` holds threshold, rho, keep, samples, temperature,
+    max_new_tokens and the lens."""
 
     settling: np.ndarray
+    decision: np.ndarray
     counted: np.ndarray
     jsd: np.ndarray
     entropy: np.ndarray
@@ -280,7 +280,14 @@ class Reading:
 
 
 def generated_depth(
-    params, batch: PromptBatch, config: ModelConfig, decode, reading: Reading = Reading(), *, progress=False
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    decode,
+    reading: Reading = Reading(),
+    *,
+    translators=None,
+    progress=False,
 ) -> GeneratedDepthResult:
     """The depth of generated tokens (module docstring) for the prompts of `batch` (a
     `PromptBatch` whose answers, the tokens from `answer_start`, are the references): each
@@ -305,7 +312,7 @@ def generated_depth(
     temperature = 0.0 if S == 1 else float(reading.temperature)
     rows = np.arange(B)
     width = int(questions.max()) + G
-    out = {k: np.zeros((B, S) + s) for k, s in (("settling", (G,)), ("counted", (G,)))}
+    out = {k: np.zeros((B, S) + s) for k, s in (("settling", (G,)), ("decision", (G,)), ("counted", (G,)))}
     jsd_sum, entropy_sum = np.zeros((B, L)), np.zeros((B, L + 1))
     dtr, correct, answers = np.zeros((B, S)), np.zeros((B, S), bool), [[None] * S for _ in range(B)]
     for s in track(range(S), progress, "generating and reading the lens of each sample"):
@@ -318,12 +325,14 @@ def generated_depth(
         sequence[rows[:, None], at] = new_tokens
         counted = np.arange(G)[None, :] < counts[:, None]
         valid = np.arange(width)[None, :] < (questions + counts)[:, None]
-        jsd, entropy = lens_trajectories(params, jnp.asarray(sequence), jnp.asarray(valid), config)
+        jsd, entropy, top1 = lens_trajectories(params, jnp.asarray(sequence), jnp.asarray(valid), config, translators)
         read_at = at - 1  # the output at the position before a token chose it
         token_jsd = _gathered(jsd, rows, read_at)  # [B, G, L]
         token_entropy = _gathered(entropy, rows, read_at)
         depths = settling_depths(np.moveaxis(token_jsd, -1, 0), reading.threshold)
         out["settling"][:, s] = np.where(counted, depths, 0)
+        decided = decision_depths(np.moveaxis(_gathered(top1, rows, read_at), -1, 0))
+        out["decision"][:, s] = np.where(counted, decided, 0)
         out["counted"][:, s] = counted
         n = np.maximum(counted.sum(axis=1), 1)[:, None]
         jsd_sum += (token_jsd * counted[..., None]).sum(axis=1) / n / S
@@ -333,11 +342,12 @@ def generated_depth(
             text = cut_generation(decode([int(t) for t in new_tokens[b, : counts[b]] if int(t) not in eos]))
             answers[b][s] = final_answer(text)
             correct[b, s] = same_answer(text, references[b])
-    _, forced = lens_trajectories(params, jnp.asarray(batch.tokens), jnp.asarray(batch.valid), config)
+    _, forced, _ = lens_trajectories(params, jnp.asarray(batch.tokens), jnp.asarray(batch.valid), config, translators)
     mask = batch.answer_prediction_mask()
     entropy_forced = np.einsum("lbt,bt->bl", np.asarray(forced), mask) / mask.sum(axis=1)[:, None]
     return GeneratedDepthResult(
         settling=out["settling"].astype(np.int32),
+        decision=out["decision"].astype(np.int32),
         counted=out["counted"].astype(bool),
         jsd=jsd_sum,
         entropy=entropy_sum,
@@ -353,6 +363,7 @@ def generated_depth(
             "samples": S,
             "temperature": temperature,
             "max_new_tokens": G,
+            "lens": "logit" if translators is None else "tuned",
         },
     )
 
@@ -434,7 +445,7 @@ def _summary(result: GeneratedDepthResult) -> list[str]:
     accuracy = result.accuracies()
     return [
         f"deep-thinking ratio {mean[0]:.2f} [{low[0]:.2f}, {high[0]:.2f}]; mean settling depth "
-        f"{depth.mean():.1f} of {result.num_layers}",
+        f"{depth.mean():.1f} of {result.num_layers}, decision depth {result.decision[result.counted].mean():.1f}",
         f"right {100 * accuracy['mean']:.0f}% (one sample), {100 * accuracy['majority']:.0f}% (majority), "
         f"{100 * accuracy['think@n']:.0f}% (Think@n)",
     ]
@@ -474,6 +485,9 @@ class GeneratedDepthSettings(Settings):
     )
     depth_rho: float = option(DEFAULT_RHO, "generated depth: deep-thinking tokens settle at or after layer ceil(rho L)")
     think_keep: float = option(DEFAULT_KEEP, "generated depth: the share of samples Think@n keeps, deepest first")
+    generated_lens: str = option(
+        "", "generated depth: a tuned lens's folder (jaxdepth tuned-lens) to read instead of the logit lens"
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -502,8 +516,19 @@ def _run(x) -> GeneratedDepthResult:
     new_tokens = int((x.batch.lengths - x.batch.answer_start).max()) + 8 if setting == -1 else setting
     eos = getattr(x.model.tokenizer, "eos_token_id", None)
     reading = x.settings.reading(new_tokens, () if eos is None else (int(eos),))
+    translators = None
+    if x.settings.generated_lens:
+        from jaxdepth.analyses.tuned_lens import load_tuned_lens
+
+        translators = load_tuned_lens(x.settings.generated_lens, x.model.config).translators()
     return generated_depth(
-        x.model.params, x.batch, x.model.config, x.model.tokenizer.decode, reading, progress=x.progress
+        x.model.params,
+        x.batch,
+        x.model.config,
+        x.model.tokenizer.decode,
+        reading,
+        translators=translators,
+        progress=x.progress,
     )
 
 
@@ -512,17 +537,20 @@ ANALYSIS = Analysis(
     default=False,  # in the suite, run when named: `--analyses generated_depth`
     result_type=GeneratedDepthResult,
     settings=GeneratedDepthSettings,
-    identity=lambda s: {
-        f: getattr(s, f)
-        for f in (
-            "generated_new_tokens",
-            "generated_samples",
-            "generated_temperature",
-            "depth_threshold",
-            "depth_rho",
-            "think_keep",
-        )
-    },
+    identity=lambda s: (
+        {
+            f: getattr(s, f)
+            for f in (
+                "generated_new_tokens",
+                "generated_samples",
+                "generated_temperature",
+                "depth_threshold",
+                "depth_rho",
+                "think_keep",
+            )
+        }
+        | {"generated_lens": lens_identity(s.generated_lens)}
+    ),
     run=_run,
     figures=lambda r, tokenizer, n: {"": generated_depth_figure(r)},
     summary=_summary,

@@ -78,9 +78,9 @@ def test_lens_trajectories_equal_the_lens_read_layer_by_layer():
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 7)), jnp.int32)
     valid = jnp.asarray(np.array([[1] * 7, [1] * 5 + [0] * 2], bool))
-    jsd, entropy = G.lens_trajectories(params, tokens, valid, CONFIG)
+    jsd, entropy, top1 = G.lens_trajectories(params, tokens, valid, CONFIG)
     L = CONFIG.num_layers
-    assert jsd.shape == (L, 2, 7) and entropy.shape == (L + 1, 2, 7)
+    assert jsd.shape == (L, 2, 7) and entropy.shape == (L + 1, 2, 7) and top1.shape == (L + 1, 2, 7)
     hs = residual_stream(params, tokens, CONFIG, valid=valid)
     final = unembed(params, hs[-1], CONFIG)
     for layer in range(1, L + 1):
@@ -88,7 +88,9 @@ def test_lens_trajectories_equal_the_lens_read_layer_by_layer():
             jsd[layer - 1], G.jensen_shannon(unembed(params, hs[layer], CONFIG), final), rtol=1e-5, atol=1e-7
         )
     for layer in range(L + 1):
-        np.testing.assert_allclose(entropy[layer], G.entropy_bits(unembed(params, hs[layer], CONFIG)), rtol=1e-5)
+        lens = unembed(params, hs[layer], CONFIG)
+        np.testing.assert_allclose(entropy[layer], G.entropy_bits(lens), rtol=1e-5)
+        np.testing.assert_array_equal(top1[layer], np.argmax(lens, axis=-1))
     assert np.all(np.asarray(jsd[-1]) == 0.0)  # the output against itself
 
 
@@ -113,7 +115,7 @@ def test_generated_depth_equals_the_lens_read_at_each_generation_step():
         question = [int(t) for t in batch.tokens[b, : batch.answer_start[b]]]
         out = generate(params, jnp.asarray([question]), CONFIG, max_new_tokens=5)
         new = [int(t) for t in np.asarray(out.tokens[0, : int(out.lengths[0])])]
-        depths = []
+        depths, decisions = [], []
         for j, token in enumerate(new):
             seen = jnp.asarray([question + new[:j]], jnp.int32)
             hs = residual_stream(params, seen, CONFIG)
@@ -123,12 +125,15 @@ def test_generated_depth_equals_the_lens_read_at_each_generation_step():
             ]
             depths.append(next(layer for layer, v in enumerate(jsd, 1) if v <= 0.3 or layer == L))
             assert int(np.argmax(final)) == token  # greedy: the output at that step chose it
+            top = [int(np.argmax(unembed(params, hs[layer, 0, -1], CONFIG))) for layer in range(L + 1)]
+            decisions.append(min(d for d in range(L + 1) if all(t == token for t in top[d:])))
         np.testing.assert_array_equal(result.settling[b, 0, : len(new)], depths)
+        np.testing.assert_array_equal(result.decision[b, 0, : len(new)], decisions)
         assert result.counted[b, 0].sum() == len(new)
         assert result.dtr[b, 0] == np.mean([d >= math.ceil(0.5 * L) for d in depths])
 
 
-def test_think_at_n_over_samples_equals_the_vote_by_hand():
+def test_think_at_n_over_samples_equals_the_vote_by_hand(tmp_path):
     from jaxdepth.core.batch import make_batch
 
     params = random_params(CONFIG, 6, scale=0.6)
@@ -147,5 +152,8 @@ def test_think_at_n_over_samples_equals_the_vote_by_hand():
     accuracy = result.accuracies()
     assert accuracy["majority"] == np.mean(majority) and accuracy["think@n"] == np.mean(think)
     assert accuracy["mean"] == result.correct.mean()
+    again = G.GeneratedDepthResult.load(result.save(str(tmp_path / "generated.npz")))
+    assert again.answers == result.answers and again.accuracies() == accuracy
+    np.testing.assert_array_equal(again.settling, result.settling)
     with pytest.raises(ValueError, match="several samples need a temperature"):
         G.Reading(samples=2, temperature=0.0)
