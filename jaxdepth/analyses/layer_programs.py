@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.answers import cut_generation, same_answer
+from jaxdepth.analyses.suite import Analysis, Settings, option
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -62,6 +63,9 @@ __all__ = [
     "edited_programs",
     "program_order",
     "score_programs",
+    "program_figure",
+    "ProgramSettings",
+    "ANALYSIS",
     "EDITS",
     "SCORES",
 ]
@@ -373,3 +377,130 @@ def search_programs(
         num_layers=L,
         settings=dataclasses.asdict(search),
     )
+
+
+# ----------------------------------------------------------------------------- figure, summary, suite
+
+
+def _runs_per_layer(program, num_layers: int) -> np.ndarray:
+    """How many times `program` runs each layer `[L]` (0: skipped, 2: repeated)."""
+    return np.bincount(np.asarray(program, np.int64), minlength=num_layers)
+
+
+def program_figure(result: ProgramSearchResult) -> "Figure":
+    """Left: each prompt's program, layer by layer (how many times it runs each layer: 0
+    skipped, 1, 2 repeated), the shortest right one for a prompt the model answers right, the
+    first fix for one it answers wrong (rows of neither: nothing found). Right: CoLa's two
+    shares and the angular rule's baseline."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, ProgramSearchResult, "program_figure")
+    L, N = result.num_layers, len(result.shortest)
+    runs = np.full((N, L), np.nan)
+    labels = []
+    for p, (shortest, fixes, right) in enumerate(zip(result.shortest, result.fixes, result.intact_right)):
+        program = shortest if right else (fixes[0] if fixes else None)
+        if program is not None:
+            runs[p] = _runs_per_layer(program, L)
+        what = f"{len(program)} steps" if program is not None else "no fix found"
+        labels.append(f"prompt {p} ({'right' if right else 'wrong'}: {what})")
+    from matplotlib.colors import ListedColormap
+
+    fig = d.new_figure(14, max(3.6, 1.8 + 0.3 * N))
+    grid_ax, share_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.6, 1]})
+    most = int(max(2, np.nanmax(runs, initial=2)))
+    colors = ListedColormap(["#e6e6e6", "#4c72b0", "#dd8452", "#c44e52", "#8172b2"][: most + 1])
+    image = grid_ax.imshow(runs, aspect="auto", cmap=colors, vmin=-0.5, vmax=most + 0.5, interpolation="nearest")
+    grid_ax.set_yticks(np.arange(N), labels, fontsize="small")
+    grid_ax.set(xlabel="layer", title="the program found per prompt: how many times it runs each layer")
+    fig.colorbar(image, ax=grid_ax, label="runs (0: skipped)", ticks=np.arange(most + 1))
+    shares = result.shares()
+    names = [
+        "right prompts with a\nshorter right program",
+        "wrong prompts fixed",
+        "the angular rule's drop\nstays right",
+    ]
+    values = [shares["shorter"], shares["fixed"], shares["gromov"]]
+    y = np.arange(3)
+    share_ax.barh(y, np.nan_to_num(values), color=["C0", "C2", "C7"])
+    for row, v in zip(y, values):
+        share_ax.text(np.nan_to_num(v) + 0.02, row, "n/a" if np.isnan(v) else f"{100 * v:.0f}%", va="center")
+    share_ax.set_yticks(y, names, fontsize="small")
+    share_ax.invert_yaxis()
+    share_ax.set(xlim=(0, 1.15), xlabel="share of prompts", title=f"scored by {result.settings['score']}")
+    d.title_figure(fig, "Layer programs per prompt", None, result.settings)
+    return fig
+
+
+def _summary(result: ProgramSearchResult) -> list[str]:
+    """CoLa's two numbers, the baseline, and the mean length of the shortest right programs."""
+    shares = result.shares()
+    pct = lambda v: "n/a" if np.isnan(v) else f"{100 * v:.0f}%"  # noqa: E731
+    lengths = [len(s) for s in result.shortest if s is not None]
+    return [
+        f"right prompts with a shorter right program {pct(shares['shorter'])}, wrong ones fixed "
+        f"{pct(shares['fixed'])}; the angular rule's drop of the same size stays right {pct(shares['gromov'])}",
+        f"shortest right program {np.mean(lengths):.1f} of {result.num_layers} layers on average"
+        if lengths
+        else "no prompt answered right",
+    ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramSettings(Settings):
+    """The search over layer programs in a study (`Settings` and its options)."""
+
+    program_rounds: int = option(3, "layer programs: rounds of edits")
+    program_keep: int = option(2, "layer programs: the programs kept per prompt after each round")
+    program_edits: tuple = option(EDITS, "layer programs: the edits, some of skip, repeat, swap")
+    program_score: str = option("generation", "layer programs: what makes a program right", choices=SCORES)
+    program_margin: float = option(0.5, "layer programs: the likelihood margin (nats) of score likelihood")
+    program_new_tokens: int = option(
+        -1, "layer programs: new tokens per generated answer (-1: the longest reference answer's length plus 8)"
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.search(1)  # the search's own checks, at once
+
+    def search(self, new_tokens: int, eos_ids: tuple = ()) -> ProgramSearch:
+        """These settings as a `ProgramSearch`, `new_tokens` per generated answer."""
+        return ProgramSearch(
+            rounds=self.program_rounds,
+            keep=self.program_keep,
+            edits=tuple(self.program_edits),
+            score=self.program_score,
+            margin=self.program_margin,
+            max_new_tokens=new_tokens,
+            eos_ids=eos_ids,
+        )
+
+
+def _run(x) -> ProgramSearchResult:
+    tokenizer = x.model.tokenizer
+    if x.settings.program_score == "generation" and tokenizer is None:
+        raise ValueError("layer programs scored by generation read answers as text: the model needs a tokenizer")
+    setting = x.settings.program_new_tokens
+    new_tokens = int((x.batch.lengths - x.batch.answer_start).max()) + 8 if setting == -1 else setting
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return search_programs(
+        x.model.params,
+        x.batch,
+        x.model.config,
+        None if tokenizer is None else tokenizer.decode,
+        x.settings.search(new_tokens, () if eos is None else (int(eos),)),
+        execution=Execution(progress=x.progress, memory_budget=x.settings.memory_budget),
+    )
+
+
+ANALYSIS = Analysis(
+    name="layer_programs",
+    default=False,  # in the suite, run when named: `--analyses layer_programs`
+    result_type=ProgramSearchResult,
+    settings=ProgramSettings,
+    identity=lambda s: {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name.startswith("program_")},
+    run=_run,
+    figures=lambda r, tokenizer, n: {"": program_figure(r)},
+    summary=_summary,
+    detail=True,
+)

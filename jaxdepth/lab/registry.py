@@ -88,6 +88,7 @@ def _register_builtins():
         geometry,
         integrated_gradients,
         jacobians,
+        layer_programs,
         layer_skip,
         layer_structure,
         logit_lens,
@@ -107,6 +108,7 @@ def _register_builtins():
         geometry.ANALYSIS,
         jacobians.ANALYSIS,
         layer_structure.ANALYSIS,
+        layer_programs.ANALYSIS,
     ):
         register(entry)
 
