@@ -118,6 +118,27 @@ def made_up_result(name: str, L: int):
             num_layers=L, settings={"max_block": K, "max_new_tokens": 8},
             generated_correct=rng.integers(0, 2, (len(family), P)).astype(np.float32),
         )  # fmt: skip
+    if name == "generated_depth":
+        S, G = 3, 6
+        counted = np.arange(G)[None, None] < rng.integers(1, G + 1, (P, S, 1))
+        return result_type(
+            settling=np.where(counted, rng.integers(1, L + 1, (P, S, G)), 0),
+            decision=np.where(counted, rng.integers(0, L + 1, (P, S, G)), 0), counted=counted,
+            jsd=rng.uniform(0, 1, (P, L)), entropy=rng.uniform(0, 8, (P, L + 1)),
+            entropy_forced=rng.uniform(0, 8, (P, L + 1)), dtr=rng.uniform(0, 1, (P, S)),
+            correct=rng.integers(0, 2, (P, S)).astype(bool), answers=[["12", "7", "12"], ["3", "3", "4"]],
+            num_layers=L, settings={"threshold": 0.5, "rho": 0.85, "keep": 0.5, "samples": S, "temperature": 0.7,
+                                    "max_new_tokens": G, "lens": "logit"},
+        )  # fmt: skip
+    if name == "layer_programs":
+        full = list(range(L))
+        return result_type(
+            intact_right=np.array([True, False]), intact_loglik=-rng.uniform(0, 5, P),
+            shortest=[full[: max(1, L - 2)] + [0], None], fixes=[[], [full + [L - 1]]], answers=["w1", "w2"],
+            gromov=[full[: max(1, L - 2)], None], gromov_right=np.array([True, False]),
+            scored=np.array([3 * L, 5 * L]), num_layers=L,
+            settings={"score": "generation", "rounds": 2, "keep": 2, "edits": ["skip", "repeat", "swap"]},
+        )  # fmt: skip
     raise AssertionError(f"no made-up result for the analysis {name!r}: add one")
 
 
