@@ -60,6 +60,8 @@ __all__ = [
     "ProgramSearch",
     "ProgramSearchResult",
     "search_programs",
+    "beam_search",
+    "Searched",
     "edited_programs",
     "program_order",
     "score_programs",
@@ -287,36 +289,35 @@ def _rank(intact_right: bool, length: int, loglik: float, right: bool) -> tuple:
     return (not right, -loglik, length)
 
 
-def search_programs(
-    params,
-    batch: PromptBatch,
-    config: ModelConfig,
-    decode,
-    search: ProgramSearch = ProgramSearch(),
-    *,
-    execution: Execution = Execution(),
-) -> ProgramSearchResult:
-    """The search over layer programs (module docstring) on the prompts of `batch` (a
-    `PromptBatch` whose answers, from `answer_start`, are the references): `decode` turns token
-    ids into text (a tokenizer's; needed for `score='generation'`), `search` says what the
-    search does, `execution` how its sweeps run (chunk size, memory budget, progress)."""
-    from jaxdepth.analyses.layer_structure import angular_distances, gromov_choice
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """What `beam_search` found, per prompt: `right0 [N]` and `loglik0 [N]` of the intact
+    model, `shortest`, `fixes` and `answers` as `ProgramSearchResult` holds them, and `scored`,
+    the candidates scored per round."""
 
-    if search.score == "generation" and decode is None:
-        raise ValueError("scoring by generation reads answers as text: give decode (a tokenizer's)")
-    L, N = config.num_layers, len(batch)
-    prompts = _prompts(batch, decode)
+    right0: np.ndarray
+    loglik0: np.ndarray
+    shortest: list
+    fixes: list
+    answers: list
+    scored: list
+
+
+def beam_search(score, num_prompts: int, num_layers: int, search: ProgramSearch) -> Searched:
+    """The search's rounds (module docstring) for `num_prompts` prompts of a model of
+    `num_layers` layers, whatever scores them: `score(members)`, for a list of `(prompt,
+    program)` pairs, returns `(loglik [M], right [M] or None, texts [M] or None)` as
+    `score_programs` does (a likelihood search judges `loglik` against the margin itself)."""
+    L, N = num_layers, num_prompts
     intact = tuple(range(L))
-    loglik0, right0, texts0 = score_programs(
-        params, prompts, config, [(p, intact) for p in range(N)], search, execution, decode
-    )
+    loglik0, right0, texts0 = score([(p, intact) for p in range(N)])
     if right0 is None:
         right0 = np.ones(N, bool)  # within any margin of itself
     judge = lambda p, ll, r: bool(r) if search.score == "generation" else bool(ll >= loglik0[p] - search.margin)  # noqa: E731
     seen = [{intact} for _ in range(N)]
     kept = [[(intact, float(loglik0[p]), bool(right0[p]))] for p in range(N)]
-    found = [dict() for _ in range(N)]  # every right program: its log-likelihood and its answer
-    said = [{intact: None if texts0 is None else texts0[p]} for p in range(N)]
+    found = [dict() for _ in range(N)]  # every right program: its log-likelihood
+    said = [{intact: None if texts0 is None else texts0[p]} for p in range(N)]  # every answer read
     scored = []
     for _ in range(search.rounds):
         members = []
@@ -329,7 +330,7 @@ def search_programs(
         scored.append(len(members))
         if not members:
             break
-        loglik, right, texts = score_programs(params, prompts, config, members, search, execution, decode)
+        loglik, right, texts = score(members)
         for m, (p, program) in enumerate(members):
             ok = judge(p, loglik[m], None if right is None else right[m])
             said[p][program] = None if texts is None else texts[m]
@@ -349,6 +350,35 @@ def search_programs(
             shortest.append(None)
             fixes.append([list(prog) for prog in sorted(found[p], key=lambda prog: -found[p][prog])])
             answers.append(said[p][tuple(fixes[-1][0])] if fixes[-1] else None)
+    return Searched(np.asarray(right0, bool), np.asarray(loglik0, np.float64), shortest, fixes, answers, scored)
+
+
+def search_programs(
+    params,
+    batch: PromptBatch,
+    config: ModelConfig,
+    decode,
+    search: ProgramSearch = ProgramSearch(),
+    *,
+    execution: Execution = Execution(),
+) -> ProgramSearchResult:
+    """The search over layer programs (module docstring) on the prompts of `batch` (a
+    `PromptBatch` whose answers, from `answer_start`, are the references): `decode` turns token
+    ids into text (a tokenizer's; needed for `score='generation'`), `search` says what the
+    search does, `execution` how its sweeps run (chunk size, memory budget, progress)."""
+    from jaxdepth.analyses.layer_structure import angular_distances, gromov_choice
+
+    if search.score == "generation" and decode is None:
+        raise ValueError("scoring by generation reads answers as text: give decode (a tokenizer's)")
+    L, N = config.num_layers, len(batch)
+    prompts = _prompts(batch, decode)
+
+    def score(members):
+        return score_programs(params, prompts, config, members, search, execution, decode)
+
+    found = beam_search(score, N, L, search)
+    shortest, loglik0 = found.shortest, found.loglik0
+    judge = lambda p, ll, r: bool(r) if search.score == "generation" else bool(ll >= loglik0[p] - search.margin)  # noqa: E731
     # the baseline: the angular rule's drop of as many layers as each right prompt's shortest program removes
     removed = [L - len(s) if s is not None else 0 for s in shortest]
     gromov, gromov_right = [None] * N, np.zeros(N, bool)
@@ -362,18 +392,18 @@ def search_programs(
                 program = tuple(l for l in range(L) if not block.start <= l < block.start + n)
                 gromov[p] = list(program)
                 members.append((p, program))
-        loglik, right, _ = score_programs(params, prompts, config, members, search, execution, decode)
+        loglik, right, _ = score(members)
         for m, (p, _) in enumerate(members):
             gromov_right[p] = judge(p, loglik[m], None if right is None else right[m])
     return ProgramSearchResult(
-        intact_right=np.asarray(right0, bool),
-        intact_loglik=np.asarray(loglik0, np.float64),
+        intact_right=found.right0,
+        intact_loglik=loglik0,
         shortest=shortest,
-        fixes=fixes,
-        answers=answers,
+        fixes=found.fixes,
+        answers=found.answers,
         gromov=gromov,
         gromov_right=gromov_right,
-        scored=np.asarray(scored, np.int64),
+        scored=np.asarray(found.scored, np.int64),
         num_layers=L,
         settings=dataclasses.asdict(search),
     )
