@@ -329,7 +329,7 @@ def _erased_readout(params, h, config: ModelConfig, reads, clean_r, position, bo
     return dataclasses.replace(r, logits=jnp.where(changed[..., None], r.logits, clean_r.logits))
 
 
-@partial(jit, static_argnames="config")
+@partial(jit, static_argnames=("config", "metric"))
 def _clean_state_readout(params, h_last, prompt: PromptArrays, config: ModelConfig, metric, interventions=None):
     """The clean run's `Readout` for `metric` from its last boundary's input (`clean_run`'s
     `hs[-1]`), after the interventions at the final residual: what the padding check reads."""

@@ -325,6 +325,10 @@ def skip_effects_of_prompt(
     return _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution)
 
 
+# the clean run's readout, called on its own (for the padding check)
+_clean_readout = partial(jit, static_argnames=("config", "metric"))(clean_readout)
+
+
 def _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution, label=0):
     """`skip_effects_of_prompt`, the prompt named `label` in a refusal of its metric."""
     L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
@@ -353,7 +357,7 @@ def _skip_effects(params, prompt, masks, config, skip, metric, interventions, ex
             refuse_prompt_padding(
                 metric,
                 prompt,
-                lambda: clean_readout(params, clean_final[None], prompt, config, metric),  # only where padded
+                lambda: _clean_readout(params, clean_final[None], prompt, config, metric),  # only where padded
                 analysis="layer skip",
                 label=label,
             )

@@ -200,11 +200,11 @@ def prompt_reads(metric: Metric, prompt: PromptArrays) -> Reads:
     return reads_at(metric, prompt.valid, prompt.answer_positions, prompt.answer_real, prompt.answer_targets)
 
 
-@partial(jit, static_argnames=("config", "metric"))
 def clean_readout(params, clean_final, prompt: PromptArrays, config: ModelConfig, metric: Metric) -> Readout:
     """The `Readout` `metric` is given of one prompt's clean run, whose final residual is
     `clean_final [1, T, D]`: its logits `[1, P, V]` at the positions the metric reads
-    (`prompt_reads`), and the same as `clean` where the metric reads the clean run."""
+    (`prompt_reads`), and the same as `clean` where the metric reads the clean run.
+    jit-traceable (`jit` it to call it eagerly)."""
     r = readout(params, clean_final, config, prompt_reads(metric, prompt))
     return dataclasses.replace(r, clean=r.logits if metric.clean else None)
 

@@ -8,6 +8,7 @@ import pytest
 
 from jaxdepth.analyses import erasure
 from jaxdepth.core import sites
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import residual_stream
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
@@ -25,11 +26,15 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
     np.testing.assert_allclose(
         baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(), rtol=1e-5, atol=1e-6
     )
-    result = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False)
+    result = erasure.residual_erasure(params, batch, CONFIG, baseline)
     # other chunks and pieces of 11 positions (the prompt padded to 33), or one piece: the same numbers
-    chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=7, blocks=3)
+    chunked = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, erasure.Erasure(blocks=3), execution=Execution(chunk_size=7)
+    )
     np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
-    chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=5, blocks=1)
+    chunked = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, erasure.Erasure(blocks=1), execution=Execution(chunk_size=5)
+    )
     np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
     i = 1
     one = batch.single(i)
