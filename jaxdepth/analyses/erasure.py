@@ -514,6 +514,10 @@ def residual_erasure(
     their own (`effect=`, `chunk_size=`, `progress=`, ...) are refused, with the value that
     says the same."""
     _refuse_loose("residual_erasure", loose)
+    if not isinstance(erasure, Erasure):
+        raise TypeError(
+            f"residual_erasure() takes what is measured as an Erasure, e.g. Erasure(blocks=2); got {erasure!r}"
+        )
     metric = None if metric is None else as_metric(metric, "erasure")
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):

@@ -472,6 +472,8 @@ def layer_skip(
     before, is refused with the form to write instead (`jaxdepth.analyses.metrics.as_metric`).
     """
     _refuse_loose("layer_skip", loose)
+    if not isinstance(skip, Skip):
+        raise TypeError(f"layer_skip() takes what is skipped as a Skip, e.g. Skip(sublayer='attn'); got {skip!r}")
     metric = None if metric is None else as_metric(metric, "layer skip")
     L = config.num_layers
     lengths, mode = batch.lengths, skip.mode

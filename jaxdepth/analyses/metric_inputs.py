@@ -18,8 +18,16 @@ padding when
 A metric that selects real positions by indexing, by `jnp.where` or by multiplying with a 0/1
 mask passes, and its numbers are untouched (the check only reads it).
 
-Where it runs: layer skip (on the clean h_L its first call of skipped runs computes, before any
-skipped run's metric), erasure (after the clean run, before any erasure), integrated gradients and
+A `jaxdepth.Metric` (`jaxdepth.analyses.metrics`) is given the logits at the positions it
+declares, a `Readout`: one of reads='last' sees no padding at all, one of reads='answer' only
+its answer span's padding (`Readout.real` false there), one of reads='all' every position of
+its prompt's padded length. The same rule holds for it on the readout's logits and `real` mask
+(`refuse_readout_padding`; `refuse_prompt_padding` for the analyses that run one prompt at a
+time), the readout's other fields held.
+
+Where it runs: layer skip (on the clean run's readout, `clean_readout`, of the h_L its first call
+of skipped runs computes, before any skipped run's metric), erasure (on the clean run's readout,
+after the clean run, before any erasure), integrated gradients and
 `Model.site_gradients` (one more forward, where a prompt is padded), `site_gradients` where its
 logits are concrete (called outside `jit`), and edge attribution's sequence metrics (the run's
 logits replaced; the clean logits it also receives are not) where the clean logits are concrete.

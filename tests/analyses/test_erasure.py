@@ -77,3 +77,35 @@ def test_the_analyses_of_a_run_compute_their_shared_baseline_once(params, batch,
     other_params = jax.tree.map(lambda x: x, params)
     erasure.baseline_residuals(run(SimpleNamespace(params=other_params, config=CONFIG), batch.select([0])))
     assert len(computed) == 3
+
+
+def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
+    """An `Execution`'s chunk size is the erasures' chunk (a static argument: traced anew) and
+    changes nothing but the chunking; its progress steps once per position piece."""
+    chunks, bars = [], []
+    vmapped = erasure.sweep
+    monkeypatch.setattr(
+        erasure, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
+    )
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def set_postfix(self, **_):
+            pass
+
+    one = batch.select([1])
+    baseline = erasure.mean_residuals(params, batch, CONFIG)
+    full = erasure.residual_erasure(params, one, CONFIG, baseline)
+    chunked = erasure.residual_erasure(
+        params, one, CONFIG, baseline, execution=Execution(chunk_size=2, progress=Recorder)
+    )
+    assert 2 in chunks
+    pieces = erasure.pieces_to_run(one.prompt(0))
+    assert [(b.total, b.done) for b in bars] == [(pieces, pieces)]
+    np.testing.assert_allclose(chunked.effects, full.effects, rtol=1e-5, atol=1e-7)

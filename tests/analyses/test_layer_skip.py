@@ -152,3 +152,30 @@ def test_new_intervention_values_do_not_recompile(params, batch):
         layer_skip.skip_effects_of_prompt(params, prompt, masks, CONFIG, Skip(sublayer="layer"))
         sizes.append([f._cache_size() for f in jitted])
     assert sizes[1] == sizes[0]
+
+
+def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
+    """An `Execution`'s chunk size is the skipped runs' chunk (a static argument: traced anew)
+    and changes nothing but the chunking; its progress counts the prompts."""
+    chunks, bars = [], []
+    vmapped = layer_skip.sweep
+    monkeypatch.setattr(
+        layer_skip, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
+    )
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+    two = batch.select([0, 1])
+    full = layer_skip.layer_skip(params, two, CONFIG)
+    chunked = layer_skip.layer_skip(params, two, CONFIG, execution=Execution(chunk_size=2, progress=Recorder))
+    assert 2 in chunks
+    assert [(b.total, b.done) for b in bars] == [(2, 2)]
+    np.testing.assert_allclose(chunked.later, full.later, atol=1e-6)
+    np.testing.assert_allclose(chunked.output, full.output, rtol=2e-6, atol=1e-7)
+    np.testing.assert_array_equal(chunked.split_positions, full.split_positions)
