@@ -304,9 +304,8 @@ def _erasure_sweep(
                 value = effect(probs, clean, reach, answer)
                 if metric is None:
                     return value
-                return value, metric(_erased_readout(params, h, config, reads, clean_r, position, boundary))[
-                    0
-                ] - clean_metric
+                erased = _erased_readout(params, h, config, reads, clean_r, position, boundary)
+                return value, metric(erased)[0] - clean_metric
 
             return sweep(member, k * width + jnp.arange(width), chunk_size)
 

@@ -385,3 +385,17 @@ def test_drops_and_swaps_run_their_own_layers_on_a_shared_schedule(num_layers):
             continue
         order = s.order(num_layers)
         assert schedule[_on_schedule(order, schedule)].tolist() == np.asarray(order.layers)[:, 0].tolist(), str(s)
+
+
+def test_the_loose_options_are_refused_with_the_values_that_say_the_same():
+    """How the sweep runs is one `Execution`, what generation reads one `Generation`: the
+    keywords they once were on their own are refused before anything runs."""
+    intact = [Structure("intact", 0, 0)]
+    with pytest.raises(TypeError, match=r"structure_scores\(\) takes how to run as one value: execution=jaxdepth"):
+        structure_scores(PARAMS, BATCH, CONFIG, intact, chunk_size=4)
+    with pytest.raises(TypeError, match=r"execution=jaxdepth.Execution\(memory_budget=1000, progress=False\)"):
+        structure_analysis(PARAMS, BATCH, CONFIG, max_block=1, memory_budget=1000, progress=False)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: decode, max_new_tokens"):
+        structure_analysis(PARAMS, BATCH, CONFIG, max_block=1, decode=_words, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        Generation(_words, 0)
