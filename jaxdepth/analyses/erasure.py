@@ -2,7 +2,7 @@
 measure how much the predictions of the answer tokens move.
 
 The (boundary, position) erasures of a prompt run in one compiled computation
-(`erasure_sweep`), every boundary at once. Erasing position t cannot change any position
+(`_erasure_sweep`), every boundary at once. Erasing position t cannot change any position
 before t (causal attention), so only positions p >= t are measured: an erasure after the last
 answer prediction is exactly 0, not float noise. The same fact saves work: the positions fall
 into pieces, and an erasure runs only the pieces from its own on, up to the one holding the
@@ -13,9 +13,12 @@ Under `interventions` (`jaxdepth.core.sites`; default none), the user's interven
 the clean run and on every erasure, composed in one order: the user's first, then the erasure's
 replacement, which so wins at its site (h_l[t] is the baseline whatever the user's
 interventions at `resid_pre` of layer l did to it). Each erasure is then exactly a full forward
-under the user's interventions and the replacement. A `metric` (a scalar function of one
-prompt's logits `[1, T, V]`) is measured beside the built-in effect: `metric(erased logits) -
-metric(clean logits)`, both under the user's interventions.
+under the user's interventions and the replacement. A `metric` (a `jaxdepth.Metric`, read at
+the positions it declares) is measured beside the built-in effect: `metric(erased run) -
+metric(clean run)`, both under the user's interventions.
+
+What is measured is one value, `Erasure` (the effect, the position pieces); how it runs
+(chunks, memory, progress) is a `jaxdepth.Execution`.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.core.progress import ProgressLike, progress_bar
+from jaxdepth.core.progress import progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
+from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import final_residual, run_layers_in_pieces
@@ -39,8 +43,9 @@ from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.suite import Analysis, RunInputs, per_prompt_figures
-from jaxdepth.analyses.metric_inputs import ONE_PROMPT_HINT, refuse_padding_reads
-from jaxdepth.analyses.stats import masked_max, metric_value, norm
+from jaxdepth.analyses.metric_inputs import clean_readout, prompt_reads, refuse_prompt_padding
+from jaxdepth.analyses.metrics import Metric, as_metric, readout
+from jaxdepth.analyses.stats import masked_max, norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
 
@@ -51,6 +56,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 
 __all__ = [
     "residual_erasure",
+    "Erasure",
     "ErasureResult",
     "mean_residuals",
     "erasure_of_prompt",
@@ -93,7 +99,7 @@ def mean_residuals(
 # Erasure positions fall into up to this many pieces of at least MIN_PIECE positions. An erasure
 # in piece k runs only pieces k.. (erasing position t changes no position before t), so the work
 # falls to about (pieces + 1) / (2 * pieces) of running every position (0.5625 at 8). The pieces
-# are rows of one compiled computation (`erasure_sweep`), not separate shapes: a prompt length
+# are rows of one compiled computation (`_erasure_sweep`), not separate shapes: a prompt length
 # compiles once, however many pieces.
 PREFIX_BLOCKS = 8
 MIN_BLOCK = 8
@@ -130,6 +136,38 @@ def answer_probability_change(probs, clean, reach, answer):
 EFFECTS = {"probability_shift": probability_shift, "answer_probability_change": answer_probability_change}
 
 
+@dataclasses.dataclass(frozen=True)
+class Erasure:
+    """What a residual erasure measures, and the pieces its positions fall into (how it runs
+    is a `jaxdepth.Execution`).
+
+    effect: the name of what is measured (`EFFECTS`): METHODS' 'probability_shift' (default)
+        or 'answer_probability_change', the exact change of the integrated-gradients
+        objective (what `jaxdepth.analyses.attribution.attribution_patching` estimates).
+    blocks: the position pieces of `erasure_of_prompt` (default `default_blocks(T)`; 1 turns
+        the saving off); the result does not depend on it."""
+
+    effect: str = "probability_shift"
+    blocks: Optional[int] = None
+
+    def __post_init__(self):
+        if self.effect not in EFFECTS:
+            raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {self.effect!r}")
+        if self.blocks is not None and (isinstance(self.blocks, bool) or int(self.blocks) < 1):
+            raise ValueError(f"blocks must be a whole number >= 1 or None, got {self.blocks!r}")
+
+
+def _refuse_loose(function: str, options: dict) -> None:
+    """A `TypeError` for the keywords an erasure once took on its own: the fields of `Erasure`
+    (shown as the `Erasure` that says the same), and those of `Execution`
+    (`refuse_loose_options`)."""
+    fields = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(Erasure)}}
+    if fields:
+        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        raise TypeError(f"{function}() takes what is measured as one value: Erasure({shown})")
+    refuse_loose_options(function, options)
+
+
 @partial(jit, static_argnames="config")
 def clean_run(params, prompt: PromptArrays, config: ModelConfig, *, interventions=None):
     """What every erasure of `prompt` (`PromptArrays` with its answer positions) starts from, all
@@ -153,19 +191,7 @@ def _answer_of(prompt: PromptArrays):
     return prompt.answer_targets, real
 
 
-def _erased_logits(logits, clean_logits, position, boundary, num_layers: int):
-    """A whole prompt's logits `[1, T, V]` under the erasure of h_boundary[position], from the
-    suffix run's logits `[1, S, V]` (positions T-S..T-1): the clean logits wherever causality
-    leaves them unchanged (before `position`; at the last boundary, everywhere but `position`),
-    so that a metric reading only those changes by exactly 0, not float noise."""
-    T, S = clean_logits.shape[1], logits.shape[1]
-    pos = jnp.arange(T)
-    changed = jnp.where(boundary == num_layers, pos == position, pos >= position)
-    suffix = jnp.concatenate([clean_logits[:, : T - S], logits], axis=1)
-    return jnp.where(changed[None, :, None], suffix, clean_logits)
-
-
-def erased_final_residual(
+def _erased_final_residual(
     params,
     clean_state,
     valid,
@@ -208,7 +234,7 @@ def erased_final_residual(
 
 
 @partial(jit, static_argnames=("config", "width", "chunk_size", "effect", "metric"))
-def erasure_sweep(
+def _erasure_sweep(
     params,
     clean_state,
     prompt: PromptArrays,
@@ -219,7 +245,7 @@ def erasure_sweep(
     chunk_size: Optional[int] = None,
     effect=probability_shift,
     interventions=None,
-    metric: Optional[Callable] = None,
+    metric: Optional[Metric] = None,
     pieces=None,
 ):
     """`[L+1, T]` effects of erasing h_l[t] for every boundary l and position t of `prompt`
@@ -227,13 +253,13 @@ def erasure_sweep(
     config, interventions=...)`, as one compiled computation. `effect(probs, clean, reach,
     answer)` turns the erased and clean answer distributions into the effect (see
     `probability_shift`); `answer = (targets [A], real [A])` is what it may read (`_answer_of`).
-    With `metric`, returns `(effects, metric_changes)` (see `erasure_of_prompt`).
+    With `metric` (a `Metric`), returns `(effects, metric_changes)` (see `erasure_of_prompt`).
 
     The positions fall into pieces of `width`. The erasures of piece k (every boundary, its
     positions as one chunked sweep) run pieces k.. only, from their boundary on
-    (`erased_final_residual`), and up to the last piece a measurement reads: the one holding
-    the last answer position (every position with a metric). Positions after the last answer
-    position are not run at all: their effects are exactly 0.
+    (`_erased_final_residual`), and up to the last piece a measurement reads: the one holding
+    the last answer position, or the last position the metric reads. Positions after it are
+    not run at all: their effects are exactly 0.
 
     `pieces = (first, stop)` runs pieces first..stop-1 only, leaving the other columns 0. The
     bounds are traced: every range is the same compiled computation, so a caller can run the
@@ -245,16 +271,18 @@ def erasure_sweep(
     if T % width:
         raise ValueError(f"the prompt's length {T} must be a multiple of the piece width {width}")
     ivs = check_layer_indices(interventions, L)
-    last = T - 1 if metric is not None else jnp.max(answer_positions)
+    last = jnp.max(answer_positions)
+    if metric is not None:  # the clean run's readout, at the positions the metric reads
+        reads = prompt_reads(metric, prompt)
+        last = jnp.maximum(last, jnp.max(reads.positions))
+        clean_r = clean_readout(params, final_residual(hs[-1], config, ivs), prompt, config, metric)
+        clean_metric = metric(clean_r)[0]
     last_piece = last // width
-    if metric is not None:  # the whole clean output: a metric reads every position
-        clean_logits = unembed(params, final_residual(hs[-1], config, ivs), config)
-        clean_metric = metric_value(metric, clean_logits)
 
     def piece_effects(k, out):
         def boundary_effects(boundary):
             def member(position):
-                h = erased_final_residual(
+                h = _erased_final_residual(
                     params,
                     clean_state,
                     valid,
@@ -270,14 +298,14 @@ def erasure_sweep(
                 # Causality: an erasure at t changes no position before t, and at the last boundary
                 # (after every layer) it changes position t alone. Masking the rest gives exact zeros.
                 reach = jnp.where(boundary == L, answer_positions == position, answer_positions >= position)
-                # The LM head on the answer rows only; with a metric too, which reads every row, the
-                # effect is still taken from these rows' own product, so it is the same to the bit.
+                # The LM head on the answer rows only; with a metric too, which reads its own rows,
+                # the effect is still taken from these rows' own product, so it is the same to the bit.
                 probs = jax.nn.softmax(unembed(params, h[:, answer_positions], config), axis=-1)
                 value = effect(probs, clean, reach, answer)
                 if metric is None:
                     return value
-                erased = _erased_logits(unembed(params, h, config), clean_logits, position, boundary, L)
-                return value, metric_value(metric, erased) - clean_metric
+                erased = _erased_readout(params, h, config, reads, clean_r, position, boundary)
+                return value, metric(erased)[0] - clean_metric
 
             return sweep(member, k * width + jnp.arange(width), chunk_size)
 
@@ -289,21 +317,42 @@ def erasure_sweep(
     return jax.lax.fori_loop(first, stop, piece_effects, zeros if metric is None else (zeros, zeros))
 
 
-@partial(jit, static_argnames="config")
-def _clean_logits(params, h_last, config: ModelConfig, interventions=None):
-    """The clean run's logits `[1, T, V]` from its last boundary's input (`clean_run`'s `hs[-1]`),
-    after the interventions at the final residual: what a metric reads of the clean run."""
+def _erased_readout(params, h, config: ModelConfig, reads, clean_r, position, boundary):
+    """The metric's `Readout` of the erasure of h_boundary[position], whose final residual is
+    `h [1, T, D]`: the logits at the read positions, the clean run's (`clean_r`) wherever
+    causality leaves them unchanged (before `position`; at the last boundary, everywhere but
+    `position`), so that a metric reading only those changes by exactly 0, not float noise."""
+    r = readout(params, h, config, reads, clean=clean_r.clean)
+    at = reads.positions
+    changed = jnp.where(boundary == config.num_layers, at == position, at >= position)
+    return dataclasses.replace(r, logits=jnp.where(changed[..., None], r.logits, clean_r.logits))
+
+
+@partial(jit, static_argnames=("config", "metric"))
+def _clean_state_readout(params, h_last, prompt: PromptArrays, config: ModelConfig, metric, interventions=None):
+    """The clean run's `Readout` for `metric` from its last boundary's input (`clean_run`'s
+    `hs[-1]`), after the interventions at the final residual: what the padding check reads."""
     ivs = check_layer_indices(interventions, config.num_layers)
-    return unembed(params, final_residual(h_last, config, ivs), config)
+    return clean_readout(params, final_residual(h_last, config, ivs), prompt, config, metric)
 
 
-def pieces_to_run(prompt: PromptArrays, blocks: Optional[int] = None, metric: Optional[Callable] = None) -> int:
+def _last_read(prompt: PromptArrays, metric: Optional[Metric]) -> int:
+    """The last position an erasure of `prompt` measures (host): its last answer position, or
+    the last one `metric` reads where that is later (its last token, or its last position)."""
+    last = int(np.max(to_host(prompt.answer_positions)))
+    if metric is None or metric.reads == "answer":
+        return last
+    if metric.reads == "last":
+        return max(last, int(np.sum(to_host(prompt.valid))) - 1)
+    return prompt.tokens.shape[1] - 1
+
+
+def pieces_to_run(prompt: PromptArrays, blocks: Optional[int] = None, metric: Optional[Metric] = None) -> int:
     """How many position pieces the erasures of `prompt` run (`erasure_of_prompt`, `blocks` as
-    there): those up to the one holding the last answer position, every piece with a metric."""
+    there): those up to the one holding the last answer position or, with a `metric`, the last
+    position it reads (its last token for reads='last', every piece for reads='all')."""
     T = prompt.tokens.shape[1]
-    width = piece_width(T, blocks)
-    last = T - 1 if metric is not None else int(np.max(to_host(prompt.answer_positions)))
-    return last // width + 1
+    return _last_read(prompt, metric) // piece_width(T, blocks) + 1
 
 
 def _place(out, part, columns: slice):
@@ -317,41 +366,52 @@ def erasure_of_prompt(
     prompt: PromptArrays,
     baseline,
     config: ModelConfig,
+    erasure: Erasure = Erasure(),
     *,
-    chunk_size: Optional[int] = None,
-    blocks: Optional[int] = None,
-    effect=probability_shift,
+    metric: Optional[Metric] = None,
     interventions=None,
-    metric: Optional[Callable] = None,
-    on_piece: Optional[Callable[[], object]] = None,
-    label=0,
+    execution: Execution = Execution(),
 ):
     """`[L+1, T]` effects of erasing h_l[t] for one prompt (`PromptArrays`: `tokens`, `valid`
     `[1, T]`; `answer_positions [A]`, the positions predicting answer tokens, repeats allowed,
-    the real ones marked by `answer_real [A]`, default all), measured by `effect` (see
-    `erasure_sweep`).
+    the real ones marked by `answer_real [A]`, default all), measured by `erasure.effect` (see
+    `EFFECTS`), `execution.chunk_size` erasures vmapped at once (None: all), `execution.progress`
+    a bar over the position pieces.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
     erasure: the user's first, then the replacement of h_l[t], which so wins at its site. They
     must act on each position alone (as every built-in kind does), and their position-indexed
     data must broadcast to a piece's rows and to the prompt's (`[L, 1]` masks, not `[L, T]`).
-    With `metric` (a jit-traceable function of the prompt's logits `[1, T, V]` returning a
-    scalar; define it once: it is a static argument), returns `(effects, metric_changes
-    [L+1, T])`, `metric(erased) - metric(clean)`, both under `interventions`; a metric that
-    reads the prompt's padding (or the positions added to whole pieces) is refused before any
-    erasure runs (`jaxdepth.analyses.metric_inputs.refuse_padding_reads`; `label` names the
-    prompt there).
+    With `metric` (a `jaxdepth.Metric`, read at the positions it declares, the clean run's
+    logits there as `Readout.clean` where it says `clean=True`; define it once: it is a static
+    argument), returns `(effects, metric_changes [L+1, T])`, `metric(erased) - metric(clean)`,
+    both under `interventions`; a metric that reads the prompt's padding (reads='all', with the
+    positions added to whole pieces) or its answer span's padding is refused before any erasure
+    runs (`jaxdepth.analyses.metric_inputs.refuse_prompt_padding`).
 
-    Erasing position t changes no position before t, so the positions are split into `blocks`
-    pieces (default `default_blocks(T)`; 1 turns the saving off) and an erasure runs only the
-    positions from its piece on. The prompt is padded to whole pieces (invalid positions the
-    result leaves out); every piece runs in the same compiled computation (`erasure_sweep`).
-    Each piece is a call of its own, all of them queued at once, so the device runs them back to
-    back; `on_piece()` (e.g. a progress bar's step) is called as each one finishes, in order,
-    `pieces_to_run` times. Returns numpy arrays.
+    Erasing position t changes no position before t, so the positions are split into
+    `erasure.blocks` pieces (default `default_blocks(T)`; 1 turns the saving off) and an erasure
+    runs only the positions from its piece on. The prompt is padded to whole pieces (invalid
+    positions the result leaves out); every piece runs in the same compiled computation. Each
+    piece is a call of its own, all of them queued at once, so the device runs them back to
+    back, `pieces_to_run` of them. Returns numpy arrays.
     """
+    metric = None if metric is None else as_metric(metric, "erasure")
+    with progress_bar(
+        execution.progress,
+        total=pieces_to_run(prompt, erasure.blocks, metric),
+        desc="residual erasure (position pieces)",
+    ) as bar:
+        return _erasure_of_prompt(
+            params, prompt, baseline, config, erasure, metric, interventions, execution, bar.update
+        )
+
+
+def _erasure_of_prompt(params, prompt, baseline, config, erasure, metric, interventions, execution, on_piece, label=0):
+    """`erasure_of_prompt`, `on_piece()` called as each piece finishes (in order), the prompt
+    named `label` in a refusal of its metric."""
     T = prompt.tokens.shape[1]
-    width, count = piece_width(T, blocks), pieces_to_run(prompt, blocks, metric)
+    width, count = piece_width(T, erasure.blocks), pieces_to_run(prompt, erasure.blocks, metric)
     pad = -T % width
     if pad:  # whole pieces: positions that no valid key or answer reads
         prompt = dataclasses.replace(
@@ -359,24 +419,23 @@ def erasure_of_prompt(
         )
     state = clean_run(params, prompt, config, interventions=interventions)
     if metric is not None:
-        refuse_padding_reads(
+        refuse_prompt_padding(
             metric,
-            lambda: _clean_logits(params, state[0][-1], config, interventions),  # only where padded
-            prompt.valid,
+            prompt,
+            lambda: _clean_state_readout(params, state[0][-1], prompt, config, metric, interventions),  # where padded
             analysis="erasure",
-            prompts=[label],
-            hint=ONE_PROMPT_HINT,
+            label=label,
         )
     run = partial(
-        erasure_sweep,
+        _erasure_sweep,
         params,
         state,
         prompt,
         baseline,
         config,
         width=width,
-        chunk_size=chunk_size,
-        effect=effect,
+        chunk_size=execution.chunk_size,
+        effect=EFFECTS[erasure.effect],
         interventions=interventions,
         metric=metric,
     )
@@ -387,8 +446,7 @@ def erasure_of_prompt(
     out = zeros() if metric is None else (zeros(), zeros())
     for k, part in enumerate(parts):
         _place(out, part, slice(k * width, (k + 1) * width))
-        if on_piece is not None:
-            on_piece()
+        on_piece()
     return jax.tree.map(lambda x: x[:, :T], out)
 
 
@@ -397,11 +455,10 @@ class ErasureResult(SavedResult):
     """`effects [P, L+1, T]` per prompt: `effects[p, l, t]` is the effect of erasing h_l[t]
     (boundary l = 0..L, h_0 the embeddings and h_L the final residual; position t), 0 beyond
     each prompt's length, with the prompts' tokens, lengths and answer starts so plots can
-    label positions. `settings` holds 'effect' when it is not 'probability_shift', and whatever
-    the caller passed.
+    label positions. `settings` holds 'effect' when it is not 'probability_shift'.
 
-    `metric_change [P, L+1, T]`, where a metric was given: `metric(erased logits) -
-    metric(clean logits)` per erasure (0 beyond each prompt's length); None otherwise, and in
+    `metric_change [P, L+1, T]`, where a metric was given: `metric(erased run) -
+    metric(clean run)` per erasure (0 beyond each prompt's length); None otherwise, and in
     results saved before it existed."""
 
     effects: np.ndarray
@@ -417,21 +474,18 @@ def residual_erasure(
     batch: PromptBatch,
     config: ModelConfig,
     baseline: np.ndarray,
+    erasure: Erasure = Erasure(),
     *,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    blocks: Optional[int] = None,
-    effect: str = "probability_shift",
-    progress: ProgressLike = True,
-    settings=None,
+    metric: Optional[Metric] = None,
     interventions=None,
-    metric: Optional[Callable] = None,
+    execution: Execution = Execution(),
+    **loose,
 ) -> ErasureResult:
-    """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline (`blocks`: the
-    position pieces of `erasure_of_prompt`; the result does not depend on it). `effect` names
-    what is measured (`EFFECTS`): METHODS' 'probability_shift' (default) or
+    """Residual erasure for every prompt of `batch` against a `[L+1, D]` baseline, measuring
+    what `erasure` (`Erasure`) names: METHODS' 'probability_shift' (default) or
     'answer_probability_change', the exact change of the integrated-gradients objective (what
-    `jaxdepth.analyses.attribution.attribution_patching` estimates).
+    `jaxdepth.analyses.attribution.attribution_patching` estimates); `erasure.blocks`, the
+    position pieces of `erasure_of_prompt`, leaves the result as it is.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
     erasure, the user's first, then the replacement of h_l[t] (which so wins at its site):
@@ -441,21 +495,29 @@ def residual_erasure(
     data indexed by position must broadcast to every length (`[L, 1]` keep-masks, head
     ablations, a vector added at every position); data that does not is refused at trace time.
 
-    `metric` (default none): a jit-traceable function of one prompt's float32 logits
-    `[1, T, V]` returning a scalar (anything else is refused at trace time), defined once (it is
-    a static argument: a new function compiles anew). `metric_change` then holds
-    `metric(erased) - metric(clean)` for every erasure, beside `effects`. T is the prompt's
-    padded length (its length bucket, `PromptBatch.buckets`): positions from its length on are
-    padding, and a metric that reads them (`logits[0, -1]` of a padded prompt) is refused, a
-    `ValueError` naming the prompt and its length, before any erasure runs
-    (`jaxdepth.analyses.metric_inputs`): read only positions every prompt has.
+    `metric` (default none): a `jaxdepth.Metric`, one value per prompt, read at the positions
+    it declares (reads='last': the prompt's last real token; 'answer': its answer span, the
+    answer tokens as `Readout.targets`; 'all': every position at its padded length,
+    `Readout.real` false at the padding), the clean run's logits there as `Readout.clean` where
+    it says `clean=True`; define it once (a static argument: a new one compiles anew).
+    `metric_change` then holds `metric(erased) - metric(clean)` for every erasure, beside
+    `effects`. A metric that reads padding (of a reads='all' prompt, or of an answer span) is
+    refused, a `ValueError` naming the prompt and its length, before any erasure runs
+    (`jaxdepth.analyses.metric_inputs`); a plain function of the logits, the form this took
+    before, is refused with the form to write instead.
 
-    `chunk_size` and `memory_budget` (bytes; default a share of the free memory) bound how many
-    erasures are vmapped at once: memory, not what is computed. `progress` shows a progress
-    bar over the position pieces of every prompt (`pieces_to_run`), one step as each piece
-    finishes; `settings` (a dict) is stored in the result."""
-    if effect not in EFFECTS:
-        raise ValueError(f"effect must be one of {', '.join(EFFECTS)}, got {effect!r}")
+    `execution` (`jaxdepth.Execution`) says how it runs: `chunk_size` and `memory_budget`
+    (bytes; default a share of the free memory) bound how many erasures are vmapped at once
+    (memory, not what is computed); `progress` shows a bar over the position pieces of every
+    prompt (`pieces_to_run`), one step as each piece finishes. The keywords these once were on
+    their own (`effect=`, `chunk_size=`, `progress=`, ...) are refused, with the value that
+    says the same."""
+    _refuse_loose("residual_erasure", loose)
+    if not isinstance(erasure, Erasure):
+        raise TypeError(
+            f"residual_erasure() takes what is measured as an Erasure, e.g. Erasure(blocks=2); got {erasure!r}"
+        )
+    metric = None if metric is None else as_metric(metric, "erasure")
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
@@ -463,23 +525,22 @@ def residual_erasure(
     changes = None if metric is None else np.zeros((len(batch), L + 1, T), np.float32)
     prompts = [batch.prompt(i) for i in range(len(batch))]
     # A step per piece, not per prompt: one prompt's erasures can take minutes.
-    total = sum(pieces_to_run(prompt, blocks, metric) for prompt in prompts)
-    with progress_bar(progress, total=total, desc="residual erasure (position pieces)") as bar:
+    total = sum(pieces_to_run(prompt, erasure.blocks, metric) for prompt in prompts)
+    with progress_bar(execution.progress, total=total, desc="residual erasure (position pieces)") as bar:
         for i, prompt in enumerate(prompts):
             bar.set_postfix(prompt=f"{i + 1}/{len(prompts)}")
             Ti = prompt.tokens.shape[1]
-            chunk = chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=memory_budget)
-            out = erasure_of_prompt(
+            chunk = execution.chunk_size or auto_chunk_size(config, Ti, Ti, memory_budget=execution.memory_budget)
+            out = _erasure_of_prompt(
                 params,
                 prompt,
                 baseline,
                 config,
-                chunk_size=chunk,
-                blocks=blocks,
-                effect=EFFECTS[effect],
-                interventions=interventions,
-                metric=metric,
-                on_piece=bar.update,
+                erasure,
+                metric,
+                interventions,
+                execution.replace(chunk_size=chunk),
+                bar.update,
                 label=i,
             )
             if metric is not None:
@@ -487,9 +548,8 @@ def residual_erasure(
                 n = int(batch.lengths[i])  # erasures of padding positions are no erasures of the prompt
                 changes[i, :, :n] = change[:, :n]
             effects[i, :, :Ti] = out
-    settings = dict(settings or {})
-    if effect != "probability_shift":  # the default stays unrecorded: results saved before read the same
-        settings["effect"] = effect
+    settings = {} if erasure.effect == "probability_shift" else {"effect": erasure.effect}
+    # (the default effect stays unrecorded: results saved before read the same)
     return ErasureResult(
         effects=effects,
         tokens=batch.tokens,
@@ -569,8 +629,7 @@ ANALYSIS = Analysis(
         x.batch,
         x.model.config,
         baseline_residuals(x),
-        memory_budget=x.settings.memory_budget,
-        progress=x.progress,
+        execution=Execution(progress=x.progress, memory_budget=x.settings.memory_budget),
     ),
     figures=per_prompt_figures(erasure_figure),
     summary=lambda r: [f"erasure max effect {float(r.effects.max()):.3g}"],

@@ -16,8 +16,11 @@ clean run and on every skipped run, composed in one order: the user's first, the
 (a keep-mask at `delta`, `attn_out` or `mlp_out`, which so wins at its site: the skipped
 (sub)layer adds nothing at the skipped positions, whatever the user's interventions made of
 it). Every effect is then that of full forwards under the user's interventions, with and
-without the skip. A `metric` (a scalar function of one prompt's logits `[1, T, V]`) is
-measured beside the built-in effects: `metric(skipped logits) - metric(clean logits)`.
+without the skip. A `metric` (a `jaxdepth.Metric`, read at the positions it declares) is
+measured beside the built-in effects: `metric(skipped run) - metric(clean run)`.
+
+What is skipped and measured is one value, `Skip` (the sublayer, the mode, the split
+positions); how it runs (chunks, memory, progress) is a `jaxdepth.Execution`.
 """
 
 from __future__ import annotations
@@ -25,24 +28,26 @@ from __future__ import annotations
 import dataclasses
 import random
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
+from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import layer_inputs, unembed
+from jaxdepth.analyses.metrics import Metric, as_metric, readout
 from jaxdepth.core.sites import as_interventions, skip as skip_at
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.analyses.metric_inputs import ONE_PROMPT_HINT, final_logits, refuse_padding_reads
-from jaxdepth.analyses.stats import masked_max, metric_value, norm, relative_norm
-from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep
+from jaxdepth.analyses.metric_inputs import clean_readout, prompt_reads, refuse_prompt_padding
+from jaxdepth.analyses.stats import masked_max, norm, relative_norm
+from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
 from jaxdepth.analyses.effective_depth import depth_score
 from jaxdepth.analyses.suite import Analysis, Settings, option
@@ -52,6 +57,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the
 
 __all__ = [
     "layer_skip",
+    "Skip",
     "LayerSkipResult",
     "layer_skip_sublayers",
     "LayerSkipBySublayer",
@@ -68,6 +74,51 @@ __all__ = [
 SUBLAYERS = {"layer": "delta", "attn": "attn_out", "mlp": "mlp_out"}
 MODES = ("future", "current")
 SPLITS = ("sampled", "answer_start")
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """What a layer skip skips and where it measures (how it runs is a `jaxdepth.Execution`).
+
+    sublayer: 'layer' (the whole layer, attention and MLP), 'attn' or 'mlp' (`SUBLAYERS`).
+    mode: 'future' (default) skips before each split position and measures from it on;
+        'current' skips every position but 0 and measures every position (no split position,
+        so `splits` stays 'sampled').
+    splits: the future mode's split positions: 'sampled' (default, `splits_per_prompt` per
+        prompt drawn with `seed`, METHODS §3) or 'answer_start' (each prompt's answer start
+        alone, `PromptBatch.answer_start`)."""
+
+    sublayer: str = "layer"
+    mode: str = "future"
+    splits: str = "sampled"
+    seed: int = 123
+    splits_per_prompt: int = 4
+
+    def __post_init__(self):
+        if self.sublayer not in SUBLAYERS or self.mode not in MODES or self.splits not in SPLITS:
+            raise ValueError(
+                f"sublayer must be one of {tuple(SUBLAYERS)}, mode one of {MODES} and splits one of {SPLITS}"
+            )
+        if self.mode == "current" and self.splits != "sampled":
+            raise ValueError(
+                f"splits={self.splits!r} needs mode='future': the 'current' mode skips every position but 0 "
+                "and has no split position"
+            )
+
+    def of_a_run(self) -> "Skip":
+        """This skip without its split sampling: what one prompt's skipped runs depend on (a
+        static key of `skipped_runs` that a new seed does not change)."""
+        return Skip(self.sublayer, self.mode)
+
+
+def _refuse_loose(function: str, options: dict) -> None:
+    """A `TypeError` for the keywords a layer skip once took on its own: the fields of `Skip`
+    (shown as the `Skip` that says the same), and those of `Execution` (`refuse_loose_options`)."""
+    fields = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(Skip)}}
+    if fields:
+        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        raise TypeError(f"{function}() takes what is skipped as one value: skip=Skip({shown})")
+    refuse_loose_options(function, options)
 
 
 def sample_split_positions(
@@ -113,7 +164,7 @@ def _tap_relative_change(measure):
     return tap
 
 
-@partial(jit, static_argnames=("config", "sublayer", "chunk_size", "mode"))
+@partial(jit, static_argnames=("config", "skip", "chunk_size"))
 def skipped_runs(
     params,
     prompt: PromptArrays,
@@ -121,14 +172,14 @@ def skipped_runs(
     masks: SkipMasks,
     config: ModelConfig,
     *,
-    sublayer: str = "layer",
+    skip: Skip = Skip(),
     chunk_size: Optional[int] = None,
-    mode: str = "future",
     interventions=None,
 ):
-    """Skip `sublayer` of each layer s of `layers [G]` under K position masks, on one prompt
-    (`PromptArrays`: its `tokens`, `valid` `[1, T]`): every layer-skip forward, without the LM
-    head.
+    """Skip `skip.sublayer` of each layer s of `layers [G]` under K position masks, on one
+    prompt (`PromptArrays`: its `tokens`, `valid` `[1, T]`): every layer-skip forward, without
+    the LM head, `chunk_size` members vmapped at once (None: all). `skip.mode` as below; its
+    split sampling plays no part (the masks say where).
 
     Member (s, k) skips layer s where `masks.skip[k]` is 1 and measures where
     `masks.measure[k]` (and `valid`) hold. Returns `(later [G, K, L], final [G, K, T, D],
@@ -147,6 +198,7 @@ def skipped_runs(
     (`jaxdepth.core.model.layer_inputs`), so they act once, as in a full forward.
     """
     L, tokens, valid = config.num_layers, prompt.tokens, prompt.valid
+    sublayer, mode = skip.sublayer, skip.mode
     ivs = as_interventions(interventions)
     # Without interventions, each layer's input is h_l of the residual stream and Δ_j = h_{j+1} - h_j.
     starts, clean_final, clean_deltas = layer_inputs(
@@ -155,14 +207,14 @@ def skipped_runs(
 
     def runs_of_layer(layer):
         def member(m):
-            skip, measure = m
+            keep, measure = m
             h, later = run_layers(
                 params,
                 starts[layer],
                 config,
                 start=layer,
                 valid=valid,
-                interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, skip)),
+                interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, keep)),
                 tap=_tap_relative_change(measure[None] & valid),
                 tap_inputs=clean_deltas,
             )
@@ -198,15 +250,17 @@ def output_shifts(params, final, clean_final, rows, members, config: ModelConfig
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def metric_changes(params, final, clean_final, config: ModelConfig, metric):
-    """`[G, K]` changes `metric(logits) - metric(clean logits)` of the runs `final [G, K, T, D]`
-    (from `skipped_runs`) against `clean_final [T, D]`, the metric a static, jit-traceable
-    function of one prompt's logits `[1, T, V]` returning a scalar (anything else is refused at
-    trace time). The LM head runs on every position of one run at a time (`lax.map`): the
-    metric may read any position, and one `[T, V]` logit tensor exists at once."""
+def metric_changes(params, final, clean_final, prompt: PromptArrays, config: ModelConfig, metric: Metric):
+    """`[G, K]` changes `metric(skipped run) - metric(clean run)` of the runs `final
+    [G, K, T, D]` (from `skipped_runs`) against `clean_final [T, D]`, of one prompt
+    (`PromptArrays`; for a metric of reads='answer', with its answer span). The final norm and
+    LM head run at the metric's positions only (`jaxdepth.analyses.metric_inputs.prompt_reads`),
+    of one run at a time (`lax.map`), the clean run's logits there given as `Readout.clean`
+    where the metric reads them. The metric is static (define it once)."""
     G, K, T, D = final.shape
-    clean = metric_value(metric, unembed(params, clean_final[None], config))
-    change = lambda h: metric_value(metric, unembed(params, h[None], config)) - clean
+    clean = clean_readout(params, clean_final[None], prompt, config, metric)
+    reads, clean_value = prompt_reads(metric, prompt), metric(clean)[0]
+    change = lambda h: metric(readout(params, h[None], config, reads, clean=clean.clean))[0] - clean_value
     return jax.lax.map(change, final.reshape(G * K, T, D)).reshape(G, K)
 
 
@@ -225,12 +279,11 @@ def measured_rows(measure_masks: np.ndarray, valid: np.ndarray) -> tuple[np.ndar
 
 
 def skipped_layer_groups(
-    config: ModelConfig, T: int, n_members: int, *, memory_budget: Optional[int] = None, bytes_per: int = 4
+    config: ModelConfig, T: int, n_members: int, execution: Execution = Execution(), *, bytes_per: int = 4
 ) -> int:
     """Skipped layers per `skipped_runs` call: all L unless their last residuals `[G, K, T, D]`
-    would take more than a quarter of `memory_budget` (default: the free memory's share that
-    sweeps use)."""
-    budget = available_memory_budget() if memory_budget is None else memory_budget
+    would take more than a quarter of `execution`'s memory budget (`Execution.budget`)."""
+    budget = execution.budget()
     per_layer = n_members * T * config.hidden_size * bytes_per
     return int(np.clip(budget // 4 // per_layer, 1, config.num_layers))
 
@@ -240,42 +293,50 @@ def skip_effects_of_prompt(
     prompt: PromptArrays,
     masks: SkipMasks,
     config: ModelConfig,
+    skip: Skip = Skip(),
     *,
-    sublayer: str = "layer",
-    chunk_size: Optional[int] = None,
-    mode: str = "future",
-    layers_per_call: Optional[int] = None,
-    memory_budget: Optional[int] = None,
+    metric: Optional[Metric] = None,
     interventions=None,
-    metric: Optional[Callable] = None,
-    label=0,
+    execution: Execution = Execution(),
 ):
-    """Effects of skipping `sublayer` of every layer s under K position masks, on one prompt
-    (`PromptArrays`: its `tokens`, `valid` `[1, T]`; `masks`: `SkipMasks` of host arrays,
-    `skip [K, T]` float, `measure [K, T]` bool). Returns numpy `(later [L, K, L], output [L, K])`
-    (see `skipped_runs`).
+    """Effects of skipping `skip.sublayer` of every layer s under K position masks, on one
+    prompt (`PromptArrays`: its `tokens`, `valid` `[1, T]`, and for a metric of reads='answer'
+    its answer span; `masks`: `SkipMasks` of host arrays, `skip [K, T]` float, `measure [K, T]`
+    bool), in `skip.mode`. Returns numpy `(later [L, K, L], output [L, K])` (see
+    `skipped_runs`).
 
-    The forwards run in calls of `layers_per_call` skipped layers (default
-    `skipped_layer_groups` within `memory_budget`: all of them where memory allows); the LM head then runs on the
-    measured positions only (`output_shifts`), about half of them in the 'future' mode. The
-    output effect of skipping the last layer is exactly 0 where it is skipped at no measured
-    position: it feeds nothing but the output at its own positions.
+    The forwards run in calls of as many skipped layers as `execution`'s memory budget holds
+    (`skipped_layer_groups`: all of them where memory allows), `execution.chunk_size` members
+    vmapped at once (None: all); the LM head then runs on the measured positions only
+    (`output_shifts`), about half of them in the 'future' mode. The output effect of skipping
+    the last layer is exactly 0 where it is skipped at no measured position: it feeds nothing
+    but the output at its own positions.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
-    skipped run: the user's first, then the skip (see `skipped_runs`). With `metric` (see
-    `metric_changes`), returns `(later, output, metric_change [L, K])`: each member's
-    `metric(logits) - metric(clean logits)` on the whole output `[1, T, V]`, positions before
-    the split included (where the skip acts directly), both under `interventions`. A metric
-    that reads the prompt's padding is refused before it is measured
-    (`jaxdepth.analyses.metric_inputs.refuse_padding_reads`, on the clean logits; `label` names
-    the prompt there).
+    skipped run: the user's first, then the skip (see `skipped_runs`). With `metric` (a
+    `jaxdepth.Metric`, see `metric_changes`), returns `(later, output, metric_change [L, K])`:
+    each member's `metric(skipped run) - metric(clean run)` at the positions the metric reads,
+    positions before the split included (where the skip acts directly), both under
+    `interventions`. A metric that reads the prompt's padding (reads='all') or its answer
+    span's padding is refused before it is measured
+    (`jaxdepth.analyses.metric_inputs.refuse_prompt_padding`, on the clean run's readout).
     """
+    metric = None if metric is None else as_metric(metric, "layer skip")
+    return _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution)
+
+
+# the clean run's readout, called on its own (for the padding check)
+_clean_readout = partial(jit, static_argnames=("config", "metric"))(clean_readout)
+
+
+def _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution, label=0):
+    """`skip_effects_of_prompt`, the prompt named `label` in a refusal of its metric."""
     L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
     measure_masks, valid_host = np.asarray(masks.measure, bool), np.asarray(prompt.valid, bool)[0]
     # jax.device_put, not jnp.asarray: the latter compiles a program per shape to stage numpy data
     rows, members = jax.device_put(measured_rows(measure_masks, valid_host))
     device_masks = jax.device_put(SkipMasks(np.asarray(masks.skip), measure_masks))
-    group = layers_per_call or skipped_layer_groups(config, T, K, memory_budget=memory_budget)
+    group = skipped_layer_groups(config, T, K, execution)
     later, output, changes = [], [], []
     for first in range(0, L, group):
         layers = np.minimum(np.arange(first, first + group), L - 1)  # the last call repeats layer L-1
@@ -285,25 +346,23 @@ def skip_effects_of_prompt(
             layers,
             device_masks,
             config,
-            sublayer=sublayer,
-            chunk_size=chunk_size,
-            mode=mode,
+            skip=skip.of_a_run(),
+            chunk_size=execution.chunk_size,
             interventions=interventions,
         )
         keep = min(group, L - first)
         later.append(part_later[:keep])
         output.append(output_shifts(params, final, clean_final, rows, members, config)[:keep])
-        if metric is not None and first == 0:  # the clean run's logits, before the metric reads any skipped run
-            refuse_padding_reads(
+        if metric is not None and first == 0:  # the clean run's readout, before the metric reads any skipped run
+            refuse_prompt_padding(
                 metric,
-                lambda: final_logits(params, clean_final[None], config),  # only where padded
-                prompt.valid,
+                prompt,
+                lambda: _clean_readout(params, clean_final[None], prompt, config, metric),  # only where padded
                 analysis="layer skip",
-                prompts=[label],
-                hint=ONE_PROMPT_HINT,
+                label=label,
             )
         if metric is not None:
-            changes.append(metric_changes(params, final, clean_final, config, metric)[:keep])
+            changes.append(metric_changes(params, final, clean_final, prompt, config, metric)[:keep])
     joined = lambda parts: np.concatenate([to_host(x) for x in parts])  # on the host: no eager programs
     later, output = joined(later), joined(output)
     last_unmeasured = ~np.any((np.asarray(masks.skip) > 0) & measure_masks & valid_host[None], axis=1)
@@ -367,33 +426,31 @@ def layer_skip(
     params,
     batch: PromptBatch,
     config: ModelConfig,
+    skip: Skip = Skip(),
     *,
-    sublayer: str = "layer",
-    mode: str = "future",
-    splits: str = "sampled",
-    seed: int = 123,
-    splits_per_prompt: int = 4,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    progress: ProgressLike = True,
-    settings=None,
+    metric: Optional[Metric] = None,
     interventions=None,
-    metric: Optional[Callable] = None,
+    execution: Execution = Execution(),
+    settings=None,
+    **loose,
 ) -> LayerSkipResult:
     """Layer-skip effects over a batch of prompts: one compiled sweep per prompt, shared by
     prompts of the same padded length. Returns a `LayerSkipResult` (its effects defined there).
 
-    `sublayer`: 'layer' (the whole layer, attention and MLP), 'attn' or 'mlp'. `chunk_size` and
-    `memory_budget` (bytes; default a share of the free memory) bound how many skipped runs are
-    vmapped at once: memory, not what is computed. `progress` shows a progress bar; `settings`
-    (a dict) is stored in the result.
-
+    `skip` (`Skip`) says what is skipped and measured: the sublayer ('layer', the whole layer,
+    attention and MLP; 'attn' or 'mlp'), the mode and the split positions.
     mode 'future' (default): skip before split positions, measure after them; the split
-    positions are `splits`: 'sampled' (default, `splits_per_prompt` per prompt drawn with `seed`)
-    or 'answer_start' (one per prompt, its `batch.answer_start`; `split_positions` is then
-    `[N, 1]`).
+    positions are `skip.splits`: 'sampled' (default, `skip.splits_per_prompt` per prompt drawn
+    with `skip.seed`) or 'answer_start' (one per prompt, its `batch.answer_start`;
+    `split_positions` is then `[N, 1]`).
     mode 'current': skip every position but 0, measure every position; it has no split
-    position, so `splits` must stay 'sampled'.
+    position.
+
+    `execution` (`jaxdepth.Execution`) says how it runs: `chunk_size` and `memory_budget`
+    (bytes; default a share of the free memory) bound how many skipped runs are vmapped at once
+    (memory, not what is computed); `progress` shows a bar over the prompts. `settings` (a
+    dict) is stored in the result. The keywords these once were on their own (`sublayer=`,
+    `chunk_size=`, `progress=`, ...) are refused, with the value that says the same.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on the clean run and on every
     skipped run, the user's first, then the skip (which so wins at its site): every effect is
@@ -402,55 +459,47 @@ def layer_skip(
     position must broadcast to every length (`[L, 1]` keep-masks, head ablations, a vector added
     at every position); data that does not is refused at trace time.
 
-    `metric` (default none): a jit-traceable function of one prompt's float32 logits
-    `[1, T, V]` returning a scalar (anything else is refused at trace time), defined once (it is
-    a static argument: a new function compiles anew). The result's `metric_change_per_prompt`
-    and `metric_change` then hold `metric(skipped) - metric(clean)` (see `LayerSkipResult`),
-    read on the whole output, positions before the split included. T is the prompt's padded
-    length (its length bucket, `PromptBatch.buckets`): positions from its length on are
-    padding, and a metric that reads them (`logits[0, -1]` of a padded prompt) is refused, a
-    `ValueError` naming the prompt and its length, before it is measured
-    (`jaxdepth.analyses.metric_inputs`): read only positions every prompt has.
+    `metric` (default none): a `jaxdepth.Metric`, one value per prompt, read at the positions
+    it declares (reads='last': each prompt's last real token; 'answer': its answer span, the
+    answer tokens as `Readout.targets`; 'all': every position of the prompt at its padded
+    length, `Readout.real` false at the padding), the clean run's logits there as
+    `Readout.clean` where it says `clean=True`; define it once (it is a static argument: a new
+    one compiles anew). The result's `metric_change_per_prompt` and `metric_change` then hold
+    `metric(skipped) - metric(clean)` (see `LayerSkipResult`), positions before the split
+    included. A metric that reads padding (of a reads='all' prompt, or of an answer span) is
+    refused, a `ValueError` naming the prompt and its length, before it is measured
+    (`jaxdepth.analyses.metric_inputs`). A plain function of the logits, the form this took
+    before, is refused with the form to write instead (`jaxdepth.analyses.metrics.as_metric`).
     """
-    if sublayer not in SUBLAYERS or mode not in MODES or splits not in SPLITS:
-        raise ValueError(f"sublayer must be one of {tuple(SUBLAYERS)}, mode one of {MODES} and splits one of {SPLITS}")
-    if mode == "current" and splits != "sampled":
-        raise ValueError(
-            f"splits={splits!r} needs mode='future': the 'current' mode skips every position but 0 "
-            "and has no split position"
-        )
+    _refuse_loose("layer_skip", loose)
+    if not isinstance(skip, Skip):
+        raise TypeError(f"layer_skip() takes what is skipped as a Skip, e.g. Skip(sublayer='attn'); got {skip!r}")
+    metric = None if metric is None else as_metric(metric, "layer skip")
     L = config.num_layers
-    lengths = batch.lengths
-    if splits == "answer_start":
-        splits_per_prompt = 1
-    positions = _split_positions_of(batch, splits, seed=seed, per_prompt=splits_per_prompt)
+    lengths, mode = batch.lengths, skip.mode
+    splits_per_prompt = 1 if skip.splits == "answer_start" else skip.splits_per_prompt
+    positions = _split_positions_of(batch, skip.splits, seed=skip.seed, per_prompt=splits_per_prompt)
     n_splits = 1 if mode == "current" else splits_per_prompt
     later_pp = np.zeros((len(batch), L, L), np.float32)
     output_pp = np.zeros((len(batch), L), np.float32)
     metric_pp = None if metric is None else np.full((len(batch), L, n_splits), np.nan, np.float32)
     used = np.full((len(batch), splits_per_prompt), -1, np.int64)
-    for i in track(range(len(batch)), progress, f"layer skip ({sublayer}, {mode})"):
+    for i in track(range(len(batch)), execution.progress, f"layer skip ({skip.sublayer}, {mode})"):
         if mode == "future" and not positions[i]:
             continue  # prompt too short for any split position: it contributes nothing
         one = batch.single(i)
         Ti = one.tokens.shape[1]
-        skip, measure = member_masks(int(lengths[i]), Ti, positions[i], mode)
-        # Pad to a fixed number of splits (repeating the first) so every prompt shares one
-        # compiled sweep; a repeated split changes no maximum.
-        skip += [skip[0]] * (n_splits - len(skip))
-        measure += [measure[0]] * (n_splits - len(measure))
-        chunk = chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=memory_budget)
-        later, output, *change = skip_effects_of_prompt(
+        masks = _masks_of(int(lengths[i]), Ti, positions[i], mode, n_splits)
+        chunk = execution.chunk_size or auto_chunk_size(config, Ti, n_splits, memory_budget=execution.memory_budget)
+        later, output, *change = _skip_effects(
             params,
-            PromptArrays(*jax.device_put((one.tokens, one.valid))),
-            SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure)),
+            _prompt_of(batch, i, one, metric),
+            masks,
             config,
-            sublayer=sublayer,
-            chunk_size=chunk,
-            mode=mode,
-            memory_budget=memory_budget,
-            interventions=interventions,
-            metric=metric,
+            skip,
+            metric,
+            interventions,
+            execution.replace(chunk_size=chunk),
             label=i,
         )
         later_pp[i] = to_host(later).max(axis=1)
@@ -463,7 +512,7 @@ def layer_skip(
     if mode == "future" and (used < 0).all():
         raise ValueError(
             "no prompt has an answer token to measure"
-            if splits == "answer_start"
+            if skip.splits == "answer_start"
             else "every prompt is too short for a split position (needs more than 12 tokens)"
         )
     return LayerSkipResult(
@@ -474,15 +523,33 @@ def layer_skip(
         split_positions=used,
         settings={
             **(settings or {}),
-            "sublayer": sublayer,
+            "sublayer": skip.sublayer,
             "mode": mode,
-            "splits": splits,
-            "seed": seed,
+            "splits": skip.splits,
+            "seed": skip.seed,
             "splits_per_prompt": splits_per_prompt,
         },
         metric_change=None if metric is None else largest_change(metric_pp),
         metric_change_per_prompt=metric_pp,
     )
+
+
+def _masks_of(length: int, T: int, splits: Sequence[int], mode: str, n_splits: int) -> SkipMasks:
+    """The `SkipMasks` of one prompt (`member_masks`), padded to `n_splits` members by
+    repeating the first, so every prompt shares one compiled sweep (a repeated split changes no
+    maximum)."""
+    skip, measure = member_masks(length, T, splits, mode)
+    skip += [skip[0]] * (n_splits - len(skip))
+    measure += [measure[0]] * (n_splits - len(measure))
+    return SkipMasks(np.stack(skip).astype(np.float32), np.stack(measure))
+
+
+def _prompt_of(batch: PromptBatch, i: int, one: PromptBatch, metric: Optional[Metric]) -> PromptArrays:
+    """Prompt i (`one`, `batch.single(i)`) as `PromptArrays`, with its answer span where the
+    metric reads it (`PromptBatch.prompt`)."""
+    if metric is not None and metric.reads == "answer":
+        return batch.prompt(i)
+    return PromptArrays(*jax.device_put((one.tokens, one.valid)))
 
 
 @dataclasses.dataclass
@@ -527,21 +594,31 @@ def layer_skip_sublayers(
     params,
     batch: PromptBatch,
     config: ModelConfig,
+    skip: Skip = Skip(),
     *,
     sublayers: Sequence[str] = tuple(SUBLAYERS),
-    settings=None,
+    metric: Optional[Metric] = None,
     interventions=None,
-    metric: Optional[Callable] = None,
-    **kwargs,
+    execution: Execution = Execution(),
+    **loose,
 ) -> LayerSkipBySublayer:
-    """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis (keyword
-    arguments as `layer_skip`: `mode`, `splits`, `seed`, ...). `interventions` and `metric` as
-    in `layer_skip`: the user's interventions first, then each skip."""
+    """`layer_skip` of each of `sublayers`, stacked on a leading sublayer axis: `skip` (its
+    `sublayer` replaced by each), `metric`, `interventions` and `execution` as in `layer_skip`:
+    the user's interventions first, then each skip."""
+    _refuse_loose("layer_skip_sublayers", loose)
     sublayers = list(sublayers)
     if not sublayers or len(set(sublayers)) != len(sublayers) or not set(sublayers) <= set(SUBLAYERS):
         raise ValueError(f"sublayers must be distinct names among {tuple(SUBLAYERS)}, got {sublayers}")
     parts = [
-        layer_skip(params, batch, config, sublayer=s, interventions=interventions, metric=metric, **kwargs)
+        layer_skip(
+            params,
+            batch,
+            config,
+            dataclasses.replace(skip, sublayer=s),
+            interventions=interventions,
+            metric=metric,
+            execution=execution,
+        )
         for s in sublayers
     ]
     stack = lambda name: np.stack([getattr(p, name) for p in parts])
@@ -553,7 +630,7 @@ def layer_skip_sublayers(
         later_per_prompt=stack("later_per_prompt"),
         output_per_prompt=stack("output_per_prompt"),
         split_positions=parts[0].split_positions,
-        settings={**(settings or {}), **common, "sublayers": sublayers},
+        settings={**common, "sublayers": sublayers},
         metric_change=None if metric is None else stack("metric_change"),
         metric_change_per_prompt=None if metric is None else stack("metric_change_per_prompt"),
     )
@@ -693,12 +770,9 @@ ANALYSIS = Analysis(
         x.model.params,
         x.batch,
         x.model.config,
+        Skip(mode=x.settings.skip_mode, splits=x.settings.skip_split, seed=x.settings.seed),
         sublayers=x.settings.skip_sublayers,
-        seed=x.settings.seed,
-        mode=x.settings.skip_mode,
-        splits=x.settings.skip_split,
-        memory_budget=x.settings.memory_budget,
-        progress=x.progress,
+        execution=Execution(progress=x.progress, memory_budget=x.settings.memory_budget),
     ),
     figures=lambda r, tokenizer, n: {"": layer_skip_figure(r.parts())},
     summary=lambda r: [f"depth score ({s} skipped) {depth_score(part.later):.2f}" for s, part in r.parts().items()],

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.decoding import generate
+from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.layer import Params
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
@@ -51,9 +52,9 @@ from jaxdepth.core.structure import (
     stack_orders,
     swap_pair,
 )
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
-from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, member_bytes, sweep
+from jaxdepth.core.sweep import member_bytes, sweep
 from jaxdepth.analyses.suite import Analysis, Settings, option
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "StructureScores",
     "structure_scores",
     "generated_answers",
+    "Generation",
     "angular_distances",
     "gromov_choice",
     "StructureResult",
@@ -151,16 +153,16 @@ def structure_scores(
     config: ModelConfig,
     structures,
     *,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    progress: ProgressLike = False,
+    execution: Execution = Execution(),
+    **loose,
 ) -> StructureScores:
     """The teacher-forced scores of each of `structures` (`Structure`s) on `batch` (prompts with
-    their reference answers from `answer_start` on), `chunk_size` structures at a time in one
-    vmapped computation (default: as many as `memory_budget` holds, `auto_chunk_size`; all at
-    once can take many times longer, swapping memory). The orders are data: one compiled
-    program serves every chunk of one shape (`_shape_families`: at most two); `progress`
-    (`jaxdepth.core.progress`) counts the chunks."""
+    their reference answers from `answer_start` on), `execution.chunk_size` structures at a
+    time in one vmapped computation (default: as many as `execution`'s memory budget holds,
+    `Execution.chunk`; all at once can take many times longer, swapping memory). The orders are
+    data: one compiled program serves every chunk of one shape (`_shape_families`: at most
+    two); `execution.progress` (`jaxdepth.core.progress`) counts the chunks."""
+    refuse_loose_options("structure_scores", loose)
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to score")
@@ -168,14 +170,14 @@ def structure_scores(
         raise ValueError("every prompt needs an answer to score: answer_start is past a prompt's end")
     orders = [s.order(config.num_layers) for s in structures]
     B, T = batch.tokens.shape
-    chunk_size = chunk_size or auto_chunk_size(config, B * T, len(structures), memory_budget=memory_budget)
+    chunk_size = execution.chunk(len(structures), member_bytes(config, B * T))
     # numpy arrays into the jitted sweep: converting each with jnp.asarray would compile a
     # program per shape (jax's "stage"), counted among the study's compilations
     tokens, valid, starts = np.asarray(batch.tokens), np.asarray(batch.valid), np.asarray(batch.answer_start)
     scores = np.zeros((3, len(structures), B), np.float32)
     chunks = _chunks(orders, chunk_size)
     desc = f"teacher-forced scores ({_programs(chunks)} programs to compile)"
-    for members, stacked in track(chunks, progress, desc):
+    for members, stacked in track(chunks, execution.progress, desc):
         out = _scored(params, tokens, valid, starts, stacked, config, len(stacked.layers))
         scores[:, members] = np.stack([np.asarray(x, np.float32) for x in out])[:, : len(members)]
     return StructureScores(structures, *scores)
@@ -225,31 +227,50 @@ def _programs(chunks) -> int:
     return len({(tuple(stacked.layers.shape), tuple(stacked.used.shape)) for _, stacked in chunks})
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """How generated answers are made and read (`generated_answers`): greedily, up to
+    `max_new_tokens` per prompt, stopping at `eos_ids`; `decode` turns token ids into text (a
+    tokenizer's `decode`; it also reads the reference answers), and each continuation is cut
+    at its first blank line, or before the first of `stops`."""
+
+    decode: Callable
+    max_new_tokens: int
+    eos_ids: tuple = ()
+    stops: Optional[Sequence[str]] = None
+
+    def __post_init__(self):
+        if not callable(self.decode):
+            raise TypeError(f"decode must turn token ids into text (a tokenizer's decode), got {self.decode!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+
+
 def generated_answers(
     params: Params,
     batch: PromptBatch,
     config: ModelConfig,
     structures,
-    decode,
+    generation: Generation,
     *,
-    max_new_tokens: int,
-    eos_ids=(),
-    stops: Optional[Sequence[str]] = None,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    progress: ProgressLike = False,
+    execution: Execution = Execution(),
+    **loose,
 ) -> tuple[np.ndarray, list[list[str]]]:
     """Whether each of `structures` answers each prompt of `batch` right by generation (module
-    docstring): `correct [structures, B]` (bool) and the continuations read (cut at their first
-    blank line, or before the first of `stops`), `texts[s][b]`. The model continues each
-    prompt's question (its tokens before `answer_start`) for up to `max_new_tokens`, greedily,
-    stopping at `eos_ids`; `decode` turns token ids into text (a tokenizer's `decode`) and
-    reads the reference answer from the prompt's answer tokens. The structures decode
-    `chunk_size` at a time (default: as many as `memory_budget` holds with their key/value
-    caches), `generate` vmapped over a chunk's orders: the orders are data, so one compiled
-    program serves every chunk of one family (`_generation_chunks`: the drops, the swaps, the
-    middle blocks; three programs at most); `progress` (`jaxdepth.core.progress`) counts the
+    docstring): `correct [structures, B]` (bool) and the continuations read, `texts[s][b]`.
+    The model continues each prompt's question (its tokens before `answer_start`) as
+    `generation` (`Generation`) says: greedily, for up to `generation.max_new_tokens`, stopping
+    at its `eos_ids`, the continuation cut at its first blank line (or before the first of its
+    `stops`); its `decode` turns token ids into text and reads the reference answer from the
+    prompt's answer tokens. The structures decode `execution.chunk_size` at a time (default: as
+    many as `execution`'s memory budget holds with their key/value caches, `Execution.chunk`),
+    `generate` vmapped over a chunk's orders: the orders are data, so one compiled program
+    serves every chunk of one family (`_generation_chunks`: the drops, the swaps, the middle
+    blocks; three programs at most); `execution.progress` (`jaxdepth.core.progress`) counts the
     chunks."""
+    refuse_loose_options("generated_answers", loose)
+    decode, max_new_tokens, stops = generation.decode, generation.max_new_tokens, generation.stops
     structures = tuple(structures)
     if not structures:
         raise ValueError("no structures to generate under")
@@ -268,12 +289,12 @@ def generated_answers(
     width = max(np.shape(o.layers)[1] for o in orders)
     layer_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params["layers"])) // config.num_layers
     weights = width * layer_bytes
-    chunk_size = chunk_size or _chunk_size(config, B, T, len(structures), memory_budget, extra_bytes=cache + weights)
-    eos = {int(e) for e in eos_ids}
+    chunk_size = execution.chunk(len(structures), B * _prompt_bytes(config, T) + cache + weights)
+    eos = set(generation.eos_ids)
     correct, texts = np.zeros((len(structures), B), bool), [None] * len(structures)
     chunks = _generation_chunks(structures, orders, config.num_layers, chunk_size)
     desc = f"generating under each structure ({_programs(chunks)} programs to compile)"
-    for members, stacked in track(chunks, progress, desc):
+    for members, stacked in track(chunks, execution.progress, desc):
         out = _generated(
             params,
             np.asarray(batch.tokens),
@@ -294,14 +315,12 @@ def generated_answers(
     return correct, texts
 
 
-def _chunk_size(config: ModelConfig, B: int, T: int, count: int, memory_budget, extra_bytes: int = 0) -> int:
-    """How many structures a generation chunk holds in `memory_budget` (default: the sweeps'
-    share of free memory): each keeps its residual and, while a layer runs, that layer's
-    activations of its B prompts of T tokens (`member_bytes` of one prompt, less the output
-    distribution: only each prompt's last position is read), and `extra_bytes` more."""
-    budget = available_memory_budget() if memory_budget is None else memory_budget
-    one_prompt = member_bytes(config, T) - 3 * T * config.vocab_size * 4
-    return int(np.clip(budget // (B * one_prompt + extra_bytes), 1, max(count, 1)))
+def _prompt_bytes(config: ModelConfig, T: int) -> int:
+    """What one structure of a generation chunk holds per prompt of T tokens: its residual and,
+    while a layer runs, that layer's activations (`member_bytes`, less the output distribution:
+    only each prompt's last position is read). Its key/value caches and the layers it reads
+    come on top (`generated_answers`)."""
+    return member_bytes(config, T) - 3 * T * config.vocab_size * 4
 
 
 @partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "shared"))
@@ -476,37 +495,22 @@ def structure_analysis(
     config: ModelConfig,
     *,
     max_block: int,
-    chunk_size: Optional[int] = None,
-    memory_budget: Optional[int] = None,
-    decode=None,
-    max_new_tokens: int = 0,
-    eos_ids=(),
-    progress: ProgressLike = False,
+    generation: Optional[Generation] = None,
+    execution: Execution = Execution(),
+    **loose,
 ) -> "StructureResult":
     """`StructureResult` of `structure_family(L, max_block)` on `batch` (`structure_scores`),
-    with generated answers (`generated_answers`) where `max_new_tokens` > 0 (then `decode`, a
-    tokenizer's, is needed); both `chunk_size` structures at a time (default: as memory allows),
-    `progress` counting the chunks of each."""
+    with generated answers (`generated_answers`) where `generation` (`Generation`: a
+    tokenizer's `decode`, `max_new_tokens`, ...) is given; both as `execution` says
+    (`execution.chunk_size` structures at a time, default as memory allows; its `progress`
+    counting the chunks of each)."""
+    refuse_loose_options("structure_analysis", loose)
     family = structure_family(config.num_layers, max_block)
-    scores = structure_scores(
-        params, batch, config, family, chunk_size=chunk_size, memory_budget=memory_budget, progress=progress
-    )
+    scores = structure_scores(params, batch, config, family, execution=execution)
     correct, texts = np.zeros((len(family), 0), bool), []
-    if max_new_tokens > 0:
-        if decode is None:
-            raise ValueError("generated answers are read as text: give decode (a tokenizer's decode)")
-        correct, texts = generated_answers(
-            params,
-            batch,
-            config,
-            family,
-            decode,
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-            progress=progress,
-        )
+    if generation is not None:
+        correct, texts = generated_answers(params, batch, config, family, generation, execution=execution)
+    max_new_tokens = 0 if generation is None else generation.max_new_tokens
     return StructureResult(
         kinds=[s.kind for s in family],
         starts=np.array([s.start for s in family]),
@@ -645,16 +649,18 @@ def _run(x) -> StructureResult:
     setting = x.settings.structure_new_tokens
     # auto generates where answers can be read as text
     new_tokens = 0 if setting == -1 and x.model.tokenizer is None else new_tokens_for(x.batch, setting)
+    generation = None
+    if new_tokens > 0:
+        if x.model.tokenizer is None:
+            raise ValueError("generated answers are read as text: the model needs a tokenizer")
+        generation = Generation(x.model.tokenizer.decode, new_tokens, _eos_ids(x.model.tokenizer))
     return structure_analysis(
         x.model.params,
         x.batch,
         x.model.config,
         max_block=min(x.settings.structure_max_block, L - 1),
-        memory_budget=x.settings.memory_budget,
-        decode=None if x.model.tokenizer is None else x.model.tokenizer.decode,
-        max_new_tokens=new_tokens,
-        eos_ids=_eos_ids(x.model.tokenizer),
-        progress=x.progress,
+        generation=generation,
+        execution=Execution(progress=x.progress, memory_budget=x.settings.memory_budget),
     )
 
 

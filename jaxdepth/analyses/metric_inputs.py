@@ -18,8 +18,16 @@ padding when
 A metric that selects real positions by indexing, by `jnp.where` or by multiplying with a 0/1
 mask passes, and its numbers are untouched (the check only reads it).
 
-Where it runs: layer skip (on the clean h_L its first call of skipped runs computes, before any
-skipped run's metric), erasure (after the clean run, before any erasure), integrated gradients and
+A `jaxdepth.Metric` (`jaxdepth.analyses.metrics`) is given the logits at the positions it
+declares, a `Readout`: one of reads='last' sees no padding at all, one of reads='answer' only
+its answer span's padding (`Readout.real` false there), one of reads='all' every position of
+its prompt's padded length. The same rule holds for it on the readout's logits and `real` mask
+(`refuse_readout_padding`; `refuse_prompt_padding` for the analyses that run one prompt at a
+time), the readout's other fields held.
+
+Where it runs: layer skip (on the clean run's readout, `clean_readout`, of the h_L its first call
+of skipped runs computes, before any skipped run's metric), erasure (on the clean run's readout,
+after the clean run, before any erasure), integrated gradients and
 `Model.site_gradients` (one more forward, where a prompt is padded), `site_gradients` where its
 logits are concrete (called outside `jit`), and edge attribution's sequence metrics (the run's
 logits replaced; the clean logits it also receives are not) where the clean logits are concrete.
@@ -35,6 +43,7 @@ mask is data).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Callable, Optional, Sequence
 
@@ -46,15 +55,28 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import forward, unembed
 from jaxdepth.core.sharding import to_host
+from jaxdepth.core.batch import PromptArrays
+from jaxdepth.analyses.metrics import Metric, Readout, Reads, reads_at, readout
 
-__all__ = ["padding_reads", "refuse_padding_reads", "final_logits", "clean_logits", "ONE_PROMPT_HINT"]
+__all__ = [
+    "padding_reads",
+    "refuse_padding_reads",
+    "refuse_readout_padding",
+    "refuse_prompt_padding",
+    "prompt_reads",
+    "clean_readout",
+    "final_logits",
+    "clean_logits",
+    "ONE_PROMPT_HINT",
+]
 
-# What an analysis that hands a metric one prompt's padded logits (layer skip, erasure) offers
-# instead: the metric is static, so it cannot know each prompt's length.
+# What an analysis whose metric reads every position of one prompt padded to its length bucket
+# (layer skip, erasure: a metric of reads='all') offers instead: the metric is static, so it cannot
+# know each prompt's length, but it is given where the padding is.
 ONE_PROMPT_HINT = (
-    "the metric sees one prompt's logits [1, T, V] at its padded length T and cannot know its length: read "
-    "positions below the shortest prompt's length, which every prompt has, or give prompts of one length "
-    "(a length bucket of their own)"
+    "a metric of reads='all' sees one prompt's logits [1, T, V] at its padded length T: declare reads='last' "
+    "(each prompt's last real token) or reads='answer' (its answer positions), or read r.logits only where "
+    "r.real is true"
 )
 
 
@@ -138,6 +160,88 @@ def refuse_padding_reads(
         f"length (logits[0, {n - 1}], i.e. logits[0, length - 1], is its last token; logits[0, -1] is padding), "
         f"or select real positions with jnp.where on a mask{'; ' + hint if hint else ''}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _OfLogits:
+    """A `Metric` as a function of a `Readout`'s logits, its other fields fixed (`r`): what
+    `padding_reads` replaces the padded rows of. Hashed by its metric (static in `jit`)."""
+
+    metric: Metric
+
+    @property
+    def fn(self):
+        return self.metric.fn  # named by the user's function in a refusal
+
+    def __call__(self, logits, r: Readout):
+        return self.metric(dataclasses.replace(r, logits=logits))
+
+
+def refuse_readout_padding(
+    metric: Metric,
+    real,
+    readout,
+    *,
+    analysis: str,
+    prompts: Optional[Sequence] = None,
+    hint: str = "",
+) -> None:
+    """`refuse_padding_reads` for a `Metric` on the `Readout` an analysis gives it: a
+    `ValueError` if the metric's value moves with the logits at the positions where
+    `real [B, P]` is false (the padding of a reads='all' readout, an answer span's padding),
+    `readout.real` marking the same. `readout` may be a function of no argument computing it:
+    nothing is computed where every read position is real (always, for reads='last')."""
+    if np.asarray(to_host(real), bool).all():
+        return
+    r = readout() if callable(readout) else readout
+    refuse_padding_reads(_OfLogits(metric), r.logits, r.real, analysis=analysis, args=(r,), prompts=prompts, hint=hint)
+
+
+def prompt_reads(metric: Metric, prompt: PromptArrays) -> Reads:
+    """The positions `metric` reads of one prompt (`PromptArrays`, `[1, T]`), `[1, P]`:
+    `reads_at` with its `valid` and, for reads='answer', its answer span (`answer_positions`,
+    `answer_real`, `answer_targets`; a prompt without one is refused). jit-traceable."""
+    if metric.reads != "answer":
+        return reads_at(metric, prompt.valid)
+    if prompt.answer_positions is None:
+        raise ValueError(f"the metric {metric.__name__!r} reads 'answer' positions, and the prompt has no answer")
+    return reads_at(metric, prompt.valid, prompt.answer_positions, prompt.answer_real, prompt.answer_targets)
+
+
+def clean_readout(params, clean_final, prompt: PromptArrays, config: ModelConfig, metric: Metric) -> Readout:
+    """The `Readout` `metric` is given of one prompt's clean run, whose final residual is
+    `clean_final [1, T, D]`: its logits `[1, P, V]` at the positions the metric reads
+    (`prompt_reads`), and the same as `clean` where the metric reads the clean run.
+    jit-traceable (`jit` it to call it eagerly)."""
+    r = readout(params, clean_final, config, prompt_reads(metric, prompt))
+    return dataclasses.replace(r, clean=r.logits if metric.clean else None)
+
+
+def _real_of(metric: Metric, prompt: PromptArrays) -> np.ndarray:
+    """bool `[1, P]` on the host: which positions `metric` reads of `prompt` are real."""
+    if metric.reads == "last":
+        return np.ones((1, 1), bool)
+    if metric.reads == "all":
+        return np.asarray(to_host(prompt.valid), bool)
+    real = prompt.answer_real
+    return (
+        np.ones((1, np.shape(prompt.answer_positions)[-1]), bool) if real is None else np.asarray(to_host(real))[None]
+    )
+
+
+# What an analysis offers a metric that reads an answer span's padding (the span is padded to a
+# bucket of a static size by repeating its last position).
+ANSWER_HINT = "an answer span is padded to a static size: read r.logits and r.targets only where r.real is true"
+
+
+def refuse_prompt_padding(metric: Metric, prompt: PromptArrays, readout, *, analysis: str, label=0) -> None:
+    """`refuse_readout_padding` for an analysis that runs one prompt (`PromptArrays`) at a
+    time (layer skip, erasure): `readout` is the clean run's `Readout` (or a function of no
+    argument computing it, `clean_readout`), `label` names the prompt. A reads='last' metric
+    reads no padding by construction and is never checked."""
+    hint = ONE_PROMPT_HINT if metric.reads == "all" else ANSWER_HINT
+    real = _real_of(metric, prompt)
+    refuse_readout_padding(metric, real, readout, analysis=analysis, prompts=[label], hint=hint)
 
 
 @partial(jit, static_argnames="config")

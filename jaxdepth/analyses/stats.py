@@ -73,17 +73,3 @@ def floating_metric(values, metric: Callable):
             "with the logits (a logit difference, a probability) instead"
         )
     return values
-
-
-def metric_value(metric: Callable, logits):
-    """`metric(logits)` as a float32 scalar, for one prompt's logits `[1, T, V]`; a metric that
-    returns anything but a scalar is refused at trace time (`ValueError`). An integer or boolean
-    metric (an accuracy) is taken: its changes under erasures and skips are forward runs' exact
-    differences, not gradients (`floating_metric` is for those)."""
-    value = metric(logits)
-    if jnp.shape(value) != ():
-        raise ValueError(
-            f"the metric {getattr(metric, '__name__', metric)!r} must return a scalar for one "
-            f"prompt's logits of shape {tuple(logits.shape)}; it returned shape {jnp.shape(value)}"
-        )
-    return jnp.asarray(value, jnp.float32)

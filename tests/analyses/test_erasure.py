@@ -8,6 +8,7 @@ import pytest
 
 from jaxdepth.analyses import erasure
 from jaxdepth.core import sites
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import residual_stream
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
@@ -25,11 +26,15 @@ def test_erasure_sweep_equals_one_at_a_time(params, batch):
     np.testing.assert_allclose(
         baseline, (hs * batch.valid[None, :, :, None]).sum((1, 2)) / batch.valid.sum(), rtol=1e-5, atol=1e-6
     )
-    result = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False)
+    result = erasure.residual_erasure(params, batch, CONFIG, baseline)
     # other chunks and pieces of 11 positions (the prompt padded to 33), or one piece: the same numbers
-    chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=7, blocks=3)
+    chunked = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, erasure.Erasure(blocks=3), execution=Execution(chunk_size=7)
+    )
     np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
-    chunked = erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=5, blocks=1)
+    chunked = erasure.residual_erasure(
+        params, batch, CONFIG, baseline, erasure.Erasure(blocks=1), execution=Execution(chunk_size=5)
+    )
     np.testing.assert_allclose(chunked.effects, result.effects, rtol=1e-5, atol=1e-7)
     i = 1
     one = batch.single(i)
@@ -72,3 +77,35 @@ def test_the_analyses_of_a_run_compute_their_shared_baseline_once(params, batch,
     other_params = jax.tree.map(lambda x: x, params)
     erasure.baseline_residuals(run(SimpleNamespace(params=other_params, config=CONFIG), batch.select([0])))
     assert len(computed) == 3
+
+
+def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
+    """An `Execution`'s chunk size is the erasures' chunk (a static argument: traced anew) and
+    changes nothing but the chunking; its progress steps once per position piece."""
+    chunks, bars = [], []
+    vmapped = erasure.sweep
+    monkeypatch.setattr(
+        erasure, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
+    )
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def set_postfix(self, **_):
+            pass
+
+    one = batch.select([1])
+    baseline = erasure.mean_residuals(params, batch, CONFIG)
+    full = erasure.residual_erasure(params, one, CONFIG, baseline)
+    chunked = erasure.residual_erasure(
+        params, one, CONFIG, baseline, execution=Execution(chunk_size=2, progress=Recorder)
+    )
+    assert 2 in chunks
+    pieces = erasure.pieces_to_run(one.prompt(0))
+    assert [(b.total, b.done) for b in bars] == [(pieces, pieces)]
+    np.testing.assert_allclose(chunked.effects, full.effects, rtol=1e-5, atol=1e-7)

@@ -9,7 +9,8 @@ import pytest
 from jaxdepth.analyses import layer_skip
 from jaxdepth.core import sites
 from jaxdepth.core.batch import PromptArrays
-from jaxdepth.analyses.layer_skip import SUBLAYERS
+from jaxdepth.analyses.layer_skip import SUBLAYERS, Skip
+from jaxdepth.core.execution import Execution
 
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 
@@ -37,7 +38,7 @@ def _skip_reference(params, one, layer, split, sublayer):
 
 @pytest.mark.parametrize("sublayer", ["layer", "attn", "mlp"])
 def test_layer_skip_sweep_equals_one_at_a_time(params, batch, sublayer):
-    result = layer_skip.layer_skip(params, batch, CONFIG, sublayer=sublayer, progress=False)
+    result = layer_skip.layer_skip(params, batch, CONFIG, Skip(sublayer=sublayer))
     L = CONFIG.num_layers
     for i in range(len(batch)):
         splits = [t for t in result.split_positions[i] if t >= 0]
@@ -55,8 +56,8 @@ def test_layer_skip_sweep_equals_one_at_a_time(params, batch, sublayer):
 
 
 def test_layer_skip_exact_zeros_and_chunking(params, batch):
-    full = layer_skip.layer_skip(params, batch, CONFIG, progress=False)
-    chunked = layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=3)
+    full = layer_skip.layer_skip(params, batch, CONFIG)
+    chunked = layer_skip.layer_skip(params, batch, CONFIG, execution=Execution(chunk_size=3))
     lower = np.tril(np.ones((CONFIG.num_layers,) * 2, bool))
     assert np.all(full.later[lower] == 0.0) and np.all(full.later_per_prompt[:, lower] == 0.0)
     assert np.all(full.later[~lower] > 0)
@@ -75,9 +76,10 @@ def test_layer_skip_exact_zeros_and_chunking(params, batch):
         np.asarray([(pos >= 1) & (pos < t) for t in (8, 12)], np.float32), np.asarray([pos >= t for t in (8, 12)])
     )
     args = (params, PromptArrays(jnp.asarray(one.tokens), jnp.asarray(one.valid)), masks, CONFIG)
-    assert layer_skip.skipped_layer_groups(CONFIG, T, 2, memory_budget=4 * 2 * T * CONFIG.hidden_size * 4 * 3) == 3
+    three = Execution(memory_budget=4 * 2 * T * CONFIG.hidden_size * 4 * 3)
+    assert layer_skip.skipped_layer_groups(CONFIG, T, 2, three) == 3
     for whole, grouped in zip(
-        layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(*args, layers_per_call=3)
+        layer_skip.skip_effects_of_prompt(*args), layer_skip.skip_effects_of_prompt(*args, execution=three)
     ):
         assert grouped.shape == whole.shape
         np.testing.assert_allclose(grouped, whole, atol=1e-7)
@@ -100,7 +102,7 @@ def test_split_positions_follow_the_reference_sampling():
 def test_current_mode_equals_one_at_a_time_with_the_diagonal_measured(params, batch, sublayer):
     """'current': skip every position but 0, measure every position. Only j < s is zero by
     construction; the diagonal D[s, s] is the skipped layer's own change (1 for a whole layer)."""
-    result = layer_skip.layer_skip(params, batch, CONFIG, sublayer=sublayer, mode="current", progress=False)
+    result = layer_skip.layer_skip(params, batch, CONFIG, Skip(sublayer=sublayer, mode="current"))
     L = CONFIG.num_layers
     for i in range(len(batch)):
         one = batch.single(i)
@@ -123,7 +125,7 @@ def test_current_mode_equals_one_at_a_time_with_the_diagonal_measured(params, ba
 
 
 def test_current_mode_skips_all_but_position_zero(params, batch):
-    result = layer_skip.layer_skip(params, batch.select(slice(0, 1)), CONFIG, mode="current", progress=False)
+    result = layer_skip.layer_skip(params, batch.select(slice(0, 1)), CONFIG, Skip(mode="current"))
     one = batch.single(0)
     pos = np.arange(one.tokens.shape[1])
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
@@ -147,6 +149,33 @@ def test_new_intervention_values_do_not_recompile(params, batch):
     for t in (9, 17):
         pos = np.arange(T)
         masks = layer_skip.SkipMasks(np.asarray([(pos >= 1) & (pos < t)], np.float32), np.asarray([pos >= t]))
-        layer_skip.skip_effects_of_prompt(params, prompt, masks, CONFIG, sublayer="layer", chunk_size=None)
+        layer_skip.skip_effects_of_prompt(params, prompt, masks, CONFIG, Skip(sublayer="layer"))
         sizes.append([f._cache_size() for f in jitted])
     assert sizes[1] == sizes[0]
+
+
+def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
+    """An `Execution`'s chunk size is the skipped runs' chunk (a static argument: traced anew)
+    and changes nothing but the chunking; its progress counts the prompts."""
+    chunks, bars = [], []
+    vmapped = layer_skip.sweep
+    monkeypatch.setattr(
+        layer_skip, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
+    )
+
+    class Recorder:
+        def __init__(self, total, desc, initial=0):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+    two = batch.select([0, 1])
+    full = layer_skip.layer_skip(params, two, CONFIG)
+    chunked = layer_skip.layer_skip(params, two, CONFIG, execution=Execution(chunk_size=2, progress=Recorder))
+    assert 2 in chunks
+    assert [(b.total, b.done) for b in bars] == [(2, 2)]
+    np.testing.assert_allclose(chunked.later, full.later, atol=1e-6)
+    np.testing.assert_allclose(chunked.output, full.output, rtol=2e-6, atol=1e-7)
+    np.testing.assert_array_equal(chunked.split_positions, full.split_positions)

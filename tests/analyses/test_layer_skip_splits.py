@@ -9,7 +9,7 @@ import pytest
 
 from jaxdepth.analyses import layer_skip
 from jaxdepth.core.batch import make_batch
-from jaxdepth.analyses.layer_skip import SUBLAYERS
+from jaxdepth.analyses.layer_skip import SUBLAYERS, Skip
 from jaxdepth.core import sites
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
@@ -70,7 +70,7 @@ def _one_at_a_time(params, one, layer, split, sublayer):
 
 @pytest.mark.parametrize("sublayer", ["layer", "attn", "mlp"])
 def test_answer_start_split_equals_one_at_a_time(params, batch, sublayer):
-    result = layer_skip.layer_skip(params, batch, CONFIG, sublayer=sublayer, splits="answer_start", progress=False)
+    result = layer_skip.layer_skip(params, batch, CONFIG, Skip(sublayer=sublayer, splits="answer_start"))
     L = CONFIG.num_layers
     np.testing.assert_array_equal(result.split_positions, batch.answer_start[:, None])
     for i in range(len(batch)):
@@ -90,8 +90,8 @@ def test_answer_start_split_equals_one_at_a_time(params, batch, sublayer):
 
 def test_answer_start_measures_a_prompt_the_sampled_splits_leave_out(params, batch):
     """A 9-token prompt has no sampled split position (range(8, 5, 8) is empty) but an answer."""
-    sampled = layer_skip.layer_skip(params, batch, CONFIG, progress=False)
-    at_answer = layer_skip.layer_skip(params, batch, CONFIG, splits="answer_start", progress=False)
+    sampled = layer_skip.layer_skip(params, batch, CONFIG)
+    at_answer = layer_skip.layer_skip(params, batch, CONFIG, Skip(splits="answer_start"))
     assert np.all(sampled.split_positions[2] == -1) and np.all(sampled.later_per_prompt[2] == 0)
     assert at_answer.split_positions[2, 0] == 6 and at_answer.later_per_prompt[2].max() > 0
 
@@ -99,18 +99,18 @@ def test_answer_start_measures_a_prompt_the_sampled_splits_leave_out(params, bat
 def test_a_prompt_without_answer_tokens_is_left_out(params):
     rng = np.random.default_rng(1)
     batch = make_batch([rng.integers(0, 97, 12).tolist(), rng.integers(0, 97, 10).tolist()], [5, 10])
-    result = layer_skip.layer_skip(params, batch, CONFIG, splits="answer_start", progress=False)
+    result = layer_skip.layer_skip(params, batch, CONFIG, Skip(splits="answer_start"))
     assert result.split_positions.tolist() == [[5], [-1]]
     assert np.all(result.later_per_prompt[1] == 0) and np.all(result.output_per_prompt[1] == 0)
     with pytest.raises(ValueError, match="no prompt has an answer token"):
-        layer_skip.layer_skip(params, batch.select(slice(1, 2)), CONFIG, splits="answer_start", progress=False)
+        layer_skip.layer_skip(params, batch.select(slice(1, 2)), CONFIG, Skip(splits="answer_start"))
 
 
 def test_sublayers_share_the_answer_start(params, batch):
     both = layer_skip.layer_skip_sublayers(
-        params, batch, CONFIG, sublayers=["layer", "mlp"], splits="answer_start", progress=False
+        params, batch, CONFIG, Skip(splits="answer_start"), sublayers=["layer", "mlp"]
     )
-    alone = layer_skip.layer_skip(params, batch, CONFIG, sublayer="mlp", splits="answer_start", progress=False)
+    alone = layer_skip.layer_skip(params, batch, CONFIG, Skip(sublayer="mlp", splits="answer_start"))
     np.testing.assert_array_equal(both.part("mlp").later, alone.later)
     np.testing.assert_array_equal(both.split_positions, batch.answer_start[:, None])
     assert both.settings["splits"] == "answer_start"
@@ -118,9 +118,12 @@ def test_sublayers_share_the_answer_start(params, batch):
 
 def test_bad_split_arguments_are_refused(params, batch):
     with pytest.raises(ValueError, match="needs mode='future'"):
-        layer_skip.layer_skip(params, batch, CONFIG, mode="current", splits="answer_start", progress=False)
+        Skip(mode="current", splits="answer_start")
     with pytest.raises(ValueError, match="splits one of"):
-        layer_skip.layer_skip(params, batch, CONFIG, splits="answer", progress=False)
+        Skip(splits="answer")
+    # the keywords of a Skip given on their own are refused, showing the Skip that says the same
+    with pytest.raises(TypeError, match=r"skip=Skip\(mode='current', splits='answer_start'\)"):
+        layer_skip.layer_skip(params, batch, CONFIG, mode="current", splits="answer_start")
 
 
 def test_answer_start_enters_the_cache_identity_only_when_asked_for():

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import tiny_config, model_dir
 from jaxdepth.analyses.layer_structure import (
+    Generation,
     Structure,
     StructureResult,
     structure_analysis,
@@ -23,6 +24,7 @@ from jaxdepth.analyses.layer_structure import (
 )
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import forward, random_params, residual_stream
 
 # Compare at full float32 matmul precision; a vmapped sweep and a member alone are different
@@ -79,7 +81,7 @@ def test_a_dropped_block_scores_as_those_layers_skipped():
 
 def test_a_vmapped_sweep_scores_as_each_structure_alone():
     family = structure_family(L, 2)
-    together = structure_scores(PARAMS, BATCH, CONFIG, family, chunk_size=4)
+    together = structure_scores(PARAMS, BATCH, CONFIG, family, execution=Execution(chunk_size=4))
     for i, s in enumerate(family):
         alone = structure_scores(PARAMS, BATCH, CONFIG, [s])
         np.testing.assert_allclose(together.answer_logprob[i], alone.answer_logprob[0], rtol=1e-6, err_msg=str(s))
@@ -199,7 +201,9 @@ def test_generated_answers_are_each_structures_own_generation_read():
     answers = [np.asarray(intact[0]).tolist(), [int(np.setdiff1d(np.arange(97), np.asarray(intact[1]))[0])]]
     batch = make_batch([q + a for q, a in zip(questions, answers)], [len(q) for q in questions], pad_id=0)
     family = [Structure("intact", 0, 0), Structure("drop", 1, 1), Structure("swap", 2, 2)]
-    correct, texts = generated_answers(PARAMS, batch, CONFIG, family, _words, max_new_tokens=new, chunk_size=2)
+    correct, texts = generated_answers(
+        PARAMS, batch, CONFIG, family, Generation(_words, max_new_tokens=new), execution=Execution(chunk_size=2)
+    )
     assert correct.shape == (3, 2) and correct[0, 0] and not correct[0, 1]
     for s, structure in enumerate(family):
         alone = np.asarray(
@@ -209,7 +213,7 @@ def test_generated_answers_are_each_structures_own_generation_read():
             read = cut_generation(_words(alone[b]))
             assert texts[s][b] == read
             assert correct[s, b] == same_answer(read, _words(answers[b])), (structure, b)
-    result = structure_analysis(PARAMS, batch, CONFIG, max_block=1, decode=_words, max_new_tokens=new)
+    result = structure_analysis(PARAMS, batch, CONFIG, max_block=1, generation=Generation(_words, new))
     assert result.generated and result.generated_accuracy()[0] == 0.5
     from jaxdepth.analyses.layer_structure import ANALYSIS
 
@@ -335,7 +339,12 @@ def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
     batch = make_batch([rng.integers(0, 97, n).tolist() for n in (9, 7)], [6, 5], pad_id=0)
     family = structure_family(L, 2)  # intact, 5 + 4 drops, 4 swaps, reverse and repeat: single-layer; 1 parallel
     structure_analysis(
-        PARAMS, batch, CONFIG, max_block=2, chunk_size=4, decode=_words, max_new_tokens=2, progress=Recorder
+        PARAMS,
+        batch,
+        CONFIG,
+        max_block=2,
+        generation=Generation(_words, max_new_tokens=2),
+        execution=Execution(chunk_size=4, progress=Recorder),
     )
     scored = -(-(len(family) - 1) // 4) + 1  # the 16 single-layer orders by 4, the parallel one
     generated = 3 + 1 + 1  # the intact model and the 9 drops by 4; the 4 swaps; the 3 middle blocks
@@ -376,3 +385,17 @@ def test_drops_and_swaps_run_their_own_layers_on_a_shared_schedule(num_layers):
             continue
         order = s.order(num_layers)
         assert schedule[_on_schedule(order, schedule)].tolist() == np.asarray(order.layers)[:, 0].tolist(), str(s)
+
+
+def test_the_loose_options_are_refused_with_the_values_that_say_the_same():
+    """How the sweep runs is one `Execution`, what generation reads one `Generation`: the
+    keywords they once were on their own are refused before anything runs."""
+    intact = [Structure("intact", 0, 0)]
+    with pytest.raises(TypeError, match=r"structure_scores\(\) takes how to run as one value: execution=jaxdepth"):
+        structure_scores(PARAMS, BATCH, CONFIG, intact, chunk_size=4)
+    with pytest.raises(TypeError, match=r"execution=jaxdepth.Execution\(memory_budget=1000, progress=False\)"):
+        structure_analysis(PARAMS, BATCH, CONFIG, max_block=1, memory_budget=1000, progress=False)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: decode, max_new_tokens"):
+        structure_analysis(PARAMS, BATCH, CONFIG, max_block=1, decode=_words, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        Generation(_words, 0)

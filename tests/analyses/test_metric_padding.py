@@ -1,6 +1,7 @@
 """A user's metric never reads padding (`jaxdepth.analyses.metric_inputs`): a 9-token prompt padded
-to 16 beside a 16-token one, and a metric of `logits[0, -1]` (the docs' forward examples' form)
-that reads position 15, padding for the short prompt. Every analysis that takes a metric (layer
+to 16 beside a 16-token one, and a metric of `logits[0, -1]` (the docs' forward examples' form;
+for layer skip and erasure a `Metric` of reads='all', `r.logits[:, -1]`) that reads position 15,
+padding for the short prompt. Every analysis that takes a metric (layer
 skip, erasure, integrated gradients, site gradients, `Model.site_gradients`) refuses it before it
 measures anything, naming the prompt and its length; a metric of real positions only passes and
 gives exactly the numbers of the unchecked computation. Edge attribution's sequence metrics, which
@@ -13,13 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxdepth
 from jaxdepth.analyses import attribution, erasure, layer_skip
 from jaxdepth.analyses.edges import kl_to_clean, mean_kl_to_clean, prompt_pairs, sequence_metric
 from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.analyses.ig import Execution, FixedRule, integrated_gradients
-from jaxdepth.analyses.layer_skip import SkipMasks, member_masks
+from jaxdepth.analyses.layer_skip import Skip, SkipMasks, member_masks
 from jaxdepth.analyses.metric_inputs import padding_reads
-from jaxdepth.core.batch import PromptArrays, make_batch
+from jaxdepth.core.batch import LengthBuckets, PromptArrays, make_batch
 from jaxdepth.lab.loaded_model import Model
 
 from tiny_qwen import CONFIG, params  # noqa: F401  (fixture)
@@ -28,19 +30,29 @@ SHORT = 9  # the short prompt's real length; its bucket is 16
 REFUSED = rf"reads padded positions of prompt 1, which has {SHORT} real tokens padded to 16"
 
 
-def last_logit(logits):
+@jaxdepth.metric(reads="all")
+def last_logit(r):
     """The docs' form, `logits[0, -1]`: position 15, padding for a 9-token prompt."""
-    return logits[0, -1, 0]
+    return r.logits[:, -1, 0]
 
 
-def last_argmax(logits):
-    """An integer metric (no gradient) reading padding: the model's top token at position 15."""
-    return jnp.argmax(logits[0, -1])
+@jaxdepth.metric(reads="all")
+def last_argmax(r):
+    """A metric without a gradient reading padding: the model's top token at position 15 (as a
+    float: a metric is floating point), which only the replacement of the padding moves."""
+    return jnp.argmax(r.logits[:, -1], axis=-1).astype(jnp.float32)
 
 
-def real_logit(logits):
+@jaxdepth.metric(reads="all")
+def real_logit(r):
     """Position 8, real in both prompts: the short prompt's last token."""
-    return logits[0, SHORT - 1, 0]
+    return r.logits[:, SHORT - 1, 0]
+
+
+@jaxdepth.metric(reads="last")
+def last_token_logit(r):
+    """Each prompt's last real token, wherever it is: no padding reaches the metric."""
+    return r.logits[:, 0, 0]
 
 
 def batch_logit(logits):
@@ -74,13 +86,13 @@ def test_the_trial_layer_skip_reading_padding_is_refused(params, batch):
     assert batch.single(1).tokens.shape == (1, 16) and int(batch.lengths[1]) == SHORT
     for metric in (last_logit, last_argmax):
         with pytest.raises(ValueError, match="layer skip: the metric '" + metric.__name__ + "' " + REFUSED):
-            layer_skip.layer_skip(params, batch, CONFIG, mode="current", metric=metric, progress=False)
+            layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=metric)
 
 
 def test_a_metric_of_real_positions_gives_the_unchecked_numbers(params, batch):
     """The checked analysis's metric changes equal, to the bit, those of the skipped runs and
     `metric_changes` called directly (no check) on each prompt."""
-    result = layer_skip.layer_skip(params, batch, CONFIG, mode="current", metric=real_logit, progress=False)
+    result = layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=real_logit)
     for i in range(len(batch)):
         one = batch.single(i)
         T = one.tokens.shape[1]
@@ -90,7 +102,7 @@ def test_a_metric_of_real_positions_gives_the_unchecked_numbers(params, batch):
         _, final, clean_final = layer_skip.skipped_runs(
             params, prompt, np.arange(CONFIG.num_layers), jax.device_put(masks), CONFIG
         )
-        direct = np.asarray(layer_skip.metric_changes(params, final, clean_final, CONFIG, real_logit))
+        direct = np.asarray(layer_skip.metric_changes(params, final, clean_final, prompt, CONFIG, real_logit))
         np.testing.assert_array_equal(result.metric_change_per_prompt[i], direct)
     assert np.abs(result.metric_change_per_prompt).max() > 1e-2  # the metric really moves
 
@@ -119,10 +131,9 @@ def _refusals(params, batch):
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
     baseline = erasure.mean_residuals(params, batch, CONFIG)
     model = Model(params, CONFIG, None, "tiny")
-    one_prompt = dict(progress=False)
     return {
-        "layer skip": lambda m: layer_skip.layer_skip(params, batch, CONFIG, mode="current", metric=m, **one_prompt),
-        "erasure": lambda m: erasure.residual_erasure(params, batch, CONFIG, baseline, metric=m, **one_prompt),
+        "layer skip": lambda m: layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=m),
+        "erasure": lambda m: erasure.residual_erasure(params, batch, CONFIG, baseline, metric=m),
         "integrated gradients": lambda m: integrated_gradients(
             params, batch, CONFIG, m, layers=[1], rule=FixedRule(steps=2), execution=Execution(progress=False)
         ),
@@ -147,6 +158,57 @@ def test_every_analysis_that_takes_a_metric_refuses_one_reading_padding(params, 
     with pytest.raises(ValueError, match=f"{name}: the metric '{bad.__name__}' {REFUSED}"):
         run(bad)
     run(good)  # real positions only: it runs
+
+
+def _alone(batch, i):
+    """Prompt i of `batch` as a batch of its own, padded to no more than its length."""
+    n = int(batch.lengths[i])
+    return make_batch([batch.tokens[i, :n].tolist()], [int(batch.answer_start[i])], buckets=LengthBuckets(1, False))
+
+
+def test_a_metric_of_the_last_token_reads_each_prompt_as_if_alone(params, batch):
+    """A metric of reads='last' on prompts of different lengths, padded to one bucket: its
+    values (layer skip's and erasure's changes) are those of each prompt run alone, unpadded,
+    to float32 rounding (other shapes, other sums); and the same metric written for the whole
+    output at the short prompt's last real position gives the same numbers there."""
+    baseline = erasure.mean_residuals(params, batch, CONFIG)
+    skipped = layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=last_token_logit)
+    erased = erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_token_logit)
+    for i in range(len(batch)):
+        one, n = _alone(batch, i), int(batch.lengths[i])
+        assert one.tokens.shape == (1, n)
+        alone = layer_skip.layer_skip(params, one, CONFIG, Skip(mode="current"), metric=last_token_logit)
+        np.testing.assert_allclose(skipped.metric_change_per_prompt[i], alone.metric_change_per_prompt[0], atol=2e-5)
+        alone = erasure.residual_erasure(params, one, CONFIG, baseline, metric=last_token_logit)
+        np.testing.assert_allclose(erased.metric_change[i, :, :n], alone.metric_change[0], atol=2e-5)
+    whole = layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=real_logit)
+    np.testing.assert_allclose(skipped.metric_change_per_prompt[1], whole.metric_change_per_prompt[1], atol=2e-6)
+    assert np.abs(skipped.metric_change_per_prompt).max() > 1e-2
+
+
+def test_the_old_forms_of_a_metric_are_refused_with_the_new_one(params, batch):
+    """A plain function of one prompt's logits, the form layer skip and erasure took before, is
+    refused before anything runs, with the message that shows the new form."""
+    baseline = np.zeros((CONFIG.num_layers + 1, CONFIG.hidden_size), np.float32)
+    old = lambda logits: logits[0, SHORT - 1, 0]  # noqa: E731
+    new_form = r"is a plain function; a metric is now one form for every analysis.*@jaxdepth.metric\(reads='last'\)"
+    with pytest.raises(TypeError, match="(?s)layer skip: the metric '<lambda>' " + new_form):
+        layer_skip.layer_skip(params, batch, CONFIG, metric=old)
+    with pytest.raises(TypeError, match="(?s)erasure: the metric '<lambda>' " + new_form):
+        erasure.residual_erasure(params, batch, CONFIG, baseline, metric=old)
+    with pytest.raises(TypeError, match="layer skip"):
+        layer_skip.skip_effects_of_prompt(params, batch.prompt(0), None, CONFIG, metric=old)
+
+
+def test_the_loose_options_are_refused_with_the_execution_that_says_the_same(params, batch):
+    baseline = np.zeros((CONFIG.num_layers + 1, CONFIG.hidden_size), np.float32)
+    shown = r"execution=jaxdepth.Execution\(chunk_size=3, progress=False\)"
+    with pytest.raises(TypeError, match=r"layer_skip\(\) takes how to run as one value: " + shown):
+        layer_skip.layer_skip(params, batch, CONFIG, chunk_size=3, progress=False)
+    with pytest.raises(TypeError, match=r"residual_erasure\(\) takes how to run as one value: " + shown):
+        erasure.residual_erasure(params, batch, CONFIG, baseline, chunk_size=3, progress=False)
+    with pytest.raises(TypeError, match=r"Erasure\(effect='answer_probability_change'\)"):
+        erasure.residual_erasure(params, batch, CONFIG, baseline, effect="answer_probability_change")
 
 
 @sequence_metric
