@@ -45,6 +45,7 @@ __all__ = [
     "LogitLensSettings",
     "TOP_K",
     "ANALYSIS",
+    "depth_reading",
 ]
 
 TOP_K = 5

@@ -46,6 +46,7 @@ __all__ = [
     "identity_translators",
     "lens_kl",
     "load_tuned_lens",
+    "translate",
 ]
 
 Translators = dict  # {"weight": [L, D, D], "bias": [L, D]}

@@ -85,6 +85,10 @@ __all__ = [
     "patch",
     "probe",
     "ablate_heads",
+    "acting_sites",
+    "splits_layer",
+    "initial_states",
+    "apply_at",
 ]
 
 
