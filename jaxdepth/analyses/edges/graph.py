@@ -54,7 +54,7 @@ __all__ = [
 
 # The sublayers in the order a layer computes them, as the sites' roles name them, and the
 # prefix of their nodes' names (the EAP-IG package's: `a3.h1`, `m2`).
-SUBLAYERS = ("attention", "mlp")
+_SUBLAYERS = ("attention", "mlp")
 _PREFIX = {"attention": "a", "mlp": "m"}
 
 
@@ -135,17 +135,26 @@ class EdgeGraph:
         """`[L, n]`: the node of each slot of each layer: 1 + l S + s for sublayer s of S, where
         a writer's sublayer writes and a reader's starts; in a parallel block every sublayer
         reads the layer's input, so its readers all start the layer's first node."""
-        sublayer = np.array([SUBLAYERS.index(slot.sublayer) for slot in slots])
+        sublayer = np.array([_SUBLAYERS.index(slot.sublayer) for slot in slots])
         if reads and self.parallel:
             sublayer = np.zeros_like(sublayer)
-        return 1 + len(SUBLAYERS) * np.arange(self.num_layers)[:, None] + sublayer[None, :]
+        return 1 + len(_SUBLAYERS) * np.arange(self.num_layers)[:, None] + sublayer[None, :]
+
+    @functools.cached_property
+    def _reader_offsets(self) -> dict:
+        """`{(sublayer, tag): the place in a layer's readers of its first (head 0's) reader}`."""
+        offsets = {}
+        for i, slot in enumerate(self._reader_slots):
+            offsets.setdefault((slot.sublayer, slot.tag), i)
+        return offsets
 
     def _reader_offset(self, sublayer: str, tag: str = "") -> int:
         """The place in a layer's readers of the first (head 0's) reader of `sublayer` tagged `tag`."""
-        for i, slot in enumerate(self._reader_slots):
-            if (slot.sublayer, slot.tag) == (sublayer, tag):
-                return i
-        raise ValueError(f"no reader {_PREFIX[sublayer]}<layer>{'<' + tag + '>' if tag else ''}: kinds {READER_KINDS}")
+        if (sublayer, tag) not in self._reader_offsets:
+            raise ValueError(
+                f"no reader {_PREFIX[sublayer]}<layer>{'<' + tag + '>' if tag else ''}: kinds {READER_KINDS}"
+            )
+        return self._reader_offsets[sublayer, tag]
 
     def _feeds(self, reader: _Slot) -> int:
         """The place in a layer's writers of the writer whose computation `reader` feeds: its head's,
@@ -157,7 +166,7 @@ class EdgeGraph:
 
     # ------------------------------------------------------------------ sizes and indices
 
-    @property
+    @functools.cached_property
     def attention_writers(self) -> int:
         """A: the writers of one layer's attention: its H heads, or 1 (its whole output after
         the post-attention norm) where `post_norms`. Every piece of the edges reads this."""
@@ -237,7 +246,7 @@ class EdgeGraph:
         """`[R]`: the node each reader starts: 2l + 1 for the heads' inputs of layer l, 2l + 2 for
         its MLP's input (2l + 1 in a parallel block, where it reads what the heads read), 2L + 1
         for the logits. A writer feeds every reader of a later node."""
-        logits = 1 + len(SUBLAYERS) * self.num_layers
+        logits = 1 + len(_SUBLAYERS) * self.num_layers
         return np.concatenate([self._sublayer_nodes(self._reader_slots, reads=True).ravel(), [logits]])
 
     @functools.cached_property
