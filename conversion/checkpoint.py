@@ -21,6 +21,15 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.weights import ModelWeights
 from jaxdepth.core.model import check_params
 
+__all__ = [
+    "is_converted_dir",
+    "save_converted",
+    "restore_converted",
+    "MARKER",
+    "FORMAT_VERSION",
+]
+
+
 MARKER = "jaxdepth.json"
 FORMAT_VERSION = 1
 

@@ -26,6 +26,12 @@ from conversion.layout import GGUF_NAMES, assemble_params, gguf_source
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.weights import ModelWeights
 
+__all__ = [
+    "unpermute_rotary_rows",
+    "gguf_config",
+    "convert_gguf",
+]
+
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Invert llama.cpp's q/k row permutation (`[out, in]` layout, `n_heads` heads)."""

@@ -15,6 +15,12 @@ from __future__ import annotations
 from conversion.errors import ConversionError
 from conversion.transformers_import import import_transformers
 
+__all__ = [
+    "tokenizer_metadata",
+    "gguf_tokenizer",
+]
+
+
 # Special tokens named by id in the metadata: the tokenizer argument -> the GGUF key's suffix.
 _SPECIAL_TOKEN_IDS = {
     "bos_token": "bos_token_id",

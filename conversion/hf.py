@@ -15,6 +15,16 @@ from conversion.transformers_import import import_transformers
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.weights import ModelWeights
 
+__all__ = [
+    "download_from_hub",
+    "read_hf_config",
+    "load_tokenizer",
+    "convert_hf_folder",
+    "convert_hf",
+    "HUB_PATTERNS",
+]
+
+
 # What a hub download fetches: config, weights and tokenizer, nothing else (no .bin/.pt copies).
 HUB_PATTERNS = [
     "config.json",

@@ -21,6 +21,13 @@ from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.parameters import HF
 
+__all__ = [
+    "hf_names",
+    "hf_source",
+    "HF_NAMES",
+]
+
+
 # HF names of the Llama layout, kept for the callers that read a Llama/Qwen checkpoint directly.
 HF_NAMES = HF.table("llama")
 

@@ -18,6 +18,14 @@ from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.parameters import GGUF, param_shapes, transposed_params
 
+__all__ = [
+    "gguf_names",
+    "gguf_source",
+    "assemble_params",
+    "GGUF_NAMES",
+]
+
+
 # Params stored transposed relative to the source's [out, in] layout.
 _TRANSPOSED = transposed_params()
 

@@ -15,6 +15,11 @@ import numpy as np
 
 from conversion.errors import ConversionError
 
+__all__ = [
+    "read_safetensors",
+]
+
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,

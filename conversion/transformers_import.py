@@ -12,6 +12,12 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
+__all__ = [
+    "import_transformers",
+    "TORCH_NOTICE",
+]
+
+
 TORCH_NOTICE = "PyTorch was not found."
 
 

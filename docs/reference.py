@@ -1,11 +1,13 @@
 """Write docs/reference.md, the API reference, from the docstrings: `python docs/reference.py`.
 
-The reference holds the public names of `jaxdepth`, of `jaxdepth.sites` and of each module of
-`jaxdepth.analyses` (its subpackages' modules too): the functions and classes of each one's
-`__all__`, in that order, its other values (constants, an analysis's `ANALYSIS`) named in one
-line; then the names of `jaxdepth.core` and `jaxdepth.lab` that the docs' examples use
-(`BEYOND`), each under the path the examples import it from. A name whose object
-has a full entry higher up gets a link to it instead of a second copy. Each has its signature (a
+The reference holds what the `__all__`s name, nothing chosen by hand: the public names of
+`jaxdepth`, of `jaxdepth.sites` and `jaxdepth.structure`, of each module of `jaxdepth.analyses`
+(its subpackages' modules too), then of each module of `jaxdepth.core`, `jaxdepth.lab` and
+`conversion`: the functions and classes of each one's `__all__`, in that order, its other values
+(constants, an analysis's `ANALYSIS`) named in one line. A module that has no `__all__` yet
+(`NOT_YET_DECLARED` in tests/test_layout.py) stands in with what the rule says its `__all__`
+will name: the public functions and classes it defines (`declared`). A name whose object has a
+full entry elsewhere gets a link to it instead of a second copy. Each has its signature (a
 dataclass its fields, a class its constructor and its own public methods and properties) and
 its docstring, rendered as Markdown. Signatures are written in ```` ```text ```` fences, so that
 no test runs them; a docstring's indented blocks become ```` ```text ```` fences too.
@@ -16,6 +18,7 @@ rerun this script after changing a signature or a docstring. Nothing here loads 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib
@@ -36,24 +39,13 @@ if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is n
     sys.path.insert(0, ROOT)
 
 
-# Names of the core and the shell that the examples of README.md and docs/*.md import or call,
-# and the record a tap reads, by module, in the order of the page: tests/test_reference.py finds
-# those names in the examples and fails when one has no entry.
-BEYOND = {
-    "jaxdepth.core.model": ("forward", "residual_stream", "embed", "unembed"),
-    "jaxdepth.core.parameters": ("Parameter",),
-    "jaxdepth.core.loops": ("run_layers",),
-    "jaxdepth.core.layer": ("LayerRecord",),
-    "jaxdepth.core.batch": ("make_batch",),
-    "jaxdepth.core.saved_result": ("SavedResult",),
-    "jaxdepth.core.sharding": ("make_mesh",),
-    "jaxdepth.lab.prompts": ("Prompt", "load_prompts", "encode"),
-    "jaxdepth.lab.results": ("load_result",),
-    "jaxdepth.lab.registry": ("Analysis", "register"),
-    "jaxdepth.lab.study": ("StudySettings", "run_study", "result_folder", "source_results_key"),
-    "jaxdepth.lab.mapping_study": ("MappingSettings", "map_models"),
-    "jaxdepth.lab.circuit_tasks": ("addition_pairs",),
-}
+# The packages whose modules follow the analyses' on the page, each module under its own name.
+PACKAGES = ("jaxdepth.core", "jaxdepth.lab", "conversion")
+
+# What a module without an `__all__` yet (tests/test_layout.py's NOT_YET_DECLARED) passes on to
+# its users from another module beyond what it defines, as the docs' examples import it: to go
+# into that module's `__all__`, and from here, when it declares one (tests/test_reference.py).
+PASSED_ON = {"jaxdepth.lab.mapping_study": ("MappingSettings",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,18 +79,31 @@ def _documentable(obj: Any) -> bool:
     return inspect.isclass(obj) or inspect.isroutine(inspect.unwrap(obj))
 
 
+def declared(module: ModuleType) -> list[str]:
+    """`module.__all__`; for a module that has none yet, what the rule says it will name: the
+    public functions and classes it defines at its top level, in the order of its source (and
+    what it passes on, `PASSED_ON`)."""
+    if hasattr(module, "__all__"):
+        return list(module.__all__)
+    with open(module.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    own = [node.name for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
+    return own + list(PASSED_ON.get(module.__name__, ()))
+
+
 def _public(module: ModuleType) -> list[tuple[str, Any]]:
-    """The functions and classes of `module.__all__`, in its order (a package's names brought from
-    its modules too, as `jaxdepth.analyses.edges.find_circuit`)."""
-    return [(name, getattr(module, name)) for name in module.__all__ if _documentable(getattr(module, name))]
+    """The functions and classes of the module's `declared` names, in their order (a package's
+    names brought from its modules too, as `jaxdepth.analyses.edges.find_circuit`)."""
+    return [(name, getattr(module, name)) for name in declared(module) if _documentable(getattr(module, name))]
 
 
 def values(module: ModuleType) -> list[str]:
-    """The names of `module.__all__` that are neither functions, classes nor modules: constants
-    and declarations (`ANALYSIS`), which have no docstring of their own to show."""
+    """The `declared` names of `module` that are neither functions, classes nor modules:
+    constants and declarations (`ANALYSIS`), which have no docstring of their own to show."""
     return [
         name
-        for name in getattr(module, "__all__", ())
+        for name in declared(module)
         if not (_documentable(getattr(module, name)) or inspect.ismodule(getattr(module, name)))
     ]
 
@@ -112,6 +117,20 @@ def analyses_modules() -> list[ModuleType]:
             pkgutil.walk_packages(package.__path__, prefix="jaxdepth.analyses."), key=lambda info: info.name
         )
     ]
+
+
+def package_modules() -> list[ModuleType]:
+    """Every module of `PACKAGES`, each package first, then its modules (subpackages' too), by
+    name."""
+    found = []
+    for name in PACKAGES:
+        package = importlib.import_module(name)
+        found.append(package)
+        found += [
+            importlib.import_module(info.name)
+            for info in sorted(pkgutil.walk_packages(package.__path__, prefix=f"{name}."), key=lambda info: info.name)
+        ]
+    return found
 
 
 def _homes(named: list[tuple[str, ModuleType, list[tuple[str, Any]]]]) -> dict[int, str]:
@@ -135,8 +154,8 @@ def _homes(named: list[tuple[str, ModuleType, list[tuple[str, Any]]]]) -> dict[i
 
 def sections() -> list[Section]:
     """The page's sections, in order: `jaxdepth`, `jaxdepth.sites`, `jaxdepth.structure`, each
-    analyses module, then the modules of `BEYOND`. An object has one full entry (`_homes`); its
-    other names link to it."""
+    analyses module, then each module of `PACKAGES` (but those two, and any that names nothing).
+    An object has one full entry (`_homes`); its other names link to it."""
     import jaxdepth
     from jaxdepth import sites, structure
 
@@ -149,9 +168,11 @@ def sections() -> list[Section]:
         ("jaxdepth.structure", structure, _public(structure)),
     ]
     named += [(m.__name__, m, _public(m)) for m in analyses_modules()]
-    for name, members in BEYOND.items():
-        module = importlib.import_module(name)
-        named.append((name, module, [(member, getattr(module, member)) for member in members]))
+    named += [
+        (m.__name__, m, _public(m))
+        for m in package_modules()
+        if m not in (sites, structure) and declared(m)  # sites and structure have their sections above
+    ]
     homes = _homes(named)
 
     module_anchors = {anchor(section) for section, _, _ in named}
@@ -160,8 +181,9 @@ def sections() -> list[Section]:
         entries = [Entry(f"{name}.{member}", obj, homes[id(obj)]) for member, obj in members]
         entries = [Entry(e.name, e.obj) if e.same_as == e.name else e for e in entries]
         aliases = [e for e in entries if e.same_as is not None and anchor(e.name) in module_anchors]
-        own = () if name in BEYOND else tuple(values(module))  # BEYOND's sections hold chosen names only
-        return Section(name, module, tuple(e for e in entries if e not in aliases), tuple(aliases), own)
+        return Section(
+            name, module, tuple(e for e in entries if e not in aliases), tuple(aliases), tuple(values(module))
+        )
 
     return [section(name, module, members) for name, module, members in named]
 
@@ -380,8 +402,23 @@ def jit_note(obj: Any) -> str:
 
 
 def anchor(heading: str) -> str:
-    """The anchor GitHub and mkdocs both give a heading made of one code span of a dotted name."""
-    return re.sub(r"[^\w-]", "", heading.lower())
+    """The anchor GitHub and mkdocs both give a heading made of one code span of a dotted name
+    (and, for a name that differs from an earlier one only in case, its kind: `titles`)."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading.lower()).strip())
+
+
+def titles(sections: list[Section]) -> dict[str, str]:
+    """`{entry name: its heading's text}`: the name as a code span, and, where its anchor would be
+    an earlier entry's (`jaxdepth.Metric` after `jaxdepth.metric`: anchors ignore case), its kind
+    after it, so that every heading has an anchor of its own."""
+    found, taken = {}, set()
+    for entry in (e for section in sections for e in section.entries):
+        text = f"`{entry.name}`"
+        if anchor(text) in taken:
+            text += " (class)" if inspect.isclass(entry.obj) else " (function)"
+        found[entry.name] = text
+        taken.add(anchor(text))
+    return found
 
 
 def _escape_text(text: str) -> str:
@@ -484,11 +521,11 @@ def markdown(doc: str) -> str:
 INTRO = """\
 # API reference
 
-Every public name of `jaxdepth`, of `jaxdepth.sites` and of each module of `jaxdepth.analyses`
-(each one's `__all__`: a name outside it is internal and may change), then the names of
-`jaxdepth.core` and `jaxdepth.lab` that the examples of these docs use, each with its signature
-and docstring (a name that is another's, such as `jaxdepth.core.model.forward`, links to that
-entry). The page is generated from the docstrings by `python docs/reference.py`, and
+Every public name of `jaxdepth`, of `jaxdepth.sites` and `jaxdepth.structure`, of each module of
+`jaxdepth.analyses`, then of each module of `jaxdepth.core`, `jaxdepth.lab` and `conversion`: what
+each one's `__all__` names (a name outside it is internal and may change), each with its
+signature and docstring (a name that is another's, such as `jaxdepth.core.model.forward`, links
+to that entry). The page is generated from the docstrings by `python docs/reference.py`, and
 `tests/test_reference.py` fails when it is out of date; edit the docstrings, not this page.
 Shapes use the axis names of the glossary in `jaxdepth.core.model` (B batch, L layers, T
 positions, D residual width, H heads, Dh head width, F MLP width, V vocabulary; L+1 residual
@@ -496,8 +533,8 @@ boundaries h_0..h_L). The [Python API](api.md) page shows how the pieces fit tog
 examples."""
 
 
-def _heading(level: int, name: str) -> str:
-    return f"{'#' * level} `{name}`"
+def _heading(level: int, name: str, title: Optional[str] = None) -> str:
+    return f"{'#' * level} {title or f'`{name}`'}"
 
 
 def _described(obj: Any, name: str) -> str:
@@ -511,13 +548,16 @@ def _described(obj: Any, name: str) -> str:
         raise ValueError(f"the docstring of {name}: {e}") from None
 
 
-def _entry(entry: Entry, top: bool, where: str = "above") -> list[str]:
-    """The entry's heading and text; `where` the full entry is, for a name that links to it."""
+def _entry(entry: Entry, top: bool, where: str = "above", heads: Optional[dict] = None) -> list[str]:
+    """The entry's heading and text; `where` the full entry is, for a name that links to it;
+    `heads`, the headings' texts (`titles`)."""
+    heads = heads or {}
     obj, short = entry.obj, entry.name.rsplit(".", 1)[1]
-    out = [_heading(3, entry.name)]
+    out = [_heading(3, entry.name, heads.get(entry.name))]
     if entry.same_as is not None:
         kind = "class" if inspect.isclass(obj) else "function"
-        return out + [f"The same {kind} as [`{entry.same_as}`](#{anchor(entry.same_as)}) {where}."]
+        target = anchor(heads.get(entry.same_as, entry.same_as))
+        return out + [f"The same {kind} as [`{entry.same_as}`](#{target}) {where}."]
     if inspect.isclass(obj):
         out.append("```text\n" + class_signature(obj) + "\n```")
     else:
@@ -551,9 +591,10 @@ def _entry(entry: Entry, top: bool, where: str = "above") -> list[str]:
 def render() -> str:
     """The whole page, as docs/reference.md holds it."""
     all_sections = sections()
+    heads = titles(all_sections)
     contents = []
     for section in all_sections:
-        names = ", ".join(f"[`{e.name.rsplit('.', 1)[1]}`](#{anchor(e.name)})" for e in section.entries)
+        names = ", ".join(f"[`{e.name.rsplit('.', 1)[1]}`](#{anchor(heads[e.name])})" for e in section.entries)
         contents.append(f"- [`{section.name}`](#{anchor(section.name)})" + (f": {names}" if names else ""))
     parts = [INTRO, "## Contents", "\n".join(contents)]
     order = {entry.name: i for i, entry in enumerate(e for section in all_sections for e in section.entries)}
@@ -564,9 +605,15 @@ def render() -> str:
         if docstring(section.module):
             parts.append(_described(section.module, section.name))
         if section.name == "jaxdepth":
-            modules = [name for name in section.module.__all__ if inspect.ismodule(getattr(section.module, name))]
+            # each module of the top level links to its section (`jaxdepth.metrics`: jaxdepth.analyses.metrics)
+            homes = {id(s.module): s.name for s in reversed(all_sections)}
+            modules = [getattr(section.module, name) for name in section.module.__all__]
             parts.append(
-                " ".join(f"`jaxdepth.{name}` is a module: [below](#{anchor('jaxdepth.' + name)})." for name in modules)
+                " ".join(
+                    f"`jaxdepth.{name}` is a module: [below](#{anchor(homes[id(module)])})."
+                    for name, module in zip(section.module.__all__, modules)
+                    if inspect.ismodule(module)
+                )
             )
         if section.values:
             named = ", ".join(f"`{name}` ({type(getattr(section.module, name)).__name__})" for name in section.values)
@@ -574,14 +621,15 @@ def render() -> str:
         for alias in section.aliases:
             kind = "class" if inspect.isclass(alias.obj) else "function"
             parts.append(
-                f"`{alias.name}` is the {kind} [`{alias.same_as}`](#{anchor(alias.same_as)}) (no heading of its"
+                f"`{alias.name}` is the {kind} [`{alias.same_as}`](#{anchor(heads.get(alias.same_as, alias.same_as))})"
+                " (no heading of its"
                 f" own: its anchor would be the module's, `{alias.name.lower()}`)."
             )
         for entry in section.entries:
             where = "below" if entry.same_as is not None and order[entry.same_as] > order[entry.name] else "above"
-            parts.extend(_entry(entry, top=section.name == "jaxdepth", where=where))
+            parts.extend(_entry(entry, top=section.name == "jaxdepth", where=where, heads=heads))
     page = "\n\n".join(part for part in parts if part) + "\n"
-    headings = re.findall(r"^#+ `([^`]+)`$", page, flags=re.M)
+    headings = re.findall(r"^#+ (`[^`]+`.*)$", page, flags=re.M)
     duplicates = {anchor(h) for h in headings if [anchor(x) for x in headings].count(anchor(h)) > 1}
     if duplicates:
         raise ValueError(f"headings with the same anchor: {sorted(duplicates)}")

@@ -13,7 +13,8 @@ attribution over clean/corrupt prompt pairs (`edge_attribution`, `prompt_pairs`;
 circuits in `jaxdepth.analyses.edges`). Each analysis
 of the studies is a module of `jaxdepth.analyses`; files, the command line and the study runner
 are in `jaxdepth.lab`. What a module offers is its `__all__` (here, in `jaxdepth.sites` and in
-each module of `jaxdepth.analyses`); a name outside it is internal and may change.
+every module of `jaxdepth` and `conversion`, which the API reference documents); a name outside
+it is internal and may change.
 
 The functions take `params` (`Model.params`: a nested dict of arrays, per-layer weights stacked
 on a leading layer axis) as an argument and the `ModelConfig` as a static argument (hashable: a

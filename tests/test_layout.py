@@ -467,3 +467,115 @@ def test_every_name_of_the_top_level_is_where_it_says():
         assert "no attribute 'no_such_name'" in str(error)
     else:
         raise AssertionError("an unknown name must be an AttributeError")
+
+
+# ----------------------------------------------------------------------------- public surface
+
+# Every module of `jaxdepth/` and `conversion/` names its public names in `__all__`: each public
+# (no leading underscore) function and class it defines at the top level is listed, and every
+# listed name exists. A public name that is not meant for users stays public and is listed (its
+# module's docstring or its own says what it serves) or gets a leading underscore. The API
+# reference (`docs/reference.py`) documents exactly these lists.
+#
+# To be emptied: the modules that do not yet follow the rule, each leaving the set when its
+# `__all__` is written or completed (the test below fails for a module listed here that follows
+# the rule already).
+NOT_YET_DECLARED = frozenset(
+    {
+        # no `__all__` yet
+        "jaxdepth.analyses",
+        "jaxdepth.core.loops",
+        "jaxdepth.core.model",
+        "jaxdepth.lab.circuit_study",
+        "jaxdepth.lab.cli",
+        "jaxdepth.lab.loaded_model",
+        "jaxdepth.lab.mapping_study",
+        "jaxdepth.lab.runs",
+        "jaxdepth.lab.study",
+        # an `__all__` that leaves out public functions or classes the module defines
+        "jaxdepth.analyses.attribution",
+        "jaxdepth.analyses.edges.pairs",
+        "jaxdepth.analyses.edges.scores",
+        "jaxdepth.analyses.erasure",
+        "jaxdepth.analyses.ig.checks",
+        "jaxdepth.analyses.ig.path",
+        "jaxdepth.analyses.ig.rules",
+        "jaxdepth.analyses.integrated_gradients",
+        "jaxdepth.analyses.jacobians",
+        "jaxdepth.analyses.layer_skip",
+        "jaxdepth.analyses.stats",
+        "jaxdepth.analyses.suite",
+    }
+)
+DECLARING = ("jaxdepth", "conversion")  # the packages whose every module has an `__all__`
+
+
+def declared_names(tree: ast.Module):
+    """The names of a module's `__all__` (a list or tuple of strings at the top level), or None
+    where it has none."""
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return [ast.literal_eval(element) for element in node.value.elts]
+    return None
+
+
+def public_definitions(tree: ast.Module) -> list[str]:
+    """The public functions and classes a module defines at its top level."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return [node.name for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
+
+
+def undeclared(files: dict[str, str]) -> dict[str, str]:
+    """`{module: what its `__all__` lacks}` for every module of `files` that breaks the rule."""
+    found = {}
+    for path, source in files.items():
+        module, _ = module_name(path)
+        tree = ast.parse(source, filename=path)
+        names = declared_names(tree)
+        if names is None:
+            found[module] = "no __all__"
+            continue
+        missing = [name for name in public_definitions(tree) if name not in names]
+        if missing:
+            found[module] = "its __all__ leaves out " + ", ".join(missing)
+    return found
+
+
+def declaring_files() -> dict[str, str]:
+    return {path: source for path, source in package_files().items() if path.split(os.sep)[0] in DECLARING}
+
+
+def test_every_module_declares_its_public_names():
+    found = undeclared(declaring_files())
+    problems = [f"{module}: {what}" for module, what in sorted(found.items()) if module not in NOT_YET_DECLARED]
+    assert not problems, "modules whose __all__ is missing or incomplete: " + "; ".join(problems)
+    done = sorted(NOT_YET_DECLARED - set(found))
+    assert not done, f"these modules declare their public names now: remove them from NOT_YET_DECLARED: {done}"
+
+
+def test_every_declared_name_exists():
+    """Each name of each `__all__` is an attribute of its module (imported: a package's names may
+    come from its modules, the top level's on first use), once."""
+    import importlib
+
+    problems = []
+    for path, source in declaring_files().items():
+        names = declared_names(ast.parse(source))
+        if names is None:
+            continue
+        module = importlib.import_module(module_name(path)[0])
+        problems += [f"{module.__name__}.__all__ names {n!r}, which it lacks" for n in names if not hasattr(module, n)]
+        problems += [f"{module.__name__}.__all__ names {n!r} twice" for n in sorted(set(names)) if names.count(n) > 1]
+    assert not problems, "; ".join(problems)
+
+
+def test_the_declaration_check_reports_what_is_left_out():
+    files = {
+        "jaxdepth/core/a.py": "__all__ = ['f']\ndef f(): pass\ndef g(): pass\nclass _H: pass\n",
+        "jaxdepth/core/b.py": "def f(): pass\n",
+        "jaxdepth/core/c.py": "import os\n__all__ = ['f', 'path']\nfrom os import path\ndef f(): pass\n",
+    }
+    assert undeclared(files) == {"jaxdepth.core.a": "its __all__ leaves out g", "jaxdepth.core.b": "no __all__"}

@@ -33,6 +33,7 @@ __all__ = [
     "contributions_figure",
     "STATISTICS",
     "ANALYSIS",
+    "depth_reading",
 ]
 
 # Order of the statistics on the last axis of `per_token`.

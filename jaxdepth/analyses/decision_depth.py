@@ -56,6 +56,7 @@ __all__ = [
     "DecisionDepthSettings",
     "lens_identity",
     "ANALYSIS",
+    "depth_reading",
 ]
 
 FREQUENCY_RANKS = ("id", "count")

@@ -41,6 +41,19 @@ __all__ = [
     "TokenPanel",
     "token_heatmap",
     "stacked_token_figure",
+    "prompt_index",
+    "depth_or_none",
+    "depth_text",
+    "bootstrap",
+    "draw_band",
+    "draw_per_prompt",
+    "mark_depth",
+    "wrap_at_the_edge",
+    "token_labels",
+    "robust_limit",
+    "clipped_label",
+    "panel_size",
+    "draw_token_panel",
 ]
 
 MAX_TOKEN_LABELS = 60  # beyond this many tokens, tick labels would overlap: label every k-th

@@ -80,6 +80,7 @@ __all__ = [
     "GeometrySettings",
     "ANALYSIS",
     "SINK_THRESHOLD",
+    "depth_reading",
 ]
 
 SINK_THRESHOLD = 0.3  # Gu et al.'s eps

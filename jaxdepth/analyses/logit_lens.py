@@ -28,6 +28,7 @@ from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
 from jaxdepth.analyses.suite import Analysis, DepthReading, Settings, option
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
+from jaxdepth.analyses.metrics import kl_divergence
 from jaxdepth.analyses.tuned_lens import translate
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 
@@ -44,16 +45,18 @@ __all__ = [
     "LogitLensSettings",
     "TOP_K",
     "ANALYSIS",
+    "depth_reading",
 ]
 
 TOP_K = 5
 
 
-def lens_statistics(layer_logits, final_logp, final_top):
+def lens_statistics(layer_logits, final_logits, final_top):
     """KL(P_l || P) in nats and top-k overlap per position, from a layer's logits `[..., V]`,
-    the final log-probabilities `[..., V]` and the final top-k token ids `[..., k]`."""
-    logp_l = jax.nn.log_softmax(layer_logits.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(logp_l) * (logp_l - final_logp), axis=-1)
+    the final logits `[..., V]` (log-probabilities serve too: the same distribution) and the
+    final top-k token ids `[..., k]`. The KL is `jaxdepth.analyses.metrics.kl_divergence`, the
+    layer's distribution first."""
+    kl = kl_divergence(layer_logits, final_logits)
     k = final_top.shape[-1]
     top_l = jax.lax.top_k(layer_logits, k)[1]
     overlap = jnp.sum(top_l[..., :, None] == final_top[..., None, :], axis=(-2, -1)) / k
@@ -73,10 +76,9 @@ def lens_per_token(params, tokens, valid, config: ModelConfig, translators=None,
     h_0..h_{L-1} of the intervened run (each after the interventions at its `resid_pre`) and
     compares them with the intervened run's output."""
     hs = residual_stream(params, tokens, config, valid=valid, interventions=interventions)
-    final = unembed(params, hs[-1], config)
-    final_logp = jax.nn.log_softmax(final, axis=-1)
+    final = unembed(params, hs[-1], config)  # float32, as `kl_divergence` reads it
     final_top = jax.lax.top_k(final, TOP_K)[1]
-    return map_lens(lambda logits: lens_statistics(logits, final_logp, final_top), params, hs[:-1], config, translators)
+    return map_lens(lambda logits: lens_statistics(logits, final, final_top), params, hs[:-1], config, translators)
 
 
 def map_lens(read, params, hs, config: ModelConfig, translators=None):

@@ -33,6 +33,7 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import residual_stream, unembed
+from jaxdepth.analyses.metrics import kl_divergence
 
 __all__ = [
     "TunedLens",
@@ -45,6 +46,7 @@ __all__ = [
     "identity_translators",
     "lens_kl",
     "load_tuned_lens",
+    "translate",
 ]
 
 Translators = dict  # {"weight": [L, D, D], "bias": [L, D]}
@@ -85,16 +87,21 @@ def translate(h: Float[Array, "*b D"], weight: Float[Array, "D D"], bias: Float[
 
 
 def lens_kl(
-    translators: Translators, params, hs: Float[Array, "L N D"], final_logp: Float[Array, "N V"], config: ModelConfig
+    translators: Translators,
+    params,
+    hs: Float[Array, "L N D"],
+    final_logits: Float[Array, "N V"],
+    config: ModelConfig,
 ) -> Float[Array, "L N"]:
-    """KL(P || P_l^tuned) per layer and token: the training objective (Belrose et al.: the
-    final distribution first, so the lens is pulled to cover everything the model predicts).
-    Layers are decoded one at a time (`lax.map`): one `[N, V]` logit buffer at once."""
+    """KL(P || P_l^tuned) per layer and token, from the final logits `[N, V]` (log-probabilities
+    serve too: the same distribution): the training objective (Belrose et al.: the final
+    distribution first, so the lens is pulled to cover everything the model predicts), the
+    KL of `jaxdepth.analyses.metrics.kl_divergence`. Layers are decoded one at a time
+    (`lax.map`): one `[N, V]` logit buffer at once."""
 
     def one_layer(args):
         h, w, b = args
-        logp = jax.nn.log_softmax(unembed(params, translate(h, w, b), config), axis=-1)
-        return jnp.sum(jnp.exp(final_logp) * (final_logp - logp), axis=-1)
+        return kl_divergence(final_logits, unembed(params, translate(h, w, b), config))
 
     return jax.lax.map(one_layer, (hs, translators["weight"], translators["bias"]))
 
@@ -126,8 +133,8 @@ def _optimizer(s: LensTrainingSettings):
 def _train_step(translators, opt_state, params, hs, h_final, config: ModelConfig, optimizer):
     import optax
 
-    final_logp = jax.nn.log_softmax(unembed(params, h_final, config), axis=-1)
-    loss, grads = jax.value_and_grad(lambda t: jnp.mean(lens_kl(t, params, hs, final_logp, config)))(translators)
+    final = unembed(params, h_final, config)
+    loss, grads = jax.value_and_grad(lambda t: jnp.mean(lens_kl(t, params, hs, final, config)))(translators)
     updates, opt_state = optimizer.update(grads, opt_state, translators)
     return optax.apply_updates(translators, updates), opt_state, loss
 

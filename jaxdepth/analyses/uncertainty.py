@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_SEED",
     "DEFAULT_LEVEL",
     "WEIGHTINGS",
+    "has_per_prompt",
 ]
 
 DEFAULT_RESAMPLES = 1000

@@ -3,3 +3,5 @@ step and the drivers that run it), intervention sites and interventions, sweeps 
 interventions, compilation and sharding; below the analyses, the result type they return
 (`saved_result`, saved and loaded as one file) and atomic file writes (`atomic`). Nothing here
 imports the analyses or the shell (`jaxdepth.lab`), parses a command line or draws figures."""
+
+__all__: list[str] = []  # a package of modules: the modules are its public names

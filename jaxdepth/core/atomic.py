@@ -32,6 +32,19 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
+__all__ = [
+    "atomic_write",
+    "remove_stale_temporaries",
+    "FolderBusyError",
+    "folder_lock",
+    "writable",
+    "locked_folders",
+    "TEMP_PREFIX",
+    "LOCK_NAME",
+    "OWNER_NAME",
+]
+
+
 TEMP_PREFIX = ".tmp-"  # + the writer's process id + "-": what a killed writer leaves behind
 
 

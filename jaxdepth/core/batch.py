@@ -8,6 +8,16 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+__all__ = [
+    "LengthBuckets",
+    "PromptBatch",
+    "PromptArrays",
+    "make_batch",
+    "GROUP_TOKENS",
+    "ANSWER_BUCKETS",
+]
+
+
 # Tokens (rows x padded length) of one forward when prompts are grouped (`PromptBatch.groups`):
 # on 2-core x86 CPUs a forward of the embedded model reaches about 90% of its large-batch speed
 # from 128 rows on, against 70% at 64.

@@ -19,6 +19,23 @@ import jax.numpy as jnp
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sites import Intervention, check_layer_indices
 
+__all__ = [
+    "compiler_options",
+    "cpu_info",
+    "cpu_multiplies_bf16_fast",
+    "has_narrow_floats",
+    "check_interventions",
+    "jit",
+    "CompileClock",
+    "use_compilation_cache",
+    "CPU_COMPILER_OPTIONS",
+    "CPU_NARROW_COMPILER_OPTIONS",
+    "COMPILE_EVENTS",
+    "BACKEND_COMPILE_EVENT",
+    "CACHE_HIT_EVENT",
+]
+
+
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 # Programs with bfloat16 operands (`--dtype bfloat16`, or bf16 weight matrices beside float32
 # activations: `ModelWeights.with_matmul_dtype`): YNNPACK runs their matmuls at float32's speed

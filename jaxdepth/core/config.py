@@ -14,6 +14,17 @@ from typing import Any, Mapping
 
 from jaxdepth.core.hf_config import SUPPORTED_MODEL_TYPES, UnsupportedConfigError, config_fields
 
+__all__ = [
+    "ModelConfig",
+    "ROPE_TYPES",
+    "NORMS",
+    "ACTIVATIONS",
+    "MLPS",
+    "POSITIONS",
+    "LAYER_TYPES",
+    "QK_NORM_SCOPES",
+]
+
 
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 NORMS = ("rms", "layer")

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from jaxdepth.core.config import ModelConfig
 
+__all__ = [
+    "layer_flops",
+    "lm_head_flops",
+    "forward_flops",
+]
+
 
 def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -> float:
     """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`: 2 x

@@ -11,6 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+__all__ = [
+    "UnsupportedConfigError",
+    "config_fields",
+    "SUPPORTED_MODEL_TYPES",
+]
+
 
 class UnsupportedConfigError(ValueError):
     """A checkpoint asks for an architecture or a config feature that is not implemented.

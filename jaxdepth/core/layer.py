@@ -24,6 +24,40 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sites import SITE_TABLE, AnyIntervention, apply_at, splits_layer
 
+__all__ = [
+    "norm",
+    "layer_norm_of",
+    "pre_norm",
+    "rotary_frequencies",
+    "rotary_tables",
+    "longrope_rows",
+    "apply_rotary",
+    "project",
+    "key_values",
+    "input_key_values",
+    "KeyValueBuffer",
+    "attention_heads",
+    "attend",
+    "attention_output",
+    "attention",
+    "mlp_hidden",
+    "mlp_output",
+    "mlp",
+    "attention_mask",
+    "head_projections",
+    "LayerRecord",
+    "layer_step",
+    "LayerContext",
+    "context_of_layer",
+    "layer_context",
+    "piece_context",
+    "step_context",
+    "check_layer_rows",
+    "layer_row",
+    "layer_params",
+]
+
+
 Params = dict[str, Any]
 
 

@@ -18,6 +18,12 @@ from jaxdepth.core.layer import Params
 from jaxdepth.core.model import check_params, forward
 from jaxdepth.core.sharding import PARTITION_RULES
 
+__all__ = [
+    "Decoder",
+    "partition_specs",
+    "abstract_decoder",
+]
+
 
 def _param(name: str, value) -> nnx.Param:
     # eager_sharding=False: the spec is metadata for whoever places the params on a mesh

@@ -20,6 +20,14 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
+__all__ = [
+    "DeviceSpeed",
+    "ChosenLengths",
+    "cheapest_lengths",
+    "LENGTH_MULTIPLE",
+]
+
+
 # Lengths are rounded up to a multiple of this at least: vector lanes and matmul tiles.
 LENGTH_MULTIPLE = 8
 

@@ -26,6 +26,19 @@ from jax.sharding import PartitionSpec
 
 from jaxdepth.core.config import ModelConfig
 
+__all__ = [
+    "Parameter",
+    "Naming",
+    "param_shapes",
+    "partition_rules",
+    "transposed_params",
+    "MODEL",
+    "PARAMETERS",
+    "HF",
+    "GGUF",
+]
+
+
 # The mesh axis tensor parallelism splits parameters over (`jaxdepth.core.sharding`'s mesh).
 MODEL = "model"
 

@@ -19,6 +19,13 @@ import sys
 import time
 from typing import IO, Any, Callable, Iterable, Iterator, Optional, Union
 
+__all__ = [
+    "progress_bar",
+    "track",
+    "LineProgress",
+]
+
+
 ProgressLike = Union[None, bool, Callable[..., Any]]
 
 

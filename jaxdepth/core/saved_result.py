@@ -23,6 +23,14 @@ import numpy as np
 
 from jaxdepth.core.atomic import atomic_write
 
+__all__ = [
+    "UnknownResultTypeError",
+    "UnreadableResultError",
+    "SavedResult",
+    "load_saved",
+]
+
+
 _TYPES: dict[str, type] = {}  # every SavedResult subclass imported so far, by class name
 _PLACES: dict[tuple[str, str], type] = {}  # the same, by (module, qualified name)
 

@@ -70,6 +70,7 @@ __all__ = [
     "SPLIT_SITES",
     "SITE_TABLE",
     "Site",
+    "Role",
     "site_shape",
     "Intervention",
     "StatefulIntervention",
@@ -84,20 +85,47 @@ __all__ = [
     "patch",
     "probe",
     "ablate_heads",
+    "acting_sites",
+    "splits_layer",
+    "initial_states",
+    "apply_at",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What a site is to the residual stream: the stream receives its value (`acts='writes'`)
+    or its value is what a sublayer reads of the stream (`acts='reads'`), for the `sublayer`
+    ('attention' or 'mlp') it belongs to, one per query head (`per_head`) or one for the
+    sublayer, `tag` naming a head's input in the edge graph ('q', 'k', 'v'), and `post_norms`:
+    the role holds only in a layer with (True) or without (False) norms after the sublayers
+    (None: in every layer). `jaxdepth.analyses.edges.graph.EdgeGraph` is built from these."""
+
+    acts: str
+    sublayer: str
+    per_head: bool = False
+    tag: str = ""
+    post_norms: Optional[bool] = None
+
+    def holds(self, post_norms: bool) -> bool:
+        """Whether the role holds in a layer with (`post_norms` True) or without norms after the
+        sublayers."""
+        return self.post_norms is None or self.post_norms == post_norms
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One named site of a layer: `name`, the field of `jaxdepth.core.layer.LayerRecord` that
     holds its value (`record`; the record answers to `name` too), `features(config)`, the
-    shape of its value after the batch and position axes, and whether it exists only in a
-    layer whose attention input is split per head (`split`, module docstring)."""
+    shape of its value after the batch and position axes, whether it exists only in a layer
+    whose attention input is split per head (`split`, module docstring), and its `role` to the
+    residual stream (a writer or a reader of it, `Role`; None for the others)."""
 
     name: str
     record: str
     features: Callable[[Any], tuple]
     split: bool = False  # computed only in a layer whose attention input is split per head
+    role: Optional[Role] = None
 
 
 def _width(config) -> tuple:
@@ -109,18 +137,28 @@ def _per_head_width(config) -> tuple:
 
 
 # The one table of sites, in the order the layer computes them: a new site is one entry here
-# (and its computation in `layer_step`); the names, shapes and the record's aliases follow.
+# (and its computation in `layer_step`); the names, shapes and the record's aliases follow, and
+# from the roles the edge graph's writers and readers, numbered in this order. Each head reads
+# its query, key and value inputs; the stream receives each head's result, or, behind a norm
+# after the attention (a normalised sum, of which no head writes a part of its own), the
+# attention's output as one; the MLP reads its input and writes its output (after its norm).
 SITE_TABLE = (
     Site("resid_pre", "h", _width),
-    Site("q_in", "q_in", _per_head_width, split=True),
-    Site("k_in", "k_in", _per_head_width, split=True),
-    Site("v_in", "v_in", _per_head_width, split=True),
+    Site("q_in", "q_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="q")),
+    Site("k_in", "k_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="k")),
+    Site("v_in", "v_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="v")),
     Site("head_out", "head_out", lambda c: (c.num_heads, c.head_dim)),
-    Site("head_result", "head_result", _per_head_width, split=True),
-    Site("attn_out", "attn", _width),
-    Site("mlp_in", "mlp_in", _width),
+    Site(
+        "head_result",
+        "head_result",
+        _per_head_width,
+        split=True,
+        role=Role("writes", "attention", per_head=True, post_norms=False),
+    ),
+    Site("attn_out", "attn", _width, role=Role("writes", "attention", post_norms=True)),
+    Site("mlp_in", "mlp_in", _width, role=Role("reads", "mlp")),
     Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,)),
-    Site("mlp_out", "mlp", _width),
+    Site("mlp_out", "mlp", _width, role=Role("writes", "mlp")),
     Site("delta", "delta", _width),
     Site("resid_post", "out", _width),
 )

@@ -12,6 +12,22 @@ from jax.sharding import PartitionSpec as P
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.sharding import DATA
 
+__all__ = [
+    "available_memory_budget",
+    "chunk_layout",
+    "sweep",
+    "sweep_sum",
+    "weighted_sum",
+    "member_bytes",
+    "auto_chunk_size",
+    "cpu_gradient_width",
+    "MEMORY_FRACTION",
+    "FALLBACK_MEMORY_BUDGET",
+    "CPU_GRADIENT_ROWS",
+    "CPU_GRADIENT_MIN_WIDTH",
+]
+
+
 # Share of the free device (or host, on CPU) memory a sweep's activations may take when no budget
 # is given: the rest is left to params, XLA's temporaries and whatever else runs.
 MEMORY_FRACTION = 0.25

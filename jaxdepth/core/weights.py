@@ -18,6 +18,12 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import Params
 
 
+__all__ = [
+    "ModelWeights",
+    "derived_fingerprint",
+]
+
+
 @dataclasses.dataclass
 class ModelWeights:
     """A converted model: params pytree, config, tokenizer (None if the source had none).

@@ -21,3 +21,5 @@ or figures.
 Imports point one way: the shell uses `jaxdepth.analyses` and `jaxdepth.core`, never the reverse
 (tests/test_layout.py checks it).
 """
+
+__all__: list[str] = []  # a package of modules: the modules are its public names

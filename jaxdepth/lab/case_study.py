@@ -17,6 +17,18 @@ from typing import Optional, Sequence
 
 from jaxdepth.lab.prompts import DATASETS, Prompt, load_prompts
 
+__all__ = [
+    "case_prompt",
+    "check_answer_tokens",
+    "case_figure",
+    "write_case_figures",
+    "case_analysis",
+    "check_analyses",
+    "CASE_ANALYSES",
+    "ARITHMETIC_PROMPT",
+]
+
+
 # The analyses a case study runs by default: both studies show these two per prompt.
 CASE_ANALYSES = ("erasure", "integrated_gradients")
 ARITHMETIC_PROMPT = Prompt("5 + 7 + 5 + 3 + 1 + 7 = ", "28")  # the first study's case

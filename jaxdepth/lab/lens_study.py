@@ -25,6 +25,18 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.lab.runs import batch_digest, check_recorded_identity
 
+__all__ = [
+    "LensComparison",
+    "parse_rows",
+    "compare_lenses",
+    "comparison_markdown",
+    "save_comparison",
+    "train_resumably",
+    "trained_lens",
+    "COMPARISON",
+]
+
+
 COMPARISON = "lens_comparison"  # the stem of every file of a comparison (`save_comparison`)
 
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "mesh_from_args",
+]
+
 
 def mesh_from_args(args):
     """The device mesh of `--mesh DATAxMODEL` (after `--distributed` start-up), or None."""

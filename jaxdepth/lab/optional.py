@@ -6,6 +6,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+__all__ = [
+    "MissingDependencyError",
+    "require",
+]
+
 
 class MissingDependencyError(ImportError):
     """An optional package that this code path needs is not installed."""

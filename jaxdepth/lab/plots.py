@@ -22,6 +22,15 @@ from jaxdepth.analyses.effective_depth import cosine_effective_depth, kl_effecti
 from jaxdepth.analyses.logit_lens import LogitLensResult
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 
+__all__ = [
+    "lens_comparison_figure",
+    "relative_depth_figure",
+    "long_cot_figure",
+    "save_figure",
+    "DPI",
+]
+
+
 DPI = 150
 
 

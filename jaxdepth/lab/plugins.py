@@ -40,6 +40,17 @@ from typing import Callable, Optional, Sequence
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.registry import ANALYSES, BUILT_IN, Analysis, register
 
+__all__ = [
+    "Plugin",
+    "load_plugins",
+    "owners",
+    "ENTRY_POINT_GROUP",
+    "SPEC",
+    "NAME",
+    "LOADED",
+]
+
+
 ENTRY_POINT_GROUP = "jaxdepth.analyses"
 
 _IDENTIFIERS = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"

@@ -17,6 +17,31 @@ from typing import Callable, Optional, Sequence
 
 from jaxdepth.core.batch import LengthBuckets, PromptBatch, make_batch
 
+__all__ = [
+    "Prompt",
+    "DatasetError",
+    "format_gsm8k",
+    "format_short",
+    "format_hellaswag",
+    "format_aime",
+    "math_level",
+    "math_subject",
+    "format_math",
+    "mquake_hops",
+    "format_mquake",
+    "DatasetSpec",
+    "read_rows",
+    "load_prompts",
+    "encode",
+    "INSTRUCTION",
+    "AIME_MAX_TOKENS",
+    "MATH_LEVELS",
+    "MATH_SUBJECTS",
+    "EMBEDDED_DIR",
+    "DATASETS",
+]
+
+
 INSTRUCTION = (
     "Given the following problem, reason and give a final answer to the problem.\n"
     'Problem: {problem}\nYour response should end with "{ending}" where [answer] is the '

@@ -15,6 +15,16 @@ from __future__ import annotations
 
 from jaxdepth.analyses.effective_depth import EffectiveDepth
 
+__all__ = [
+    "published_rows",
+    "comparison_markdown",
+    "DATASETS",
+    "METHODS",
+    "TABLE1",
+    "LONG_COT_PAIRS",
+]
+
+
 DATASETS = ("gsm8k", "hellaswag", "aime24")
 METHODS = ("cosine", "kl", "overlap")
 

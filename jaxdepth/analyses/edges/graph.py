@@ -1,5 +1,11 @@
 """The computational graph of a decoder as writers and readers of the residual stream.
 
+Nothing here is kept by hand: a layer's writers and readers are the sites that declare the role
+(`jaxdepth.core.sites.Role`, next to each site in `jaxdepth.core.sites.SITE_TABLE`), numbered in
+the table's order, a per-head role once per query head; the model adds its ends, the embedding
+(a writer) and the logits (a reader); the config says which roles hold (`post_norms`) and where
+a sublayer reads (`parallel`). What follows is what the roles declare today.
+
 Writers are what the residual stream receives: the token embedding (`input`), every attention
 head's output (`a{l}.h{h}`: head h's slice of o_proj applied to its output) and every MLP's
 output (`m{l}`). In a family with norms after the sublayers (Gemma 2/3, OLMo 2:
@@ -39,13 +45,51 @@ from typing import Optional, Union
 import numpy as np
 
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.sites import SITE_TABLE
 
 __all__ = [
     "EdgeGraph",
     "READER_KINDS",
 ]
 
-READER_KINDS = ("q", "k", "v")
+# The sublayers in the order a layer computes them, as the sites' roles name them, and the
+# prefix of their nodes' names (the EAP-IG package's: `a3.h1`, `m2`).
+_SUBLAYERS = ("attention", "mlp")
+_PREFIX = {"attention": "a", "mlp": "m"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One writer or reader of a layer: the site whose role it is, its sublayer, its query head
+    (None: one for the sublayer) and its tag ('q', 'k', 'v' of a head's input; '' else)."""
+
+    site: str
+    sublayer: str
+    head: Optional[int]
+    tag: str
+
+    def name(self, layer: int) -> str:
+        """'a{l}.h{h}', 'a{l}' or 'm{l}', then '<tag>' for a head's input."""
+        head = "" if self.head is None else f".h{self.head}"
+        return f"{_PREFIX[self.sublayer]}{layer}{head}" + (f"<{self.tag}>" if self.tag else "")
+
+
+def _slots(acts: str, num_heads: int, post_norms: bool) -> tuple[_Slot, ...]:
+    """The writers (`acts='writes'`) or readers (`'reads'`) of one layer, from the roles of the
+    sites (`jaxdepth.core.sites.SITE_TABLE`), in the table's order, a per-head role's heads in
+    order: what numbers them."""
+    return tuple(
+        _Slot(site.name, site.role.sublayer, head, site.role.tag)
+        for site in SITE_TABLE
+        if site.role is not None and site.role.acts == acts and site.role.holds(post_norms)
+        for head in (range(num_heads) if site.role.per_head else (None,))
+    )
+
+
+# The tags of the heads' inputs, in the order of their sites: ('q', 'k', 'v').
+READER_KINDS = tuple(
+    site.role.tag for site in SITE_TABLE if site.role is not None and site.role.acts == "reads" and site.role.per_head
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +98,8 @@ class EdgeGraph:
     query heads. Build it with `EdgeGraph.of(config)`. `parallel`: each layer's MLP reads the
     layer's input, beside its heads (GPT-NeoX). `post_norms`: norms after the sublayers, so
     that each layer's attention writes one vector, its output after the norm (Gemma 2/3,
-    OLMo 2: `attention_writers` is 1)."""
+    OLMo 2: `attention_writers` is 1). The writers and readers of a layer are the sites whose
+    `jaxdepth.core.sites.Role` holds in it, in the order of `jaxdepth.core.sites.SITE_TABLE`."""
 
     num_layers: int
     num_heads: int
@@ -76,23 +121,66 @@ class EdgeGraph:
         """The graph's fields by name, as a result records them (`of_result` reads them back)."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
+    # ------------------------------------------------------------------ one layer, from the roles
+
+    @functools.cached_property
+    def _writer_slots(self) -> tuple[_Slot, ...]:
+        return _slots("writes", self.num_heads, self.post_norms)
+
+    @functools.cached_property
+    def _reader_slots(self) -> tuple[_Slot, ...]:
+        return _slots("reads", self.num_heads, self.post_norms)
+
+    def _sublayer_nodes(self, slots: tuple[_Slot, ...], reads: bool) -> np.ndarray:
+        """`[L, n]`: the node of each slot of each layer: 1 + l S + s for sublayer s of S, where
+        a writer's sublayer writes and a reader's starts; in a parallel block every sublayer
+        reads the layer's input, so its readers all start the layer's first node."""
+        sublayer = np.array([_SUBLAYERS.index(slot.sublayer) for slot in slots])
+        if reads and self.parallel:
+            sublayer = np.zeros_like(sublayer)
+        return 1 + len(_SUBLAYERS) * np.arange(self.num_layers)[:, None] + sublayer[None, :]
+
+    @functools.cached_property
+    def _reader_offsets(self) -> dict:
+        """`{(sublayer, tag): the place in a layer's readers of its first (head 0's) reader}`."""
+        offsets = {}
+        for i, slot in enumerate(self._reader_slots):
+            offsets.setdefault((slot.sublayer, slot.tag), i)
+        return offsets
+
+    def _reader_offset(self, sublayer: str, tag: str = "") -> int:
+        """The place in a layer's readers of the first (head 0's) reader of `sublayer` tagged `tag`."""
+        if (sublayer, tag) not in self._reader_offsets:
+            raise ValueError(
+                f"no reader {_PREFIX[sublayer]}<layer>{'<' + tag + '>' if tag else ''}: kinds {READER_KINDS}"
+            )
+        return self._reader_offsets[sublayer, tag]
+
+    def _feeds(self, reader: _Slot) -> int:
+        """The place in a layer's writers of the writer whose computation `reader` feeds: its head's,
+        or its sublayer's one writer."""
+        for i, slot in enumerate(self._writer_slots):
+            if slot.sublayer == reader.sublayer and slot.head in (reader.head, None):
+                return i
+        raise ValueError(f"no writer of {reader.sublayer} is fed by {reader.site}")
+
     # ------------------------------------------------------------------ sizes and indices
 
-    @property
+    @functools.cached_property
     def attention_writers(self) -> int:
         """A: the writers of one layer's attention: its H heads, or 1 (its whole output after
         the post-attention norm) where `post_norms`. Every piece of the edges reads this."""
-        return 1 if self.post_norms else self.num_heads
+        return sum(slot.sublayer == "attention" for slot in self._writer_slots)
 
     @property
     def writers_per_layer(self) -> int:
         """A + 1: the attention's writers (`attention_writers`) and the MLP."""
-        return self.attention_writers + 1
+        return len(self._writer_slots)
 
     @property
     def readers_per_layer(self) -> int:
         """3H + 1: each head's q, k and v inputs, and the MLP's input."""
-        return 3 * self.num_heads + 1
+        return len(self._reader_slots)
 
     @property
     def num_writers(self) -> int:
@@ -108,7 +196,8 @@ class EdgeGraph:
         """The writer index of layer `layer`'s attention: of its head `head`, or, where
         `post_norms`, of its one output (`head` None). A ValueError for a head where heads
         write no vector of their own, and for no head where they do."""
-        if self.post_norms != (head is None):
+        heads_write = any(slot.sublayer == "attention" and slot.head is not None for slot in self._writer_slots)
+        if heads_write == (head is None):
             raise ValueError(self._attention_writer_error(f"a{layer}" + ("" if head is None else f".h{head}")))
         return self.first_writer(layer) + (0 if head is None else head)
 
@@ -128,15 +217,15 @@ class EdgeGraph:
 
     def mlp_writer(self, layer: int) -> int:
         """The writer index of the MLP of layer `layer`."""
-        return self.first_writer(layer) + self.attention_writers
+        return self.first_writer(layer) + [slot.sublayer for slot in self._writer_slots].index("mlp")
 
     def head_reader(self, layer: int, head: int, kind: str) -> int:
         """The reader index of query head `head`'s `kind` ('q', 'k' or 'v') input in layer `layer`."""
-        return layer * self.readers_per_layer + READER_KINDS.index(kind) * self.num_heads + head
+        return layer * self.readers_per_layer + self._reader_offset("attention", kind) + head
 
     def mlp_reader(self, layer: int) -> int:
         """The reader index of the MLP input of layer `layer`."""
-        return layer * self.readers_per_layer + 3 * self.num_heads
+        return layer * self.readers_per_layer + self._reader_offset("mlp")
 
     @property
     def logits_reader(self) -> int:
@@ -150,19 +239,15 @@ class EdgeGraph:
         """`[W]`: each writer's node, its place in the order of computation: 0 the input, 2l + 1
         the attention of layer l (its heads, or its one writer), 2l + 2 the MLP of layer l
         (`readers.shift_node` names nodes so)."""
-        w = np.arange(self.num_writers)
-        layer, slot = np.divmod(np.maximum(w - 1, 0), self.writers_per_layer)
-        return np.where(w == 0, 0, 2 * layer + 1 + (slot == self.attention_writers))
+        return np.concatenate([[0], self._sublayer_nodes(self._writer_slots, reads=False).ravel()])
 
     @functools.cached_property
     def reader_nodes(self) -> np.ndarray:
         """`[R]`: the node each reader starts: 2l + 1 for the heads' inputs of layer l, 2l + 2 for
         its MLP's input (2l + 1 in a parallel block, where it reads what the heads read), 2L + 1
         for the logits. A writer feeds every reader of a later node."""
-        r = np.arange(self.num_readers)
-        layer, slot = np.divmod(r, self.readers_per_layer)
-        mlp = (slot == 3 * self.num_heads) & (not self.parallel)
-        return np.where(r == self.logits_reader, 2 * self.num_layers + 1, 2 * layer + 1 + mlp)
+        logits = 1 + len(_SUBLAYERS) * self.num_layers
+        return np.concatenate([self._sublayer_nodes(self._reader_slots, reads=True).ravel(), [logits]])
 
     @functools.cached_property
     def reader_writers(self) -> np.ndarray:
@@ -170,12 +255,9 @@ class EdgeGraph:
         k and v inputs feed that head (the layer's one attention writer where `post_norms`), an
         MLP's input its MLP; -1 for the logits, which feed no writer. A circuit's path runs
         writer -> reader -> that reader's writer -> ..."""
-        r = np.arange(self.num_readers)
-        layer, slot = np.divmod(r, self.readers_per_layer)
-        head = np.where(self.post_norms, 0, slot % self.num_heads)
-        first = 1 + layer * self.writers_per_layer
-        feeds = np.where(slot == 3 * self.num_heads, first + self.attention_writers, first + head)
-        return np.where(r == self.logits_reader, -1, feeds)
+        feeds = np.array([self._feeds(slot) for slot in self._reader_slots])
+        first = 1 + np.arange(self.num_layers)[:, None] * self.writers_per_layer
+        return np.concatenate([(first + feeds[None, :]).ravel(), [-1]])
 
     @functools.cached_property
     def edge_mask(self) -> np.ndarray:
@@ -198,21 +280,16 @@ class EdgeGraph:
         w = int(w)
         if w == 0:
             return "input"
-        layer, h = divmod(w - 1, self.writers_per_layer)
-        if h == self.attention_writers:
-            return f"m{layer}"
-        return f"a{layer}" if self.post_norms else f"a{layer}.h{h}"
+        layer, slot = divmod(w - 1, self.writers_per_layer)
+        return self._writer_slots[slot].name(layer)
 
     def reader_name(self, r: int) -> str:
         """'a{l}.h{h}<q>' (or <k>, <v>), 'm{l}' or 'logits'."""
         r = int(r)
         if r == self.logits_reader:
             return "logits"
-        layer, i = divmod(r, self.readers_per_layer)
-        if i == 3 * self.num_heads:
-            return f"m{layer}"
-        kind, h = divmod(i, self.num_heads)
-        return f"a{layer}.h{h}<{READER_KINDS[kind]}>"
+        layer, slot = divmod(r, self.readers_per_layer)
+        return self._reader_slots[slot].name(layer)
 
     def edge_name(self, w: int, r: int) -> str:
         """'writer->reader'."""
@@ -231,7 +308,7 @@ class EdgeGraph:
         """The index of the reader named `name` (a ValueError for no reader of the graph)."""
         if name == "logits":
             return self.logits_reader
-        match = re.fullmatch(r"(a\d+\.h\d+)<([qkv])>", name)
+        match = re.fullmatch(rf"(a\d+\.h\d+)<({'|'.join(READER_KINDS)})>", name)
         if match:
             layer, head = self._parse_node(match.group(1), "reader")
             return self.head_reader(layer, head, match.group(2))
