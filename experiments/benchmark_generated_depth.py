@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     log(
         f"lens of generated tokens: jaxdepth {ours['lens_seconds']:.1f} s ({ours['lens_seconds_with_compile']:.1f} s "
         f"compiling included), torch {theirs['lens_seconds']:.1f} s: {report['lens_speedup']:.1f}x "
-        f"({report['lens_speedup_with_compile']:.1f}x); settling depths alike for {100 * same_depth.mean():.1f}% of tokens"
+        f"({report['lens_speedup_with_compile']:.1f}x); settling depths alike for {100 * same_depth.mean():.1f}% "
+        "of tokens"
     )
     log(
         f"program search: jaxdepth {ours['search_seconds']:.1f} s ({ours['search_seconds_with_compile']:.1f} s "
