@@ -403,11 +403,21 @@ def erasure_of_prompt(
         desc="residual erasure (position pieces)",
     ) as bar:
         return _erasure_of_prompt(
-            params, prompt, baseline, config, erasure, metric, interventions, execution, bar.update
+            params,
+            prompt,
+            baseline,
+            config,
+            erasure,
+            metric=metric,
+            interventions=interventions,
+            execution=execution,
+            on_piece=bar.update,
         )
 
 
-def _erasure_of_prompt(params, prompt, baseline, config, erasure, metric, interventions, execution, on_piece, label=0):
+def _erasure_of_prompt(
+    params, prompt, baseline, config, erasure, *, metric, interventions, execution, on_piece, label=0
+):
     """`erasure_of_prompt`, `on_piece()` called as each piece finishes (in order), the prompt
     named `label` in a refusal of its metric."""
     T = prompt.tokens.shape[1]
@@ -537,10 +547,10 @@ def residual_erasure(
                 baseline,
                 config,
                 erasure,
-                metric,
-                interventions,
-                execution.replace(chunk_size=chunk),
-                bar.update,
+                metric=metric,
+                interventions=interventions,
+                execution=execution.replace(chunk_size=chunk),
+                on_piece=bar.update,
                 label=i,
             )
             if metric is not None:

@@ -322,14 +322,16 @@ def skip_effects_of_prompt(
     (`jaxdepth.analyses.metric_inputs.refuse_prompt_padding`, on the clean run's readout).
     """
     metric = None if metric is None else as_metric(metric, "layer skip")
-    return _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution)
+    return _skip_effects(
+        params, prompt, masks, config, skip, metric=metric, interventions=interventions, execution=execution
+    )
 
 
 # the clean run's readout, called on its own (for the padding check)
 _clean_readout = partial(jit, static_argnames=("config", "metric"))(clean_readout)
 
 
-def _skip_effects(params, prompt, masks, config, skip, metric, interventions, execution, label=0):
+def _skip_effects(params, prompt, masks, config, skip, *, metric, interventions, execution, label=0):
     """`skip_effects_of_prompt`, the prompt named `label` in a refusal of its metric."""
     L, K, T = config.num_layers, len(masks.skip), np.shape(prompt.tokens)[1]
     measure_masks, valid_host = np.asarray(masks.measure, bool), np.asarray(prompt.valid, bool)[0]
@@ -497,9 +499,9 @@ def layer_skip(
             masks,
             config,
             skip,
-            metric,
-            interventions,
-            execution.replace(chunk_size=chunk),
+            metric=metric,
+            interventions=interventions,
+            execution=execution.replace(chunk_size=chunk),
             label=i,
         )
         later_pp[i] = to_host(later).max(axis=1)
