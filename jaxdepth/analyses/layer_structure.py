@@ -69,6 +69,10 @@ __all__ = [
     "StructureResult",
     "structure_analysis",
     "structure_figure",
+    "critical_layers_figure",
+    "critical_under_generation",
+    "TEACHER_FORCED_SLACK",
+    "GENERATION_LOSS",
     "StructureSettings",
     "new_tokens_for",
     "ANALYSIS",
@@ -569,6 +573,78 @@ def structure_figure(result: StructureResult, *, title: Optional[str] = None):
     return fig
 
 
+# A layer is critical under generation only when dropping it keeps the teacher-forced token
+# accuracy within this many points of the intact model's but costs the generated answers at
+# least `GENERATION_LOSS` points: the two readings of "can the model lose this layer" disagree.
+TEACHER_FORCED_SLACK = 1.0
+GENERATION_LOSS = 10.0
+
+
+def critical_under_generation(result: StructureResult) -> list[Structure]:
+    """The drops the teacher-forced reading calls harmless and the generated one does not
+    (`TEACHER_FORCED_SLACK`, `GENERATION_LOSS`); empty where nothing was generated."""
+    if not result.generated:
+        return []
+    accuracy, generated = 100 * result.accuracy(), 100 * result.generated_accuracy()
+    return [
+        s
+        for s, a, g in zip(result.structures(), accuracy, generated)
+        if s.kind == "drop" and a >= accuracy[0] - TEACHER_FORCED_SLACK and g <= generated[0] - GENERATION_LOSS
+    ]
+
+
+def critical_layers_figure(result: StructureResult, *, title: Optional[str] = None):
+    """Each block of layers dropped (a panel per block size, against its first layer), read two
+    ways side by side: by generation (the share of prompts whose generated answer is right) and
+    teacher-forced (the token accuracy of the reference answer, and the share of answers whose
+    every token is the top-1 prediction), each beside the intact model's (dashed), the gap
+    between the generated and the teacher-forced answers shaded, and on a second axis the change
+    of the answer's log-probability. Drops harmless teacher-forced but not generated
+    (`critical_under_generation`) are marked. In a residual stream a layer's update zeroed and
+    the layer skipped are one intervention: these drops are both."""
+    from jaxdepth.analyses import drawing as d
+
+    d.expect(result, StructureResult, "critical_layers_figure")
+    if not result.generated:
+        raise ValueError("the critical layers compare generated answers with teacher-forced ones: none were generated")
+    sizes = sorted({int(n) for k, n in zip(result.kinds, result.sizes) if k == "drop"})
+    fig = d.new_figure(6.5 * len(sizes), 4.4)
+    axes = np.atleast_1d(fig.subplots(1, len(sizes), squeeze=False)[0])
+    scores = {
+        "generated answers right": (result.generated_accuracy(), "C3", "-"),
+        "teacher-forced token accuracy": (result.accuracy(), "C0", "-"),
+        "teacher-forced answers right": (result.answer_correct.mean(axis=1), "C0", "--"),
+    }
+    logprob = result.answer_logprob.mean(axis=1)
+    critical = {(s.start, s.size) for s in critical_under_generation(result)}
+    structures = result.structures()
+    for ax, size in zip(axes, sizes):
+        rows = [i for i, s in enumerate(structures) if s.kind == "drop" and s.size == size]
+        x = np.array([structures[i].start for i in rows])
+        for label, (values, color, style) in scores.items():
+            ax.plot(x, values[rows], color=color, linestyle=style, marker=".", label=label)
+            ax.axhline(values[0], color=color, linestyle=":", linewidth=1)
+        generated, forced = scores["generated answers right"][0][rows], scores["teacher-forced answers right"][0][rows]
+        ax.fill_between(x, generated, forced, color="C3", alpha=0.12, linewidth=0, label="gap between the readings")
+        marked = [i for i, r in enumerate(rows) if (structures[r].start, size) in critical]
+        if marked:
+            ax.scatter(x[marked], generated[marked], s=60, facecolors="none", edgecolors="k", zorder=3,
+                       label="harmless teacher-forced, not generated")  # fmt: skip
+        twin = ax.twinx()
+        twin.plot(x, logprob[rows] - logprob[0], color="C7", linewidth=1, alpha=0.7)
+        twin.set_ylabel("change of the answer log-probability (nats)", color="C7")
+        ax.set(
+            xlabel=f"first layer of the {size} dropped" if size > 1 else "layer dropped",
+            ylabel="share",
+            ylim=(-0.05, 1.05),
+            title=f"{size} layer{'s' if size > 1 else ''} dropped",
+        )
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small", loc="lower left")
+    d.title_figure(fig, "Which layers can the model lose: generated against teacher-forced", title, result.settings)
+    return fig
+
+
 def _draw_structure_scores(ax, result: StructureResult, kinds: Sequence[str], x_of):
     """Each of `kinds`' structures' token accuracy (dots, solid) and, where answers were
     generated, generated-answer accuracy (crosses, dotted) at x = `x_of(structure)`, with the
@@ -611,6 +687,12 @@ def _summary(result: StructureResult) -> list[str]:
         ]
     if result.generated:
         lines.append(f"generated answers right: {100 * result.generated_accuracy()[0]:.0f}% intact")
+        critical = critical_under_generation(result)
+        lines.append(
+            f"harmless teacher-forced, not generated: {', '.join(map(str, critical))}"
+            if critical
+            else "no drop harmless teacher-forced costs the generated answers 10 points"
+        )
     return lines
 
 
@@ -676,7 +758,9 @@ ANALYSIS = Analysis(
     settings=StructureSettings,
     identity=lambda s: {"structure_max_block": s.structure_max_block, "structure_new_tokens": s.structure_new_tokens},
     run=_run,
-    figures=lambda r, tokenizer, n: {"": structure_figure(r)},
+    figures=lambda r, tokenizer, n: (
+        {"": structure_figure(r)} | ({"critical_layers": critical_layers_figure(r)} if r.generated else {})
+    ),
     summary=_summary,
     detail=True,
 )

@@ -286,13 +286,36 @@ def test_the_summary_names_the_rules_block_and_the_generated_accuracy_when_nothi
         "no layer droppable within 1 point of token accuracy",
         "angular rule at 1 layer: drop 2..2 (50% against 80% intact)",
         "generated answers right: 25% intact",
+        "no drop harmless teacher-forced costs the generated answers 10 points",
     ]
     droppable = _made_up_result(6, 2, drop_accuracy=0.8)  # every drop keeps it: the largest is of 2 layers
     assert ANALYSIS.summary(droppable) == [
         "droppable within 1 point: 2 layers (drop 0..1)",
         "angular rule at that size: drop 2..3 (80% against 80%)",
         "generated answers right: 25% intact",
+        "no drop harmless teacher-forced costs the generated answers 10 points",
     ]
+    droppable.generated_correct[1] = 0  # drop 0..0: harmless teacher-forced, 25 points lost generated
+    assert ANALYSIS.summary(droppable)[-1] == "harmless teacher-forced, not generated: drop 0..0"
+
+
+def test_critical_layers_are_harmless_teacher_forced_and_not_generated():
+    from jaxdepth.analyses.layer_structure import critical_layers_figure, critical_under_generation
+
+    result = _made_up_result(6, 2, drop_accuracy=0.8)
+    result.generated_correct[1:] = 1.0  # every structure answers every prompt...
+    first, second = [i for i, s in enumerate(result.structures()) if s.kind == "drop"][:2]
+    result.generated_correct[first] = [0, 0, 0, 0]  # ...but these: 25 points lost
+    result.generated_correct[second] = [1, 0, 0, 0]  # 0 points lost
+    result.answer_token_accuracy[second] = 0.5  # and this one is not harmless teacher-forced anyway
+    assert critical_under_generation(result) == [result.structures()[first]]
+    fig = critical_layers_figure(result)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["1 layer dropped", "2 layers dropped"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    assert critical_under_generation(_made_up_result(6, 2, drop_accuracy=0.8, generated=False)) == []
 
 
 def test_each_panel_of_the_figure_has_one_x_axis_meaning():
