@@ -116,7 +116,9 @@ def _old_sequence_metric(logits, clean_logits, pairs):  # and their sequence met
 
 @pytest.mark.parametrize("old", [_old_logit_difference, _old_sequence_metric])
 def test_the_forms_taken_before_are_refused_with_the_new_one_shown(params, pairs, old):
-    new_form = r"is a plain function; a metric is now one form for every analysis.*@jaxdepth\.metric\(reads='last'\)"
+    new_form = (
+        r"is a plain function; a metric is now one form for every analysis(?s:.)*@jaxdepth\.metric\(reads='last'\)"
+    )
     calls = {
         "edge_attribution": lambda: edge_attribution(params, pairs, CONFIG, old),
         "edge_effects": lambda: edge_effects(params, pairs, CONFIG, old, ["m0->m1"]),
@@ -180,6 +182,6 @@ def test_a_chunk_size_changes_nothing_but_the_chunking(params, pairs):
             patched_metric(params, pairs, CONFIG, logit_difference, sets, execution=execution),
             node_effects(params, pairs, CONFIG, logit_difference, "mlps", nodes, execution=execution),
         )
-    for one, three in zip(runs[1], runs[3]):
+    for one, three in zip(runs[1], runs[3]):  # to float32 rounding of F (about 2) and of the sums' order
         assert np.max(np.abs(one)) > 1e-3
-        np.testing.assert_allclose(one, three, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(one, three, rtol=1e-5, atol=1e-5)
