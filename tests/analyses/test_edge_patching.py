@@ -23,6 +23,7 @@ from jaxdepth.core.execution import Execution
 from jaxdepth.analyses.edges.circuit import CircuitSearch
 from jaxdepth.analyses.edges.ablations import Patching
 from jaxdepth.analyses.edges.scores import Scoring
+from jaxdepth.analyses.metrics import metric
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -116,7 +117,7 @@ def test_edges_that_do_not_exist_are_refused(params, pairs):
 def test_patching_refuses_what_the_scores_refuse(params, pairs):
     """The same checks as `edge_attribution`: a metric that is not floating, and answers that
     share their first token under logit_difference."""
-    accuracy = lambda logits, labels: jnp.argmax(logits, axis=-1) == labels[:, 0]
+    accuracy = metric(reads="last")(lambda r: jnp.argmax(r.logits[:, 0], axis=-1) == r.labels[:, 0])
     with pytest.raises(ValueError, match="returns bool values"):
         edge_effects(params, pairs, CONFIG, accuracy, ["m1->m3"])
     with pytest.raises(ValueError, match="returns bool values"):
