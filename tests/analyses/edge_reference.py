@@ -63,5 +63,4 @@ def logit_difference_of(logits, labels):
     of the right answer minus the wrong one (`labels [B, 2]`), what the built-in
     `logit_difference` measures."""
     rows = np.arange(logits.shape[0])
-    labels = np.asarray(labels)
     return logits[rows, labels[:, 0]] - logits[rows, labels[:, 1]]
