@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +82,7 @@ class PromptPairs:
         first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
         return int(min(first.min(), np.asarray(self.last).min()))
 
-    def check(self, config: ModelConfig, metric: Optional[Callable] = None) -> None:
+    def check(self, config: ModelConfig, metric: Optional[Metric] = None) -> None:
         """Refuse token ids or a context the model cannot take, and labels that `metric` cannot
         read: for `logit_difference`, labels that are not `[B, 2]` or a pair whose right and
         wrong answer are the same token (F would be 0 on both of its runs, and the pair would
