@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-METHODS = {"AtP": (False, False), "AtP+QK": (True, False), "AtP*": (True, True)}
+METHODS = ("AtP", "AtP+QK", "AtP*")  # of `atp_star`'s (`ATP_METHODS`), the ones compared
 KS = (10, 50)
 
 
@@ -58,6 +58,7 @@ def exact_effects(model, pairs, kinds, cache) -> dict:
     """`{kind: (nodes [n, k], exact [n, B])}`, from `cache` where it holds them."""
     from jaxdepth.analyses.edges import logit_difference, node_effects
     from jaxdepth.core.atomic import atomic_write
+    from jaxdepth.core.execution import Execution
 
     saved = dict(np.load(cache)) if cache and os.path.exists(cache) else {}
     out = {}
@@ -67,7 +68,8 @@ def exact_effects(model, pairs, kinds, cache) -> dict:
             out[kind] = (nodes, saved[f"{kind}_effects"])
             continue
         start = time.perf_counter()
-        effects = node_effects(model.params, pairs, model.config, logit_difference, kind, nodes, progress=True)
+        execution = Execution(progress=True)
+        effects = node_effects(model.params, pairs, model.config, logit_difference, kind, nodes, execution=execution)
         print(f"exact patching of {len(nodes)} {kind}: {time.perf_counter() - start:.1f} s", flush=True)
         out[kind] = (nodes, effects)
         if cache:
@@ -108,10 +110,10 @@ def main(argv=None) -> int:
     model = load(args.model)
     pairs = addition_pairs(model.tokenizer, args.pairs).prompt_pairs()
     estimates, seconds = {}, {}
-    for method, (qk_fix, grad_drop) in METHODS.items():
+    for method in METHODS:
         start = time.perf_counter()
         estimates[method] = atp_star(
-            model.params, pairs, model.config, logit_difference, kinds=args.kinds, qk_fix=qk_fix, grad_drop=grad_drop
+            model.params, pairs, model.config, logit_difference, kinds=args.kinds, method=method
         )
         seconds[method] = time.perf_counter() - start
     exact = exact_effects(model, pairs, args.kinds, args.cache)

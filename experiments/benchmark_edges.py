@@ -82,17 +82,17 @@ def _task(args):
 
 
 def run_jax(args) -> dict:
-    from jaxdepth.analyses.edges.circuit import find_circuit
+    from jaxdepth.analyses.edges.circuit import CircuitSearch, find_circuit
     from jaxdepth.analyses.edges.pairs import logit_difference
     from jaxdepth.analyses.edges.patching import edge_effects
-    from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
+    from jaxdepth.analyses.edges.scores import Scoring, edge_attribution, ranked_edges
     from jaxdepth.analyses.ig.rules import FixedRule
 
     model, task = _task(args)
     pairs = task.prompt_pairs()
     p, c = model.params, model.config
-    ig = lambda **kw: edge_attribution(  # noqa: E731
-        p, pairs, c, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=args.steps), **kw
+    ig = lambda detail=(): edge_attribution(  # noqa: E731
+        p, pairs, c, logit_difference, Scoring("eap-ig-inputs", FixedRule(steps=args.steps), detail=detail)
     )
     found = {}  # the EAP-IG scores the patching and greedy phases start from, and their top edges
 
@@ -113,7 +113,9 @@ def run_jax(args) -> dict:
         "eap_ig": (ig, keep_scores),
         "patching": (lambda: edge_effects(p, pairs, c, logit_difference, top()), lambda r: {"effects": r}),
         "greedy": (
-            lambda: find_circuit(p, pairs, c, logit_difference, searched(), target=args.target, search="greedy"),
+            lambda: find_circuit(
+                p, pairs, c, logit_difference, searched(), CircuitSearch(target=args.target, order="greedy")
+            ),
             lambda r: {"greedy": np.array([len(r.edges), r.faithfulness])},
         ),
         "neurons": (lambda: ig(detail=["neurons"]), lambda r: {"neurons": r.neuron_scores.sum(0)}),

@@ -32,7 +32,10 @@ from jaxdepth.analyses.edges import (
     METHODS,
     Ablation,
     Circuit,
+    CircuitSearch,
     EdgeScores,
+    Patching,
+    Scoring,
     circuit_figure,
     edge_attribution,
     edge_effects,
@@ -45,9 +48,9 @@ from jaxdepth.analyses.edges import (
 from jaxdepth.analyses.edges.ablations import as_ablation
 from jaxdepth.analyses.edges.scores import RULELESS
 from jaxdepth.analyses.edges.selection import SEARCHES
-from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.rules import DEFAULT_TOLERANCE, RULES, rule_of
 from jaxdepth.core.atomic import atomic_write
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
 from jaxdepth.lab.runs import Step, hold_folders, produce
@@ -102,7 +105,8 @@ def _identity(model_name: str, fingerprint: str, task: TaskPairs, settings: dict
     pairs = {"clean": task.clean, "corrupt": task.corrupt, "labels": task.labels.tolist()}
     model = {"model": model_name, "model_fingerprint": fingerprint[:16]}
     if task.metric is not None:  # a task scored by its own metric (the default's files keep their identity)
-        pairs["metric"] = f"{task.metric.__module__}.{task.metric.__qualname__}"
+        fn = task.metric.fn  # a `Metric` is named by its function
+        pairs["metric"] = f"{fn.__module__}.{fn.__qualname__}"
     return {"format": CIRCUIT_FORMAT, **model, **pairs, **settings}
 
 
@@ -121,19 +125,13 @@ def find_and_save(
         settings.update(neurons=True)
     identity = _identity(model_name, fingerprint, task, settings)
     ablation = task_ablation(model, task, args.ablation)
+    patching = Patching(ablation)  # what every patched edge carries (no interventions: the model as it is)
     start = time.perf_counter()
 
     def score():
-        return edge_attribution(
-            p,
-            pairs,
-            c,
-            metric,
-            **_score_options(settings),
-            ablation=ablation,
-            detail=(["positions"] if args.positions else []) + (["neurons"] if args.level == "neuron" else []),
-            execution=Execution(progress=True),
-        )
+        detail = (["positions"] if args.positions else []) + (["neurons"] if args.level == "neuron" else [])
+        scoring = _scoring(settings, detail)
+        return edge_attribution(p, pairs, c, metric, scoring, patching=patching, execution=Execution(progress=True))
 
     scores = produce(Step(file="edge_scores.npz", result_type=EdgeScores, identity=identity, run=score), folder)
     print(f"edge scores ({args.method}) {_took(start, scores.reused)}", flush=True)
@@ -142,7 +140,7 @@ def find_and_save(
     top = ranked_edges(scores.mean, scores.graph)[: args.check]
 
     def check():
-        effects = edge_effects(p, pairs, c, metric, top, ablation=ablation, progress=True)
+        effects = edge_effects(p, pairs, c, metric, top, patching=patching, execution=Execution(progress=True))
         return EdgeChecks(edges=top, scores=scores.mean[top[:, 0], top[:, 1]], effects=effects)
 
     checked = f"top{args.check}"
@@ -155,18 +153,10 @@ def find_and_save(
     start = time.perf_counter()
     with warnings.catch_warnings():  # an unreached target is the command's own error line (run_command)
         warnings.filterwarnings("ignore", message="no circuit reaches faithfulness", category=RuntimeWarning)
-        circuit = find_circuit(
-            p,
-            pairs,
-            c,
-            metric,
-            scores,
-            size=args.size,
-            target=args.target,
-            search=args.search,
-            ablation=ablation,
-            level=args.level,
+        search = CircuitSearch(
+            size=args.size, target=args.target, order=args.search, level=args.level, patching=patching
         )
+        circuit = find_circuit(p, pairs, c, metric, scores, search)
     chosen = circuit_choice(args.size, args.target, args.search, args.level)
     circuit.save(os.path.join(folder, f"circuit_{chosen}.npz"))
     took = time.perf_counter() - start
@@ -201,7 +191,9 @@ def task_ablation(model, task: TaskPairs, kind: str) -> Ablation:
     the task's clean prompts (per token, or per position)."""
     if kind in ("mean", "mean-per-position"):
         per_position = kind == "mean-per-position"
-        return mean_ablation(model.params, task.clean, model.config, per_position=per_position, progress=True)
+        return mean_ablation(
+            model.params, task.clean, model.config, per_position=per_position, execution=Execution(progress=True)
+        )
     return as_ablation(kind)
 
 
@@ -209,12 +201,13 @@ def _took(start: float, reused: bool) -> str:
     return "reused" if reused else f"in {time.perf_counter() - start:.1f} s"
 
 
-def _score_options(settings: dict) -> dict:
-    """`edge_attribution`'s method and rule from the command's settings (`rules.rule_of`: the
-    adaptive rule's budget is `steps` evaluations)."""
+def _scoring(settings: dict, detail: list) -> Scoring:
+    """`edge_attribution`'s `Scoring` from the command's settings (`rules.rule_of`: the adaptive
+    rule's budget is `steps` evaluations) and the `detail` it resolves."""
     if settings["method"] in RULELESS:
-        return {"method": settings["method"]}
-    return {"method": settings["method"], "rule": rule_of(settings["rule"], settings["steps"], settings["tolerance"])}
+        return Scoring(settings["method"], detail=detail)
+    rule = rule_of(settings["rule"], settings["steps"], settings["tolerance"])
+    return Scoring(settings["method"], rule, detail=detail)
 
 
 def summarise(scores: EdgeScores, checks: EdgeChecks, circuit: Circuit, model_name: str) -> dict:

@@ -56,3 +56,11 @@ def reference_run(params, tokens, config, last, labels, reader=None, change=0.0)
     head_w = np.asarray(params["embed"], np.float64).T if c.tie_word_embeddings else np.asarray(params["lm_head"])
     logits = x[last] @ np.asarray(head_w, np.float64)
     return logits[labels[0]] - logits[labels[1]], writers
+
+
+def logit_difference_of(logits, labels):
+    """The logit difference by hand, `[B]`: the logits `[B, V]` at each pair's last position,
+    of the right answer minus the wrong one (`labels [B, 2]`), what the built-in
+    `logit_difference` measures."""
+    rows = np.arange(logits.shape[0])
+    return logits[rows, labels[:, 0]] - logits[rows, labels[:, 1]]

@@ -12,6 +12,7 @@ from test_edge_scores import eap, pairs, params  # noqa: F401 (the edge tests' f
 from tiny_qwen import CONFIG
 from jaxdepth.analyses.edges import circuit as circuit_module
 from jaxdepth.analyses.edges import Circuit, EdgeGraph, circuit_figure, find_circuit, greedy_edges, logit_difference
+from jaxdepth.analyses.edges.circuit import CircuitSearch
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -23,10 +24,10 @@ def test_an_impossible_target_or_size_is_refused_before_anything_runs(pairs, eap
     monkeypatch.setattr(circuit_module, "circuit_metric", never)
     for target in (1.5, 0.0, -0.2, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"target must be a faithfulness in \(0, 1\]"):
-            find_circuit(None, pairs, CONFIG, logit_difference, eap, target=target)
+            find_circuit(None, pairs, CONFIG, logit_difference, eap, CircuitSearch(target=target))
     for size in (-1, GRAPH.num_edges + 1, 2.5):
         with pytest.raises(ValueError, match=rf"size must be an integer in 0..{GRAPH.num_edges}"):
-            find_circuit(None, pairs, CONFIG, logit_difference, eap, size=size)
+            find_circuit(None, pairs, CONFIG, logit_difference, eap, CircuitSearch(size=size))
 
 
 def test_a_target_no_circuit_reaches_is_reported_not_reached(pairs, eap, monkeypatch):
@@ -39,15 +40,15 @@ def test_a_target_no_circuit_reaches_is_reported_not_reached(pairs, eap, monkeyp
     with pytest.warns(
         RuntimeWarning, match="no circuit reaches faithfulness 0.8: the best of the 12 evaluated has 0.5"
     ):
-        circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, target=0.8)
+        circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, CircuitSearch(target=0.8))
     assert not circuit.reached and len(circuit.edges) == GRAPH.num_edges and circuit.faithfulness == pytest.approx(0.5)
-    circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, target=0.4)
+    circuit = find_circuit(None, pairs, CONFIG, logit_difference, eap, CircuitSearch(target=0.4))
     assert circuit.reached and len(circuit.edges) == 1  # the smallest circuit of the grid reaches it
-    assert find_circuit(None, pairs, CONFIG, logit_difference, eap, size=3).reached
+    assert find_circuit(None, pairs, CONFIG, logit_difference, eap, CircuitSearch(size=3)).reached
 
 
 def test_a_reachable_target_is_reached_by_the_fewest_edges_evaluated(params, pairs, eap, tmp_path):
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, eap, target=0.6)
+    circuit = find_circuit(params, pairs, CONFIG, logit_difference, eap, CircuitSearch(target=0.6))
     assert circuit.reached and circuit.faithfulness >= 0.6
     assert np.all(
         circuit.curve[circuit.sizes < len(circuit.edges)] < 0.6

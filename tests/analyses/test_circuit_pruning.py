@@ -26,6 +26,8 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     mean_ablation,
 )
+from jaxdepth.analyses.edges.circuit import CircuitSearch
+from jaxdepth.analyses.edges.ablations import Patching
 
 GRAPH = EdgeGraph.of(CONFIG)
 KINDS = ("corrupt", "zero", "mean", "mean-per-position")
@@ -54,7 +56,7 @@ def ablations(params):
 def scores(params, pairs, ablations):
     """EAP scores under each ablation: F(clean) and F(every edge ablated) for faithfulness."""
     return {
-        kind: edge_attribution(params, pairs, CONFIG, logit_difference, method="eap", ablation=ablation)
+        kind: edge_attribution(params, pairs, CONFIG, logit_difference, "eap", patching=Patching(ablation))
         for kind, ablation in ablations.items()
     }
 
@@ -77,7 +79,7 @@ def test_a_circuit_and_its_live_edges_have_the_same_metric(params, pairs, ablati
     circuits = _random_circuits()
     pruned = [live_edges(mask, GRAPH, ablation) for mask in circuits]
     assert all(0 < p.sum() < m.sum() for p, m in zip(pruned, circuits))  # edges were there to prune
-    f = circuit_metric(params, pairs, CONFIG, logit_difference, circuits + pruned, ablation=ablation)
+    f = circuit_metric(params, pairs, CONFIG, logit_difference, circuits + pruned, patching=Patching(ablation))
     np.testing.assert_allclose(f[2:], f[:2], **rounding(kind))
 
 
@@ -90,7 +92,7 @@ def test_under_zero_and_mean_ablations_a_writer_unreached_from_the_input_is_not_
     by_corrupt_rule = [live_edges(mask, GRAPH, "corrupt") for mask in circuits]
     by_own_rule = [live_edges(mask, GRAPH, ablation) for mask in circuits]
     assert all((c.sum() < o.sum()) for c, o in zip(by_corrupt_rule, by_own_rule))  # the rules differ here
-    f = circuit_metric(params, pairs, CONFIG, logit_difference, circuits + by_corrupt_rule, ablation=ablation)
+    f = circuit_metric(params, pairs, CONFIG, logit_difference, circuits + by_corrupt_rule, patching=Patching(ablation))
     assert np.max(np.abs(f[2:] - f[:2])) > 1e-3
 
 
@@ -100,12 +102,21 @@ def test_find_circuit_reports_the_faithfulness_of_the_circuit_and_of_its_pruned_
     params, pairs, ablations, scores, kind, search
 ):
     ablation, scored = ablations[kind], scores[kind]
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, scored, size=20, search=search, ablation=ablation)
+    circuit = find_circuit(
+        params,
+        pairs,
+        CONFIG,
+        logit_difference,
+        scored,
+        CircuitSearch(size=20, order=search, patching=Patching(ablation)),
+    )
     assert circuit.ablation == kind
     pruned = circuit.pruned()
     if search == "top":  # the top 20 hold edges of writers that no circuit path reaches from the input
         assert live_edges(circuit.mask, GRAPH, "corrupt").sum() < len(circuit.edges)
-    f = circuit_metric(params, pairs, CONFIG, logit_difference, [circuit.mask, pruned.mask], ablation=ablation)
+    f = circuit_metric(
+        params, pairs, CONFIG, logit_difference, [circuit.mask, pruned.mask], patching=Patching(ablation)
+    )
     both = faithfulness(f, scored.f_clean, scored.f_corrupt)
     np.testing.assert_allclose(both, [circuit.faithfulness] * 2, **rounding(kind))
     assert pruned.num_live == len(pruned.edges) == circuit.num_live
@@ -115,10 +126,12 @@ def test_find_circuit_reports_the_faithfulness_of_the_circuit_and_of_its_pruned_
 def test_a_circuit_found_for_a_target_has_the_faithfulness_it_reports(params, pairs, ablations, scores, kind):
     """Found on a grid (several circuits vmapped at once), then evaluated alone."""
     ablation, scored = ablations[kind], scores[kind]
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, scored, target=0.8, ablation=ablation)
+    circuit = find_circuit(
+        params, pairs, CONFIG, logit_difference, scored, CircuitSearch(target=0.8, patching=Patching(ablation))
+    )
     assert circuit.reached and circuit.faithfulness >= 0.8
     both = [circuit.mask, circuit.pruned().mask]
-    f = circuit_metric(params, pairs, CONFIG, logit_difference, both, ablation=ablation)
+    f = circuit_metric(params, pairs, CONFIG, logit_difference, both, patching=Patching(ablation))
     reported = [circuit.faithfulness] * 2
     np.testing.assert_allclose(faithfulness(f, scored.f_clean, scored.f_corrupt), reported, **rounding(kind))
     chosen = np.flatnonzero(circuit.sizes == len(circuit.edges))[0]
@@ -128,7 +141,9 @@ def test_a_circuit_found_for_a_target_has_the_faithfulness_it_reports(params, pa
 def test_a_circuit_saved_without_its_ablation_prunes_by_the_rule_of_every_ablation(params, pairs, scores):
     """Files saved before circuits recorded their ablation: only the edges with no path to the
     logits are pruned, which is exact whatever the ablation was."""
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, scores["zero"], size=20, ablation="zero")
+    circuit = find_circuit(
+        params, pairs, CONFIG, logit_difference, scores["zero"], CircuitSearch(size=20, patching=Patching("zero"))
+    )
     unknown = dataclasses.replace(circuit, ablation=None)
     np.testing.assert_array_equal(unknown.live_mask, live_edges(circuit.mask, GRAPH, "zero"))
     assert unknown.num_live >= live_edges(circuit.mask, GRAPH, "corrupt").sum()
@@ -137,10 +152,17 @@ def test_a_circuit_saved_without_its_ablation_prunes_by_the_rule_of_every_ablati
 @pytest.mark.parametrize("kind", ["corrupt", "mean-per-position"])
 def test_a_circuit_of_nodes_has_the_faithfulness_it_reports_pruned_or_not(params, pairs, ablations, scores, kind):
     ablation, scored = ablations[kind], scores[kind]
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, scored, size=4, level="node", ablation=ablation)
+    circuit = find_circuit(
+        params,
+        pairs,
+        CONFIG,
+        logit_difference,
+        scored,
+        CircuitSearch(size=4, level="node", patching=Patching(ablation)),
+    )
     assert circuit.num_live < len(circuit.edges)  # the nodes' out-edges into nodes outside reach no logits
     f = circuit_metric(
-        params, pairs, CONFIG, logit_difference, [circuit.mask, circuit.pruned().mask], ablation=ablation
+        params, pairs, CONFIG, logit_difference, [circuit.mask, circuit.pruned().mask], patching=Patching(ablation)
     )
     reported = [circuit.faithfulness] * 2
     np.testing.assert_allclose(faithfulness(f, scored.f_clean, scored.f_corrupt), reported, **rounding(kind))

@@ -17,6 +17,7 @@ from jaxdepth.analyses.edges import (
     logit_difference,
     ordered_edges,
 )
+from jaxdepth.analyses.edges.circuit import CircuitSearch
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -98,7 +99,7 @@ def test_the_greedy_search_is_the_packages(graph):
 
 
 def test_a_greedy_circuit_takes_the_searchs_prefix(params, pairs, eap, tmp_path):
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, eap, size=25, search="greedy")
+    circuit = find_circuit(params, pairs, CONFIG, logit_difference, eap, CircuitSearch(size=25, order="greedy"))
     order = greedy_edges(eap.mean, GRAPH)
     assert np.array_equal(circuit.edges, order[:25]) and circuit.search == "greedy"
     f = circuit_metric(params, pairs, CONFIG, logit_difference, [circuit.mask, circuit.live_mask])
@@ -111,5 +112,5 @@ def test_a_greedy_circuit_takes_the_searchs_prefix(params, pairs, eap, tmp_path)
     assert len(pruned.edges) == circuit.num_live and pruned.num_live == circuit.num_live
     back = Circuit.load(circuit.save(str(tmp_path / "c.npz")))
     assert back.search == "greedy" and np.array_equal(back.live, circuit.live)
-    top = find_circuit(params, pairs, CONFIG, logit_difference, eap, size=25)
+    top = find_circuit(params, pairs, CONFIG, logit_difference, eap, CircuitSearch(size=25))
     assert top.search == "top" and top.num_live <= 25

@@ -19,6 +19,10 @@ from jaxdepth.analyses.edges.scores import edge_attribution, pair_runs, ranked_e
 from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import sites
 from jaxdepth.core.model import embed, forward, unembed
+from edge_reference import logit_difference_of
+from jaxdepth.analyses.edges.circuit import CircuitSearch
+from jaxdepth.analyses.edges.ablations import Patching
+from jaxdepth.analyses.edges.scores import Scoring
 
 GRAPH = EdgeGraph.of(CONFIG)
 # 9 prompts of 5, 9 or 11 tokens (each length compiles once alone): two blocks of `PROMPTS_AT_ONCE`
@@ -54,7 +58,7 @@ def test_an_ablated_edge_is_that_intervention_built_by_hand(params, pairs, means
     output of MLP 0, in a plain forward. With every edge zeroed, every reader reads zero: F is
     the metric of the logits of a zero residual."""
     clean, _ = pair_runs(params, pairs, CONFIG)
-    f_clean = np.asarray(logit_difference(clean.logits, pairs.labels))
+    f_clean = np.asarray(logit_difference_of(clean.logits, pairs.labels))
     m0 = GRAPH.mlp_writer(0)
     per_token, per_position = means
     ablated = {
@@ -67,18 +71,23 @@ def test_an_ablated_edge_is_that_intervention_built_by_hand(params, pairs, means
         logits = forward(
             params, pairs.clean, CONFIG, valid=pairs.valid, interventions=sites.add("mlp_in", 2, vector, 1.0)
         )
-        by_hand = f_clean - np.asarray(logit_difference(logits[jnp.arange(2), pairs.last], pairs.labels))
-        effect = edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m2"], ablation=ablation)[0]
+        by_hand = f_clean - np.asarray(logit_difference_of(logits[jnp.arange(2), pairs.last], pairs.labels))
+        effect = edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m2"], patching=Patching(ablation))[0]
         assert np.max(np.abs(effect)) > 1e-2, kind
         np.testing.assert_allclose(effect, by_hand, rtol=1e-4, atol=1e-5, err_msg=kind)
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, ablation=ZERO)
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, patching=Patching(ZERO))
     zero_logits = unembed(params, jnp.zeros((2, CONFIG.hidden_size)), CONFIG)
     # each reader's input is its clean input minus every writer's output: zero up to that sum's rounding
-    np.testing.assert_allclose(scores.f_corrupt, logit_difference(zero_logits, pairs.labels), atol=1e-4)
+    np.testing.assert_allclose(scores.f_corrupt, logit_difference_of(zero_logits, pairs.labels), atol=1e-4)
     assert np.min(np.abs(scores.f_clean)) > 0.1
     np.testing.assert_allclose(scores.f_clean, f_clean, rtol=1e-6)
     whole, empty = circuit_metric(
-        params, pairs, CONFIG, logit_difference, [GRAPH.edge_mask, np.zeros_like(GRAPH.edge_mask)], ablation=ZERO
+        params,
+        pairs,
+        CONFIG,
+        logit_difference,
+        [GRAPH.edge_mask, np.zeros_like(GRAPH.edge_mask)],
+        patching=Patching(ZERO),
     )
     np.testing.assert_allclose(whole, f_clean, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(empty, scores.f_corrupt, rtol=1e-5, atol=1e-5)
@@ -90,17 +99,19 @@ def test_on_a_linear_model_eap_is_exact_patching_under_every_ablation(params, pa
     edge's score at a position its effect when patched there alone."""
     ablation = {"corrupt": None, "zero": ZERO, "mean-per-position": means[1]}[kind]
     flat, linear = made_linear(params, monkeypatch)
-    scores = edge_attribution(flat, pairs, linear, logit_difference, ablation=ablation, detail=["positions"])
+    scores = edge_attribution(
+        flat, pairs, linear, logit_difference, Scoring(detail=["positions"]), patching=Patching(ablation)
+    )
     edges = ranked_edges(scores.mean, GRAPH)
     sample = np.concatenate([edges[:20], edges[-3:], edges[:: max(1, len(edges) // 20)]])
     atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))  # rounding of two float32 values of F
-    exact = edge_effects(flat, pairs, linear, logit_difference, sample, ablation=ablation)
+    exact = edge_effects(flat, pairs, linear, logit_difference, sample, patching=Patching(ablation))
     assert np.max(np.abs(exact)) > 0.1
     np.testing.assert_allclose(scores.scores[:, sample[:, 0], sample[:, 1]].T, exact, rtol=1e-4, atol=atol)
     best = scores.top_positions(24)
     at = [t for _, t, _ in best]
     exact = edge_effects(
-        flat, pairs, linear, logit_difference, [n for n, _, _ in best], positions=at, ablation=ablation
+        flat, pairs, linear, logit_difference, [n for n, _, _ in best], positions=at, patching=Patching(ablation)
     )
     estimated = np.stack([scores.at_positions(name)[:, t] for name, t, _ in best])
     assert np.max(np.abs(exact)) > 0.1
@@ -115,9 +126,8 @@ def test_activation_paths_sum_to_the_exact_ablation_of_each_node(params, pairs, 
         pairs,
         CONFIG,
         logit_difference,
-        method="eap-ig-activations",
-        rule=FixedRule("gauss", 24),
-        ablation=means[0],
+        Scoring("eap-ig-activations", FixedRule("gauss", 24)),
+        patching=Patching(means[0]),
     )
     assert result.ablation == "mean"
     nodes = {"input": [0], "attention 1": [GRAPH.head_writer(1, h) for h in range(4)], "mlp 2": [GRAPH.mlp_writer(2)]}
@@ -125,7 +135,8 @@ def test_activation_paths_sum_to_the_exact_ablation_of_each_node(params, pairs, 
         out_edges = np.zeros_like(GRAPH.edge_mask)
         out_edges[writers] = GRAPH.edge_mask[writers]
         exact = (
-            result.f_clean - patched_metric(params, pairs, CONFIG, logit_difference, [out_edges], ablation=means[0])[0]
+            result.f_clean
+            - patched_metric(params, pairs, CONFIG, logit_difference, [out_edges], patching=Patching(means[0]))[0]
         )
         summed = result.scores[:, writers].sum(axis=(1, 2))
         assert np.max(np.abs(exact)) > 1e-2, name
@@ -134,20 +145,22 @@ def test_activation_paths_sum_to_the_exact_ablation_of_each_node(params, pairs, 
 
 def test_what_an_ablation_cannot_mean_is_refused(params, pairs, means):
     with pytest.raises(ValueError, match="no path to a 'zero' ablation"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", ablation="zero")
+        edge_attribution(params, pairs, CONFIG, logit_difference, "eap-ig-inputs", patching=Patching("zero"))
     with pytest.raises(ValueError, match="build it with edges.mean_ablation"):
-        edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m2"], ablation="mean")
+        edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m2"], patching=Patching("mean"))
     with pytest.raises(ValueError, match=r"takes its means \[W, D\]"):
         Ablation("mean")
     short = mean_ablation(params, [p[:6] for p in PROMPTS], CONFIG, per_position=True)
     with pytest.raises(ValueError, match=r"covers positions 0..5 .* the pairs have 9"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, ablation=short)
+        edge_attribution(params, pairs, CONFIG, logit_difference, patching=Patching(short))
     clean_only = prompt_pairs(make_pairs()[0], labels=make_pairs()[2])
-    assert edge_attribution(params, clean_only, CONFIG, logit_difference, ablation=ZERO).ablation == "zero"
+    assert edge_attribution(params, clean_only, CONFIG, logit_difference, patching=Patching(ZERO)).ablation == "zero"
     with pytest.raises(ValueError, match="the corrupt ablation patches in the corrupt prompts"):
         edge_attribution(params, clean_only, CONFIG, logit_difference)
     corrupt_scores = edge_attribution(params, pairs, CONFIG, logit_difference)
     with pytest.raises(
         ValueError, match="computed under a 'corrupt' ablation and the circuit would patch under a 'zero'"
     ):
-        find_circuit(params, pairs, CONFIG, logit_difference, corrupt_scores, size=5, ablation=ZERO)
+        find_circuit(
+            params, pairs, CONFIG, logit_difference, corrupt_scores, CircuitSearch(size=5, patching=Patching(ZERO))
+        )

@@ -20,6 +20,8 @@ from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.core import sites
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
+from jaxdepth.core.execution import Execution
+from jaxdepth.analyses.edges.scores import Scoring
 
 GRAPH = EdgeGraph.of(CONFIG)
 L, H = CONFIG.num_layers, CONFIG.num_heads
@@ -47,13 +49,15 @@ def test_qk_fixed_scores_of_queries_and_keys_are_exact_where_the_rest_is_linear(
         layers[name] = np.array(layers[name])
         layers[name][1] = 4.0 * np.asarray(params["layers"][name][1])  # sharper attention
     model = dict(flat, layers=layers)
-    fixed = atp_star(model, pairs, linear, logit_difference, kinds=("queries", "keys"), grad_drop=False)
-    plain = atp_star(model, pairs, linear, logit_difference, kinds=("queries", "keys"), qk_fix=False, grad_drop=False)
+    fixed = atp_star(model, pairs, linear, logit_difference, kinds=("queries", "keys"), method="AtP+QK")
+    plain = atp_star(model, pairs, linear, logit_difference, kinds=("queries", "keys"), method="AtP")
     T = pairs.clean.shape[1]
     atol = 1e-5 * float(np.max(np.abs(fixed.f_clean)))
     for kind in ("queries", "keys"):
         nodes = every_node(kind, T, layer=1)
-        exact = node_effects(model, pairs, linear, logit_difference, kind, nodes, chunk_size=len(nodes)).T
+        exact = node_effects(
+            model, pairs, linear, logit_difference, kind, nodes, execution=Execution(chunk_size=len(nodes))
+        ).T
         estimated = fixed.of(kind)[:, nodes[:, 0], nodes[:, 1], nodes[:, 2]]
         assert np.max(np.abs(exact)) > 0.05, kind
         np.testing.assert_allclose(estimated, exact, rtol=1e-4, atol=atol, err_msg=kind)
@@ -65,12 +69,12 @@ def test_qk_fixed_scores_of_queries_and_keys_are_exact_where_the_rest_is_linear(
 def test_on_a_linear_model_atp_of_values_heads_mlps_and_neurons_is_exact(params, pairs, monkeypatch):
     flat, linear = made_linear(params, monkeypatch)
     kinds = ("values", "heads", "mlps", "neurons")
-    scores = atp_star(flat, pairs, linear, logit_difference, kinds=kinds, qk_fix=False, grad_drop=False)
+    scores = atp_star(flat, pairs, linear, logit_difference, kinds=kinds, method="AtP")
     atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))
     T = pairs.clean.shape[1]
     for kind in kinds:
         nodes = np.concatenate([scores.top(kind, 6), every_node(kind, T)[:: 17 if kind != "neurons" else 41]])
-        exact = node_effects(flat, pairs, linear, logit_difference, kind, nodes, chunk_size=8).T
+        exact = node_effects(flat, pairs, linear, logit_difference, kind, nodes, execution=Execution(chunk_size=8)).T
         estimated = scores.of(kind)[(slice(None),) + tuple(nodes.T)]
         assert np.max(np.abs(exact)) > 0.05, kind
         np.testing.assert_allclose(estimated, exact, rtol=1e-4, atol=atol, err_msg=kind)
@@ -79,8 +83,8 @@ def test_on_a_linear_model_atp_of_values_heads_mlps_and_neurons_is_exact(params,
 def test_atp_of_heads_mlps_and_neurons_is_eap_s_node_and_neuron_scores(params, pairs):
     """Independent code: EAP's scores of a writer's out-edges sum to gradient x activation
     difference at its output; a head's output through its slice of o_proj is linear in it."""
-    atp = atp_star(params, pairs, CONFIG, logit_difference, kinds=("heads", "mlps", "neurons"), grad_drop=False)
-    eap = edge_attribution(params, pairs, CONFIG, logit_difference, detail=["neurons"])
+    atp = atp_star(params, pairs, CONFIG, logit_difference, kinds=("heads", "mlps", "neurons"), method="AtP+QK")
+    eap = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(detail=["neurons"]))
     node = eap.node_scores()
     heads = np.array([[GRAPH.head_writer(layer, h) for h in range(H)] for layer in range(L)])
     mlps = np.array([GRAPH.mlp_writer(layer) for layer in range(L)])
@@ -144,7 +148,7 @@ def test_grad_drop_of_a_last_layer_node_is_its_magnitude(params, pairs):
     """Nothing follows the last layer: every dropped layer before it leaves the gradient as it
     is, its own gives 0, and the score is |AtP+QK|."""
     star = atp_star(params, pairs, CONFIG, logit_difference, kinds=NODE_KINDS)
-    qk = atp_star(params, pairs, CONFIG, logit_difference, kinds=NODE_KINDS, grad_drop=False)
+    qk = atp_star(params, pairs, CONFIG, logit_difference, kinds=NODE_KINDS, method="AtP+QK")
     assert star.method == "AtP*" and qk.method == "AtP+QK"
     for kind in NODE_KINDS:
         last = np.abs(qk.of(kind)[:, L - 1])
@@ -194,7 +198,7 @@ def test_bad_requests_are_refused(params, pairs):
         node_effects(params, pairs, CONFIG, logit_difference, "keys", [(0, H, 0)])
     with pytest.raises(ValueError, match="no nodes given"):
         node_effects(params, pairs, CONFIG, logit_difference, "mlps", [])
-    scores = atp_star(params, pairs, CONFIG, logit_difference, kinds=("mlps",), grad_drop=False)
+    scores = atp_star(params, pairs, CONFIG, logit_difference, kinds=("mlps",), method="AtP+QK")
     with pytest.raises(ValueError, match="no keys scores"):
         scores.of("keys")
     with pytest.raises(ValueError, match="k must be in"):

@@ -16,6 +16,10 @@ from jaxdepth.analyses.edges.scores import edge_attribution, pair_runs
 from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import sites
 from jaxdepth.core.model import forward
+from edge_reference import logit_difference_of
+from jaxdepth.core.execution import Execution
+from jaxdepth.analyses.edges.ablations import Patching
+from jaxdepth.analyses.edges.scores import Scoring
 
 GRAPH = EdgeGraph.of(CONFIG)
 MLP_WRITERS = [GRAPH.mlp_writer(layer) for layer in range(CONFIG.num_layers)]
@@ -31,7 +35,7 @@ MLP_WRITERS = [GRAPH.mlp_writer(layer) for layer in range(CONFIG.num_layers)]
     ],
 )
 def test_an_mlp_s_units_sum_to_its_node_score(params, pairs, method, rule):
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, method=method, rule=rule, detail=["neurons"])
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(method, rule, detail=["neurons"]))
     assert scores.neuron_scores.shape == (2, CONFIG.num_layers, CONFIG.intermediate_size)
     node = scores.node_scores()[:, MLP_WRITERS]  # [B, L]
     assert np.min(np.max(np.abs(node), axis=0)) > 1e-3
@@ -40,11 +44,11 @@ def test_an_mlp_s_units_sum_to_its_node_score(params, pairs, method, rule):
 
 def test_on_a_linear_model_a_unit_s_score_is_its_exact_effect(params, pairs, monkeypatch):
     flat, linear = made_linear(params, monkeypatch)
-    scores = edge_attribution(flat, pairs, linear, logit_difference, detail=["neurons"])
+    scores = edge_attribution(flat, pairs, linear, logit_difference, Scoring(detail=["neurons"]))
     mean = np.abs(scores.neuron_scores.mean(axis=0))
     best = np.stack(np.unravel_index(np.argsort(-mean, axis=None)[:12], mean.shape), axis=1)
     units = np.concatenate([best, [[0, 0], [3, 63], [2, 17]]])
-    exact = neuron_effects(flat, pairs, linear, logit_difference, units, chunk_size=5)
+    exact = neuron_effects(flat, pairs, linear, logit_difference, units, execution=Execution(chunk_size=5))
     estimated = scores.neuron_scores[:, units[:, 0], units[:, 1]].T
     assert np.max(np.abs(exact)) > 0.1
     atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))  # rounding of two float32 values of F
@@ -70,14 +74,16 @@ def test_patching_a_node_s_out_edges_is_its_output_replaced_by_hand(params, pair
         out_edges[writer] = GRAPH.edge_mask[writer]
         patched = patched_metric(params, pairs, CONFIG, logit_difference, [out_edges])[0]
         logits = forward(params, pairs.clean, CONFIG, valid=pairs.valid, interventions=iv)
-        expected = logit_difference(logits[jnp.arange(2), pairs.last], pairs.labels)
+        expected = logit_difference_of(logits[jnp.arange(2), pairs.last], pairs.labels)
         np.testing.assert_allclose(patched, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_neurons_refuse_what_they_cannot_mean(params, pairs):
     with pytest.raises(ValueError, match="under the corrupt ablation only"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, detail=["neurons"], ablation="zero")
+        edge_attribution(
+            params, pairs, CONFIG, logit_difference, Scoring(detail=["neurons"]), patching=Patching("zero")
+        )
     with pytest.raises(ValueError, match="detail takes"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, detail=["heads"])
+        edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(detail=["heads"]))
     with pytest.raises(ValueError, match=r"a node of neurons is \(layer in 0..3, unit in 0..63\)"):
         neuron_effects(params, pairs, CONFIG, logit_difference, [(4, 0)])

@@ -13,6 +13,8 @@ from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.analyses.ig import FixedRule
+from jaxdepth.analyses.edges.ablations import Patching
+from jaxdepth.analyses.edges.scores import Scoring
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -22,7 +24,7 @@ def test_clean_corrupted_averages_the_clean_and_the_corrupt_runs_gradients(param
     clean, corrupt, labels = make_pairs()
     eap = edge_attribution(params, pairs, CONFIG, logit_difference)
     swapped = edge_attribution(params, prompt_pairs(corrupt, clean, labels), CONFIG, logit_difference)
-    both = edge_attribution(params, pairs, CONFIG, logit_difference, method="clean-corrupted")
+    both = edge_attribution(params, pairs, CONFIG, logit_difference, "clean-corrupted")
     assert both.rule == "ends" and both.steps == 2 and np.all(both.evaluations == 2)
     by_hand = (eap.scores - swapped.scores) / 2
     assert np.max(np.abs(eap.scores + swapped.scores)) > 1e-2  # the two gradients differ
@@ -36,7 +38,7 @@ def test_pooled_activations_detach_each_node_on_its_path(params, pairs):
     one in the 2L others: its edges score 2L / (2L + 1) of EAP's."""
     eap = edge_attribution(params, pairs, CONFIG, logit_difference)
     pooled = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-activations-pooled", rule=FixedRule("right", 1)
+        params, pairs, CONFIG, logit_difference, Scoring("eap-ig-activations-pooled", FixedRule("right", 1))
     )
     L = CONFIG.num_layers
     logits, last_mlp = GRAPH.logits_reader, GRAPH.edge_index(f"m{L - 2}->m{L - 1}")[1]
@@ -51,6 +53,6 @@ def test_pooled_activations_detach_each_node_on_its_path(params, pairs):
 
 def test_the_package_s_methods_refuse_what_they_cannot_take(params, pairs):
     with pytest.raises(ValueError, match="'clean-corrupted' takes the gradients at the path's ends, no rule"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="clean-corrupted", rule="left")
+        edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("clean-corrupted", "left"))
     with pytest.raises(ValueError, match="no path to a 'zero' ablation"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="clean-corrupted", ablation="zero")
+        edge_attribution(params, pairs, CONFIG, logit_difference, "clean-corrupted", patching=Patching("zero"))

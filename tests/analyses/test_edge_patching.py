@@ -19,6 +19,11 @@ from jaxdepth.analyses.edges.scores import edge_attribution, ranked_edges
 from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import layer as core_layer, model as core_model, sites
 from jaxdepth.core.model import random_params
+from jaxdepth.core.execution import Execution
+from jaxdepth.analyses.edges.circuit import CircuitSearch
+from jaxdepth.analyses.edges.ablations import Patching
+from jaxdepth.analyses.edges.scores import Scoring
+from jaxdepth.analyses.metrics import metric
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -74,7 +79,7 @@ def test_single_edge_runs_equal_patching_the_edge_in_a_full_run(params, pairs):
     """`edge_effects` starts each edge's run at its reader's layer and moves that reader's input;
     `patched_metric` runs every layer with the edge patched through the writers' buffer."""
     edges = np.array([GRAPH.edge_index(e) for e in ["input->a0.h1<q>", "a0.h2->a1.h1<k>", "m1->m3", "a3.h2->logits"]])
-    effects = edge_effects(params, pairs, CONFIG, logit_difference, edges, chunk_size=3)
+    effects = edge_effects(params, pairs, CONFIG, logit_difference, edges, execution=Execution(chunk_size=3))
     full = patched_metric(params, pairs, CONFIG, logit_difference, [[tuple(e)] for e in edges])
     f_clean = edge_attribution(params, pairs, CONFIG, logit_difference).f_clean
     assert np.max(np.abs(effects)) > 1e-2
@@ -112,7 +117,7 @@ def test_edges_that_do_not_exist_are_refused(params, pairs):
 def test_patching_refuses_what_the_scores_refuse(params, pairs):
     """The same checks as `edge_attribution`: a metric that is not floating, and answers that
     share their first token under logit_difference."""
-    accuracy = lambda logits, labels: jnp.argmax(logits, axis=-1) == labels[:, 0]
+    accuracy = metric(reads="last")(lambda r: jnp.argmax(r.logits[:, 0], axis=-1) == r.labels[:, 0])
     with pytest.raises(ValueError, match="returns bool values"):
         edge_effects(params, pairs, CONFIG, accuracy, ["m1->m3"])
     with pytest.raises(ValueError, match="returns bool values"):
@@ -135,23 +140,30 @@ def test_a_circuit_under_an_intervention_is_the_circuit_of_the_model_that_carrie
     zeroed = with_layers_silenced(params, [1])
     assert pairs.shared_prefix() > 0  # the plain runs reuse it: another computation than under interventions
     for method in ("eap", "eap-ig-inputs"):
-        steps = {} if method == "eap" else {"rule": FixedRule(steps=4)}
+        scoring = Scoring(method) if method == "eap" else Scoring(method, FixedRule(steps=4))
         under = edge_attribution(
-            params, pairs, CONFIG, logit_difference, method=method, interventions=skip_layer_1, **steps
+            params, pairs, CONFIG, logit_difference, scoring, patching=Patching(interventions=skip_layer_1)
         )
-        carried = edge_attribution(zeroed, pairs, CONFIG, logit_difference, method=method, **steps)
+        carried = edge_attribution(zeroed, pairs, CONFIG, logit_difference, scoring)
         np.testing.assert_allclose(under.scores, carried.scores, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(under.f_clean, carried.f_clean, rtol=1e-5, atol=1e-5)
     assert np.max(np.abs(under.scores)) > 0.1 and np.all(under.scores[:, GRAPH.mlp_writer(1)] == 0)
     edges = ranked_edges(carried.mean, GRAPH)[:12]
     np.testing.assert_allclose(
-        edge_effects(params, pairs, CONFIG, logit_difference, edges, interventions=skip_layer_1),
+        edge_effects(params, pairs, CONFIG, logit_difference, edges, patching=Patching(interventions=skip_layer_1)),
         edge_effects(zeroed, pairs, CONFIG, logit_difference, edges),
         rtol=1e-4,
         atol=1e-5,
     )
-    circuit = find_circuit(params, pairs, CONFIG, logit_difference, under, target=0.8, interventions=skip_layer_1)
-    same = find_circuit(zeroed, pairs, CONFIG, logit_difference, carried, target=0.8)
+    circuit = find_circuit(
+        params,
+        pairs,
+        CONFIG,
+        logit_difference,
+        under,
+        CircuitSearch(target=0.8, patching=Patching(interventions=skip_layer_1)),
+    )
+    same = find_circuit(zeroed, pairs, CONFIG, logit_difference, carried, CircuitSearch(target=0.8))
     assert len(circuit.edges) == len(same.edges) and circuit.names == same.names
     np.testing.assert_allclose(circuit.curve, same.curve, rtol=1e-4, atol=1e-5)
     plain = edge_attribution(params, pairs, CONFIG, logit_difference)
@@ -165,9 +177,13 @@ def test_interventions_on_a_sum_of_writers_are_refused(params, pairs, site):
     T = pairs.clean.shape[1]
     edit = sites.skip(site, 1, np.ones(T))
     calls = [
-        lambda: edge_attribution(params, pairs, CONFIG, logit_difference, interventions=edit),
-        lambda: edge_effects(params, pairs, CONFIG, logit_difference, ["m0->m1"], interventions=edit),
-        lambda: patched_metric(params, pairs, CONFIG, logit_difference, [["m0->m1"]], interventions=[edit]),
+        lambda: edge_attribution(params, pairs, CONFIG, logit_difference, patching=Patching(interventions=edit)),
+        lambda: edge_effects(
+            params, pairs, CONFIG, logit_difference, ["m0->m1"], patching=Patching(interventions=edit)
+        ),
+        lambda: patched_metric(
+            params, pairs, CONFIG, logit_difference, [["m0->m1"]], patching=Patching(interventions=[edit])
+        ),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=f"an intervention at '{site}' edits a sum of the edge graph's writers"):

@@ -16,6 +16,8 @@ from jaxdepth.analyses.edges.scores import edge_attribution, pair_runs
 from jaxdepth.analyses.ig import AdaptiveRule, FixedRule
 from jaxdepth.core import sites
 from jaxdepth.core.model import forward
+from edge_reference import logit_difference_of
+from jaxdepth.analyses.edges.scores import Scoring
 
 GRAPH = EdgeGraph.of(CONFIG)
 
@@ -32,9 +34,8 @@ GRAPH = EdgeGraph.of(CONFIG)
 def test_position_scores_sum_to_the_scores_and_are_zero_where_nothing_differs(params, pairs, method, rule):
     """Pair 0 has 9 positions and pair 1 has 6 (padded to 9); pair 0's prompts differ from
     position 3 on, pair 1's from position 2."""
-    kwargs = dict(method=method, rule=rule)
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, detail=["positions"], **kwargs)
-    plain = edge_attribution(params, pairs, CONFIG, logit_difference, **kwargs)
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(method, rule, detail=["positions"]))
+    plain = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(method, rule))
     positions = scores.position_scores
     assert positions.shape == scores.scores.shape + (9,) and plain.position_scores is None
     np.testing.assert_array_equal(scores.scores, plain.scores)  # the same computation, positions aside
@@ -56,7 +57,7 @@ def test_a_patch_at_one_position_is_that_intervention_built_by_hand(params, pair
     into the logits changes nothing."""
     clean, corrupt = pair_runs(params, pairs, CONFIG)
     delta = corrupt.writers - clean.writers  # [W, B, T, D]
-    f_clean = np.asarray(logit_difference(clean.logits, pairs.labels))
+    f_clean = np.asarray(logit_difference_of(clean.logits, pairs.labels))
 
     def by_hand(site, layer, writer, at):  # at: [B] the position of each pair
         vector = delta[writer] * (np.arange(9)[None, :] == np.asarray(at)[:, None])[..., None]
@@ -64,7 +65,7 @@ def test_a_patch_at_one_position_is_that_intervention_built_by_hand(params, pair
             params, pairs.clean, CONFIG, valid=pairs.valid, interventions=sites.add(site, layer, vector, 1.0)
         )
         last = logits[jnp.arange(2), pairs.last]
-        return f_clean - np.asarray(logit_difference(last, pairs.labels))
+        return f_clean - np.asarray(logit_difference_of(last, pairs.labels))
 
     edges = ["m0->m2", "a2.h1->logits", "a2.h1->logits"]
     m0, a2h1 = GRAPH.edge_index(edges[0])[0], GRAPH.edge_index(edges[1])[0]
@@ -87,7 +88,7 @@ def test_positions_are_checked_and_drawn(params, pairs, tmp_path):
     scores = edge_attribution(params, pairs, CONFIG, logit_difference)
     with pytest.raises(ValueError, match=r"detail=\[.positions.\]"):
         scores.top_positions(3)
-    scores = edge_attribution(params, pairs, CONFIG, logit_difference, detail=["positions"])
+    scores = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(detail=["positions"]))
     loaded = type(scores).load(scores.save(str(tmp_path / "scores.npz")))
     np.testing.assert_array_equal(loaded.position_scores, scores.position_scores)
     fig = position_figure(scores, k=5, labels=[f"t{t}" for t in range(9)])

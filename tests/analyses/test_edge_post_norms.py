@@ -25,6 +25,10 @@ from jaxdepth.core import sites
 from conftest import tiny_config, with_layers_silenced
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
+from edge_reference import logit_difference_of
+from jaxdepth.analyses.edges.circuit import CircuitSearch
+from jaxdepth.analyses.edges.ablations import Patching
+from jaxdepth.analyses.edges.scores import Scoring
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
@@ -165,7 +169,7 @@ def _at_reader(site: str, layer: int, head, value) -> sites.Intervention:
 def _metric(params, pairs, config, interventions):  # noqa: F811
     """F per pair of the plain forward of the clean prompts under `interventions`."""
     logits = forward(params, pairs.clean, config, valid=pairs.valid, interventions=interventions)
-    return logit_difference(logits[jnp.arange(len(pairs)), pairs.last], pairs.labels)
+    return logit_difference_of(logits[jnp.arange(len(pairs)), pairs.last], pairs.labels)
 
 
 # An attention writer into a head of a later layer (past the clean layer between them), into
@@ -232,7 +236,7 @@ def test_node_scores_equal_the_node_attribution_of_site_gradients(gemma, pairs, 
     config, params = gemma
     graph = EdgeGraph.of(config)
     rows = jnp.arange(len(pairs))
-    metric = lambda logits: jnp.sum(logit_difference(logits[rows, pairs.last], pairs.labels))  # noqa: E731
+    metric = lambda logits: jnp.sum(logit_difference_of(logits[rows, pairs.last], pairs.labels))  # noqa: E731
     names = ("attn_out", "mlp_out", "resid_pre")
     clean = site_gradients(params, pairs.clean, config, metric, names, valid=pairs.valid)
     corrupt = site_gradients(params, pairs.corrupt, config, metric, names, valid=pairs.valid)
@@ -260,7 +264,7 @@ def test_the_whole_graph_is_the_clean_run_and_a_node_s_edges_sum_to_corrupting_i
     np.testing.assert_allclose(f[1], eap.f_corrupt, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(faithfulness(f, eap.f_clean, eap.f_corrupt), [1.0, 0.0], atol=1e-5)
     result = edge_attribution(
-        params, pairs, config, logit_difference, method="eap-ig-activations", rule=FixedRule("gauss", 24)
+        params, pairs, config, logit_difference, Scoring("eap-ig-activations", FixedRule("gauss", 24))
     )
     nodes = {"input": [0], "attention 1": [graph.attention_writer(1)], "mlp 1": [graph.mlp_writer(1)]}
     out_edges = []
@@ -285,21 +289,21 @@ def test_an_attention_layer_skipped_by_interventions_is_the_layer_with_its_weigh
     T = pairs.clean.shape[1]
     skip_layer_1 = (sites.skip("attn_out", 1, np.ones(T)), sites.skip("mlp_out", 1, np.ones(T)))
     zeroed = with_layers_silenced(params, [1])
-    under = edge_attribution(params, pairs, config, logit_difference, interventions=skip_layer_1)
+    under = edge_attribution(params, pairs, config, logit_difference, patching=Patching(interventions=skip_layer_1))
     carried = edge_attribution(zeroed, pairs, config, logit_difference)
     np.testing.assert_allclose(under.scores, carried.scores, rtol=1e-4, atol=1e-5)
     assert np.all(under.scores[:, [graph.attention_writer(1), graph.mlp_writer(1)]] == 0)
     assert np.max(np.abs(under.scores)) > 1e-2
     edges = ranked_edges(carried.mean, graph)[:6]
     np.testing.assert_allclose(
-        edge_effects(params, pairs, config, logit_difference, edges, interventions=skip_layer_1),
+        edge_effects(params, pairs, config, logit_difference, edges, patching=Patching(interventions=skip_layer_1)),
         edge_effects(zeroed, pairs, config, logit_difference, edges),
         rtol=1e-4,
         atol=1e-5,
     )
     edit = sites.skip("delta", 1, np.ones(T))
     with pytest.raises(ValueError, match=r"at 'delta' edits a sum .* \('attn_out' for a layer's attention"):
-        edge_attribution(params, pairs, config, logit_difference, interventions=edit)
+        edge_attribution(params, pairs, config, logit_difference, patching=Patching(interventions=edit))
 
 
 def test_results_record_their_graph_and_circuits_refuse_another_model_s_scores(tmp_path, gemma_eap, pairs):  # noqa: F811
@@ -324,4 +328,4 @@ def test_results_record_their_graph_and_circuits_refuse_another_model_s_scores(t
     scores = np.zeros((len(pairs), per_head.num_writers, per_head.num_readers), np.float32)
     heads_write = dataclasses.replace(eap, scores=scores, post_norms=False)
     with pytest.raises(ValueError, match="the scores are of another model's graph"):
-        find_circuit(None, pairs, GEMMA, logit_difference, heads_write, size=3)
+        find_circuit(None, pairs, GEMMA, logit_difference, heads_write, CircuitSearch(size=3))

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edge_reference import reference_run
+from edge_reference import logit_difference_of, reference_run
 from tiny_qwen import CONFIG
 from jaxdepth.analyses.attribution import site_gradients
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import patched_metric
-from jaxdepth.analyses.edges.scores import EdgeScores, edge_attribution
+from jaxdepth.analyses.edges.scores import EdgeScores, Scoring, edge_attribution
+from jaxdepth.analyses.metrics import metric
 from jaxdepth.analyses.ig import AdaptiveRule, FixedRule, LogitsMetric, integrated_gradients
 from jaxdepth.core.model import embed, random_params
 
@@ -106,7 +107,7 @@ def _metric_at_last(pairs):
     rows = jnp.arange(len(pairs))
 
     def metric(logits):
-        return jnp.sum(logit_difference(logits[rows, pairs.last], pairs.labels))
+        return jnp.sum(logit_difference_of(logits[rows, pairs.last], pairs.labels))
 
     return metric
 
@@ -136,7 +137,7 @@ def test_node_scores_equal_the_node_attribution_of_site_gradients(params, pairs,
 
 def test_eap_ig_with_one_right_step_is_eap(params, pairs, eap):
     """The 'right' rule's single node is α = 1, the clean input: EAP's gradient."""
-    one = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule("right", 1))
+    one = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", FixedRule("right", 1)))
     np.testing.assert_allclose(one.scores, eap.scores, rtol=1e-5, atol=1e-6)
 
 
@@ -146,14 +147,14 @@ def test_eap_ig_inputs_is_integrated_gradients_at_the_input_with_the_corrupt_bas
     `resid_pre` of layer 0 with the corrupt embeddings as the baseline: the same integrator,
     the same rule (the adaptive one placing the same nodes), summed over positions."""
     one = pairs.select([0])
-    edges = edge_attribution(params, one, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule)
+    edges = edge_attribution(params, one, CONFIG, logit_difference, Scoring("eap-ig-inputs", rule))
     last, labels = int(one.last[0]), jnp.asarray(one.labels)
-    metric = lambda logits: logit_difference(logits[:, 0], labels)[0]  # noqa: E731 (one pair, one call)
+    by_hand = lambda logits: logit_difference_of(logits[:, 0], labels)[0]  # noqa: E731 (one pair, one call)
     site = integrated_gradients(
         params,
         one.clean,
         CONFIG,
-        LogitsMetric(metric, positions=[last]),
+        LogitsMetric(by_hand, positions=[last]),
         site="resid_pre",
         layers=[0],
         baseline=embed(params, one.corrupt, CONFIG)[None],
@@ -173,8 +174,7 @@ def test_adaptive_completeness_of_the_input_edges_is_within_the_certified_bound(
         pairs,
         CONFIG,
         logit_difference,
-        method="eap-ig-inputs",
-        rule=AdaptiveRule(tolerance=1e-3, max_evaluations=400),
+        Scoring("eap-ig-inputs", AdaptiveRule(tolerance=1e-3, max_evaluations=400)),
     )
     assert result.converged.all()
     gap = np.abs(result.completeness_gap())
@@ -182,7 +182,7 @@ def test_adaptive_completeness_of_the_input_edges_is_within_the_certified_bound(
     scale = np.maximum(np.abs(result.f_clean - result.f_corrupt), 0.1 * np.abs(result.f_clean))
     assert np.all(result.bound <= 1e-3 * scale)
     # a fixed rule of few steps is visibly off: the certificate is not vacuous
-    coarse = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=4))
+    coarse = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", FixedRule(steps=4)))
     assert np.max(np.abs(coarse.completeness_gap())) > 10 * np.max(result.bound)
 
 
@@ -190,7 +190,7 @@ def test_activation_paths_sum_to_the_exact_effect_of_corrupting_each_node(params
     """EAP-IG 'activations': the edges out of a node sum to F(clean) - F(that node's output
     corrupt), which is exact patching of all its edges at once."""
     result = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule=FixedRule("gauss", 24)
+        params, pairs, CONFIG, logit_difference, Scoring("eap-ig-activations", FixedRule("gauss", 24))
     )
     nodes = {"input": [0], "attention 1": [GRAPH.head_writer(1, h) for h in range(4)], "mlp 2": [GRAPH.mlp_writer(2)]}
     for name, writers in nodes.items():
@@ -215,7 +215,7 @@ def test_a_padded_batch_of_pairs_equals_each_pair_alone(params, pairs, method):
 
 
 def _kw(method):
-    return {"method": method} if method == "eap" else {"method": method, "rule": FixedRule(steps=5)}
+    return {"scoring": Scoring(method) if method == "eap" else Scoring(method, FixedRule(steps=5))}
 
 
 def test_scores_save_and_load(tmp_path, eap):
@@ -229,28 +229,30 @@ def test_clear_errors(params, pairs):
     clean, corrupt, labels = make_pairs()
     with pytest.raises(ValueError, match="same length"):
         prompt_pairs([clean[0]], [corrupt[0][:-1]])
-    with pytest.raises(ValueError, match="one value per pair"):
-        edge_attribution(params, pairs, CONFIG, lambda logits, labels: jnp.sum(logits))
+    with pytest.raises(ValueError, match=r"must return one value per prompt, shape \(2,\)"):
+        edge_attribution(params, pairs, CONFIG, metric(reads="last")(lambda r: jnp.sum(r.logits)))
     with pytest.raises(ValueError, match="no edge"):
         GRAPH.edge_index("m2->a1.h0<q>")
     with pytest.raises(ValueError, match="method must be"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="acdc")
+        edge_attribution(params, pairs, CONFIG, logit_difference, "acdc")
     with pytest.raises(ValueError, match="a rule is EAP-IG's"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, rule=FixedRule(steps=8))
+        edge_attribution(params, pairs, CONFIG, logit_difference, Scoring(rule=FixedRule(steps=8)))
     with pytest.raises(ValueError, match="one tolerance"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=AdaptiveRule((0.1, 0.2)))
+        edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", AdaptiveRule((0.1, 0.2))))
     with pytest.raises(ValueError, match="adaptive rule certifies"):
-        edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-activations", rule="adaptive")
+        edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("eap-ig-activations", "adaptive"))
     with pytest.raises(ValueError, match="exceeds the model's context"):
         edge_attribution(params, prompt_pairs([[1] * 300], [[2] * 300], [[1, 2]]), CONFIG, logit_difference)
 
 
-def argmax_metric(logits, labels):  # the model's answer: an integer, whose gradient is zero everywhere
-    return jnp.argmax(logits, axis=-1)
+@metric(reads="last")
+def argmax_metric(r):  # the model's answer: an integer, whose gradient is zero everywhere
+    return jnp.argmax(r.logits[:, 0], axis=-1)
 
 
-def accuracy_metric(logits, labels):
-    return jnp.argmax(logits, axis=-1) == labels[:, 0]
+@metric(reads="last")
+def accuracy_metric(r):
+    return jnp.argmax(r.logits[:, 0], axis=-1) == r.labels[:, 0]
 
 
 @pytest.mark.parametrize("metric, dtype", [(argmax_metric, "int32"), (accuracy_metric, "bool")])
@@ -259,7 +261,7 @@ def test_a_metric_that_is_not_floating_is_refused(params, pairs, metric, dtype):
     with pytest.raises(ValueError, match=f"returns {dtype} values: a metric must be floating point.*zero gradient"):
         edge_attribution(params, pairs, CONFIG, metric)
     with pytest.raises(ValueError, match=f"returns {dtype} values"):
-        edge_attribution(params, pairs, CONFIG, metric, method="eap-ig-inputs", rule=FixedRule(steps=2))
+        edge_attribution(params, pairs, CONFIG, metric, Scoring("eap-ig-inputs", FixedRule(steps=2)))
 
 
 def test_answers_that_share_their_first_token_are_refused_with_the_logit_difference(params):

@@ -4,8 +4,9 @@ for layer skip and erasure a `Metric` of reads='all', `r.logits[:, -1]`) that re
 padding for the short prompt. Every analysis that takes a metric (layer
 skip, erasure, integrated gradients, site gradients, `Model.site_gradients`) refuses it before it
 measures anything, naming the prompt and its length; a metric of real positions only passes and
-gives exactly the numbers of the unchecked computation. Edge attribution's sequence metrics, which
-read every position of pairs padded to the longest, are held to the same rule."""
+gives exactly the numbers of the unchecked computation. Edge attribution's metrics of every position
+(`reads='all'`), which read every position of pairs padded to the longest, are held to the same
+rule."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 import jaxdepth
 from jaxdepth.analyses import attribution, erasure, layer_skip
-from jaxdepth.analyses.edges import kl_to_clean, mean_kl_to_clean, prompt_pairs, sequence_metric
+from jaxdepth.analyses.edges import kl_clean_to_run, mean_kl_clean_to_run, prompt_pairs
+from jaxdepth.analyses import metrics
 from jaxdepth.analyses.edges.scores import edge_attribution
 from jaxdepth.analyses.ig import Execution, FixedRule, integrated_gradients
 from jaxdepth.analyses.layer_skip import Skip, SkipMasks, member_masks
@@ -211,25 +213,33 @@ def test_the_loose_options_are_refused_with_the_execution_that_says_the_same(par
         erasure.residual_erasure(params, batch, CONFIG, baseline, effect="answer_probability_change")
 
 
-@sequence_metric
-def last_position_kl(logits, clean_logits, pairs):
+@metrics.metric(reads="all", clean=True)
+def last_position_kl(r):
     """KL to the clean run at position -1: padding for the shorter pair."""
-    clean = jax.nn.log_softmax(clean_logits[:, -1], axis=-1)
-    return jnp.sum(jnp.exp(clean) * (clean - jax.nn.log_softmax(logits[:, -1], axis=-1)), axis=-1)
+    clean = jax.nn.log_softmax(r.clean[:, -1], axis=-1)
+    return jnp.sum(jnp.exp(clean) * (clean - jax.nn.log_softmax(r.logits[:, -1], axis=-1)), axis=-1)
 
 
-def test_edge_attribution_refuses_a_sequence_metric_reading_padding(params):
-    """A sequence metric reads the logits at every position of pairs padded to the longest: one
-    at position -1 reads the shorter pair's padding and is refused; the built-in ones (the last
-    real position, a mean over real positions) run."""
+@metrics.metric(reads="all")
+def last_position_logit(r):
+    """The first logit at position -1, without the clean run: padding for the shorter pair too."""
+    return r.logits[:, -1, 0]
+
+
+def test_edge_attribution_refuses_a_metric_of_every_position_reading_padding(params):
+    """A metric of every position reads the logits at every position of pairs padded to the
+    longest: one at position -1 reads the shorter pair's padding and is refused, with or
+    without the clean run; the built-in ones (the last real position, a mean over real
+    positions) run."""
     pairs = prompt_pairs(
         [list(range(1, 10)), [4, 8, 15, 16, 23, 42]], [[1, 2, 3, 5, 5, 6, 7, 8, 9], [4, 8, 7, 16, 23, 42]]
     )
-    with pytest.raises(
-        ValueError,
-        match="edge attribution: the metric 'last_position_kl' reads padded positions of "
-        "prompt 1, which has 6 real tokens padded to 9",
-    ):
-        edge_attribution(params, pairs, CONFIG, last_position_kl)
-    for metric in (kl_to_clean, mean_kl_to_clean):
-        edge_attribution(params, pairs, CONFIG, metric)
+    for bad in (last_position_kl, last_position_logit):
+        with pytest.raises(
+            ValueError,
+            match=f"edge attribution: the metric '{bad.__name__}' reads padded positions of "
+            "prompt 1, which has 6 real tokens padded to 9",
+        ):
+            edge_attribution(params, pairs, CONFIG, bad)
+    for good in (kl_clean_to_run, mean_kl_clean_to_run):
+        edge_attribution(params, pairs, CONFIG, good)

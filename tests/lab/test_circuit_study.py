@@ -134,14 +134,18 @@ def find_circuit_under(checkpoint, pairs_file, scores, saved: Circuit) -> tuple[
     """The size-10 circuit's faithfulness recomputed from the saved scores under the same
     ablation, in this process, and that of the `saved` circuit's live edges alone."""
     import jaxdepth
-    from jaxdepth.analyses.edges import circuit_metric, faithfulness, logit_difference, mean_ablation
+    from jaxdepth.analyses.edges import CircuitSearch, Patching, circuit_metric, faithfulness, logit_difference
+    from jaxdepth.analyses.edges import mean_ablation
 
     model = jaxdepth.load(checkpoint)
     task = read_pairs(pairs_file, model.tokenizer)
     ablation = mean_ablation(model.params, task.clean, model.config, per_position=True)
     pairs = task.prompt_pairs()
-    found = find_circuit(model.params, pairs, model.config, logit_difference, scores, size=10, ablation=ablation)
-    live = circuit_metric(model.params, pairs, model.config, logit_difference, [saved.pruned().mask], ablation=ablation)
+    patching = Patching(ablation)
+    found = find_circuit(
+        model.params, pairs, model.config, logit_difference, scores, CircuitSearch(size=10, patching=patching)
+    )
+    live = circuit_metric(model.params, pairs, model.config, logit_difference, [saved.pruned().mask], patching=patching)
     return found.faithfulness, float(faithfulness(live, scores.f_clean, scores.f_corrupt)[0])
 
 
@@ -278,8 +282,9 @@ def test_a_task_of_ones_own_is_scored_by_its_own_metric(checkpoint, pairs_file, 
     task = read_pairs(pairs_file, model.tokenizer)
     args = build_parser().parse_args(_circuit_args(checkpoint, pairs_file, tmp_path, "--method", "eap", "--no-figures"))
 
-    def negated(logits, labels):
-        return -logit_difference(logits, labels)
+    @jaxdepth.metric(reads="last")
+    def negated(r):
+        return -logit_difference(r)
 
     scores = {}
     for name, each in (("default", task), ("negated", dataclasses.replace(task, metric=negated))):

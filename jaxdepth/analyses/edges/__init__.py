@@ -7,12 +7,15 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
   that probe, move or patch readers' inputs (`patch_edges`), and the runs that read the
   writers (`edge_run`);
 - `pairs`: clean/corrupt prompt pairs from token ids (`prompt_pairs`), texts (`text_pairs`) or a
-  JSON Lines file (`read_pairs`), and metrics: of the logits at the last position
-  (`logit_difference`), or of every position and the clean run's (`SequenceMetric`:
-  `kl_to_clean`, `mean_kl_to_clean`);
+  JSON Lines file (`read_pairs`), and the positions a metric reads in them. The metric is the
+  package's one form, a `jaxdepth.Metric` (`jaxdepth.analyses.metrics`), whose built-ins are
+  re-exported here: `logit_difference` (the circuit command's), `answer_probability`, and of
+  the clean run's logits `kl_clean_to_run`, `kl_run_to_clean`, `mean_kl_clean_to_run`;
 - `ablations`: what an ablated edge carries: the corrupt run's values (the default), zero, or
-  means over a prompt set (`mean_ablation`, per token or per position);
-- `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule);
+  means over a prompt set (`mean_ablation`, per token or per position), and with the
+  interventions on every run the `Patching` the edge functions take;
+- `scores`: `edge_attribution` (EAP, EAP-IG over inputs or activations, fixed or adaptive rule:
+  a `Scoring`);
 - `patching`: exact patching of edges one at a time or in sets (`edge_effects`,
   `patched_metric`, `circuit_metric`, `faithfulness`), and of nodes (`node_effects`);
 - `atp_star`: attribution patching of nodes (a head's query, key or value at a position, a head's
@@ -20,18 +23,27 @@ EAP and EAP-IG, checked by exact patching, and gathered into circuits.
   (`atp_star`);
 - `selection`: the order in which circuits take edges (by score, or grown greedily from the
   logits) and which of a circuit's edges are live (`live_edges`);
-- `circuit`: circuits from scores (`find_circuit`) and their figures (`position_figure`: edges
-  over the prompt's positions, from per-position scores).
+- `circuit`: circuits from scores (`find_circuit`, searching as a `CircuitSearch` says) and their
+  figures (`position_figure`: edges over the prompt's positions, from per-position scores).
 
 The definitions (signs, which run each gradient comes from, what is patched) are in
-`docs/circuits.md`.
+`docs/circuits.md`. How any of them runs (chunk sizes, memory, progress) is one
+`jaxdepth.Execution`.
 """
 
-from jaxdepth.analyses.edges.ablations import ABLATIONS, CORRUPT, ZERO, Ablation, mean_ablation
-from jaxdepth.analyses.edges.atp_star import NODE_KINDS, NodeAttribution, atp_star, missed_nodes, node_shape
+from jaxdepth.analyses.edges.ablations import ABLATIONS, CORRUPT, ZERO, Ablation, Patching, mean_ablation
+from jaxdepth.analyses.edges.atp_star import (
+    ATP_METHODS,
+    NODE_KINDS,
+    NodeAttribution,
+    atp_star,
+    missed_nodes,
+    node_shape,
+)
 from jaxdepth.analyses.edges.circuit import (
     LEVELS,
     Circuit,
+    CircuitSearch,
     circuit_figure,
     faithfulness_figure,
     find_circuit,
@@ -40,19 +52,13 @@ from jaxdepth.analyses.edges.circuit import (
     top_circuits,
 )
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import (
-    PromptPairs,
-    TaskPairs,
+from jaxdepth.analyses.edges.pairs import PromptPairs, TaskPairs, answer_token, prompt_pairs, read_pairs, text_pairs
+from jaxdepth.analyses.metrics import (
     answer_probability,
-    SequenceMetric,
-    answer_token,
-    kl_to_clean,
+    kl_clean_to_run,
+    kl_run_to_clean,
     logit_difference,
-    mean_kl_to_clean,
-    prompt_pairs,
-    read_pairs,
-    sequence_metric,
-    text_pairs,
+    mean_kl_clean_to_run,
 )
 from jaxdepth.analyses.edges.readers import EdgeRun, edge_run, move_reader, patch_edges, probe_readers, shift_node
 from jaxdepth.analyses.edges.patching import (
@@ -63,7 +69,7 @@ from jaxdepth.analyses.edges.patching import (
     node_effects,
     patched_metric,
 )
-from jaxdepth.analyses.edges.scores import DETAILS, METHODS, EdgeScores, edge_attribution, ranked_edges
+from jaxdepth.analyses.edges.scores import DETAILS, METHODS, EdgeScores, Scoring, edge_attribution, ranked_edges
 from jaxdepth.analyses.edges.selection import SEARCHES, greedy_edges, live_edges, ordered_edges
 
 __all__ = [
@@ -78,6 +84,7 @@ __all__ = [
     "ABLATIONS",
     "CORRUPT",
     "ZERO",
+    "Patching",
     "mean_ablation",
     "PromptPairs",
     "prompt_pairs",
@@ -87,11 +94,11 @@ __all__ = [
     "answer_token",
     "logit_difference",
     "answer_probability",
-    "SequenceMetric",
-    "sequence_metric",
-    "kl_to_clean",
-    "mean_kl_to_clean",
+    "kl_clean_to_run",
+    "kl_run_to_clean",
+    "mean_kl_clean_to_run",
     "METHODS",
+    "Scoring",
     "DETAILS",
     "EdgeScores",
     "edge_attribution",
@@ -107,11 +114,13 @@ __all__ = [
     "neuron_effects",
     "node_effects",
     "NODE_KINDS",
+    "ATP_METHODS",
     "NodeAttribution",
     "atp_star",
     "node_shape",
     "missed_nodes",
     "Circuit",
+    "CircuitSearch",
     "find_circuit",
     "top_circuits",
     "circuit_figure",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +30,11 @@ from jaxdepth.analyses.edges.pairs import SAME_PROMPTS, PromptPairs
 from jaxdepth.analyses.edges.readers import EdgeRun, check_interventions, edge_run
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import check_tokens, embed
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 
-__all__ = ["Ablation", "CORRUPT", "ZERO", "ABLATIONS", "mean_ablation", "as_ablation"]
+__all__ = ["Ablation", "CORRUPT", "ZERO", "ABLATIONS", "Patching", "mean_ablation", "as_ablation"]
 
 ABLATIONS = ("corrupt", "zero", "mean", "mean-per-position")
 PROMPTS_AT_ONCE = 8  # prompts run together when a mean is taken
@@ -99,6 +100,22 @@ def as_ablation(ablation) -> Ablation:
     raise ValueError(f"ablation must be an Ablation, 'corrupt' or 'zero', got {ablation!r}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Patching:
+    """The runs an edge function compares: `ablation`, what an ablated (patched) edge carries
+    (an `Ablation`, or 'corrupt' or 'zero'; None: `CORRUPT`, the pair's corrupt run; held as an
+    `Ablation`, `as_ablation`), and `interventions` (`jaxdepth.core.sites`), which act on every
+    run, clean, corrupt, patched and along the paths (refused at a site no edge carries,
+    `readers.check_interventions`). What is measured, not how it runs (that is the
+    `jaxdepth.Execution`)."""
+
+    ablation: Any = None
+    interventions: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "ablation", as_ablation(self.ablation))
+
+
 @partial(jit, static_argnames="config")
 def _writer_sums(params, tokens, valid, config: ModelConfig, interventions=None):
     """Each writer's outputs summed over the rows `[W, T, D]`, real positions only."""
@@ -115,13 +132,14 @@ def mean_ablation(
     *,
     per_position: bool = False,
     interventions=None,
-    progress: ProgressLike = False,
+    execution: Execution = Execution(),
 ) -> Ablation:
     """Mean ablation: each writer's output (`jaxdepth.analyses.edges.graph`'s writers: the
     input, every head, every MLP) averaged over every real token of `prompts` (token lists of
     any lengths; `[W, D]`), or with `per_position` over the prompts that reach each position
     (`[W, T, D]`, T the longest prompt), under `interventions` as the edge functions run them.
-    Run `PROMPTS_AT_ONCE` prompts at a time."""
+    `execution`: `chunk_size` prompts run at a time (default `PROMPTS_AT_ONCE`; another only
+    reorders the sums) and `progress`."""
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or not all(prompts):
         raise ValueError("mean_ablation needs prompts, none of them empty")
@@ -131,11 +149,13 @@ def mean_ablation(
     check_tokens(padded, config)
     valid = np.arange(T)[None] < np.array([len(p) for p in prompts])[:, None]
     sums = 0.0
-    for start in track(range(0, len(prompts), PROMPTS_AT_ONCE), progress, "mean ablation (prompts)"):
-        rows = slice(start, start + PROMPTS_AT_ONCE)
+    # not `in_chunks`: the filling rows here have no real position (a repeated prompt would count twice)
+    at_once = execution.chunk_size or PROMPTS_AT_ONCE
+    for start in track(range(0, len(prompts), at_once), execution.progress, "mean ablation (prompts)"):
+        rows = slice(start, start + at_once)
         tokens, real = padded[rows], valid[rows]
-        if len(tokens) < PROMPTS_AT_ONCE:  # one compiled shape: the last rows padded with no real position
-            fill = PROMPTS_AT_ONCE - len(tokens)
+        if len(tokens) < at_once:  # one compiled shape: the last rows padded with no real position
+            fill = at_once - len(tokens)
             tokens = np.concatenate([tokens, np.zeros((fill, T), np.int32)])
             real = np.concatenate([real, np.zeros((fill, T), bool)])
         sums = sums + np.asarray(_writer_sums(params, jnp.asarray(tokens), jnp.asarray(real), config, interventions))

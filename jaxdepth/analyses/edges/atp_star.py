@@ -32,25 +32,28 @@ drop F(clean) - F(clean with the node patched), the sign of EAP and of `node_eff
   node's effects along two paths cancel, dropping one of them shows the other. GradDrop
   scores are magnitudes (>= 0).
 
-AtP* is both fixes together (`atp_star`'s default); `qk_fix=False, grad_drop=False` is AtP.
+AtP* is both fixes together (`atp_star`'s default, `method='AtP*'`); `method='AtP'` is neither,
+'AtP+QK' and 'AtP+GD' one of them (`ATP_METHODS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs
+from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric
 from jaxdepth.analyses.edges.readers import check_interventions, final_metric
 from jaxdepth.analyses.edges.scores import with_clean_logits
+from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.layer import attend, context_of_layer, layer_context
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
@@ -59,9 +62,11 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import Intervention, as_interventions, probe, site_shape
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 
-__all__ = ["NODE_KINDS", "NodeAttribution", "atp_star", "node_shape", "missed_nodes"]
+__all__ = ["NODE_KINDS", "ATP_METHODS", "NodeAttribution", "atp_star", "node_shape", "missed_nodes"]
 
 NODE_KINDS = ("queries", "keys", "values", "heads", "mlps", "neurons")
+# The estimates `atp_star` computes, by name: (the QK fix, GradDrop).
+ATP_METHODS = {"AtP": (False, False), "AtP+QK": (True, False), "AtP+GD": (False, True), "AtP*": (True, True)}
 ATTENTION_KINDS = ("queries", "keys", "values")
 # The site each kind is patched at (`node_effects`), and the one whose gradient estimates it.
 PATCH_SITE = {
@@ -114,9 +119,7 @@ class NodeAttribution(SavedResult):
     @property
     def method(self) -> str:
         """'AtP', 'AtP+QK', 'AtP+GD' or 'AtP*'."""
-        return {(False, False): "AtP", (True, False): "AtP+QK", (False, True): "AtP+GD"}.get(
-            (self.qk_fix, self.grad_drop), "AtP*"
-        )
+        return {fixes: name for name, fixes in ATP_METHODS.items()}[(self.qk_fix, self.grad_drop)]
 
     def of(self, kind: str) -> np.ndarray:
         """The scores of `kind`, `[B, *node_shape]`; an error if they were not computed."""
@@ -152,19 +155,25 @@ def atp_star(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     *,
     kinds: Sequence[str] = ("queries", "keys", "values", "heads", "mlps"),
-    qk_fix: bool = True,
-    grad_drop: bool = True,
+    method: str = "AtP*",
     interventions=None,
-    chunk_size: Optional[int] = None,
+    execution: Execution = Execution(),
 ) -> NodeAttribution:
-    """AtP's estimate of every node of `kinds` (module docstring), with the QK fix and GradDrop
-    (AtP*) unless turned off, for the prompt pairs (each estimating F(clean) - F(clean with the
-    node at its corrupt value)). One clean and one corrupt forward, and one backward (GradDrop:
-    one per layer, `chunk_size` of them vmapped at a time); the QK fix recomputes each head's
-    output once per query row set and once per key position. `interventions` act on every run."""
+    """AtP's estimate of every node of `kinds` (module docstring) for the B prompt pairs, each
+    estimating F(clean) - F(clean with the node at its corrupt value), `[B, *node_shape(kind)]`
+    per kind, under `metric` (a `jaxdepth.Metric`, as edge attribution's). `method` (one of
+    `ATP_METHODS`): 'AtP*' (the QK fix and GradDrop, the default), 'AtP+QK', 'AtP+GD' or 'AtP'
+    (neither). One clean and one corrupt forward, and one backward (GradDrop: one per layer,
+    `execution.chunk_size` of them vmapped at a time, default what `memory_budget` allows); the
+    QK fix recomputes each head's output once per query row set and once per key position.
+    `interventions` act on every run."""
+    if method not in ATP_METHODS:
+        raise ValueError(f"method must be one of {tuple(ATP_METHODS)}, got {method!r}")
+    qk_fix, grad_drop = ATP_METHODS[method]
+    metric = edge_metric(metric, "atp_star", pairs)
     kinds = tuple(dict.fromkeys(kinds))
     for kind in kinds:
         _check_kind(kind)
@@ -177,7 +186,9 @@ def atp_star(
     if grad_drop and L < 2:
         raise ValueError("GradDrop drops one layer's gradient while others carry it: it needs 2 layers or more")
     dropped = np.arange(L) if grad_drop else np.array([L])  # layer L holds no delta: nothing dropped
-    chunk = chunk_size or auto_chunk_size(config, B * T, len(dropped), grad=True)
+    chunk = execution.chunk_size or auto_chunk_size(
+        config, B * T, len(dropped), grad=True, memory_budget=execution.memory_budget
+    )
     out = jax.tree.map(
         to_host,
         _estimates(

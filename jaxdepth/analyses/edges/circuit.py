@@ -4,8 +4,9 @@ A circuit is a set of edges kept clean; every other edge of the graph carries it
 the corrupt run's by default (`jaxdepth.analyses.edges.patching.circuit_metric`). Its faithfulness is
 (F(circuit) - F(corrupt)) / (F(clean) - F(corrupt)) of the pairs' means.
 
-`find_circuit` orders the edges by their mean score (`search='top'`), or as the EAP-IG package's
-greedy search adds them (`'greedy'`: grown from the logits; `jaxdepth.analyses.edges.selection`),
+`find_circuit` orders the edges by their mean score (`CircuitSearch(order='top')`), or as the
+EAP-IG package's greedy search adds them (`'greedy'`: grown from the logits;
+`jaxdepth.analyses.edges.selection`),
 and evaluates the circuits of the first n edges for a grid of sizes n as one vmapped
 computation; with a faithfulness target it takes the smallest size of the grid that reaches it,
 then refines between that size and the one below (a second vmapped call), so the size is found
@@ -20,17 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
-from jaxdepth.analyses.edges.ablations import as_ablation
+from jaxdepth.analyses.edges.ablations import Patching
 from jaxdepth.analyses.edges.graph import READER_KINDS, EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs
+from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric
 from jaxdepth.analyses.edges.patching import circuit_metric, faithfulness, patched_metric
 from jaxdepth.analyses.edges.scores import EdgeScores, ranked_edges
-from jaxdepth.analyses.edges.selection import live_edges, ordered_edges
+from jaxdepth.analyses.edges.selection import SEARCHES, live_edges, ordered_edges
+from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.saved_result import SavedResult
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
 
 __all__ = [
     "Circuit",
+    "CircuitSearch",
     "find_circuit",
     "top_circuits",
     "circuit_figure",
@@ -132,67 +136,99 @@ def top_circuits(scores: EdgeScores, sizes: Sequence[int], by: str = "abs", sear
     return [_first(ranked, n, scores.graph) for n in sizes]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CircuitSearch:
+    """What circuit `find_circuit` looks for, how, and under what. `size`: the circuit's size (its
+    first `size` edges; at level 'node' nodes, at 'neuron' members), or `target`: the fewest
+    first edges (to within the refinement) whose faithfulness reaches it (in (0, 1], e.g. 0.8),
+    one of the two. `order`: the order the circuits take the
+    edges in ('top': by the scores, `by` 'abs' (|score|) or 'value'; 'greedy': grown from the
+    logits, module docstring). `grid`: how many sizes, geometric from 1 to every edge, are
+    evaluated at once. `level`: 'edge', 'node' (the first nodes by node score; the size then
+    counts nodes, `order` 'top'), or 'neuron' (the input, the heads and the MLP hidden units
+    ranked together by their scores, `ranked_members`; the scores need
+    `Scoring(detail=['neurons'])`; every head and input outside the circuit is patched for all
+    its readers, every unit outside it at its corrupt value). `patching`: the edges outside the
+    circuit carry its `ablation`'s values, the ablation the scores were computed under, and
+    its `interventions` act on every run, as in the scores (`edge_attribution(...,
+    patching=...)`)."""
+
+    size: Optional[int] = None
+    target: Optional[float] = None
+    order: str = "top"
+    by: str = "abs"
+    grid: int = 12
+    level: str = "edge"
+    patching: Patching = Patching()
+
+    def __post_init__(self):
+        if (self.size is None) == (self.target is None):
+            raise ValueError("give the circuit's size or its faithfulness target, one of the two")
+        if self.target is not None and not (np.isfinite(self.target) and 0 < self.target <= 1):
+            raise ValueError(
+                f"target must be a faithfulness in (0, 1], got {self.target!r}: faithfulness is the share of "
+                "F(clean) - F(corrupt) that a circuit recovers, 1 for the whole graph"
+            )
+        if self.order not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {self.order!r}")
+        if self.by not in ("abs", "value"):
+            raise ValueError(f"by must be 'abs' or 'value', got {self.by!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
+        if self.level != "edge" and self.order != "top":
+            raise ValueError(
+                f"the greedy search grows edges: a circuit of {self.level}s takes its members by their scores "
+                "(search 'top')"
+            )
+        if not isinstance(self.patching, Patching):
+            raise TypeError(f"patching must be a Patching, got {type(self.patching).__name__}")
+
+
 def find_circuit(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     scores: EdgeScores,
+    search: CircuitSearch,
     *,
-    size: Optional[int] = None,
-    target: Optional[float] = None,
-    by: str = "abs",
-    grid: int = 12,
-    chunk_size: Optional[int] = None,
-    interventions=None,
-    search: str = "top",
-    ablation=None,
-    level: str = "edge",
+    execution: Execution = Execution(),
 ) -> Circuit:
-    """A circuit of the first edges in the order of `search` ('top': by `scores`, an
-    `EdgeScores` of these pairs; 'greedy': grown from the logits, module docstring): the first
-    `size` edges, or the fewest first edges (to within the refinement) whose faithfulness
-    reaches `target` (e.g. 0.8). `grid` sizes, geometric from 1 to every edge, are evaluated at
-    once.
-    `interventions` act on every run, as in the `scores` (`edge_attribution(...,
-    interventions=...)`), and the edges outside the circuit carry `ablation`'s values, the
-    ablation the scores were computed under (`jaxdepth.analyses.edges.ablations`; None: the
-    corrupt run's; scores of another kind of ablation are refused). `level`: 'edge', 'node'
-    (the first nodes by node score, module docstring; `size` then counts nodes, `search` 'top'),
-    or 'neuron' (the input, the heads and the MLP hidden units ranked together by their scores,
-    `ranked_members`; the scores need `detail=['neurons']`; every head and input outside the
-    circuit is patched for all its readers, every unit outside it at its corrupt value).
+    """A circuit of the first edges in the order of `search` (a `CircuitSearch`; its `order`
+    'top': by `scores`, an `EdgeScores` of these pairs; 'greedy': grown from the logits, module
+    docstring) at its `level`, under its `patching`: the first `search.size` edges, or the
+    fewest first edges (to within the refinement) whose faithfulness reaches `search.target`
+    (e.g. `CircuitSearch(target=0.8)`), of `search.grid` sizes evaluated at once. `metric`:
+    the scores' (a `jaxdepth.Metric`).
+    Scores of another kind of ablation than `search.patching`'s are refused. `execution`: how
+    the patched runs run (`patched_metric`'s). Returns a `Circuit` (`edges [n, 2]`).
 
-    A ValueError, before anything is computed, when neither or both of `size` and `target` are
-    given, when `size` is not in 0..(the graph's edges), or when `target` is not in (0, 1]
-    (the whole graph's faithfulness is 1: a target above it, at or below 0, or not finite asks
-    for no circuit of the task). A target that no circuit reaches (rounding, with a target of
+    A ValueError, before anything is computed (`CircuitSearch` refuses the rest), when `size` is
+    not in 0..(the graph's edges). A target that no circuit reaches (rounding, with a target of
     1; or a faithfulness that is not finite) gives the whole graph with `reached` False, and a
     warning."""
-    if (size is None) == (target is None):
-        raise ValueError("give the circuit's size or its faithfulness target, one of the two")
+    if not isinstance(search, CircuitSearch):
+        raise TypeError(f"search must be a CircuitSearch, got {search!r}")
+    metric = edge_metric(metric, "find_circuit", pairs)
     graph = EdgeGraph.of(config)
     if scores.graph != graph:
         raise ValueError(f"the scores are of another model's graph ({scores.graph}; this model's: {graph})")
-    ablation = as_ablation(ablation)
+    size, target, by, grid, level = search.size, search.target, search.by, search.grid, search.level
+    ablation = search.patching.ablation
     if scores.ablation != ablation.kind:  # F(empty circuit) is `scores.f_corrupt`: of the scores' ablation
         raise ValueError(
             f"the scores were computed under a {scores.ablation!r} ablation and the circuit would patch under a "
             f"{ablation.kind!r} one: pass the scores' ablation (faithfulness divides by their F(clean) - F(ablated))"
         )
-    taken = ordered_edges(scores.mean, graph, by, search)  # checks `by` and `search` before any work
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    if level != "edge" and search != "top":
-        raise ValueError(
-            f"the greedy search grows edges: a circuit of {level}s takes its members by their scores (search 'top')"
-        )
+    taken = ordered_edges(scores.mean, graph, by, search.order)
     if level == "node":
         nodes = ranked_nodes(scores, by)
         total, first, unit = graph.num_writers, lambda n: _out_edges(nodes[:n], graph), "nodes"
     elif level == "neuron":
         if scores.neuron_scores is None:
-            raise ValueError("a circuit of neurons ranks MLP hidden units by their scores: pass detail=['neurons']")
+            raise ValueError(
+                "a circuit of neurons ranks MLP hidden units by their scores: score with Scoring(detail=['neurons'])"
+            )
         members = ranked_members(scores, by)
         total, first, unit = len(members), lambda n: _kept_members(members[:n], graph, config), "members"
         outside = lambda kept: graph.edge_mask & ~_out_edges(np.concatenate([kept[0], _mlp_writers(graph)]), graph)  # noqa: E731
@@ -200,14 +236,9 @@ def find_circuit(
         total, first, unit = graph.num_edges, lambda n: _first(taken, n, graph), "edges"
     if size is not None and not (isinstance(size, (int, np.integer)) and 0 <= size <= total):
         raise ValueError(f"size must be an integer in 0..{total} (the graph's {unit}), got {size!r}")
-    if target is not None and not (np.isfinite(target) and 0 < target <= 1):
-        raise ValueError(
-            f"target must be a faithfulness in (0, 1], got {target!r}: faithfulness is the share of F(clean) - "
-            "F(corrupt) that a circuit recovers, 1 for the whole graph"
-        )
 
     def evaluate(ns):
-        run = dict(chunk_size=chunk_size, interventions=interventions, ablation=ablation)
+        run = dict(patching=search.patching, execution=execution)
         if level == "neuron":  # the members outside: heads and input for all their readers, units
             kept = [first(n) for n in ns]
             sets, units = [outside(k) for k in kept], [~k[1] for k in kept]
@@ -267,7 +298,7 @@ def find_circuit(
         curve=np.asarray(curve, np.float32),
         target=target,
         reached=reached,
-        search=search,
+        search=search.order,
         live=live[chosen_edges[:, 0], chosen_edges[:, 1]],
         live_sizes=np.array([live_edges(circuit_edges(n), graph, ablation).sum() for n in sizes], np.int64),
         level=level,

@@ -1,27 +1,27 @@
-"""Prompt pairs (a clean and a corrupt prompt of the same length) and the metric of edge
-attribution: pairs from token ids (`prompt_pairs`), from texts and a tokenizer (`text_pairs`) or
-from a JSON Lines file (`read_pairs`), and the metrics.
+"""Prompt pairs (a clean and a corrupt prompt of the same length) and what the metric of edge
+attribution reads in them: pairs from token ids (`prompt_pairs`), from texts and a tokenizer
+(`text_pairs`) or from a JSON Lines file (`read_pairs`).
 
-A metric F is one of two kinds:
-- `metric(logits [B, V], labels) -> [B]`, of the logits at each pair's last position:
-  `logit_difference`, `answer_probability`;
-- a `SequenceMetric` (`@sequence_metric`): `fn(logits [B, T, V], clean_logits [B, T, V], pairs)
-  -> [B]`, of the logits at every position and the clean run's (the run under the same
-  interventions, without any patch or path): `kl_to_clean`, `mean_kl_to_clean`. `pairs` gives
-  it `valid`, `last` and `labels`.
-Both are checked at trace time to give one floating value per pair."""
+The metric F is the package's one form (`jaxdepth.analyses.metrics`): a `Metric` of a `Readout`,
+one value per pair `[B]`, reading the positions it declares (`pair_reads`): 'last' each pair's
+last real position, 'all' every position (`Readout.real` the pairs' `valid`), 'answer' the last
+position with the right label (`labels[:, 0]`) as its answer. `Readout.labels` are the pairs'
+labels, and a metric with `clean=True` gets the clean run's logits at its positions
+(`Readout.clean`: the run under the same interventions, without any patch or path). The
+built-ins: `logit_difference`, `answer_probability`, `kl_clean_to_run`, `kl_run_to_clean`,
+`mean_kl_clean_to_run` (re-exported by `jaxdepth.analyses.edges`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.stats import floating_metric
+from jaxdepth.analyses.metrics import Metric, Reads, as_metric, logit_difference, reads_at
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.model import check_tokens
 
@@ -32,12 +32,8 @@ __all__ = [
     "text_pairs",
     "read_pairs",
     "answer_token",
-    "logit_difference",
-    "answer_probability",
-    "SequenceMetric",
-    "sequence_metric",
-    "kl_to_clean",
-    "mean_kl_to_clean",
+    "edge_metric",
+    "pair_reads",
 ]
 
 
@@ -59,8 +55,9 @@ class PromptPairs:
     `valid [B, T]` (the same for both prompts of a pair), `last [B]` (each pair's last real
     position, whose logits the metric reads) and the metric's `labels` (`[B, ...]`, or None).
     Build it with `prompt_pairs` (token ids), or `text_pairs` / `read_pairs` (texts).
-    `clean_logits [B, T, V]`: the clean run's logits at every position, which the edge
-    functions fill in for a `SequenceMetric` (None otherwise)."""
+    `clean_logits [B, P, V]`: the clean run's logits at the P positions the metric reads
+    (`pair_reads`), which the edge functions fill in for a metric with `clean=True` (None
+    otherwise)."""
 
     clean: jax.Array
     corrupt: jax.Array
@@ -85,7 +82,7 @@ class PromptPairs:
         first = np.where(differs.any(axis=1), differs.argmax(axis=1), differs.shape[1])
         return int(min(first.min(), np.asarray(self.last).min()))
 
-    def check(self, config: ModelConfig, metric: Optional[Callable] = None) -> None:
+    def check(self, config: ModelConfig, metric: Optional[Metric] = None) -> None:
         """Refuse token ids or a context the model cannot take, and labels that `metric` cannot
         read: for `logit_difference`, labels that are not `[B, 2]` or a pair whose right and
         wrong answer are the same token (F would be 0 on both of its runs, and the pair would
@@ -174,20 +171,21 @@ class TaskPairs:
     (the right and the wrong answer's first token, what `logit_difference` reads) and `texts`
     (the clean and the corrupt text of each pair). `prompt_pairs()` gives the `PromptPairs`
     the edge functions take. Build it with `text_pairs` or `read_pairs`. `metric`: what the task
-    is scored by, an edge metric `(logits, labels) -> [B]` (None: `logit_difference`); the
-    circuit command reads it from the task (`scored_by`), so a task of one's own brings its own."""
+    is scored by, a `jaxdepth.Metric` (`Readout.labels` are these labels; None:
+    `logit_difference`); the circuit command reads it from the task (`scored_by`), so a task of
+    one's own brings its own."""
 
     clean: list
     corrupt: list
     labels: np.ndarray
     texts: list
-    metric: Optional[Callable] = None
+    metric: Optional[Metric] = None
 
     def prompt_pairs(self) -> PromptPairs:
         """The pairs as a padded batch (`prompt_pairs`)."""
         return prompt_pairs(self.clean, self.corrupt, self.labels)
 
-    def scored_by(self) -> Callable:
+    def scored_by(self) -> Metric:
         """The task's metric: `metric`, or `logit_difference` where it names none."""
         return logit_difference if self.metric is None else self.metric
 
@@ -267,84 +265,26 @@ def _tokenized(tokenizer, rows: list, names: list) -> TaskPairs:
     return TaskPairs(clean, corrupt, np.array(labels, np.int32), [(row[0], row[1]) for row in rows])
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceMetric:
-    """A metric of the logits at every position and the clean run's: `fn(logits [B, T, V],
-    clean_logits [B, T, V], pairs) -> [B]` (module docstring). Make one with
-    `@sequence_metric`; define it once (it is a static argument: a new one compiles anew)."""
-
-    fn: Callable
-
-    def __call__(self, logits, clean_logits, pairs: PromptPairs):
-        return self.fn(logits, clean_logits, pairs)
-
-    @property
-    def __name__(self) -> str:
-        return getattr(self.fn, "__name__", repr(self.fn))
+def edge_metric(metric, analysis: str, pairs: PromptPairs) -> Metric:
+    """`metric` as a `Metric` the edge functions can read (`jaxdepth.analyses.metrics.as_metric`):
+    a plain function of the logits, the form they took before, is refused with a message that
+    shows the new one; a metric of 'answer' positions needs the pairs' labels (its answer is the
+    right label, `labels[:, 0]`). Every edge function has a clean run to give a `clean=True`
+    metric."""
+    return as_metric(metric, analysis, clean_available=True, answers_available=pairs.labels is not None)
 
 
-def sequence_metric(fn: Callable) -> SequenceMetric:
-    """`fn(logits [B, T, V], clean_logits [B, T, V], pairs) -> [B]` as a metric of the whole
-    sequence (`SequenceMetric`): the edge functions then run every position (no shared prefix
-    is reused: F may read any of them) and give it the clean run's logits."""
-    return SequenceMetric(fn)
-
-
-def metric_values(metric: Callable, logits, labels=None, pairs: Optional[PromptPairs] = None) -> jax.Array:
-    """F per pair `[B]`, float32, checked at trace time to give one floating value per pair
-    (`jaxdepth.analyses.stats.floating_metric`): `metric(logits [B, V], labels)` of a plain
-    metric, or for a `SequenceMetric` of `logits [B, T, V]` (every position) and `pairs`,
-    `metric(logits, pairs.clean_logits, pairs)`."""
-    if isinstance(metric, SequenceMetric):
-        if pairs is None or pairs.clean_logits is None:
-            raise ValueError("a sequence metric reads the clean run's logits: the pairs carry none")
-        values = metric(logits, pairs.clean_logits, pairs)
-    else:
-        values = metric(logits, labels)
-    values = floating_metric(values, metric)
-    if jnp.shape(values) != logits.shape[:1]:
-        raise ValueError(
-            f"the metric must return one value per pair, shape [B] = {logits.shape[:1]}, got {jnp.shape(values)}: "
-            "edge scores are per pair (sum or average them afterwards)"
-        )
-    return values.astype(jnp.float32)
-
-
-def _kl_to_clean(logits, clean_logits):
-    """KL(clean || run) per position `[B, T]`, in nats: sum_v p_clean (log p_clean - log p_run)."""
-    clean = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
-    run = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.exp(clean) * (clean - run), axis=-1)
-
-
-@sequence_metric
-def kl_to_clean(logits, clean_logits, pairs):
-    """KL(clean || run) of the next-token distributions at each pair's last position, in nats:
-    0 in the clean run, positive as a patch moves the prediction away from the clean one. (The
-    gradient of a KL at its minimum is zero: EAP scores of it are 0; score it along a path,
-    EAP-IG.)"""
-    rows = jnp.arange(logits.shape[0])
-    return _kl_to_clean(logits[rows, pairs.last], clean_logits[rows, pairs.last])
-
-
-@sequence_metric
-def mean_kl_to_clean(logits, clean_logits, pairs):
-    """KL(clean || run) averaged over each pair's real positions (`pairs.valid`), in nats."""
-    kl = _kl_to_clean(logits, clean_logits)
-    valid = pairs.valid.astype(kl.dtype)
-    return jnp.sum(kl * valid, axis=1) / jnp.sum(valid, axis=1)
-
-
-def logit_difference(logits, labels):
-    """The logit of the right answer minus that of the wrong one, per pair: `labels [B, 2]` holds
-    (right, wrong) token ids, each answer's first token. The usual metric of IOI-style tasks.
-    The edge functions refuse a pair whose two labels are the same token (`PromptPairs.check`):
-    its F is 0 on both runs."""
-    rows = jnp.arange(logits.shape[0])
-    return logits[rows, labels[:, 0]] - logits[rows, labels[:, 1]]
-
-
-def answer_probability(logits, labels):
-    """The probability of the answer token `labels [B]` (or `labels[:, 0]`), per pair."""
+def pair_reads(metric: Metric, pairs: PromptPairs) -> Reads:
+    """The positions `metric` reads in `pairs` (`jaxdepth.analyses.metrics.Reads`, `[B, P]`):
+    'last' each pair's last real position (`pairs.last`), 'all' every position (real where
+    `pairs.valid`), 'answer' the last position, whose answer token is the right label
+    (`labels[:, 0]`, or `labels [B]` itself). jit-traceable."""
+    if metric.reads == "all":
+        return reads_at(metric, pairs.valid)
+    B = pairs.clean.shape[0]
+    last = jnp.asarray(pairs.last, jnp.int32)[:, None]
+    if metric.reads == "last":
+        return Reads(last, jnp.ones((B, 1), bool))
+    labels = jnp.asarray(pairs.labels)
     answer = labels if labels.ndim == 1 else labels[:, 0]
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)[jnp.arange(logits.shape[0]), answer]
+    return Reads(last, jnp.ones((B, 1), bool), answer[:, None].astype(jnp.int32))

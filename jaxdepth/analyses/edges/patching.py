@@ -6,7 +6,10 @@ output in this run, and nothing else changes: the other readers of u read what u
 set of edges patched, every patched edge does so in the same run
 (`jaxdepth.analyses.edges.readers.patch_edges`: a patched edge upstream changes what later writers
 write, and their other edges carry that). Every function takes `interventions`
-(`jaxdepth.core.sites`), which act on the clean, the corrupt and every patched run.
+(`jaxdepth.core.sites`; the edge functions as a `Patching`'s, with what a patched edge
+carries), which act on the clean, the corrupt and every patched run. The metric is a
+`jaxdepth.Metric` (`jaxdepth.analyses.edges.pairs`), and every function takes how it runs as
+one `jaxdepth.Execution` (`chunk_size` runs vmapped at once, `memory_budget`, `progress`).
 
 - `edge_effects`: each edge patched alone, F(clean) - F(patched) per pair: what EAP's score
   of the edge estimates (the same sign). An edge into a reader of layer l changes nothing
@@ -24,15 +27,13 @@ write, and their other edges carry that). Every function takes `interventions`
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs
-from jaxdepth.analyses.edges.ablations import as_ablation
+from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric
+from jaxdepth.analyses.edges.ablations import Patching
 from jaxdepth.analyses.edges.readers import (
     check_interventions,
     edge_run,
@@ -43,14 +44,16 @@ from jaxdepth.analyses.edges.readers import (
 )
 from jaxdepth.analyses.edges.atp_star import NODE_INDEX, PATCH_SITE, node_shape
 from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
+from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import Execution, in_chunks
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
-from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 from jaxdepth.core.sharding import to_host
-from jaxdepth.core.sweep import available_memory_budget, member_bytes
+from jaxdepth.core.sweep import member_bytes
 
 __all__ = [
     "edge_effects",
@@ -85,14 +88,12 @@ def edge_effects(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     edges,
     *,
     positions=None,
-    ablation=None,
-    chunk_size: Optional[int] = None,
-    interventions=None,
-    progress: ProgressLike = False,
+    patching: Patching = Patching(),
+    execution: Execution = Execution(),
 ) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with edge i alone patched), per pair, for each of `edges`
     (names, `(writer, reader)` pairs, or an `[n, 2]` array as `ranked_edges` gives).
@@ -100,11 +101,13 @@ def edge_effects(
     over all positions, as `EdgeScores.position_scores` and `top_positions` count them): edge i
     patched at `positions[i]` alone, what its per-position score estimates (an effect before
     the pairs' shared prefix ends, or past a pair's last position, is 0 up to rounding).
-    `ablation`: what a patched edge carries (`jaxdepth.analyses.edges.ablations`; None: the
-    corrupt run's values).
-    Edges run `chunk_size` at a time (vmapped), sorted by their readers' layers, each chunk from
-    the layer of its first reader on."""
+    `patching`: what a patched edge carries (its `ablation`, `jaxdepth.analyses.edges.ablations`;
+    default the corrupt run's values) and the `interventions` on every run. Edges run
+    `execution.chunk_size` at a time (vmapped; default what the memory allows), sorted by
+    their readers' layers, each chunk from the layer of its first reader on."""
     graph = EdgeGraph.of(config)
+    metric = edge_metric(metric, "edge_effects", pairs)
+    ablation, interventions = patching.ablation, patching.interventions
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     edges = _edge_indices(edges, graph)
@@ -115,18 +118,19 @@ def edge_effects(
             raise ValueError(f"positions must be one integer position per edge ({len(edges)}), got {positions!r}")
         if np.any((positions < 0) | (positions >= T)):
             raise ValueError(f"positions must lie in 0..{T - 1} (the pairs' {T} positions), got {positions.tolist()}")
-    ablation = as_ablation(ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric, "edge_effects")
+    P, prefix = suffix_run(params, pairs, clean, config, metric, interventions, ablation)
     delta = (ablation.writers(graph, pairs, corrupt, config.hidden_size) - clean.writers)[:, :, P:]
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
-    chunk = min(chunk_size or _chunk(config, pairs, P), len(edges))
+    chunk = _chunk(config, pairs, P, len(edges), execution)
     # Sorted by their readers' layers, the edges run in chunks that start at their first
     # reader's layer: the layers before it are the clean run's.
     order = np.argsort([graph.reader_layer(r) for r in edges[:, 1]], kind="stable")
     out = np.zeros((len(edges), len(pairs)), np.float32)
-    for part in track(np.array_split(order, -(-len(order) // chunk)), progress, "exact edge patching (chunks)"):
+    # not `in_chunks`: each chunk starts at its first reader's layer, a compiled program per layer
+    parts = np.array_split(order, -(-len(order) // chunk))
+    for part in track(parts, execution.progress, "exact edge patching (chunks)"):
         padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
         w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
         at = np.ones((len(padded), T - P), bool) if positions is None else np.arange(P, T) == positions[padded, None]
@@ -197,20 +201,21 @@ def node_effects(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     kind: str,
     nodes,
     *,
-    chunk_size: Optional[int] = None,
     interventions=None,
-    progress: ProgressLike = False,
+    execution: Execution = Execution(),
 ) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with node `nodes[i]` of `kind` at its value in the corrupt
     run), per pair: the exact effect that AtP (`atp_star`) estimates. Nodes as
     `jaxdepth.analyses.edges.atp_star` indexes them: (layer, head, position) for queries, keys,
     values and heads, (layer, position) for MLPs, (layer, unit) for neurons (a hidden unit at
-    every position). `chunk_size` nodes vmapped at once."""
+    every position). `interventions` act on every run; `execution.chunk_size` nodes are
+    vmapped at once (default what the memory allows)."""
     graph = EdgeGraph.of(config)
+    metric = edge_metric(metric, "node_effects", pairs)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     shape = node_shape(kind, config, pairs.clean.shape[1])
@@ -222,79 +227,79 @@ def node_effects(
         ranges = ", ".join(f"{name} in 0..{n - 1}" for name, n in zip(NODE_INDEX[kind], shape))
         raise ValueError(f"a node of {kind} is ({ranges}); got {index[bad][0].tolist()}")
     clean, _ = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric, "node_effects")
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
     cached = _corrupt_values(params, pairs, config, kind, interventions)
-    chunk = min(chunk_size or _chunk(config, pairs, 0), len(index))
+    chunk = _chunk(config, pairs, 0, len(index), execution)
     run = lambda part: (
         f_clean[None]
         - _node_runs(
             params, pairs, jnp.asarray(part, jnp.int32), cached, interventions, config=config, metric=metric, kind=kind
         )
     )
-    return _in_chunks(run, index, chunk, progress, f"exact patching of {kind} (chunks)")
+    return in_chunks(run, index, chunk, execution, f"exact patching of {kind} (chunks)")
 
 
-def neuron_effects(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, neurons, **kwargs) -> np.ndarray:
+def neuron_effects(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Metric,
+    neurons,
+    *,
+    interventions=None,
+    execution: Execution = Execution(),
+) -> np.ndarray:
     """`[n, B]`: F(clean) - F(clean with MLP hidden unit `neurons[i] = (layer, unit)` at its
     value in the corrupt run), per pair: the exact effect that its neuron score
-    (`edge_attribution(..., detail=['neurons'])`) estimates. `kwargs` as `node_effects`."""
-    return node_effects(params, pairs, config, metric, "neurons", neurons, **kwargs)
-
-
-def _in_chunks(run, items: np.ndarray, chunk: int, progress: ProgressLike, what: str) -> np.ndarray:
-    """`[n, B]`: `run` (a vmapped call, `[chunk, ...] -> [chunk, B]`) over `items` `chunk` at a
-    time, the last chunk padded with its last item (one compiled shape) and the padding dropped."""
-    out = None
-    for start in track(range(0, len(items), chunk), progress, what):
-        part = items[start : start + chunk]
-        f = to_host(run(np.concatenate([part, np.repeat(part[-1:], chunk - len(part), axis=0)])))
-        out = np.zeros((len(items),) + f.shape[1:], np.float32) if out is None else out
-        out[start : start + len(part)] = f[: len(part)]
-    return out
+    (`edge_attribution(..., Scoring(detail=['neurons']))`) estimates. `interventions` and
+    `execution` as `node_effects`."""
+    return node_effects(
+        params, pairs, config, metric, "neurons", neurons, interventions=interventions, execution=execution
+    )
 
 
 def patched_metric(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     edge_sets,
     *,
-    ablation=None,
-    chunk_size: Optional[int] = None,
-    interventions=None,
-    progress: ProgressLike = False,
     unit_sets=None,
+    patching: Patching = Patching(),
+    execution: Execution = Execution(),
 ) -> np.ndarray:
     """`[n, B]`: F with every edge of `edge_sets[i]` patched at once (each set: edge names,
     index pairs or a `[W, R]` bool mask; or an `[n, W, R]` bool array), each patched edge
-    carrying `ablation`'s values (None: the corrupt run's). `unit_sets`: for each set, an
-    `[L, F]` bool array of the MLP hidden units patched with it, at their values in the
-    corrupt run (the corrupt ablation only)."""
+    carrying `patching.ablation`'s values (default the corrupt run's), under its
+    `interventions`. `unit_sets`: for each set, an `[L, F]` bool array of the MLP hidden units
+    patched with it, at their values in the corrupt run (the corrupt ablation only).
+    `execution.chunk_size` sets are vmapped at once (default what the memory allows)."""
     graph = EdgeGraph.of(config)
+    metric = edge_metric(metric, "patched_metric", pairs)
+    ablation, interventions = patching.ablation, patching.interventions
     pairs.check(config, metric)
     check_interventions(interventions, graph)
     masks = np.stack([graph.edges_mask(s) for s in edge_sets])
-    ablation = as_ablation(ablation)
     units = None if unit_sets is None else _unit_masks(unit_sets, len(masks), config, ablation)
     clean, corrupt = pair_runs(params, pairs, config, interventions)
-    pairs = with_clean_logits(params, pairs, clean.final, config, metric)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    pairs = with_clean_logits(params, pairs, clean.final, config, metric, "patched_metric")
+    P, prefix = suffix_run(params, pairs, clean, config, metric, interventions, ablation)
     ablated = ablation.writers(graph, pairs, corrupt, config.hidden_size)
     writers = jnp.broadcast_to(ablated, clean.writers.shape)[:, :, P:]
     hidden = (
         None if units is None else hidden_units(params, pairs.corrupt, pairs.valid, config, interventions)[:, :, P:]
     )
-    chunk = min(chunk_size or _chunk(config, pairs, P, patch=True), len(masks))
+    chunk = _chunk(config, pairs, P, len(masks), execution, patch=True)
 
     def run(part):  # part: the sets' indices
-        extra = {} if units is None else {"units": (jnp.asarray(units[part]), hidden)}
-        return patched_sets(
-            params, pairs, prefix, jnp.asarray(masks[part]), writers, interventions, config, metric, **extra
-        )
+        sets, ablated = jnp.asarray(masks[part]), writers
+        if units is not None:
+            sets, ablated = (sets, jnp.asarray(units[part])), (writers, hidden)
+        return patched_sets(params, pairs, prefix, sets, ablated, interventions, config, metric)
 
-    return _in_chunks(run, np.arange(len(masks)), chunk, progress, "exact patching of edge sets (chunks)")
+    return in_chunks(run, np.arange(len(masks)), chunk, execution, "exact patching of edge sets (chunks)")
 
 
 def _unit_masks(unit_sets, n: int, config: ModelConfig, ablation) -> np.ndarray:
@@ -308,13 +313,22 @@ def _unit_masks(unit_sets, n: int, config: ModelConfig, ablation) -> np.ndarray:
     return units
 
 
-def circuit_metric(params, pairs: PromptPairs, config: ModelConfig, metric: Callable, circuits, **kwargs) -> np.ndarray:
+def circuit_metric(
+    params,
+    pairs: PromptPairs,
+    config: ModelConfig,
+    metric: Metric,
+    circuits,
+    *,
+    patching: Patching = Patching(),
+    execution: Execution = Execution(),
+) -> np.ndarray:
     """`[n, B]`: F with every edge outside circuit i patched (each circuit: edge names, index
-    pairs or a `[W, R]` bool mask of the edges kept clean). `kwargs` as `patched_metric`
-    (`ablation`: what the patched edges carry)."""
+    pairs or a `[W, R]` bool mask of the edges kept clean). `patching` and `execution` as
+    `patched_metric` (`patching.ablation`: what the patched edges carry)."""
     graph = EdgeGraph.of(config)
     complements = [graph.edge_mask & ~graph.edges_mask(c) for c in circuits]
-    return patched_metric(params, pairs, config, metric, complements, **kwargs)
+    return patched_metric(params, pairs, config, metric, complements, patching=patching, execution=execution)
 
 
 def faithfulness(circuit_f: np.ndarray, f_clean: np.ndarray, f_corrupt: np.ndarray) -> np.ndarray:
@@ -340,12 +354,14 @@ def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
     return rows
 
 
-def _chunk(config: ModelConfig, pairs: PromptPairs, prefix_length: int, patch: bool = False) -> int:
-    """Runs to vmap at once: what fits in a share of the free memory (a patched run also holds
-    the `[W, B, T, D]` buffer of what each writer lacks of its corrupt value)."""
+def _chunk(config: ModelConfig, pairs: PromptPairs, prefix_length: int, n: int, execution: Execution, patch=False):
+    """Runs of n to vmap at once: `execution.chunk_size`, or what fits in its memory budget
+    (`Execution.chunk`; a patched run also holds the `[W, B, T, D]` buffer of what each writer
+    lacks of its corrupt value), at most `MAX_CHUNK`."""
     B, T = pairs.clean.shape
     T -= prefix_length
     per = member_bytes(config, B * T)
     if patch:
         per += 2 * EdgeGraph.of(config).num_writers * B * T * config.hidden_size * 4
-    return int(np.clip(available_memory_budget() // per, 1, MAX_CHUNK))
+    chunk = execution.chunk(n, per)
+    return chunk if execution.chunk_size is not None else min(chunk, MAX_CHUNK)

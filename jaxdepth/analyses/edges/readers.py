@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric, metric_values
+from jaxdepth.analyses.edges.pairs import PromptPairs, pair_reads
+from jaxdepth.analyses.metrics import Metric, Readout, readout
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -60,7 +61,7 @@ __all__ = [
     "EdgeRun",
     "logits_at",
     "final_metric",
-    "all_logits",
+    "pair_readout",
     "run_metric",
     "SPLIT_LAYERS",
     "HEAD_INPUTS",
@@ -214,25 +215,26 @@ def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"]
 
 
 @partial(jit, static_argnames=("config", "metric"))
-def patched_sets(
-    params, pairs: PromptPairs, prefix, masks, ablated_writers, interventions, config, metric, *, units=None
-):
-    """F `[c, B]` with the edges of each `masks[i]` (`[W, R]`) patched at once: carrying
-    `ablated_writers [W, B, S, D]` (the S positions after the shared `prefix`). `units`:
-    `(unit_masks [c, L, F], ablated_hidden [L, B, S, F])`, each set's MLP hidden units to patch
-    too (at every position: every reader of the MLP reads the unit's ablated value)."""
+def patched_sets(params, pairs: PromptPairs, prefix, sets, ablated, interventions, config, metric):
+    """F `[c, B]` with the edges of each of the c edge sets patched at once. `sets`: the edge
+    masks `[c, W, R]`, each edge carrying `ablated` (the writers' ablated outputs `[W, B, S, D]`,
+    the S positions after the shared `prefix`); or, with MLP hidden units patched too, `sets =
+    (masks, unit_masks [c, L, F])` and `ablated = (ablated_writers, ablated_hidden [L, B, S, F])`
+    (a unit at every position: every reader of the MLP reads the unit's ablated value)."""
     P = 0 if prefix is None else prefix[0].shape[2]
     h0 = embed(params, pairs.clean[:, P:], config, offset=P)
     graph = EdgeGraph.of(config)
+    units = isinstance(sets, tuple)
+    writers, hidden = ablated if units else (ablated, None)
 
     def one(mask, unit_mask=None):
-        ivs = (interventions, patch_edges(graph, mask, ablated_writers, h0))
+        ivs = (interventions, patch_edges(graph, mask, writers, h0))
         if unit_mask is not None:
-            ivs += (sites.patch("mlp_hidden", units[1], unit_mask[:, None, None, :]),)
+            ivs += (sites.patch("mlp_hidden", hidden, unit_mask[:, None, None, :]),)
         run = edge_run(params, h0, pairs.valid, pairs.last, config, interventions=ivs, prefix=prefix)
         return run_metric(params, metric, run, pairs, config)
 
-    return jax.vmap(one)(masks) if units is None else jax.vmap(one)(masks, units[0])
+    return jax.vmap(one)(*sets) if units else jax.vmap(one)(sets)
 
 
 # Sites whose value is a sum of writers' outputs, not a writer's: an edit there would reach the
@@ -302,32 +304,41 @@ def logits_at(params: Params, h_last: Float[Array, "B S D"], last: Int[Array, " 
     return unembed(params, h_last[jnp.arange(h_last.shape[0]), last - offset], config)
 
 
-@partial(jit, static_argnames="config")
-def all_logits(params: Params, h: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T V"]:
-    """The logits at every position of the final residual `h` (the clean logits a
-    `SequenceMetric` compares with: `PromptPairs.clean_logits`)."""
-    return unembed(params, h, config)
+def pair_readout(params: Params, metric: Metric, h_final, pairs: PromptPairs, config: ModelConfig) -> Readout:
+    """The `Readout` `metric` reads from the final residual `h_final [B, S, D]`: the final norm
+    and the LM head at its positions (`pair_reads`) only, `logits [B, P, V]`, with the pairs'
+    labels and, for a metric with `clean=True`, the clean run's logits there
+    (`PromptPairs.clean_logits`). Where S is less than the pairs' T, `h_final` holds the rows
+    after a shared prefix of T - S positions (`suffix_run`), which a metric of every position
+    never runs with."""
+    reads = pair_reads(metric, pairs)
+    offset = pairs.clean.shape[1] - h_final.shape[1]
+    if offset and metric.reads == "all":
+        raise ValueError("a metric of every position reads the prefix too: the runs must not reuse a shared prefix")
+    clean = None
+    if metric.clean:
+        if pairs.clean_logits is None:
+            raise ValueError(f"the metric {metric.__name__!r} reads the clean run's logits: the pairs carry none")
+        clean = pairs.clean_logits
+    shifted = dataclasses.replace(reads, positions=reads.positions - offset)
+    out = readout(params, h_final, config, shifted, clean=clean, labels=pairs.labels)
+    return dataclasses.replace(out, positions=reads.positions)
 
 
-def final_metric(params: Params, metric, h_final, pairs: PromptPairs, config: ModelConfig, prefix=None):
-    """F per pair `[B]` (`metric_values`) from the final residual `h_final [B, S, D]`: of the
-    logits at each pair's last position, or for a `SequenceMetric` of the logits at every
-    position (which runs no shared prefix: `suffix_run`)."""
-    if isinstance(metric, SequenceMetric):
-        if prefix is not None:
-            raise ValueError("a sequence metric reads every position: the runs must not reuse a shared prefix")
-        return metric_values(metric, unembed(params, h_final, config), pairs=pairs)
-    return metric_values(metric, logits_at(params, h_final, pairs.last, config, prefix), pairs.labels)
+def final_metric(params: Params, metric: Metric, h_final, pairs: PromptPairs, config: ModelConfig):
+    """F per pair `[B]` from the final residual `h_final [B, S, D]` (after a shared prefix where
+    S < T): `metric` of its `pair_readout`."""
+    return metric(pair_readout(params, metric, h_final, pairs, config))
 
 
-def run_metric(params: Params, metric, run: EdgeRun, pairs: PromptPairs, config: ModelConfig, clean: bool = False):
-    """F per pair `[B]` of an `EdgeRun` (`final_metric`; a plain metric reads `run.logits`).
-    `clean`: the run is the clean one, whose logits a `SequenceMetric` reads from the pairs
-    (the very numbers every other run compares with: the KL of the clean run is exactly 0)."""
-    if not isinstance(metric, SequenceMetric):
-        return metric_values(metric, run.logits, pairs.labels)
-    if clean:
-        return metric_values(metric, pairs.clean_logits, pairs=pairs)
+def run_metric(params: Params, metric: Metric, run: EdgeRun, pairs: PromptPairs, config: ModelConfig, clean=False):
+    """F per pair `[B]` of an `EdgeRun` (`final_metric` of its final residual). `clean`: the run
+    is the clean one, whose logits a metric with `clean=True` reads from the pairs (the very
+    numbers every other run compares with: the KL of the clean run is exactly 0)."""
+    if clean and metric.clean:
+        reads = pair_reads(metric, pairs)
+        logits = pairs.clean_logits
+        return metric(Readout(logits, reads.real, reads.positions, reads.targets, logits, pairs.labels))
     return final_metric(params, metric, run.final, pairs, config)
 
 

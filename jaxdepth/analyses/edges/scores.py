@@ -37,22 +37,23 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.analyses.edges.ablations import CORRUPT, as_ablation
+from jaxdepth.analyses.edges.ablations import CORRUPT, Patching
 from jaxdepth.analyses.edges.graph import EdgeGraph
-from jaxdepth.analyses.edges.pairs import PromptPairs, SequenceMetric, metric_values
+from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric, pair_reads
 from jaxdepth.analyses.metric_inputs import refuse_padding_reads
+from jaxdepth.analyses.metrics import Metric, readout
 from jaxdepth.analyses.edges.readers import (
     EdgeRun,
-    all_logits,
     check_interventions,
     edge_run,
     final_metric,
+    pair_readout,
     patched_sets,
     probe_readers,
     reader_probes,
@@ -60,10 +61,10 @@ from jaxdepth.analyses.edges.readers import (
     shift_node,
 )
 from jaxdepth.analyses.ig import rules
-from jaxdepth.analyses.ig.engine import Execution
 from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.loops import clean_key_values, run_layers
 from jaxdepth.core.model import embed
 from jaxdepth.core.progress import track
@@ -74,6 +75,7 @@ from jaxdepth.core.sweep import auto_chunk_size, available_memory_budget, sweep,
 
 __all__ = [
     "edge_attribution",
+    "Scoring",
     "EdgeScores",
     "ranked_edges",
     "edge_scores",
@@ -213,18 +215,34 @@ def pair_runs(params, pairs: PromptPairs, config: ModelConfig, interventions=Non
     return run(pairs.clean), run(pairs.corrupt)
 
 
-def with_clean_logits(params, pairs: PromptPairs, clean_final, config: ModelConfig, metric) -> PromptPairs:
-    """`pairs` carrying the clean run's logits at every position (`PromptPairs.clean_logits`,
-    from its final residual `clean_final [B, T, D]`) for a `SequenceMetric`, which reads them;
-    `pairs` as they are for any other metric."""
-    if not isinstance(metric, SequenceMetric):
-        return pairs  # a plain metric reads each pair's last real position alone: never padding
-    logits = all_logits(params, clean_final, config)
-    pairs = dataclasses.replace(pairs, clean_logits=logits)
-    if not isinstance(logits, jax.core.Tracer):  # concrete: a sequence metric reading padding is refused here
-        jax.eval_shape(lambda: metric_values(metric, logits, pairs=pairs))  # its own refusals first
-        refuse_padding_reads(metric, logits, pairs.valid, args=(logits, pairs), analysis="edge attribution")
+def with_clean_logits(
+    params, pairs: PromptPairs, clean_final, config: ModelConfig, metric: Metric, analysis: str = "edge attribution"
+) -> PromptPairs:
+    """`pairs` carrying what `metric` reads of the clean run (its final residual `clean_final
+    [B, T, D]`): for a metric with `clean=True`, the clean logits at the metric's positions
+    (`PromptPairs.clean_logits [B, P, V]`, the LM head run there only); `pairs` as they are for
+    any other. A metric of every position is checked here, where the clean run is concrete, not
+    to read the pairs' padding (`jaxdepth.analyses.metric_inputs`, refused naming `analysis`):
+    at 'last' and 'answer' no padded position reaches a metric."""
+    if metric.clean:
+        logits = readout(params, clean_final, config, pair_reads(metric, pairs)).logits
+        pairs = dataclasses.replace(pairs, clean_logits=logits)
+    if metric.reads == "all" and not isinstance(clean_final, jax.core.Tracer):
+        clean = pair_readout(params, metric, clean_final, pairs, config)
+        jax.eval_shape(lambda: metric(clean))  # its own refusals first (one floating value per pair)
+        refuse_padding_reads(_OnLogits(metric), clean.logits, clean.real, args=(clean,), analysis=analysis)
     return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnLogits:
+    """`fn` (a `Metric`) as a function of the logits of a `Readout`, the rest of it given: what
+    the padding check replaces rows of (`refuse_padding_reads` names the metric by `fn`)."""
+
+    fn: Metric
+
+    def __call__(self, logits, given):
+        return self.fn(dataclasses.replace(given, logits=logits))
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
@@ -244,17 +262,15 @@ def input_path_gradients(
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))
-def node_path_gradients(
-    params, pairs: PromptPairs, prefix, path, nodes, *, config, metric, chunk: int, interventions=None
-):
+def node_path_gradients(params, pairs: PromptPairs, prefix, path, nodes, *, config, metric, chunk: int):
     """As `input_path_gradients` on the path of one node of the 'activations' variant, `path =
-    (node, delta, detach)`: the output of node `node` (0 the input, 2l + 1 attention layer l,
-    its heads or its one writer, 2l + 2 MLP l) is a_corrupt + α_k `delta` (`delta = a_clean -
-    a_corrupt`, `[W, B, S, D]`, after the shared `prefix`), everything after it recomputed
-    (`detach`: the node's output a constant, as `shift_node` says). All three are traced: one
-    compilation serves every node."""
+    (node, delta, detach, interventions)`: the output of node `node` (0 the input, 2l + 1
+    attention layer l, its heads or its one writer, 2l + 2 MLP l) is a_corrupt + α_k `delta`
+    (`delta = a_clean - a_corrupt`, `[W, B, S, D]`, after the shared `prefix`), everything after
+    it recomputed (`detach`: the node's output a constant, as `shift_node` says), under
+    `interventions`. All are traced: one compilation serves every node."""
     e_clean, _ = _suffix_embeddings(params, pairs, prefix, config)
-    node, delta, detach = path
+    node, delta, detach, interventions = path
 
     def gradient(alpha):
         shift = shift_node(EdgeGraph.of(config), node, alpha - 1, delta, detach)
@@ -270,7 +286,7 @@ def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, i
     def value(probes):
         ivs = (interventions, shift, probe_readers(probes, config.num_layers))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, prefix=prefix)
-        return jnp.sum(final_metric(params, metric, h, pairs, config, prefix))
+        return jnp.sum(final_metric(params, metric, h, pairs, config))
 
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
 
@@ -287,16 +303,18 @@ def _prefix_key_values(params, residuals, valid, config: ModelConfig, length: in
     return keys[:, :, :length], values[:, :, :length]
 
 
-def suffix_run(params, pairs: PromptPairs, clean: EdgeRun, config: ModelConfig, interventions=None, ablation=CORRUPT):
+def suffix_run(
+    params, pairs: PromptPairs, clean: EdgeRun, config, metric: Metric, interventions=None, ablation=CORRUPT
+):
     """`(P, prefix)`: the positions every pair shares (`PromptPairs.shared_prefix`) and the clean
     run's keys and values there (`run_layers`' `prefix`; None when P is 0). Every edge's
     activation difference is zero before P, so scores and patching need only positions P..:
     one computation for the prefix instead of one per gradient or patched run. Under
     `interventions` P is 0: their data covers every position, and the keys of a layer under
     them are not read off its input alone. Under an `ablation` other than the corrupt run's, P
-    is 0: the ablated values differ from the clean ones everywhere; and for pairs that carry
-    the clean logits (a `SequenceMetric`'s), which reads every position."""
-    whole = as_interventions(interventions) or ablation.kind != "corrupt" or pairs.clean_logits is not None
+    is 0: the ablated values differ from the clean ones everywhere; and for a `metric` that
+    reads every position (`reads='all'`): only one of the last position runs on the suffix."""
+    whole = as_interventions(interventions) or ablation.kind != "corrupt" or metric.reads == "all"
     P = 0 if whole else pairs.shared_prefix()
     if P == 0:
         return 0, None
@@ -418,32 +436,15 @@ def input_paths(params, pairs: PromptPairs, prefix, config: ModelConfig, metric,
     return Paths(weighted=weighted, points=points, chunk=chunk, call_size=chunk)
 
 
-def node_paths(
-    params,
-    pairs: PromptPairs,
-    prefix,
-    delta,
-    config: ModelConfig,
-    metric,
-    chunk: int,
-    interventions=None,
-    *,
-    detach=False,
-):
+def node_paths(params, pairs: PromptPairs, prefix, shift, config: ModelConfig, metric, chunk: int, interventions=None):
     """EAP-IG 'activations' as paths of the integrator: node n's output path, keyed n
-    (`node_path_gradients`; `detach` as there); fixed rules only."""
+    (`node_path_gradients`; `shift = (delta, detach)` as there); fixed rules only."""
+    delta, detach = shift
 
     def weighted(node, alphas, weights, size):
+        path = (jnp.int32(node), delta, jnp.bool_(detach), interventions)
         return node_path_gradients(
-            params,
-            pairs,
-            prefix,
-            (jnp.int32(node), delta, jnp.bool_(detach)),
-            (alphas, weights),
-            config=config,
-            metric=metric,
-            chunk=size,
-            interventions=interventions,
+            params, pairs, prefix, path, (alphas, weights), config=config, metric=metric, chunk=size
         )
 
     return Paths(weighted=weighted, chunk=chunk, call_size=chunk)
@@ -452,49 +453,78 @@ def node_paths(
 # ----------------------------------------------------------------------------- the driver
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """What `edge_attribution` computes. `method`: 'eap' (one backward pass, gradients of the
+    clean run; no rule), 'clean-corrupted' (the clean and the corrupt run's gradients averaged;
+    no rule), 'eap-ig-inputs', 'eap-ig-activations' or 'eap-ig-activations-pooled' (the module
+    docstring) with `rule`: a `FixedRule` (default `FixedRule('left', 16)`, the EAP-IG
+    package's; for the pooled activations `FixedRule('right', 16)`, its rule) or, for
+    'eap-ig-inputs', an `AdaptiveRule` (one tolerance; per pair, its budget of gradient
+    evaluations plus one per final node); a rule's name stands for that rule with its defaults
+    (`jaxdepth.analyses.ig.rules.as_rule`: 256 steps). The rule is resolved and checked here
+    (`Scoring('eap-ig-inputs').rule` is the default one). `detail`: what to resolve besides the
+    edges (`DETAILS`): 'positions', each edge's score at each position
+    (`EdgeScores.position_scores [B, W, R, T]`, the terms that sum to `scores`: the edge
+    carrying its writer's ablated output at that position alone, to first order); 'neurons',
+    each MLP hidden unit's score (`EdgeScores.neuron_scores [B, L, F]`, summing over a layer's
+    units to its MLP's node score)."""
+
+    method: str = "eap"
+    rule: Union[rules.Rule, str, None] = None
+    detail: Sequence[str] = ()
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        object.__setattr__(self, "rule", _edge_rule(self.method, self.rule))
+        detail = (self.detail,) if isinstance(self.detail, str) else tuple(self.detail)
+        unknown = [d for d in detail if d not in DETAILS]
+        if unknown:
+            raise ValueError(f"detail takes {DETAILS}, got {unknown}")
+        object.__setattr__(self, "detail", detail)
+
+
+def as_scoring(scoring) -> Scoring:
+    """`scoring` as a `Scoring`: a method's name stands for `Scoring(method)`."""
+    if isinstance(scoring, Scoring):
+        return scoring
+    if isinstance(scoring, str):
+        return Scoring(scoring)
+    raise TypeError(f"scoring must be a Scoring or a method's name (one of {METHODS}), got {type(scoring).__name__}")
+
+
 def edge_attribution(
     params,
     pairs: PromptPairs,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
+    scoring: Union[Scoring, str] = "eap",
     *,
-    method: str = "eap",
-    rule: Union[rules.Rule, str, None] = None,
-    ablation=None,
-    interventions=None,
-    detail: Sequence[str] = (),
-    execution: Optional[Execution] = None,
+    patching: Patching = Patching(),
+    execution: Execution = Execution(),
 ) -> EdgeScores:
-    """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`)
-    under `metric(logits [B, V], labels) -> [B]` (one value per pair, from the logits at each
-    pair's last position), or a `SequenceMetric` of the logits at every position and the clean
-    run's (`kl_to_clean`; `jaxdepth.analyses.edges.pairs`); static: define it once to reuse
-    compilations.
+    """Scores of every edge for every pair of `pairs` (`jaxdepth.analyses.edges.pairs.prompt_pairs`,
+    B pairs of T positions) under `metric`, a `jaxdepth.Metric` (one value per pair `[B]`; at
+    each pair's last position, 'last' or 'answer', or at every position, 'all'; with the clean
+    run's logits where it says `clean=True`; `jaxdepth.analyses.metrics`: `logit_difference`,
+    `kl_clean_to_run`, ...); static: define it once to reuse compilations. A plain function of
+    the logits, the form this took before, is refused with the form to write.
 
-    method: 'eap' (one backward pass, gradients of the clean run; no rule), 'clean-corrupted'
-    (the clean and the corrupt run's gradients averaged; no rule), 'eap-ig-inputs',
-    'eap-ig-activations' or 'eap-ig-activations-pooled' (the module docstring) with `rule`: a `FixedRule` (default
-    `FixedRule('left', 16)`, the EAP-IG package's) or, for 'eap-ig-inputs', an `AdaptiveRule`
-    (one tolerance; per pair, its budget of gradient evaluations plus one per final node); a
-    rule's name stands for that rule with its defaults (`jaxdepth.analyses.ig.rules.as_rule`:
-    256 steps). `ablation`: what the clean run is measured against
-    (`jaxdepth.analyses.edges.ablations`: None or `CORRUPT`, the pair's corrupt run; `ZERO`;
-    `mean_ablation(...)`); 'eap-ig-inputs' takes the corrupt run only. `execution`: how it
-    runs, as integrated gradients' `Execution`, of which edges read `chunk_size` (the path
-    points vmapped at once; default: what `memory_budget` allows) and `progress`. `interventions`
-    (`jaxdepth.core.sites`) act on every run, clean, corrupt and along the paths: the edges of
-    the model as they intervene on it (a skipped layer, a steering vector). `detail`: what to
-    resolve besides the edges (`DETAILS`): 'positions', each edge's score at each position
-    (`EdgeScores.position_scores [B, W, R, T]`, the terms that sum to `scores`: the edge
-    carrying its writer's ablated output at that position alone, to first order); 'neurons',
-    each MLP hidden unit's score (`EdgeScores.neuron_scores [B, L, F]`, summing over a layer's
-    units to its MLP's node score). Returns an
-    `EdgeScores`."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    rule = _edge_rule(method, rule)
+    scoring: what is computed, a `Scoring` (the method, its rule and the detail), or a method's
+    name (`Scoring(method)`). `patching` (`jaxdepth.analyses.edges.ablations.Patching`): what
+    the clean run is measured against, its `ablation` (the pair's corrupt run, the default;
+    `ZERO`; `mean_ablation(...)`; 'eap-ig-inputs' and 'clean-corrupted' take the corrupt run
+    only), and its `interventions` (`jaxdepth.core.sites`), which act on every run, clean,
+    corrupt and along the paths: the edges of the model as they intervene on it (a skipped
+    layer, a steering vector). `execution`: how it runs (`jaxdepth.Execution`), of which edges
+    read `chunk_size` (the path points vmapped at once; default: what `memory_budget`
+    allows) and `progress`. Returns an `EdgeScores` (`scores [B, W, R]`)."""
+    scoring = as_scoring(scoring)
+    method, rule = scoring.method, scoring.rule
+    metric = edge_metric(metric, "edge_attribution", pairs)
     execution = _edge_execution(execution)
-    ablation = as_ablation(ablation)
+    ablation, interventions = patching.ablation, patching.interventions
     if ablation.kind != "corrupt" and method in ("eap-ig-inputs", "clean-corrupted"):
         raise ValueError(
             f"{method!r} takes gradients along the input embeddings from the corrupt prompt to the clean one: it has "
@@ -506,7 +536,7 @@ def edge_attribution(
     B, T = pairs.clean.shape
     clean, corrupt = pair_runs(params, pairs, config, interventions)
     pairs = with_clean_logits(params, pairs, clean.final, config, metric)
-    P, prefix = suffix_run(params, pairs, clean, config, interventions, ablation)
+    P, prefix = suffix_run(params, pairs, clean, config, metric, interventions, ablation)
     ablated = jnp.broadcast_to(ablation.writers(graph, pairs, corrupt, config.hidden_size), clean.writers.shape)
     delta = (clean.writers - ablated)[:, :, P:]
     f_clean = to_host(run_metric(params, metric, clean, pairs, config, clean=True))
@@ -527,7 +557,7 @@ def edge_attribution(
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
     scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-    detail = _edge_detail(detail, ablation, graph)
+    detail = _edge_detail(scoring.detail, ablation, graph)
     positions = np.zeros(scores.shape + (T,), np.float32) if "positions" in detail else None
     neurons, delta_hidden = None, None
     if "neurons" in detail:
@@ -557,13 +587,13 @@ def edge_attribution(
         score(every_writer, every_pair, paths.weighted(None, ends, halves, 2))
         evaluations = np.full(B, 2, np.int64)
     elif method == "eap-ig-activations":
-        paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions)
+        paths = node_paths(params, pairs, prefix, (delta, False), config, metric, chunk, interventions)
         for node in track(nodes, execution.progress, "EAP-IG, activations (nodes)"):
             # the node's writers score along its own path
             score(np.flatnonzero(graph.writer_nodes == node), every_pair, integrate_fixed(paths, node, rule))
         evaluations = np.full(B, rule.steps * len(nodes), np.int64)
     elif method == "eap-ig-activations-pooled":  # every writer scores along every node's path, averaged
-        paths = node_paths(params, pairs, prefix, delta, config, metric, chunk, interventions, detach=True)
+        paths = node_paths(params, pairs, prefix, (delta, True), config, metric, chunk, interventions)
         pooled = None
         for node in track(nodes, execution.progress, "EAP-IG, activations pooled (nodes)"):
             grads = integrate_fixed(paths, node, rule)
@@ -619,13 +649,10 @@ def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
     return rule
 
 
-def _edge_detail(detail, ablation, graph: EdgeGraph) -> tuple[str, ...]:
-    """`detail` checked: names of `DETAILS`; 'neurons' needs the corrupt run's hidden units and
-    an MLP output linear in them (no norm after the MLP)."""
-    detail = (detail,) if isinstance(detail, str) else tuple(detail)
-    unknown = [d for d in detail if d not in DETAILS]
-    if unknown:
-        raise ValueError(f"detail takes {DETAILS}, got {unknown}")
+def _edge_detail(detail: tuple, ablation, graph: EdgeGraph) -> tuple[str, ...]:
+    """`detail` (names of `DETAILS`, `Scoring` checked them) checked against the ablation and
+    the graph: 'neurons' needs the corrupt run's hidden units and an MLP output linear in them
+    (no norm after the MLP)."""
     if "neurons" in detail and (ablation.kind != "corrupt" or graph.post_norms):
         why = "under the corrupt ablation only" if ablation.kind != "corrupt" else "without a norm after the MLP"
         raise ValueError(
@@ -635,28 +662,25 @@ def _edge_detail(detail, ablation, graph: EdgeGraph) -> tuple[str, ...]:
     return detail
 
 
-def _edge_execution(execution: Optional[Execution]) -> Execution:
-    """`execution` (default `Execution()`), refused where it sets what only integrated
-    gradients read: edges read its chunk size, memory budget and progress."""
-    execution = Execution() if execution is None else execution
+def _edge_execution(execution: Execution) -> Execution:
+    """`execution`, refused where it sets what edge attribution does not read: its chunk size,
+    memory budget and progress are all it reads (no backward is chosen, no layer counted)."""
     if not isinstance(execution, Execution):
-        raise ValueError(f"execution must be an Execution (jaxdepth.analyses.ig), got {type(execution).__name__}")
+        raise TypeError(f"execution must be a jaxdepth.Execution, got {type(execution).__name__}")
     defaults = Execution()
-    own = [
-        f for f in ("backward", "nonfinite", "per_channel", "on_layer") if getattr(execution, f) != getattr(defaults, f)
-    ]
+    own = [f for f in ("backward", "nonfinite", "on_layer") if getattr(execution, f) != getattr(defaults, f)]
     if own:
         raise ValueError(
-            f"edge attribution reads an Execution's chunk_size, memory_budget and progress; {', '.join(own)} "
-            "belong to integrated gradients"
+            f"edge attribution reads an Execution's chunk_size, memory_budget and progress; it has no use for "
+            f"{', '.join(own)}"
         )
     return execution
 
 
-def _logit_bytes(config: ModelConfig, tokens: int, metric) -> int:
-    """What a `SequenceMetric` adds to a path point: the logits at every position, their
+def _logit_bytes(config: ModelConfig, tokens: int, metric: Metric) -> int:
+    """What a metric of every position adds to a path point: the logits at every position, their
     softmax and their gradient (float32)."""
-    return config.vocab_size * tokens * 4 * 3 if isinstance(metric, SequenceMetric) else 0
+    return config.vocab_size * tokens * 4 * 3 if metric.reads == "all" else 0
 
 
 def _reader_bytes(config: ModelConfig, tokens: int) -> int:
