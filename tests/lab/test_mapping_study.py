@@ -15,7 +15,14 @@ from conftest import save_tiny_checkpoint, tiny_tokenizer, model_dir
 from conversion.checkpoint import save_converted
 from jaxdepth.lab import mapping_study
 from jaxdepth.analyses.layer_mapping import LayerMappingResult
-from jaxdepth.lab.mapping_study import MappingSettings, map_models, mapping_figure, mapping_folder
+from jaxdepth.lab.mapping_study import (
+    MappingPrompts,
+    MappingRun,
+    MappingSettings,
+    map_models,
+    mapping_figure,
+    mapping_folder,
+)
 from jaxdepth.lab.prompts import load_prompts
 
 INSERTED_AT = 1  # the large model is the small one with an identity layer before layer 1
@@ -121,17 +128,15 @@ def small_model(checkpoints):
 
 def test_tokenizers_must_agree(small_model, tmp_path):
     prompts = load_prompts("default", limit=4)
-    run = lambda other: map_models(
+    run = lambda other: map_models(  # noqa: E731
         small_model,
         other,
-        prompts,
+        MappingPrompts("default", prompts),
         str(tmp_path),
-        small_name="a",  # noqa: E731
+        small_name="a",
         large_name="b",
-        dataset="default",
         settings=MappingSettings(train_prompts=2),
-        progress=False,
-        log=lambda _: None,
+        run=MappingRun(progress=False, log=lambda _: None),
     )
     extra = tiny_tokenizer()
     extra.add_tokens(["<extra>"])

@@ -8,7 +8,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.model import random_params
 from jaxdepth.lab.loaded_model import Model
-from jaxdepth.lab.study import run_study, saved_model_name
+from jaxdepth.lab.study import StudyPrompts, StudyRun, run_study, saved_model_name
 
 
 def _tiny():
@@ -34,12 +34,30 @@ def test_weights_of_another_dtype_are_not_reused(tmp_path):
     model = _tiny()
     batch = make_batch([[1, 5, 9, 13, 17, 21], [2, 4, 6, 8]])
     logs = []
-    run_study(model, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    run_study(
+        model,
+        "tiny",
+        StudyPrompts("d", batch),
+        str(tmp_path),
+        analyses=["contributions"],
+        run=StudyRun(log=logs.append),
+    )
     bf16 = Model(jax.tree.map(lambda p: jnp.asarray(p, jnp.bfloat16), model.params), model.config, None, "tiny")
-    run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
-    run_study(bf16, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    run_study(
+        bf16, "tiny", StudyPrompts("d", batch), str(tmp_path), analyses=["contributions"], run=StudyRun(log=logs.append)
+    )
+    run_study(
+        bf16, "tiny", StudyPrompts("d", batch), str(tmp_path), analyses=["contributions"], run=StudyRun(log=logs.append)
+    )
     mixed = model.with_matmul_dtype("bfloat16")  # float32 activations, bf16 weight matrices
-    run_study(mixed, "tiny", "d", batch, str(tmp_path), analyses=["contributions"], log=logs.append)
+    run_study(
+        mixed,
+        "tiny",
+        StudyPrompts("d", batch),
+        str(tmp_path),
+        analyses=["contributions"],
+        run=StudyRun(log=logs.append),
+    )
     assert ["reusing" in line for line in logs] == [False, False, True, False]
 
 
