@@ -185,3 +185,27 @@ def test_settings_out_of_range_are_refused():
     for bad in (dict(first_position=-1), dict(ridge=-0.1)):
         with pytest.raises(ValueError, match="must be >= 0"):
             MappingSettings(**bad)
+
+
+def test_the_old_keywords_are_refused_with_the_values_that_hold_them(small_model, tmp_path):
+    """map_models takes its prompts (`MappingPrompts`) and how it runs (`MappingRun`) as values,
+    compute_mapping how it runs as an `Execution`: a keyword once taken on its own is refused
+    with where it lives now, before anything is encoded or written."""
+    from jaxdepth.analyses.layer_mapping import compute_mapping
+
+    prompts = MappingPrompts("default", load_prompts("default", limit=4))
+    common = dict(small_name="a", large_name="b", settings=MappingSettings(train_prompts=2))
+    for old, where in (
+        ({"progress": False}, r"progress in run=MappingRun\(progress=\.\.\.\)"),
+        ({"mesh": None}, r"mesh in run=MappingRun\(mesh=\.\.\.\)"),
+        ({"figures": False}, r"figures in run=MappingRun\(figures=\.\.\.\)"),
+        ({"limit": 4}, r"limit in prompts=MappingPrompts\(dataset, prompts, limit=\.\.\.\)"),
+        ({"dataset": "default"}, r"dataset in prompts=MappingPrompts\(dataset, prompts\)"),
+    ):
+        with pytest.raises(TypeError, match=where):
+            map_models(small_model, small_model, prompts, str(tmp_path), **common, **old)
+    with pytest.raises(TypeError, match=r"MappingPrompts\(dataset, prompts\), got list"):
+        map_models(small_model, small_model, list(prompts.prompts), str(tmp_path), **common)
+    with pytest.raises(TypeError, match=r"execution=jaxdepth\.Execution\(progress=False\)"):
+        compute_mapping(small_model, small_model, None, None, progress=False)
+    assert not os.listdir(tmp_path)  # nothing written
