@@ -46,7 +46,7 @@ from jaxdepth.analyses import effective_depth as ed
 from jaxdepth.analyses import uncertainty
 from jaxdepth.core.atomic import atomic_write
 from jaxdepth.lab.prompts import MATH_SUBJECTS, DATASETS, DatasetError, Prompt, encode, load_prompts, math_subject
-from jaxdepth.lab.study import StudySettings, model_results_key, run_study, saved_model_name
+from jaxdepth.lab.study import StudyPrompts, StudySettings, model_results_key, run_study, saved_model_name
 
 DIFFICULTY_DATASETS = ("math", "mquake")
 STUDY_ORDER_SEED = 42  # the study's code shuffles each level's rows with random.Random(42)
@@ -216,8 +216,7 @@ def run_groups(model, args, groups: dict[int, list[Prompt]], levels: Sequence[in
         results = run_study(
             model,
             saved_model_name(args.model, args.dtype),
-            name,
-            batch,
+            StudyPrompts(name, batch),
             args.out,
             analyses=("layer_skip",),
             settings=settings,

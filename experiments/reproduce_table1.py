@@ -26,7 +26,7 @@ from jaxdepth.lab.sources import load
 from jaxdepth.lab.prompts import DATASETS, encode, load_prompts
 from jaxdepth.lab.results import load_result
 from jaxdepth.core.sharding import mesh_from_spec
-from jaxdepth.lab.study import StudySettings, run_study
+from jaxdepth.lab.study import StudyPrompts, StudySettings, run_study
 from jaxdepth.lab.table import collect, result_identity, to_markdown, write_table
 
 MODELS = list(published.TABLE1)
@@ -77,7 +77,12 @@ def main(argv=None):
             )
             with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
                 run_study(
-                    model, name, dataset, batch, args.out, analyses=("contributions", "logit_lens"), settings=settings
+                    model,
+                    name,
+                    StudyPrompts(dataset, batch),
+                    args.out,
+                    analyses=("contributions", "logit_lens"),
+                    settings=settings,
                 )
         del model
 

@@ -23,7 +23,7 @@ from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core import sites
 from jaxdepth.lab.sources import load
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import embed, forward, residual_stream, unembed
 from jaxdepth.lab.prompts import encode, load_prompts
 from jaxdepth.analyses.stats import masked_max, norm
@@ -67,8 +67,8 @@ def plain_ig(params, tokens, valid, answer_mask, alphas, config, chunk_size):
             h0,
             config,
             valid=valid,
-            remat=True,
             interventions=sites.replace("resid_pre", layer + 1, jnp.ones(T), z),
+            run=LayerRun(remat=True),
         )
         p = jax.nn.softmax(unembed(params, h, config), -1)
         return jnp.sum(jnp.where(answer_mask, jnp.take_along_axis(p, target[..., None], -1)[..., 0], 0.0))

@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.execution import Execution, refuse_loose_options
+from jaxdepth.core.progress import track
 from jaxdepth.core.batch import LengthBuckets, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -423,13 +424,19 @@ def compute_mapping(
     settings: MappingSettings = MappingSettings(),
     *,
     mesh=None,
-    progress: ProgressLike = True,
+    execution: Execution = Execution(progress=True),
     names: tuple[str, str, str] = ("small", "large", "prompts"),
+    **loose,
 ) -> LayerMappingResult:
     """Fit on `train`, measure on `held_out` (batches with the same token ids for both models),
     one jitted call per prompt; `small` and `large` are loaded models (`jaxdepth.Model`: params
-    and config); `names` = (small model, large model, dataset) for the result. With a `mesh`,
-    the cross-products are split over its devices (`place_statistics`)."""
+    and config); `names` = (small model, large model, dataset) for the result: its errors are
+    `[L_small + 1, L_large + 1]`. With a `mesh`, the cross-products are split over its devices
+    (`place_statistics`). `execution` (a `jaxdepth.core.execution.Execution`) gives the
+    progress bars (default shown); a loose `progress=` is refused with the `Execution` that
+    says the same."""
+    refuse_loose_options("compute_mapping", loose)
+    progress = execution.progress
     cs, cl = small.config, large.config
     stats = place_statistics(
         empty_statistics(cs.num_layers + 1, cs.hidden_size, cl.num_layers + 1, cl.hidden_size), mesh

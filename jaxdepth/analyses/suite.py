@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.progress import ProgressLike
 
 __all__ = [
@@ -105,13 +106,21 @@ class RunInputs:
     `jaxdepth.core.batch.PromptBatch`, already cut to the detail prompts for a `detail`
     analysis), its settings (an instance of its declared settings class), the erasure baseline
     prompts (None: the prompts themselves) and how to show progress
-    (`jaxdepth.core.progress`: True a tqdm bar, False none, or a tqdm-like callable)."""
+    (`jaxdepth.core.progress`: True a tqdm bar, False none, or a tqdm-like callable).
+    `execution` is how the analysis runs, from these: the progress and the settings'
+    `memory_budget`, as every sweep and driver takes it."""
 
     model: Any
     batch: Any
     settings: Settings
     baseline_batch: Optional[Any] = None
     progress: ProgressLike = True
+
+    @property
+    def execution(self) -> Execution:
+        """`Execution(progress=progress, memory_budget=settings.memory_budget)`: the how-to-run
+        value an analysis hands its sweeps (its other fields at their defaults)."""
+        return Execution(progress=self.progress, memory_budget=self.settings.memory_budget)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

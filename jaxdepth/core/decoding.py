@@ -22,6 +22,7 @@ refused: their state and per-head keys have no meaning across decoding steps.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -31,12 +32,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import KeyValueBuffer, Params, step_context
-from jaxdepth.core.loops import run_grouped_orders, run_layers
+from jaxdepth.core.loops import LayerRun, run_grouped_orders, run_layers
 from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.sites import InterventionsLike, StatefulIntervention, check_layer_indices, splits_layer
 from jaxdepth.core.structure import GroupedSteps, LayerOrder, identity_order
 
-__all__ = ["Generated", "generate", "generate_orders", "check_prompt_mask"]
+__all__ = ["Generated", "Decoding", "generate", "generate_orders", "check_prompt_mask"]
 
 
 class Generated(NamedTuple):
@@ -45,6 +46,53 @@ class Generated(NamedTuple):
 
     tokens: Int[Array, "B N"]
     lengths: Int[Array, " B"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How `generate` picks each new token, where a row ends, and what fills it after.
+
+    eos_ids: a row ends after it emits one of these token ids (default none: every row runs
+        to `max_new_tokens`).
+    pad_id: the token id filling each row's tokens after its end (int32).
+    temperature: 0 (the default) picks the most likely token (greedy); > 0 samples from the
+        logits divided by it, drawing with `key` (a `jax.random` key, folded with the step).
+    key: the random key of sampling (None: greedy only).
+
+    A pytree whose one leaf is the key: `eos_ids`, `pad_id` and `temperature` are static, so
+    a `jit` of `generate` traces one program per choice of them and takes keys as data.
+    Checked where decoding starts (a pytree's fields may be placeholders while jax rebuilds
+    it)."""
+
+    eos_ids: Sequence[int] = ()
+    pad_id: int = 0
+    temperature: float = 0.0
+    key: Optional[Array] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))  # hashable: static in a jit
+
+
+jax.tree_util.register_dataclass(Decoding, data_fields=["key"], meta_fields=["eos_ids", "pad_id", "temperature"])
+
+# The keywords `generate` and `generate_orders` once took on their own, now the fields of `Decoding`.
+_DECODING_FIELDS = ("eos_ids", "pad_id", "temperature", "key")
+
+
+def _refuse_decoding_keywords(function: str, options: dict) -> None:
+    """A `TypeError` for `eos_ids=`, `pad_id=`, `temperature=` or `key=` passed to `function`
+    on their own, showing the `Decoding` that says the same; other unknown keywords are named
+    as such."""
+    if not options:
+        return
+    loose = [k for k in options if k in _DECODING_FIELDS]
+    if loose:
+        shown = ", ".join(f"{k}={options[k]!r}" if k != "key" else "key=..." for k in loose)
+        raise TypeError(
+            f"{function}() takes how tokens are picked and rows end as one value: "
+            f"decoding=jaxdepth.core.decoding.Decoding({shown}), not {', '.join(loose)} on their own"
+        )
+    raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
 
 
 def check_prompt_mask(valid, max_new_tokens: int, config: ModelConfig) -> None:
@@ -107,35 +155,36 @@ def generate(
     valid: Optional[Bool[Array, "B T"]] = None,
     interventions: InterventionsLike = None,
     order: Optional[LayerOrder] = None,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    temperature: float = 0.0,
-    key: Optional[Array] = None,
+    decoding: Decoding = Decoding(),
+    **loose,
 ) -> Generated:
-    """Up to `max_new_tokens` new tokens after each right-padded prompt of `tokens` (`valid`
-    marks the real tokens, default all), greedy (`temperature` 0, the default) or sampled at
-    `temperature` with `key`. A row ends after it emits one of `eos_ids`; the loop ends when
+    """Up to `max_new_tokens` new tokens `[B, max_new_tokens]` after each right-padded prompt
+    of `tokens` `[B, T]` (`valid` marks the real tokens, default all), as `decoding` says (a
+    `Decoding`): greedy by default or sampled at its temperature with its key, a row ending
+    after it emits one of its `eos_ids` (then filled with its `pad_id`); the loop ends when
     every row has. `interventions` and `order` (default the identity) apply to every forward
-    call (module docstring). Pure: `jit` it with `config`, `max_new_tokens`, `eos_ids`,
-    `pad_id` and `temperature` static, and `vmap` it over intervention data or a stack of
-    orders (`jaxdepth.core.structure.stack_orders`) to decode many configurations at once
-    (`generate_orders` decodes many concrete orders faster)."""
+    call (module docstring). Pure: `jit` it with `config` and `max_new_tokens` static
+    (`decoding` is a pytree whose key alone is data), and `vmap` it over intervention data or
+    a stack of orders (`jaxdepth.core.structure.stack_orders`) to decode many configurations
+    at once (`generate_orders` decodes many concrete orders faster). The old `eos_ids=`,
+    `pad_id=`, `temperature=` and `key=` keywords are refused with the `Decoding` that says
+    the same."""
+    _refuse_decoding_keywords("generate", loose)
     B = tokens.shape[0]
-    decoding = _Decoding(max_new_tokens, tuple(eos_ids), pad_id, temperature, key)
-    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, decoding)
+    options = _loop_options(max_new_tokens, decoding)
+    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, options)
     order = identity_order(config.num_layers) if order is None else order
     rows = jnp.arange(B)
 
     def prefill(h0):
         h, (keys, values) = run_layers(
-            params, h0, config, valid=valid, interventions=ivs, order=order, tap=_read_key_values
+            params, h0, config, valid=valid, interventions=ivs, tap=_read_key_values, run=LayerRun(order=order)
         )
         return h, (_grow(keys, 3, max_new_tokens), _grow(values, 3, max_new_tokens))
 
     def step(x, context, cache, at):
-        h, (k, v) = run_layers(
-            params, x, config, interventions=ivs, order=order, context=context, prefix=cache, tap=_new_key_values
-        )
+        run = LayerRun(order=order, context=context, prefix=cache)
+        h, (k, v) = run_layers(params, x, config, interventions=ivs, tap=_new_key_values, run=run)
         keys, values = cache
         return h, (keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v))
 
@@ -154,8 +203,8 @@ def generate(
                 config,
                 valid=seen,
                 interventions=ivs,
-                order=order,
                 tap=_read_key_values,
+                run=LayerRun(order=order),
             )
             pick = lambda new, old: jnp.where(crossing.reshape((1, 1, B) + (1,) * (new.ndim - 3)), new, old)  # noqa: E731
             return jnp.where(crossing[:, None, None], h_all[rows, at][:, None], h), jax.tree.map(pick, kv_all, cache)
@@ -163,7 +212,7 @@ def generate(
         return jax.lax.cond(jnp.any(crossing), refill, lambda _: (h, cache), None)
 
     after_step = refill_where_long_factors_begin if config.rope_type == "longrope" else None
-    return _decode(params, tokens, config, valid, lengths, decoding, prefill, step, after_step=after_step)
+    return _decode(params, tokens, config, valid, lengths, options, prefill, step, after_step=after_step)
 
 
 def generate_orders(
@@ -175,26 +224,26 @@ def generate_orders(
     max_new_tokens: int,
     valid: Optional[Bool[Array, "B T"]] = None,
     interventions: InterventionsLike = None,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    temperature: float = 0.0,
-    key: Optional[Array] = None,
+    decoding: Decoding = Decoding(),
+    **loose,
 ) -> Generated:
     """`generate` under each of many concrete layer orders, `grouped` =
     `jaxdepth.core.structure.group_orders(stack_orders(orders), L)`: new tokens
     `[orders, B, max_new_tokens]`, each order's what `generate(order=...)` gives it (the same
-    arithmetic; under sampling, each order draws with the same `key` as alone).
+    arithmetic; under sampling, each order draws with the same `decoding.key` as alone).
 
     Where `vmap(generate)` over the stacked orders runs every order's layer on that order's
     rows, here every distinct layer of a step runs once on the rows of all the orders that run
     it there (`jaxdepth.core.loops.run_grouped_orders`), and the prompt's steps that orders
     share run once. The orders are static: `jit` with `grouped` static, one program per set of
     orders (its size grows with the distinct layers per step). Refuses longrope models (their
-    mid-decoding refill is `generate`'s alone): vmap `generate` there."""
+    mid-decoding refill is `generate`'s alone): vmap `generate` there. `eos_ids=`, `pad_id=`,
+    `temperature=` and `key=` on their own are refused with the `Decoding` that says the same."""
+    _refuse_decoding_keywords("generate_orders", loose)
     if config.rope_type == "longrope":
         raise ValueError("generate_orders does not refill longrope's long factors: vmap generate over the orders")
-    decoding = _Decoding(max_new_tokens, tuple(eos_ids), pad_id, temperature, key)
-    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, decoding)
+    options = _loop_options(max_new_tokens, decoding)
+    ivs, valid, lengths = _prepared(tokens, config, valid, interventions, options)
     if grouped.num_orders < 1:
         raise ValueError("no orders to decode")
 
@@ -206,16 +255,15 @@ def generate_orders(
         prefix = tuple(
             tuple(KeyValueBuffer(k, v, jnp.broadcast_to(at, k.shape[:2])) for k, v in groups) for groups in cache
         )
-        return run_grouped_orders(
-            params, x, config, grouped, interventions=ivs, context=context, prefix=prefix, tap=_read_key_values
-        )
+        run = LayerRun(context=context, prefix=prefix)
+        return run_grouped_orders(params, x, config, grouped, interventions=ivs, tap=_read_key_values, run=run)
 
     return _decode(
-        params, tokens, config, valid, lengths, decoding, prefill, step, orders=grouped.num_orders, buffered=True
+        params, tokens, config, valid, lengths, options, prefill, step, orders=grouped.num_orders, buffered=True
     )
 
 
-class _Decoding(NamedTuple):
+class _LoopOptions(NamedTuple):
     """How a decoding loop runs: `generate`'s static options and its key."""
 
     max_new_tokens: int
@@ -225,7 +273,11 @@ class _Decoding(NamedTuple):
     key: Optional[Array]
 
 
-def _prepared(tokens, config: ModelConfig, valid, interventions, decoding: _Decoding):
+def _loop_options(max_new_tokens: int, decoding: Decoding) -> _LoopOptions:
+    return _LoopOptions(max_new_tokens, tuple(decoding.eos_ids), decoding.pad_id, decoding.temperature, decoding.key)
+
+
+def _prepared(tokens, config: ModelConfig, valid, interventions, decoding: _LoopOptions):
     """The checked interventions, the prompt mask (all real by default) and each prompt's length."""
     ivs = check_layer_indices(interventions, config.num_layers)
     if any(isinstance(iv, StatefulIntervention) for iv in ivs) or splits_layer(ivs):
@@ -252,7 +304,7 @@ def _decode(
     config: ModelConfig,
     valid,
     lengths,
-    decoding: _Decoding,
+    decoding: _LoopOptions,
     prefill,
     step,
     *,
@@ -260,8 +312,8 @@ def _decode(
     after_step=None,
     buffered: bool = False,
 ) -> Generated:
-    """The decoding loop of `generate` and `generate_orders` on prompts of `lengths` (their
-    `valid` tokens, `_prepared`): `prefill(h0)` gives the prompt's
+    """The decoding loop of `generate` and `generate_orders` (`decoding`, their options) on
+    prompts of `lengths` (their `valid` tokens, `_prepared`): `prefill(h0)` gives the prompt's
     last boundary and the key/value cache; `step(x, context, cache, at)` runs one new token per
     prompt (at positions `at`) and writes its keys and values into the cache (`buffered`: the
     step writes them before the token attends, `KeyValueBuffer`s, whose mask is

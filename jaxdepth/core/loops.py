@@ -4,12 +4,13 @@ after layer. Everything else (the forward, every analysis) calls these.
 - `run_layers`: layers start..L-1 on a residual, one `lax.scan` from boundary 0 (differentiable,
   optionally rematerialised) or a `fori_loop` from a traced boundary (forward only); with taps,
   a prefix of keys and values, and stateful interventions carried through the loop; or the
-  layers of a `jaxdepth.core.structure.LayerOrder` (dropped, swapped, repeated, parallel);
+  layers of a `jaxdepth.core.structure.LayerOrder` (dropped, swapped, repeated, parallel): which
+  of these, one `LayerRun` value, whose `check` holds every refusal;
 - `run_grouped_orders`: many concrete layer orders at once, layer-major (each distinct layer of
   a step once, on the rows of every order that runs it there);
 - `run_layer`: one layer at a traced index (a site's value set inside it);
-- `run_layers_in_pieces`: layers from a boundary on, each over position pieces in order against
-  a key/value buffer (erasure's suffix runs);
+- `run_layers_in_pieces`: layers from a boundary on, each over position pieces (`Pieces`) in
+  order against a key/value buffer (erasure's suffix runs);
 - `suffix_value_and_grad`: a metric of the last boundary and its gradient with respect to a
   boundary, the backward walked layer by layer (each layer recomputed, or run from its stored
   matmul outputs);
@@ -17,14 +18,14 @@ after layer. Everything else (the forward, every analysis) calls these.
   suffix run);
 - `final_residual`: boundary L, where `resid_pre` interventions with layer index L act.
 
-`start` (a boundary) may be traced but not batched: under `vmap` a batched trip count would run
+`LayerRun.start` (a boundary) may be traced but not batched: under `vmap` a batched trip count would run
 every member for the longest one. Sweep over members that share it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,81 +66,177 @@ def final_residual(h_last, config: ModelConfig, interventions, states: tuple = (
     return apply_at("resid_pre", h_last, L, check_layer_indices(interventions, L), L, states, final=True)[0]
 
 
+# The keywords `run_layers` once took on their own, now the fields of `LayerRun`.
+RUN_FIELDS = ("start", "prefix", "order", "context", "remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Which layers a driver runs, and against what: the one place their capabilities are
+    declared (`check`). Built at trace time (its fields may hold tracers); not a pytree.
+
+    start: the boundary the residual is at, 0 (the Python int, the default: one `lax.scan`,
+        differentiable) or any other boundary in 0..L, traced or not (a forward-only
+        `fori_loop` from it; the layers before it are not computed). Traced, never batched.
+    prefix: `(keys, values)`, `[L, B, P, K, Dh]` each (a slice of `clean_key_values`): the
+        residual holds positions P..T-1 only, the first P entering every layer through these.
+        Under an `order`, `[N, G, B, P, K, Dh]` (step, group member).
+    order: a `jaxdepth.core.structure.LayerOrder` `[N, G]` run instead of layers 0..L-1
+        (from boundary 0 only).
+    context: a `LayerContext` replacing the one built from `valid` and the prefix's length
+        (rows that are not consecutive positions, `jaxdepth.core.layer.step_context`).
+    remat: wrap each layer in `jax.checkpoint` (from boundary 0 only): a gradient through
+        the stack keeps one residual per layer."""
+
+    start: Any = 0
+    prefix: Optional[Any] = None
+    order: Optional[LayerOrder] = None
+    context: Optional[LayerContext] = None
+    remat: bool = False
+
+    @property
+    def from_zero(self) -> bool:
+        """Whether this run is the scan over every layer (start is the Python int 0)."""
+        return isinstance(self.start, int) and not isinstance(self.start, bool) and self.start == 0
+
+    @property
+    def offset(self) -> int:
+        """Positions before the residual's first row: the prefix's length P (0 without one)."""
+        return 0 if self.prefix is None else jnp.shape(self.prefix[0])[3 if self.order is not None else 2]
+
+    def check(self, config: ModelConfig, ivs: tuple) -> None:
+        """Refuse what `run_layers` cannot run: a boundary outside 0..L, `remat` or an `order`
+        from a boundary other than 0, prefix rows other than one per layer (per step and group
+        member under an order), a malformed order, a stateful intervention in a parallel step."""
+        L = config.num_layers
+        if not self.from_zero and not isinstance(self.start, jax.core.Tracer) and not 0 <= int(self.start) <= L:
+            raise ValueError(f"start must be a boundary in 0..{L}, got {self.start}")
+        if self.remat and not self.from_zero:
+            raise ValueError("remat is for gradients through every layer: run from start 0")
+        if self.order is None:
+            check_layer_rows(self.prefix, L, "prefix")
+            return
+        if not any(isinstance(a, jax.core.Tracer) for a in self.order):
+            check_order(self.order, L)  # a traced order is the caller's to check (`check_order`)
+        if not self.from_zero:
+            raise ValueError("a layer order runs from boundary 0: drop the layers before it from the order instead")
+        layers, used = self.order
+        if jnp.ndim(layers) != 2 or jnp.shape(layers) != jnp.shape(used):
+            raise ValueError(
+                f"run_layers takes one layer order, layers and used [steps, group], got {jnp.shape(layers)} and "
+                f"{jnp.shape(used)}: vmap over a stack of orders"
+            )
+        N, G = jnp.shape(layers)
+        if G > 1 and any(isinstance(iv, StatefulIntervention) for iv in ivs):
+            raise ValueError("a stateful intervention's state has no order among the layers of a parallel step")
+        for leaf in jax.tree.leaves(self.prefix):
+            if jnp.shape(leaf)[:2] != (N, G):
+                raise ValueError(
+                    f"prefix rows under a layer order are [steps, group] = {(N, G)}, got {jnp.shape(leaf)}"
+                )
+
+    def check_grouped(self, grouped: GroupedSteps, shared: bool, ivs: tuple) -> None:
+        """Refuse what `run_grouped_orders` cannot run: a start, order or remat (the grouped
+        orders run from boundary 0, their own steps), stateful interventions, a prefix that is
+        not one (keys, values) per step and group of residuals per order, a `KeyValueBuffer`
+        prefix without its context."""
+        if not self.from_zero or self.order is not None or self.remat:
+            raise ValueError("grouped orders run their own steps from boundary 0: give only prefix= and context=")
+        if any(isinstance(iv, StatefulIntervention) for iv in ivs):
+            raise ValueError("grouped orders take stateless interventions: run a stateful one under vmap of run_layers")
+        if self.prefix is not None and (shared or len(self.prefix) != len(grouped.steps)):
+            raise ValueError(
+                "prefix holds each order's keys and values: one (keys, values) per step and group, h per order"
+            )
+        if self.context is None and self.prefix is not None and isinstance(self.prefix[0][0], KeyValueBuffer):
+            raise ValueError("KeyValueBuffer prefixes take their context: step_context(..., buffered=True)")
+
+
+def refuse_run_keywords(function: str, options: dict) -> None:
+    """A `TypeError` for keywords of `RUN_FIELDS` passed to `function` on their own, showing the
+    `LayerRun` that says the same; other unknown keywords are named as such."""
+    if not options:
+        return
+    loose = [k for k in options if k in RUN_FIELDS]
+    if loose:
+        shown = ", ".join(
+            f"{k}={options[k]!r}" if isinstance(options[k], (int, bool, type(None))) else f"{k}=..." for k in loose
+        )
+        raise TypeError(
+            f"{function}() takes which layers run as one value: run=jaxdepth.core.loops.LayerRun({shown}), "
+            f"not {', '.join(loose)} on their own"
+        )
+    raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
+
+
 def run_layers(
     params: Params,
     h: Float[Array, "B S D"],
     config: ModelConfig,
     *,
-    start=0,
     valid: Optional[Bool[Array, "B T"]] = None,
     interventions: InterventionsLike = None,
     tap: Optional[Tap] = None,
     tap_inputs: Any = None,
-    prefix: Optional[tuple[Array, Array]] = None,
-    remat: bool = False,
-    order: Optional[LayerOrder] = None,
-    context: Optional[LayerContext] = None,
+    run: LayerRun = LayerRun(),
+    **loose,
 ):
-    """Run decoder layers start..L-1 on the residual `h` = h_start (`h_0` by default), applying
-    `interventions`: a site `Intervention` (`jaxdepth.core.sites`), a `StatefulIntervention`,
-    or a sequence of them.
+    """Run decoder layers start..L-1 on the residual `h` `[B, S, D]` = h_start (`h_0` by
+    default), applying `interventions`: a site `Intervention` (`jaxdepth.core.sites`), a
+    `StatefulIntervention`, or a sequence of them. `run` (a `LayerRun`) says which layers run
+    and against what; `LayerRun.check` refuses what cannot run.
 
-    `start` 0 (the Python int, the default) runs every layer as one `lax.scan` over the stacked
-    weights: differentiable, and `remat=True` wraps the layer in `jax.checkpoint`, so a gradient
+    From `run.start` 0 (the default) every layer runs as one `lax.scan` over the stacked
+    weights: differentiable, and `run.remat` wraps the layer in `jax.checkpoint`, so a gradient
     through the stack keeps one residual per layer instead of every intermediate activation.
     Any other boundary in 0..L, or a traced one, runs a `fori_loop` from it: the layers before
-    `start` are not computed at all, which is the saving when an intervention at layer or
-    boundary `start` leaves everything before it clean. Forward only (no reverse-mode), and
-    tap rows of the layers not run are zeros.
+    it are not computed at all, which is the saving when an intervention at layer or boundary
+    `start` leaves everything before it clean. Forward only (no reverse-mode), and tap rows of
+    the layers not run are zeros.
 
     `tap(record, x)` is called for every layer run with that layer's `LayerRecord` and the
     layer's slice of `tap_inputs` (a pytree with a leading layer axis, or None); its results
     are stacked on a leading layer axis. Reduce inside the tap: that is what keeps sweeps over
     all layers from holding `[L, B, T, D]` (or worse) per sweep member.
 
-    `prefix = (keys, values)`, `[L, B, P, K, Dh]` each (a slice of `clean_key_values`), runs
-    only a suffix: `h` holds positions P..T-1, and the first P positions enter every layer only
-    through these keys and values. That is exact when the interventions change nothing before
-    position P (causal attention), and it saves the prefix's queries, MLPs and outputs. `valid`
-    then covers all T positions; intervention data covers the S suffix rows.
+    `run.prefix = (keys, values)`, `[L, B, P, K, Dh]` each (a slice of `clean_key_values`),
+    runs only a suffix: `h` holds positions P..T-1, and the first P positions enter every layer
+    only through these keys and values. That is exact when the interventions change nothing
+    before position P (causal attention), and it saves the prefix's queries, MLPs and outputs.
+    `valid` then covers all T positions; intervention data covers the S suffix rows.
 
-    `order` (a `jaxdepth.core.structure.LayerOrder` `[N, G]`, from boundary 0 only) runs its
-    steps instead of layers 0..L-1 (`_run_order`): taps are then stacked `[N, G, ...]` (step,
-    group member), `prefix` has those leading axes too, and `tap_inputs` rows are read by
-    each layer's original index, as interventions address it.
+    `run.order` (a `jaxdepth.core.structure.LayerOrder` `[N, G]`, from boundary 0 only) runs
+    its steps instead of layers 0..L-1 (`_run_order`): taps are then stacked `[N, G, ...]`
+    (step, group member), the prefix has those leading axes too, and `tap_inputs` rows are
+    read by each layer's original index, as interventions address it.
 
-    `context` (a `LayerContext`) replaces the one built from `valid` and the prefix's length:
-    the rotary tables and masks of rows that are not consecutive positions, such as one new
-    token per prompt at each prompt's own position (`jaxdepth.core.layer.step_context`).
+    `run.context` (a `LayerContext`) replaces the one built from `valid` and the prefix's
+    length: the rotary tables and masks of rows that are not consecutive positions, such as one
+    new token per prompt at each prompt's own position (`jaxdepth.core.layer.step_context`).
 
-    Returns `(h_L, taps)` where `h_L` is the last boundary (after any edit at boundary L).
+    The old keywords (`start=`, `prefix=`, `order=`, `context=`, `remat=`) are refused with the
+    `LayerRun` that says the same. Returns `(h_L [B, S, D], taps)` where `h_L` is the last
+    boundary (after any edit at boundary L).
     """
+    refuse_run_keywords("run_layers", loose)
     L = config.num_layers
-    from_zero = isinstance(start, int) and start == 0
-    if not from_zero and not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= L:
-        raise ValueError(f"start must be a boundary in 0..{L}, got {start}")
-    if remat and not from_zero:
-        raise ValueError("remat is for gradients through every layer: run from start 0")
     ivs = check_layer_indices(interventions, L)
+    run.check(config, ivs)
     check_layer_rows(tap_inputs, L, "tap_inputs")
-    if order is None:
-        check_layer_rows(prefix, L, "prefix")
-    offset = 0 if prefix is None else prefix[0].shape[3 if order is not None else 2]
-    context = layer_context(h, valid, config, offset) if context is None else context
+    context = layer_context(h, valid, config, run.offset) if run.context is None else run.context
     states = initial_states(ivs)
-    if order is not None:
-        if not any(isinstance(a, jax.core.Tracer) for a in order):
-            check_order(order, L)  # a traced order is the caller's to check (`check_order`)
-        if not from_zero:
-            raise ValueError("a layer order runs from boundary 0: drop the layers before it from the order instead")
-        run = _run_order(params, config, order, ivs, context, tap, tap_inputs, prefix)
-        (h_last, states), taps = jax.lax.scan(jax.checkpoint(run) if remat else run, (h, states), (order, prefix))
+    prefix = run.prefix
+    if run.order is not None:
+        body = _run_order(params, config, run.order, ivs, context, tap, tap_inputs)
+        (h_last, states), taps = jax.lax.scan(
+            jax.checkpoint(body) if run.remat else body, (h, states), (run.order, prefix)
+        )
         return final_residual(h_last, config, ivs, states), taps
 
     def record(p, i, h, states, known):
         return layer_step(p, h, i, context, config, ivs, known, states)
 
-    if from_zero:
+    if run.from_zero:
 
         def layer(carry, xs):
             h, states = carry
@@ -148,7 +245,7 @@ def run_layers(
             return (r.out, r.states), None if tap is None else tap(r, tap_x)
 
         xs = (params["layers"], jnp.arange(L), tap_inputs, prefix)
-        (h_last, states), taps = jax.lax.scan(jax.checkpoint(layer) if remat else layer, (h, states), xs)
+        (h_last, states), taps = jax.lax.scan(jax.checkpoint(layer) if run.remat else layer, (h, states), xs)
         return final_residual(h_last, config, ivs, states), taps
 
     def record_at(i, h, states):
@@ -160,7 +257,7 @@ def run_layers(
             r = record_at(i, *carry)
             return r.out, r.states
 
-        h_last, states = jax.lax.fori_loop(start, L, step, (h, states))
+        h_last, states = jax.lax.fori_loop(run.start, L, step, (h, states))
         return final_residual(h_last, config, ivs, states), None
 
     def tapped(i, r):
@@ -174,31 +271,17 @@ def run_layers(
         r = record_at(i, h, states)
         return r.out, r.states, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
 
-    h_last, states, taps = jax.lax.fori_loop(start, L, body, (h, states, buffers))
+    h_last, states, taps = jax.lax.fori_loop(run.start, L, body, (h, states, buffers))
     return final_residual(h_last, config, ivs, states), taps
 
 
-def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, context, tap, tap_inputs, prefix):
-    """The scan body of `run_layers(order=...)`: one step of the order, `(h, states)` carried.
-    A step of one layer sets h to its output (`where`, so the identity order is the plain
-    forward bit for bit); a step of several adds each one's output minus h; a step of none
-    keeps h. Every group member runs (a vmapped stack of orders has no per-member shapes);
-    the unused ones' results are discarded."""
-    layers, used = order
-    if jnp.ndim(layers) != 2 or jnp.shape(layers) != jnp.shape(used):
-        raise ValueError(
-            f"run_layers takes one layer order, layers and used [steps, group], got {jnp.shape(layers)} and "
-            f"{jnp.shape(used)}: vmap over a stack of orders"
-        )
-    N, G = jnp.shape(layers)
-    if G > 1 and any(isinstance(iv, StatefulIntervention) for iv in ivs):
-        raise ValueError("a stateful intervention's state has no order among the layers of a parallel step")
-    if prefix is not None:
-        for leaf in jax.tree.leaves(prefix):
-            if jnp.shape(leaf)[:2] != (N, G):
-                raise ValueError(
-                    f"prefix rows under a layer order are [steps, group] = {(N, G)}, got {jnp.shape(leaf)}"
-                )
+def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, context, tap, tap_inputs):
+    """The scan body of `run_layers(run=LayerRun(order=...))` (checked by `LayerRun.check`):
+    one step of the order, `(h, states)` carried. A step of one layer sets h to its output
+    (`where`, so the identity order is the plain forward bit for bit); a step of several adds
+    each one's output minus h; a step of none keeps h. Every group member runs (a vmapped
+    stack of orders has no per-member shapes); the unused ones' results are discarded."""
+    G = jnp.shape(order.layers)[1]
 
     def step(carry, xs):
         h, states = carry
@@ -245,9 +328,9 @@ def run_grouped_orders(
     *,
     valid: Optional[Bool[Array, "B T"]] = None,
     interventions: InterventionsLike = None,
-    context: Optional[LayerContext] = None,
-    prefix=None,
     tap: Optional[Tap] = None,
+    run: LayerRun = LayerRun(),
+    **loose,
 ):
     """Every order of `grouped` (`jaxdepth.core.structure.group_orders`: C concrete orders) run
     layer-major: at each step each distinct layer runs once, as one computation over the rows of
@@ -260,13 +343,17 @@ def run_grouped_orders(
     starts from (a prefill): then the orders whose steps so far are the same compute them once
     (every drop and swap of layer l shares layers 0..l-1 with the intact model).
 
-    `prefix` (keys and values of earlier positions) and the taps are per step and group, as the
-    plan's `steps` are: `prefix[n][j] = (keys, values)`, `[members, B, P, K, Dh]` each, the
-    rows of group j's member orders (or a `jaxdepth.core.layer.KeyValueBuffer` of such rows,
-    as decoding keeps them, with its `context`); `tap(record, None)` results come back the same way (a
-    tuple per step of one result per group, with a leading member axis). `interventions`
-    apply to every order as `run_layers` applies them (stateful ones are refused: an order's
-    state would have to follow it across groups). Returns `(h_L [C, B, S, D], taps)`."""
+    `run` (a `LayerRun`, checked by `LayerRun.check_grouped`) takes a prefix and a context
+    only: `run.prefix` (keys and values of earlier positions) and the taps are per step and
+    group, as the plan's `steps` are: `prefix[n][j] = (keys, values)`, `[members, B, P, K, Dh]`
+    each, the rows of group j's member orders (or a `jaxdepth.core.layer.KeyValueBuffer` of
+    such rows, as decoding keeps them, with its `run.context`); `tap(record, None)` results
+    come back the same way (a tuple per step of one result per group, with a leading member
+    axis). `interventions` apply to every order as `run_layers` applies them (stateful ones are
+    refused: an order's state would have to follow it across groups). The old `context=` and
+    `prefix=` keywords are refused with the `LayerRun` that says the same. Returns
+    `(h_L [C, B, S, D], taps)`."""
+    refuse_run_keywords("run_grouped_orders", loose)
     L, C = config.num_layers, grouped.num_orders
     shared = jnp.ndim(h) == 3
     if not shared and (jnp.ndim(h) != 4 or jnp.shape(h)[0] != C):
@@ -274,15 +361,9 @@ def run_grouped_orders(
     if len(grouped.steps) != len(grouped.applied) or any(len(a) != C for a in grouped.applied):
         raise ValueError("a malformed GroupedSteps: build it with jaxdepth.core.structure.group_orders")
     ivs = check_layer_indices(interventions, L)
-    if any(isinstance(iv, StatefulIntervention) for iv in ivs):
-        raise ValueError("grouped orders take stateless interventions: run a stateful one under vmap of run_layers")
-    if prefix is not None and (shared or len(prefix) != len(grouped.steps)):
-        raise ValueError(
-            "prefix holds each order's keys and values: one (keys, values) per step and group, h per order"
-        )
+    run.check_grouped(grouped, shared, ivs)
+    prefix, context = run.prefix, run.context
     if context is None:
-        if prefix is not None and isinstance(prefix[0][0], KeyValueBuffer):
-            raise ValueError("KeyValueBuffer prefixes take their context: step_context(..., buffered=True)")
         offset = 0 if prefix is None else jnp.shape(prefix[0][0][0])[2]
         context = layer_context(h if shared else h[0], valid, config, offset)
     rows = jnp.expand_dims(h, 0) if shared else h  # one row per class of orders with the same residual
@@ -349,6 +430,16 @@ def run_layer(
     return layer_step(layer_params(params, layer), h, layer, context, config, ivs, prefix, initial_states(ivs))
 
 
+class Pieces(NamedTuple):
+    """The position pieces `run_layers_in_pieces` runs, in order: pieces `first..last` (traced
+    or not, never batched: they are loop bounds) of `width` positions each (static), piece j
+    holding positions j * width .. (j + 1) * width - 1."""
+
+    first: Any
+    last: Any
+    width: int
+
+
 def run_layers_in_pieces(
     params: Params,
     h: Float[Array, "B T D"],
@@ -357,25 +448,37 @@ def run_layers_in_pieces(
     valid: Bool[Array, "B T"],
     config: ModelConfig,
     *,
-    first_piece,
-    last_piece,
-    width: int,
-    interventions_of,
+    pieces: Optional[Pieces] = None,
+    interventions_of=None,
+    **loose,
 ) -> Float[Array, "B T D"]:
-    """Layers start..L-1 on `h` = h_start, each over the position pieces
-    `first_piece..last_piece` (`width` positions each) in order, every piece's queries reading
-    a key/value buffer (`key_value_buffers = (keys, values)`, `[L, B, T, K, Dh]` each, e.g.
-    `clean_key_values` of a clean run) into which each piece writes its own keys and values.
-    Returns the last boundary before any edit at boundary L (`final_residual` applies those):
-    positions before the first piece keep `h`, those after the last piece are stale.
+    """Layers start..L-1 on `h` `[B, T, D]` = h_start, each over the position pieces
+    `pieces.first..pieces.last` (`pieces.width` positions each, a `Pieces`) in order, every
+    piece's queries reading a key/value buffer (`key_value_buffers = (keys, values)`,
+    `[L, B, T, K, Dh]` each, e.g. `clean_key_values` of a clean run) into which each piece
+    writes its own keys and values. Returns the last boundary `[B, T, D]` before any edit at
+    boundary L (`final_residual` applies those): positions before the first piece keep `h`,
+    those after the last piece are stale.
 
     `interventions_of(rows)` gives the interventions of the piece of positions `rows [width]`
     (traced), whose position masks have `width` rows; stateful ones and split sites are
     refused. Exact when nothing before the first piece changes (causal attention): the buffer
-    holds the clean keys there. `start`,
-    `first_piece` and `last_piece` may be traced, not batched (they are loop bounds). Forward
-    only."""
+    holds the clean keys there. `start` and the pieces' bounds may be traced, not batched
+    (they are loop bounds). Forward only. The old `first_piece=`, `last_piece=` and `width=`
+    keywords are refused with the `Pieces` that says the same."""
+    if loose:
+        old = {"first_piece": "first", "last_piece": "last", "width": "width"}
+        named = [f"{old[k]}=..." for k in loose if k in old]
+        if named:
+            raise TypeError(
+                f"run_layers_in_pieces() takes its pieces as one value: pieces=jaxdepth.core.loops.Pieces("
+                f"{', '.join(named)}), not {', '.join(k for k in loose if k in old)} on their own"
+            )
+        raise TypeError(f"run_layers_in_pieces() got unexpected keyword arguments: {', '.join(loose)}")
+    if pieces is None or interventions_of is None:
+        raise TypeError("run_layers_in_pieces() takes pieces=Pieces(first, last, width) and interventions_of=")
     keys, values = key_value_buffers
+    first_piece, last_piece, width = pieces
     T = h.shape[1]
 
     def layer(i, h):

@@ -15,7 +15,7 @@ A `LayerOrder` is a sequence of steps, each a group of layer indices into the st
 The identity order is `[0, 1, ..., L-1]`; a dropped layer is a missing step; a repeated layer
 appears twice. Interventions address layers by their original index (an intervention on layer
 3 acts wherever layer 3 runs, every time it runs); the embedding, final norm and head are
-unchanged. `run_layers(order=...)` runs an order (`jaxdepth.core.loops`).
+unchanged. `run_layers(run=LayerRun(order=...))` runs an order (`jaxdepth.core.loops`).
 
 Many concrete orders run together either as a vmapped stack (`stack_orders`: each order runs
 its own layer on its own rows, so every step reads each order's copy of that layer's weights)

@@ -218,7 +218,7 @@ def _study_datasets(
     from jaxdepth.core.sharding import is_writer
     from jaxdepth.lab.prompts import DATASETS, encode
     from jaxdepth.lab.registry import ANALYSES
-    from jaxdepth.lab.study import result_folder, run_study, write_figures
+    from jaxdepth.lab.study import StudyPrompts, StudyRun, result_folder, run_study, write_figures
 
     def encoded(name, prompts, limit):
         return encode(
@@ -239,15 +239,12 @@ def _study_datasets(
             results = run_study(
                 model,
                 model_name,
-                name,
-                batch,
+                StudyPrompts(name, batch, baseline, baseline_name),
                 args.out,
                 analyses=analyses,
                 settings=settings,
-                baseline_batch=baseline,
-                baseline_name=baseline_name,
-                failures=failures,
                 model_key=model_key,
+                run=StudyRun(failures=failures),
             )
         if not is_writer():  # multi-host: process 0 alone writes figures, the summary and the table
             continue
@@ -306,7 +303,7 @@ def _case(args) -> int:
     from jaxdepth.lab.prompts import encode
     from jaxdepth.lab.registry import ANALYSES
     from jaxdepth.lab.runs import hold_folders
-    from jaxdepth.lab.study import result_folder, run_study, source_results_key
+    from jaxdepth.lab.study import StudyPrompts, result_folder, run_study, source_results_key
 
     start = time.perf_counter()
     if _named_plugins(args) is None:
@@ -343,13 +340,10 @@ def _case(args) -> int:
         results = run_study(
             model,
             model_name,
-            name,
-            batch,
+            StudyPrompts(name, batch, baseline, baseline_name),
             args.out,
             analyses=analyses,
             settings=settings,
-            baseline_batch=baseline,
-            baseline_name=baseline_name,
             model_key=model_key,
         )
         if baseline_name is not None:

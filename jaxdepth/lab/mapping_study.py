@@ -15,13 +15,15 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
 
 from jaxdepth.analyses.layer_mapping import PAD_TO, LayerMappingResult, MappingSettings, compute_mapping
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.execution import Execution
+from jaxdepth.core.progress import ProgressLike
 from jaxdepth.core.sharding import is_writer
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
@@ -98,33 +100,97 @@ def encode_both(
     return batches[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class MappingPrompts:
+    """The prompts of a mapping: what is measured on.
+
+    dataset: their name (the result folder's, `mapping_folder`, and the result's identity).
+    prompts: `jaxdepth.lab.prompts.Prompt`s, encoded with both tokenizers (`encode_both`).
+    max_tokens: longer prompts are skipped (the AIME rule; None: none skipped).
+    limit: at most this many are encoded (None: all)."""
+
+    dataset: str
+    prompts: Sequence
+    max_tokens: Optional[int] = None
+    limit: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MappingRun:
+    """How a mapping runs and reports; nothing here changes the result.
+
+    progress: progress bars of the fit and the held-out pass (`jaxdepth.core.progress`).
+    log: called with a line on the result (reused or computed) and each figure written.
+    mesh: a device mesh the larger model's cross-products are split over (None: one device).
+    figures: draw the heatmap beside the result."""
+
+    progress: ProgressLike = True
+    log: Callable[[str], None] = print
+    mesh: Any = None
+    figures: bool = True
+
+
+# Where each keyword `map_models` once took on its own now lives.
+_MAPPING_KEYWORDS = {
+    "dataset": "prompts=MappingPrompts(dataset, prompts)",
+    "max_tokens": "prompts=MappingPrompts(dataset, prompts, max_tokens=...)",
+    "limit": "prompts=MappingPrompts(dataset, prompts, limit=...)",
+    "mesh": "run=MappingRun(mesh=...)",
+    "figures": "run=MappingRun(figures=...)",
+    "progress": "run=MappingRun(progress=...)",
+    "log": "run=MappingRun(log=...)",
+}
+
+
+def _refuse_mapping_keywords(options: dict) -> None:
+    """A `TypeError` for a keyword `map_models` once took, showing the value that holds it now."""
+    if not options:
+        return
+    moved = {k: _MAPPING_KEYWORDS[k] for k in options if k in _MAPPING_KEYWORDS}
+    if moved:
+        raise TypeError(
+            "map_models() takes its prompts and how it runs as values: "
+            + "; ".join(f"{k} in {where}" for k, where in moved.items())
+            + " (jaxdepth.lab.mapping_study.MappingPrompts, MappingRun)"
+        )
+    raise TypeError(f"map_models() got unexpected keyword arguments: {', '.join(options)}")
+
+
 def map_models(
     small: Model,
     large: Model,
-    prompts: Sequence,
+    prompts: MappingPrompts,
     out_dir: str,
     *,
     small_name: str,
     large_name: str,
-    dataset: str,
     settings: MappingSettings = MappingSettings(),
-    max_tokens: Optional[int] = None,
-    limit: Optional[int] = None,
-    mesh=None,
-    figures: bool = True,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
+    run: MappingRun = MappingRun(),
+    **loose,
 ) -> LayerMappingResult:
-    """Map every boundary of `small` onto every boundary of `large` on `prompts`
-    (`jaxdepth.lab.prompts.Prompt`s; encoded with both tokenizers, which must agree: ValueError
-    otherwise), the first `settings.train_prompts` fitting and the rest held out.
+    """Map every boundary of `small` onto every boundary of `large` on `prompts` (a
+    `MappingPrompts`: the dataset's name and its `jaxdepth.lab.prompts.Prompt`s, encoded with
+    both tokenizers, which must agree: ValueError otherwise), the first
+    `settings.train_prompts` fitting and the rest held out; returns the result, its errors
+    `[L_small + 1, L_large + 1]`.
 
-    Writes `layer_mapping.npz` and the heatmap (`layer_mapping.png`, `.pdf`) under
-    `mapping_folder(out_dir, small key, large key, dataset)` (each model's
-    `jaxdepth.lab.study.model_results_key`: its name and fingerprint), atomically, from the
-    writer process only; a saved result with the same models, prompts and settings is reused.
-    `max_tokens` skips longer prompts (the AIME rule), `limit` caps the number encoded."""
-    batch = encode_both(small, large, prompts, max_tokens=max_tokens, limit=limit)
+    Writes `layer_mapping.npz` and the heatmap (`layer_mapping.png`, `.pdf`; unless
+    `run.figures` is False) under `mapping_folder(out_dir, small key, large key, dataset)`
+    (each model's `jaxdepth.lab.study.model_results_key`: its name and fingerprint),
+    atomically, from the writer process only; a saved result with the same models, prompts and
+    settings is reused. `prompts.max_tokens` skips longer prompts (the AIME rule),
+    `prompts.limit` caps the number encoded; `run` (a `MappingRun`) holds the mesh, the
+    progress and the log. The keywords this function once took on their own (`dataset=`,
+    `max_tokens=`, `limit=`, `mesh=`, `figures=`, `progress=`, `log=`) are refused with the
+    value that holds them now."""
+    _refuse_mapping_keywords(loose)
+    if not isinstance(prompts, MappingPrompts):
+        raise TypeError(
+            "map_models(small, large, prompts, out_dir, ...) takes the prompts as one value: "
+            f"MappingPrompts(dataset, prompts), got {type(prompts).__name__}"
+        )
+    dataset, mesh, log = prompts.dataset, run.mesh, run.log
+    batch = encode_both(small, large, prompts.prompts, max_tokens=prompts.max_tokens, limit=prompts.limit)
     k = settings.train_prompts
     if not 0 < k < len(batch):
         raise ValueError(
@@ -154,20 +220,22 @@ def map_models(
         "large_config": large.config.to_dict(),
     }
 
-    def run():
+    execution = Execution(progress=run.progress)
+
+    def compute():
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             names = (small_name, large_name, dataset)
-            return compute_mapping(small, large, train, held_out, settings, mesh=mesh, progress=progress, names=names)
+            return compute_mapping(small, large, train, held_out, settings, mesh=mesh, execution=execution, names=names)
 
     produced = produce(
-        Step(file=f"{RESULT_NAME}.npz", result_type=LayerMappingResult, identity=identity, run=run), folder
+        Step(file=f"{RESULT_NAME}.npz", result_type=LayerMappingResult, identity=identity, run=compute), folder
     )
     result = produced.result
     if produced.reused:
         log(f"layer mapping: reusing {path}")
     else:
         log(f"layer mapping: {produced.seconds:.1f} s -> {path}")
-    if figures and is_writer() and result is not None:
+    if run.figures and is_writer() and result is not None:
         from jaxdepth.lab.plots import save_figure
 
         for written in save_figure(mapping_figure(result), os.path.join(folder, RESULT_NAME)):
@@ -286,15 +354,11 @@ def _map(args) -> int:
         result = map_models(
             small,
             large,
-            prompts,
+            MappingPrompts(args.dataset, prompts, max_tokens=max_tokens, limit=args.prompts),
             args.out,
             **names,
-            dataset=args.dataset,
             settings=settings,
-            max_tokens=max_tokens,
-            limit=args.prompts,
-            mesh=mesh,
-            figures=not args.no_figures,
+            run=MappingRun(mesh=mesh, figures=not args.no_figures),
         )
     if is_writer():
         print(summary(result))

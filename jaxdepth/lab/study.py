@@ -7,7 +7,7 @@ rest, so an interrupted run resumes, and a changed setting is never confused wit
 each analysis is a step of `jaxdepth.lab.runs`, the one way every command caches and resumes.
 
 An analysis's error ends the study, unless the analysis is named in a `Failures` given to
-`run_study` (and `write_figures`): then its error is recorded there and the others go on, their
+`run_study` (in its `StudyRun`, and to `write_figures`): then its error is recorded there and the others go on, their
 results saved and cached as usual. `jaxdepth run` isolates the plugins' analyses this way
 (`jaxdepth.lab.plugins`); a built-in analysis's error still ends the run.
 """
@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Seque
 import numpy as np
 
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.progress import ProgressLike
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
 from jaxdepth.lab.registry import ANALYSES, analysis, default_analyses
@@ -164,35 +165,99 @@ def model_results_key(model: Model, model_name: str) -> tuple[str, str]:
     return results_key(model_name, fingerprint), fingerprint
 
 
+@dataclasses.dataclass(frozen=True)
+class StudyPrompts:
+    """The prompts of a study: what is measured on.
+
+    dataset: their name (the results folder's, `result_folder`, and every result's identity).
+    batch: the prompts (a `jaxdepth.core.batch.PromptBatch`, `[N, T]` tokens and mask).
+    baseline: the prompts whose mean residual is the erasure baseline (None: `batch` itself).
+    baseline_name: which prompts `baseline` holds, in the erasure result's settings."""
+
+    dataset: str
+    batch: PromptBatch
+    baseline: Optional[PromptBatch] = None
+    baseline_name: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyRun:
+    """How a study runs and reports; nothing here changes a result.
+
+    progress: a progress bar per analysis (`jaxdepth.core.progress`: True, False, or a
+        tqdm-like callable); the analyses' sweeps get it in `RunInputs.execution`, with the
+        settings' `memory_budget`.
+    log: called with a line per analysis (reused, computed, failed).
+    failures: the analyses whose errors are recorded instead of ending the study (`Failures`;
+        None: none isolated)."""
+
+    progress: ProgressLike = True
+    log: Callable[[str], None] = print
+    failures: Optional[Failures] = None
+
+
+# Where each keyword `run_study` once took on its own now lives.
+_STUDY_KEYWORDS = {
+    "dataset": "prompts=StudyPrompts(dataset, batch)",
+    "batch": "prompts=StudyPrompts(dataset, batch)",
+    "baseline_batch": "prompts=StudyPrompts(dataset, batch, baseline=...)",
+    "baseline_name": "prompts=StudyPrompts(dataset, batch, baseline_name=...)",
+    "progress": "run=StudyRun(progress=...)",
+    "log": "run=StudyRun(log=...)",
+    "failures": "run=StudyRun(failures=...)",
+}
+
+
+def _refuse_study_keywords(options: dict) -> None:
+    """A `TypeError` for a keyword `run_study` once took, showing the value that holds it now."""
+    if not options:
+        return
+    moved = {k: _STUDY_KEYWORDS[k] for k in options if k in _STUDY_KEYWORDS}
+    if moved:
+        raise TypeError(
+            "run_study() takes its prompts and how it runs as values: "
+            + "; ".join(f"{k} in {where}" for k, where in moved.items())
+            + " (jaxdepth.lab.study.StudyPrompts, StudyRun)"
+        )
+    raise TypeError(f"run_study() got unexpected keyword arguments: {', '.join(options)}")
+
+
 def run_study(
     model: Model,
     model_name: str,
-    dataset: str,
-    batch: PromptBatch,
+    prompts: StudyPrompts,
     out_dir: str,
     *,
     analyses: Optional[Sequence[str]] = None,
     settings: StudySettings = StudySettings(),
-    baseline_batch: Optional[PromptBatch] = None,
-    baseline_name: Optional[str] = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-    failures: Optional[Failures] = None,
     model_key: Optional[tuple[str, str]] = None,
+    run: StudyRun = StudyRun(),
+    **loose,
 ) -> dict:
-    """Run `analyses` for one (model, dataset), reusing saved results with identical settings.
-    With several processes (multi-host), every process computes and only process 0 saves.
-    Results go to `result_folder(out_dir, key, dataset)`, the model's `key, fingerprint` given as
-    `model_key` (a command computes them from its source before loading it) or else
-    `model_results_key(model, model_name)`; the fingerprint is part of every result's identity.
+    """Run `analyses` for one (model, dataset), reusing saved results with identical settings,
+    and return them by analysis name. With several processes (multi-host), every process
+    computes and only process 0 saves. Results go to `result_folder(out_dir, key,
+    prompts.dataset)`, the model's `key, fingerprint` given as `model_key` (a command computes
+    them from its source before loading it) or else `model_results_key(model, model_name)`; the
+    fingerprint is part of every result's identity.
 
-    `baseline_batch` holds the prompts whose mean residual is the erasure baseline (None: the
-    dataset's own prompts); `baseline_name` says which, in the erasure result's settings.
-    `analyses` None: every registered analysis run by default (`default_analyses`). An analysis
-    that raises ends the study, unless `failures` isolates it: then its error goes to
-    `failures.records`, it has no entry in the returned results, and the study goes on with the
-    others."""
-    failures = Failures() if failures is None else failures
+    `prompts` (a `StudyPrompts`) holds the dataset's name, its prompts `[N, T]` and the erasure
+    baseline's (None: the dataset's own prompts, `baseline_name` saying which in the erasure
+    result's settings). `analyses` None: every registered analysis run by default
+    (`default_analyses`). `run` (a `StudyRun`) says how it runs and reports: the progress, the
+    log, and the `failures` it isolates. An analysis that raises ends the study, unless
+    `run.failures` isolates it: then its error goes to `failures.records`, it has no entry in
+    the returned results, and the study goes on with the others. The keywords this function
+    once took on their own (`baseline_batch=`, `baseline_name=`, `progress=`, `log=`,
+    `failures=`) are refused with the value that holds them now."""
+    _refuse_study_keywords(loose)
+    if not isinstance(prompts, StudyPrompts):
+        raise TypeError(
+            "run_study(model, model_name, prompts, out_dir, ...) takes the prompts as one value: "
+            f"StudyPrompts(dataset, batch), got {type(prompts).__name__}"
+        )
+    failures, log = Failures() if run.failures is None else run.failures, run.log
+    batch, dataset = prompts.batch, prompts.dataset
     entries = [analysis(name) for name in (default_analyses() if analyses is None else analyses)]
     settings.check(entries)
     key, fingerprint = model_key or model_results_key(model, model_name)
@@ -208,8 +273,8 @@ def run_study(
     weights = str(np.dtype(model.params["embed"].dtype))
     if weights != "float32":  # only then, so float32 results saved before this key existed stay valid
         common["weights_dtype"] = weights
-    baseline_sha = None if baseline_batch is None else batch_digest(baseline_batch)
-    inputs = (model, batch, settings, baseline_batch, progress)
+    baseline_sha = None if prompts.baseline is None else batch_digest(prompts.baseline)
+    inputs = (model, batch, settings, prompts.baseline, run.progress)
     results = {}
     # Process 0 alone writes; it holds the folder so that a second run cannot interleave its
     # results with these (a command may hold it already, for its figures too).
@@ -217,7 +282,7 @@ def run_study(
         for entry in entries:
             failed_before = len(failures.records)
             with failures.guard(entry.name, "running"):
-                produced = produce(_step(entry, common, baseline_sha, baseline_name, inputs), folder)
+                produced = produce(_step(entry, common, baseline_sha, prompts.baseline_name, inputs), folder)
                 if produced.reused:
                     log(f"{entry.name}: reusing {folder}")
                 else:

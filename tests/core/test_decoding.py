@@ -16,7 +16,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxdepth.core import sites
-from jaxdepth.core.decoding import generate, generate_orders
+from jaxdepth.core.decoding import Decoding, generate, generate_orders
 from jaxdepth.core.model import random_params
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -29,7 +29,7 @@ from jaxdepth.core.structure import (
 )
 
 NEW = 32
-STATIC = ("config", "max_new_tokens", "eos_ids", "pad_id", "temperature")
+STATIC = ("config", "max_new_tokens")
 decode = jax.jit(generate, static_argnames=STATIC)
 
 CONFIG = tiny_config(num_layers=4, qkv_bias=True)
@@ -123,7 +123,7 @@ def test_a_vmapped_stack_of_orders_decodes_as_each_alone():
 def test_end_of_sequence_ends_each_row_on_its_own():
     greedy = np.asarray(run().tokens)
     eos = int(greedy[0, 4])  # what the first prompt emits fifth ends it there
-    ended = run(eos_ids=(eos,), pad_id=-1)
+    ended = run(decoding=Decoding(eos_ids=(eos,), pad_id=-1))
     n = int(np.argmax(greedy[0] == eos)) + 1
     assert int(ended.lengths[0]) == n
     assert np.array_equal(ended.tokens[0, :n], greedy[0, :n]) and (np.asarray(ended.tokens[0, n:]) == -1).all()
@@ -135,10 +135,10 @@ def test_end_of_sequence_ends_each_row_on_its_own():
 
 def test_sampling_is_seeded_and_a_cold_temperature_is_greedy():
     key = jax.random.PRNGKey(0)
-    hot = run(temperature=1.0, key=key).tokens
-    assert np.array_equal(hot, run(temperature=1.0, key=key).tokens)
-    assert not np.array_equal(hot, run(temperature=1.0, key=jax.random.PRNGKey(1)).tokens)
-    assert np.array_equal(run(temperature=1e-6, key=key).tokens, run().tokens)
+    hot = run(decoding=Decoding(temperature=1.0, key=key)).tokens
+    assert np.array_equal(hot, run(decoding=Decoding(temperature=1.0, key=key)).tokens)
+    assert not np.array_equal(hot, run(decoding=Decoding(temperature=1.0, key=jax.random.PRNGKey(1))).tokens)
+    assert np.array_equal(run(decoding=Decoding(temperature=1e-6, key=key)).tokens, run().tokens)
 
 
 def test_refusals():
@@ -150,9 +150,15 @@ def test_refusals():
     with pytest.raises(ValueError, match="exceed the model's context"):
         generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=CONFIG.max_position_embeddings)
     with pytest.raises(ValueError, match="needs temperature > 0 and a key"):
-        generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=4, temperature=0.5)
+        generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=4, decoding=Decoding(temperature=0.5))
     with pytest.raises(ValueError, match="unsplit sites"):
         generate(PARAMS, tokens, CONFIG, max_new_tokens=4, interventions=sites.unchanged("q_in"))
+    for old in ({"temperature": 0.5}, {"key": jax.random.PRNGKey(0)}, {"pad_id": -1}, {"eos_ids": (2,)}):
+        with pytest.raises(TypeError, match=r"decoding=jaxdepth.core.decoding.Decoding\("):
+            generate(PARAMS, tokens, CONFIG, valid=valid, max_new_tokens=4, **old)
+    plan = group_orders(stack_orders([identity_order(CONFIG.num_layers)]), CONFIG.num_layers)
+    with pytest.raises(TypeError, match=r"decoding=jaxdepth.core.decoding.Decoding\(temperature=0.5\)"):
+        generate_orders(PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=4, temperature=0.5)
     # a mask over the prompt's positions cannot act on one new token at a time
     with pytest.raises(sites.InterventionError, match="does not broadcast"):
         generate(
@@ -191,7 +197,7 @@ def test_layer_major_decoding_is_each_order_alone():
     many = jax.jit(generate_orders, static_argnames=("grouped",) + STATIC)
     steer = sites.add("resid_post", 1, jnp.full(CONFIG.hidden_size, 0.5), jnp.ones(1))
     key = jax.random.PRNGKey(3)
-    for options in ({}, {"interventions": steer}, {"temperature": 1.0, "key": key}):
+    for options in ({}, {"interventions": steer}, {"decoding": Decoding(temperature=1.0, key=key)}):
         together = many(PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=NEW, **options)
         assert together.tokens.shape == (len(orders), len(PROMPTS), NEW)
         for i, order in enumerate(orders):
@@ -205,9 +211,11 @@ def test_layer_major_decoding_stops_each_row_and_refuses_longrope():
     plan = group_orders(stack_orders([identity_order(L), drop_block(L, 3, 1)]), L)
     tokens, valid = batch(PROMPTS)
     eos = int(np.asarray(run().tokens)[0, 4])
-    together = generate_orders(PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=NEW, eos_ids=(eos,))
+    together = generate_orders(
+        PARAMS, tokens, CONFIG, plan, valid=valid, max_new_tokens=NEW, decoding=Decoding(eos_ids=(eos,))
+    )
     for i, order in enumerate([identity_order(L), drop_block(L, 3, 1)]):
-        alone = run(order=order, eos_ids=(eos,))
+        alone = run(order=order, decoding=Decoding(eos_ids=(eos,)))
         assert np.array_equal(together.tokens[i], alone.tokens) and np.array_equal(together.lengths[i], alone.lengths)
     half = CONFIG.rotated_dims // 2
     longrope = dataclasses.replace(

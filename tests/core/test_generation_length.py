@@ -15,7 +15,7 @@ from jaxdepth.core.decoding import generate
 from jaxdepth.core.model import random_params
 
 CONTEXT = 64
-STATIC = ("config", "max_new_tokens", "eos_ids", "pad_id", "temperature")
+STATIC = ("config", "max_new_tokens")
 decode = jax.jit(generate, static_argnames=STATIC)
 PROMPT = [int(t) for t in (np.arange(31) * 7 + 3) % 90 + 1]  # 31 tokens
 

@@ -21,7 +21,7 @@ from conftest import assert_close, assert_moved
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core import sites
 from jaxdepth.core.layer import attention, attention_mask, LayerRecord, mlp, norm, rotary_tables
-from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 
@@ -364,9 +364,8 @@ def test_suffix_run_with_clean_prefix_keys_equals_the_full_forward(setup, start,
             params,
             h_start,
             config,
-            start=start,
-            prefix=(keys, values),
             interventions=sites.replace("resid_pre", start, where, value),
+            run=LayerRun(start=start, prefix=(keys, values)),
         )
         return unembed(params, h, config)
 

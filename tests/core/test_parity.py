@@ -279,15 +279,17 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2, smollm2_hf):
     """Three prompts of different lengths decoded together (right-padded) by jaxdepth, each
     against transformers' greedy generate of that prompt alone: the same new tokens, 32 or up
     to the end-of-sequence token, where both stop."""
-    from jaxdepth.core.decoding import generate
+    from jaxdepth.core.decoding import Decoding, generate
 
     prompts = [smollm2.encode(text) for text in ("The capital of France is", "1, 2, 3,", "Water boils at a")]
     T, new, eos = max(map(len, prompts)), 32, smollm2.tokenizer.eos_token_id
     tokens, valid = np.zeros((3, T), np.int32), np.zeros((3, T), bool)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)], valid[i, : len(p)] = p, True
-    decode = jax.jit(generate, static_argnames=("config", "max_new_tokens", "eos_ids"))
-    got = decode(smollm2.params, tokens, smollm2.config, valid=valid, max_new_tokens=new, eos_ids=(eos,))
+    decode = jax.jit(generate, static_argnames=("config", "max_new_tokens"))
+    got = decode(
+        smollm2.params, tokens, smollm2.config, valid=valid, max_new_tokens=new, decoding=Decoding(eos_ids=(eos,))
+    )
     for i, p in enumerate(prompts):
         with torch.no_grad():
             expected = smollm2_hf.generate(

@@ -546,14 +546,14 @@ def test_a_user_kind_declares_its_layer_index():
 
 def test_tap_inputs_without_a_row_per_layer_are_refused():
     """A traced layer reads row `layer` of tap_inputs: a short one would be clamped silently."""
-    from jaxdepth.core.loops import run_layers
+    from jaxdepth.core.loops import LayerRun, run_layers
 
     params, tokens, _ = _setup()
     h0 = embed(params, tokens, CONFIG)
     tap = lambda record, x: jnp.sum(record.out * x)
     with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
-        run_layers(params, h0, CONFIG, start=jnp.int32(0), tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
+        run_layers(params, h0, CONFIG, tap=tap, tap_inputs=jnp.ones((L - 1, 32)), run=LayerRun(start=jnp.int32(0)))
     with pytest.raises(ValueError, match=rf"tap_inputs must have a leading layer axis of {L}"):
         run_layers(params, h0, CONFIG, tap=tap, tap_inputs=jnp.ones((L - 1, 32)))
     with pytest.raises(ValueError, match=rf"start must be a boundary in 0\.\.{L}"):
-        run_layers(params, h0, CONFIG, start=-1)
+        run_layers(params, h0, CONFIG, run=LayerRun(start=-1))

@@ -15,7 +15,7 @@ from conftest import assert_close, assert_moved
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import attend, attention_heads, attention_mask, key_values, norm, rotary_tables
-from jaxdepth.core.loops import run_layers, run_layers_in_pieces, suffix_value_and_grad
+from jaxdepth.core.loops import LayerRun, Pieces, run_layers, run_layers_in_pieces, suffix_value_and_grad
 from jaxdepth.core.model import embed, forward, random_params, unembed
 
 B, T = 2, 7
@@ -148,7 +148,9 @@ def test_a_stateful_intervention_equals_its_stateless_equivalent_in_every_loop()
     np.testing.assert_array_equal(ours, theirs)
     assert_moved(ours, run(params, tokens, None), "counted layers")
     h1 = run_layers(params, embed(params, tokens, CONFIG), CONFIG, tap=lambda r, _: r.out)[1][0]
-    from_one = jax.jit(lambda h, iv: run_layers(params, h, CONFIG, start=jnp.int32(1), interventions=iv)[0])
+    from_one = jax.jit(
+        lambda h, iv: run_layers(params, h, CONFIG, interventions=iv, run=LayerRun(start=jnp.int32(1)))[0]
+    )
     np.testing.assert_array_equal(from_one(h1, counting(vector)), from_one(h1, stateless(vector, first=1)))
 
 
@@ -196,8 +198,6 @@ def test_a_state_that_changes_shape_and_loops_that_cannot_carry_one_are_refused(
                 buffers,
                 jnp.ones((B, T), bool),
                 CONFIG,
-                first_piece=0,
-                last_piece=0,
-                width=T,
+                pieces=Pieces(0, 0, T),
                 interventions_of=lambda rows: interventions,
             )

@@ -1,7 +1,8 @@
-"""Unit tier: the order of the layers as data (`jaxdepth.core.structure`, `run_layers(order=)`):
-the identity order is the plain forward, a dropped layer is `sites.skip`, a swap is the forward
-on hand-swapped weights, a parallel step is a hand-written parallel block, a repeated layer runs
-twice, and a vmapped stack of orders is each order alone."""
+"""Unit tier: the order of the layers as data (`jaxdepth.core.structure`,
+`run_layers(run=LayerRun(order=...))`): the identity order is the plain forward, a dropped
+layer is `sites.skip`, a swap is the forward on hand-swapped weights, a parallel step is a
+hand-written parallel block, a repeated layer runs twice, and a vmapped stack of orders is each
+order alone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from conftest import assert_close, tiny_config
 from jaxdepth.core import sites
-from jaxdepth.core.loops import run_grouped_orders, run_layer, run_layers
+from jaxdepth.core.loops import LayerRun, run_grouped_orders, run_layer, run_layers
 from jaxdepth.core.model import embed, random_params
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -40,7 +41,9 @@ VALID = np.arange(T)[None, :] < np.array([[T], [6]])  # the second prompt right-
 
 def final(order=None, interventions=None, params=PARAMS):
     h0 = embed(params, TOKENS, CONFIG)
-    run = jax.jit(lambda p, h, o, ivs: run_layers(p, h, CONFIG, valid=VALID, interventions=ivs, order=o)[0])
+    run = jax.jit(
+        lambda p, h, o, ivs: run_layers(p, h, CONFIG, valid=VALID, interventions=ivs, run=LayerRun(order=o))[0]
+    )
     return np.asarray(run(params, h0, order, interventions))
 
 
@@ -114,7 +117,7 @@ def test_a_vmapped_stack_of_orders_is_each_order_alone():
     stacked = stack_orders(orders)
     assert stacked.layers.shape == (5, 7, 2)  # the longest order (7 steps), the widest group (2)
     h0 = embed(PARAMS, TOKENS, CONFIG)
-    run = jax.jit(jax.vmap(lambda o: run_layers(PARAMS, h0, CONFIG, valid=VALID, order=o)[0]))
+    run = jax.jit(jax.vmap(lambda o: run_layers(PARAMS, h0, CONFIG, valid=VALID, run=LayerRun(order=o))[0]))
     together = np.asarray(run(LayerOrder(*map(jnp.asarray, stacked))))
     for i, order in enumerate(orders):
         assert np.array_equal(together[i], final(order)), describe_order(order)
@@ -122,7 +125,9 @@ def test_a_vmapped_stack_of_orders_is_each_order_alone():
 
 def test_taps_under_an_order_are_per_step_and_group_member():
     h0 = embed(PARAMS, TOKENS, CONFIG)
-    _, taps = run_layers(PARAMS, h0, CONFIG, valid=VALID, order=parallel_block(L, 1, 2), tap=lambda r, _: r.index)
+    _, taps = run_layers(
+        PARAMS, h0, CONFIG, valid=VALID, tap=lambda r, _: r.index, run=LayerRun(order=parallel_block(L, 1, 2))
+    )
     assert taps.shape == (4, 2)
     assert np.asarray(taps)[:, 0].tolist() == [0, 1, 3, 4] and int(taps[1, 1]) == 2
 
@@ -144,7 +149,7 @@ def test_orders_that_cannot_run_are_refused(steps, message):
 
 def test_refusals_of_whole_orders():
     h0 = embed(PARAMS, TOKENS, CONFIG)
-    run = lambda order: run_layers(PARAMS, h0, CONFIG, order=order)  # noqa: E731  (concrete: checked)
+    run = lambda order: run_layers(PARAMS, h0, CONFIG, run=LayerRun(order=order))  # noqa: E731  (concrete: checked)
     with pytest.raises(ValueError, match="outside 0..4"):
         run(LayerOrder(np.array([[0], [7]], np.int32), np.ones((2, 1), bool)))
     with pytest.raises(ValueError, match="empty layer order"):
@@ -156,7 +161,7 @@ def test_refusals_of_whole_orders():
     with pytest.raises(ValueError, match="empty order"):
         drop_block(L, 0, L)
     with pytest.raises(ValueError, match="from boundary 0"):
-        run_layers(PARAMS, embed(PARAMS, TOKENS, CONFIG), CONFIG, start=1, order=identity_order(L))
+        run_layers(PARAMS, embed(PARAMS, TOKENS, CONFIG), CONFIG, run=LayerRun(start=1, order=identity_order(L)))
 
 
 GROUPED_ORDERS = [
@@ -188,7 +193,7 @@ def test_the_layer_major_plan_by_hand():
 
 @pytest.mark.parametrize("shared", [True, False], ids=["one residual shared", "a residual per order"])
 def test_layer_major_orders_are_each_order_alone(shared):
-    """run_grouped_orders equals run_layers(order=...) of each order, residual and taps, whether
+    """run_grouped_orders equals run_layers(run=LayerRun(order=...)) of each order, residual and taps, whether
     the orders share their input (a prefill: shared steps computed once) or each has its own."""
     h0 = embed(PARAMS, TOKENS, CONFIG)
     plan = group_orders(stack_orders(GROUPED_ORDERS), L)
@@ -196,7 +201,7 @@ def test_layer_major_orders_are_each_order_alone(shared):
     tap = lambda r, _: r.k  # noqa: E731
     run = jax.jit(lambda h: run_grouped_orders(PARAMS, h, CONFIG, plan, valid=VALID, tap=tap))
     together, taps = run(h_in)
-    alone = jax.jit(lambda h, o: run_layers(PARAMS, h, CONFIG, valid=VALID, order=o, tap=tap))
+    alone = jax.jit(lambda h, o: run_layers(PARAMS, h, CONFIG, valid=VALID, tap=tap, run=LayerRun(order=o)))
     # a group's matmul holds the rows of several orders: a kernel blocked for more rows may sum
     # in another order, about 10 ulps of the largest entry after five layers
     tol = 2 * REL

@@ -32,13 +32,14 @@ SETUP = textwrap.dedent("""
     from jaxdepth.lab.loaded_model import Model
     from jaxdepth.lab.registry import Analysis, register
     from jaxdepth.core.saved_result import SavedResult
-    from jaxdepth.lab.study import model_results_key, result_folder, run_study
+    from jaxdepth.lab.study import StudyPrompts, StudyRun, model_results_key, result_folder, run_study
 
     CONFIG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=4, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6,
                          max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False)
     model = Model(params=random_params(CONFIG, 0), config=CONFIG, tokenizer=None, source="tiny")
     batch = make_batch([list(range(1, 20)), list(range(3, 15))], [10, 8])
+    toy, quiet = StudyPrompts("toy", batch), StudyRun(progress=False)
 
     @dataclasses.dataclass
     class Nothing(SavedResult):
@@ -106,7 +107,7 @@ def test_a_second_run_on_the_same_folder_is_refused_at_once(tmp_path):
 def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
     child = _start(
         """
-        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["sleeper"], progress=False)
+        run_study(model, "tiny", toy, sys.argv[1], analyses=["sleeper"], run=quiet)
     """,
         str(tmp_path),
     )
@@ -118,7 +119,7 @@ def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
                 "-c",
                 SETUP
                 + textwrap.dedent("""
-            run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions"], progress=False)
+            run_study(model, "tiny", toy, sys.argv[1], analyses=["contributions"], run=quiet)
         """),
                 str(tmp_path),
             ],
@@ -135,7 +136,7 @@ def test_a_study_run_is_refused_while_another_holds_its_folder(tmp_path):
 def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
     child = _start(
         """
-        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "sleeper"], progress=False)
+        run_study(model, "tiny", toy, sys.argv[1], analyses=["contributions", "sleeper"], run=quiet)
     """,
         str(tmp_path),
     )
@@ -152,7 +153,7 @@ def test_a_run_killed_with_sigkill_mid_write_resumes(tmp_path):
             "-c",
             SETUP
             + textwrap.dedent("""
-        run_study(model, "tiny", "toy", batch, sys.argv[1], analyses=["contributions", "logit_lens"], progress=False)
+        run_study(model, "tiny", toy, sys.argv[1], analyses=["contributions", "logit_lens"], run=quiet)
     """),
             str(tmp_path),
         ],

@@ -15,7 +15,14 @@ from conftest import save_tiny_checkpoint, tiny_tokenizer, model_dir
 from conversion.checkpoint import save_converted
 from jaxdepth.lab import mapping_study
 from jaxdepth.analyses.layer_mapping import LayerMappingResult
-from jaxdepth.lab.mapping_study import MappingSettings, map_models, mapping_figure, mapping_folder
+from jaxdepth.lab.mapping_study import (
+    MappingPrompts,
+    MappingRun,
+    MappingSettings,
+    map_models,
+    mapping_figure,
+    mapping_folder,
+)
 from jaxdepth.lab.prompts import load_prompts
 
 INSERTED_AT = 1  # the large model is the small one with an identity layer before layer 1
@@ -121,17 +128,15 @@ def small_model(checkpoints):
 
 def test_tokenizers_must_agree(small_model, tmp_path):
     prompts = load_prompts("default", limit=4)
-    run = lambda other: map_models(
+    run = lambda other: map_models(  # noqa: E731
         small_model,
         other,
-        prompts,
+        MappingPrompts("default", prompts),
         str(tmp_path),
-        small_name="a",  # noqa: E731
+        small_name="a",
         large_name="b",
-        dataset="default",
         settings=MappingSettings(train_prompts=2),
-        progress=False,
-        log=lambda _: None,
+        run=MappingRun(progress=False, log=lambda _: None),
     )
     extra = tiny_tokenizer()
     extra.add_tokens(["<extra>"])
@@ -180,3 +185,27 @@ def test_settings_out_of_range_are_refused():
     for bad in (dict(first_position=-1), dict(ridge=-0.1)):
         with pytest.raises(ValueError, match="must be >= 0"):
             MappingSettings(**bad)
+
+
+def test_the_old_keywords_are_refused_with_the_values_that_hold_them(small_model, tmp_path):
+    """map_models takes its prompts (`MappingPrompts`) and how it runs (`MappingRun`) as values,
+    compute_mapping how it runs as an `Execution`: a keyword once taken on its own is refused
+    with where it lives now, before anything is encoded or written."""
+    from jaxdepth.analyses.layer_mapping import compute_mapping
+
+    prompts = MappingPrompts("default", load_prompts("default", limit=4))
+    common = dict(small_name="a", large_name="b", settings=MappingSettings(train_prompts=2))
+    for old, where in (
+        ({"progress": False}, r"progress in run=MappingRun\(progress=\.\.\.\)"),
+        ({"mesh": None}, r"mesh in run=MappingRun\(mesh=\.\.\.\)"),
+        ({"figures": False}, r"figures in run=MappingRun\(figures=\.\.\.\)"),
+        ({"limit": 4}, r"limit in prompts=MappingPrompts\(dataset, prompts, limit=\.\.\.\)"),
+        ({"dataset": "default"}, r"dataset in prompts=MappingPrompts\(dataset, prompts\)"),
+    ):
+        with pytest.raises(TypeError, match=where):
+            map_models(small_model, small_model, prompts, str(tmp_path), **common, **old)
+    with pytest.raises(TypeError, match=r"MappingPrompts\(dataset, prompts\), got list"):
+        map_models(small_model, small_model, list(prompts.prompts), str(tmp_path), **common)
+    with pytest.raises(TypeError, match=r"execution=jaxdepth\.Execution\(progress=False\)"):
+        compute_mapping(small_model, small_model, None, None, progress=False)
+    assert not os.listdir(tmp_path)  # nothing written

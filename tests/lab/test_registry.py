@@ -18,7 +18,15 @@ from jaxdepth.core.model import random_params
 from jaxdepth.lab.registry import ANALYSES, Analysis, register
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.results import load_result
-from jaxdepth.lab.study import StudySettings, model_results_key, result_folder, run_study, write_figures
+from jaxdepth.lab.study import (
+    StudyPrompts,
+    StudyRun,
+    StudySettings,
+    model_results_key,
+    result_folder,
+    run_study,
+    write_figures,
+)
 
 CONFIG = ModelConfig(
     model_type="llama",
@@ -91,32 +99,43 @@ def test_a_registered_analysis_runs_caches_and_draws(model, batch, token_count, 
     logs = []
     settings = StudySettings(seed=3)
     first = run_study(
-        model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
+        model,
+        "tiny",
+        StudyPrompts("toy", batch),
+        str(tmp_path),
+        analyses=["token_count"],
+        settings=settings,
+        run=StudyRun(log=logs.append),
     )
     np.testing.assert_array_equal(first["token_count"].counts, [30 * 3, 23 * 3])
     folder = result_folder(str(tmp_path), model_results_key(model, "tiny")[0], "toy")
     saved = load_result(os.path.join(folder, "token_count.npz"))
     assert isinstance(saved, TokenCountResult) and saved.settings["identity"]["seed"] == 3
     again = run_study(
-        model, "tiny", "toy", batch, str(tmp_path), analyses=["token_count"], settings=settings, log=logs.append
+        model,
+        "tiny",
+        StudyPrompts("toy", batch),
+        str(tmp_path),
+        analyses=["token_count"],
+        settings=settings,
+        run=StudyRun(log=logs.append),
     )
     assert calls == [2] and logs[-1].startswith("token_count: reusing")  # resumed, not recomputed
     np.testing.assert_array_equal(again["token_count"].counts, first["token_count"].counts)
     run_study(
         model,
         "tiny",
-        "toy",
-        batch,
+        StudyPrompts("toy", batch),
         str(tmp_path),
         analyses=["token_count"],
         settings=StudySettings(seed=4),
-        log=logs.append,
+        run=StudyRun(log=logs.append),
     )
     assert calls == [2, 2]  # a setting in its identity changed: computed again
     paths = write_figures(again, str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["token_count.pdf", "token_count.png"]
     with pytest.raises(ValueError, match="unknown analysis 'nope'"):
-        run_study(model, "tiny", "toy", batch, str(tmp_path), analyses=["nope"])
+        run_study(model, "tiny", StudyPrompts("toy", batch), str(tmp_path), analyses=["nope"])
 
 
 def test_layer_skip_is_one_result_with_a_sublayer_axis(model, batch, tmp_path):
