@@ -37,7 +37,7 @@ from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.loops import final_residual, run_layers_in_pieces
+from jaxdepth.core.loops import Pieces, final_residual, run_layers_in_pieces
 from jaxdepth.core.model import layer_inputs, residual_stream, unembed
 from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
@@ -225,9 +225,7 @@ def _erased_final_residual(
         (keys, values),
         valid,
         config,
-        first_piece=first_piece,
-        last_piece=last_piece,
-        width=width,
+        pieces=Pieces(first_piece, last_piece, width),
         interventions_of=lambda rows: (*interventions, erase_rows(rows)),
     )
     return final_residual(h, config, (*interventions, erase_rows(jnp.arange(T))))

@@ -46,7 +46,7 @@ from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import Decoding, generate
 from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.saved_result import SavedResult
 
@@ -238,9 +238,7 @@ def _sampled(params, tokens, valid, key, config, max_new_tokens, eos_ids, temper
         config,
         max_new_tokens=max_new_tokens,
         valid=valid,
-        eos_ids=eos_ids,
-        temperature=temperature,
-        key=key,
+        decoding=Decoding(eos_ids=eos_ids, temperature=temperature, key=key),
     )
 
 

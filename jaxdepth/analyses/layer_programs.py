@@ -44,9 +44,9 @@ from jaxdepth.analyses.suite import Analysis, Settings, option
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import Decoding, generate
 from jaxdepth.core.execution import Execution
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
@@ -139,7 +139,11 @@ def _likelihoods(params, tokens, valid, positions, real, orders, config: ModelCo
 
     def one(tok, val, pos, keep, layers, used):
         h, _ = run_layers(
-            params, embed(params, tok[None], config), config, valid=val[None], order=LayerOrder(layers, used)
+            params,
+            embed(params, tok[None], config),
+            config,
+            valid=val[None],
+            run=LayerRun(order=LayerOrder(layers, used)),
         )
         logp = jax.nn.log_softmax(unembed(params, h[0, pos], config).astype(jnp.float32), axis=-1)
         targets = tok[jnp.minimum(pos + 1, tok.shape[0] - 1)]
@@ -161,7 +165,7 @@ def _generations(params, tokens, valid, orders, config: ModelConfig, max_new_tok
             max_new_tokens=max_new_tokens,
             valid=val[None],
             order=LayerOrder(layers, used),
-            eos_ids=eos_ids,
+            decoding=Decoding(eos_ids=eos_ids),
         )
         return out.tokens[0], out.lengths[0]
 

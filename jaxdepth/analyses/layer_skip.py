@@ -40,7 +40,7 @@ from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import layer_inputs, unembed
 from jaxdepth.analyses.metrics import Metric, as_metric, readout
 from jaxdepth.core.sites import as_interventions, skip as skip_at
@@ -212,11 +212,11 @@ def skipped_runs(
                 params,
                 starts[layer],
                 config,
-                start=layer,
                 valid=valid,
                 interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, keep)),
                 tap=_tap_relative_change(measure[None] & valid),
                 tap_inputs=clean_deltas,
+                run=LayerRun(start=layer),
             )
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction

@@ -37,10 +37,10 @@ from jaxdepth.analyses.answers import cut_generation, same_answer
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import generate
+from jaxdepth.core.decoding import Decoding, generate
 from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.layer import Params
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import embed, residual_stream, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -192,7 +192,7 @@ def _scored(params, tokens, valid, starts, orders, config, chunk_size):
     h0 = embed(params, tokens, config)
 
     def one(order):
-        h, _ = run_layers(params, h0, config, valid=valid, order=order)
+        h, _ = run_layers(params, h0, config, valid=valid, run=LayerRun(order=order))
         return _answer_scores(unembed(params, h, config), tokens, valid, starts)
 
     return sweep(one, orders, chunk_size)
@@ -334,7 +334,13 @@ def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids, s
 
     def one(order):
         return generate(
-            params, tokens, config, max_new_tokens=max_new_tokens, valid=valid, order=order, eos_ids=eos_ids
+            params,
+            tokens,
+            config,
+            max_new_tokens=max_new_tokens,
+            valid=valid,
+            order=order,
+            decoding=Decoding(eos_ids=eos_ids),
         )
 
     return jax.vmap(one, in_axes=(LayerOrder(None if shared else 0, 0),))(orders)

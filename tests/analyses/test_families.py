@@ -28,7 +28,7 @@ from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 from jaxdepth.core.module import Decoder
 
@@ -140,7 +140,9 @@ def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family,
     hs = residual_stream(params, tokens, config, valid=valid)
     keys, values = clean_key_values(params, hs, config, valid=valid)
     P = 11
-    h, _ = run_layers(params, hs[0][:, P:], config, valid=valid, prefix=(keys[:, :, :P], values[:, :, :P]))
+    h, _ = run_layers(
+        params, hs[0][:, P:], config, valid=valid, run=LayerRun(prefix=(keys[:, :, :P], values[:, :, :P]))
+    )
     np.testing.assert_allclose(h, hs[-1][:, P:], rtol=1e-5, atol=1e-5)
 
 
@@ -159,7 +161,7 @@ def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
 
         def from_l(x):
             h = row(inputs[l]).at[0, t].set(x)
-            final, outs = run_layers(params, h, config, start=l, valid=row(valid), tap=lambda r, _: r.out)
+            final, outs = run_layers(params, h, config, valid=row(valid), tap=lambda r, _: r.out, run=LayerRun(start=l))
             return outs[l, 0, t], final[0, t]
 
         return jax.jacfwd(from_l)(inputs[l, b, t])

@@ -46,7 +46,7 @@ from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord, Params
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import embed, unembed
 
 __all__ = [
@@ -361,11 +361,10 @@ def edge_run(
         params,
         h,
         config,
-        start=start,
         valid=valid,
         interventions=(interventions, SPLIT_LAYERS),
         tap=_WritersTap(EdgeGraph.of(config)),
-        prefix=prefix,
+        run=LayerRun(start=start, prefix=prefix),
     )
     logits = logits_at(params, h_last, last, config, prefix)
     first_row = h if isinstance(start, int) and start == 0 else jnp.zeros_like(h)

@@ -65,7 +65,7 @@ from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integ
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
-from jaxdepth.core.loops import clean_key_values, run_layers
+from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
 from jaxdepth.core.model import embed
 from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
@@ -285,7 +285,7 @@ def _reader_gradient(params, h0, pairs, config, metric, shift=(), prefix=None, i
 
     def value(probes):
         ivs = (interventions, shift, probe_readers(probes, config.num_layers))
-        h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, prefix=prefix)
+        h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs, run=LayerRun(prefix=prefix))
         return jnp.sum(final_metric(params, metric, h, pairs, config))
 
     return jax.grad(value)(reader_probes(config, *h0.shape[:2]))
