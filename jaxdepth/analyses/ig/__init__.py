@@ -33,7 +33,7 @@ from jaxdepth.analyses.ig.checks import (
     refuse_readout_padding,
     warn_if_zero_baseline_diverges,
 )
-from jaxdepth.analyses.ig.engine import Attribution, SiteIG, _array, attribute, prompt_answers, prompt_reads
+from jaxdepth.analyses.ig.engine import Attribution, SiteIG, attribute, prompt_answers, prompt_reads
 from jaxdepth.analyses.ig.rules import AdaptiveRule, FixedRule
 from jaxdepth.analyses.metrics import Metric, as_metric
 from jaxdepth.core.config import ModelConfig
@@ -74,7 +74,8 @@ def _prompts(tokens, config: ModelConfig) -> _Prompts:
     ids = check_tokens_array(getattr(tokens, "tokens", tokens), config)
     valid = getattr(tokens, "valid", None)
     valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    labels = _array(getattr(tokens, "labels", None))
+    labels = getattr(tokens, "labels", None)
+    labels = labels if isinstance(labels, (jax.Array, np.ndarray)) else None  # arrays only, not a method
     return _Prompts(jnp.asarray(ids, jnp.int32), valid, **prompt_answers(tokens), labels=labels)
 
 
