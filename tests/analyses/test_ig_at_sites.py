@@ -523,3 +523,20 @@ def test_a_chunk_size_changes_nothing_but_the_chunking():
     assert ig_path.weighted_gradient._cache_size() == before + 1  # chunk 4 is a program of its own
     assert_close(chunked.attributions, whole.attributions, "per channel", tol=1e-6)
     assert_close(chunked.f_baseline, whole.f_baseline, "F(b)", tol=1e-6)
+
+
+def test_the_public_form_with_the_answer_probability_is_the_studies_integrated_gradients():
+    """`jaxdepth.integrated_gradients` of `jaxdepth.metrics.answer_probability` on a prompt with
+    its answer span (`PromptArrays`) is the studies' IG of that prompt, to the bit."""
+    from jaxdepth.analyses.integrated_gradients import ig_of_prompt
+    from jaxdepth.core.batch import make_batch
+
+    params, tokens = _setup()
+    prompt = make_batch([np.asarray(tokens[0]).tolist()], [5]).prompt(0)
+    what = Attribution(jaxdepth.metrics.answer_probability, site="mlp_out", per_channel=False)
+    public = jaxdepth.integrated_gradients(params, prompt, CONFIG, what, rule=FixedRule(steps=4))
+    study = ig_of_prompt(params, prompt, CONFIG, rule=FixedRule(steps=4), target="mlp")
+    np.testing.assert_array_equal(public.per_position, study.per_position)
+    np.testing.assert_array_equal(public.f_input, study.f_input)
+    np.testing.assert_array_equal(public.f_baseline, study.f_baseline)
+    assert public.attributions is None and float(public.f_input[0]) > 0
