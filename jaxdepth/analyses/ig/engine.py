@@ -93,10 +93,10 @@ class SiteIG:
 
 # One program, not one per eager operation: it runs once per attributed layer.
 @partial(jax.jit, static_argnames="with_inputs")
-def _layer_path(x, b, inputs, valid, layer, i, *, with_inputs: bool) -> LayerPath:
+def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
     """The path of attributed layer `layer` (the `i`th): its x, baseline and, unless the site is
-    the layer's output, its input."""
-    return LayerPath(x[layer], b[i], layer, valid, inputs[layer] if with_inputs else None)
+    the layer's output, its input (its layer and mask set by the caller)."""
+    return LayerPath(x[layer], b[i], layer, None, inputs[layer] if with_inputs else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,7 +173,11 @@ def attribute(
     b = layer_baselines(x, valid, attribution.baseline, layers)
 
     def path(i):
-        return _layer_path(x, b, inputs, valid, np.int32(layers[i]), np.int32(i), with_inputs=site != "resid_post")
+        layer = np.int32(layers[i])
+        p = _layer_path(x, b, inputs, layer, np.int32(i), with_inputs=site != "resid_post")
+        # the layer and the mask as given, not as a program's outputs: the path functions' calls
+        # keep one signature (one compilation) with the experiments' own paths
+        return dataclasses.replace(p, layer=layer, valid=valid)
 
     def weighted(i, alphas, weights, chunk, *, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""
