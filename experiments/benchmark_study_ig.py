@@ -76,22 +76,17 @@ def study_prompt(model, args):
     return row, tokens, start
 
 
-def answer_metric(tokens, start):
-    """F as the studies define it: the summed probability of the answer tokens, read at the
-    positions that predict them (`LogitsMetric` passes those positions' logits only)."""
-    import jax
+def answer_prompt(tokens, start):
+    """The prompt with its answer span, as the studies' F reads it: the summed probability of
+    the answer tokens (`jaxdepth.metrics.answer_probability`), read at the positions that
+    predict them (the LM head runs there alone)."""
     import jax.numpy as jnp
 
-    from jaxdepth.analyses.ig import LogitsMetric
+    from jaxdepth.core.batch import PromptArrays
 
-    predicting = list(range(start - 1, len(tokens) - 1))
-    targets = jnp.asarray(tokens[start:], jnp.int32)
-
-    def metric(logits):  # [1, A, V]
-        probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
-        return probs[jnp.arange(len(predicting)), targets].sum()
-
-    return LogitsMetric(metric, positions=predicting)
+    ids = jnp.asarray([tokens], jnp.int32)
+    predicting = jnp.arange(start - 1, len(tokens) - 1, dtype=jnp.int32)
+    return PromptArrays(ids, jnp.ones(ids.shape, bool), predicting, jnp.ones(predicting.shape, bool))
 
 
 class State:
@@ -119,23 +114,19 @@ class State:
 
 def run_jaxdepth(model, tokens, start, layers, steps, state: State) -> None:
     import jaxdepth
-    from jaxdepth.analyses.ig import Execution, FixedRule
+    from jaxdepth.analyses.ig import Attribution, FixedRule
 
-    metric = answer_metric(tokens, start)  # one function: every layer reuses its compilation
-    ids = np.asarray([tokens], np.int32)
+    prompt = answer_prompt(tokens, start)
     for layer in layers:
         if layer in state.layers:
             continue
         t0 = time.perf_counter()
         r = jaxdepth.integrated_gradients(
             model.params,
-            ids,
+            prompt,
             model.config,
-            metric,
-            site="resid_post",
-            layers=[layer],
+            Attribution(jaxdepth.metrics.answer_probability, site="resid_post", layers=[layer], per_channel=False),
             rule=FixedRule("left", steps),
-            execution=Execution(per_channel=False),
         )
         seconds = time.perf_counter() - t0
         state.add(layer, _record(seconds, r.per_position[0, 0], r.f_input[0], r.f_baseline[0, 0]))

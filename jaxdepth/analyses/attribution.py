@@ -20,25 +20,27 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.core.progress import ProgressLike, track
-from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import embed, unembed
+from jaxdepth.core.execution import Execution, refuse_loose_options
+from jaxdepth.core.model import embed
 from jaxdepth.core.sites import as_interventions, probe, site_shape
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.erasure import baseline_residuals
-from jaxdepth.analyses.metric_inputs import refuse_padding_reads
-from jaxdepth.analyses.stats import floating_metric
+from jaxdepth.analyses.ig.checks import refuse_readout_padding
+from jaxdepth.analyses.ig.engine import prompt_answers
+from jaxdepth.analyses.metrics import Metric, answer_probability, as_metric, reads_at, readout
 from jaxdepth.analyses.suite import Analysis, per_prompt_figures
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
@@ -70,7 +72,7 @@ def recomputes_layers(config: ModelConfig, tokens: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SiteGradients:
-    """What `site_gradients` returns: the metric's `value`, and per site the `gradients` and the
+    """What `site_gradients` returns: the metric's `value` per prompt `[B]`, and per site the `gradients` and the
     `activations` (the site's values in the same forward), each `[L, B, T, ...]` (`resid_pre`:
     L+1 rows, the last one the final residual h_L). `taps`: the caller's tap, if any."""
 
@@ -85,38 +87,81 @@ jax.tree_util.register_dataclass(
 )
 
 
+# What `site_gradients` once took on its own, and what says the same now.
+_FORMER_OPTIONS = {
+    "valid": "prompts with their mask: tokens=PromptArrays(tokens, valid) (anything with .tokens and .valid)",
+    "positions": "a metric that declares the positions it reads: jaxdepth.metric(reads='last' | 'answer' | 'all')",
+    "remat": "execution=jaxdepth.Execution(backward='recompute' | 'stored')",
+}
+
+
+def _refuse_former_options(options: dict) -> None:
+    former = [k for k in options if k in _FORMER_OPTIONS]
+    if former:
+        raise TypeError("site_gradients() takes " + "; ".join(f"instead of {k}=, {_FORMER_OPTIONS[k]}" for k in former))
+    refuse_loose_options("site_gradients", options)
+
+
+def _remat(execution: Execution, config: ModelConfig, tokens: int) -> bool:
+    """Whether the backward recomputes each layer: `execution.backward` 'recompute', or 'auto'
+    where all layers' activations exceed `STORED_ACTIVATIONS_LIMIT` (`recomputes_layers`)."""
+    if execution.backward == "auto":
+        return recomputes_layers(config, tokens)
+    if execution.backward not in ("stored", "recompute"):
+        raise ValueError(
+            f"site_gradients stores every layer's activations or recomputes them all: backward 'auto', 'stored' "
+            f"or 'recompute', got {execution.backward!r}"
+        )
+    return execution.backward == "recompute"
+
+
 def site_gradients(
     params,
     tokens,
     config: ModelConfig,
-    metric: Callable,
+    metric: Metric,
     sites: Sequence[str] = ("resid_pre",),
     *,
-    valid=None,
     interventions=None,
     tap=None,
-    positions=None,
-    remat: Optional[bool] = None,
+    execution: Execution = Execution(),
+    **former,
 ) -> SiteGradients:
-    """The gradient of the scalar `metric` with respect to the value at each of `sites` of every
-    layer, and those values, from one forward and one backward pass.
+    """The gradient of `metric` (summed over the prompts, which do not interact: each prompt's
+    gradient is its own F's) with respect to the value at each of `sites` of every layer, and
+    those values, from one forward and one backward pass.
 
-    `metric(logits [B, T, V])` returns a scalar; with `tap` (as `run_layers` takes it),
-    `metric(logits, taps)`. With `positions` (`[A]`), the logits are computed at those positions
-    only, `[B, A, V]` (the LM head is the largest matmul of a small model: read only what the
-    metric needs). Gradients are taken after `interventions` act: at the value the model
-    really used. Call it inside `jax.jit` (the metric may close over traced arrays, e.g.
-    the answer tokens); `residual_attribution` is an example. `remat` (default:
-    `recomputes_layers`) recomputes each layer in the backward instead of storing its
-    activations. A metric that is not floating point (an argmax, an accuracy: its gradient is
-    zero) is refused at trace time. A metric that reads a padded position (`valid` false) is
-    refused, a `ValueError` naming the prompt and its length, where the arrays are concrete
-    (called outside `jit`; `Model.site_gradients` checks before it jits); inside `jit`, check
-    it first with `jaxdepth.analyses.metric_inputs.refuse_padding_reads`."""
+    tokens: int `[B, T]` (every position real), or anything with `.tokens` and `.valid [B, T]`
+        (a `PromptBatch`, a `PromptArrays`, whose answers a metric reading 'answer' reads;
+        `.labels`, where given, is `Readout.labels`).
+    metric: a `jaxdepth.analyses.metrics.Metric`, F per prompt `[B]`, read at its declared
+        positions only (the LM head, the largest matmul of a small model, runs there alone);
+        with `tap` (as `run_layers` takes it) the tap's results are `Readout.taps`. There is no
+        clean run: a metric with `clean=True` is refused by name, and a plain function of the
+        logits (the form taken before) with a message showing the new one.
+
+    Gradients are taken after `interventions` act: at the value the model really used. Call it
+    inside `jax.jit` (a `Metric` made inside may close over traced arrays);
+    `residual_attribution` is an example. `execution.backward`: 'recompute' recomputes each
+    layer in the backward instead of storing its activations, 'stored' stores them, 'auto'
+    (default) recomputes where `recomputes_layers`. A metric that reads a padded position (of
+    'all' positions, or an answer span's padding) is refused, a `ValueError` naming the prompt
+    and its length, where the arrays are concrete (called outside `jit`; `Model.site_gradients`
+    checks before it jits); inside `jit`, check it first with
+    `jaxdepth.analyses.ig.checks.refuse_readout_padding`.
+
+    Returns `SiteGradients`: `value [B]`, F per prompt."""
+    _refuse_former_options(former)
+    answers = prompt_answers(tokens)
+    has_answers = answers["answer_positions"] is not None and answers["answer_targets"] is not None
+    metric = as_metric(metric, "site gradients", clean_available=False, answers_available=has_answers)
+    valid = getattr(tokens, "valid", None)
+    labels = getattr(tokens, "labels", None)
+    tokens = getattr(tokens, "tokens", tokens)
     B, T = tokens.shape
     L = config.num_layers
-    if remat is None:
-        remat = recomputes_layers(config, B * T)
+    remat = _remat(execution, config, B * T)
+    reads = reads_at(metric, jnp.ones((B, T), bool) if valid is None else valid, **answers)
     zeros = {s: jnp.zeros((L + (s == "resid_pre"),) + site_shape(s, config, B, T), jnp.float32) for s in sites}
     base = as_interventions(interventions)
 
@@ -130,73 +175,50 @@ def site_gradients(
         )
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)
-        logits = unembed(params, h if positions is None else h[:, positions], config)
-        out = metric(logits) if tap is None else metric(logits, taps)
-        return floating_metric(out, metric), (values, taps, logits)
+        r = readout(params, h, config, reads, labels=labels, taps=taps)
+        f = metric(r)
+        return jnp.sum(f), (f, values, taps, r)
 
-    (out, (values, taps, logits)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
+    (_, (f, values, taps, r)), grads = jax.value_and_grad(value, has_aux=True)(zeros)
     # Called outside a trace (concrete logits), a metric reading padding is refused here; inside
     # jit or grad nothing can raise on data (the logits are unused there, and compiled away), and
     # the caller checks (`Model.site_gradients` does).
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((logits, valid)))
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((r, valid)))
     if valid is not None and not traced:
-        valid = jnp.asarray(valid, bool)
-        refuse_padding_reads(
+        refuse_readout_padding(
             metric,
-            logits,
-            valid if positions is None else valid[:, positions],
+            r,
+            valid,
             analysis="site gradients",
-            args=() if tap is None else (taps,),
-            hint="or pass positions= at real positions of every prompt",
+            hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
         )
-    return SiteGradients(out, grads, values, taps)
+    return SiteGradients(f, grads, values, taps)
 
 
 # ----------------------------------------------------------------------------- attribution patching
-
-
-def answer_probability(tokens, answer_positions, answer_real):
-    """F: the summed teacher-forced probability of the answer tokens of one prompt (`tokens
-    [1, T]`), the integrated-gradients objective of METHODS §5, as a function of the logits at
-    the answer positions (`[1, A, V]`: `site_gradients(..., positions=answer_positions)`)."""
-    targets = tokens[0, jnp.minimum(answer_positions + 1, tokens.shape[1] - 1)]
-    rows = jnp.arange(answer_positions.shape[0])
-
-    def metric(logits):
-        probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
-        return jnp.sum(jnp.where(answer_real, probs[rows, targets], 0.0))
-
-    return metric
 
 
 @partial(jit, static_argnames="config")
 def residual_attribution(
     params, tokens, valid, answer_positions, answer_real, baseline, config: ModelConfig, interventions=None
 ):
-    """For one prompt (`tokens [1, T]`): F(x), gradient x activation `[L+1, T]`
-    (`grad_l[t] . h_l[t]`) and the attribution-patching estimate `[L+1, T]`
-    (`grad_l[t] . (b_l - h_l[t])`, the first-order change of F when h_l[t] is replaced by
-    `baseline[l]`, `[L+1, D]` as in erasure), at every boundary l = 0..L, from one forward and
-    one backward pass.
+    """For one prompt (`tokens [1, T]`): F(x) (the answer probability,
+    `jaxdepth.analyses.metrics.answer_probability`, at the answer positions `[A]`), gradient x
+    activation `[L+1, T]` (`grad_l[t] . h_l[t]`) and the attribution-patching estimate
+    `[L+1, T]` (`grad_l[t] . (b_l - h_l[t])`, the first-order change of F when h_l[t] is
+    replaced by `baseline[l]`, `[L+1, D]` as in erasure), at every boundary l = 0..L, from one
+    forward and one backward pass.
 
     Under `interventions` (anything `jaxdepth.core.sites.as_interventions` takes) everything is
     the intervened run's: h_l is the residual after the interventions at its `resid_pre`, and
     the estimate is that of replacing it there, after them (the user's interventions first,
     then the replacement: what `jaxdepth.analyses.erasure.residual_erasure(...,
     interventions=...)` computes exactly)."""
-    g = site_gradients(
-        params,
-        tokens,
-        config,
-        answer_probability(tokens, answer_positions, answer_real),
-        ("resid_pre",),
-        valid=valid,
-        positions=answer_positions,
-        interventions=interventions,
-    )
+    prompt = PromptArrays(tokens, valid, answer_positions, answer_real)
+    g = site_gradients(params, prompt, config, answer_probability, ("resid_pre",), interventions=interventions)
     grad, h = g.gradients["resid_pre"][:, 0], g.activations["resid_pre"][:, 0].astype(jnp.float32)
     return (
-        g.value,
+        g.value[0],
         jnp.sum(grad * h, axis=-1),
         jnp.sum(grad * (baseline[:, None, :].astype(jnp.float32) - h), axis=-1),
     )

@@ -6,7 +6,8 @@ and F(x) = sum over answer tokens of their teacher-forced probabilities when x i
 
     IG_l[t] = sum_c (x - b)[t, c] * sum_k w_k dF/dx(b + α_k (x - b))[t, c]
 
-This is the integrated-gradients engine (`jaxdepth.analyses.ig`) with F as the metric, run
+This is the integrated-gradients engine (`jaxdepth.analyses.ig`) with F as the metric
+(`jaxdepth.analyses.metrics.answer_probability`, read at each prompt's answer span), run
 prompt by prompt: every rule (the published left rule, midpoint, Gauss-Legendre, the certified
 adaptive rule), the same checks and the same refusal of non-finite values as
 `jaxdepth.integrated_gradients`. The completeness gap `sum_t IG_l[t] - (F(x) - F(b))` says
@@ -18,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Union
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig import rules
 from jaxdepth.analyses.ig.checks import BASELINES, warn_if_zero_baseline_diverges
-from jaxdepth.analyses.ig.engine import Attribution, Execution, attribute
-from jaxdepth.analyses.ig.path import ig_memory_budget, metric_head, prompt_seconds
+from jaxdepth.analyses.ig.engine import Attribution, attribute
+from jaxdepth.analyses.ig.path import ig_memory_budget, prompt_seconds
+from jaxdepth.analyses.metrics import answer_probability
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.progress import progress_bar
 from jaxdepth.core.batch import LengthBuckets, PromptArrays, PromptBatch
 from jaxdepth.core.config import ModelConfig
@@ -44,9 +45,8 @@ __all__ = [
     "ig_of_prompt",
     "ig_lengths",
     "PADDINGS",
-    "answer_probability",
-    "answer_metric",
     "TARGETS",
+    "Target",
     "integrated_gradients_figure",
     "integrated_gradients_panel",
     "IGSettings",
@@ -58,30 +58,30 @@ __all__ = [
 TARGETS = {"layer": "resid_post", "attn": "attn_out", "mlp": "mlp_out"}
 
 
-def answer_probability(logits, aux):
-    """The studies' F: the summed teacher-forced probabilities of the answer tokens, from the
-    logits at the answer positions `[1, A, V]`; `aux = (targets [A], real [A])`."""
-    targets, real = aux
-    probs = jax.nn.softmax(logits[0].astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.where(real, probs[jnp.arange(targets.shape[0]), targets], 0.0))
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What each layer's attribution is taken with respect to and where its path starts: `name`
+    'layer' (the layer's output h_{l+1}), 'attn' (its attention output a_l) or 'mlp' (its MLP
+    output m_l), one of `TARGETS`; `baseline`, one of `jaxdepth.analyses.ig.checks.BASELINES`.
+    Where a function takes a target, a name alone is `Target(name)`."""
+
+    name: str = "layer"
+    baseline: str = "channel_mean"
+
+    def __post_init__(self):
+        _check_target(self.name)
+        if self.baseline not in BASELINES:
+            raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
+
+    @property
+    def site(self) -> str:
+        """The site whose value is attributed (`TARGETS`)."""
+        return TARGETS[self.name]
 
 
-def answer_aux(prompt: PromptArrays):
-    """`answer_probability`'s `aux` for a prompt: its answer targets and which are real."""
-    return prompt.answer_targets, prompt.answer_real
-
-
-def answer_metric(prompt: PromptArrays) -> dict:
-    """The engine's metric arguments for the studies' F on `prompt`: `metric`, `aux` and
-    `positions` of `jaxdepth.analyses.ig.engine.Attribution` (or of the path functions of
-    `jaxdepth.analyses.ig.path`), the answer probability read at the answer positions."""
-    return dict(metric=answer_probability, aux=answer_aux(prompt), positions=prompt.answer_positions)
-
-
-def answer_objective(params, prompt: PromptArrays, config: ModelConfig):
-    """F(h_L): the summed teacher-forced probabilities of the answer tokens of one prompt."""
-    head = metric_head(params, config, answer_probability, answer_aux(prompt), prompt.answer_positions)
-    return lambda h_last: head(h_last)[0]
+def as_target(target: Union[str, Target]) -> Target:
+    """`target` as a `Target` (a name is `Target(name)`)."""
+    return target if isinstance(target, Target) else Target(target)
 
 
 def _check_target(target: str) -> None:
@@ -95,32 +95,35 @@ def ig_of_prompt(
     config: ModelConfig,
     *,
     rule: Union[rules.Rule, str] = rules.FixedRule(),
-    baseline: str = "channel_mean",
-    target: str = "layer",
+    target: Union[str, Target] = "layer",
     interventions=None,
     execution: Execution = Execution(),
     label=None,
 ):
     """IG of every layer for one prompt (`PromptArrays`, batch 1): the engine's `SiteIG` with
-    the studies' F (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...), per
-    position only (whatever `execution.per_channel` says).
+    the studies' F, `jaxdepth.analyses.metrics.answer_probability` read at the prompt's answer
+    span (`per_position [L, 1, T]`, `f_input [1]`, `f_baseline [L, 1]`, ...), per position only.
 
     `interventions` (`jaxdepth.core.sites`) act on the whole forward, before and after the
     attributed layer: IG of a model with, say, an earlier layer skipped. `target`: 'layer'
-    (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l). `rule`, `execution` as `jaxdepth.integrated_gradients`;
-    `label` names the prompt in a non-finite report."""
-    _check_target(target)
-    layers = list(range(config.num_layers))
-    attribution = Attribution(site=TARGETS[target], layers=layers, baseline=baseline, **answer_metric(prompt))
+    (h_{l+1}), 'attn' (a_l) or 'mlp' (m_l), or a `Target` with its baseline. `rule`, `execution`
+    as `jaxdepth.integrated_gradients`; `label` names the prompt in a non-finite report."""
+    target = as_target(target)
+    attribution = Attribution(
+        answer_probability,
+        site=target.site,
+        layers=list(range(config.num_layers)),
+        baseline=target.baseline,
+        per_channel=False,
+    )
     return attribute(
         params,
-        prompt.tokens,
-        prompt.valid,
+        prompt,
         config,
         attribution,
         rule=rules.as_rule(rule),
         interventions=interventions,
-        execution=dataclasses.replace(execution, per_channel=False),
+        execution=execution,
         label=label,
     )
 
@@ -198,25 +201,24 @@ def integrated_gradients_of_answers(
     config: ModelConfig,
     *,
     rule: Union[rules.Rule, str] = rules.FixedRule(),
-    baseline: str = "channel_mean",
-    target: str = "layer",
+    target: Union[str, Target] = "layer",
     interventions=None,
-    settings=None,
     execution: Execution = Execution(progress=True),
     padding: Union[str, LengthBuckets, ChosenLengths] = "cost",
 ) -> IntegratedGradientsResult:
     """Integrated gradients per layer and token for every prompt of `batch`, with respect to
     each layer's output (`target` 'layer', the default), attention output ('attn') or MLP
-    output ('mlp'), optionally under `interventions` (see `ig_of_prompt`; each prompt runs at
-    its own bucket length, `batch.single(i)`, so position masks in them must have that length).
+    output ('mlp'), from the channel mean or, with `Target(name, baseline)`, another baseline,
+    optionally under `interventions` (see `ig_of_prompt`; each prompt runs at its own bucket
+    length, `batch.single(i)`, so position masks in them must have that length).
 
     `rule`: `FixedRule(kind, steps)` ('left', the published rule and the default, with 256 steps;
     'midpoint', 'gauss' or 'right'), or `AdaptiveRule(tolerance, max_evaluations, ...)`: each
     layer refined until its certified completeness bound is at most its tolerance (one value,
     or one per layer) times max(|F(x) - F(b)|, FLOOR_SHARE |F(x)|, atol), or it has used
     `max_evaluations` gradient evaluations (then `converged` is False for it;
-    `jaxdepth.analyses.ig.rules`). `execution` (`jaxdepth.analyses.ig.engine.Execution`, with a
-    progress bar by default): `nonfinite` 'raise' (default) stops at the first prompt with a NaN
+    `jaxdepth.analyses.ig.rules`). `execution` (a `jaxdepth.Execution`, with a progress bar by
+    default): `nonfinite` 'raise' (default) stops at the first prompt with a NaN
     or infinite F or attribution, naming its layers and positions (`NonFiniteAttributionError`),
     'warn' warns and goes on; `on_layer()` is called as each layer of each prompt finishes;
     `backward` 'auto' (default), 'stored' or 'recompute', as `jaxdepth.integrated_gradients`,
@@ -224,16 +226,14 @@ def integrated_gradients_of_answers(
     `padding`: the length each prompt runs at (`ig_lengths`): 'cost' (default) by what padding
     costs against the compilations it saves on this device, 'buckets' the batch's length
     buckets, or lengths of your own (a `LengthBuckets`, a `ChosenLengths`); the numbers the same
-    to float32 rounding. `settings`: more entries for the result's settings."""
-    if baseline not in BASELINES:
-        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
-    _check_target(target)
+    to float32 rounding. The result's `settings` say the rule, the baseline and the target."""
+    target = as_target(target)
     rule = rules.as_rule(rule)
     L, P, T = config.num_layers, len(batch), batch.tokens.shape[1]
     adaptive = isinstance(rule, rules.AdaptiveRule)
     if adaptive:
         rule.tolerances(L)  # a tolerance per layer: as many as the layers
-    warn_if_zero_baseline_diverges(baseline, TARGETS[target])
+    warn_if_zero_baseline_diverges(target.baseline, target.site)
     attributions = np.zeros((P, L, T), np.float32)
     f_input, f_baseline = np.zeros(P, np.float32), np.zeros((P, L), np.float32)
     evaluations, converged = np.zeros((P, L), np.int64), np.zeros((P, L), bool)
@@ -245,10 +245,9 @@ def integrated_gradients_of_answers(
 
         def layer_done():
             bar.update()
-            if execution.on_layer is not None:
-                execution.on_layer()
+            execution.layer_done()
 
-        each_prompt = dataclasses.replace(execution, progress=False, on_layer=layer_done)
+        each_prompt = execution.replace(progress=False, on_layer=layer_done)
         lengths = ig_lengths(batch, config, rule, padding, execution.memory_budget)
         for i in range(P):
             prompt = batch.prompt(i, lengths)
@@ -258,7 +257,6 @@ def integrated_gradients_of_answers(
                 prompt,
                 config,
                 rule=rule,
-                baseline=baseline,
                 target=target,
                 interventions=interventions,
                 execution=each_prompt,
@@ -283,10 +281,9 @@ def integrated_gradients_of_answers(
         lengths=batch.lengths,
         answer_start=batch.answer_start,
         settings={
-            **(settings or {}),
             **rule.settings(),
-            "baseline": baseline,
-            **({} if target == "layer" else {"target": target}),
+            "baseline": target.baseline,
+            **({} if target.name == "layer" else {"target": target.name}),
         },
         **extra,
     )
@@ -505,8 +502,7 @@ def _run_ig(x) -> IntegratedGradientsResult:
         x.batch,
         m.config,
         rule=s.rule,
-        baseline=s.ig_baseline,
-        target=s.ig_target,
+        target=Target(s.ig_target, s.ig_baseline),
         execution=Execution(memory_budget=s.memory_budget, progress=x.progress),
         padding=s.ig_padding,
     )

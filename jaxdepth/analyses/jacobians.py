@@ -67,6 +67,7 @@ __all__ = [
     "token_step",
     "measured_positions",
     "layer_jacobians",
+    "Estimate",
     "JacobianResult",
     "jacobian_figure",
     "JacobianSettings",
@@ -313,6 +314,24 @@ def _refuse_rounded_products(params: Params) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """How the Jacobians' measures are taken (module docstring): exactly where the width D <=
+    `exact_width`, else from `probes` Gaussian probes (Hutchinson) and `iterations` Lanczos
+    steps, drawn from `seed`."""
+
+    probes: int = DEFAULT_PROBES
+    iterations: int = DEFAULT_ITERATIONS
+    exact_width: int = DEFAULT_EXACT_WIDTH
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.probes < 2 or self.iterations < 1:
+            raise ValueError(
+                f"the estimates need probes >= 2 and iterations >= 1, got {self.probes} and {self.iterations}"
+            )
+
+
 def layer_jacobians(
     params: Params,
     batch: PromptBatch,
@@ -320,20 +339,17 @@ def layer_jacobians(
     *,
     tokens: int = DEFAULT_TOKENS,
     positions: Optional[np.ndarray] = None,
-    probes: int = DEFAULT_PROBES,
-    iterations: int = DEFAULT_ITERATIONS,
-    exact_width: int = DEFAULT_EXACT_WIDTH,
-    seed: int = 0,
+    estimate: Estimate = Estimate(),
     settings: Optional[dict] = None,
 ) -> JacobianResult:
     """Both measures of every layer's and every suffix's Jacobian (module docstring) at
     `positions [N, M]` of `batch`'s prompts (-1: none; default `measured_positions(lengths,
-    tokens)`): exact where the width D <= `exact_width`, else from `probes` probes and
-    `iterations` Lanczos steps, drawn from `seed`. One clean forward per group of prompts, then
-    one token's steps through the layers per measured position."""
+    tokens)`), `[N, M, L]` each: as `estimate` says (`Estimate`: exact where the width D <=
+    `exact_width`, else from `probes` probes and `iterations` Lanczos steps, drawn from
+    `seed`). One clean forward per group of prompts, then one token's steps through the layers
+    per measured position."""
     _refuse_rounded_products(params)
-    if probes < 2 or iterations < 1:
-        raise ValueError(f"the estimates need probes >= 2 and iterations >= 1, got {probes} and {iterations}")
+    probes, iterations, seed = estimate.probes, estimate.iterations, estimate.seed
     lengths = np.asarray(batch.lengths)
     positions = measured_positions(lengths, tokens) if positions is None else np.asarray(positions, np.int64)
     N, L, D = len(lengths), config.num_layers, config.hidden_size
@@ -341,7 +357,7 @@ def layer_jacobians(
         raise ValueError(f"positions must be [prompts={N}, M], got shape {positions.shape}")
     if np.any(positions >= lengths[:, None]) or np.any(positions < -1):
         raise ValueError("every measured position must be one of its prompt's tokens (or -1 for none)")
-    exact = D <= exact_width
+    exact = D <= estimate.exact_width
     out = {name: np.full((N, positions.shape[1], L), np.nan, np.float32) for name in MEASURES}
     key = jax.random.key(seed)
     for g, (index, group) in enumerate(batch.groups()):
@@ -464,10 +480,12 @@ ANALYSIS = Analysis(
         x.batch,
         x.model.config,
         tokens=x.settings.jacobian_tokens,
-        probes=x.settings.jacobian_probes,
-        iterations=x.settings.jacobian_iterations,
-        exact_width=x.settings.jacobian_exact_width,
-        seed=x.settings.seed,
+        estimate=Estimate(
+            probes=x.settings.jacobian_probes,
+            iterations=x.settings.jacobian_iterations,
+            exact_width=x.settings.jacobian_exact_width,
+            seed=x.settings.seed,
+        ),
     ),
     figures=lambda r, tokenizer, n: {"": jacobian_figure(r)},
     summary=_summary,

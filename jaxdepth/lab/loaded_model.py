@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.decoding import generate, generate_orders
 from jaxdepth.core.loops import run_layers
@@ -72,39 +73,42 @@ class Model(ModelWeights):
         tokens, valid = self._checked(token_ids, valid)
         return _jit_run(self.params, tokens, self.config, valid, interventions, tap)
 
-    def integrated_gradients(self, token_ids, metric, **options):
-        """`jaxdepth.integrated_gradients` on this model: a `SiteIG` attributing the scalar
-        `metric(logits)` to the value at a site of each layer (`token_ids` and the options as
-        there: `site`, `layers`, `baseline`, `rule`, `interventions`, `execution`)."""
+    def integrated_gradients(self, token_ids, what, **options):
+        """`jaxdepth.integrated_gradients` on this model: a `SiteIG` attributing `what`, a
+        `Metric` or an `Attribution(metric, site=..., layers=..., baseline=...)`, to the value at
+        a site of each layer (`token_ids` and the options as there: `rule`, `interventions`,
+        `execution`)."""
         from jaxdepth.analyses.ig import integrated_gradients
 
-        return integrated_gradients(self.params, token_ids, self.config, metric, **options)
+        return integrated_gradients(self.params, token_ids, self.config, what, **options)
 
-    def site_gradients(
-        self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None, positions=None
-    ):
+    def site_gradients(self, token_ids, metric, sites=("resid_pre",), *, valid=None, interventions=None):
         """`jaxdepth.analyses.attribution.site_gradients` on this model, jitted: a
-        `SiteGradients` with the gradient of the scalar `metric(logits)` at each of `sites` of
-        every layer, and the values there, each `[L, B, T, ...]` (`resid_pre`: L+1 rows, the
-        last the final residual), from one forward and one backward pass. With `positions`
-        (int `[A]`) the metric receives the logits of those positions only, `[B, A, V]`.
-        `metric` is static: define it once. A metric that reads a padded position (`valid`
-        false) is refused first, naming the prompt (`jaxdepth.analyses.metric_inputs`)."""
-        tokens, valid = self._checked(token_ids, valid)
-        positions = None if positions is None else jnp.asarray(positions, jnp.int32)
-        if valid is not None:  # refused here: inside the jitted call nothing can raise on data
-            from jaxdepth.analyses.metric_inputs import clean_logits, refuse_padding_reads
+        `SiteGradients` with the gradient of `metric` (a `jaxdepth.Metric`, one value per
+        prompt, read at its declared positions only; summed over the prompts) at each of
+        `sites` of every layer, and the values there, each `[L, B, T, ...]` (`resid_pre`: L+1
+        rows, the last the final residual), from one forward and one backward pass. `metric`
+        is static: define it once. A metric that reads a padded position (`valid` false) is
+        refused first, naming the prompt (`jaxdepth.analyses.metric_inputs`)."""
+        from jaxdepth.analyses.metrics import as_metric
 
-            refuse_padding_reads(
-                metric,
-                lambda: clean_logits(self.params, tokens, valid, self.config, interventions, positions),
-                valid if positions is None else valid[:, positions],
-                analysis="site gradients",
-                hint="or pass positions= at real positions of every prompt",
-            )
-        return _jit_site_gradients(
-            self.params, tokens, self.config, metric, tuple(sites), valid, interventions, positions
-        )
+        tokens, valid = self._checked(token_ids, valid)
+        metric = as_metric(metric, "site gradients", clean_available=False, answers_available=False)
+        prompts = PromptArrays(tokens, valid)
+        if valid is not None:  # refused here: inside the jitted call nothing can raise on data
+            from jaxdepth.analyses.ig.checks import clean_readout, refuse_readout_padding
+            from jaxdepth.analyses.metrics import reads_at
+
+            reads = reads_at(metric, valid)
+            if not np.all(np.asarray(reads.real)):
+                refuse_readout_padding(
+                    metric,
+                    clean_readout(self.params, prompts, self.config, metric, reads, interventions),
+                    valid,
+                    analysis="site gradients",
+                    hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
+                )
+        return _jit_site_gradients(self.params, prompts, self.config, metric, tuple(sites), interventions)
 
     def generate(
         self,
@@ -207,9 +211,7 @@ def _jit_run(params, tokens, config, valid, interventions, tap):
 
 
 @partial(jit, static_argnames=("config", "metric", "sites"))
-def _jit_site_gradients(params, tokens, config, metric, sites, valid, interventions, positions):
+def _jit_site_gradients(params, prompts, config, metric, sites, interventions):
     from jaxdepth.analyses.attribution import site_gradients
 
-    return site_gradients(
-        params, tokens, config, metric, sites, valid=valid, interventions=interventions, positions=positions
-    )
+    return site_gradients(params, prompts, config, metric, sites, interventions=interventions)

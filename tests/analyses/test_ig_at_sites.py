@@ -13,7 +13,7 @@ import pytest
 
 import jaxdepth
 from conftest import assert_close
-from jaxdepth.analyses.ig import AdaptiveRule, Execution, FixedRule, LogitsMetric
+from jaxdepth.analyses.ig import AdaptiveRule, Attribution, Execution, FixedRule
 from jaxdepth.analyses.ig.checks import ig_baseline
 from jaxdepth.analyses.ig.rules import quadrature, rule_of
 from jaxdepth.analyses.ig import path as ig_path
@@ -54,12 +54,22 @@ def _setup():
     return params, tokens
 
 
-def logit_difference(logits):  # one value per prompt: the last position's logit of CORRECT minus WRONG
-    return logits[:, -1, CORRECT] - logits[:, -1, WRONG]
+@jaxdepth.metric(reads="last")
+def logit_difference(r):  # one value per prompt: its last real position's logit of CORRECT minus WRONG
+    return r.logits[:, 0, CORRECT] - r.logits[:, 0, WRONG]
 
 
-def logit_difference_of_one(logits):  # the same for one prompt, a scalar
-    return logit_difference(logits)[0]
+def logit_difference_of_one(logits):  # the same of one prompt's full logits [1, T, V], a scalar: the references'
+    return logits[0, -1, CORRECT] - logits[0, -1, WRONG]
+
+
+def integrated_gradients(
+    params, tokens, config, metric, *, site="resid_post", layers=None, baseline="channel_mean", per_channel=True, **run
+):
+    """`jaxdepth.integrated_gradients` of `Attribution(metric, site, layers, baseline, per_channel)`."""
+    return jaxdepth.integrated_gradients(
+        params, tokens, config, Attribution(metric, site, layers, baseline, per_channel), **run
+    )
 
 
 def _by_hand(params, tokens, site, layer, alphas, weights, metric=logit_difference_of_one):
@@ -87,9 +97,7 @@ def test_against_a_hand_written_riemann_sum(site):
     params, tokens = _setup()
     one = tokens[:1]
     steps = 6
-    result = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, site=site, rule=FixedRule(steps=steps)
-    )
+    result = integrated_gradients(params, one, CONFIG, logit_difference, site=site, rule=FixedRule(steps=steps))
     trailing = sites.site_shape(site, CONFIG, 1, T)[2:]
     assert result.attributions.shape == (L, 1, T) + trailing and result.per_position.shape == (L, 1, T)
     assert result.gap.shape == (L, 1) and result.evaluations.tolist() == [[steps]] * L
@@ -114,11 +122,11 @@ def test_against_a_hand_written_riemann_sum(site):
 def test_a_subset_of_layers_other_rules_and_baselines_at_mlp_hidden():
     params, tokens = _setup()
     one = tokens[1:]
-    result = jaxdepth.integrated_gradients(
+    result = integrated_gradients(
         params,
         one,
         CONFIG,
-        logit_difference_of_one,
+        logit_difference,
         site="mlp_hidden",
         layers=[2, 0],
         rule=FixedRule("gauss", 4),
@@ -139,21 +147,13 @@ def test_prompts_of_a_batch_are_attributed_independently():
     valid = np.ones((2, T), bool)
     valid[1, -2:] = False  # right padding: the second prompt is shorter
 
-    def last_real(logits):  # per prompt, at its own last real position
-        last = jnp.asarray(valid.sum(1) - 1)
-        return logits[jnp.arange(2), last, CORRECT] - logits[jnp.arange(2), last, WRONG]
-
+    # a metric of the last position reads each prompt's own last real token, never its padding
     padded = PromptBatch(np.asarray(tokens), valid, valid.sum(1))
-    both = jaxdepth.integrated_gradients(params, padded, CONFIG, last_real, rule=FixedRule(steps=4), site="attn_out")
+    both = integrated_gradients(params, padded, CONFIG, logit_difference, rule=FixedRule(steps=4), site="attn_out")
     for i in range(2):
         n = int(valid[i].sum())
-        alone = jaxdepth.integrated_gradients(
-            params,
-            tokens[i : i + 1, :n],
-            CONFIG,
-            lambda logits: logits[0, -1, CORRECT] - logits[0, -1, WRONG],
-            rule=FixedRule(steps=4),
-            site="attn_out",
+        alone = integrated_gradients(
+            params, tokens[i : i + 1, :n], CONFIG, logit_difference, rule=FixedRule(steps=4), site="attn_out"
         )
         assert_close(both.attributions[:, i, :n], alone.attributions[:, 0], f"prompt {i}", tol=1e-5)
         assert_close(both.gap[:, i], alone.gap[:, 0], f"gap of prompt {i}")
@@ -163,17 +163,15 @@ def test_prompts_of_a_batch_are_attributed_independently():
 def test_adaptive_rule_certifies_its_gap_and_its_channels_sum_to_its_positions():
     params, tokens = _setup()
     one = tokens[:1]
-    result = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, rule=AdaptiveRule(tolerance=1e-3), site="mlp_out"
+    result = integrated_gradients(
+        params, one, CONFIG, logit_difference, rule=AdaptiveRule(tolerance=1e-3), site="mlp_out"
     )
     assert result.converged.all() and result.converged.shape == (L, 1)
     assert np.all(np.abs(result.gap) <= result.bound + 1e-6)
     assert np.all(result.bound <= 1e-3 * np.abs(result.f_input[None] - result.f_baseline) + 1e-6)
     np.testing.assert_allclose(result.attributions.sum(-1), result.per_position, atol=1e-5)
     # a fine fixed rule agrees within the certified tolerance
-    fine = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, rule=FixedRule("midpoint", 256), site="mlp_out"
-    )
+    fine = integrated_gradients(params, one, CONFIG, logit_difference, rule=FixedRule("midpoint", 256), site="mlp_out")
     scale = np.abs(result.f_input[None] - result.f_baseline)[..., None]
     assert np.max(np.abs(fine.per_position - result.per_position) / scale) < 5e-3
 
@@ -182,8 +180,8 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
     params, tokens = _setup()
     one = tokens[:1]
     ablate = sites.ablate_heads(np.eye(L, CONFIG.num_heads, dtype=np.float32), head_dim=CONFIG.head_dim)
-    result = jaxdepth.integrated_gradients(
-        params, one, CONFIG, logit_difference_of_one, rule=FixedRule(steps=4), interventions=ablate, layers=[1]
+    result = integrated_gradients(
+        params, one, CONFIG, logit_difference, rule=FixedRule(steps=4), interventions=ablate, layers=[1]
     )
     x = run_layers(params, embed(params, one, CONFIG), CONFIG, interventions=ablate, tap=lambda r, _: r.out)[1][1]
     b = jnp.broadcast_to(x.mean(axis=1, keepdims=True), x.shape)
@@ -196,18 +194,21 @@ def test_under_an_intervention_equals_the_hand_computation_with_it():
 
 
 REFUSALS = {
-    "a non-scalar metric": (dict(metric=lambda logits: logits[0, -1]), r"must return a scalar .* shape \(97,\)"),
+    "a metric of more than one value per prompt": (
+        dict(metric=jaxdepth.metric(reads="last")(lambda r: r.logits[:, 0])),
+        r"must return one value per prompt, shape \(1,\).*returned shape \(1, 97\)",
+    ),
     "an unknown site": (dict(site="mlp_input"), r"unknown site 'mlp_input'"),
     "a layer out of range": (dict(layers=[3]), r"layers must be distinct layer indices in 0..2"),
     "an unknown rule": (dict(rule="simpson"), r"rule must be one of"),
     "a baseline of the wrong shape": (dict(baseline=np.zeros(31)), r"a baseline array must broadcast"),
     # an argmax or an accuracy has a zero gradient: every attribution would be exactly 0
     "an integer metric": (
-        dict(metric=lambda logits: jnp.argmax(logits[0, -1])),
+        dict(metric=jaxdepth.metric(reads="last")(lambda r: jnp.argmax(r.logits[:, 0], axis=-1))),
         r"returns int32 values.*zero gradient",
     ),
     "a boolean metric": (
-        dict(metric=lambda logits: logits[0, -1, CORRECT] > logits[0, -1, WRONG]),
+        dict(metric=jaxdepth.metric(reads="last")(lambda r: r.logits[:, 0, CORRECT] > r.logits[:, 0, WRONG])),
         r"returns bool values: a metric must be floating point",
     ),
 }
@@ -217,11 +218,11 @@ REFUSALS = {
 def test_refusals(case):
     params, tokens = _setup()
     options, message = REFUSALS[case]
-    options = {"metric": logit_difference_of_one, "rule": FixedRule(steps=2), **options}
+    options = {"metric": logit_difference, "rule": FixedRule(steps=2), **options}
     with pytest.raises(ValueError, match=message):
-        jaxdepth.integrated_gradients(params, tokens[:1], CONFIG, options.pop("metric"), **options)
+        integrated_gradients(params, tokens[:1], CONFIG, options.pop("metric"), **options)
     with pytest.raises(ValueError, match="one prompt"):
-        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=AdaptiveRule())
+        integrated_gradients(params, tokens, CONFIG, logit_difference, rule=AdaptiveRule())
 
 
 RULE_REFUSALS = {
@@ -246,20 +247,24 @@ def test_a_rule_refuses_what_it_does_not_take(case):
 def test_a_number_or_a_tolerance_per_layer_of_other_layers_is_refused_as_a_rule():
     params, tokens = _setup()
     with pytest.raises(TypeError, match=r"FixedRule\(steps=8\) or AdaptiveRule\(max_evaluations=8\)"):
-        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=8)
+        integrated_gradients(params, tokens, CONFIG, logit_difference, rule=8)
     with pytest.raises(TypeError, match="steps must be an integer"):
         FixedRule(steps=8.0)
     with pytest.raises(ValueError, match="tolerance has 2 values, one per layer, for 3 attributed layers"):
-        jaxdepth.integrated_gradients(params, tokens[:1], CONFIG, logit_difference, rule=AdaptiveRule(tolerance=[1, 1]))
+        integrated_gradients(params, tokens[:1], CONFIG, logit_difference, rule=AdaptiveRule(tolerance=[1, 1]))
+
+
+@jaxdepth.metric(reads="all")
+def logit_difference_of_all_logits(r):  # every prompt of `_setup` is T real tokens: -1 is the last real one
+    return r.logits[:, -1, CORRECT] - r.logits[:, -1, WRONG]
 
 
 def test_a_metric_of_some_positions_equals_the_metric_of_all_logits():
-    """`LogitsMetric(fn, positions)` runs the head at those positions only: the same attributions."""
+    """A metric reading 'last' runs the head at that position only: the attributions of the
+    metric reading every position's logits."""
     params, tokens = _setup()
-    at_last = jaxdepth.integrated_gradients(
-        params, tokens, CONFIG, LogitsMetric(logit_difference, positions=[T - 1]), rule=FixedRule(steps=4)
-    )
-    everywhere = jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, rule=FixedRule(steps=4))
+    at_last = integrated_gradients(params, tokens, CONFIG, logit_difference, rule=FixedRule(steps=4))
+    everywhere = integrated_gradients(params, tokens, CONFIG, logit_difference_of_all_logits, rule=FixedRule(steps=4))
     assert_close(at_last.attributions, everywhere.attributions, "per channel", tol=1e-5)
     assert_close(at_last.f_baseline, everywhere.f_baseline, "F(b)", tol=1e-6)
 
@@ -281,9 +286,13 @@ def test_model_methods_equal_the_functions_and_compile_once_per_shape():
     for factor in (0.0, 0.5, 2.0):  # a new intervention value compiles nothing new
         model.logits(tokens, interventions=sites.keep("delta", factor * np.ones((L, T), np.float32)))
     assert _jit_forward._cache_size() == before
-    g = model.site_gradients(tokens[:1], logit_difference_of_one, ("resid_pre", "mlp_out"))
+    g = model.site_gradients(tokens[:1], logit_difference, ("resid_pre", "mlp_out"))
     assert g.gradients["resid_pre"].shape == (L + 1, 1, T, CONFIG.hidden_size)
-    ig = model.integrated_gradients(tokens[:1], logit_difference_of_one, rule=FixedRule(steps=2), layers=[0])
+    from jaxdepth.analyses.attribution import site_gradients
+
+    direct = site_gradients(params, tokens[:1], CONFIG, logit_difference, ("resid_pre", "mlp_out"))
+    assert_close(g.gradients["mlp_out"], direct.gradients["mlp_out"], "Model.site_gradients", tol=1e-6)
+    ig = model.integrated_gradients(tokens[:1], Attribution(logit_difference, layers=[0]), rule=FixedRule(steps=2))
     assert ig.per_position.shape == (1, 1, T)
 
 
@@ -313,8 +322,9 @@ DEEP = ModelConfig(
 )
 
 
-def answer_log_probability(logits):
-    return jax.nn.log_softmax(logits[0, -1])[CORRECT]
+@jaxdepth.metric(reads="last")
+def answer_log_probability(r):
+    return jax.nn.log_softmax(r.logits[:, 0])[:, CORRECT]
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,7 +340,7 @@ def test_a_zero_baseline_at_the_residual_is_warned_about_and_its_nan_raised():
             match=r"at 'resid_pre' are not finite \(NaN or inf\) at:\n  layer 0, prompt 0: "
             r"the attributions at positions 0",
         ):
-            jaxdepth.integrated_gradients(
+            integrated_gradients(
                 params,
                 tokens,
                 DEEP,
@@ -346,7 +356,7 @@ def test_a_zero_baseline_at_the_residual_is_warned_about_and_its_nan_raised():
 def test_nonfinite_warn_names_every_such_layer_and_returns_the_values():
     params, tokens = _deep_setup()
     with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions at positions 0\n"):
-        result = jaxdepth.integrated_gradients(
+        result = integrated_gradients(
             params,
             tokens,
             DEEP,
@@ -367,18 +377,19 @@ def test_the_adaptive_rule_stops_a_layer_at_its_first_nonfinite_evaluation():
     params, tokens = _deep_setup()
     options = dict(site="resid_pre", layers=[0], rule=AdaptiveRule(), baseline="zero")
     with pytest.warns(RuntimeWarning, match=r"layer 0, prompt 0: the attributions"):
-        result = jaxdepth.integrated_gradients(
+        result = integrated_gradients(
             params,
             tokens,
             DEEP,
             answer_log_probability,
-            execution=Execution(nonfinite="warn", per_channel=False),
+            execution=Execution(nonfinite="warn"),
+            per_channel=False,
             **options,
         )
     assert result.evaluations[0, 0] <= 23
     assert not result.converged[0, 0] and np.isnan(result.bound[0, 0])
     with pytest.raises(jaxdepth.NonFiniteAttributionError, match=r"layer 0, prompt 0"):
-        jaxdepth.integrated_gradients(params, tokens, DEEP, answer_log_probability, **options)
+        integrated_gradients(params, tokens, DEEP, answer_log_probability, **options)
 
 
 def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
@@ -388,7 +399,7 @@ def test_a_zero_baseline_inside_the_layer_stays_finite_and_quiet():
     params, tokens = _deep_setup()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = jaxdepth.integrated_gradients(
+        result = integrated_gradients(
             params,
             tokens,
             DEEP,
@@ -410,14 +421,12 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
     options = dict(
         site=site, layers=[0, 2], rule=AdaptiveRule(tolerance=0.05) if rule == "adaptive" else FixedRule(rule, 8)
     )
-    metric = logit_difference_of_one if rule == "adaptive" else logit_difference
-    recomputed = jaxdepth.integrated_gradients(
+    metric = logit_difference
+    recomputed = integrated_gradients(
         params, tokens, CONFIG, metric, execution=Execution(backward="recompute"), **options
     )
-    stored = jaxdepth.integrated_gradients(
-        params, tokens, CONFIG, metric, execution=Execution(backward="stored"), **options
-    )
-    partly = jaxdepth.integrated_gradients(  # the last layer kept: layer 0's path crosses both kinds
+    stored = integrated_gradients(params, tokens, CONFIG, metric, execution=Execution(backward="stored"), **options)
+    partly = integrated_gradients(  # the last layer kept: layer 0's path crosses both kinds
         params, tokens, CONFIG, metric, execution=Execution(backward=1), **options
     )
     for other in (stored, partly):
@@ -426,9 +435,9 @@ def test_a_stored_backward_gives_the_recomputed_attributions(site, rule):
         assert_close(other.attributions, recomputed.attributions, "per channel", tol=1e-5)
         assert_close(other.f_baseline, recomputed.f_baseline, "F(b)", tol=1e-6)
     with pytest.raises(ValueError, match=r"backward must be one of \('auto', 'recompute', 'stored'\) or a number"):
-        jaxdepth.integrated_gradients(params, tokens, CONFIG, metric, execution=Execution(backward="kept"), **options)
+        integrated_gradients(params, tokens, CONFIG, metric, execution=Execution(backward="kept"), **options)
     with pytest.raises(ValueError, match=rf"stored layers in 0\.\.{CONFIG.num_layers}"):
-        jaxdepth.integrated_gradients(
+        integrated_gradients(
             params, tokens, CONFIG, metric, execution=Execution(backward=CONFIG.num_layers + 1), **options
         )
 
@@ -443,10 +452,10 @@ def test_a_stored_backward_takes_an_intervention_with_python_scalar_data():
     params, tokens = _setup()
     halve = sites.Intervention("attn_out", _scale, 0.5)
     options = dict(site="resid_post", layers=[0], rule=FixedRule(steps=4), interventions=(halve,))
-    stored = jaxdepth.integrated_gradients(
+    stored = integrated_gradients(
         params, tokens, CONFIG, logit_difference, execution=Execution(backward="stored"), **options
     )
-    recomputed = jaxdepth.integrated_gradients(
+    recomputed = integrated_gradients(
         params, tokens, CONFIG, logit_difference, execution=Execution(backward="recompute"), **options
     )
     assert_close(stored.per_position, recomputed.per_position, "per position", tol=1e-5)
@@ -469,3 +478,65 @@ def test_auto_stores_the_activations_whenever_one_stored_gradient_fits(monkeypat
     assert choose_backward("stored", CONFIG, T, memory_budget=1) == "stored"
     monkeypatch.setattr(ig_path, "available_memory_budget", lambda fraction: int(fraction * 10**9))
     assert ig_memory_budget() == int(IG_MEMORY_FRACTION * 10**9) and ig_memory_budget(123) == 123
+
+
+@jaxdepth.metric(reads="last", clean=True)
+def logit_difference_change(r):  # F(run) - F(clean): 0 at the input, the clean run of integrated gradients
+    return (r.logits[:, 0, CORRECT] - r.logits[:, 0, WRONG]) - (r.clean[:, 0, CORRECT] - r.clean[:, 0, WRONG])
+
+
+def test_a_clean_run_metric_is_given_the_input_as_its_clean_run():
+    """A metric with clean=True reads F(x)'s logits as the clean ones: it is 0 at the input, and
+    its attributions are those of the metric without the constant."""
+    params, tokens = _setup()
+    change = integrated_gradients(params, tokens, CONFIG, logit_difference_change, rule=FixedRule(steps=4), layers=[1])
+    plain = integrated_gradients(params, tokens, CONFIG, logit_difference, rule=FixedRule(steps=4), layers=[1])
+    np.testing.assert_array_equal(change.f_input, np.zeros(2, np.float32))
+    assert_close(change.attributions, plain.attributions, "per channel", tol=1e-5)
+    assert_close(change.f_baseline, plain.f_baseline - plain.f_input[None], "F(b) - F(x)", tol=1e-5)
+
+
+def test_the_former_forms_are_refused_with_the_new_ones():
+    """A plain function of the logits, loose keywords of what is attributed or of how it runs,
+    and a metric of answers where the prompts have none: each refused with what says the same."""
+    params, tokens = _setup()
+    with pytest.raises(TypeError, match=r"(?s)is a plain function; a metric is now one form.*reads='last'"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference_of_one, rule=FixedRule(steps=2))
+    with pytest.raises(TypeError, match=r"Attribution\(metric, site='head_out', layers=\[0\]\)"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, site="head_out", layers=[0])
+    with pytest.raises(TypeError, match=r"execution=jaxdepth.Execution\(chunk_size=2, progress=True\)"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, logit_difference, chunk_size=2, progress=True)
+    with pytest.raises(ValueError, match="integrated gradients knows no answer positions"):
+        jaxdepth.integrated_gradients(params, tokens, CONFIG, jaxdepth.metrics.answer_probability)
+
+
+def test_a_chunk_size_changes_nothing_but_the_chunking():
+    """`Execution(chunk_size=...)` reaches the gradient sweep (one compilation per chunk) and
+    changes no number beyond float32 rounding."""
+    params, tokens = _setup()
+    options = dict(rule=FixedRule(steps=6), site="mlp_out", layers=[0, 2])
+    whole = integrated_gradients(params, tokens, CONFIG, logit_difference, **options)
+    before = ig_path.weighted_gradient._cache_size()
+    chunked = integrated_gradients(
+        params, tokens, CONFIG, logit_difference, execution=Execution(chunk_size=4), **options
+    )
+    assert ig_path.weighted_gradient._cache_size() == before + 1  # chunk 4 is a program of its own
+    assert_close(chunked.attributions, whole.attributions, "per channel", tol=1e-6)
+    assert_close(chunked.f_baseline, whole.f_baseline, "F(b)", tol=1e-6)
+
+
+def test_the_public_form_with_the_answer_probability_is_the_studies_integrated_gradients():
+    """`jaxdepth.integrated_gradients` of `jaxdepth.metrics.answer_probability` on a prompt with
+    its answer span (`PromptArrays`) is the studies' IG of that prompt, to the bit."""
+    from jaxdepth.analyses.integrated_gradients import ig_of_prompt
+    from jaxdepth.core.batch import make_batch
+
+    params, tokens = _setup()
+    prompt = make_batch([np.asarray(tokens[0]).tolist()], [5]).prompt(0)
+    what = Attribution(jaxdepth.metrics.answer_probability, site="mlp_out", per_channel=False)
+    public = jaxdepth.integrated_gradients(params, prompt, CONFIG, what, rule=FixedRule(steps=4))
+    study = ig_of_prompt(params, prompt, CONFIG, rule=FixedRule(steps=4), target="mlp")
+    np.testing.assert_array_equal(public.per_position, study.per_position)
+    np.testing.assert_array_equal(public.f_input, study.f_input)
+    np.testing.assert_array_equal(public.f_baseline, study.f_baseline)
+    assert public.attributions is None and float(public.f_input[0]) > 0

@@ -11,7 +11,8 @@ import pytest
 
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.core.loops import suffix_value_and_grad
-from jaxdepth.analyses.ig.engine import Execution
+from jaxdepth.analyses.ig.engine import Execution, prompt_reads
+from jaxdepth.analyses.metrics import answer_probability, measure
 from jaxdepth.analyses.ig.rules import RULE_VERSION, AdaptiveRule, FixedRule, as_rule, quadrature, rule_from_settings
 from jaxdepth.core import sites
 from jaxdepth.core.loops import run_layers
@@ -113,7 +114,8 @@ def test_suffix_gradient_equals_jax_grad_of_a_plain_forward(params, batch, backw
     # plain forward with h_start set, from every start (before, at and after the stored layers).
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    objective = ig.answer_objective(params, batch.prompt(1), CONFIG)
+    reads = prompt_reads(answer_probability, batch.prompt(1))  # F, the studies' metric, at the answer span
+    objective = lambda h_last: measure(answer_probability, params, h_last, CONFIG, reads)[0]  # noqa: E731
     hs = residual_stream(params, tokens, CONFIG, valid=valid)
     for start in range(CONFIG.num_layers + 1):
         z = hs[start] * 1.3  # off the clean path, so nothing coincides by accident

@@ -15,6 +15,7 @@ from conftest import tiny_config, with_layers_silenced
 from jaxdepth.analyses.jacobians import (
     ANALYSIS,
     MEASURES,
+    Estimate,
     JacobianResult,
     clean_layer_states,
     jacobian_figure,
@@ -103,7 +104,7 @@ def test_on_a_linear_model_the_jacobians_are_the_analytic_matrices(params, batch
     positions = np.array([[5, 8], [3, 1], [11, 2]])
     result = layer_jacobians(linear, batch, config, positions=positions)
     estimated = layer_jacobians(
-        linear, batch, config, positions=positions, exact_width=0, probes=PROBES, iterations=ITERATIONS
+        linear, batch, config, positions=positions, estimate=Estimate(PROBES, ITERATIONS, exact_width=0)
     )
     eye = np.eye(D)
     w = {
@@ -143,7 +144,7 @@ def test_a_silenced_layer_is_exactly_the_identity(params, batch):
     positions = [[5, 8, 2], [3, 1, 4], [11, -1, -1]]
     for exact_width in (D, 0):
         result = layer_jacobians(
-            silenced, batch, CONFIG, positions=positions, exact_width=exact_width, probes=PROBES, iterations=ITERATIONS
+            silenced, batch, CONFIG, positions=positions, estimate=Estimate(PROBES, ITERATIONS, exact_width=exact_width)
         )
         measured = result.measured
         for name in ("layer_frob2", "layer_sigma"):
@@ -164,7 +165,7 @@ def test_the_randomized_estimates_are_within_their_stated_error(params, batch, e
     lower bound within 1% after 12 Lanczos steps at width 32."""
     probes = PROBES
     estimated = layer_jacobians(
-        params, batch, CONFIG, positions=exact.positions, exact_width=0, probes=probes, iterations=ITERATIONS, seed=5
+        params, batch, CONFIG, positions=exact.positions, estimate=Estimate(probes, ITERATIONS, exact_width=0, seed=5)
     )
     measured = exact.measured
     for which in ("layer", "suffix"):

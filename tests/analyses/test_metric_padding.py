@@ -20,7 +20,7 @@ from jaxdepth.analyses import attribution, erasure, layer_skip
 from jaxdepth.analyses.edges import kl_clean_to_run, mean_kl_clean_to_run, prompt_pairs
 from jaxdepth.analyses import metrics
 from jaxdepth.analyses.edges.scores import edge_attribution
-from jaxdepth.analyses.ig import Execution, FixedRule, integrated_gradients
+from jaxdepth.analyses.ig import Attribution, Execution, FixedRule, integrated_gradients
 from jaxdepth.analyses.layer_skip import Skip, SkipMasks, member_masks
 from jaxdepth.analyses.metric_inputs import padding_reads
 from jaxdepth.core.batch import LengthBuckets, PromptArrays, make_batch
@@ -74,6 +74,19 @@ def summed_logit(logits):
 
 def summed_real_logit(logits):
     return jnp.sum(logits[:, SHORT - 1, 0])
+
+
+@jaxdepth.metric(reads="all")
+def every_last_logit(r):
+    """A metric of every position's logits (integrated gradients' and site gradients' form)
+    reading position 15 of each prompt: padding for the 9-token one."""
+    return r.logits[:, -1, 0]
+
+
+@jaxdepth.metric(reads="all")
+def every_real_logit(r):
+    """The same at position 8, real in both prompts."""
+    return r.logits[:, SHORT - 1, 0]
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +150,9 @@ def _refusals(params, batch):
         "layer skip": lambda m: layer_skip.layer_skip(params, batch, CONFIG, Skip(mode="current"), metric=m),
         "erasure": lambda m: erasure.residual_erasure(params, batch, CONFIG, baseline, metric=m),
         "integrated gradients": lambda m: integrated_gradients(
-            params, batch, CONFIG, m, layers=[1], rule=FixedRule(steps=2), execution=Execution(progress=False)
+            params, batch, CONFIG, Attribution(m, layers=[1]), rule=FixedRule(steps=2), execution=Execution()
         ),
-        "site gradients": lambda m: attribution.site_gradients(params, tokens, CONFIG, m, valid=valid),
+        "site gradients": lambda m: attribution.site_gradients(params, PromptArrays(tokens, valid), CONFIG, m),
         "Model.site_gradients": lambda m: model.site_gradients(tokens, m, valid=valid),
     }
 
@@ -148,9 +161,9 @@ def _refusals(params, batch):
 CASES = [
     ("layer skip", "layer skip", last_logit, real_logit),
     ("erasure", "erasure", last_logit, real_logit),
-    ("integrated gradients", "integrated gradients", batch_logit, batch_real_logit),
-    ("site gradients", "site gradients", summed_logit, summed_real_logit),
-    ("Model.site_gradients", "site gradients", summed_logit, summed_real_logit),
+    ("integrated gradients", "integrated gradients", every_last_logit, every_real_logit),
+    ("site gradients", "site gradients", every_last_logit, every_real_logit),
+    ("Model.site_gradients", "site gradients", every_last_logit, every_real_logit),
 ]
 
 

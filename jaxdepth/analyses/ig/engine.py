@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -26,18 +26,19 @@ from jaxdepth.analyses.ig.checks import (
 )
 from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integrate_fixed
 from jaxdepth.analyses.ig.path import (
+    IG_MEMORY_FRACTION,
     LayerPath,
     Objective,
     attribution_of,
     choose_backward,
-    ig_memory_budget,
     clean_run,
     path_points,
     weighted_gradient,
 )
-from jaxdepth.core.progress import ProgressLike, progress_bar, track
+from jaxdepth.analyses.metrics import Metric, Reads, reads_at
+from jaxdepth.core.progress import progress_bar, track
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.execution import check_backward, check_nonfinite_option
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.loops import stored_layers
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import auto_chunk_size
@@ -47,6 +48,8 @@ __all__ = [
     "Attribution",
     "Execution",
     "SiteIG",
+    "prompt_reads",
+    "prompt_answers",
 ]
 
 
@@ -92,66 +95,52 @@ class SiteIG:
 @partial(jax.jit, static_argnames="with_inputs")
 def _layer_path(x, b, inputs, layer, i, *, with_inputs: bool) -> LayerPath:
     """The path of attributed layer `layer` (the `i`th): its x, baseline and, unless the site is
-    the layer's output, its input."""
-    return LayerPath(x[layer], b[i], inputs[layer] if with_inputs else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Execution:
-    """How integrated gradients run and what they keep and report; none of it changes a number
-    beyond float32 rounding (the chunk size and the backward, that much).
-
-    chunk_size: gradients vmapped at once (default: what `memory_budget` allows).
-    memory_budget: bytes the gradients may take at once (default
-        `jaxdepth.analyses.ig.path.IG_MEMORY_FRACTION` of the free memory).
-    backward: 'stored', 'recompute' or 'auto' (`jaxdepth.analyses.ig.path.choose_backward`).
-    nonfinite: 'raise' (a `NonFiniteAttributionError` at the first layer with a NaN or infinite
-        F or attribution) or 'warn' (a warning naming them all, and the values returned).
-    per_channel: False keeps only the attributions per position, not per channel of the site
-        (the studies' functions keep only those).
-    progress: False, True or a tqdm-like callable (`jaxdepth.core.progress`); `on_layer()` is
-        called as each attributed layer finishes."""
-
-    chunk_size: Optional[int] = None
-    memory_budget: Optional[int] = None
-    backward: str = "auto"
-    nonfinite: str = "raise"
-    per_channel: bool = True
-    progress: ProgressLike = False
-    on_layer: Optional[Callable[[], None]] = None
-
-    def __post_init__(self):
-        check_backward(self.backward)
-        check_nonfinite_option(self.nonfinite)
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+    the layer's output, its input (its layer and mask set by the caller)."""
+    return LayerPath(x[layer], b[i], layer, None, inputs[layer] if with_inputs else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Attribution:
-    """What integrated gradients attribute: `metric(logits, aux)` (the logits at `positions`
-    `[A]` only, all positions for None; `jaxdepth.analyses.ig.path`) to the value at `site` of
-    each of `layers`, along the straight path from `baseline` (a name of
-    `jaxdepth.analyses.ig.checks.BASELINES` or an array)."""
+    """What integrated gradients attribute: F, a `jaxdepth.analyses.metrics.Metric` (one value
+    per prompt, read at its declared positions), to the value at `site` (any of
+    `jaxdepth.core.sites.SITES`) of each of `layers` (indices in 0..L-1, default all), along the
+    straight path from `baseline` (a name of `jaxdepth.analyses.ig.checks.BASELINES` or an
+    array broadcastable to `[layers, B, T, *trailing]`); `per_channel`: keep the attributions
+    per channel of the site (`SiteIG.attributions`), not only per position."""
 
-    site: str
-    layers: Sequence[int]
-    metric: Callable
-    aux: Any = None
-    positions: Any = None
+    metric: Metric
+    site: str = "resid_post"
+    layers: Optional[Sequence[int]] = None
     baseline: Any = "channel_mean"
+    per_channel: bool = True
 
-    @property
-    def objective(self) -> Objective:
-        """What the path functions (`jaxdepth.analyses.ig.path`) take from it: the site, and F's
-        metric, aux and positions."""
-        return Objective(self.site, self.metric, self.aux, self.positions)
+
+def _array(value):
+    """`value` if it is an array (a prompt's answers), None for anything else (a method)."""
+    return value if isinstance(value, (jax.Array, np.ndarray)) else None
+
+
+def prompt_answers(prompts) -> dict:
+    """The answers of `prompts` as `reads_at` takes them: `answer_positions`, `answer_real`
+    and `answer_targets`, each an array where `prompts` holds them as arrays (a `PromptArrays`
+    with answers), else None. Trace-safe."""
+    positions = _array(getattr(prompts, "answer_positions", None))
+    if positions is None:
+        return dict(answer_positions=None, answer_real=None, answer_targets=None)
+    real, targets = getattr(prompts, "answer_real", None), getattr(prompts, "answer_targets", None)
+    return dict(answer_positions=positions, answer_real=_array(real), answer_targets=_array(targets))
+
+
+def prompt_reads(m: Metric, prompts) -> Reads:
+    """The positions `m` reads in `prompts` (`.valid [B, T]`; for 'answer' also the arrays of
+    `prompt_answers`): `jaxdepth.analyses.metrics.reads_at`. Trace-safe."""
+    answers = prompt_answers(prompts) if m.reads == "answer" else {}
+    return reads_at(m, prompts.valid, **answers)
 
 
 def attribute(
     params,
-    tokens,
-    valid,
+    prompts,
     config: ModelConfig,
     attribution: Attribution,
     *,
@@ -161,14 +150,20 @@ def attribute(
     label: Optional[Sequence] = None,
 ) -> SiteIG:
     """Integrated gradients of `attribution` under `rule` (arguments already checked,
-    `jaxdepth.analyses.ig.checks`): tokens `[B, T]` with `valid [B, T]`; the adaptive rule takes
+    `jaxdepth.analyses.ig.checks`; `attribution.layers` a list) of `prompts`: anything with
+    `tokens [B, T]` and `valid [B, T]` (a `PromptArrays`, with its answers for a metric that
+    reads them, and `labels` for `Readout.labels` where it has them); the adaptive rule takes
     one prompt. `label` names the prompts in a non-finite report (default 0..B-1)."""
+    tokens, valid = prompts.tokens, prompts.valid
     B, T = tokens.shape
     layers, site = list(attribution.layers), attribution.site
-    budget = ig_memory_budget(execution.memory_budget)  # read once: every choice below sees the same memory
+    budget = execution.budget(IG_MEMORY_FRACTION)  # read once: every choice below sees the same memory
     backward = choose_backward(execution.backward, config, B * T, budget)
-    execution = dataclasses.replace(execution, backward=backward, memory_budget=budget)
-    x, inputs, f_input = clean_run(params, tokens, valid, config, attribution.objective, interventions=interventions)
+    execution = execution.replace(backward=backward, memory_budget=budget)
+    objective = Objective(
+        site, attribution.metric, prompt_reads(attribution.metric, prompts), labels=getattr(prompts, "labels", None)
+    )
+    x, inputs, f_input, objective = clean_run(params, tokens, valid, config, objective, interventions=interventions)
     f_input = to_host(f_input)
     report = lambda layer_list, per_position, f_baseline: nonfinite_report(
         layer_list, per_position, f_input, f_baseline, baseline=attribution.baseline, site=site, prompts=label
@@ -178,43 +173,44 @@ def attribute(
     b = layer_baselines(x, valid, attribution.baseline, layers)
 
     def path(i):
-        return _layer_path(x, b, inputs, np.int32(layers[i]), np.int32(i), with_inputs=site != "resid_post")
+        layer = np.int32(layers[i])
+        p = _layer_path(x, b, inputs, layer, np.int32(i), with_inputs=site != "resid_post")
+        # the layer and the mask as given, not as a program's outputs: the path functions' calls
+        # keep one signature (one compilation) with the experiments' own paths
+        return dataclasses.replace(p, layer=layer, valid=valid)
 
     def weighted(i, alphas, weights, chunk, *, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""
         p = path(i)
         g, f_base = weighted_gradient(
             params,
-            valid,
-            np.int32(layers[i]),
             p,
             (alphas, weights),
             config,
-            attribution.objective,
+            objective,
             chunk_size=chunk,
             interventions=interventions,
             backward=backward,
         )
-        a = attribution_of(p, g, valid, per_channel=channels_too)
+        a = attribution_of(p, g, per_channel=channels_too)
         return (None, a, f_base) if channels_too else (a, None, f_base)
 
     def points(i, alphas, grad, chunk):
         return path_points(
             params,
-            valid,
-            np.int32(layers[i]),
             path(i),
             alphas,
             config,
-            attribution.objective,
+            objective,
             interventions=interventions,
             chunk_size=chunk,
             backward=backward if grad else None,
         )
 
+    per_channel = attribution.per_channel
     stored = stored_layers(backward, config.num_layers)  # the later layers whose matmul outputs are kept
     paths = Paths(
-        weighted=partial(weighted, channels_too=execution.per_channel),
+        weighted=partial(weighted, channels_too=per_channel),
         points=points,
         chunk=execution.chunk_size
         or auto_chunk_size(
@@ -232,13 +228,12 @@ def attribute(
     desc = f"integrated gradients at {site} ({rule.kind}, {rule.steps} steps)"
     for i in track(range(len(layers)), execution.progress, desc):
         pp, a, fb = integrate_fixed(paths, i, rule)
-        if execution.per_channel:
+        if per_channel:
             attributions.append(to_host(a))
             pp = _summed(attributions[-1], x.ndim - 1)
         per_position.append(to_host(pp))
         f_baseline.append(to_host(fb))
-        if execution.on_layer is not None:
-            execution.on_layer()
+        execution.layer_done()
         if execution.nonfinite == "raise":  # stop at the first such layer: the later ones would cost as much
             raise_or_warn(report(layers[i : i + 1], per_position[-1][None], f_baseline[-1][None]), "raise")
     per_position, f_baseline = np.stack(per_position), np.stack(f_baseline)
@@ -246,7 +241,7 @@ def attribute(
     with np.errstate(invalid="ignore", over="ignore"):
         gap = per_position.sum(-1) - (f_input[None] - f_baseline)
     return SiteIG(
-        attributions=np.stack(attributions) if execution.per_channel else None,
+        attributions=np.stack(attributions) if per_channel else None,
         per_position=per_position,
         gap=gap,
         f_input=f_input,
@@ -275,8 +270,7 @@ def _adaptive(
 
     def layer_done():
         bar.update()
-        if execution.on_layer is not None:
-            execution.on_layer()
+        execution.layer_done()
 
     desc = f"adaptive integrated gradients at {attribution.site}"
     with progress_bar(execution.progress, total=len(layers), desc=desc) as bar:
@@ -284,7 +278,7 @@ def _adaptive(
     summary = rules.summarise(finished)
     check(summary["attributions"][:, None], summary["f_baseline"][:, None])
     attributions = None
-    if execution.per_channel:  # a second pass: the final composite rule's weights, gradients per channel
+    if attribution.per_channel:  # a second pass: the final composite rule's weights, gradients per channel
         attributions = np.stack([to_host(integrate_final(paths, i, r)[1]) for i, r in enumerate(finished)])
     column = lambda a: np.asarray(a)[:, None]  # [n] -> [n, B=1]
     per_position = summary["attributions"][:, None].astype(np.float32)

@@ -8,27 +8,27 @@ it, `site_entry`), runs the later layers forward and back (`suffix_value_and_gra
 touches the layers before l. `layer` is traced everywhere: every layer of a prompt reuses one
 compiled computation.
 
-Metrics take the form `metric(logits, aux)`: `metric` is static (define it once, at module
-level, or every call compiles anew), `aux` a traced pytree (the answer tokens, say), so a new
-prompt's `aux` reuses the compiled computation.
+F is a `jaxdepth.analyses.metrics.Metric` of the logits at the positions it reads (`Objective`):
+the metric is static (define it once, at module level, or every call compiles anew), its
+positions, answer tokens and labels traced, so a new prompt's reuse the compiled computation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxdepth.analyses.stats import floating_metric
+from jaxdepth.analyses.metrics import Metric, Reads, measure, readout
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.execution import BACKWARDS
+from jaxdepth.core.execution import BACKWARDS, Execution
 from jaxdepth.core.flops import layer_flops
 from jaxdepth.core.loops import Backward, run_layer, run_layers, stored_layers, suffix_value_and_grad
-from jaxdepth.core.model import layer_inputs, unembed
+from jaxdepth.core.model import layer_inputs
 from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
 from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep, weighted_sum
@@ -41,7 +41,6 @@ __all__ = [
     "weighted_gradient",
     "path_points",
     "attribution_of",
-    "metric_head",
     "site_entry",
     "choose_backward",
     "ig_memory_budget",
@@ -55,11 +54,15 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class LayerPath:
     """The straight path of one layer's value at a site, from the baseline `b` to `x` (`[B, T,
-    ...]`, b broadcastable to x), and the layer's input `h_in [B, T, D]`, from which a site
-    inside the layer recomputes it (None for `resid_post`). A pytree."""
+    ...]`, b broadcastable to x), for prompts whose real tokens are `valid [B, T]`: `layer`
+    (an int32 scalar, traced: every layer reuses one compilation) and the layer's input
+    `h_in [B, T, D]`, from which a site inside the layer recomputes it (None for
+    `resid_post`). A pytree."""
 
     x: jax.Array
     b: jax.Array
+    layer: jax.Array
+    valid: jax.Array
     h_in: Optional[jax.Array] = None
 
     def at(self, alpha):
@@ -69,76 +72,62 @@ class LayerPath:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """What a path is of and what it measures: the value at `site` and F, `metric(logits, aux)`
-    of the logits at `positions` `[A]` (all positions for None; `metric_head`). A pytree: `site`
-    and `metric` are static (part of a compilation's key: define the metric once, at module
-    level), `aux` (the answer tokens, say) and `positions` are traced, so a new prompt's reuse
-    the compiled computation."""
+    """What a path is of and what it measures: the value at `site` and F, the `metric`
+    (`jaxdepth.analyses.metrics.Metric`) of the logits at the positions it reads (`reads`, a
+    `Reads`: the LM head runs there alone), given the clean run's logits there (`clean`
+    `[B, P, V]`, for a metric with `clean=True`: the input x's run, F(x)'s) and the task's
+    `labels`. A pytree: `site` and `metric` are static (part of a compilation's key: define
+    the metric once, at module level), `reads`, `clean` and `labels` traced, so a new
+    prompt's reuse the compiled computation."""
 
     site: str
-    metric: Callable
-    aux: Any = None
-    positions: Any = None
+    metric: Metric
+    reads: Reads
+    clean: Any = None
+    labels: Any = None
 
     def head(self, params, config: ModelConfig):
-        """h_L `[B, T, D]` -> F per prompt `[B]` (`metric_head`)."""
-        return metric_head(params, config, self.metric, self.aux, self.positions)
+        """h_L `[B, T, D]` -> F per prompt `[B]`: the metric of the `Readout` at its positions
+        (`jaxdepth.analyses.metrics.measure`)."""
+        return lambda h_last: measure(
+            self.metric, params, h_last, config, self.reads, clean=self.clean, labels=self.labels
+        )
 
 
-jax.tree_util.register_dataclass(Objective, data_fields=["aux", "positions"], meta_fields=["site", "metric"])
+jax.tree_util.register_dataclass(Objective, data_fields=["reads", "clean", "labels"], meta_fields=["site", "metric"])
 
 
 # jitted: called once per attributed layer outside the gradient's program, it would otherwise
 # compile one program per eager operation
 @partial(jax.jit, static_argnames="per_channel")
-def attribution_of(path: LayerPath, g, valid, *, per_channel: bool = False):
-    """`(x - b) * g` over the valid positions (`valid [B, T]`), g the path-averaged gradient:
-    per channel `[B, T, ...]`, or summed over the site's axes after the position, `[B, T]`."""
+def attribution_of(path: LayerPath, g, *, per_channel: bool = False):
+    """`(x - b) * g` over the path's valid positions (`path.valid [B, T]`), g the
+    path-averaged gradient: per channel `[B, T, ...]`, or summed over the site's axes after
+    the position, `[B, T]`."""
     a = (path.x - path.b) * g
+    valid = path.valid
     if per_channel:
         return a * valid.reshape(valid.shape + (1,) * (a.ndim - 2))
     return jnp.sum(a, axis=tuple(range(2, a.ndim))) * valid
 
 
-def per_prompt(value, batch: int):
-    """A metric's value as one number per prompt `[B]`: a scalar (one prompt) or `[B]`. Anything
-    else is refused at trace time: F, its path and its completeness gap are per prompt."""
-    value = jnp.asarray(value)
-    if value.shape == () and batch == 1:
-        return value[None].astype(jnp.float32)
-    if value.shape == (batch,):
-        return value.astype(jnp.float32)
-    raise ValueError(
-        f"the metric must return a scalar (for one prompt) or one value per prompt, shape "
-        f"({batch},); it returned shape {value.shape} for a batch of {batch} prompts"
-    )
-
-
-def metric_head(params, config: ModelConfig, metric, aux, positions):
-    """h_L `[B, T, D]` -> the metric per prompt `[B]`, from the logits at `positions` `[A]` only
-    (all positions if None: the LM head is the largest matmul of a small model). A metric that is
-    not floating point is refused at trace time (`jaxdepth.analyses.stats.floating_metric`)."""
-
-    def head(h_last):
-        logits = unembed(params, h_last if positions is None else h_last[:, positions], config)
-        return per_prompt(floating_metric(metric(logits, aux), metric), h_last.shape[0])
-
-    return head
-
-
 def clean_values(params, tokens, valid, config: ModelConfig, objective: Objective, *, interventions=None):
     """The clean run under `interventions`: every layer's value at the objective's site `[L, B, T, ...]`
     (float32, after the site's interventions), every layer's input before its interventions
-    `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from) and F(x) `[B]`.
-    At a site of a split layer (`jaxdepth.core.sites.SPLIT_SITES`) every layer runs split, as
-    the path's runs, which set the site, do."""
+    `[L, B, T, D]` (what a path at a site inside a layer recomputes the layer from), F(x) `[B]`
+    and the objective with the clean run's logits at the metric's positions (`clean`), where
+    its metric reads them: the input's run is integrated gradients' clean run. At a site of a
+    split layer (`jaxdepth.core.sites.SPLIT_SITES`) every layer runs split, as the path's runs,
+    which set the site, do."""
     site = objective.site
     if site in SPLIT_SITES:
         interventions = (interventions, unchanged(site))
     inputs, h_last, x = layer_inputs(
         params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: getattr(r, site)
     )
-    return x.astype(jnp.float32), inputs[:-1], objective.head(params, config)(h_last)
+    if objective.metric.clean:
+        objective = dataclasses.replace(objective, clean=readout(params, h_last, config, objective.reads).logits)
+    return x.astype(jnp.float32), inputs[:-1], objective.head(params, config)(h_last), objective
 
 
 clean_run = jit(clean_values, static_argnames="config")
@@ -155,8 +144,11 @@ IG_MEMORY_FRACTION = 0.6
 
 
 def ig_memory_budget(memory_budget: Optional[int] = None) -> int:
-    """`memory_budget`, or `IG_MEMORY_FRACTION` of the free memory (read now)."""
-    return available_memory_budget(IG_MEMORY_FRACTION) if memory_budget is None else int(memory_budget)
+    """`memory_budget`, or `IG_MEMORY_FRACTION` of the free memory (read now): integrated
+    gradients' `Execution.budget`."""
+    if memory_budget is not None:
+        return Execution(memory_budget=memory_budget).budget()
+    return available_memory_budget(IG_MEMORY_FRACTION)
 
 
 def choose_backward(backward, config: ModelConfig, seq_len: int, memory_budget: Optional[int] = None):
@@ -211,18 +203,15 @@ def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, inter
     return entry
 
 
-def _entry(params, layer, path: LayerPath, valid, config, site, interventions):
+def _entry(params, path: LayerPath, config, site, interventions):
     dtype = params["embed"].dtype
-    return site_entry(
-        params, layer, None if path.h_in is None else path.h_in.astype(dtype), valid, config, site, interventions
-    )
+    h_in = None if path.h_in is None else path.h_in.astype(dtype)
+    return site_entry(params, path.layer, h_in, path.valid, config, site, interventions)
 
 
 @partial(jit, static_argnames=("config", "chunk_size", "backward"))
 def weighted_gradient(
     params,
-    valid,
-    layer,
     path: LayerPath,
     nodes,
     config: ModelConfig,
@@ -233,16 +222,18 @@ def weighted_gradient(
     backward: Backward = "recompute",
 ):
     """`(sum_k w_k dF/dz(path.at(α_k)) [B, T, ...], F(b) [B])` for the value z at the
-    objective's site of layer `layer` along `path`, `nodes = (alphas [n], weights [n])`; F the
-    objective's metric per prompt under `interventions`: a fixed quadrature rule's gradient sum.
+    objective's site of layer `path.layer` along `path`, `nodes = (alphas [n], weights [n])`;
+    F the objective's metric per prompt under `interventions`: a fixed quadrature rule's
+    gradient sum.
 
     The steps are one chunked sweep of gradients that start at boundary layer+1 (and, for a site
-    inside the layer, back through layer `layer` recomputed from `path.h_in` with the site set),
+    inside the layer, back through the layer recomputed from `path.h_in` with the site set),
     the chunks summed as they run (`jaxdepth.core.sweep.weighted_sum`).
     """
     dtype = params["embed"].dtype
     head = objective.head(params, config)
-    entry = _entry(params, layer, path, valid, config, objective.site, interventions)
+    layer, valid = path.layer, path.valid
+    entry = _entry(params, path, config, objective.site, interventions)
     total = lambda h: jnp.sum(head(h))  # prompts do not interact: each one's gradient is its own F's
 
     def gradient(alpha):
@@ -262,8 +253,6 @@ def weighted_gradient(
 @partial(jit, static_argnames=("config", "chunk_size", "backward"))
 def path_points(
     params,
-    valid,
-    layer,
     path: LayerPath,
     alphas,
     config: ModelConfig,
@@ -273,19 +262,20 @@ def path_points(
     chunk_size: Optional[int] = None,
     backward: Optional[Backward] = "recompute",
 ):
-    """φ and the per-token integrand at path points `alphas [n]` of layer `layer` of one prompt
-    (`path` of batch 1): what the adaptive rule evaluates.
+    """φ and the per-token integrand at path points `alphas [n]` of layer `path.layer` of one
+    prompt (`path` of batch 1): what the adaptive rule evaluates.
 
     Returns `(phi [n], integrand [n, T])` where phi = F(b + α(x - b)) and integrand[t] = sum over
     the site's channels of (x - b) dF/dx at t (zero at invalid positions). `backward` as
     `weighted_gradient`'s, or None: forward passes only, φ alone (the integrand all zeros).
     """
     dtype = params["embed"].dtype
+    layer, valid = path.layer, path.valid
     T = valid.shape[1]
     head = objective.head(params, config)
     value_of = lambda h: head(h)[0]  # noqa: E731
     channels = tuple(range(2, path.x.ndim))  # the site's axes after the position
-    entry = _entry(params, layer, path, valid, config, objective.site, interventions)
+    entry = _entry(params, path, config, objective.site, interventions)
 
     def member(alpha):
         z = path.at(alpha).astype(dtype)
