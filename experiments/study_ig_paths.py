@@ -6,7 +6,8 @@ The studies' IG (`jaxdepth.analyses.integrated_gradients`) runs these steps insi
 compare rules (`ig_accuracy.py`, `ig_default_rule.py`, `ig_chunk_width.py`) run them one by one:
 the nodes of several rules evaluated once and shared, one layer timed at several vmap widths.
 Each function calls the engine's own compiled pieces (`jaxdepth.analyses.ig.path`) with the
-studies' F (`integrated_gradients.answer_metric`) and the static arguments the engine passes, so
+studies' F (`jaxdepth.analyses.metrics.answer_probability` at the answer span) and the static
+arguments the engine passes, so
 that what an experiment measures is what a study runs and shares its compilations.
 
     from study_ig_paths import ig_inputs, path_points  # experiments/ on the path, as a script has it
@@ -14,6 +15,7 @@ that what an experiment measures is what a study runs and shares its compilation
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Optional
 
@@ -24,7 +26,9 @@ import numpy as np
 from jaxdepth.analyses.ig.checks import ig_baseline
 from jaxdepth.analyses.ig.path import LayerPath, Objective, attribution_of, clean_values, weighted_gradient
 from jaxdepth.analyses.ig.path import path_points as site_path_points
-from jaxdepth.analyses.integrated_gradients import TARGETS, answer_metric
+from jaxdepth.analyses.ig.engine import prompt_reads
+from jaxdepth.analyses.integrated_gradients import TARGETS
+from jaxdepth.analyses.metrics import answer_probability
 from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -43,7 +47,7 @@ def ig_inputs(
     """Each layer's target x `[L, T, D]` (float32: its output, or its attention or MLP output),
     its baseline b (broadcast to x), each layer's input before its interventions `[L, T, D]`
     (what a sublayer target recomputes the layer from) and F(x), all under `interventions`."""
-    x, inputs, f_input = clean_values(
+    x, inputs, f_input, _ = clean_values(
         params, prompt.tokens, prompt.valid, config, _objective(prompt, target), interventions=interventions
     )
     b = jnp.broadcast_to(jax.vmap(lambda xl: ig_baseline(xl, prompt.valid, baseline))(x), x.shape)
@@ -51,8 +55,10 @@ def ig_inputs(
 
 
 def study_path(x, b, inputs, layer, target: str) -> LayerPath:
-    """Layer `layer`'s path for a study target, from `ig_inputs`' `[L, T, D]` arrays (batch 1)."""
-    return LayerPath(x[layer][None], b[layer][None], None if target == "layer" else inputs[layer][None])
+    """Layer `layer`'s path for a study target, from `ig_inputs`' `[L, T, D]` arrays (batch 1);
+    its prompt's `valid` is set where it is evaluated (`ig_of_layer`, `path_points`)."""
+    h_in = None if target == "layer" else inputs[layer][None]
+    return LayerPath(x[layer][None], b[layer][None], np.int32(layer), None, h_in)
 
 
 def ig_of_layer(
@@ -72,10 +78,9 @@ def ig_of_layer(
     """IG of one layer along `path` (`study_path`) with the rule `alphas`, `weights`:
     `(attributions [T], F(b))`, the engine's `weighted_gradient` with the studies' F (the
     computation the engine compiles: `backward` passed on as it passes it)."""
+    path = dataclasses.replace(path, layer=layer, valid=prompt.valid)
     g, f_base = weighted_gradient(
         params,
-        prompt.valid,
-        layer,
         path,
         (alphas, weights),
         config,
@@ -84,7 +89,7 @@ def ig_of_layer(
         interventions=interventions,
         backward=backward,
     )
-    return attribution_of(path, g, prompt.valid)[0], f_base[0]
+    return attribution_of(path, g)[0], f_base[0]
 
 
 def path_points(
@@ -109,9 +114,7 @@ def path_points(
     its default would be two compilations."""
     return site_path_points(
         params,
-        prompt.valid,
-        np.int32(layer),
-        study_path(x, b, inputs, layer, target),
+        dataclasses.replace(study_path(x, b, inputs, layer, target), valid=prompt.valid),
         np.asarray(alphas, np.float32),
         config,
         _objective(prompt, target),
@@ -123,4 +126,4 @@ def path_points(
 
 def _objective(prompt: PromptArrays, target: str) -> Objective:
     """The studies' F on `prompt` at a study target's site."""
-    return Objective(TARGETS[target], **answer_metric(prompt))
+    return Objective(TARGETS[target], answer_probability, prompt_reads(answer_probability, prompt))

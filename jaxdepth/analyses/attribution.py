@@ -30,7 +30,7 @@ from jaxdepth.core.progress import ProgressLike, track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.model import embed
 from jaxdepth.core.sites import as_interventions, probe, site_shape
@@ -171,7 +171,13 @@ def site_gradients(
     def value(probes):
         ivs = base + tuple(probe(s, probes[s]) for s in sites)
         h, (values, taps) = run_layers(
-            params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=read, remat=remat
+            params,
+            embed(params, tokens, config),
+            config,
+            valid=valid,
+            interventions=ivs,
+            tap=read,
+            run=LayerRun(remat=remat),
         )
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)

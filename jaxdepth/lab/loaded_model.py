@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.compilation import jit
-from jaxdepth.core.decoding import generate, generate_orders
+from jaxdepth.core.decoding import Decoding, generate, generate_orders
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import check_tokens, embed, forward
 from jaxdepth.core.weights import ModelWeights
@@ -149,9 +149,11 @@ class Model(ModelWeights):
             valid=jnp.asarray(valid),
             max_new_tokens=int(max_new_tokens),
             interventions=interventions,
-            eos_ids=() if eos is None else (int(eos),),
-            temperature=float(temperature),
-            key=jax.random.PRNGKey(seed) if temperature > 0 else None,
+            decoding=Decoding(
+                eos_ids=() if eos is None else (int(eos),),
+                temperature=float(temperature),
+                key=jax.random.PRNGKey(seed) if temperature > 0 else None,
+            ),
         )
         if orders is not None:
             from jaxdepth.core.structure import group_orders, stack_orders
@@ -199,10 +201,8 @@ def _jit_forward(params, tokens, config, valid, interventions=None):
     return forward(params, tokens, config, valid=valid, interventions=interventions)
 
 
-_jit_generate = jit(generate, static_argnames=("config", "max_new_tokens", "eos_ids", "pad_id", "temperature"))
-_jit_generate_orders = jit(
-    generate_orders, static_argnames=("config", "grouped", "max_new_tokens", "eos_ids", "pad_id", "temperature")
-)
+_jit_generate = jit(generate, static_argnames=("config", "max_new_tokens"))
+_jit_generate_orders = jit(generate_orders, static_argnames=("config", "grouped", "max_new_tokens"))
 
 
 @partial(jit, static_argnames=("config", "tap"))

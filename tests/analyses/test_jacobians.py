@@ -26,7 +26,7 @@ from jaxdepth.analyses.jacobians import (
 from jaxdepth.analyses.suite import RunInputs
 from jaxdepth.core import layer as core_layer
 from jaxdepth.core.batch import make_batch
-from jaxdepth.core.loops import run_layers
+from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import random_params, residual_stream
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
@@ -78,7 +78,7 @@ def test_the_suffix_is_the_own_block_of_the_full_forward(params, batch, exact):
     def own_blocks(l):  # d h_{l+1}[t] / d h_l[t] and d h_L[t] / d h_l[t] in the full run from l
         def from_l(x):
             h = inputs[l].at[0, t].set(x)
-            final, outs = run_layers(params, h, CONFIG, start=l, valid=valid, tap=lambda r, _: r.out)
+            final, outs = run_layers(params, h, CONFIG, valid=valid, tap=lambda r, _: r.out, run=LayerRun(start=l))
             return outs[l, 0, t], final[0, t]
 
         return jax.jacfwd(from_l)(inputs[l, 0, t])

@@ -27,7 +27,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import BACKWARDS, Execution
 from jaxdepth.core.flops import layer_flops
-from jaxdepth.core.loops import Backward, run_layer, run_layers, stored_layers, suffix_value_and_grad
+from jaxdepth.core.loops import Backward, LayerRun, run_layer, run_layers, stored_layers, suffix_value_and_grad
 from jaxdepth.core.model import layer_inputs
 from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
@@ -244,7 +244,12 @@ def weighted_gradient(
         return pullback(g)[0].astype(jnp.float32)
 
     h_base, _ = run_layers(
-        params, entry(path.b.astype(dtype)), config, start=layer + 1, valid=valid, interventions=interventions
+        params,
+        entry(path.b.astype(dtype)),
+        config,
+        valid=valid,
+        interventions=interventions,
+        run=LayerRun(start=layer + 1),
     )
     alphas, weights = nodes
     return weighted_sum(gradient, alphas, weights, chunk_size), head(h_base)
@@ -280,7 +285,9 @@ def path_points(
     def member(alpha):
         z = path.at(alpha).astype(dtype)
         if backward is None:
-            h_last, _ = run_layers(params, entry(z), config, start=layer + 1, valid=valid, interventions=interventions)
+            h_last, _ = run_layers(
+                params, entry(z), config, valid=valid, interventions=interventions, run=LayerRun(start=layer + 1)
+            )
             return value_of(h_last), jnp.zeros(T, jnp.float32)
         h_next, pullback = jax.vjp(entry, z)
         value, g = suffix_value_and_grad(
