@@ -77,12 +77,12 @@ def main(argv=None) -> int:
         one = batch.select(slice(i, i + 1))
         # Compiled first, untimed (each prompt length is its own computation); the exact erasure's
         # compilation stays in its time, a few seconds of minutes.
-        attribution.attribution_patching(p, one, c, baseline, progress=False)
+        attribution.attribution_patching(p, one, c, baseline)
         start = time.perf_counter()
-        est = attribution.attribution_patching(p, one, c, baseline, progress=False)
+        est = attribution.attribution_patching(p, one, c, baseline)
         est_s = time.perf_counter() - start
         start = time.perf_counter()
-        exact = erasure.residual_erasure(p, one, c, baseline, effect="answer_probability_change", progress=False)
+        exact = erasure.residual_erasure(p, one, c, baseline, erasure.Erasure(effect="answer_probability_change"))
         exact_s = time.perf_counter() - start
         last = int(one.lengths[0]) - 2  # the last answer-predicting position
         e, x = est.patching[0, :, : last + 1].ravel(), exact.effects[0, :, : last + 1].ravel()

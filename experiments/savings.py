@@ -119,7 +119,9 @@ def main():
     print(f"erasure, plain: {t_plain:7.1f} s")
     for blocks in (1, erasure.default_blocks(tokens.shape[1])):
         ours, t_ours = timed(
-            lambda: erasure.erasure_of_prompt(p, prompt, baseline, c, chunk_size=args.chunk, blocks=blocks)
+            lambda: erasure.erasure_of_prompt(
+                p, prompt, baseline, c, erasure.Erasure(blocks=blocks), execution=Execution(chunk_size=args.chunk)
+            )
         )
         what = "start at the boundary" if blocks == 1 else f"+ causal prefix reuse ({blocks} position pieces)"
         print(

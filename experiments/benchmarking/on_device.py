@@ -624,10 +624,10 @@ def run_ig(params, batch, config, steps: int, options: dict):
 
 def run_layer_skip(bench, w):
     # The call the study runner makes for layer skip (its declaration's run), made here directly.
-    from jaxdepth.analyses.layer_skip import layer_skip_sublayers
+    from jaxdepth.analyses.layer_skip import Skip, layer_skip_sublayers
 
     return layer_skip_sublayers(
-        bench.model.params, w.batch, bench.config, sublayers=("layer",), seed=bench.args.seed, progress=False
+        bench.model.params, w.batch, bench.config, Skip(seed=bench.args.seed), sublayers=("layer",)
     )
 
 

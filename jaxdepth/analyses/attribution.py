@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdepth.core.progress import ProgressLike, track
+from jaxdepth.core.progress import track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -252,15 +252,16 @@ def attribution_patching(
     config: ModelConfig,
     baseline: np.ndarray,
     *,
-    progress: ProgressLike = True,
-    settings=None,
     interventions=None,
+    execution: Execution = Execution(),
+    settings=None,
+    **loose,
 ) -> AttributionResult:
     """Attribution patching and gradient x activation of every (boundary, position) of every
     prompt of `batch`, one forward and one backward pass per prompt (a screening mode): an
     `AttributionResult`. `baseline [L+1, D]` is what each h_l[t] is replaced by, as in the
-    exact erasure (`jaxdepth.analyses.erasure.mean_residuals`). `progress` shows a progress
-    bar; `settings` (a dict) is stored in the result.
+    exact erasure (`jaxdepth.analyses.erasure.mean_residuals`). `execution.progress` shows a
+    progress bar over the prompts; `settings` (a dict) is stored in the result.
 
     `interventions` (`jaxdepth.core.sites`; default none) act on every forward and backward:
     the attributions of the intervened model, each erasure estimated after the interventions at
@@ -268,12 +269,13 @@ def attribution_patching(
     (`PromptBatch.single`), so intervention data indexed by position must broadcast to every
     length (`[L, 1]` keep-masks, head ablations, a vector added at every position); data that
     does not is refused at trace time."""
+    refuse_loose_options("attribution_patching", loose)
     L, T = config.num_layers, batch.tokens.shape[1]
     if baseline.shape != (L + 1, config.hidden_size):
         raise ValueError(f"baseline must be [L+1, D] = {(L + 1, config.hidden_size)}, got {baseline.shape}")
     patching, gxa = np.zeros((len(batch), L + 1, T), np.float32), np.zeros((len(batch), L + 1, T), np.float32)
     f_input = np.zeros(len(batch), np.float32)
-    for i in track(range(len(batch)), progress, "attribution patching (prompts)"):
+    for i in track(range(len(batch)), execution.progress, "attribution patching (prompts)"):
         one = batch.single(i)
         Ti = one.tokens.shape[1]
         positions, real = one.answer_positions(0)
@@ -337,7 +339,9 @@ def attribution_patching_figure(
 
 
 def _run_attribution(x):
-    return attribution_patching(x.model.params, x.batch, x.model.config, baseline_residuals(x), progress=x.progress)
+    return attribution_patching(
+        x.model.params, x.batch, x.model.config, baseline_residuals(x), execution=Execution(progress=x.progress)
+    )
 
 
 # One forward and one backward pass per prompt give both; each is its own analysis so either

@@ -47,6 +47,7 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.decoding import Decoding, generate
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.saved_result import SavedResult
 
@@ -285,15 +286,16 @@ def generated_depth(
     reading: Reading = Reading(),
     *,
     translators=None,
-    progress=False,
+    execution: Execution = Execution(),
 ) -> GeneratedDepthResult:
     """The depth of generated tokens (module docstring) for the prompts of `batch` (a
     `PromptBatch` whose answers, the tokens from `answer_start`, are the references): each
     question (the tokens before `answer_start`) is continued `reading.samples` times (greedy
     for one sample, else sampled at `reading.temperature`) for up to `max_new_tokens`, each
     answer's lens read from one teacher-forced forward of question and answer. `decode` turns
-    token ids into text (a tokenizer's), for the answers' correctness; `reading` a
-    `GeneratedDepthSettings`."""
+    token ids into text (a tokenizer's), for the answers' correctness; `reading` (a `Reading`)
+    how answers are made and read; `translators` a tuned lens's (`TunedLens.translators()`;
+    None: the logit lens); `execution.progress` counts the samples."""
     from jaxdepth.core.progress import track
 
     if (batch.answer_start >= batch.lengths).any():
@@ -313,7 +315,7 @@ def generated_depth(
     out = {k: np.zeros((B, S) + s) for k, s in (("settling", (G,)), ("decision", (G,)), ("counted", (G,)))}
     jsd_sum, entropy_sum = np.zeros((B, L)), np.zeros((B, L + 1))
     dtr, correct, answers = np.zeros((B, S)), np.zeros((B, S), bool), [[None] * S for _ in range(B)]
-    for s in track(range(S), progress, "generating and reading the lens of each sample"):
+    for s in track(range(S), execution.progress, "generating and reading the lens of each sample"):
         key = jax.random.key(reading.seed + s)
         new = _sampled(params, batch.tokens[:, :Q], asked, key, config, G, eos, temperature)
         new_tokens, counts = np.asarray(new.tokens), np.asarray(new.lengths)
@@ -526,7 +528,7 @@ def _run(x) -> GeneratedDepthResult:
         x.model.tokenizer.decode,
         reading,
         translators=translators,
-        progress=x.progress,
+        execution=Execution(progress=x.progress, memory_budget=x.settings.memory_budget),
     )
 
 

@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from jaxdepth.core.progress import ProgressLike, progress_bar, track
+from jaxdepth.core.execution import Execution
+from jaxdepth.core.progress import progress_bar, track
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
@@ -36,6 +37,7 @@ from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.analyses.metrics import kl_divergence
 
 __all__ = [
+    "WITH_PROGRESS",
     "TunedLens",
     "train_tuned_lens",
     "LensTrainingSettings",
@@ -151,12 +153,17 @@ class ResidualTokens:
         return self.final.shape[0]
 
 
+# What the lens's own drivers show by default: a bar, since a training runs for minutes.
+WITH_PROGRESS = Execution(progress=True)
+
+
 def residual_tokens(
-    params, batch: PromptBatch, config: ModelConfig, *, progress: ProgressLike = True
+    params, batch: PromptBatch, config: ModelConfig, *, execution: Execution = WITH_PROGRESS
 ) -> ResidualTokens:
-    """Run the model once per prompt (at its own length) and keep each valid token's residuals."""
+    """Run the model once per prompt (at its own length) and keep each valid token's residuals;
+    `execution.progress` counts the prompts."""
     hs, final = [], []
-    for i in track(range(len(batch)), progress, "residual streams"):
+    for i in track(range(len(batch)), execution.progress, "residual streams"):
         one = batch.single(i)
         h = np.asarray(_residual_stream(params, jnp.asarray(one.tokens), jnp.asarray(one.valid), config))
         n = int(one.valid.sum())
@@ -201,10 +208,10 @@ def train_tuned_lens(
     state: Optional[LensTrainingState] = None,
     on_step: Optional[Callable[[LensTrainingState, float], None]] = None,
     stop_after: Optional[int] = None,
-    progress: ProgressLike = True,
+    execution: Execution = WITH_PROGRESS,
 ) -> tuple[TunedLens, np.ndarray]:
     """Train a tuned lens on `data` from `state` (default: `initial_state`) to `settings.steps`;
-    returns it and the training loss per step run.
+    returns it and the training loss per step run (`execution.progress` counts the steps).
 
     Each step's minibatch is a pure function of (seed, step), so a training resumed from a
     state equals an uninterrupted one. `on_step(state, loss)` is called after every step (the
@@ -218,7 +225,7 @@ def train_tuned_lens(
     translators, opt_state = state.translators, state.opt_state
     end = settings.steps if stop_after is None else min(stop_after, settings.steps)
     losses = []
-    with progress_bar(progress, total=settings.steps, initial=state.step, desc="tuned lens (steps)") as bar:
+    with progress_bar(execution.progress, total=settings.steps, initial=state.step, desc="tuned lens (steps)") as bar:
         for step in range(state.step, end):
             idx = _draw(step, settings.seed, len(data), settings.tokens_per_step)
             translators, opt_state, loss = _train_step(

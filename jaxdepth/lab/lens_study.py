@@ -21,7 +21,9 @@ import numpy as np
 from jaxdepth.analyses import logit_lens, tuned_lens, uncertainty
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens, load_tuned_lens  # noqa: F401 (its home before)
+from jaxdepth.analyses.tuned_lens import WITH_PROGRESS
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.lab.runs import batch_digest, check_recorded_identity
 
@@ -67,7 +69,7 @@ def compare_lenses(
     lens_dir: str,
     *,
     weighting: str = "prompt",
-    progress: bool = True,
+    execution: Execution = WITH_PROGRESS,
 ) -> LensComparison:
     """Train (or resume, or reuse) the tuned lens in `lens_dir` on `train`, then read `held_out`
     through the logit lens and the tuned lens. The lens folder records what it was trained on
@@ -77,11 +79,11 @@ def compare_lenses(
     lens, losses = trained_lens(lens_dir, config, settings, identity), np.zeros(0, np.float32)
     if lens is None:
         start = time.perf_counter()
-        data = tuned_lens.residual_tokens(params, train, config, progress=progress)
+        data = tuned_lens.residual_tokens(params, train, config, execution=execution)
         seconds["residuals"] = time.perf_counter() - start
         start = time.perf_counter()
         lens, losses = train_resumably(
-            params, data, config, settings, lens_dir, data_identity=identity, progress=progress
+            params, data, config, settings, lens_dir, data_identity=identity, execution=execution
         )
         seconds["training"] = time.perf_counter() - start
         del data
@@ -167,7 +169,7 @@ def train_resumably(
     *,
     data_identity: Optional[dict] = None,
     stop_after: Optional[int] = None,
-    progress: bool = True,
+    execution: Execution = WITH_PROGRESS,
 ) -> tuple[TunedLens, np.ndarray]:
     """`tuned_lens.train_tuned_lens`, checkpointed in `lens_dir`: the translators and optimizer
     state are saved there (orbax, every `settings.checkpoint_every` steps and after the last)
@@ -193,7 +195,7 @@ def train_resumably(
 
     try:
         return tuned_lens.train_tuned_lens(
-            params, data, config, settings, state=state, on_step=checkpoint, stop_after=stop_after, progress=progress
+            params, data, config, settings, state=state, on_step=checkpoint, stop_after=stop_after, execution=execution
         )
     finally:
         manager.wait_until_finished()

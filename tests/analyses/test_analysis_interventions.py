@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxdepth
 from conftest import assert_close, assert_moved
-from jaxdepth.analyses import attribution, contributions, erasure, layer_skip, logit_lens
+from jaxdepth.analyses import attribution, contributions, erasure, layer_skip, logit_lens, metrics
 from jaxdepth.core import sites
-from jaxdepth.core.batch import make_batch
+from jaxdepth.core.batch import PromptArrays, make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream
@@ -67,14 +68,22 @@ def steering():
     ]
 
 
-def last_logit_difference(logits):
+@jaxdepth.metric(reads="last")
+def last_logit_difference(r):
     """A user metric: the logit of token 3 minus that of token 5 at the last position."""
+    return r.logits[:, 0, 3] - r.logits[:, 0, 5]
+
+
+def by_hand(logits):
+    """`last_logit_difference` of one prompt's whole output `[1, T, V]`, padded to exactly its
+    length (its last row is its last token)."""
     return logits[0, -1, 3] - logits[0, -1, 5]
 
 
-def last_logits(logits):
+@jaxdepth.metric(reads="last")
+def last_logits(r):
     """Not a metric: a vector per prompt."""
-    return logits[0, -1]
+    return r.logits[:, 0]
 
 
 @jax.jit
@@ -203,9 +212,7 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
     against plain forwards under the user's interventions alone."""
     batch = prompts((32, 16), None)  # each prompt alone is padded to exactly its length: -1 is real
     user = [ablation(), *steering()]
-    result = layer_skip.layer_skip(
-        params, batch, CONFIG, interventions=user, metric=last_logit_difference, progress=False
-    )
+    result = layer_skip.layer_skip(params, batch, CONFIG, interventions=user, metric=last_logit_difference)
     assert result.metric_change_per_prompt.shape == (2, L, 4)
 
     for i in range(len(batch)):
@@ -221,7 +228,7 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
             for k, t in enumerate(splits):
                 both = user + [sites.skip("delta", s, ((pos >= 1) & (pos < t)).astype(np.float32))]
                 skipped = logits(params, one, both)
-                change = last_logit_difference(skipped) - last_logit_difference(clean)
+                change = by_hand(skipped) - by_hand(clean)
                 assert result.metric_change_per_prompt[i, s, k] == pytest.approx(change, abs=2e-5), (i, s, t)
                 output[s] = max(output[s], np.linalg.norm(softmax(skipped) - softmax(clean), axis=-1)[0, t:].max())
                 d = deltas(params, one, both)
@@ -240,7 +247,7 @@ def test_layer_skip_metric_and_effects_equal_full_forwards_one_member_at_a_time(
     # the built-in measures are those of the intervened model, not of the clean one
     assert_moved(
         result.output_per_prompt,
-        layer_skip.layer_skip(params, batch, CONFIG, progress=False).output_per_prompt,
+        layer_skip.layer_skip(params, batch, CONFIG).output_per_prompt,
         "output shift",
     )
     loaded = load_result(result.save(str(tmp_path / "skip.npz")))
@@ -261,9 +268,7 @@ def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, st
     baseline = erasure.mean_residuals(params, batch, CONFIG, interventions=user)
     hs = np.asarray(residual_stream(params, jnp.asarray(batch.tokens), CONFIG, interventions=user))
     assert_close(baseline, hs[:, 0].mean(1), "baseline under the interventions", tol=1e-6)
-    result = erasure.residual_erasure(
-        params, batch, CONFIG, baseline, interventions=user, metric=last_logit_difference, progress=False
-    )
+    result = erasure.residual_erasure(params, batch, CONFIG, baseline, interventions=user, metric=last_logit_difference)
     assert erasure.piece_width(16) == 8  # two pieces: the second reads the first one's clean keys and values
     one = batch.single(0)
     T = one.tokens.shape[1]
@@ -272,18 +277,16 @@ def test_erasure_of_a_metric_under_interventions_equals_one_at_a_time(params, st
     for l in range(L + 1):
         for t in range(T):
             erased = logits(params, one, [*user, sites.replace("resid_pre", l, np.arange(T) == t, baseline[l])])
-            change = last_logit_difference(erased) - last_logit_difference(clean)
+            change = by_hand(erased) - by_hand(clean)
             assert result.metric_change[0, l, t] == pytest.approx(change, abs=2e-5), (l, t)
             shift = np.linalg.norm(softmax(erased) - softmax(clean), axis=-1)[0, answer].max()
             assert result.effects[0, l, t] == pytest.approx(shift, abs=2e-6), (l, t)
     assert np.abs(result.metric_change).max() > 1e-2
     # erasing h_L[t] changes the logits at t alone: the metric, read at the last position, by exactly 0
     assert np.all(result.metric_change[0, L, : T - 1] == 0.0) and result.metric_change[0, L, T - 1] != 0.0
-    plain = erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_logit_difference, progress=False)
+    plain = erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_logit_difference)
     assert_moved(result.metric_change, plain.metric_change, "erasure metric")
-    np.testing.assert_array_equal(
-        plain.effects, erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False).effects
-    )
+    np.testing.assert_array_equal(plain.effects, erasure.residual_erasure(params, batch, CONFIG, baseline).effects)
 
 
 # ----------------------------------------------------------------------------- attribution
@@ -293,27 +296,36 @@ def test_attribution_patching_under_interventions_equals_site_gradients_by_hand(
     batch = prompts((16,), [10])
     user = [ablation(), *steering()]
     baseline = erasure.mean_residuals(params, batch, CONFIG, interventions=user)
-    result = attribution.attribution_patching(params, batch, CONFIG, baseline, interventions=user, progress=False)
+    result = attribution.attribution_patching(params, batch, CONFIG, baseline, interventions=user)
     one = batch.single(0)
     positions, real = (jnp.asarray(x) for x in one.answer_positions(0))
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
-    f = lambda full: attribution.answer_probability(tokens, positions, real)(full[:, positions])
-    g = jax.jit(lambda p: attribution.site_gradients(p, tokens, CONFIG, f, valid=valid, interventions=user))(params)
+    prompt = PromptArrays(tokens, valid, positions, real)
+    g = jax.jit(
+        lambda p: attribution.site_gradients(p, prompt, CONFIG, metrics.answer_probability, interventions=user)
+    )(params)
     grad, h = np.asarray(g.gradients["resid_pre"][:, 0]), np.asarray(g.activations["resid_pre"][:, 0])
-    assert_close(result.f_input[0], g.value, "F", tol=1e-6)
+    assert_close(result.f_input[0], g.value[0], "F", tol=1e-6)
+    # F by hand: the summed probabilities of the answer tokens, read from the intervened forward
+    probs = softmax(logits(params, one, user))[0]
+    targets = np.asarray(one.tokens)[0, np.minimum(np.asarray(positions) + 1, one.tokens.shape[1] - 1)]
+    by_hand_f = sum(probs[p, t] for p, t, r in zip(np.asarray(positions), targets, np.asarray(real)) if r)
+    assert_close(result.f_input[0], by_hand_f, "F by hand", tol=1e-5)
     np.testing.assert_allclose(result.grad_x_act[0], (grad * h).sum(-1), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(result.patching[0], (grad * (baseline[:, None] - h)).sum(-1), rtol=1e-5, atol=1e-7)
-    clean = attribution.attribution_patching(params, batch, CONFIG, baseline, progress=False)
+    clean = attribution.attribution_patching(params, batch, CONFIG, baseline)
     assert_moved(result.patching, clean.patching, "patching", tol=1e-6)
 
 
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_a_metric_that_is_not_a_scalar_is_refused(params):
+def test_a_metric_that_is_not_one_value_per_prompt_is_refused(params):
     batch = prompts((16,), [10])
-    with pytest.raises(ValueError, match="must return a scalar"):
-        layer_skip.layer_skip(params, batch, CONFIG, metric=last_logits, progress=False)
+    with pytest.raises(ValueError, match="must return one value per prompt"):
+        layer_skip.layer_skip(params, batch, CONFIG, metric=last_logits)
     baseline = np.zeros((L + 1, D), np.float32)
-    with pytest.raises(ValueError, match="must return a scalar"):
-        erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_logits, progress=False)
+    with pytest.raises(ValueError, match="must return one value per prompt"):
+        erasure.residual_erasure(params, batch, CONFIG, baseline, metric=last_logits)
+    with pytest.raises(TypeError, match="is a plain function"):
+        layer_skip.layer_skip(params, batch, CONFIG, metric=by_hand)

@@ -146,7 +146,7 @@ def test_exact_scalar_erasure_equals_one_at_a_time(params, one):
     batch = make_batch([one.tokens[0, :21].tolist()], [14])
     baseline = erasure.mean_residuals(params, batch, CONFIG)
     result = erasure.residual_erasure(
-        params, batch, CONFIG, baseline, effect="answer_probability_change", progress=False, blocks=2
+        params, batch, CONFIG, baseline, erasure.Erasure(effect="answer_probability_change", blocks=2)
     )
     assert result.settings["effect"] == "answer_probability_change"
     tokens, valid, positions, real = arrays(one)
@@ -170,9 +170,9 @@ def test_attribution_patching_is_first_order_exact(params, one):
     relative = []
     for eps in (1e-2, 1e-3):
         baseline = hs[:, 0, t] + eps * direction  # erasing position t moves it by eps * direction
-        est = attribution.attribution_patching(params, batch, CONFIG, baseline, progress=False)
+        est = attribution.attribution_patching(params, batch, CONFIG, baseline)
         exact = erasure.residual_erasure(
-            params, batch, CONFIG, baseline, effect="answer_probability_change", progress=False
+            params, batch, CONFIG, baseline, erasure.Erasure(effect="answer_probability_change")
         )
         e, x = est.patching[0, :L, t], exact.effects[0, :L, t]
         assert np.abs(x).min() > 0  # every boundary's erasure moves F

@@ -6,12 +6,15 @@ minus the writer's clean output plus its corrupt one, EAP's score is the gradien
 input times the writer's difference, and a node's edges sum to its own attribution."""
 
 import dataclasses
+import types
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxdepth
 
 from test_edge_scores import pairs  # noqa: F401 (the edge tests' pairs: one padded, a shared prefix)
 from jaxdepth.analyses.attribution import site_gradients
@@ -235,11 +238,11 @@ def test_node_scores_equal_the_node_attribution_of_site_gradients(gemma, pairs, 
     resid_pre of layer 0 for the input, from the plain forward."""
     config, params = gemma
     graph = EdgeGraph.of(config)
-    rows = jnp.arange(len(pairs))
-    metric = lambda logits: jnp.sum(logit_difference_of(logits[rows, pairs.last], pairs.labels))  # noqa: E731
+    metric = jaxdepth.metric(reads="last")(lambda r: logit_difference_of(r.logits[:, 0], r.labels))
     names = ("attn_out", "mlp_out", "resid_pre")
-    clean = site_gradients(params, pairs.clean, config, metric, names, valid=pairs.valid)
-    corrupt = site_gradients(params, pairs.corrupt, config, metric, names, valid=pairs.valid)
+    side = lambda tokens: types.SimpleNamespace(tokens=tokens, valid=pairs.valid, labels=pairs.labels)  # noqa: E731
+    clean = site_gradients(params, side(pairs.clean), config, metric, names)
+    corrupt = site_gradients(params, side(pairs.corrupt), config, metric, names)
     node = {
         s: np.einsum("lbtd,lbtd->bl", clean.activations[s] - corrupt.activations[s], clean.gradients[s]) for s in names
     }

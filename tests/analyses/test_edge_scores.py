@@ -1,6 +1,8 @@
 """Edge scores (EAP, EAP-IG) against finite differences of a forward written apart, against the
 node attributions of `site_gradients`, and their own identities (one step, completeness, padding)."""
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import patched_metric
 from jaxdepth.analyses.edges.scores import EdgeScores, Scoring, edge_attribution
 from jaxdepth.analyses.metrics import metric
-from jaxdepth.analyses.ig import AdaptiveRule, FixedRule, LogitsMetric, integrated_gradients
+from jaxdepth.analyses.ig import AdaptiveRule, Attribution, FixedRule, integrated_gradients
 from jaxdepth.core.model import embed, random_params
 
 GRAPH = EdgeGraph.of(CONFIG)
@@ -103,13 +105,15 @@ def test_scores_are_exactly_zero_off_the_graph(eap):
     assert np.count_nonzero(eap.scores[0]) > 0.9 * GRAPH.num_edges
 
 
-def _metric_at_last(pairs):
-    rows = jnp.arange(len(pairs))
+@metric(reads="last")
+def difference_by_hand(r):
+    """The logit difference at each pair's last real position, written out (`logit_difference_of`)."""
+    return logit_difference_of(r.logits[:, 0], r.labels)
 
-    def metric(logits):
-        return jnp.sum(logit_difference_of(logits[rows, pairs.last], pairs.labels))
 
-    return metric
+def _prompts(pairs, side: str):
+    """One side of the pairs as `site_gradients` takes prompts: tokens, their mask and the labels."""
+    return types.SimpleNamespace(tokens=getattr(pairs, side), valid=pairs.valid, labels=pairs.labels)
 
 
 SITES = ("head_out", "mlp_out", "resid_pre")
@@ -119,8 +123,8 @@ def test_node_scores_equal_the_node_attribution_of_site_gradients(params, pairs,
     """A writer's edges summed over its readers are gradient x activation difference at the
     writer: `site_gradients` at head_out (each head's output before o_proj, which is linear), at
     mlp_out and, for the input, at resid_pre of layer 0, from the plain forward."""
-    clean = site_gradients(params, pairs.clean, CONFIG, _metric_at_last(pairs), SITES, valid=pairs.valid)
-    corrupt = site_gradients(params, pairs.corrupt, CONFIG, _metric_at_last(pairs), SITES, valid=pairs.valid)
+    clean = site_gradients(params, _prompts(pairs, "clean"), CONFIG, difference_by_hand, SITES)
+    corrupt = site_gradients(params, _prompts(pairs, "corrupt"), CONFIG, difference_by_hand, SITES)
     delta = {s: clean.activations[s] - corrupt.activations[s] for s in SITES}
     heads = np.einsum("lbthe,lbthe->blh", delta["head_out"], clean.gradients["head_out"])
     mlps = np.einsum("lbtd,lbtd->bl", delta["mlp_out"], clean.gradients["mlp_out"])
@@ -148,16 +152,14 @@ def test_eap_ig_inputs_is_integrated_gradients_at_the_input_with_the_corrupt_bas
     the same rule (the adaptive one placing the same nodes), summed over positions."""
     one = pairs.select([0])
     edges = edge_attribution(params, one, CONFIG, logit_difference, Scoring("eap-ig-inputs", rule))
-    last, labels = int(one.last[0]), jnp.asarray(one.labels)
-    by_hand = lambda logits: logit_difference_of(logits[:, 0], labels)[0]  # noqa: E731 (one pair, one call)
+    assert bool(one.valid.all())  # its last real position is its last: what the edges read
     site = integrated_gradients(
         params,
-        one.clean,
+        _prompts(one, "clean"),
         CONFIG,
-        LogitsMetric(by_hand, positions=[last]),
-        site="resid_pre",
-        layers=[0],
-        baseline=embed(params, one.corrupt, CONFIG)[None],
+        Attribution(
+            difference_by_hand, site="resid_pre", layers=[0], baseline=embed(params, one.corrupt, CONFIG)[None]
+        ),
         rule=rule,
     )
     np.testing.assert_allclose(edges.node_scores()[0, 0], site.per_position[0, 0].sum(), rtol=1e-4, atol=1e-6)

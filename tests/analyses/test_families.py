@@ -200,7 +200,7 @@ def test_the_geometry_and_the_decision_depth_of_each_prompt_alone(family, batch)
 
 def test_layer_skip_sweep_equals_one_at_a_time(family, batch):
     config, params = family
-    result = layer_skip.layer_skip(params, batch, config, sublayer="layer", progress=False)
+    result = layer_skip.layer_skip(params, batch, config, layer_skip.Skip(sublayer="layer"))
     one = batch.single(0)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     T, length, L = one.tokens.shape[1], int(one.lengths[0]), config.num_layers
@@ -220,7 +220,7 @@ def test_layer_skip_sweep_equals_one_at_a_time(family, batch):
 def test_erasure_sweep_equals_one_at_a_time(family, batch):
     config, params = family
     baseline = erasure.mean_residuals(params, batch, config)
-    result = erasure.residual_erasure(params, batch, config, baseline, progress=False, blocks=3)
+    result = erasure.residual_erasure(params, batch, config, baseline, erasure.Erasure(blocks=3))
     one = batch.single(1)
     tokens, valid = jnp.asarray(one.tokens), jnp.asarray(one.valid)
     clean = _probs(params, config, tokens, valid)

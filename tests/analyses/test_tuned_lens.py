@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxdepth.core.execution import Execution
 from jaxdepth.analyses import logit_lens, tuned_lens
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings, TunedLens
 from jaxdepth.core.batch import make_batch
@@ -29,7 +30,7 @@ def prompts(seed, count, length=24):
 
 @pytest.fixture(scope="module")
 def data(params):
-    return tuned_lens.residual_tokens(params, prompts(0, 12), CONFIG, progress=False)
+    return tuned_lens.residual_tokens(params, prompts(0, 12), CONFIG, execution=Execution())
 
 
 def test_identity_translators_are_the_logit_lens_exactly(params):
@@ -55,9 +56,9 @@ def held_out_kl(params, translators, data):
 
 
 def test_training_lowers_held_out_kl(params, data):
-    held_out = tuned_lens.residual_tokens(params, prompts(99, 4), CONFIG, progress=False)
+    held_out = tuned_lens.residual_tokens(params, prompts(99, 4), CONFIG, execution=Execution())
     settings = LensTrainingSettings(steps=60, tokens_per_step=64, learning_rate=1e-2, warmup=5)
-    lens, losses = tuned_lens.train_tuned_lens(params, data, CONFIG, settings, progress=False)
+    lens, losses = tuned_lens.train_tuned_lens(params, data, CONFIG, settings, execution=Execution())
     before = held_out_kl(params, TunedLens(CONFIG.num_layers, CONFIG.hidden_size).translators(), held_out)
     after = held_out_kl(params, lens.translators(), held_out)
     assert losses.shape == (60,) and losses[-10:].mean() < losses[:10].mean()
@@ -67,7 +68,7 @@ def test_training_lowers_held_out_kl(params, data):
 
 
 def test_training_resumed_from_a_state_equals_uninterrupted(params, data):
-    whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, progress=False)
+    whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, execution=Execution())
     states = []
     _, first = tuned_lens.train_tuned_lens(
         params,
@@ -76,10 +77,12 @@ def test_training_resumed_from_a_state_equals_uninterrupted(params, data):
         SETTINGS,
         on_step=lambda state, loss: states.append((state, loss)),
         stop_after=3,
-        progress=False,
+        execution=Execution(),
     )
     assert [state.step for state, _ in states] == [1, 2, 3] and [loss for _, loss in states] == list(first)
-    resumed, rest = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, state=states[1][0], progress=False)
+    resumed, rest = tuned_lens.train_tuned_lens(
+        params, data, CONFIG, SETTINGS, state=states[1][0], execution=Execution()
+    )
     assert len(rest) == SETTINGS.steps - 2  # from step 2 on, not from scratch
     np.testing.assert_array_equal(np.concatenate([first[:2], rest]), whole_losses)
     for key in ("weight", "bias"):

@@ -60,9 +60,9 @@ def run_all(params, batch):
         "head_ablation": np.asarray(ablated),
         "contributions": contributions.contributions(params, batch, CONFIG).cos_layer,
         "lens_kl": logit_lens.logit_lens(params, batch, CONFIG).kl,
-        "skip_later": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).later,
-        "skip_output": layer_skip.layer_skip(params, batch, CONFIG, progress=False, chunk_size=8).output,
-        "erasure": erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False, chunk_size=8).effects,
+        "skip_later": layer_skip.layer_skip(params, batch, CONFIG, execution=Execution(chunk_size=8)).later,
+        "skip_output": layer_skip.layer_skip(params, batch, CONFIG, execution=Execution(chunk_size=8)).output,
+        "erasure": erasure.residual_erasure(params, batch, CONFIG, baseline, execution=Execution(chunk_size=8)).effects,
         "ig": ig.integrated_gradients_of_answers(
             params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False, chunk_size=8)
         ).attributions,

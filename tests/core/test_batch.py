@@ -116,8 +116,8 @@ def runs():
     def run(buckets):
         batch = make_batch(token_lists, starts, buckets=buckets)
         return batch, dict(
-            erasure=erasure.residual_erasure(params, batch, CONFIG, baseline, progress=False),
-            layer_skip=layer_skip.layer_skip(params, batch, CONFIG, progress=False),
+            erasure=erasure.residual_erasure(params, batch, CONFIG, baseline),
+            layer_skip=layer_skip.layer_skip(params, batch, CONFIG),
             ig=ig.integrated_gradients_of_answers(
                 params, batch, CONFIG, rule=FixedRule(steps=4), execution=Execution(progress=False)
             ),

@@ -12,6 +12,7 @@ from conftest import tiny_config
 from jaxdepth.analyses import erasure
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.model import random_params
+from jaxdepth.core.execution import Execution
 from jaxdepth.core.progress import LineProgress, progress_bar, track
 
 
@@ -67,11 +68,13 @@ def test_a_driver_reports_to_the_callers_progress():
     pieces = [erasure.pieces_to_run(batch.prompt(i)) for i in range(len(batch))]
     assert pieces == [2, 2]
     recorder = Recorder()
-    result = erasure.residual_erasure(params, batch, config, baseline, progress=recorder)
+    result = erasure.residual_erasure(params, batch, config, baseline, execution=Execution(progress=recorder))
     assert recorder.bars == [{"total": 4, "desc": "residual erasure (position pieces)", "done": 4, "closed": True}]
 
     recorder = Recorder()  # one prompt: a step per piece, each before the end
-    alone = erasure.residual_erasure(params, batch.select(slice(0, 1)), config, baseline, progress=recorder)
+    alone = erasure.residual_erasure(
+        params, batch.select(slice(0, 1)), config, baseline, execution=Execution(progress=recorder)
+    )
     assert recorder.steps == [(1, False), (2, False)] and recorder.bars[0]["closed"]
     n = int(batch.lengths[0])
     np.testing.assert_array_equal(alone.effects[0, :, :n], result.effects[0, :, :n])

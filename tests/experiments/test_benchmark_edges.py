@@ -18,7 +18,7 @@ import benchmark_edges  # noqa: E402
 from reference_edges_torch import EdgeReference  # noqa: E402
 from tiny_qwen import CONFIG  # noqa: E402
 
-from jaxdepth.analyses.edges import edge_attribution, edge_effects, logit_difference, prompt_pairs  # noqa: E402
+from jaxdepth.analyses.edges import Scoring, edge_attribution, edge_effects, logit_difference, prompt_pairs  # noqa: E402
 from jaxdepth.analyses.edges import greedy_edges, ranked_edges  # noqa: E402
 from jaxdepth.analyses.ig import FixedRule  # noqa: E402
 from jaxdepth.core.model import random_params  # noqa: E402
@@ -37,7 +37,7 @@ def test_the_reference_agrees_with_jaxdepth():
     inputs = [torch.as_tensor(np.array(x)) for x in (pairs.clean, pairs.corrupt, pairs.valid, pairs.last, labels)]
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
     eap = edge_attribution(params, pairs, CONFIG, logit_difference)
-    ig = edge_attribution(params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=FixedRule(steps=4))
+    ig = edge_attribution(params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", FixedRule(steps=4)))
     np.testing.assert_allclose(ref.eap(*inputs).numpy(), eap.scores.sum(0), atol=1e-5)
     np.testing.assert_allclose(ref.eap(*inputs, steps=4).numpy(), ig.scores.sum(0), atol=1e-5)
     top = ranked_edges(eap.mean, eap.graph)[:6]
@@ -66,10 +66,10 @@ def test_the_reference_s_greedy_search_neurons_and_positions_agree_with_jaxdepth
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
     rule = FixedRule(steps=2)
     neurons = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule, detail=["neurons"]
+        params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", rule, detail=["neurons"])
     )
     positions = edge_attribution(
-        params, pairs, CONFIG, logit_difference, method="eap-ig-inputs", rule=rule, detail=["positions"]
+        params, pairs, CONFIG, logit_difference, Scoring("eap-ig-inputs", rule, detail=["positions"])
     )
     theirs = ref.attribute(*inputs, steps=2, neurons=True)
     np.testing.assert_allclose(theirs["neurons"].numpy(), neurons.neuron_scores.sum(0), atol=1e-5)

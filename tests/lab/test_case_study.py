@@ -49,7 +49,7 @@ def test_case_prompt_matches_the_analyses_run_directly(tiny, tmp_path, capsys):
     batch = encode(model.tokenizer, [prompt])
     baseline = encode(model.tokenizer, load_prompts("default", limit=10))  # the embedded prompts (offline)
     expected_erasure = residual_erasure(
-        model.params, batch, model.config, mean_residuals(model.params, baseline, model.config), progress=False
+        model.params, batch, model.config, mean_residuals(model.params, baseline, model.config)
     )
     expected_ig = integrated_gradients_of_answers(
         model.params, batch, model.config, rule=FixedRule(steps=4), execution=Execution(progress=False)

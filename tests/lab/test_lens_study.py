@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from jaxdepth.core.execution import Execution
 from jaxdepth.analyses import tuned_lens
 from jaxdepth.analyses.tuned_lens import LensTrainingSettings
 from jaxdepth.core.config import ModelConfig
@@ -30,16 +31,16 @@ def params():
 
 @pytest.fixture(scope="module")
 def data(params):
-    return tuned_lens.residual_tokens(params, prompts(0, 12), CONFIG, progress=False)
+    return tuned_lens.residual_tokens(params, prompts(0, 12), CONFIG, execution=Execution())
 
 
 def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
-    whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, progress=False)
+    whole, whole_losses = tuned_lens.train_tuned_lens(params, data, CONFIG, SETTINGS, execution=Execution())
     folder = str(tmp_path / "lens")
     # Interrupted after step 3: the last checkpoint is step 2 (every 2 steps), so step 3 is redone.
-    _, first = train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=3, progress=False)
+    _, first = train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=3, execution=Execution())
     assert trained_lens(folder, CONFIG, SETTINGS) is None  # unfinished
-    resumed, rest = train_resumably(params, data, CONFIG, SETTINGS, folder, progress=False)
+    resumed, rest = train_resumably(params, data, CONFIG, SETTINGS, folder, execution=Execution())
     assert len(first) == 3 and len(rest) == 4  # resumed at step 2, not from scratch
     np.testing.assert_array_equal(np.concatenate([first[:2], rest]), whole_losses)
     assert first[2] == rest[0]  # the redone step is the same step
@@ -53,9 +54,9 @@ def test_resumed_training_equals_uninterrupted(params, data, tmp_path):
 
 def test_bad_inputs(params, data, tmp_path):
     folder = str(tmp_path / "lens")
-    train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=2, progress=False)
+    train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=2, execution=Execution())
     with pytest.raises(ValueError, match="other settings"):
-        train_resumably(params, data, CONFIG, LensTrainingSettings(steps=7), folder, progress=False)
+        train_resumably(params, data, CONFIG, LensTrainingSettings(steps=7), folder, execution=Execution())
     with pytest.raises(ValueError, match="other data"):  # a lens is never reused on other prompts
         trained_lens(folder, CONFIG, SETTINGS, {"train_tokens_sha": "another"})
     with pytest.raises(FileNotFoundError, match="no tuned lens"):
@@ -75,14 +76,14 @@ def test_the_decision_depth_reads_a_trained_lens_from_its_folder(params, data, t
     from jaxdepth.analyses.suite import RunInputs
 
     folder = str(tmp_path / "lens")
-    lens, _ = train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=2, progress=False)
+    lens, _ = train_resumably(params, data, CONFIG, SETTINGS, folder, stop_after=2, execution=Execution())
     batch = prompts(3, 4)
     model = SimpleNamespace(params=params, config=CONFIG)
     settings = ANALYSIS.settings(decision_lens=folder)
-    through = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, progress=False))
+    through = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, execution=Execution()))
     expected = decision_depth(params, batch, CONFIG, translators=load_tuned_lens(folder, CONFIG).translators())
     assert np.array_equal(through.depth, expected.depth) and through.settings["lens"] == "tuned"
     assert not np.array_equal(through.depth, decision_depth(params, batch, CONFIG).depth)
     before = ANALYSIS.identity(settings)["decision_lens"]
-    train_resumably(params, data, CONFIG, SETTINGS, folder, progress=False)  # trained on to its last step
+    train_resumably(params, data, CONFIG, SETTINGS, folder, execution=Execution())  # trained on to its last step
     assert ANALYSIS.identity(settings)["decision_lens"] != before and lens_identity("") == ""

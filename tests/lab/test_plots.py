@@ -73,10 +73,10 @@ def results(batch):
         "logit_lens": logit_lens.logit_lens(params, batch, CONFIG),
         # Two rows; one sublayer, so one compilation (the sublayer is a static argument).
         "layer_skip": {
-            name: layer_skip.layer_skip(params, prompts, CONFIG, progress=False)
+            name: layer_skip.layer_skip(params, prompts, CONFIG)
             for name, prompts in (("both prompts", batch), ("prompt 1", batch.select(slice(1, 2))))
         },
-        "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline, progress=False),
+        "erasure": erasure.residual_erasure(params, batch, CONFIG, zero_baseline),
         "integrated_gradients": integrated_gradients.integrated_gradients_of_answers(
             params, batch.select(slice(0, 1)), CONFIG, rule=FixedRule(steps=2), execution=Execution(progress=False)
         ),

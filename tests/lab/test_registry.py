@@ -139,10 +139,10 @@ def test_a_registered_analysis_runs_caches_and_draws(model, batch, token_count, 
 
 
 def test_layer_skip_is_one_result_with_a_sublayer_axis(model, batch, tmp_path):
-    both = layer_skip.layer_skip_sublayers(model.params, batch, CONFIG, sublayers=["attn", "layer"], progress=False)
+    both = layer_skip.layer_skip_sublayers(model.params, batch, CONFIG, sublayers=["attn", "layer"])
     assert both.later.shape == (2, 3, 3) and both.later_per_prompt.shape == (2, 2, 3, 3)
     for sublayer in ("attn", "layer"):
-        alone = layer_skip.layer_skip(model.params, batch, CONFIG, sublayer=sublayer, progress=False)
+        alone = layer_skip.layer_skip(model.params, batch, CONFIG, layer_skip.Skip(sublayer=sublayer))
         part = both.part(sublayer)
         for name in ("later", "output", "later_per_prompt", "output_per_prompt", "split_positions"):
             np.testing.assert_array_equal(getattr(part, name), getattr(alone, name), err_msg=f"{sublayer} {name}")

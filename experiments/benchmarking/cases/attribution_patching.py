@@ -20,7 +20,7 @@ def run_jaxdepth(bench: Bench, w: Workload):
     # Not through the registry, for the same reason as erasure: the baseline is shared, untimed.
     from jaxdepth.analyses.attribution import attribution_patching
 
-    return attribution_patching(bench.model.params, w.batch, bench.config, bench.baseline, progress=False)
+    return attribution_patching(bench.model.params, w.batch, bench.config, bench.baseline)
 
 
 def executed_flops(c, one, splits, steps):

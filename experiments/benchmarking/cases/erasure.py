@@ -39,7 +39,7 @@ def run_jaxdepth(bench: Bench, w: Workload):
     # benchmark computes once outside the timings and hands to both sides.
     from jaxdepth.analyses.erasure import residual_erasure
 
-    return residual_erasure(bench.model.params, w.batch, bench.config, bench.baseline, progress=False)
+    return residual_erasure(bench.model.params, w.batch, bench.config, bench.baseline)
 
 
 def executed_flops(c, one, splits, steps):
