@@ -18,7 +18,6 @@ rerun this script after changing a signature or a docstring. Nothing here loads 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import importlib
@@ -41,11 +40,6 @@ if ROOT not in sys.path:  # `python docs/reference.py` from a checkout that is n
 
 # The packages whose modules follow the analyses' on the page, each module under its own name.
 PACKAGES = ("jaxdepth.core", "jaxdepth.lab", "conversion")
-
-# What a module without an `__all__` yet (tests/test_layout.py's NOT_YET_DECLARED) passes on to
-# its users from another module beyond what it defines, as the docs' examples import it: to go
-# into that module's `__all__`, and from here, when it declares one (tests/test_reference.py).
-PASSED_ON = {"jaxdepth.lab.mapping_study": ("MappingSettings",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,16 +74,11 @@ def _documentable(obj: Any) -> bool:
 
 
 def declared(module: ModuleType) -> list[str]:
-    """`module.__all__`; for a module that has none yet, what the rule says it will name: the
-    public functions and classes it defines at its top level, in the order of its source (and
-    what it passes on, `PASSED_ON`)."""
-    if hasattr(module, "__all__"):
-        return list(module.__all__)
-    with open(module.__file__, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    own = [node.name for node in tree.body if isinstance(node, kinds) and not node.name.startswith("_")]
-    return own + list(PASSED_ON.get(module.__name__, ()))
+    """`module.__all__`: the reference documents what the modules declare, and only that
+    (every module has one: tests/test_layout.py)."""
+    if not hasattr(module, "__all__"):
+        raise SystemExit(f"{module.__name__} declares no __all__: name its public names there")
+    return list(module.__all__)
 
 
 def _public(module: ModuleType) -> list[tuple[str, Any]]:

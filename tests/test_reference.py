@@ -282,15 +282,6 @@ def test_names_the_prose_writes_out_are_the_references():
     assert not other, "the docs name documented objects by other paths than the reference: " + "; ".join(other)
 
 
-def test_what_modules_pass_on_waits_for_their_own_declaration():
-    """`PASSED_ON` stands in for modules that have no `__all__` yet: one that has one names what
-    it passes on there."""
-    declared = [name for name in _generator().PASSED_ON if hasattr(importlib.import_module(name), "__all__")]
-    assert not declared, (
-        f"these modules have an __all__ now: remove them from PASSED_ON in docs/reference.py: {declared}"
-    )
-
-
 def test_the_tap_record_is_documented_field_by_field():
     """A tap (`run_layers(..., tap=...)`) reads a `LayerRecord`: its entry names every field,
     the attention probabilities among them."""

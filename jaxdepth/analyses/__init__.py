@@ -6,6 +6,9 @@ numbers. A module of the suite also draws its figures and declares itself (`suit
 settings and options, cache identity, run, figures, summary), so that an analysis is one file;
 `drawing` holds the helpers its figures share.
 
-Each module lists its public names in `__all__`: those are what the API reference documents and
-what stays put. A name outside `__all__`, with a leading underscore or not, is internal (shared
-between the package's modules, or there for its tests) and may change without notice."""
+Each module lists every public name it defines in `__all__`, and the API reference documents
+exactly those; a name with a leading underscore is internal (shared between the package's
+modules, or there for its tests) and may change without notice. The package itself defines
+none: its modules do."""
+
+__all__: list = []

@@ -55,6 +55,7 @@ __all__ = [
     "attribution_patching_figure",
     "ATTRIBUTION_PATCHING",
     "GRAD_X_ACT",
+    "recomputes_layers",
 ]
 
 # Activations of all layers the backward may keep (rough bytes, `member_bytes` x layers). A

@@ -66,6 +66,11 @@ __all__ = [
     "erasure_figure",
     "erasure_panel",
     "ANALYSIS",
+    "default_blocks",
+    "piece_width",
+    "clean_run",
+    "pieces_to_run",
+    "baseline_residuals",
 ]
 
 

@@ -51,6 +51,8 @@ __all__ = [
     "integrated_gradients_panel",
     "IGSettings",
     "ANALYSIS",
+    "as_target",
+    "relative_gaps",
 ]
 
 # What a layer's attribution is taken with respect to, per study target: the site of its

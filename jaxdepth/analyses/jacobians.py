@@ -72,6 +72,7 @@ __all__ = [
     "jacobian_figure",
     "JacobianSettings",
     "ANALYSIS",
+    "depth_reading",
 ]
 
 DEFAULT_PROBES = 32

@@ -68,6 +68,15 @@ __all__ = [
     "MODES",
     "SPLITS",
     "ANALYSIS",
+    "SkipMasks",
+    "skipped_runs",
+    "output_shifts",
+    "metric_changes",
+    "measured_rows",
+    "skipped_layer_groups",
+    "skip_effects_of_prompt",
+    "largest_change",
+    "member_masks",
 ]
 
 # what each sublayer's skip removes: the layer's whole contribution, or one sublayer's output

@@ -16,6 +16,7 @@ __all__ = [
     "per_prompt_mean",
     "prompt_mean",
     "NORM_EPS",
+    "floating_metric",
 ]
 
 NORM_EPS = 1e-6  # METHODS: denominators of relative norms are clamped at 1e-6

@@ -30,6 +30,9 @@ __all__ = [
     "per_prompt_figures",
     "DepthReading",
     "DepthCurve",
+    "option_fields",
+    "option_flag",
+    "parse_option",
 ]
 
 

@@ -57,6 +57,21 @@ from jaxdepth.core.sites import (
 )
 from jaxdepth.core.structure import GroupedSteps, LayerOrder, check_order
 
+__all__ = [
+    "final_residual",
+    "RUN_FIELDS",
+    "LayerRun",
+    "refuse_run_keywords",
+    "run_layers",
+    "run_grouped_orders",
+    "run_layer",
+    "Pieces",
+    "run_layers_in_pieces",
+    "clean_key_values",
+    "suffix_value_and_grad",
+    "stored_layers",
+]
+
 
 def final_residual(h_last, config: ModelConfig, interventions, states: tuple = ()):
     """Boundary L, the final norm's input: `resid_pre` interventions act here with layer index

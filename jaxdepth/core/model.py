@@ -35,6 +35,18 @@ from jaxdepth.core.loops import run_layers
 from jaxdepth.core.parameters import param_shapes
 from jaxdepth.core.sites import InterventionsLike
 
+__all__ = [
+    "check_params",
+    "random_params",
+    "check_tokens",
+    "embed",
+    "unembed",
+    "forward",
+    "layer_inputs",
+    "tap_residual",
+    "residual_stream",
+]
+
 
 def check_params(params: Params, config: ModelConfig) -> None:
     """Raise if the params pytree does not have exactly the structure and shapes of `config`."""

@@ -55,6 +55,24 @@ from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.lab.circuit_tasks import TaskPairs, addition_pairs, read_pairs
 from jaxdepth.lab.runs import Step, hold_folders, produce
 
+__all__ = [
+    "CIRCUIT_FORMAT",
+    "POSITION_ROWS",
+    "EdgeChecks",
+    "circuit_folder",
+    "scoring_name",
+    "circuit_choice",
+    "find_and_save",
+    "task_ablation",
+    "summarise",
+    "scores_vs_patching_figure",
+    "TASK_NAMING",
+    "add_parser",
+    "check_arguments",
+    "check_size",
+    "run_command",
+]
+
 CIRCUIT_FORMAT = 1  # part of the cache identity: bumped when the computation or the results change
 POSITION_ROWS = 40  # at most this many of the circuit's edges in the figure over positions
 

@@ -17,6 +17,15 @@ from typing import NoReturn
 from jaxdepth.lab.meshes import mesh_from_args
 from jaxdepth.lab.optional import MissingDependencyError
 
+__all__ = [
+    "BASELINE_PROMPTS",
+    "erasure_baseline_prompts",
+    "analysis_options",
+    "build_parser",
+    "main",
+    "interrupted_message",
+]
+
 
 def _convert(args) -> int:
     import numpy as np

@@ -24,6 +24,10 @@ from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import check_tokens, embed, forward
 from jaxdepth.core.weights import ModelWeights
 
+__all__ = [
+    "Model",
+]
+
 
 @dataclasses.dataclass
 class Model(ModelWeights):

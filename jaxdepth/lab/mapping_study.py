@@ -28,6 +28,21 @@ from jaxdepth.core.sharding import is_writer
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
+__all__ = [
+    "MappingSettings",  # where the mapping's settings were first offered
+    "RESULT_NAME",
+    "MAPPING_FORMAT",
+    "check_same_tokenizer",
+    "mapping_folder",
+    "encode_both",
+    "MappingPrompts",
+    "MappingRun",
+    "map_models",
+    "mapping_figure",
+    "summary",
+    "add_parser",
+]
+
 RESULT_NAME = "layer_mapping"
 MAPPING_FORMAT = 1  # part of the cache identity: bumped when the computation or the result changes
 # ----------------------------------------------------------------------------- tokenizers

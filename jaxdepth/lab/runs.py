@@ -36,6 +36,21 @@ from jaxdepth.core.compilation import CompileClock
 from jaxdepth.core.saved_result import UnreadableResultError
 from jaxdepth.core.sharding import is_writer, writer_decides
 
+__all__ = [
+    "SIDECAR",
+    "Step",
+    "Produced",
+    "produce",
+    "saved_result",
+    "set_aside",
+    "check_recorded_identity",
+    "identity_key",
+    "batch_digest",
+    "devices_used",
+    "software_versions",
+    "hold_folders",
+]
+
 SIDECAR = ".identity"  # suffix of the identity file of a result type without settings
 
 

@@ -30,6 +30,24 @@ from jaxdepth.lab.registry import ANALYSES, analysis, default_analyses
 from jaxdepth.lab.results import RESULT_FORMAT
 from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
+__all__ = [
+    "StudySettings",
+    "Failure",
+    "Failures",
+    "saved_model_name",
+    "slug",
+    "run_analysis",
+    "result_folder",
+    "FINGERPRINT_DIGITS",
+    "results_key",
+    "source_results_key",
+    "model_results_key",
+    "StudyPrompts",
+    "StudyRun",
+    "run_study",
+    "write_figures",
+]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StudySettings(Settings):

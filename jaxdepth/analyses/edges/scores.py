@@ -87,6 +87,14 @@ __all__ = [
     "METHODS",
     "DETAILS",
     "DEFAULT_STEPS",
+    "pair_runs",
+    "with_clean_logits",
+    "input_path_gradients",
+    "node_path_gradients",
+    "suffix_run",
+    "clean_gradients",
+    "input_path_points",
+    "as_scoring",
 ]
 
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "eap-ig-activations-pooled")

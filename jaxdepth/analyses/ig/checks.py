@@ -28,6 +28,14 @@ __all__ = [
     "BASELINES",
     "refuse_readout_padding",
     "clean_readout",
+    "layer_baselines",
+    "check_tokens_array",
+    "check_layers",
+    "check_prompts",
+    "check_site",
+    "warn_if_zero_baseline_diverges",
+    "nonfinite_report",
+    "raise_or_warn",
 ]
 
 BASELINES = ("channel_mean", "token_mean", "zero")

@@ -91,6 +91,12 @@ __all__ = [
     "DEFAULT_TOLERANCE",
     "MAX_EVALUATIONS",
     "RULE_VERSION",
+    "simpson",
+    "initial_partition",
+    "splittable",
+    "choose_splits",
+    "call_sizes",
+    "power_of_two_floor",
 ]
 
 # Bump when the rule's internal choices (initial intervals, split rounding, ...) change: it is
