@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 
 
 def is_converted_dir(path: str) -> bool:
+    """Whether `path` is a folder `conversion` wrote (it holds the conversion's marker file)."""
     return os.path.isfile(os.path.join(path, MARKER))
 
 

@@ -52,6 +52,8 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> str:
 
 
 def read_hf_config(folder: str) -> ModelConfig:
+    """The `ModelConfig` of the Hugging Face folder `folder`, from its config.json (a
+    `ConversionError` where there is none)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ConversionError(f"no config.json in {folder}")

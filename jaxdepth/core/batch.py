@@ -87,12 +87,14 @@ class PromptBatch:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Each prompt's real length `[B]` (its count of valid tokens)."""
         return self.valid.sum(axis=1)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def select(self, index) -> "PromptBatch":
+        """The prompts at `index` (an int array, a slice, a list), as a batch of their own."""
         return PromptBatch(self.tokens[index], self.valid[index], self.answer_start[index], self.buckets)
 
     def single(self, i: int, buckets: Optional[LengthBuckets] = None) -> "PromptBatch":

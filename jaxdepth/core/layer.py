@@ -407,6 +407,7 @@ def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) ->
 
 
 def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
+    """The MLP's output from its normed input: `mlp_output` of `mlp_hidden`."""
     return mlp_output(p, mlp_hidden(p, x, config), config)
 
 

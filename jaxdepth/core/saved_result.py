@@ -77,6 +77,7 @@ class SavedResult:
 
     @classmethod
     def load(cls, path: str):
+        """The result saved at `path`, refused (TypeError) unless it is of this type."""
         result = load_saved(path)
         if not isinstance(result, cls):
             raise TypeError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")

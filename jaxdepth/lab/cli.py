@@ -540,6 +540,7 @@ def _bootstrap_argument(parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `jaxdepth` command line: every command's parser, with the suite's options."""
     from jaxdepth.lab.case_study import CASE_ANALYSES
 
     parser = argparse.ArgumentParser(prog="jaxdepth", description=__doc__)

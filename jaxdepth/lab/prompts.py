@@ -62,6 +62,7 @@ class Prompt:
 
     @property
     def text(self) -> str:
+        """Question and answer as one text, what is tokenized."""
         return self.question + self.answer
 
 
@@ -187,6 +188,10 @@ def format_mquake(row: dict) -> Prompt:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
+    """How a dataset is read: its rows' `formatter` (a row -> a `Prompt`), where on the hub it
+    is, the prompts' token limit, the JSONL file shipped with the package, and its difficulty
+    levels and how one is named."""
+
     formatter: Callable[[dict], Prompt]
     # (path, config name, None, or a tuple of config names whose splits are concatenated, split)
     hub: Optional[tuple] = None

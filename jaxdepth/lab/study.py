@@ -105,6 +105,8 @@ class Failures:
 
     @contextlib.contextmanager
     def guard(self, name: str, stage: str):
+        """A context in which an error of analysis `name` at `stage` is recorded (a `Failure`)
+        and swallowed where `name` is isolated, and passes through where it is not."""
         if name not in self.isolated:
             yield
             return
