@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxdepth.core.progress import progress_bar
 from jaxdepth.core.batch import PromptArrays, PromptBatch
-from jaxdepth.core.execution import Execution, refuse_loose_options
+from jaxdepth.core.execution import Execution, refuse_fields, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import Pieces, final_residual, run_layers_in_pieces
@@ -166,10 +166,7 @@ def _refuse_loose(function: str, options: dict) -> None:
     """A `TypeError` for the keywords an erasure once took on its own: the fields of `Erasure`
     (shown as the `Erasure` that says the same), and those of `Execution`
     (`refuse_loose_options`)."""
-    fields = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(Erasure)}}
-    if fields:
-        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        raise TypeError(f"{function}() takes what is measured as one value: Erasure({shown})")
+    refuse_fields(function, options, Erasure, "erasure=Erasure", "what is measured")
     refuse_loose_options(function, options)
 
 

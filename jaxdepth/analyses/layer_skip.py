@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxdepth.core.progress import track
 from jaxdepth.core.batch import PromptArrays, PromptBatch
-from jaxdepth.core.execution import Execution, refuse_loose_options
+from jaxdepth.core.execution import Execution, refuse_fields, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord
@@ -123,10 +123,7 @@ class Skip:
 def _refuse_loose(function: str, options: dict) -> None:
     """A `TypeError` for the keywords a layer skip once took on its own: the fields of `Skip`
     (shown as the `Skip` that says the same), and those of `Execution` (`refuse_loose_options`)."""
-    fields = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(Skip)}}
-    if fields:
-        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        raise TypeError(f"{function}() takes what is skipped as one value: skip=Skip({shown})")
+    refuse_fields(function, options, Skip, "skip=Skip", "what is skipped")
     refuse_loose_options(function, options)
 
 

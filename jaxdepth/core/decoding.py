@@ -31,6 +31,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import refuse_fields, refuse_unknown
 from jaxdepth.core.layer import KeyValueBuffer, Params, step_context
 from jaxdepth.core.loops import LayerRun, run_grouped_orders, run_layers
 from jaxdepth.core.model import embed, unembed
@@ -75,24 +76,15 @@ class Decoding:
 
 jax.tree_util.register_dataclass(Decoding, data_fields=["key"], meta_fields=["eos_ids", "pad_id", "temperature"])
 
-# The keywords `generate` and `generate_orders` once took on their own, now the fields of `Decoding`.
-_DECODING_FIELDS = ("eos_ids", "pad_id", "temperature", "key")
-
 
 def _refuse_decoding_keywords(function: str, options: dict) -> None:
     """A `TypeError` for `eos_ids=`, `pad_id=`, `temperature=` or `key=` passed to `function`
     on their own, showing the `Decoding` that says the same; other unknown keywords are named
     as such."""
-    if not options:
-        return
-    loose = [k for k in options if k in _DECODING_FIELDS]
-    if loose:
-        shown = ", ".join(f"{k}={options[k]!r}" if k != "key" else "key=..." for k in loose)
-        raise TypeError(
-            f"{function}() takes how tokens are picked and rows end as one value: "
-            f"decoding=jaxdepth.core.decoding.Decoding({shown}), not {', '.join(loose)} on their own"
-        )
-    raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
+    refuse_fields(
+        function, options, Decoding, "decoding=jaxdepth.core.decoding.Decoding", "how tokens are picked and rows end"
+    )
+    refuse_unknown(function, options)
 
 
 def check_prompt_mask(valid, max_new_tokens: int, config: ModelConfig) -> None:

@@ -25,7 +25,9 @@ __all__ = [
     "check_nonfinite_option",
     "in_chunks",
     "refuse_loose_options",
-    "LOOSE_OPTIONS",
+    "refuse_fields",
+    "refuse_moved",
+    "refuse_unknown",
 ]
 
 # How a gradient's backward gets the activations of the layers after the differentiated one:
@@ -33,8 +35,6 @@ __all__ = [
 BACKWARDS = ("auto", "recompute", "stored")
 # What a NaN or an infinity in a result does: raise an error naming where, or warn and return it.
 NONFINITE = ("raise", "warn")
-# The keywords each analysis once took on its own, now the fields of `Execution`.
-LOOSE_OPTIONS = ("chunk_size", "memory_budget", "progress", "backward", "nonfinite")
 
 
 def check_backward(backward) -> None:
@@ -125,16 +125,46 @@ def in_chunks(run: Callable, items, chunk: int, execution: Execution, what: str)
     return out
 
 
-def refuse_loose_options(function: str, options: dict) -> None:
-    """A `TypeError` for keywords of `LOOSE_OPTIONS` passed to `function` on their own, showing
-    the `Execution` that says the same; other unknown keywords are named as such."""
-    if not options:
-        return
-    loose = {k: v for k, v in options.items() if k in LOOSE_OPTIONS}
+def _shown(value) -> str:
+    """A keyword's value as a refusal shows it: a plain value as written, anything else `...`."""
+    return repr(value) if isinstance(value, (bool, int, float, str, type(None))) else "..."
+
+
+def refuse_fields(function: str, options: dict, value: type, shown_as: str, what: str) -> None:
+    """A `TypeError` for keywords of `options` (what `function` got beyond its parameters) that
+    are fields of the dataclass `value`, showing the value that says the same: "`function`()
+    takes `what` as one value: `shown_as`(k=v, ...)". Other keywords pass: the caller refuses
+    them after its own values (`refuse_unknown`)."""
+    fields = {f.name for f in dataclasses.fields(value)}
+    loose = {k: v for k, v in options.items() if k in fields}
     if loose:
-        shown = ", ".join(f"{k}={v!r}" for k, v in loose.items())
+        shown = ", ".join(f"{k}={_shown(v)}" for k, v in loose.items())
         raise TypeError(
-            f"{function}() takes how to run as one value: execution=jaxdepth.Execution({shown}), "
-            f"not {', '.join(loose)} on their own"
+            f"{function}() takes {what} as one value: {shown_as}({shown}), not {', '.join(loose)} on their own"
         )
-    raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
+
+
+def refuse_moved(function: str, options: dict, where: dict, values: str) -> None:
+    """A `TypeError` for keywords `function` once took that now live in its values: each of
+    `where` (a former keyword -> where it is now, e.g. "run=StudyRun(log=...)"), named with its
+    place; `values` names those values' home. Other keywords pass (`refuse_unknown`)."""
+    moved = {k: where[k] for k in options if k in where}
+    if moved:
+        raise TypeError(
+            f"{function}() takes its options as values: "
+            + "; ".join(f"{k} in {place}" for k, place in moved.items())
+            + f" ({values})"
+        )
+
+
+def refuse_unknown(function: str, options: dict) -> None:
+    """A `TypeError` naming the keywords of `options`, if any: `function` takes none of them."""
+    if options:
+        raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
+
+
+def refuse_loose_options(function: str, options: dict) -> None:
+    """A `TypeError` for fields of `Execution` passed to `function` on their own, showing the
+    `Execution` that says the same; other unknown keywords are named as such."""
+    refuse_fields(function, options, Execution, "execution=jaxdepth.Execution", "how to run")
+    refuse_unknown(function, options)

@@ -33,6 +33,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.execution import refuse_fields, refuse_unknown
 from jaxdepth.core.layer import (
     KeyValueBuffer,
     LayerContext,
@@ -59,7 +60,6 @@ from jaxdepth.core.structure import GroupedSteps, LayerOrder, check_order
 
 __all__ = [
     "final_residual",
-    "RUN_FIELDS",
     "LayerRun",
     "refuse_run_keywords",
     "run_layers",
@@ -79,10 +79,6 @@ def final_residual(h_last, config: ModelConfig, interventions, states: tuple = (
     stateful ones with the `states` the layers left them."""
     L = config.num_layers
     return apply_at("resid_pre", h_last, L, check_layer_indices(interventions, L), L, states, final=True)[0]
-
-
-# The keywords `run_layers` once took on their own, now the fields of `LayerRun`.
-RUN_FIELDS = ("start", "prefix", "order", "context", "remat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,20 +164,11 @@ class LayerRun:
 
 
 def refuse_run_keywords(function: str, options: dict) -> None:
-    """A `TypeError` for keywords of `RUN_FIELDS` passed to `function` on their own, showing the
-    `LayerRun` that says the same; other unknown keywords are named as such."""
-    if not options:
-        return
-    loose = [k for k in options if k in RUN_FIELDS]
-    if loose:
-        shown = ", ".join(
-            f"{k}={options[k]!r}" if isinstance(options[k], (int, bool, type(None))) else f"{k}=..." for k in loose
-        )
-        raise TypeError(
-            f"{function}() takes which layers run as one value: run=jaxdepth.core.loops.LayerRun({shown}), "
-            f"not {', '.join(loose)} on their own"
-        )
-    raise TypeError(f"{function}() got unexpected keyword arguments: {', '.join(options)}")
+    """A `TypeError` for fields of `LayerRun` (the keywords `run_layers` once took on their own)
+    passed to `function`, showing the `LayerRun` that says the same; other unknown keywords are
+    named as such."""
+    refuse_fields(function, options, LayerRun, "run=jaxdepth.core.loops.LayerRun", "which layers run")
+    refuse_unknown(function, options)
 
 
 def run_layers(

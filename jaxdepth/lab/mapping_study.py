@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxdepth.analyses.layer_mapping import PAD_TO, LayerMappingResult, MappingSettings, compute_mapping
 from jaxdepth.core.batch import PromptBatch
-from jaxdepth.core.execution import Execution
+from jaxdepth.core.execution import Execution, refuse_moved, refuse_unknown
 from jaxdepth.core.progress import ProgressLike
 from jaxdepth.core.sharding import is_writer
 from jaxdepth.lab.loaded_model import Model
@@ -159,16 +159,8 @@ _MAPPING_KEYWORDS = {
 
 def _refuse_mapping_keywords(options: dict) -> None:
     """A `TypeError` for a keyword `map_models` once took, showing the value that holds it now."""
-    if not options:
-        return
-    moved = {k: _MAPPING_KEYWORDS[k] for k in options if k in _MAPPING_KEYWORDS}
-    if moved:
-        raise TypeError(
-            "map_models() takes its prompts and how it runs as values: "
-            + "; ".join(f"{k} in {where}" for k, where in moved.items())
-            + " (jaxdepth.lab.mapping_study.MappingPrompts, MappingRun)"
-        )
-    raise TypeError(f"map_models() got unexpected keyword arguments: {', '.join(options)}")
+    refuse_moved("map_models", options, _MAPPING_KEYWORDS, "jaxdepth.lab.mapping_study.MappingPrompts, MappingRun")
+    refuse_unknown("map_models", options)
 
 
 def map_models(

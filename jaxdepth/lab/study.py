@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Seque
 import numpy as np
 
 from jaxdepth.core.batch import PromptBatch
+from jaxdepth.core.execution import refuse_moved, refuse_unknown
 from jaxdepth.core.progress import ProgressLike
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
@@ -230,16 +231,8 @@ _STUDY_KEYWORDS = {
 
 def _refuse_study_keywords(options: dict) -> None:
     """A `TypeError` for a keyword `run_study` once took, showing the value that holds it now."""
-    if not options:
-        return
-    moved = {k: _STUDY_KEYWORDS[k] for k in options if k in _STUDY_KEYWORDS}
-    if moved:
-        raise TypeError(
-            "run_study() takes its prompts and how it runs as values: "
-            + "; ".join(f"{k} in {where}" for k, where in moved.items())
-            + " (jaxdepth.lab.study.StudyPrompts, StudyRun)"
-        )
-    raise TypeError(f"run_study() got unexpected keyword arguments: {', '.join(options)}")
+    refuse_moved("run_study", options, _STUDY_KEYWORDS, "jaxdepth.lab.study.StudyPrompts, StudyRun")
+    refuse_unknown("run_study", options)
 
 
 def run_study(
