@@ -120,7 +120,7 @@ def padding_reads(metric: Callable, logits, valid, args=()):
 
 
 def _name(metric) -> str:
-    fn = getattr(metric, "fn", metric)  # a wrapped metric (`LogitsMetric`) by its user's function
+    fn = getattr(metric, "fn", metric)  # a `Metric` by its user's function
     return getattr(fn, "__name__", repr(fn))
 
 
