@@ -53,7 +53,10 @@ def available_memory_budget(fraction: float = MEMORY_FRACTION) -> int:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+        # in MiB: without jax_enable_x64 the gather runs in int32, where bytes past 2 GiB wrap to
+        # a negative budget
+        mib = multihost_utils.process_allgather(np.int32(min(budget >> 20, np.iinfo(np.int32).max)))
+        budget = max(int(np.min(mib)), 1) << 20
     return budget
 
 

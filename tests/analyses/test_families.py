@@ -23,7 +23,7 @@ from jaxdepth.analyses.ig import Execution, FixedRule
 from jaxdepth.analyses.ig.rules import quadrature
 from jaxdepth.analyses.decision_depth import decision_depth
 from jaxdepth.analyses.geometry import geometry
-from jaxdepth.analyses.jacobians import clean_layer_states, layer_jacobians
+from jaxdepth.analyses.jacobians import Estimate, clean_layer_states, layer_jacobians
 from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
@@ -153,7 +153,9 @@ def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
     config, params = family
     valid = jnp.asarray(batch.valid)
     inputs, _, _ = clean_layer_states(params, jnp.asarray(batch.tokens), valid, config)
-    result = layer_jacobians(params, batch, config, positions=[[12], [22]], exact_width=config.hidden_size)
+    result = layer_jacobians(
+        params, batch, config, positions=[[12], [22]], estimate=Estimate(exact_width=config.hidden_size)
+    )
 
     @jax.jit
     def own_blocks(l, b, t):  # one compilation: the layer, prompt and position traced

@@ -217,7 +217,7 @@ def test_generated_answers_are_each_structures_own_generation_read():
     assert result.generated and result.generated_accuracy()[0] == 0.5
     from jaxdepth.analyses.layer_structure import ANALYSIS
 
-    assert ANALYSIS.summary(result)[-1] == "generated answers right: 50% intact"
+    assert ANALYSIS.summary(result)[-2] == "generated answers right: 50% intact"
     assert len(structure_figure(result).axes) >= 4  # a third heatmap: the generated answers
 
 
