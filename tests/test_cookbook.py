@@ -154,7 +154,12 @@ def test_cookbook_runs_as_written(smollm2, tmp_path, monkeypatch, capsys):
     h_clean, clean_out = writer_output(pairs.clean)
     _, corrupt_out = writer_output(pairs.corrupt)
     rows = jnp.arange(len(pairs))
-    read = lambda h: ns["edges"].logit_difference(unembed(params, h[rows, pairs.last], config), pairs.labels)
+    labels = jnp.asarray(pairs.labels)
+
+    def read(h):  # the logit difference by hand, at each pair's last position
+        logits = unembed(params, h[rows, pairs.last], config)
+        return logits[rows, labels[:, 0]] - logits[rows, labels[:, 1]]
+
     by_hand = read(h_clean) - read(h_clean + corrupt_out - clean_out)
     np.testing.assert_allclose(effects[i], by_hand, rtol=1e-3, atol=1e-4)
     assert 0 < ns["circuit"].faithfulness <= 1.5
