@@ -12,14 +12,21 @@ import json
 import os
 import shutil
 import string
+import sys
 import tempfile
 from typing import Any, Callable
 
-import jax
-import numpy as np
-import pytest
+# The repository first on the path: pytest puts tests/ before it (the installed checkout comes
+# last), where tests/conversion/ would be imported as a namespace package named `conversion`.
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[0] != ROOT_DIR:
+    sys.path.insert(0, ROOT_DIR)
 
-import jaxdepth
+import jax  # noqa: E402 (after the path is set)
+import numpy as np  # noqa: E402 (after the path is set)
+import pytest  # noqa: E402 (after the path is set)
+
+import jaxdepth  # noqa: E402 (after the path is set)
 
 # No test may reach for the network: without these, a hub lookup waits for its timeouts first.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

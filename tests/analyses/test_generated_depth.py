@@ -10,7 +10,7 @@ import pytest
 
 from jaxdepth.analyses import generated_depth as G
 from jaxdepth.core.model import random_params, residual_stream, unembed
-from tests.analyses.tiny_qwen import CONFIG
+from tiny_qwen import CONFIG
 
 
 def _jsd_bits(p, q):

@@ -12,7 +12,7 @@ from jaxdepth.core.decoding import generate
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import random_params
 from jaxdepth.core.structure import LayerOrder
-from tests.analyses.tiny_qwen import CONFIG
+from tiny_qwen import CONFIG
 
 
 def _words(ids):

@@ -75,7 +75,7 @@ def test_readout_runs_the_head_at_the_declared_positions_only():
     """The readout's logits at position p equal the full logits' row p, prompt by prompt."""
     from jaxdepth.core.loops import run_layers
     from jaxdepth.core.model import embed, random_params, unembed
-    from tests.analyses.tiny_qwen import CONFIG as config
+    from tiny_qwen import CONFIG as config
 
     params = random_params(config, 1, scale=0.2)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (3, 5)), jnp.int32)

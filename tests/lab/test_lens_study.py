@@ -80,7 +80,7 @@ def test_the_decision_depth_reads_a_trained_lens_from_its_folder(params, data, t
     batch = prompts(3, 4)
     model = SimpleNamespace(params=params, config=CONFIG)
     settings = ANALYSIS.settings(decision_lens=folder)
-    through = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, execution=Execution()))
+    through = ANALYSIS.run(RunInputs(model=model, batch=batch, settings=settings, progress=False))
     expected = decision_depth(params, batch, CONFIG, translators=load_tuned_lens(folder, CONFIG).translators())
     assert np.array_equal(through.depth, expected.depth) and through.settings["lens"] == "tuned"
     assert not np.array_equal(through.depth, decision_depth(params, batch, CONFIG).depth)
