@@ -513,7 +513,9 @@ def _run(x) -> GeneratedDepthResult:
     if x.model.tokenizer is None:
         raise ValueError("the depth of generated tokens reads answers as text: the model needs a tokenizer")
     setting = x.settings.generated_new_tokens
-    new_tokens = int((x.batch.lengths - x.batch.answer_start).max()) + 8 if setting == -1 else setting
+    from jaxdepth.analyses.layer_structure import new_tokens_for
+
+    new_tokens = new_tokens_for(x.batch, setting)
     eos = getattr(x.model.tokenizer, "eos_token_id", None)
     reading = x.settings.reading(new_tokens, () if eos is None else (int(eos),))
     translators = None

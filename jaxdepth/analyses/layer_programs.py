@@ -515,7 +515,9 @@ def _run(x) -> ProgramSearchResult:
     if x.settings.program_score == "generation" and tokenizer is None:
         raise ValueError("layer programs scored by generation read answers as text: the model needs a tokenizer")
     setting = x.settings.program_new_tokens
-    new_tokens = int((x.batch.lengths - x.batch.answer_start).max()) + 8 if setting == -1 else setting
+    from jaxdepth.analyses.layer_structure import new_tokens_for
+
+    new_tokens = new_tokens_for(x.batch, setting)
     eos = getattr(tokenizer, "eos_token_id", None)
     return search_programs(
         x.model.params,
