@@ -53,8 +53,8 @@ from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED, promp
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.layer import Params, piece_context
-from jaxdepth.core.loops import run_layer, run_layers
+from jaxdepth.core.layer import Params
+from jaxdepth.core.loops import map_layers, run_layers, scan_layers, token_step
 from jaxdepth.core.model import embed
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "clean_layer_states",
-    "token_step",
     "measured_positions",
     "layer_jacobians",
     "Estimate",
@@ -97,25 +96,6 @@ def clean_layer_states(params: Params, tokens: Int[Array, "B T"], valid: Bool[Ar
         params, embed(params, tokens, config), config, valid=valid, tap=_read_layer_state
     )
     return inputs, keys, values
-
-
-def token_step(
-    params: Params,
-    index,
-    x: Float[Array, " D"],
-    keys: Float[Array, "L T K Dh"],
-    values: Float[Array, "L T K Dh"],
-    valid: Bool[Array, " T"],
-    position,
-    config: ModelConfig,
-) -> Float[Array, " D"]:
-    """h_{l+1}[t] as a function of h_l[t] = `x` alone: layer `index` (l) run on one position
-    (`position`, t; traced or not) of one prompt, which attends to the keys and values of its
-    positions before t (`keys[l]`, `values[l]`, the clean run's) and to its own. At the clean
-    input it equals the full forward's output there."""
-    context = piece_context(valid[None], position, 1, config)
-    prefix = (keys[index][None], values[index][None])
-    return run_layer(params, index, x[None, None], config, context=context, prefix=prefix).out[0, 0]
 
 
 def _unit(v: Array) -> Array:
@@ -185,7 +165,7 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
     layers = jnp.arange(L)
 
     if exact:
-        J = jax.lax.map(lambda l: jax.jacfwd(partial(step, l))(xs[l]), layers)
+        J = map_layers(lambda l: jax.jacfwd(partial(step, l))(xs[l]), config)
         return _exact_measures(J)
 
     def linear_map(l):
@@ -202,7 +182,7 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
         sigma = _largest_singular_value(jax.vmap(A), jax.vmap(At), start, iterations)[0]
         return frob2, error, sigma
 
-    layer_frob2, layer_error, layer_sigma = jax.lax.map(one_layer, layers)
+    layer_frob2, layer_error, layer_sigma = map_layers(one_layer, config)
 
     def apply_transposed(u, l):  # u <- J_l^T u, for a stack of vectors
         _, vjp = jax.vjp(partial(step, l), xs[l])
@@ -210,7 +190,7 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
 
     # One reverse sweep: u_l = J_l^T ... J_{L-1}^T w = J_{l->L}^T w for every l, the same probes.
     w = jax.random.normal(jax.random.fold_in(key, 2 * L), (probes, D), xs.dtype)
-    _, transposed = jax.lax.scan(lambda u, l: (apply_transposed(u, l),) * 2, w, layers, reverse=True)
+    _, transposed = scan_layers(lambda u, l: (apply_transposed(u, l),) * 2, w, config, reverse=True)
     suffix_frob2, suffix_error = _hutchinson(jnp.sum((transposed - w) ** 2, axis=-1))
 
     # Every suffix's sigma_max at once: row l of the stack is suffix l's vector, moved by layer k
@@ -220,13 +200,13 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
             _, jvp = jax.linearize(partial(step, k), xs[k])
             return jnp.where((layers <= k)[:, None], jax.vmap(jvp)(S), S), None
 
-        return jax.lax.scan(through, V, layers)[0] - V
+        return scan_layers(through, V, config)[0] - V
 
     def chain_backward(Y):  # A_l^T y_l for every l
         def through(R, k):
             return jnp.where((layers <= k)[:, None], apply_transposed(R, k), R), None
 
-        return jax.lax.scan(through, Y, layers, reverse=True)[0] - Y
+        return scan_layers(through, Y, config, reverse=True)[0] - Y
 
     start = jax.random.normal(jax.random.fold_in(key, 2 * L + 1), (L, D), xs.dtype)
     suffix_sigma = _largest_singular_value(chain_forward, chain_backward, start, iterations)

@@ -16,7 +16,12 @@ after layer. Everything else (the forward, every analysis) calls these.
   matmul outputs);
 - `clean_key_values`: every layer's keys and values read off a residual stream (the prefix of a
   suffix run);
-- `final_residual`: boundary L, where `resid_pre` interventions with layer index L act.
+- `final_residual`: boundary L, where `resid_pre` interventions with layer index L act;
+- `token_step`: one position's step through one layer against the clean run's keys and values
+  (a layer as a function of one vector, what a Jacobian differentiates);
+- `map_layers`, `scan_layers`: a function of the layer index over every layer, one at a time or
+  carried from layer to layer (forward or reverse): the loops of analyses that run a layer's
+  linearisation rather than the layer itself.
 
 `LayerRun.start` (a boundary) may be traced but not batched: under `vmap` a batched trip count would run
 every member for the longest one. Sweep over members that share it.
@@ -70,6 +75,9 @@ __all__ = [
     "clean_key_values",
     "suffix_value_and_grad",
     "stored_layers",
+    "token_step",
+    "map_layers",
+    "scan_layers",
 ]
 
 
@@ -671,3 +679,35 @@ def _without_state(ivs):
             "intervention's state: differentiate run_layers (start 0) instead"
         )
     return ivs
+
+
+def token_step(
+    params: Params,
+    index,
+    x: Float[Array, " D"],
+    keys: Float[Array, "L T K Dh"],
+    values: Float[Array, "L T K Dh"],
+    valid: Bool[Array, " T"],
+    position,
+    config: ModelConfig,
+) -> Float[Array, " D"]:
+    """h_{l+1}[t] as a function of h_l[t] = `x` alone: layer `index` (l) run on one position
+    (`position`, t; traced or not) of one prompt, which attends to the keys and values of its
+    positions before t (`keys[l]`, `values[l]`, the clean run's) and to its own. At the clean
+    input it equals the full forward's output there."""
+    context = piece_context(valid[None], position, 1, config)
+    prefix = (keys[index][None], values[index][None])
+    return run_layer(params, index, x[None, None], config, context=context, prefix=prefix).out[0, 0]
+
+
+def map_layers(fn, config: ModelConfig):
+    """`fn(l)` for every layer index l = 0..L-1, one layer at a time (`lax.map`: one layer's
+    intermediates alive at once), the results stacked on a leading `[L]` axis."""
+    return jax.lax.map(fn, jnp.arange(config.num_layers))
+
+
+def scan_layers(step, carry, config: ModelConfig, *, reverse: bool = False):
+    """`carry` through `step(carry, l) -> (carry, out)` for l = 0..L-1, or L-1..0 with
+    `reverse` (a backward chain: J_l^T applied after J_{l+1}^T): `(carry, outs [L, ...])`,
+    one `lax.scan` over the layer indices."""
+    return jax.lax.scan(step, carry, jnp.arange(config.num_layers), reverse=reverse)

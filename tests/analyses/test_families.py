@@ -147,7 +147,7 @@ def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family,
 
 
 def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
-    """A token's step through one layer (`jacobians.token_step`) is the forward at that token in
+    """A token's step through one layer (`jaxdepth.core.loops.token_step`) is the forward at that token in
     every family (the window, longrope's factors per prompt, the post-norms), and the exact
     Jacobians of one layer and of the suffix to h_L equal the full run's derivatives."""
     config, params = family

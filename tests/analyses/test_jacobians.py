@@ -21,12 +21,11 @@ from jaxdepth.analyses.jacobians import (
     jacobian_figure,
     layer_jacobians,
     measured_positions,
-    token_step,
 )
 from jaxdepth.analyses.suite import RunInputs
 from jaxdepth.core import layer as core_layer
 from jaxdepth.core.batch import make_batch
-from jaxdepth.core.loops import LayerRun, run_layers
+from jaxdepth.core.loops import LayerRun, run_layers, token_step
 from jaxdepth.core.model import random_params, residual_stream
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
