@@ -103,8 +103,8 @@ def assemble_params(
             raise ConversionError(f"tensor {name!r} would be used twice")
         used.add(name)
         x = np.asarray(get(name))
-        if key in _TRANSPOSED:
-            x = x.T
+        if key in _TRANSPOSED:  # [out, in] -> [in, out], per expert in a stack of them
+            x = np.swapaxes(x, -1, -2)
         if tuple(x.shape) != tuple(want_shape):
             raise ConversionError(f"tensor {name!r} has shape {x.shape} (as {key!r}); expected {tuple(want_shape)}")
         # tensor by tensor, as it is read: a broken checkpoint is named before the rest is read
@@ -118,8 +118,15 @@ def assemble_params(
         return x.astype(dtype)
 
     params = {key: fetch(names[key], key, shape) for key, shape in shapes.items() if key != "layers"}
+
+    def fetch_layer(template: str, key: str, shape, i: int) -> np.ndarray:
+        if "{e}" not in template:
+            return fetch(template.format(i=i), key, shape, i)
+        # one tensor per expert: stacked on the expert axis
+        return np.stack([fetch(template.format(i=i, e=e), key, shape[1:], i) for e in range(shape[0])])
+
     params["layers"] = {
-        key: np.stack([fetch(names["layers"][key].format(i=i), key, shape[1:], i) for i in range(config.num_layers)])
+        key: np.stack([fetch_layer(names["layers"][key], key, shape[1:], i) for i in range(config.num_layers)])
         for key, shape in shapes["layers"].items()
     }
     if config.tie_word_embeddings and names["lm_head"] in available:

@@ -248,6 +248,38 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Mixtures of experts, more experts than each token takes: Mixtral's renormalised weights and
+    # window, Qwen3-MoE's raw ones (its dense width differing from the experts'), OLMoE's
+    # renormalised ones behind q/k norms over the whole projection.
+    "mixtral_experts": dict(
+        arch="mixtral",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=45,
+    ),
+    "qwen3_moe_experts": dict(
+        arch="qwen3_moe",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+    ),
+    "olmoe_experts": dict(
+        arch="olmoe",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     "gpt2": dict(arch="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "pythia_parallel": dict(
         arch="gpt_neox",
@@ -293,6 +325,9 @@ _HF_CLASSES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),

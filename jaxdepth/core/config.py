@@ -23,6 +23,7 @@ __all__ = [
     "POSITIONS",
     "LAYER_TYPES",
     "QK_NORM_SCOPES",
+    "ROUTERS",
 ]
 
 
@@ -33,6 +34,7 @@ MLPS = ("gated", "plain")
 POSITIONS = ("rotary", "learned")
 LAYER_TYPES = ("full", "sliding")
 QK_NORM_SCOPES = ("head", "projection")
+ROUTERS = ("softmax",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,12 @@ class ModelConfig:
     MLP: `mlp` 'gated' (`act(x W_gate) * (x W_up)`, then `W_down`) or 'plain' (`act(x W_up)`,
     then `W_down`), `activation` 'silu', 'gelu_tanh' (the tanh approximation) or 'gelu' (exact),
     `mlp_bias` (biases on both projections).
+
+    Mixture of experts: `num_experts` E > 0 replaces the MLP of every layer by E gated experts
+    of width `intermediate_size` F each, of which a router picks `experts_per_token` k per
+    token (`jaxdepth.core.experts`): `router` 'softmax' scores every expert by the softmax of
+    its logits, the k best run, their weights the scores, renormalised to sum to 1 where
+    `normalize_expert_weights` (Mixtral, and Qwen3-MoE's `norm_topk_prob`). 0: a dense MLP.
     """
 
     model_type: str
@@ -126,6 +134,10 @@ class ModelConfig:
     mlp: str = "gated"
     activation: str = "silu"
     mlp_bias: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router: str = "softmax"
+    normalize_expert_weights: bool = False
 
     def __post_init__(self):
         for name in ("layer_types", "rope_short_factor", "rope_long_factor"):  # JSON gives lists
@@ -149,6 +161,7 @@ class ModelConfig:
             ("mlp", MLPS),
             ("positions", POSITIONS),
             ("qk_norm_scope", QK_NORM_SCOPES),
+            ("router", ROUTERS),
         ):
             if getattr(self, field) not in allowed:
                 raise UnsupportedConfigError(f"{field} {getattr(self, field)!r} is not supported; supported: {allowed}")
@@ -160,6 +173,16 @@ class ModelConfig:
             )
         if any(self.sliding_layers) and self.sliding_window < 1:
             raise UnsupportedConfigError("sliding layers need sliding_window >= 1")
+        if self.num_experts and not (
+            0 < self.experts_per_token <= self.num_experts and self.mlp == "gated" and not self.mlp_bias
+        ):
+            raise UnsupportedConfigError(
+                f"a mixture of {self.num_experts} experts needs 0 < experts_per_token <= num_experts (got "
+                f"{self.experts_per_token}) and gated experts without biases "
+                f"(mlp {self.mlp!r}, mlp_bias {self.mlp_bias})"
+            )
+        if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights):
+            raise UnsupportedConfigError("experts_per_token and normalize_expert_weights need num_experts > 0")
         if not (self.pre_norms or self.post_norms):
             raise UnsupportedConfigError("a layer needs norms before or after its sublayers")
         if self.qk_norm and self.norm != "rms":
@@ -198,6 +221,11 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer: does it attend through the sliding window?"""
         return tuple(t == "sliding" for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the layers' MLP is a mixture of experts (`num_experts` > 0)."""
+        return self.num_experts > 0
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (this class's field names, not Hugging Face's keys)."""

@@ -280,33 +280,70 @@ def _llama_like(r: _Reader) -> dict:
         r.read.update({"sliding_window", "max_window_layers"})
         if r.get("layer_types") and set(r.get("layer_types")) != {"full_attention"}:
             r.refuse("layer_types", "Llama layers attend fully")
-    if model_type in ("qwen2", "qwen3") and not r.get("use_sliding_window", False):
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not r.get("use_sliding_window", False):
         r.read.update({"sliding_window", "layer_types"})  # a window size only use_sliding_window turns on
         windows = {}
         if any(t != "full_attention" for t in r.hf.get("layer_types") or ()):
             r.refuse("layer_types", "sliding layers while use_sliding_window is false")
-    elif model_type in ("qwen2", "qwen3") and "layer_types" not in r:  # older configs: max_window_layers on slide
+    elif qwen and "layer_types" not in r:  # older configs: max_window_layers on slide
         first = int(r.get("max_window_layers", shapes["num_layers"]))
         r.hf["layer_types"] = [
             "sliding_attention" if i >= first else "full_attention" for i in range(shapes["num_layers"])
         ]
         windows = _layer_types(r, shapes["num_layers"])
     else:
-        mistral = model_type == "mistral"
-        windows = _layer_types(r, shapes["num_layers"], all_sliding=mistral, default_window=4096 if mistral else None)
+        mistral = model_type in ("mistral", "mixtral")
+        default_window = 4096 if model_type == "mistral" else None
+        windows = _layer_types(r, shapes["num_layers"], all_sliding=mistral, default_window=default_window)
     fields = dict(
         _common(r, shapes),
         activation=r.activation("hidden_act"),
         qkv_bias=model_type == "qwen2" or bool(r.get("attention_bias", False)),
-        o_bias=model_type not in ("qwen2", "qwen3") and bool(r.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        o_bias=not qwen and bool(r.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=bool(r.get("mlp_bias", False)),
         **_rope(r, shapes["head_dim"]),
         **windows,
     )
     if fields["rotary_dim"]:
         r.refuse("rope_parameters", "partial rotary embeddings are not implemented for this family")
+    if model_type in _EXPERT_KEYS:
+        fields.update(_experts(r))
     return fields
+
+
+# Per mixture-of-experts family: the keys of the experts' count and width (transformers saves
+# Qwen3-MoE's `num_experts` as `num_local_experts`, its attribute map's name for it).
+_EXPERT_KEYS = {
+    "mixtral": (("num_local_experts",), "intermediate_size"),
+    "qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size"),
+    "olmoe": (("num_experts", "num_local_experts"), "intermediate_size"),
+}
+
+
+def _experts(r: _Reader) -> dict:
+    """The mixture-of-experts fields: E experts of width F, k per token by a softmax router,
+    renormalised where the family does (Mixtral always, the others by `norm_topk_prob`). The
+    training-only keys (the router's jitter noise, the auxiliary loss) are read as inert; a
+    dense layer among the sparse ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`
+    > 1) is refused by name."""
+    model_type = r.hf["model_type"]
+    count_keys, width_key = _EXPERT_KEYS[model_type]
+    count_key = next((k for k in count_keys if k in r), count_keys[0])
+    r.read.update({*count_keys, "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
+    if model_type == "qwen3_moe":
+        r.read.add("intermediate_size")  # the width of dense layers, which the checks below refuse
+        if r.get("mlp_only_layers"):
+            r.refuse("mlp_only_layers", "dense layers among the sparse ones are not implemented yet")
+        if int(r.get("decoder_sparse_step", 1)) != 1:
+            r.refuse("decoder_sparse_step", "dense layers among the sparse ones are not implemented yet")
+    return dict(
+        num_experts=int(r.need(count_key)),
+        experts_per_token=int(r.need("num_experts_per_tok")),
+        intermediate_size=int(r.need(width_key)),
+        normalize_expert_weights=model_type == "mixtral" or bool(r.get("norm_topk_prob", False)),
+    )
 
 
 def _gemma(r: _Reader) -> dict:
@@ -372,6 +409,24 @@ def _olmo2(r: _Reader) -> dict:
     )
 
 
+def _olmoe(r: _Reader) -> dict:
+    """OLMoE: Llama's pre-norm layer with OLMo 2's q/k norms over the whole projection and a
+    mixture of experts for its MLP."""
+    shapes = _shapes(r)
+    if r.get("clip_qkv") is not None:
+        r.refuse("clip_qkv", "clipped queries, keys and values are not implemented")
+    return dict(
+        _common(r, shapes),
+        **_rope(r, shapes["head_dim"]),
+        activation=r.activation("hidden_act"),
+        qkv_bias=bool(r.get("attention_bias", False)),
+        o_bias=bool(r.get("attention_bias", False)),
+        qk_norm=True,
+        qk_norm_scope="projection",
+        **_experts(r),
+    )
+
+
 def _phi3(r: _Reader) -> dict:
     """Phi-3: Llama's layer with fused q/k/v and gate/up projections and a sliding window."""
     shapes = _shapes(r)
@@ -434,6 +489,9 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "qwen3": _llama_like,
     "llama": _llama_like,
     "mistral": _llama_like,
+    "mixtral": _llama_like,
+    "qwen3_moe": _llama_like,
+    "olmoe": _olmoe,
     "gemma2": _gemma,
     "gemma3_text": _gemma,
     "olmo2": _olmo2,

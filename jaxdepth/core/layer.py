@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from functools import partial
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -21,8 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.sites import SITE_TABLE, AnyIntervention, apply_at, splits_layer
+from jaxdepth.core.primitives import ACTIVATIONS, project
+from jaxdepth.core.sites import (
+    SITE_TABLE,
+    AnyIntervention,
+    acting_sites,
+    apply_at,
+    refuse_absent_sites,
+    splits_layer,
+)
 
 __all__ = [
     "norm",
@@ -32,7 +40,6 @@ __all__ = [
     "rotary_tables",
     "longrope_rows",
     "apply_rotary",
-    "project",
     "key_values",
     "input_key_values",
     "KeyValueBuffer",
@@ -43,6 +50,7 @@ __all__ = [
     "mlp_hidden",
     "mlp_output",
     "mlp",
+    "mixture",
     "attention_mask",
     "head_projections",
     "LayerRecord",
@@ -197,58 +205,6 @@ def _qk_norm(p: Params, name: str, x: Float[Array, "B T N Dh"], config: ModelCon
     return flat.reshape(x.shape)
 
 
-def project(x: Array, w: Array, spec: Optional[str] = None) -> Array:
-    """`x @ w` (or `jnp.einsum(spec, x, w)`): the one product of activations with a weight
-    matrix. Where `w` is stored in a narrower float type than `x` (bfloat16 matrices beside
-    float32 activations: `ModelWeights.with_matmul_dtype`), the product reads its inputs rounded
-    to `w`'s type and accumulates in float32, forward and backward, as a GPU's bf16 or TF32
-    matmul does; the result keeps `x`'s type, so the residual stream, norms and softmaxes stay in
-    float32. Equal types: the plain product."""
-    if jnp.finfo(w.dtype).bits >= jnp.finfo(x.dtype).bits:
-        return x @ w if spec is None else jnp.einsum(spec, x, w)
-    return _rounded_product(x, w, spec or "...i,io->...o")
-
-
-def _narrow_einsum(spec: str, a: Array, b: Array) -> Array:
-    """`einsum(spec, a, b)` of two bf16 operands, accumulated in float32. XLA:CPU has no bf16 dot
-    with batch axes (an index in both operands and the output: the split layer's per-head
-    products), so those multiply float32 copies: the same numbers, since products of bf16 values
-    are exact in float32."""
-    operands, out = spec.split("->")
-    a_spec, b_spec = operands.split(",")
-    if set(a_spec) & set(b_spec) & set(out) - {"."}:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rounded_product(x: Array, w: Array, spec: str) -> Array:
-    return _narrow_einsum(spec, x.astype(w.dtype), w).astype(x.dtype)
-
-
-def _rounded_product_forward(x, w, spec):
-    return _rounded_product(x, w, spec), (x, w)
-
-
-def _rounded_product_backward(spec, saved, g):
-    # JAX's own transpose would multiply the float32 cotangent by the narrow weights in float32
-    # (the slow product) and then round the input's gradient to the narrow type; here both
-    # backward products are rounded-input, float32-accumulated products like the forward one.
-    x, w = saved
-    x_spec, rest = spec.split(",")
-    w_spec, out_spec = rest.split("->")
-    g = g.astype(w.dtype)
-    dx = _narrow_einsum(f"{out_spec},{w_spec}->{x_spec}", g, w).astype(x.dtype)
-    if x_spec.startswith("..."):  # the leading axes are summed over for w's gradient: make them one
-        x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-        x_spec, out_spec = x_spec.replace("...", "n"), out_spec.replace("...", "n")
-    dw = _narrow_einsum(f"{x_spec},{out_spec}->{w_spec}", x.astype(w.dtype), g)
-    return dx, dw.astype(w.dtype)
-
-
-_rounded_product.defvjp(_rounded_product_forward, _rounded_product_backward)
-
-
 def _projected(p: Params, x, name: str, heads: int, config: ModelConfig):
     B, T, _ = x.shape
     y = project(x, p[name])
@@ -378,17 +334,10 @@ def attention(
     return attention_output(p, attention_heads(p, x, cos, sin, mask, config, prefix)[-1], config)
 
 
-_ACTIVATION = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": partial(jax.nn.gelu, approximate=True),
-    "gelu": partial(jax.nn.gelu, approximate=False),
-}
-
-
 def mlp_hidden(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T F"]:
     """The MLP's hidden units on its normed input: `act(x W_gate) * (x W_up)` (gated) or
     `act(x W_up)` (plain), with biases where the family has them."""
-    act = _ACTIVATION[config.activation]
+    act = ACTIVATIONS[config.activation]
 
     def linear(name):
         y = project(x, p[name])
@@ -407,8 +356,40 @@ def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) ->
 
 
 def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
-    """The MLP's output from its normed input: `mlp_output` of `mlp_hidden`."""
+    """The MLP's output from its normed input: `mlp_output` of `mlp_hidden`, or the mixture of
+    experts' (`mixture`) where the family has one."""
+    if config.is_moe:
+        return mixture(p, x, config, lambda site, value: value)[0]
     return mlp_output(p, mlp_hidden(p, x, config), config)
+
+
+def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edited_weights: bool = False):
+    """A mixture of experts on its normed input `x` (`jaxdepth.core.experts`): `(m, parts)`, m
+    what the residual receives (after the post-MLP norm where the family has one), `parts` the
+    router's logits, scores, selection and weights, the chosen experts (`expert_choice`
+    `[B, T, k]`, best first) and their outputs. `at(site, value)` applies the interventions at
+    each site; `edited_weights`: one acts at `expert_weights`, so the experts that run are
+    those it leaves a weight."""
+    logits = at("router_logits", experts.router_logits(p, x, config))
+    scores = at("router_probs", experts.router_scores(logits, config))
+    selection = at("router_selection", scores)
+    chosen = experts.choose_experts(selection, config)
+    weights = experts.dense_weights(experts.chosen_weights(scores, chosen, config), chosen, config)
+    weights = at("expert_weights", weights)
+    too_many = None
+    if edited_weights:
+        chosen, too_many = experts.experts_of_weights(weights, config)
+    outputs = at("expert_out", experts.expert_outputs(p, x, chosen, config))
+    m = experts.combine_experts(outputs, jnp.take_along_axis(weights, chosen, axis=-1), too_many)
+    parts = dict(
+        router_logits=logits,
+        router_probs=scores,
+        router_selection=selection,
+        expert_weights=weights,
+        expert_choice=chosen,
+        expert_out=outputs,
+    )
+    return _after_sublayer(p, "mlp_post_norm", m, config), parts
 
 
 def attention_mask(valid: Bool[Array, "B T"], offset: int = 0, window: int = 0) -> Bool[Array, "B S T"]:
@@ -469,8 +450,11 @@ class LayerRecord:
     split layer), attention probabilities `attn_probs` `[B,H,S,T]`, the heads' outputs
     `head_out` `[B,S,H,Dh]`, the sublayer outputs `attn` (= a_l) and `mlp` (= m_l), the MLP's
     input `mlp_in` and `mlp_hidden` `[B,S,F]`, its output `out` (= h_{l+1}), the sites of a
-    split layer (`q_in`, `k_in`, `v_in`, `head_result`; None in a layer that is not split), and
-    the carried `states` of stateful interventions after the layer. Only what a tap reads is
+    split layer (`q_in`, `k_in`, `v_in`, `head_result`; None in a layer that is not split), a
+    mixture of experts' router and experts (`router_logits`, `router_probs`,
+    `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]` and
+    `expert_out` `[B,T,k,D]`; None in a dense MLP, whose `mlp_hidden` is None in a mixture),
+    and the carried `states` of stateful interventions after the layer. Only what a tap reads is
     kept: XLA drops the rest."""
 
     index: Int[Array, ""]
@@ -489,6 +473,12 @@ class LayerRecord:
     k_in: Optional[Array] = None
     v_in: Optional[Array] = None
     head_result: Optional[Array] = None
+    router_logits: Optional[Array] = None
+    router_probs: Optional[Array] = None
+    router_selection: Optional[Array] = None
+    expert_weights: Optional[Array] = None
+    expert_choice: Optional[Array] = None
+    expert_out: Optional[Array] = None
     states: tuple = ()
 
     @property
@@ -536,6 +526,7 @@ def layer_step(
         value, carried = apply_at(site, value, index, interventions, config.num_layers, carried)
         return value
 
+    refuse_absent_sites(interventions, config)
     h = at("resid_pre", h)
     split = {}
     if splits_layer(interventions):
@@ -562,8 +553,14 @@ def layer_step(
         heads = at("head_out", heads)
         a = at("attn_out", attention_output(p, heads, config))
     mlp_in = at("mlp_in", h if config.parallel_residual else h + a)
-    hidden = at("mlp_hidden", mlp_hidden(p, pre_norm(p, "mlp_norm", mlp_in, config), config))
-    m = at("mlp_out", mlp_output(p, hidden, config))
+    x = pre_norm(p, "mlp_norm", mlp_in, config)
+    moe, hidden = {}, None
+    if config.is_moe:
+        m, moe = mixture(p, x, config, at, edited_weights="expert_weights" in acting_sites(interventions))
+    else:
+        hidden = at("mlp_hidden", mlp_hidden(p, x, config))
+        m = mlp_output(p, hidden, config)
+    m = at("mlp_out", m)
     out = at("resid_post", h + at("delta", a + m))
     return LayerRecord(
         index=index,
@@ -580,6 +577,7 @@ def layer_step(
         mlp_hidden=hidden,
         states=carried,
         **split,
+        **moe,
     )
 
 

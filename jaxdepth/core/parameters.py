@@ -11,7 +11,9 @@ converters' name tables (`conversion.hf_layouts.hf_names`, `conversion.layout.gg
 their transposes. A new param is one row, a new checkpoint naming one entry of `HF` or `GGUF`.
 
 Checkpoint names are plain strings, as the converters read them: a per-layer name is relative to
-the naming family's layer prefix; `name#part` is a part of a fused tensor that the converter cuts
+the naming family's layer prefix; '{e}' in a name is an expert's index (a mixture of experts'
+tensors stored one per expert, stacked by the converter on the expert axis that follows the
+layer axis); `name#part` is a part of a fused tensor that the converter cuts
 (`#q`, `#k`, `#v`, `#gate`, `#up`), `name#T` a tensor stored `[in, out]` (GPT-2's `Conv1D`), read
 transposed. A naming family takes the names of its `base` where a row names none of its own;
 None in a row says the family has no such tensor.
@@ -149,7 +151,15 @@ def _post_norm(c: ModelConfig, bias: bool = False) -> Optional[Shape]:
 
 
 def _gated(c: ModelConfig) -> bool:
-    return c.mlp == "gated"
+    return c.mlp == "gated" and not c.is_moe
+
+
+def _dense(c: ModelConfig, *shape: int) -> Optional[Shape]:
+    return _when(not c.is_moe, *shape)
+
+
+def _experts(c: ModelConfig, *shape: int) -> Optional[Shape]:
+    return _when(c.is_moe, c.num_experts, *shape)
 
 
 def _layer(name, shape, spec, transposed=False, hf=None, gguf=None) -> Parameter:
@@ -227,7 +237,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "up",
-        lambda c: (c.hidden_size, c.intermediate_size),
+        lambda c: _dense(c, c.hidden_size, c.intermediate_size),
         _COLUMN,
         transposed=True,
         hf={
@@ -240,7 +250,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "down",
-        lambda c: (c.intermediate_size, c.hidden_size),
+        lambda c: _dense(c, c.intermediate_size, c.hidden_size),
         _ROW,
         transposed=True,
         hf={"llama": "mlp.down_proj.weight", "gpt_neox": "mlp.dense_4h_to_h.weight", "gpt2": "mlp.c_proj.weight#T"},
@@ -375,6 +385,41 @@ PARAMETERS: tuple[Parameter, ...] = (
         hf={"llama": "self_attn.o_proj.bias", "gpt_neox": "attention.dense.bias", "gpt2": "attn.c_proj.bias"},
         gguf="attn_output.bias",
     ),
+    # A mixture of experts in place of the MLP: the router's weights [D, E] (small: replicated)
+    # and each expert's gated MLP, stacked on an expert axis that the mesh's model axis splits
+    # (each device holds whole experts).
+    _layer(
+        "router",
+        lambda c: _when(c.is_moe, c.hidden_size, c.num_experts),
+        (None, None),
+        transposed=True,
+        hf={"llama": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"},
+        gguf="ffn_gate_inp.weight",
+    ),
+    _layer(
+        "expert_gate",
+        lambda c: _experts(c, c.hidden_size, c.intermediate_size),
+        (MODEL, None, None),
+        transposed=True,
+        hf={"llama": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"},
+        gguf="ffn_gate_exps.weight",
+    ),
+    _layer(
+        "expert_up",
+        lambda c: _experts(c, c.hidden_size, c.intermediate_size),
+        (MODEL, None, None),
+        transposed=True,
+        hf={"llama": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"},
+        gguf="ffn_up_exps.weight",
+    ),
+    _layer(
+        "expert_down",
+        lambda c: _experts(c, c.intermediate_size, c.hidden_size),
+        (MODEL, None, None),
+        transposed=True,
+        hf={"llama": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"},
+        gguf="ffn_down_exps.weight",
+    ),
     _layer(
         "q_norm",
         lambda c: _qk_norm_width(c, _q_width(c)),
@@ -434,15 +479,17 @@ HF = Naming(
         "llama": _LLAMA_LAYERS,
         "gemma": _LLAMA_LAYERS,
         "olmo2": _LLAMA_LAYERS,
+        "mixtral": _LLAMA_LAYERS,
         "phi3": _LLAMA_LAYERS,
         "gpt_neox": "gpt_neox.layers.{i}.",
         "gpt2": "transformer.h.{i}.",
     },
-    base={"gemma": "llama", "olmo2": "llama", "phi3": "llama"},
+    base={"gemma": "llama", "olmo2": "llama", "mixtral": "llama", "phi3": "llama"},
     family_of={
         "gemma2": "gemma",
         "gemma3_text": "gemma",
         "olmo2": "olmo2",
+        "mixtral": "mixtral",
         "phi3": "phi3",
         "gpt2": "gpt2",
         "gpt_neox": "gpt_neox",

@@ -11,10 +11,20 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     head_result each head's output through its slice of o_proj *      [B, T, H, D]
     attn_out    a_l, the attention output after o_proj                 [B, T, D]
     mlp_in      h_l + a_l, the MLP's input before its norm             [B, T, D]
-    mlp_hidden  silu(gate) * up, the MLP's hidden activations          [B, T, F]
-    mlp_out     m_l, the MLP output                                    [B, T, D]
+    mlp_hidden  silu(gate) * up, the MLP's hidden activations †        [B, T, F]
+    router_logits     the router's logits ‡                            [B, T, E]
+    router_probs      the router's scores, softmax of the logits ‡     [B, T, E]
+    router_selection  what the k experts are picked by ‡               [B, T, E]
+    expert_weights    each expert's weight, 0 off the chosen k ‡       [B, T, E]
+    expert_out        each chosen expert's output, unweighted ‡        [B, T, k, D]
+    mlp_out     m_l, the MLP output (a mixture: the weighted sum)      [B, T, D]
     delta       the layer's contribution a_l + m_l                     [B, T, D]
     resid_post  h_{l+1}, the layer's output                            [B, T, D]
+
+Sites marked † exist in a dense MLP only, those marked ‡ in a mixture of experts only
+(`jaxdepth.core.experts`, which says what each means and what editing `expert_weights` runs);
+an intervention at a site the model's layers do not have is an `InterventionError` at trace
+time (`refuse_absent_sites`), never an edit that silently does nothing.
 
 The sites marked * exist in a layer whose attention input is split per head (TransformerLens's
 `use_split_qkv_input`): every query head reads its query, key and value from an input of its
@@ -87,6 +97,7 @@ __all__ = [
     "ablate_heads",
     "acting_sites",
     "splits_layer",
+    "refuse_absent_sites",
     "initial_states",
     "apply_at",
 ]
@@ -118,14 +129,17 @@ class Site:
     """One named site of a layer: `name`, the field of `jaxdepth.core.layer.LayerRecord` that
     holds its value (`record`; the record answers to `name` too), `features(config)`, the
     shape of its value after the batch and position axes, whether it exists only in a layer
-    whose attention input is split per head (`split`, module docstring), and its `role` to the
-    residual stream (a writer or a reader of it, `Role`; None for the others)."""
+    whose attention input is split per head (`split`, module docstring), its `role` to the
+    residual stream (a writer or a reader of it, `Role`; None for the others), and whether the
+    layers of a config have it at all (`present(config)`: a dense MLP's hidden units, a
+    mixture's router)."""
 
     name: str
     record: str
     features: Callable[[Any], tuple]
     split: bool = False  # computed only in a layer whose attention input is split per head
     role: Optional[Role] = None
+    present: Callable[[Any], bool] = lambda config: True  # in the layers of this config?
 
 
 def _width(config) -> tuple:
@@ -157,7 +171,12 @@ SITE_TABLE = (
     ),
     Site("attn_out", "attn", _width, role=Role("writes", "attention", post_norms=True)),
     Site("mlp_in", "mlp_in", _width, role=Role("reads", "mlp")),
-    Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,)),
+    Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,), present=lambda c: not c.is_moe),
+    *(
+        Site(name, name, lambda c: (c.num_experts,), present=lambda c: c.is_moe)
+        for name in ("router_logits", "router_probs", "router_selection", "expert_weights")
+    ),
+    Site("expert_out", "expert_out", lambda c: (c.experts_per_token, c.hidden_size), present=lambda c: c.is_moe),
     Site("mlp_out", "mlp", _width, role=Role("writes", "mlp")),
     Site("delta", "delta", _width),
     Site("resid_post", "out", _width),
@@ -411,6 +430,19 @@ def splits_layer(interventions: tuple[AnyIntervention, ...]) -> bool:
     """Whether a layer under `interventions` is split per head: one of them acts at a split site
     (`SPLIT_SITES`, module docstring)."""
     return bool(acting_sites(interventions) & set(SPLIT_SITES))
+
+
+def refuse_absent_sites(interventions: tuple[AnyIntervention, ...], config) -> None:
+    """Refuse an intervention at a site the layers of `config` do not compute (a dense MLP's
+    `mlp_hidden` in a mixture of experts, a router in a dense model): it would edit nothing."""
+    for name in sorted(acting_sites(interventions)):
+        site = _BY_NAME[name]
+        if not site.present(config):
+            kind = "a mixture of experts" if config.is_moe else "a dense MLP"
+            raise InterventionError(
+                f"an intervention acts at site {name!r}, which the layers of this {config.model_type!r} model "
+                f"({kind}) do not have: it would edit nothing"
+            )
 
 
 def _unchanged(value, layer, data):

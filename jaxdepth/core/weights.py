@@ -56,7 +56,7 @@ class ModelWeights:
         """A copy whose layers' weight matrices (q, k, v, o and the MLP's) are stored in `dtype`
         (e.g. 'bfloat16'), everything else as it is: the products of activations with those
         matrices then read the activations rounded to `dtype` and accumulate in float32
-        (`jaxdepth.core.layer.project`), while the embeddings, the residual stream, norms,
+        (`jaxdepth.core.primitives.project`), while the embeddings, the residual stream, norms,
         softmaxes, the unembedding and every statistic stay in float32. On a CPU with AMX or
         avx512_bf16 those products run 3-4x faster than in float32; what it does to the
         analyses is measured in docs/precision.md. This one is left as it is."""

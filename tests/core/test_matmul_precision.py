@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxdepth.core import compilation
-from jaxdepth.core.layer import project
+from jaxdepth.core.primitives import project
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params, unembed
 from jaxdepth.core.weights import ModelWeights

@@ -69,6 +69,8 @@ def feature_configs():
         changes = dict(zip(FEATURES, values))
         if (changes["pre_norms"] or changes["post_norms"]) and not (changes["qk_norm"] and changes["norm"] != "rms"):
             yield dataclasses.replace(BASE, **changes)
+            if changes["mlp"] == "gated" and not changes["mlp_bias"]:  # its MLP a mixture of experts
+                yield dataclasses.replace(BASE, **changes, num_experts=4, experts_per_token=2)
 
 
 def family_configs():
@@ -123,10 +125,12 @@ def test_partition_rules_derive_from_the_rows():
 
 def test_transposed_params_are_the_projections():
     """Every weight matrix but the embedding tables (`[rows, D]` in the checkpoints too) is
-    stored `[in, out]`, transposed from the checkpoints' `[out, in]`."""
+    stored `[in, out]`, transposed from the checkpoints' `[out, in]`: each expert's of a stack of
+    them too."""
     ranks = {name: len(shape) for config in feature_configs() for name, shape in flat(param_shapes(config)).items()}
     layer_ranks = {row.name: ranks[row.name] - row.per_layer for row in PARAMETERS}
-    assert transposed_params() == {name for name, rank in layer_ranks.items() if rank == 2} - {"embed", "pos_embed"}
+    assert {name for name, rank in layer_ranks.items() if rank == 3} == {"expert_gate", "expert_up", "expert_down"}
+    assert transposed_params() == {name for name, rank in layer_ranks.items() if rank >= 2} - {"embed", "pos_embed"}
 
 
 @pytest.mark.parametrize("naming", [HF, GGUF], ids=["hf", "gguf"])

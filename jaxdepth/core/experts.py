@@ -1,0 +1,143 @@
+"""A mixture of experts in place of a layer's MLP: the router, the choice of experts and the
+experts run on the tokens that chose them.
+
+The pieces, in the order `jaxdepth.core.layer.layer_step` runs them (each a site of
+`jaxdepth.core.sites`, where an intervention may change it):
+
+    router_logits     x W_router                                              [B, T, E]
+    router_probs      the router's scores: softmax of the logits, float32     [B, T, E]
+    router_selection  what the k best are picked by (the scores)              [B, T, E]
+    expert_weights    each expert's weight in the output: the chosen ones'    [B, T, E]
+                      scores (renormalised to sum 1 where the family does), 0 elsewhere
+    expert_out        each chosen expert's output, before its weight          [B, T, k, D]
+    mlp_out           the weighted sum of the chosen experts' outputs         [B, T, D]
+
+The experts that run are the k of the largest selection, as transformers' `topk` picks them;
+where an intervention edits `expert_weights`, the experts with a nonzero weight run instead,
+and a token left with more than k of them gets NaN outputs (the k experts a token computes are
+fixed by the shapes: more would be silently dropped).
+
+How the experts run (`expert_outputs`): the T*k (token, expert) assignments are sorted by
+expert and laid out in blocks of b rows, each block one expert's, padded where an expert's
+count is not a multiple of b; one `lax.map` over the blocks multiplies each by its own expert's
+weights, indexed, never copied per token. The number of blocks is bounded by the shapes alone
+(at most (A + E (b - 1)) / b for A assignments, and at most A), so the program is static and
+vmaps: under a sweep each member sorts its own assignments, routing on its own residual. With
+b = A / 2E the padded rows are at most 1.5 A: the executed FLOPs are at most 1.5 k/E of the
+dense equivalent's (E experts on every token), on a CPU and on an accelerator alike. One token
+(decoding) takes k blocks of one row: exactly its k experts' weights are read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.primitives import ACTIVATIONS, project
+
+__all__ = [
+    "router_logits",
+    "router_scores",
+    "choose_experts",
+    "chosen_weights",
+    "dense_weights",
+    "experts_of_weights",
+    "block_rows",
+    "expert_outputs",
+    "combine_experts",
+]
+
+
+def router_logits(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T E"]:
+    """The router's logits of one layer (`p`) on the MLP's normed input `x`."""
+    return project(x, p["router"])
+
+
+def router_scores(logits: Float[Array, "B T E"], config: ModelConfig) -> Float[Array, "B T E"]:
+    """The router's scores of each expert: the softmax of its logits, in float32 as
+    transformers computes it."""
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def choose_experts(selection: Float[Array, "B T E"], config: ModelConfig) -> Int[Array, "B T k"]:
+    """The k experts of the largest `selection` per token, best first (`lax.top_k`, as
+    `torch.topk` orders them)."""
+    return jax.lax.top_k(selection, config.experts_per_token)[1]
+
+
+def chosen_weights(scores: Float[Array, "B T E"], chosen: Int[Array, "B T k"], config: ModelConfig):
+    """The chosen experts' weights `[B, T, k]`: their scores, renormalised to sum to 1 where the
+    family does (`ModelConfig.normalize_expert_weights`)."""
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    if config.normalize_expert_weights:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights
+
+
+def dense_weights(weights: Float[Array, "B T k"], chosen: Int[Array, "B T k"], config: ModelConfig):
+    """`[B, T, E]`: each expert's weight, the chosen ones' `weights`, 0 for the others."""
+    one_hot = jax.nn.one_hot(chosen, config.num_experts, dtype=weights.dtype)
+    return jnp.einsum("btk,btke->bte", weights, one_hot)
+
+
+def experts_of_weights(weights: Float[Array, "B T E"], config: ModelConfig):
+    """`(chosen [B, T, k], too_many [B, T])` of an edited weight vector: the experts of the k
+    largest |weight| (each nonzero one where there are at most k), and where a token has more
+    than k nonzero weights (its output is then NaN: `combine_experts`)."""
+    chosen = jax.lax.top_k(jnp.abs(weights), config.experts_per_token)[1]
+    return chosen, jnp.sum(weights != 0, axis=-1) > config.experts_per_token
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+    """The rows b of a block of `expert_outputs`: A / 2E for A assignments of E experts (so the
+    padding adds at most half of A), at least 1."""
+    return max(1, assignments // (2 * num_experts))
+
+
+def _block_count(assignments: int, num_experts: int, rows: int) -> int:
+    # Each expert with c > 0 assignments takes ceil(c / b) <= (c + b - 1) / b blocks, and <= c.
+    used = min(num_experts, assignments)
+    return max(1, min(assignments, (assignments + used * (rows - 1)) // rows))
+
+
+def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig):
+    """`[B, T, k, D]`: the output of each chosen expert on its token's normed input `x`, the
+    experts' gated MLPs (`p['expert_gate']`, `['expert_up']` `[E, D, F]`, `['expert_down']`
+    `[E, F, D]`) run on the tokens that chose them alone (module docstring)."""
+    B, T, D = x.shape
+    k, E = chosen.shape[-1], config.num_experts
+    N, A = B * T, B * T * k
+    b = block_rows(A, E)
+    blocks = _block_count(A, E, b)
+    expert = chosen.reshape(A)
+    counts = jnp.bincount(expert, length=E)
+    per_expert = (counts + b - 1) // b  # blocks of each expert
+    first_block = jnp.cumsum(per_expert) - per_expert
+    order = jnp.argsort(expert, stable=True)
+    rank = jnp.arange(A) - (jnp.cumsum(counts) - counts)[expert[order]]  # within its expert's group
+    row = jnp.zeros(A, jnp.int32).at[order].set((first_block[expert[order]] * b + rank).astype(jnp.int32))
+    token = jnp.full(blocks * b, N, jnp.int32).at[row].set(jnp.arange(A, dtype=jnp.int32) // k)
+    rows = jnp.concatenate([x.reshape(N, D), jnp.zeros((1, D), x.dtype)])[token].reshape(blocks, b, D)
+    # a block past the last used one is all padding (token N, a zero row): its expert is any
+    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(blocks), side="right"), E - 1)
+    act = ACTIVATIONS[config.activation]
+
+    def one_block(block):
+        xs, e = block
+        weight = partial(jax.lax.dynamic_index_in_dim, index=e, keepdims=False)
+        hidden = act(project(xs, weight(p["expert_gate"]))) * project(xs, weight(p["expert_up"]))
+        return project(hidden, weight(p["expert_down"]))
+
+    out = jax.lax.map(one_block, (rows, block_expert))
+    return out.reshape(blocks * b, D)[row].reshape(B, T, k, D)
+
+
+def combine_experts(outputs: Float[Array, "B T k D"], weights: Float[Array, "B T k"], too_many=None):
+    """The mixture's output `[B, T, D]`: the experts' outputs weighted and summed, NaN at the
+    tokens marked `too_many` (more experts weighted than computed)."""
+    out = jnp.einsum("btkd,btk->btd", outputs, weights.astype(outputs.dtype))
+    return out if too_many is None else jnp.where(too_many[..., None], jnp.nan, out)
