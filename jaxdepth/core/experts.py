@@ -12,6 +12,12 @@ The pieces, in the order `jaxdepth.core.layer.layer_step` runs them (each a site
     expert_out        each chosen expert's output, before its weight          [B, T, k, D]
     mlp_out           the weighted sum of the chosen experts' outputs         [B, T, D]
 
+Interventions on the routing, as data (a layer index and an expert mask per constructor, so a
+stack of them vmaps over layers and experts): `forbid_experts` (never chosen: the next best
+take their places), `force_experts` (chosen whatever their score, their weights their own
+scores), `drop_experts` (their weights zeroed, the others' kept: their share of the output
+removed) and `route` (the weights replaced).
+
 The experts that run are the k of the largest selection, as transformers' `topk` picks them;
 where an intervention edits `expert_weights`, the experts with a nonzero weight run instead,
 and a token left with more than k of them gets NaN outputs (the k experts a token computes are
@@ -38,6 +44,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.primitives import ACTIVATIONS, project
+from jaxdepth.core.sites import Intervention, InterventionError
 
 __all__ = [
     "router_logits",
@@ -47,8 +54,13 @@ __all__ = [
     "dense_weights",
     "experts_of_weights",
     "block_rows",
+    "executed_rows",
     "expert_outputs",
     "combine_experts",
+    "forbid_experts",
+    "force_experts",
+    "drop_experts",
+    "route",
 ]
 
 
@@ -104,6 +116,15 @@ def _block_count(assignments: int, num_experts: int, rows: int) -> int:
     return max(1, min(assignments, (assignments + used * (rows - 1)) // rows))
 
 
+def executed_rows(tokens: int, config: ModelConfig) -> int:
+    """The rows the experts of one layer multiply for `tokens` tokens (`expert_outputs`: every
+    block, padding included, runs): between k * tokens and 1.5 k * tokens, where E experts on
+    every token would be E * tokens."""
+    assignments = tokens * config.experts_per_token
+    rows = block_rows(assignments, config.num_experts)
+    return rows * _block_count(assignments, config.num_experts, rows)
+
+
 def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig):
     """`[B, T, k, D]`: the output of each chosen expert on its token's normed input `x`, the
     experts' gated MLPs (`p['expert_gate']`, `['expert_up']` `[E, D, F]`, `['expert_down']`
@@ -141,3 +162,91 @@ def combine_experts(outputs: Float[Array, "B T k D"], weights: Float[Array, "B T
     tokens marked `too_many` (more experts weighted than computed)."""
     out = jnp.einsum("btkd,btk->btd", outputs, weights.astype(outputs.dtype))
     return out if too_many is None else jnp.where(too_many[..., None], jnp.nan, out)
+
+
+# ----------------------------------------------------------------------------- interventions
+
+
+def _expert_mask(experts, what: str):
+    """An expert mask `[E]` or `[B, T, E]` as float32 (1: the expert is meant)."""
+    mask = jnp.asarray(experts)
+    if mask.dtype == bool or jnp.issubdtype(mask.dtype, jnp.integer):
+        mask = mask.astype(jnp.float32)
+    if mask.ndim not in (1, 3):
+        raise InterventionError(f"{what} must be [E] or [B, T, E], got shape {mask.shape}")
+    return mask
+
+
+def _fits(data: Array, value: Array, what: str) -> None:
+    try:
+        fits = data.shape[-1] == value.shape[-1] and jnp.broadcast_shapes(data.shape, value.shape) == value.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise InterventionError(f"{what} of shape {data.shape} does not fit the site's value {value.shape}")
+
+
+def _counted(mask, most: int, what: str) -> None:
+    """Refuse a concrete mask meaning more than `most` experts of one token."""
+    if isinstance(mask, jax.core.Tracer):
+        return
+    count = int(jnp.max(jnp.sum(mask > 0, axis=-1)))
+    if count > most:
+        raise InterventionError(f"{what} names {count} experts of one token; at most {most} can be")
+
+
+def _set_where(value, layer, data):
+    at, mask, new = data
+    _fits(mask, value, "the expert mask")
+    return jnp.where((layer == at) & (mask > 0), new.astype(value.dtype), value)
+
+
+def _expert_edit(site: str, layer, mask, new: float) -> Intervention:
+    return Intervention(
+        site, _set_where, (jnp.asarray(layer, jnp.int32), mask, jnp.asarray(new, jnp.float32)), layer_index=0
+    )
+
+
+def forbid_experts(layer, experts, config: ModelConfig) -> Intervention:
+    """Never choose the `experts` (a mask `[E]`, or `[B, T, E]` per token, 1 meaning the expert)
+    at layer `layer` (an int, negative from the end; an int array of them stacks interventions
+    for `vmap`): their selection is -inf, so the next best take their places, weighted by their
+    own scores (renormalised over the new choice where the family renormalises)."""
+    mask = _expert_mask(experts, "the forbidden experts")
+    _counted(mask, config.num_experts - config.experts_per_token, "forbid_experts")
+    return _expert_edit("router_selection", layer, mask, -jnp.inf)
+
+
+def force_experts(layer, experts, config: ModelConfig) -> Intervention:
+    """Choose the `experts` (a mask as in `forbid_experts`, at most k per token) at layer
+    `layer` whatever their scores: their selection is +inf, the best of the others fill the
+    remaining places, and each chosen expert is weighted by its own score (renormalised over
+    the choice where the family renormalises)."""
+    mask = _expert_mask(experts, "the forced experts")
+    _counted(mask, config.experts_per_token, "force_experts")
+    return _expert_edit("router_selection", layer, mask, jnp.inf)
+
+
+def drop_experts(layer, experts) -> Intervention:
+    """Remove the `experts`' share of the output at layer `layer` (a mask as in
+    `forbid_experts`): their weights become 0, the other chosen experts keep theirs (nothing is
+    renormalised and no expert takes the place)."""
+    return _expert_edit("expert_weights", layer, _expert_mask(experts, "the dropped experts"), 0.0)
+
+
+def _route(value, layer, data):
+    at, weights = data
+    _fits(weights, value, "the routing weights")
+    return jnp.where(layer == at, jnp.broadcast_to(weights, value.shape).astype(value.dtype), value)
+
+
+def route(layer, weights, config: ModelConfig) -> Intervention:
+    """Replace the routing of layer `layer`: each expert's weight `weights` (`[E]`, or
+    `[B, T, E]` per token); the experts with a nonzero weight run, at most k per token (refused
+    where the weights are concrete; traced, a token given more gets NaN outputs:
+    `combine_experts`)."""
+    weights = jnp.asarray(weights, jnp.float32)
+    if weights.ndim not in (1, 3):
+        raise InterventionError(f"the routing weights must be [E] or [B, T, E], got shape {weights.shape}")
+    _counted(weights != 0, config.experts_per_token, "route")
+    return Intervention("expert_weights", _route, (jnp.asarray(layer, jnp.int32), weights), layer_index=0)

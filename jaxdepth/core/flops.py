@@ -5,6 +5,7 @@ out: it is a few percent of a layer at the studies' shapes."""
 from __future__ import annotations
 
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.experts import executed_rows
 
 __all__ = [
     "layer_flops",
@@ -16,16 +17,21 @@ __all__ = [
 def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -> float:
     """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`: 2 x
     matmul parameters per position (q, k, v, o, and the MLP's gate, up and down, or up and down
-    in a plain MLP) plus attention scores and values (4 queries keys H Dh, the full square as
+    in a plain MLP; in a mixture of experts, the router and each expert on the rows it runs,
+    `jaxdepth.core.experts.executed_rows`) plus attention scores and values (4 queries keys H Dh, the full square as
     both implementations compute it)."""
     c = config
-    weights_per_layer = (
+    attention_weights = (
         c.hidden_size * c.num_heads * c.head_dim
         + 2 * c.hidden_size * c.num_kv_heads * c.head_dim
         + c.num_heads * c.head_dim * c.hidden_size
-        + (3 if c.mlp == "gated" else 2) * c.hidden_size * c.intermediate_size
     )
-    return layers * (2.0 * queries * weights_per_layer + 4.0 * queries * keys * c.num_heads * c.head_dim)
+    mlp_weights = (3 if c.mlp == "gated" else 2) * c.hidden_size * c.intermediate_size
+    if c.is_moe:  # the router on every position, the experts on the rows they run
+        mlp = 2.0 * (queries * c.hidden_size * c.num_experts + executed_rows(queries, c) * mlp_weights)
+    else:
+        mlp = 2.0 * queries * mlp_weights
+    return layers * (2.0 * queries * attention_weights + mlp + 4.0 * queries * keys * c.num_heads * c.head_dim)
 
 
 def lm_head_flops(config: ModelConfig, positions: int) -> float:

@@ -392,8 +392,8 @@ def _gemma(r: _Reader) -> dict:
     )
 
 
-def _olmo2(r: _Reader) -> dict:
-    """OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection."""
+def _olmo_layer(r: _Reader) -> dict:
+    """What OLMo 2 and OLMoE share: Llama's shapes, q/k norms over the whole projection."""
     shapes = _shapes(r)
     return dict(
         _common(r, shapes),
@@ -403,28 +403,20 @@ def _olmo2(r: _Reader) -> dict:
         o_bias=bool(r.get("attention_bias", False)),
         qk_norm=True,
         qk_norm_scope="projection",
-        norm_scale_in_float32=True,
-        pre_norms=False,
-        post_norms=True,
     )
+
+
+def _olmo2(r: _Reader) -> dict:
+    """OLMo 2: norms after attention and the MLP only, q/k norms over the whole projection."""
+    return dict(_olmo_layer(r), norm_scale_in_float32=True, pre_norms=False, post_norms=True)
 
 
 def _olmoe(r: _Reader) -> dict:
     """OLMoE: Llama's pre-norm layer with OLMo 2's q/k norms over the whole projection and a
     mixture of experts for its MLP."""
-    shapes = _shapes(r)
     if r.get("clip_qkv") is not None:
         r.refuse("clip_qkv", "clipped queries, keys and values are not implemented")
-    return dict(
-        _common(r, shapes),
-        **_rope(r, shapes["head_dim"]),
-        activation=r.activation("hidden_act"),
-        qkv_bias=bool(r.get("attention_bias", False)),
-        o_bias=bool(r.get("attention_bias", False)),
-        qk_norm=True,
-        qk_norm_scope="projection",
-        **_experts(r),
-    )
+    return {**_olmo_layer(r), **_experts(r)}
 
 
 def _phi3(r: _Reader) -> dict:
