@@ -179,6 +179,10 @@ def atp_star(
         _check_kind(kind)
     if not kinds:
         raise ValueError(f"no node kinds given; kinds: {', '.join(NODE_KINDS)}")
+    if "neurons" in kinds and config.is_moe:
+        raise ValueError(
+            "node kind 'neurons' reads a dense MLP's hidden units; this model's MLPs are mixtures of experts"
+        )
     pairs.check(config, metric)
     check_interventions(interventions, EdgeGraph.of(config))
     B, T = pairs.clean.shape
