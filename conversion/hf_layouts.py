@@ -6,7 +6,8 @@ The names are declared with the params (`jaxdepth.core.parameters`: each row's `
 `hf_source(config, tensors)` gives `assemble_params` (`conversion.layout`) the checkpoint as one
 tensor per jaxdepth param, in the PyTorch `[out, in]` layout: Phi-3's fused q/k/v and gate/up
 projections, GPT-NeoX's per-head interleaved q/k/v and GPT-2's fused `c_attn` (stored `[in, out]`,
-as every GPT-2 `Conv1D`) are cut into named views, and the buffers some checkpoints store beside
+as every GPT-2 `Conv1D`) and GPT-OSS's experts (stacked `[E, in, out]`, gate and up columns
+interleaved) are cut into named views, and the buffers some checkpoints store beside
 the weights (causal masks, rotary frequencies) are set aside by name, never silently.
 """
 
@@ -78,8 +79,11 @@ def _view(fused: np.ndarray, part: str, config: ModelConfig) -> Callable[[], np.
 
     def cut():
         x = np.asarray(fused)
-        if part == "T":
-            return x.T
+        if part == "T":  # [in, out] (per expert in a stack of them) -> [out, in]
+            return np.swapaxes(x, -1, -2)
+        if config.model_type == "gpt_oss":  # columns of gate_up interleaved: gate, up, gate, up, ...
+            own = x[..., 0::2] if part == "gate" else x[..., 1::2]
+            return np.swapaxes(own, -1, -2) if own.ndim == 3 else own  # weights [E, in, out], biases [E, out]
         if config.model_type == "phi3":  # rows [q | k | v] and [gate | up]
             if part in ("gate", "up"):
                 half = x.shape[0] // 2

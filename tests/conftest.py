@@ -280,6 +280,28 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         norm_topk_prob=True,
     ),
+    # GPT-OSS: attention sinks, sliding and full layers alternating, YaRN rotary, a biased router
+    # and biased experts whose clamped GLU's limit bites at this scale.
+    "gpt_oss_sinks": dict(
+        arch="gpt_oss",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=40,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 12345.0,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "gpt2": dict(arch="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "pythia_parallel": dict(
         arch="gpt_neox",
@@ -328,6 +350,7 @@ _HF_CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),

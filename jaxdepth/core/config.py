@@ -27,10 +27,10 @@ __all__ = [
 ]
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 NORMS = ("rms", "layer")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-MLPS = ("gated", "plain")
+MLPS = ("gated", "plain", "clamped")
 POSITIONS = ("rotary", "learned")
 LAYER_TYPES = ("full", "sliding")
 QK_NORM_SCOPES = ("head", "projection")
@@ -74,22 +74,31 @@ class ModelConfig:
     and the original context; 'linear' divides them by `rope_factor`; 'longrope' (Phi-3's long
     context models) divides them per frequency by `rope_short_factor`, or by `rope_long_factor`
     in a prompt longer than `rope_original_max_position`, and scales cos and sin by
-    `rope_attention_factor`; sliding layers use base
+    `rope_attention_factor`; 'yarn' blends each frequency between itself and itself divided by
+    `rope_factor` by a linear ramp between the correction dims of `rope_beta_fast` and
+    `rope_beta_slow` rotations in the original context (floored and ceiled where
+    `rope_truncate`), and scales cos and sin by `rope_attention_factor`; sliding layers use base
     `local_rope_theta` without scaling where it is not 0, as Gemma 3 does) or 'learned'
     (GPT-2's absolute position embeddings, param `pos_embed`).
 
     Embeddings and head: `embed_scale` multiplies the embeddings (Gemma: sqrt(D));
     `final_softcap` soft-caps the logits (0: none).
 
-    MLP: `mlp` 'gated' (`act(x W_gate) * (x W_up)`, then `W_down`) or 'plain' (`act(x W_up)`,
-    then `W_down`), `activation` 'silu', 'gelu_tanh' (the tanh approximation) or 'gelu' (exact),
-    `mlp_bias` (biases on both projections).
+    MLP: `mlp` 'gated' (`act(x W_gate) * (x W_up)`, then `W_down`), 'plain' (`act(x W_up)`,
+    then `W_down`) or 'clamped' (GPT-OSS: g = min(x W_gate, `glu_limit`), u = x W_up clipped
+    to +-`glu_limit`, `(u + 1) * g * sigmoid(glu_alpha * g)`), `activation` 'silu',
+    'gelu_tanh' (the tanh approximation) or 'gelu' (exact), `mlp_bias` (biases on the
+    projections, each expert's in a mixture).
+
+    Attention sinks (`attention_sinks`, GPT-OSS): a learned logit per head joins every query's
+    scores in the softmax and is dropped after it, so a head may attend to nothing.
 
     Mixture of experts: `num_experts` E > 0 replaces the MLP of every layer by E gated experts
     of width `intermediate_size` F each, of which a router picks `experts_per_token` k per
     token (`jaxdepth.core.experts`): `router` 'softmax' scores every expert by the softmax of
     its logits, the k best run, their weights the scores, renormalised to sum to 1 where
-    `normalize_expert_weights` (Mixtral, and Qwen3-MoE's `norm_topk_prob`). 0: a dense MLP.
+    `normalize_expert_weights` (Mixtral, GPT-OSS, and Qwen3-MoE's `norm_topk_prob`), the
+    router's logits with a bias where `router_bias` (GPT-OSS). 0: a dense MLP.
     """
 
     model_type: str
@@ -114,6 +123,9 @@ class ModelConfig:
     rope_short_factor: tuple = ()
     rope_long_factor: tuple = ()
     rope_attention_factor: float = 1.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
     norm: str = "rms"
     norm_offset: float = 0.0
     norm_scale_in_float32: bool = False
@@ -134,10 +146,14 @@ class ModelConfig:
     mlp: str = "gated"
     activation: str = "silu"
     mlp_bias: bool = False
+    glu_alpha: float = 0.0
+    glu_limit: float = 0.0
+    attention_sinks: bool = False
     num_experts: int = 0
     experts_per_token: int = 0
     router: str = "softmax"
     normalize_expert_weights: bool = False
+    router_bias: bool = False
 
     def __post_init__(self):
         for name in ("layer_types", "rope_short_factor", "rope_long_factor"):  # JSON gives lists
@@ -173,16 +189,24 @@ class ModelConfig:
             )
         if any(self.sliding_layers) and self.sliding_window < 1:
             raise UnsupportedConfigError("sliding layers need sliding_window >= 1")
-        if self.num_experts and not (
-            0 < self.experts_per_token <= self.num_experts and self.mlp == "gated" and not self.mlp_bias
-        ):
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.mlp != "plain"):
             raise UnsupportedConfigError(
                 f"a mixture of {self.num_experts} experts needs 0 < experts_per_token <= num_experts (got "
-                f"{self.experts_per_token}) and gated experts without biases "
-                f"(mlp {self.mlp!r}, mlp_bias {self.mlp_bias})"
+                f"{self.experts_per_token}) and gated experts (mlp {self.mlp!r})"
             )
-        if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights):
-            raise UnsupportedConfigError("experts_per_token and normalize_expert_weights need num_experts > 0")
+        if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights or self.router_bias):
+            raise UnsupportedConfigError("experts_per_token, normalize_expert_weights and router_bias need experts")
+        if self.mlp == "clamped" and not (self.glu_alpha > 0 and self.glu_limit > 0):
+            raise UnsupportedConfigError(
+                f"a clamped GLU needs glu_alpha and glu_limit > 0, got {self.glu_alpha}, {self.glu_limit}"
+            )
+        if self.rope_type == "yarn" and not (
+            self.rope_factor > 0 and self.rope_original_max_position > 0 and self.rope_attention_factor > 0
+        ):
+            raise UnsupportedConfigError(
+                "yarn rope scaling needs factor, original_max_position_embeddings and attention_factor > 0; got "
+                f"{self.rope_factor}, {self.rope_original_max_position}, {self.rope_attention_factor}"
+            )
         if not (self.pre_norms or self.post_norms):
             raise UnsupportedConfigError("a layer needs norms before or after its sublayers")
         if self.qk_norm and self.norm != "rms":

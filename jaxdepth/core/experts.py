@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.primitives import ACTIVATIONS, project
+from jaxdepth.core.primitives import gated_units, project
 from jaxdepth.core.sites import Intervention, InterventionError
 
 __all__ = [
@@ -65,8 +65,10 @@ __all__ = [
 
 
 def router_logits(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T E"]:
-    """The router's logits of one layer (`p`) on the MLP's normed input `x`."""
-    return project(x, p["router"])
+    """The router's logits of one layer (`p`) on the MLP's normed input `x` (plus its bias where
+    the family has one)."""
+    logits = project(x, p["router"])
+    return logits + p["router_bias"] if config.router_bias else logits
 
 
 def router_scores(logits: Float[Array, "B T E"], config: ModelConfig) -> Float[Array, "B T E"]:
@@ -128,7 +130,8 @@ def executed_rows(tokens: int, config: ModelConfig) -> int:
 def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig):
     """`[B, T, k, D]`: the output of each chosen expert on its token's normed input `x`, the
     experts' gated MLPs (`p['expert_gate']`, `['expert_up']` `[E, D, F]`, `['expert_down']`
-    `[E, F, D]`) run on the tokens that chose them alone (module docstring)."""
+    `[E, F, D]`, and their biases where the family has them) run on the tokens that chose them
+    alone (module docstring)."""
     B, T, D = x.shape
     k, E = chosen.shape[-1], config.num_experts
     N, A = B * T, B * T * k
@@ -145,13 +148,16 @@ def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], con
     rows = jnp.concatenate([x.reshape(N, D), jnp.zeros((1, D), x.dtype)])[token].reshape(blocks, b, D)
     # a block past the last used one is all padding (token N, a zero row): its expert is any
     block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(blocks), side="right"), E - 1)
-    act = ACTIVATIONS[config.activation]
 
     def one_block(block):
         xs, e = block
-        weight = partial(jax.lax.dynamic_index_in_dim, index=e, keepdims=False)
-        hidden = act(project(xs, weight(p["expert_gate"]))) * project(xs, weight(p["expert_up"]))
-        return project(hidden, weight(p["expert_down"]))
+        of = partial(jax.lax.dynamic_index_in_dim, index=e, keepdims=False)
+
+        def linear(inputs, name):
+            y = project(inputs, of(p[name]))
+            return y + of(p[f"{name}_bias"]) if config.mlp_bias else y
+
+        return linear(gated_units(linear(xs, "expert_gate"), linear(xs, "expert_up"), config), "expert_down")
 
     out = jax.lax.map(one_block, (rows, block_expert))
     return out.reshape(blocks * b, D)[row].reshape(B, T, k, D)

@@ -166,8 +166,10 @@ def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | N
         params = dict(r.get(key, {}))
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear", "longrope"):
-        r.refuse(key, f"rope_type {rope_type!r} is not implemented (implemented: default, llama3, linear, longrope)")
+    if rope_type not in ("default", "llama3", "linear", "longrope", "yarn"):
+        r.refuse(
+            key, f"rope_type {rope_type!r} is not implemented (implemented: default, llama3, linear, longrope, yarn)"
+        )
     both = dict(r.hf.get("rope_parameters") or {}) if key == "rope_scaling" else {}
     theta = params.get("rope_theta", both.get("rope_theta", r.get("rope_theta", r.get("rotary_emb_base"))))
     if theta is None:
@@ -188,6 +190,10 @@ def _rope(r: _Reader, head_dim: int, params: Mapping | None = None, key: str | N
     elif rope_type == "longrope":
         fields.update(_longrope(r, key, params))
         known |= {"short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"}
+    elif rope_type == "yarn":
+        fields.update(_yarn(r, key, params))
+        known |= {"factor", "attention_factor", "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim"}
+        known.add("original_max_position_embeddings")
     if set(params) - known:
         r.refuse(key, f"rope settings {sorted(set(params) - known)} are not implemented")
     return fields
@@ -217,6 +223,37 @@ def _longrope(r: _Reader, key: str, params: Mapping) -> dict:
         rope_short_factor=tuple(float(f) for f in params["short_factor"]),
         rope_long_factor=tuple(float(f) for f in params["long_factor"]),
         rope_attention_factor=float(attention),
+    )
+
+
+def _yarn(r: _Reader, key: str, params: Mapping) -> dict:
+    """YaRN's rotary scaling, as transformers reads it: the original context (in the rope
+    settings or at the top level), `factor` (by default the context over the original one),
+    the ramp's `beta_fast` and `beta_slow` (32 and 1 where absent or 0), `truncate` (default
+    true) and the cos / sin scale `attention_factor`, by default 0.1 ln(factor) + 1, or with
+    `mscale` and `mscale_all_dim` the ratio of those of each (1 where factor <= 1)."""
+    original = params.get("original_max_position_embeddings", r.get("original_max_position_embeddings"))
+    if not original:
+        r.refuse(key, "yarn scaling needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = r.need("max_position_embeddings") / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return dict(
+        rope_type="yarn",
+        rope_factor=float(factor),
+        rope_original_max_position=int(original),
+        rope_attention_factor=float(attention),
+        rope_beta_fast=float(params.get("beta_fast") or 32),
+        rope_beta_slow=float(params.get("beta_slow") or 1),
+        rope_truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -419,6 +456,33 @@ def _olmoe(r: _Reader) -> dict:
     return {**_olmo_layer(r), **_experts(r)}
 
 
+def _gpt_oss(r: _Reader) -> dict:
+    """GPT-OSS: Llama's pre-norm layer (RMSNorm scaled in float32) with biases on every
+    projection, attention sinks, sliding and full layers alternating, YaRN rotary, and a mixture
+    of experts with a biased router (softmax over the chosen experts' logits: their scores
+    renormalised) and biased experts computing a clamped GLU."""
+    shapes = _shapes(r)
+    r.read.update({"num_local_experts", "output_router_logits", "router_aux_loss_coef", "hidden_act"})
+    bias = bool(r.get("attention_bias", True))
+    return dict(
+        _common(r, shapes),
+        **_rope(r, shapes["head_dim"]),
+        **_layer_types(r, shapes["num_layers"], pattern=2, default_window=128),
+        qkv_bias=bias,
+        o_bias=bias,
+        norm_scale_in_float32=True,
+        attention_sinks=True,
+        mlp="clamped",
+        mlp_bias=True,
+        glu_alpha=float(r.get("swiglu_alpha", 1.702)),
+        glu_limit=float(r.get("swiglu_limit", 7.0)),
+        num_experts=int(r.need("num_local_experts")),
+        experts_per_token=int(r.need("num_experts_per_tok")),
+        normalize_expert_weights=True,
+        router_bias=True,
+    )
+
+
 def _phi3(r: _Reader) -> dict:
     """Phi-3: Llama's layer with fused q/k/v and gate/up projections and a sliding window."""
     shapes = _shapes(r)
@@ -484,6 +548,7 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "mixtral": _llama_like,
     "qwen3_moe": _llama_like,
     "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
     "gemma2": _gemma,
     "gemma3_text": _gemma,
     "olmo2": _olmo2,

@@ -12,6 +12,7 @@ finite mask value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -22,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.primitives import ACTIVATIONS, project
+from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
     SITE_TABLE,
     AnyIntervention,
@@ -124,6 +125,8 @@ def rotary_frequencies(config: ModelConfig, local: bool = False, long: bool = Fa
     if config.rope_type == "longrope" and not own_base:
         factors = config.rope_long_factor if long else config.rope_short_factor
         return f32(1) / (np.asarray(factors, f32) * power)
+    if config.rope_type == "yarn" and not own_base:
+        return _yarn_frequencies(config, power)
     inv_freq = f32(1) / power
     if config.rope_type == "default" or own_base:
         return inv_freq
@@ -146,6 +149,27 @@ def rotary_frequencies(config: ModelConfig, local: bool = False, long: bool = Fa
     return np.where(middle, blended, scaled).astype(f32)
 
 
+def _yarn_frequencies(config: ModelConfig, power: np.ndarray) -> np.ndarray:
+    """YaRN's frequencies as transformers computes them: the correction range in float64
+    (Python's math), then float32 tensor steps in its order (each Python scalar cast to float32)."""
+    f32 = np.float32
+    dim, context = config.rotated_dims, config.rope_original_max_position
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(config.rope_theta))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
+    extrapolated = f32(1) - ramp  # the share of each frequency left as it is
+    interpolated = f32(1) / (f32(config.rope_factor) * power)
+    return (interpolated * (f32(1) - extrapolated) + (f32(1) / power) * extrapolated).astype(f32)
+
+
 def rotary_tables(
     seq_len: int, config: ModelConfig, local: bool = False, long: Optional[Bool[Array, " B"]] = None
 ) -> tuple[Float[Array, "*B T R"], Float[Array, "*B T R"]]:
@@ -160,6 +184,9 @@ def rotary_tables(
         angles = jnp.concatenate([angles, angles], axis=-1)
         return jnp.cos(angles), jnp.sin(angles)
 
+    if config.rope_type == "yarn" and not (local and config.local_rope_theta):
+        scale = np.float32(config.rope_attention_factor)
+        return tuple(t * scale for t in tables(rotary_frequencies(config, local)))
     if config.rope_type != "longrope" or (local and config.local_rope_theta):
         return tables(rotary_frequencies(config, local))
     if long is None:
@@ -265,11 +292,11 @@ def attention_heads(
         rows = jnp.arange(x.shape[0])
         write = lambda buffer, new: buffer.at[rows, :, prefix.position].set(new[:, 0].astype(buffer.dtype))  # noqa: E731
         k, v = write(prefix.keys, k), write(prefix.values, v)
-        probs, heads = attend(q, k, v, mask, config, head_major=True)
+        probs, heads = attend(q, k, v, mask, config, head_major=True, sinks=p.get("sinks"))
         return q, k, v, probs, heads
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
-    probs, heads = attend(q, k, v, mask, config)
+    probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
     return q, k, v, probs, heads
 
 
@@ -281,12 +308,15 @@ def attend(
     config: ModelConfig,
     *,
     head_major: bool = False,
+    sinks: Optional[Float[Array, " H"]] = None,
 ):
     """Softmax attention of the (rotated) queries over keys and values of N heads, where N divides
     H: query head h reads key/value head h // (H // N). N = K is grouped-query attention; N = H
     gives every query head keys and values of its own (the per-head readers of
     `jaxdepth.analyses.edges`). Scores are scaled by `config.attn_scale` (default Dh**-0.5) and
-    soft-capped where the family caps them. Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`.
+    soft-capped where the family caps them; in a family with attention sinks (GPT-OSS), each
+    head's `sinks` logit joins the softmax and is dropped after it (the probabilities then sum
+    to less than 1). Returns `(probs [B, H, S, T], heads [B, S, H, Dh])`.
     `head_major`: k and v are `[B, N, T, Dh]` (a `KeyValueBuffer`'s layout)."""
     B, S, H, Dh = q.shape
     N = k.shape[1 if head_major else 2]
@@ -298,7 +328,14 @@ def attend(
     if config.attn_softcap:
         scores = jnp.tanh(scores / config.attn_softcap) * config.attn_softcap
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    if config.attention_sinks != (sinks is not None):
+        raise ValueError(f"{config.model_type!r} attention takes {'its' if config.attention_sinks else 'no'} sinks")
+    if sinks is None:
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    else:  # the sink of head h = kv * G + g, a column of its own, dropped after the softmax
+        sink = sinks.astype(jnp.float32).reshape(N, H // N)[None, :, :, None, None]
+        joined = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
+        weights = jax.nn.softmax(joined, axis=-1)[..., :-1].astype(q.dtype)
     heads = jnp.einsum(f"bkgts,{keys}->btkgd", weights, v).reshape(B, S, H, Dh)
     return weights.reshape(B, H, S, -1), heads
 
@@ -345,7 +382,7 @@ def mlp_hidden(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Floa
 
     if config.mlp == "plain":
         return act(linear("up"))
-    return act(linear("gate")) * linear("up")
+    return gated_units(linear("gate"), linear("up"), config)
 
 
 def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) -> Float[Array, "B T D"]:
@@ -543,7 +580,7 @@ def layer_step(
             G = H // config.num_kv_heads
             k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
             v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
-        probs, heads = attend(q, k, v, mask, config)
+        probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
         heads = at("head_out", heads)
         per_head_o = p["o"].reshape(H, config.head_dim, D)
         split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))

@@ -151,7 +151,7 @@ def _post_norm(c: ModelConfig, bias: bool = False) -> Optional[Shape]:
 
 
 def _gated(c: ModelConfig) -> bool:
-    return c.mlp == "gated" and not c.is_moe
+    return c.mlp != "plain" and not c.is_moe
 
 
 def _dense(c: ModelConfig, *shape: int) -> Optional[Shape]:
@@ -326,14 +326,14 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "up_bias",
-        lambda c: _when(c.mlp_bias, c.intermediate_size),
+        lambda c: _dense(c, c.intermediate_size) if c.mlp_bias else None,
         _SPLIT,
         hf={"llama": "mlp.up_proj.bias", "gpt_neox": "mlp.dense_h_to_4h.bias", "gpt2": "mlp.c_fc.bias"},
         gguf="ffn_up.bias",
     ),
     _layer(
         "down_bias",
-        lambda c: _when(c.mlp_bias, c.hidden_size),
+        lambda c: _dense(c, c.hidden_size) if c.mlp_bias else None,
         _WHOLE,
         hf={"llama": "mlp.down_proj.bias", "gpt_neox": "mlp.dense_4h_to_h.bias", "gpt2": "mlp.c_proj.bias"},
         gguf="ffn_down.bias",
@@ -393,15 +393,30 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda c: _when(c.is_moe, c.hidden_size, c.num_experts),
         (None, None),
         transposed=True,
-        hf={"llama": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"},
+        hf={
+            "llama": "mlp.gate.weight",
+            "mixtral": "block_sparse_moe.gate.weight",
+            "gpt_oss": "mlp.router.weight",
+        },
         gguf="ffn_gate_inp.weight",
+    ),
+    _layer(
+        "router_bias",
+        lambda c: _when(c.router_bias, c.num_experts),
+        (None,),
+        hf={"gpt_oss": "mlp.router.bias"},
+        gguf="ffn_gate_inp.bias",
     ),
     _layer(
         "expert_gate",
         lambda c: _experts(c, c.hidden_size, c.intermediate_size),
         (MODEL, None, None),
         transposed=True,
-        hf={"llama": "mlp.experts.{e}.gate_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w1.weight"},
+        hf={
+            "llama": "mlp.experts.{e}.gate_proj.weight",
+            "mixtral": "block_sparse_moe.experts.{e}.w1.weight",
+            "gpt_oss": "mlp.experts.gate_up_proj#gate",
+        },
         gguf="ffn_gate_exps.weight",
     ),
     _layer(
@@ -409,7 +424,11 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda c: _experts(c, c.hidden_size, c.intermediate_size),
         (MODEL, None, None),
         transposed=True,
-        hf={"llama": "mlp.experts.{e}.up_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w3.weight"},
+        hf={
+            "llama": "mlp.experts.{e}.up_proj.weight",
+            "mixtral": "block_sparse_moe.experts.{e}.w3.weight",
+            "gpt_oss": "mlp.experts.gate_up_proj#up",
+        },
         gguf="ffn_up_exps.weight",
     ),
     _layer(
@@ -417,8 +436,42 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda c: _experts(c, c.intermediate_size, c.hidden_size),
         (MODEL, None, None),
         transposed=True,
-        hf={"llama": "mlp.experts.{e}.down_proj.weight", "mixtral": "block_sparse_moe.experts.{e}.w2.weight"},
+        hf={
+            "llama": "mlp.experts.{e}.down_proj.weight",
+            "mixtral": "block_sparse_moe.experts.{e}.w2.weight",
+            "gpt_oss": "mlp.experts.down_proj#T",
+        },
         gguf="ffn_down_exps.weight",
+    ),
+    # GPT-OSS's experts have biases (`mlp_bias` in a mixture)
+    _layer(
+        "expert_gate_bias",
+        lambda c: _experts(c, c.intermediate_size) if c.mlp_bias else None,
+        (MODEL, None),
+        hf={"gpt_oss": "mlp.experts.gate_up_proj_bias#gate"},
+        gguf="ffn_gate_exps.bias",
+    ),
+    _layer(
+        "expert_up_bias",
+        lambda c: _experts(c, c.intermediate_size) if c.mlp_bias else None,
+        (MODEL, None),
+        hf={"gpt_oss": "mlp.experts.gate_up_proj_bias#up"},
+        gguf="ffn_up_exps.bias",
+    ),
+    _layer(
+        "expert_down_bias",
+        lambda c: _experts(c, c.hidden_size) if c.mlp_bias else None,
+        (MODEL, None),
+        hf={"gpt_oss": "mlp.experts.down_proj_bias"},
+        gguf="ffn_down_exps.bias",
+    ),
+    # GPT-OSS's attention sinks: a logit per head
+    _layer(
+        "sinks",
+        lambda c: _when(c.attention_sinks, c.num_heads),
+        _SPLIT,
+        hf={"gpt_oss": "self_attn.sinks"},
+        gguf="attn_sinks.weight",
     ),
     _layer(
         "q_norm",
@@ -480,16 +533,18 @@ HF = Naming(
         "gemma": _LLAMA_LAYERS,
         "olmo2": _LLAMA_LAYERS,
         "mixtral": _LLAMA_LAYERS,
+        "gpt_oss": _LLAMA_LAYERS,
         "phi3": _LLAMA_LAYERS,
         "gpt_neox": "gpt_neox.layers.{i}.",
         "gpt2": "transformer.h.{i}.",
     },
-    base={"gemma": "llama", "olmo2": "llama", "mixtral": "llama", "phi3": "llama"},
+    base={"gemma": "llama", "olmo2": "llama", "mixtral": "llama", "gpt_oss": "llama", "phi3": "llama"},
     family_of={
         "gemma2": "gemma",
         "gemma3_text": "gemma",
         "olmo2": "olmo2",
         "mixtral": "mixtral",
+        "gpt_oss": "gpt_oss",
         "phi3": "phi3",
         "gpt2": "gpt2",
         "gpt_neox": "gpt_neox",

@@ -13,6 +13,7 @@ from jaxtyping import Array
 __all__ = [
     "project",
     "ACTIVATIONS",
+    "gated_units",
 ]
 
 
@@ -74,3 +75,14 @@ ACTIVATIONS = {
     "gelu_tanh": partial(jax.nn.gelu, approximate=True),
     "gelu": partial(jax.nn.gelu, approximate=False),
 }
+
+
+def gated_units(gate: Array, up: Array, config) -> Array:
+    """A gated MLP's hidden units from its gate and up projections: `act(gate) * up`, or
+    GPT-OSS's clamped GLU (`ModelConfig.mlp` 'clamped': the gate capped above and the up
+    projection clipped at +-`glu_limit`, `(up + 1) * gate * sigmoid(glu_alpha * gate)`)."""
+    if config.mlp == "clamped":
+        gate = jnp.minimum(gate, config.glu_limit)
+        up = jnp.clip(up, -config.glu_limit, config.glu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * config.glu_alpha))
+    return ACTIVATIONS[config.activation](gate) * up

@@ -15,6 +15,7 @@ import pytest
 from conftest import FAMILY_VARIANTS, tiny_hf_config
 from jaxdepth.analyses import contributions, erasure, layer_skip, logit_lens
 from jaxdepth.analyses import integrated_gradients as ig
+from jaxdepth.analyses.edges.atp_star import atp_star
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import circuit_metric
@@ -289,3 +290,16 @@ def test_edges_give_the_clean_and_the_corrupt_run(family):
     f = circuit_metric(params, pairs, config, logit_difference, [graph.edge_mask, np.zeros_like(graph.edge_mask)])
     np.testing.assert_allclose(f[0], scores.f_clean, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(f[1], scores.f_corrupt, rtol=1e-5, atol=1e-5)
+
+
+def test_atp_star_runs_every_node_kind_of_every_family(family):
+    """AtP* reads each family's attention as the layer computes it (GPT-OSS's sinks included:
+    `attend` refuses a call without them) and a mixture's output as one MLP node."""
+    config, params = family
+    kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.is_moe else ("neurons",))
+    scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
+    for kind in kinds:
+        assert np.all(np.isfinite(scores.of(kind))), kind
+    # (queries may all be 0: under the 6-token window of these tests no later query sees the change)
+    for kind in ("heads", "mlps", "keys", "values"):
+        assert np.abs(scores.of(kind)).max() > 0, kind

@@ -265,7 +265,10 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
     drops, f = sweep(per_drop, dropped, chunk)
     g_o = drops.pop("head_out_gradient", None)
     if g_o is not None:
-        drops.update(_attention_estimates(g_o, clean, corrupt, pairs.valid, h0, config, kinds, qk_fix))
+        sinks = params["layers"].get("sinks")
+        drops.update(
+            _attention_estimates(g_o, clean, corrupt, pairs.valid, h0, config, kinds, qk_fix=qk_fix, sinks=sinks)
+        )
     return f[0], f_corrupt, drops
 
 
@@ -287,7 +290,9 @@ def _per_query_head(x, num_heads: int):
     return jnp.repeat(x, num_heads // x.shape[2], axis=2)
 
 
-def _attention_estimates(g_o, clean: dict, corrupt: dict, valid, h0, config: ModelConfig, kinds, qk_fix: bool) -> dict:
+def _attention_estimates(
+    g_o, clean: dict, corrupt: dict, valid, h0, config: ModelConfig, kinds, *, qk_fix: bool, sinks=None
+) -> dict:
     """Queries', keys' and values' estimates `[G, B, L, H, T]` from F's gradients at every head's
     output `g_o [G, L, B, T, H, Dh]` (one per dropped layer), layer by layer."""
     context = layer_context(h0, valid, config)
@@ -297,7 +302,8 @@ def _attention_estimates(g_o, clean: dict, corrupt: dict, valid, h0, config: Mod
         layer, g, q, k, v, q2, k2, v2 = xs  # g [G, B, T, H, Dh]; q.. [B, T, H|K, Dh]
         k, v, k2, v2 = (_per_query_head(x, H) for x in (k, v, k2, v2))
         _, _, mask = context_of_layer(context, layer, config)
-        heads = lambda q, k, v: attend(q, k, v, mask, config)[1].astype(jnp.float32)  # noqa: E731
+        own_sinks = None if sinks is None else sinks[layer]  # (GPT-OSS: each head's sink logit)
+        heads = lambda q, k, v: attend(q, k, v, mask, config, sinks=own_sinks)[1].astype(jnp.float32)  # noqa: E731
         o, pull = jax.vjp(heads, q, k, v)
         # the linear estimates: -(gradient at the query, key or value) . (corrupt - clean)
         linear = jax.vmap(pull)(g)
