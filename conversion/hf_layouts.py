@@ -7,8 +7,9 @@ The names are declared with the params (`jaxdepth.core.parameters`: each row's `
 tensor per jaxdepth param, in the PyTorch `[out, in]` layout: Phi-3's fused q/k/v and gate/up
 projections, GPT-NeoX's per-head interleaved q/k/v and GPT-2's fused `c_attn` (stored `[in, out]`,
 as every GPT-2 `Conv1D`) and GPT-OSS's experts (stacked `[E, in, out]`, gate and up columns
-interleaved) are cut into named views, and the buffers some checkpoints store beside
-the weights (causal masks, rotary frequencies) are set aside by name, never silently.
+interleaved) are cut into named views, DeepSeek's interleaved rotary rows are reordered into
+halves (`#rope`, `#rope_last`), and the buffers some checkpoints store beside the weights
+(causal masks, rotary frequencies) are set aside by name, never silently.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def hf_source(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> tuple[s
     if config.model_type == "gpt2" and not any(n.startswith("transformer.") for n in tensors):
         names = _strip_prefix(names, "transformer.")
     buffers = {n for n in tensors if _BUFFERS.search(n)}
+    if config.model_type == "deepseek_v3":  # its multi-token prediction layers, past the model's own
+        beyond = re.compile(r"^model\.layers\.(\d+)\.")
+        buffers |= {n for n in tensors if (m := beyond.match(n)) and int(m.group(1)) >= config.num_layers}
     views: dict[str, Callable[[], np.ndarray]] = {}
     fused: set[str] = set()
     for name in _view_names(names, config):
@@ -81,6 +85,9 @@ def _view(fused: np.ndarray, part: str, config: ModelConfig) -> Callable[[], np.
         x = np.asarray(fused)
         if part == "T":  # [in, out] (per expert in a stack of them) -> [out, in]
             return np.swapaxes(x, -1, -2)
+        if part in ("rope", "rope_last"):  # DeepSeek's rotated dims: pairs -> halves
+            group = config.head_dim if part == "rope" else x.shape[0]  # per head, or the last R rows
+            return _rope_halves(x, group, config) if config.rope_interleaved else x
         if config.model_type == "gpt_oss":  # columns of gate_up interleaved: gate, up, gate, up, ...
             own = x[..., 0::2] if part == "gate" else x[..., 1::2]
             return np.swapaxes(own, -1, -2) if own.ndim == 3 else own  # weights [E, in, out], biases [E, out]
@@ -101,3 +108,17 @@ def _view(fused: np.ndarray, part: str, config: ModelConfig) -> Callable[[], np.
         raise ConversionError(f"no fused layout for {config.model_type!r}")
 
     return cut
+
+
+def _rope_halves(x: np.ndarray, group: int, config: ModelConfig) -> np.ndarray:
+    """Rows `[out, in]` whose groups end in R rotated dims stored as interleaved pairs
+    (x0, x1), (x2, x3), ..., reordered to the halves (x0, x2, ... | x1, x3, ...) that the layer
+    rotates: the queries' rows per head (`group` = `head_dim`: part '#rope'), or the latent
+    projection's last R rows (one group, its first rows the latent: '#rope_last').
+    transformers' interleaved rotation produces the same halves, so the rotated queries and
+    keys are its own."""
+    R = config.rotated_dims
+    rows = x.reshape((-1, group) + x.shape[1:])
+    rotated = rows[:, group - R :]
+    halves = np.concatenate([rotated[:, 0::2], rotated[:, 1::2]], axis=1)
+    return np.concatenate([rows[:, : group - R], halves], axis=1).reshape(x.shape)

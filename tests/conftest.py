@@ -302,6 +302,36 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # DeepSeek-V3: latent attention (query and key-value latents, interleaved rotary dims last,
+    # values narrower than queries), YaRN with mscale (scaling the scores too), a sigmoid router
+    # picking among the best of 2 groups by a learned correction, scaled weights, a shared expert.
+    "deepseek_v3_latent": dict(
+        arch="deepseek_v3",
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 12345.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "gpt2": dict(arch="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "pythia_parallel": dict(
         arch="gpt_neox",
@@ -338,6 +368,15 @@ TINY_VARIANTS["phi3_longrope"] = dict(
     eos_token_id=2,
 )
 
+# DeepSeek-V3 with its queries through one projection (no query latent) and its rotary dims in
+# halves already (no interleaving), plain rotary.
+TINY_VARIANTS["deepseek_v3_q_proj"] = dict(
+    {k: v for k, v in FAMILY_VARIANTS["deepseek_v3_latent"].items() if k not in ("q_lora_rank", "rope_parameters")},
+    q_lora_rank=None,
+    rope_interleave=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
+)
+
 # transformers' config and model class of each `arch`.
 _HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -351,6 +390,7 @@ _HF_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
@@ -410,6 +450,9 @@ def build_tiny_model(name: str, seed: int = 0):
                 p.copy_(0.1 * torch.randn_like(p))
             elif "norm" in pname or "ln_" in pname:  # (GPT-2's LayerNorms are ln_1, ln_2, ln_f)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for bname, b in model.named_buffers():  # DeepSeek's router correction is a saved buffer
+            if "e_score_correction_bias" in bname:
+                b.copy_(0.1 * torch.randn_like(b))
     model.eval()
     return model
 

@@ -34,7 +34,7 @@ MLPS = ("gated", "plain", "clamped")
 POSITIONS = ("rotary", "learned")
 LAYER_TYPES = ("full", "sliding")
 QK_NORM_SCOPES = ("head", "projection")
-ROUTERS = ("softmax",)
+ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,15 +90,29 @@ class ModelConfig:
     'gelu_tanh' (the tanh approximation) or 'gelu' (exact), `mlp_bias` (biases on the
     projections, each expert's in a mixture).
 
+    Multi-head latent attention (`kv_lora_rank` > 0, DeepSeek-V3): keys and values are read
+    from a latent of `kv_lora_rank` dims (`kv_a`, normed, then `kv_b`) and one rotary key of
+    `rotary_dim` dims shared by the heads, queries from a latent of `q_lora_rank` dims (0: one
+    projection); each head's query and key are `head_dim` wide, their last `rotary_dim` dims
+    rotated (`rotary_last`), its value `value_head_dim` wide (0: `head_dim`). Every head has keys
+    and values of its own (`num_kv_heads` = `num_heads`). `rope_interleaved`: the checkpoint
+    holds the rotated dims as interleaved pairs, which the converters de-interleave into the
+    halves the layer rotates.
+
     Attention sinks (`attention_sinks`, GPT-OSS): a learned logit per head joins every query's
     scores in the softmax and is dropped after it, so a head may attend to nothing.
 
     Mixture of experts: `num_experts` E > 0 replaces the MLP of every layer by E gated experts
     of width `intermediate_size` F each, of which a router picks `experts_per_token` k per
     token (`jaxdepth.core.experts`): `router` 'softmax' scores every expert by the softmax of
-    its logits, the k best run, their weights the scores, renormalised to sum to 1 where
-    `normalize_expert_weights` (Mixtral, GPT-OSS, and Qwen3-MoE's `norm_topk_prob`), the
-    router's logits with a bias where `router_bias` (GPT-OSS). 0: a dense MLP.
+    its logits ('sigmoid': each expert by the sigmoid of its logit, DeepSeek-V3), the k best
+    run, their weights the scores, renormalised to sum to 1 where `normalize_expert_weights`
+    (Mixtral, GPT-OSS, and the others' `norm_topk_prob`) and multiplied by `expert_scale`
+    (DeepSeek's `routed_scaling_factor`); the router's logits with a bias where `router_bias`
+    (GPT-OSS). DeepSeek-V3 picks by its scores plus a learned correction
+    (`router_correction`), among the experts of the `router_groups_kept` best of
+    `router_groups` groups (a group's score the sum of its two best); `shared_expert_size` > 0
+    adds an MLP of that width that every token runs. 0 experts: a dense MLP.
     """
 
     model_type: str
@@ -126,6 +140,8 @@ class ModelConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
+    rope_interleaved: bool = False
+    rotary_last: bool = False
     norm: str = "rms"
     norm_offset: float = 0.0
     norm_scale_in_float32: bool = False
@@ -149,11 +165,19 @@ class ModelConfig:
     glu_alpha: float = 0.0
     glu_limit: float = 0.0
     attention_sinks: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    value_head_dim: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
     router: str = "softmax"
     normalize_expert_weights: bool = False
     router_bias: bool = False
+    router_correction: bool = False
+    router_groups: int = 1
+    router_groups_kept: int = 1
+    expert_scale: float = 1.0
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         for name in ("layer_types", "rope_short_factor", "rope_long_factor"):  # JSON gives lists
@@ -196,6 +220,20 @@ class ModelConfig:
             )
         if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights or self.router_bias):
             raise UnsupportedConfigError("experts_per_token, normalize_expert_weights and router_bias need experts")
+        if self.router_groups > 1 and not (
+            self.num_experts % self.router_groups == 0
+            and self.num_experts // self.router_groups >= 2
+            and 0 < self.router_groups_kept <= self.router_groups
+            and self.experts_per_token <= self.router_groups_kept * self.num_experts // self.router_groups
+        ):
+            raise UnsupportedConfigError(
+                f"{self.router_groups} router groups of {self.num_experts} experts, {self.router_groups_kept} kept, "
+                f"cannot give {self.experts_per_token} experts a token (groups of at least 2 experts each)"
+            )
+        if self.kv_lora_rank and (self.num_kv_heads != self.num_heads or self.qkv_bias or self.qk_norm):
+            raise UnsupportedConfigError(
+                "latent attention has keys and values per head, and no q/k/v biases or q/k norms"
+            )
         if self.mlp == "clamped" and not (self.glu_alpha > 0 and self.glu_limit > 0):
             raise UnsupportedConfigError(
                 f"a clamped GLU needs glu_alpha and glu_limit > 0, got {self.glu_alpha}, {self.glu_limit}"
@@ -245,6 +283,11 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer: does it attend through the sliding window?"""
         return tuple(t == "sliding" for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def v_head_dim(self) -> int:
+        """Each head's value width (`value_head_dim`, or `head_dim` where 0)."""
+        return self.value_head_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:

@@ -4,13 +4,18 @@ experts run on the tokens that chose them.
 The pieces, in the order `jaxdepth.core.layer.layer_step` runs them (each a site of
 `jaxdepth.core.sites`, where an intervention may change it):
 
-    router_logits     x W_router                                              [B, T, E]
-    router_probs      the router's scores: softmax of the logits, float32     [B, T, E]
-    router_selection  what the k best are picked by (the scores)              [B, T, E]
+    router_logits     x W_router (+ its bias, GPT-OSS)                        [B, T, E]
+    router_probs      the router's scores: softmax (or sigmoid, DeepSeek-V3)  [B, T, E]
+                      of the logits, float32
+    router_selection  what the k best are picked by: the scores (+ DeepSeek's [B, T, E]
+                      learned correction), among the kept groups' experts
     expert_weights    each expert's weight in the output: the chosen ones'    [B, T, E]
-                      scores (renormalised to sum 1 where the family does), 0 elsewhere
+                      scores (renormalised to sum 1 and scaled where the family does), 0
+                      elsewhere
     expert_out        each chosen expert's output, before its weight          [B, T, k, D]
-    mlp_out           the weighted sum of the chosen experts' outputs         [B, T, D]
+    shared_out        the shared experts' output (DeepSeek), every token's    [B, T, D]
+    mlp_out           the weighted sum of the chosen experts' outputs (plus   [B, T, D]
+                      the shared experts')
 
 Interventions on the routing, as data (a layer index and an expert mask per constructor, so a
 stack of them vmaps over layers and experts): `forbid_experts` (never chosen: the next best
@@ -49,7 +54,9 @@ from jaxdepth.core.sites import Intervention, InterventionError
 __all__ = [
     "router_logits",
     "router_scores",
+    "selection_of",
     "choose_experts",
+    "shared_experts",
     "chosen_weights",
     "dense_weights",
     "experts_of_weights",
@@ -72,24 +79,48 @@ def router_logits(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Arr
 
 
 def router_scores(logits: Float[Array, "B T E"], config: ModelConfig) -> Float[Array, "B T E"]:
-    """The router's scores of each expert: the softmax of its logits, in float32 as
-    transformers computes it."""
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    """The router's scores of each expert: the softmax of its logits ('sigmoid' routers: each
+    logit's sigmoid), in float32 as transformers computes them."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.sigmoid(logits) if config.router == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+
+
+def selection_of(p, scores: Float[Array, "B T E"], config: ModelConfig) -> Float[Array, "B T E"]:
+    """What the router picks its experts by: the scores, plus DeepSeek-V3's learned correction
+    (`p['router_correction']`) where the family has one."""
+    return scores + p["router_correction"] if config.router_correction else scores
 
 
 def choose_experts(selection: Float[Array, "B T E"], config: ModelConfig) -> Int[Array, "B T k"]:
     """The k experts of the largest `selection` per token, best first (`lax.top_k`, as
-    `torch.topk` orders them)."""
+    `torch.topk` orders them); with `router_groups` > 1 among the experts of the
+    `router_groups_kept` groups whose two best selections sum highest (DeepSeek-V3)."""
+    if config.router_groups > 1:
+        G, E = config.router_groups, config.num_experts
+        grouped = selection.reshape(selection.shape[:-1] + (G, E // G))
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        kept = jax.lax.top_k(group_scores, config.router_groups_kept)[1]
+        keep = jnp.any(kept[..., None] == jnp.arange(G), axis=-2)
+        selection = jnp.where(jnp.repeat(keep, E // G, axis=-1), selection, -jnp.inf)
     return jax.lax.top_k(selection, config.experts_per_token)[1]
 
 
 def chosen_weights(scores: Float[Array, "B T E"], chosen: Int[Array, "B T k"], config: ModelConfig):
     """The chosen experts' weights `[B, T, k]`: their scores, renormalised to sum to 1 where the
-    family does (`ModelConfig.normalize_expert_weights`)."""
+    family does (`ModelConfig.normalize_expert_weights`; a sigmoid router adds 1e-20 to the sum,
+    as DeepSeek does), times `expert_scale`."""
     weights = jnp.take_along_axis(scores, chosen, axis=-1)
     if config.normalize_expert_weights:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if config.router == "sigmoid" else total)
+    return weights * config.expert_scale if config.expert_scale != 1.0 else weights
+
+
+def shared_experts(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
+    """The shared experts' output: one gated MLP of width `shared_expert_size` that every token
+    runs (DeepSeek's `n_shared_experts` experts, fused)."""
+    hidden = gated_units(project(x, p["shared_gate"]), project(x, p["shared_up"]), config)
+    return project(hidden, p["shared_down"])
 
 
 def dense_weights(weights: Float[Array, "B T k"], chosen: Int[Array, "B T k"], config: ModelConfig):

@@ -483,6 +483,62 @@ def _gpt_oss(r: _Reader) -> dict:
     )
 
 
+def _deepseek_v3(r: _Reader) -> dict:
+    """DeepSeek-V3: multi-head latent attention (a query latent, a key-value latent and one
+    rotary key shared by the heads, the rotated dims last), YaRN rotary whose scale also scales
+    the attention scores, and a mixture of experts with a sigmoid router picking by its scores
+    plus a learned correction among the best groups of experts, weights renormalised and
+    scaled, and shared experts. Dense layers among the sparse ones (`first_k_dense_replace`)
+    are refused by name until layers of several kinds are implemented."""
+    shapes = _shapes(r)
+    H = shapes["num_heads"]
+    nope, rope, value = (int(r.need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    r.read.update({"head_dim", "qk_head_dim", "num_nextn_predict_layers", "ep_size", "aux_loss_alpha", "seq_aux"})
+    r.read.update({"output_router_logits", "router_aux_loss_coef", "intermediate_size"})
+    if int(r.get("first_k_dense_replace", 0)):
+        r.refuse("first_k_dense_replace", "dense layers among the sparse ones are not implemented yet")
+    for key, allowed, why in (
+        ("num_key_value_heads", (H,), "latent attention expands keys and values for every head"),
+        ("attention_bias", (False,), "biases in latent attention are not implemented"),
+        ("pretraining_tp", (1,), "tensor-parallel pretraining slices are not implemented"),
+        ("topk_method", ("noaux_tc",), "only DeepSeek-V3's group-limited routing is implemented"),
+        ("scoring_func", ("sigmoid",), "only DeepSeek-V3's sigmoid scores are implemented"),
+        ("moe_layer_freq", (1,), "dense layers among the sparse ones are not implemented yet"),
+    ):
+        r.require(key, allowed, why)
+    rotary = _rope(r, rope)
+    rope_settings = dict(r.hf.get("rope_parameters") or r.hf.get("rope_scaling") or {})
+    scale = (nope + rope) ** -0.5
+    m_all = rope_settings.get("mscale_all_dim")
+    if rotary.get("rope_type", "default") != "default" and m_all:  # transformers' yarn_apply_mscale
+        factor = rope_settings["factor"]
+        m = 1.0 if factor <= 1 else 0.1 * m_all * math.log(factor) + 1.0
+        scale = scale * m * m
+    common = _common(r, {**shapes, "num_kv_heads": H, "head_dim": nope + rope})
+    return dict(
+        common,
+        **{**rotary, "rotary_dim": rope},
+        rotary_last=True,
+        rope_interleaved=bool(r.get("rope_interleave", True)),
+        attn_scale=float(scale),
+        activation=r.activation("hidden_act"),
+        qkv_bias=False,
+        q_lora_rank=int(r.get("q_lora_rank") or 0),
+        kv_lora_rank=int(r.need("kv_lora_rank")),
+        value_head_dim=value,
+        num_experts=int(r.need("n_routed_experts")),
+        experts_per_token=int(r.need("num_experts_per_tok")),
+        intermediate_size=int(r.need("moe_intermediate_size")),
+        router="sigmoid",
+        router_correction=True,
+        router_groups=int(r.get("n_group") or 1),
+        router_groups_kept=int(r.get("topk_group") or 1),
+        normalize_expert_weights=bool(r.get("norm_topk_prob", True)),
+        expert_scale=float(r.get("routed_scaling_factor", 1.0)),
+        shared_expert_size=int(r.get("n_shared_experts") or 0) * int(r.need("moe_intermediate_size")),
+    )
+
+
 def _phi3(r: _Reader) -> dict:
     """Phi-3: Llama's layer with fused q/k/v and gate/up projections and a sliding window."""
     shapes = _shapes(r)
@@ -549,6 +605,7 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "qwen3_moe": _llama_like,
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
     "gemma2": _gemma,
     "gemma3_text": _gemma,
     "olmo2": _olmo2,

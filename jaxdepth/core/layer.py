@@ -73,14 +73,16 @@ Params = dict[str, Any]
 # ----------------------------------------------------------------------------- building blocks
 
 
-def norm(x: Float[Array, "*b D"], weight, config: ModelConfig, bias=None) -> Float[Array, "*b D"]:
+def norm(x: Float[Array, "*b D"], weight, config: ModelConfig, bias=None, eps=None) -> Float[Array, "*b D"]:
     """The family's norm (`ModelConfig.norm`): RMSNorm or LayerNorm (mean removed, then `bias`
     added), normalised in float32, scaled by `norm_offset + weight` after casting back to the
-    activations' dtype, or before where `norm_scale_in_float32` (Gemma, OLMo 2)."""
+    activations' dtype, or before where `norm_scale_in_float32` (Gemma, OLMo 2). `eps`: another
+    epsilon than the config's `rms_norm_eps` (DeepSeek's latent norms)."""
     x32 = x.astype(jnp.float32)
     if config.norm == "layer":
         x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_norm_eps)
+    eps = config.rms_norm_eps if eps is None else eps
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if config.norm_scale_in_float32:
         y = (x32 * (config.norm_offset + weight.astype(jnp.float32))).astype(x.dtype)
     else:
@@ -207,12 +209,15 @@ def longrope_rows(valid: Bool[Array, "B T"], config: ModelConfig) -> Optional[Bo
     return ends > config.rope_original_max_position
 
 
-def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin) -> Float[Array, "B T N Dh"]:
+def apply_rotary(x: Float[Array, "B T N Dh"], cos, sin, *, last: bool = False) -> Float[Array, "B T N Dh"]:
     """Rotate the first R dims of each head (R = the tables' width; the rest pass through), or
-    nothing where the family has no rotary embedding (`cos` None)."""
+    the last R where `last` (DeepSeek's latent attention, `ModelConfig.rotary_last`), or nothing
+    where the family has no rotary embedding (`cos` None)."""
     if cos is None:
         return x
     R = cos.shape[-1]
+    if R < x.shape[-1] and last:
+        return jnp.concatenate([x[..., :-R], apply_rotary(x[..., -R:], cos, sin)], axis=-1)
     if R < x.shape[-1]:
         return jnp.concatenate([apply_rotary(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = R // 2
@@ -232,19 +237,48 @@ def _qk_norm(p: Params, name: str, x: Float[Array, "B T N Dh"], config: ModelCon
     return flat.reshape(x.shape)
 
 
+# The epsilon of DeepSeek's latent norms: transformers builds them with its RMSNorm's default.
+LATENT_NORM_EPS = 1e-6
+
+
 def _projected(p: Params, x, name: str, heads: int, config: ModelConfig):
     B, T, _ = x.shape
-    y = project(x, p[name])
+    if name == "q" and config.q_lora_rank:  # through the queries' normed latent
+        y = project(norm(project(x, p["q_a"]), p["q_a_norm"], config, eps=LATENT_NORM_EPS), p["q_b"])
+    else:
+        y = project(x, p[name])
     if config.qkv_bias:
         y = y + p[f"{name}_bias"]
-    return y.reshape(B, T, heads, config.head_dim)
+    return y.reshape(B, T, heads, -1)
+
+
+def _rotated(x, cos, sin, config: ModelConfig):
+    return apply_rotary(x, cos, sin, last=config.rotary_last)
+
+
+def _latent_key_values(p: Params, x: Float[Array, "*b D"], config: ModelConfig, heads):
+    """Latent attention's keys and values `[*b, H, Dh]`, `[*b, H, Dv]` before the rotation, from
+    the normed latent of `x` (`kv_a`, then `kv_a_norm` and each head's part of `kv_b`) and the
+    rotary key beside it (shared by the heads). `heads`: None, or a per-head `x` `[*b, H, D]`
+    (a split layer), each head expanding its own latent."""
+    a = project(x, p["kv_a"])
+    rank, R, H = config.kv_lora_rank, config.rotated_dims, config.num_heads
+    latent = norm(a[..., :rank], p["kv_a_norm"], config, eps=LATENT_NORM_EPS)
+    kv_b = p["kv_b"].reshape(rank, H, -1)
+    kv = project(latent, kv_b, "...r,rhe->...he") if heads is None else project(latent, kv_b, "...hr,rhe->...he")
+    nope = config.head_dim - R
+    k_rot = a[..., rank:] if heads is not None else jnp.broadcast_to(a[..., None, rank:], kv.shape[:-1] + (R,))
+    return jnp.concatenate([kv[..., :nope], k_rot.astype(kv.dtype)], axis=-1), kv[..., nope:]
 
 
 def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
     """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
+    if config.kv_lora_rank:
+        k, v = _latent_key_values(p, x, config, None)
+        return _rotated(k, cos, sin, config), v
     K = config.num_kv_heads
     k = _qk_norm(p, "k_norm", _projected(p, x, "k", K, config), config)
-    return apply_rotary(k, cos, sin), _projected(p, x, "v", K, config)
+    return _rotated(k, cos, sin, config), _projected(p, x, "v", K, config)
 
 
 def input_key_values(p: Params, h: Float[Array, "B T D"], cos, sin, config: ModelConfig):
@@ -284,7 +318,7 @@ def attention_heads(
     at its position instead; the keys and values returned are then the buffers `[B, K, T, Dh]`.
     """
     q = _qk_norm(p, "q_norm", _projected(p, x, "q", config.num_heads, config), config)
-    q = apply_rotary(q, cos, sin)
+    q = _rotated(q, cos, sin, config)
     k, v = key_values(p, x, cos, sin, config)
     if isinstance(prefix, KeyValueBuffer):
         if x.shape[1] != 1:
@@ -336,7 +370,7 @@ def attend(
         sink = sinks.astype(jnp.float32).reshape(N, H // N)[None, :, :, None, None]
         joined = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
         weights = jax.nn.softmax(joined, axis=-1)[..., :-1].astype(q.dtype)
-    heads = jnp.einsum(f"bkgts,{keys}->btkgd", weights, v).reshape(B, S, H, Dh)
+    heads = jnp.einsum(f"bkgts,{keys}->btkgd", weights, v).reshape(B, S, H, v.shape[-1])
     return weights.reshape(B, H, S, -1), heads
 
 
@@ -409,7 +443,7 @@ def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edi
     those it leaves a weight."""
     logits = at("router_logits", experts.router_logits(p, x, config))
     scores = at("router_probs", experts.router_scores(logits, config))
-    selection = at("router_selection", scores)
+    selection = at("router_selection", experts.selection_of(p, scores, config))
     chosen = experts.choose_experts(selection, config)
     weights = experts.dense_weights(experts.chosen_weights(scores, chosen, config), chosen, config)
     weights = at("expert_weights", weights)
@@ -418,7 +452,12 @@ def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edi
         chosen, too_many = experts.experts_of_weights(weights, config)
     outputs = at("expert_out", experts.expert_outputs(p, x, chosen, config))
     m = experts.combine_experts(outputs, jnp.take_along_axis(weights, chosen, axis=-1), too_many)
+    shared = None
+    if config.shared_expert_size:
+        shared = at("shared_out", experts.shared_experts(p, x, config))
+        m = m + shared
     parts = dict(
+        shared_out=shared,
         router_logits=logits,
         router_probs=scores,
         router_selection=selection,
@@ -466,13 +505,22 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
         own = (jnp.arange(H) // (H // heads))[None, None, :, None, None]
         return jnp.take_along_axis(y, own, axis=3)[:, :, :, 0]
 
+    if config.kv_lora_rank:  # each head's key and value from a latent of its own input
+        if config.q_lora_rank:
+            latent = norm(project(xq, p["q_a"]), p["q_a_norm"], config, eps=LATENT_NORM_EPS)
+            q = project(latent, p["q_b"].reshape(-1, H, Dh), "bthr,rhe->bthe")
+        else:
+            q = per_group(xq, "q", H)
+        k = _latent_key_values(p, xk, config, heads=True)[0]
+        v = _latent_key_values(p, xv, config, heads=True)[1]
+        return _rotated(q, cos, sin, config), _rotated(k, cos, sin, config), v
     v = per_group(xv, "v", K)
     if config.qk_norm and config.qk_norm_scope == "projection":
         q, k = normed_whole(xq, "q", H), normed_whole(xk, "k", K)
     else:
         q, k = per_group(xq, "q", H), per_group(xk, "k", K)
         q, k = _qk_norm(p, "q_norm", q, config), _qk_norm(p, "k_norm", k, config)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    return _rotated(q, cos, sin, config), _rotated(k, cos, sin, config), v
 
 
 # ----------------------------------------------------------------------------- the layer body
@@ -490,7 +538,8 @@ class LayerRecord:
     split layer (`q_in`, `k_in`, `v_in`, `head_result`; None in a layer that is not split), a
     mixture of experts' router and experts (`router_logits`, `router_probs`,
     `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]` and
-    `expert_out` `[B,T,k,D]`; None in a dense MLP, whose `mlp_hidden` is None in a mixture),
+    `expert_out` `[B,T,k,D]`, the shared experts' `shared_out`; None in a dense MLP, whose
+    `mlp_hidden` is None in a mixture),
     and the carried `states` of stateful interventions after the layer. Only what a tap reads is
     kept: XLA drops the rest."""
 
@@ -516,6 +565,7 @@ class LayerRecord:
     expert_weights: Optional[Array] = None
     expert_choice: Optional[Array] = None
     expert_out: Optional[Array] = None
+    shared_out: Optional[Array] = None
     states: tuple = ()
 
     @property
@@ -582,7 +632,7 @@ def layer_step(
             v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
         probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
         heads = at("head_out", heads)
-        per_head_o = p["o"].reshape(H, config.head_dim, D)
+        per_head_o = p["o"].reshape(H, config.v_head_dim, D)
         split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
         a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
     else:

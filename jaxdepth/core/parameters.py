@@ -137,6 +137,10 @@ def _kv_width(c: ModelConfig) -> int:
     return c.num_kv_heads * c.head_dim
 
 
+def _latent(c: ModelConfig) -> bool:
+    return c.kv_lora_rank > 0
+
+
 def _qk_norm_width(c: ModelConfig, width: int) -> Optional[Shape]:
     # one weight per head dim, shared by the heads (Qwen3, Gemma 3), or over the projection (OLMo 2)
     return _when(c.qk_norm, c.head_dim if c.qk_norm_scope == "head" else width)
@@ -190,7 +194,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "q",
-        lambda c: (c.hidden_size, _q_width(c)),
+        lambda c: _when(not c.q_lora_rank, c.hidden_size, _q_width(c)),
         _COLUMN,
         transposed=True,
         hf={
@@ -198,12 +202,13 @@ PARAMETERS: tuple[Parameter, ...] = (
             "phi3": "self_attn.qkv_proj.weight#q",
             "gpt_neox": "attention.query_key_value.weight#q",
             "gpt2": "attn.c_attn.weight#q",
+            "deepseek": "self_attn.q_proj.weight#rope",
         },
         gguf={"llama": "attn_q.weight", "phi3": "attn_qkv.weight#q", "gpt2": "attn_qkv.weight#q"},
     ),
     _layer(
         "k",
-        lambda c: (c.hidden_size, _kv_width(c)),
+        lambda c: _when(not _latent(c), c.hidden_size, _kv_width(c)),
         _COLUMN,
         transposed=True,
         hf={
@@ -216,7 +221,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "v",
-        lambda c: (c.hidden_size, _kv_width(c)),
+        lambda c: _when(not _latent(c), c.hidden_size, _kv_width(c)),
         _COLUMN,
         transposed=True,
         hf={
@@ -229,7 +234,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "o",
-        lambda c: (_q_width(c), c.hidden_size),
+        lambda c: (c.num_heads * c.v_head_dim, c.hidden_size),
         _ROW,
         transposed=True,
         hf={"llama": "self_attn.o_proj.weight", "gpt_neox": "attention.dense.weight", "gpt2": "attn.c_proj.weight#T"},
@@ -385,6 +390,54 @@ PARAMETERS: tuple[Parameter, ...] = (
         hf={"llama": "self_attn.o_proj.bias", "gpt_neox": "attention.dense.bias", "gpt2": "attn.c_proj.bias"},
         gguf="attn_output.bias",
     ),
+    # Multi-head latent attention (DeepSeek-V3): the queries' latent and its norm, the keys' and
+    # values' latent with the shared rotary key beside it, its norm, and the per-head expansion.
+    _layer(
+        "q_a",
+        lambda c: _when(c.q_lora_rank > 0, c.hidden_size, c.q_lora_rank),
+        (None, None),
+        transposed=True,
+        hf={"deepseek": "self_attn.q_a_proj.weight"},
+        gguf="attn_q_a.weight",
+    ),
+    _layer(
+        "q_a_norm",
+        lambda c: _when(c.q_lora_rank > 0, c.q_lora_rank),
+        _WHOLE,
+        hf={"deepseek": "self_attn.q_a_layernorm.weight"},
+        gguf="attn_q_a_norm.weight",
+    ),
+    _layer(
+        "q_b",
+        lambda c: _when(c.q_lora_rank > 0, c.q_lora_rank, _q_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={"deepseek": "self_attn.q_b_proj.weight#rope"},
+        gguf="attn_q_b.weight",
+    ),
+    _layer(
+        "kv_a",
+        lambda c: _when(_latent(c), c.hidden_size, c.kv_lora_rank + c.rotated_dims),
+        (None, None),
+        transposed=True,
+        hf={"deepseek": "self_attn.kv_a_proj_with_mqa.weight#rope_last"},
+        gguf="attn_kv_a_mqa.weight",
+    ),
+    _layer(
+        "kv_a_norm",
+        lambda c: _when(_latent(c), c.kv_lora_rank),
+        _WHOLE,
+        hf={"deepseek": "self_attn.kv_a_layernorm.weight"},
+        gguf="attn_kv_a_norm.weight",
+    ),
+    _layer(
+        "kv_b",
+        lambda c: _when(_latent(c), c.kv_lora_rank, c.num_heads * (c.head_dim - c.rotated_dims + c.v_head_dim)),
+        _COLUMN,
+        transposed=True,
+        hf={"deepseek": "self_attn.kv_b_proj.weight"},
+        gguf="attn_kv_b.weight",
+    ),
     # A mixture of experts in place of the MLP: the router's weights [D, E] (small: replicated)
     # and each expert's gated MLP, stacked on an expert axis that the mesh's model axis splits
     # (each device holds whole experts).
@@ -399,6 +452,37 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_oss": "mlp.router.weight",
         },
         gguf="ffn_gate_inp.weight",
+    ),
+    _layer(
+        "router_correction",
+        lambda c: _when(c.router_correction, c.num_experts),
+        (None,),
+        hf={"deepseek": "mlp.gate.e_score_correction_bias"},
+        gguf="exp_probs_b.bias",
+    ),
+    _layer(
+        "shared_gate",
+        lambda c: _when(c.shared_expert_size > 0, c.hidden_size, c.shared_expert_size),
+        _COLUMN,
+        transposed=True,
+        hf={"deepseek": "mlp.shared_experts.gate_proj.weight"},
+        gguf="ffn_gate_shexp.weight",
+    ),
+    _layer(
+        "shared_up",
+        lambda c: _when(c.shared_expert_size > 0, c.hidden_size, c.shared_expert_size),
+        _COLUMN,
+        transposed=True,
+        hf={"deepseek": "mlp.shared_experts.up_proj.weight"},
+        gguf="ffn_up_shexp.weight",
+    ),
+    _layer(
+        "shared_down",
+        lambda c: _when(c.shared_expert_size > 0, c.shared_expert_size, c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"deepseek": "mlp.shared_experts.down_proj.weight"},
+        gguf="ffn_down_shexp.weight",
     ),
     _layer(
         "router_bias",
@@ -534,17 +618,26 @@ HF = Naming(
         "olmo2": _LLAMA_LAYERS,
         "mixtral": _LLAMA_LAYERS,
         "gpt_oss": _LLAMA_LAYERS,
+        "deepseek": _LLAMA_LAYERS,
         "phi3": _LLAMA_LAYERS,
         "gpt_neox": "gpt_neox.layers.{i}.",
         "gpt2": "transformer.h.{i}.",
     },
-    base={"gemma": "llama", "olmo2": "llama", "mixtral": "llama", "gpt_oss": "llama", "phi3": "llama"},
+    base={
+        "gemma": "llama",
+        "olmo2": "llama",
+        "mixtral": "llama",
+        "gpt_oss": "llama",
+        "deepseek": "llama",
+        "phi3": "llama",
+    },
     family_of={
         "gemma2": "gemma",
         "gemma3_text": "gemma",
         "olmo2": "olmo2",
         "mixtral": "mixtral",
         "gpt_oss": "gpt_oss",
+        "deepseek_v3": "deepseek",
         "phi3": "phi3",
         "gpt2": "gpt2",
         "gpt_neox": "gpt_neox",

@@ -17,6 +17,7 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     router_selection  what the k experts are picked by ‡               [B, T, E]
     expert_weights    each expert's weight, 0 off the chosen k ‡       [B, T, E]
     expert_out        each chosen expert's output, unweighted ‡        [B, T, k, D]
+    shared_out        the shared experts' output (DeepSeek) ‡          [B, T, D]
     mlp_out     m_l, the MLP output (a mixture: the weighted sum)      [B, T, D]
     delta       the layer's contribution a_l + m_l                     [B, T, D]
     resid_post  h_{l+1}, the layer's output                            [B, T, D]
@@ -161,7 +162,7 @@ SITE_TABLE = (
     Site("q_in", "q_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="q")),
     Site("k_in", "k_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="k")),
     Site("v_in", "v_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="v")),
-    Site("head_out", "head_out", lambda c: (c.num_heads, c.head_dim)),
+    Site("head_out", "head_out", lambda c: (c.num_heads, c.v_head_dim)),
     Site(
         "head_result",
         "head_result",
@@ -177,6 +178,7 @@ SITE_TABLE = (
         for name in ("router_logits", "router_probs", "router_selection", "expert_weights")
     ),
     Site("expert_out", "expert_out", lambda c: (c.experts_per_token, c.hidden_size), present=lambda c: c.is_moe),
+    Site("shared_out", "shared_out", _width, present=lambda c: c.shared_expert_size > 0),
     Site("mlp_out", "mlp", _width, role=Role("writes", "mlp")),
     Site("delta", "delta", _width),
     Site("resid_post", "out", _width),

@@ -23,7 +23,7 @@ def _without(params, *names):
     return {**params, "layers": {k: v for k, v in params["layers"].items() if k not in names}}
 
 
-def _mistakes(params, config) -> dict:
+def _mistakes(params, config, folder: str) -> dict:
     """What a plausible mistake in each family feature would compute: `(params, config)`."""
     layers = params["layers"]
     zero = lambda name: _with_layer(params, name, jnp.zeros_like(layers[name]))  # noqa: E731
@@ -48,17 +48,45 @@ def _mistakes(params, config) -> dict:
                 "expert biases dropped": (zero("expert_down_bias"), config),
             }
         )
+    if config.model_type == "deepseek_v3":
+        mistakes.update(
+            {
+                "rotary pairs read as halves": (_converted_as(folder, config, rope_interleaved=False), config),
+                "router correction ignored": (zero("router_correction"), config),
+                "groups ignored": changed(router_groups=1),
+                "weights not scaled": changed(expert_scale=1.0),
+                "shared expert dropped": (zero("shared_down"), config),
+                "softmax router": changed(router="softmax"),
+                "scores not scaled by YaRN's mscale": changed(attn_scale=config.head_dim**-0.5),
+            }
+        )
     return mistakes
 
 
-@pytest.mark.parametrize("variant", ["mixtral_experts", "qwen3_moe_experts", "olmoe_experts", "gpt_oss_sinks"])
+def _converted_as(folder, config, **changes):
+    """The checkpoint in `folder` converted as if its config said `changes`."""
+    import glob
+
+    from conversion.hf_layouts import hf_source
+    from conversion.layout import assemble_params
+    from conversion.safetensors_io import read_safetensors
+
+    tensors = {k: v for path in glob.glob(f"{folder}/*.safetensors") for k, v in read_safetensors(path).items()}
+    as_said = dataclasses.replace(config, **changes)
+    params = assemble_params(as_said, *hf_source(as_said, tensors))
+    return {"layers": {k: jnp.asarray(v) for k, v in params.pop("layers").items()}, **params}
+
+
+@pytest.mark.parametrize(
+    "variant", ["mixtral_experts", "qwen3_moe_experts", "olmoe_experts", "gpt_oss_sinks", "deepseek_v3_latent"]
+)
 def test_each_feature_of_the_mixtures_moves_the_logits_far_past_the_tolerance(tiny_model, variant):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
     tokens = np.random.default_rng(3).integers(0, config.vocab_size, size=(1, 300))
     ref = hf_logits(tiny.model, tokens)
     assert float(np.abs(jax_logits(params, tokens, config) - ref).max()) <= TOL_TINY
-    for name, (p, c) in _mistakes(params, config).items():
+    for name, (p, c) in _mistakes(params, config, tiny.folder).items():
         e = float(np.abs(jax_logits(p, tokens, c) - ref).max())
         print(f"\n[parity] sensitivity, {variant} with {name}: max |logit diff| = {e:.3e}")
         assert e > 100 * TOL_TINY, name
