@@ -27,11 +27,15 @@ def main():
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--detail-prompts", type=int, default=1)
     parser.add_argument("--ig-steps", type=int, default=32)
-    parser.add_argument("--analyses", default=",".join(ANALYSES))
+    parser.add_argument(
+        "--analyses", default=None, help="comma-separated (default: every analysis the model's layers allow)"
+    )
     parser.add_argument("--warm", action="store_true", help="time a second call too (compilation excluded)")
     args = parser.parse_args()
 
     model = load(args.model)
+    if args.analyses is None:  # the experts analysis reads a mixture of experts, which a dense model has not
+        args.analyses = ",".join(n for n in ANALYSES if n != "experts" or model.config.is_moe)
     batch = encode(
         model.tokenizer,
         load_prompts("gsm8k", args.data, limit=args.prompts),

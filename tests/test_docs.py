@@ -384,6 +384,7 @@ PAGE_SECONDS = {
     "docs/getting-started.md": 40,
     "docs/circuits.md": 130,
     "docs/generation.md": 60,
+    "docs/experts.md": 40,
 }
 
 

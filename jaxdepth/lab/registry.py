@@ -84,6 +84,7 @@ def _register_builtins():
         contributions,
         decision_depth,
         erasure,
+        expert_depth,
         generated_depth,
         geometry,
         integrated_gradients,
@@ -104,6 +105,7 @@ def _register_builtins():
         attribution.GRAD_X_ACT,
         # in the suite, run when named (their declarations say they are not run by default)
         decision_depth.ANALYSIS,
+        expert_depth.ANALYSIS,
         generated_depth.ANALYSIS,
         geometry.ANALYSIS,
         jacobians.ANALYSIS,

@@ -139,6 +139,19 @@ def made_up_result(name: str, L: int):
             scored=np.array([3 * L, 5 * L]), num_layers=L,
             settings={"score": "generation", "rounds": 2, "keep": 2, "edits": ["skip", "repeat", "swap"]},
         )  # fmt: skip
+    if name == "experts":
+        E, k, M = 8, 2, 2
+        counts = rng.integers(0, 40, (P, L, E))
+        later = np.where(np.arange(L)[None, None, :] >= np.arange(L)[:, None, None], rng.uniform(0, 1, (M, L, E, L)), 0)
+        later[:, 0, 0, -1] = 20.0  # one dominant cell: a clipped scale
+        changed = np.triu(rng.integers(0, 30, (M, L, L)), k=1)
+        return result_type(
+            entropy_per_prompt=rng.uniform(0, 3, (P, L)), top_share_per_prompt=rng.uniform(0.5, 1, (P, L)),
+            expert_counts=counts, lengths=LENGTHS, num_layers=L, num_experts=E, experts_per_token=k,
+            settings={"sweeps": ["drop", "skip"], "mode": "current"}, drop_later_per_prompt=later,
+            drop_output_per_prompt=rng.uniform(0, 1, (M, L, E)), routing_changed=changed,
+            routing_measured=np.array([T, T - 5]),
+        )  # fmt: skip
     raise AssertionError(f"no made-up result for the analysis {name!r}: add one")
 
 
