@@ -38,7 +38,7 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.erasure import baseline_residuals
-from jaxdepth.analyses.ig.checks import refuse_readout_padding
+from jaxdepth.analyses.metric_inputs import refuse_readout_padding
 from jaxdepth.analyses.ig.engine import prompt_answers
 from jaxdepth.analyses.metrics import Metric, answer_probability, as_metric, reads_at, readout
 from jaxdepth.analyses.suite import Analysis, per_prompt_figures
@@ -149,7 +149,7 @@ def site_gradients(
     'all' positions, or an answer span's padding) is refused, a `ValueError` naming the prompt
     and its length, where the arrays are concrete (called outside `jit`; `Model.site_gradients`
     checks before it jits); inside `jit`, check it first with
-    `jaxdepth.analyses.ig.checks.refuse_readout_padding`.
+    `jaxdepth.analyses.metric_inputs.refuse_readout_padding`.
 
     Returns `SiteGradients`: `value [B]`, F per prompt."""
     _refuse_former_options(former)
@@ -194,9 +194,10 @@ def site_gradients(
     if valid is not None and not traced:
         refuse_readout_padding(
             metric,
+            r.real,
             r,
-            valid,
             analysis="site gradients",
+            lengths=np.asarray(valid).sum(axis=1),
             hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
         )
     return SiteGradients(f, grads, values, taps)

@@ -41,12 +41,13 @@ import numpy as np
 
 from jaxdepth.analyses.answers import cut_generation, final_answer, same_answer
 from jaxdepth.analyses.decision_depth import decision_depths, lens_identity
+from jaxdepth.analyses.layer_structure import generations, new_tokens_for
 from jaxdepth.analyses.logit_lens import map_lens
 from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import Decoding, generate
+from jaxdepth.core.decoding import Decoding
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.saved_result import SavedResult
@@ -231,18 +232,6 @@ def _question_lengths(batch: PromptBatch) -> np.ndarray:
     return np.asarray(batch.answer_start, np.int64)
 
 
-@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "temperature"))
-def _sampled(params, tokens, valid, key, config, max_new_tokens, eos_ids, temperature):
-    return generate(
-        params,
-        tokens,
-        config,
-        max_new_tokens=max_new_tokens,
-        valid=valid,
-        decoding=Decoding(eos_ids=eos_ids, temperature=temperature, key=key),
-    )
-
-
 def _gathered(x, rows, positions):
     """`x [L, B, T]` at each row's `positions [B, G]`: `[B, G, L]` (host)."""
     return np.moveaxis(np.asarray(x)[:, rows[:, None], positions], 0, -1)
@@ -317,7 +306,8 @@ def generated_depth(
     dtr, correct, answers = np.zeros((B, S)), np.zeros((B, S), bool), [[None] * S for _ in range(B)]
     for s in track(range(S), execution.progress, "generating and reading the lens of each sample"):
         key = jax.random.key(reading.seed + s)
-        new = _sampled(params, batch.tokens[:, :Q], asked, key, config, G, eos, temperature)
+        decoding = Decoding(eos_ids=eos, temperature=temperature, key=key)
+        new = generations(params, batch.tokens[:, :Q], asked, None, config, G, decoding)
         new_tokens, counts = np.asarray(new.tokens), np.asarray(new.lengths)
         sequence = np.zeros((B, width), np.int32)
         sequence[:, :Q] = np.where(asked, batch.tokens[:, :Q], 0)
@@ -513,8 +503,6 @@ def _run(x) -> GeneratedDepthResult:
     if x.model.tokenizer is None:
         raise ValueError("the depth of generated tokens reads answers as text: the model needs a tokenizer")
     setting = x.settings.generated_new_tokens
-    from jaxdepth.analyses.layer_structure import new_tokens_for
-
     new_tokens = new_tokens_for(x.batch, setting)
     eos = getattr(x.model.tokenizer, "eos_token_id", None)
     reading = x.settings.reading(new_tokens, () if eos is None else (int(eos),))

@@ -40,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.answers import cut_generation, same_answer
+from jaxdepth.analyses.layer_structure import angular_distances, generations, gromov_choice, new_tokens_for
 from jaxdepth.analyses.suite import Analysis, Settings, option
 from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.decoding import Decoding, generate
+from jaxdepth.core.decoding import Decoding
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.model import embed, unembed
@@ -152,26 +153,6 @@ def _likelihoods(params, tokens, valid, positions, real, orders, config: ModelCo
     return jax.vmap(one)(tokens, valid, positions, real, orders.layers, orders.used)
 
 
-@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids"))
-def _generations(params, tokens, valid, orders, config: ModelConfig, max_new_tokens: int, eos_ids: tuple):
-    """`(tokens [M, max_new_tokens], lengths [M])`: each member's greedy continuation of its
-    question under its order."""
-
-    def one(tok, val, layers, used):
-        out = generate(
-            params,
-            tok[None],
-            config,
-            max_new_tokens=max_new_tokens,
-            valid=val[None],
-            order=LayerOrder(layers, used),
-            decoding=Decoding(eos_ids=eos_ids),
-        )
-        return out.tokens[0], out.lengths[0]
-
-    return jax.vmap(one)(tokens, valid, orders.layers, orders.used)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Prompts:
     """What scoring reads of the prompts: the whole prompts and their answer positions (for
@@ -237,10 +218,18 @@ def score_programs(
         )
         loglik[pick] = np.asarray(values)[: len(pick)]
         if right is not None:
-            new, counts = _generations(
-                params, prompts.questions[p], prompts.asked[p], order, config, search.max_new_tokens, tuple(sorted(eos))
+            # each member's greedy continuation of its own question `[1, Q]` under its order
+            out = generations(
+                params,
+                prompts.questions[p][:, None],
+                prompts.asked[p][:, None],
+                order,
+                config,
+                search.max_new_tokens,
+                Decoding(eos_ids=tuple(sorted(eos))),
+                axes=(0, 0, 0),
             )
-            new, counts = np.asarray(new), np.asarray(counts)
+            new, counts = np.asarray(out.tokens)[:, 0], np.asarray(out.lengths)[:, 0]
             for k, m in enumerate(pick):
                 text = cut_generation(decode([int(t) for t in new[k, : counts[k]] if int(t) not in eos]))
                 right[m], texts[m] = same_answer(text, prompts.references[index[m]]), text
@@ -370,8 +359,6 @@ def search_programs(
     `PromptBatch` whose answers, from `answer_start`, are the references): `decode` turns token
     ids into text (a tokenizer's; needed for `score='generation'`), `search` says what the
     search does, `execution` how its sweeps run (chunk size, memory budget, progress)."""
-    from jaxdepth.analyses.layer_structure import angular_distances, gromov_choice
-
     if search.score == "generation" and decode is None:
         raise ValueError("scoring by generation reads answers as text: give decode (a tokenizer's)")
     L, N = config.num_layers, len(batch)
@@ -515,8 +502,6 @@ def _run(x) -> ProgramSearchResult:
     if x.settings.program_score == "generation" and tokenizer is None:
         raise ValueError("layer programs scored by generation read answers as text: the model needs a tokenizer")
     setting = x.settings.program_new_tokens
-    from jaxdepth.analyses.layer_structure import new_tokens_for
-
     new_tokens = new_tokens_for(x.batch, setting)
     eos = getattr(tokenizer, "eos_token_id", None)
     return search_programs(

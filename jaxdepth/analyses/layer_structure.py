@@ -63,6 +63,7 @@ __all__ = [
     "StructureScores",
     "structure_scores",
     "generated_answers",
+    "generations",
     "Generation",
     "angular_distances",
     "gromov_choice",
@@ -299,15 +300,18 @@ def generated_answers(
     chunks = _generation_chunks(structures, orders, config.num_layers, chunk_size)
     desc = f"generating under each structure ({_programs(chunks)} programs to compile)"
     for members, stacked in track(chunks, execution.progress, desc):
-        out = _generated(
+        # vmapped over `used` and, unless one schedule of layers `[J, 1]` serves every member,
+        # over `layers` too
+        shared = stacked.layers.ndim == 2
+        out = generations(
             params,
             np.asarray(batch.tokens),
-            config,
-            stacked,
-            max_new_tokens,
             questions,
-            tuple(eos),
-            shared=stacked.layers.ndim == 2,
+            stacked,
+            config,
+            max_new_tokens,
+            Decoding(eos_ids=tuple(eos)),
+            axes=(None, None, LayerOrder(None if shared else 0, 0)),
         )
         for s, rows, counts in zip(members, np.asarray(out.tokens), np.asarray(out.lengths)):
             read = [
@@ -327,23 +331,31 @@ def _prompt_bytes(config: ModelConfig, T: int) -> int:
     return member_bytes(config, T) - 3 * T * config.vocab_size * 4
 
 
-@partial(jit, static_argnames=("config", "max_new_tokens", "eos_ids", "shared"))
-def _generated(params, tokens, config, orders, max_new_tokens, valid, eos_ids, shared):
-    """`generate` under each order of `orders`: vmapped over `used` and, unless `shared` (one
-    schedule of layers `[J, 1]` for every member), over `layers` too."""
+@partial(jit, static_argnames=("config", "max_new_tokens", "axes"))
+def generations(
+    params,
+    tokens,
+    valid,
+    order: Optional[LayerOrder],
+    config: ModelConfig,
+    max_new_tokens: int,
+    decoding: Decoding,
+    axes=None,
+):
+    """`jaxdepth.core.decoding.generate` of the prompts `tokens [B, T]` (`valid` marking their
+    real tokens) under the layer `order` (None: the identity), picking tokens as `decoding`
+    says, as one compiled call: one program per `config`, `max_new_tokens`, `axes` and choice
+    of `decoding`'s static fields (its key is data). Where `axes` is given, the `in_axes` of
+    `(tokens, valid, order)` (e.g. `(None, None, LayerOrder(0, 0))`: a stack of orders on
+    shared prompts; `(0, 0, 0)`: a prompt `[1, T]` of its own for each order), `generate` is
+    vmapped over those members and each member's `Generated` is stacked on a leading axis."""
 
-    def one(order):
+    def one(tokens, valid, order):
         return generate(
-            params,
-            tokens,
-            config,
-            max_new_tokens=max_new_tokens,
-            valid=valid,
-            order=order,
-            decoding=Decoding(eos_ids=eos_ids),
+            params, tokens, config, max_new_tokens=max_new_tokens, valid=valid, order=order, decoding=decoding
         )
 
-    return jax.vmap(one, in_axes=(LayerOrder(None if shared else 0, 0),))(orders)
+    return one(tokens, valid, order) if axes is None else jax.vmap(one, in_axes=axes)(tokens, valid, order)
 
 
 def _schedule_of(kind: str, num_layers: int) -> Optional[np.ndarray]:

@@ -184,17 +184,29 @@ def refuse_readout_padding(
     *,
     analysis: str,
     prompts: Optional[Sequence] = None,
+    lengths: Optional[Sequence[int]] = None,
     hint: str = "",
 ) -> None:
     """`refuse_padding_reads` for a `Metric` on the `Readout` an analysis gives it: a
     `ValueError` if the metric's value moves with the logits at the positions where
     `real [B, P]` is false (the padding of a reads='all' readout, an answer span's padding),
     `readout.real` marking the same. `readout` may be a function of no argument computing it:
-    nothing is computed where every read position is real (always, for reads='last')."""
+    nothing is computed where every read position is real (always, for reads='last').
+    `prompts` labels the prompts and `lengths` gives their real lengths in the message
+    (defaults: each prompt's index, and its count of real read positions)."""
     if np.asarray(to_host(real), bool).all():
         return
     r = readout() if callable(readout) else readout
-    refuse_padding_reads(_OfLogits(metric), r.logits, r.real, analysis=analysis, args=(r,), prompts=prompts, hint=hint)
+    refuse_padding_reads(
+        _OfLogits(metric),
+        r.logits,
+        r.real,
+        analysis=analysis,
+        args=(r,),
+        prompts=prompts,
+        lengths=lengths,
+        hint=hint,
+    )
 
 
 def prompt_reads(metric: Metric, prompt: PromptArrays) -> Reads:

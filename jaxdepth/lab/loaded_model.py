@@ -100,18 +100,19 @@ class Model(ModelWeights):
         metric = as_metric(metric, "site gradients", clean_available=False, answers_available=False)
         prompts = PromptArrays(tokens, valid)
         if valid is not None:  # refused here: inside the jitted call nothing can raise on data
-            from jaxdepth.analyses.ig.checks import clean_readout, refuse_readout_padding
+            from jaxdepth.analyses.ig.checks import clean_readout
+            from jaxdepth.analyses.metric_inputs import refuse_readout_padding
             from jaxdepth.analyses.metrics import reads_at
 
             reads = reads_at(metric, valid)
-            if not np.all(np.asarray(reads.real)):
-                refuse_readout_padding(
-                    metric,
-                    clean_readout(self.params, prompts, self.config, metric, reads, interventions),
-                    valid,
-                    analysis="site gradients",
-                    hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
-                )
+            refuse_readout_padding(  # the one more forward only where a position read is padding
+                metric,
+                reads.real,
+                lambda: clean_readout(self.params, prompts, self.config, metric, reads, interventions),
+                analysis="site gradients",
+                lengths=np.asarray(valid).sum(axis=1),
+                hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
+            )
         return _jit_site_gradients(self.params, prompts, self.config, metric, tuple(sites), interventions)
 
     def generate(

@@ -11,6 +11,7 @@ from jaxdepth.core import sites
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.model import residual_stream
 
+from progress_recorder import bar_recorder, record_chunks
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 
 # Compare at full float32 matmul precision (as the references compute).
@@ -82,23 +83,8 @@ def test_the_analyses_of_a_run_compute_their_shared_baseline_once(params, batch,
 def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
     """An `Execution`'s chunk size is the erasures' chunk (a static argument: traced anew) and
     changes nothing but the chunking; its progress steps once per position piece."""
-    chunks, bars = [], []
-    vmapped = erasure.sweep
-    monkeypatch.setattr(
-        erasure, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
-    )
-
-    class Recorder:
-        def __init__(self, total, desc, initial=0):
-            self.total, self.done = total, 0
-            bars.append(self)
-
-        def update(self, n=1):
-            self.done += n
-
-        def set_postfix(self, **_):
-            pass
-
+    chunks = record_chunks(monkeypatch, erasure)
+    Recorder, bars = bar_recorder()
     one = batch.select([1])
     baseline = erasure.mean_residuals(params, batch, CONFIG)
     full = erasure.residual_erasure(params, one, CONFIG, baseline)

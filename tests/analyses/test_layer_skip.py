@@ -12,6 +12,7 @@ from jaxdepth.core.batch import PromptArrays
 from jaxdepth.analyses.layer_skip import SUBLAYERS, Skip
 from jaxdepth.core.execution import Execution
 
+from progress_recorder import bar_recorder, record_chunks
 from tiny_qwen import CONFIG, batch, deltas, params, probs  # noqa: F401  (fixtures)
 
 # Compare at full float32 matmul precision (as the references compute).
@@ -157,20 +158,8 @@ def test_new_intervention_values_do_not_recompile(params, batch):
 def test_the_execution_reaches_the_sweep(params, batch, monkeypatch):
     """An `Execution`'s chunk size is the skipped runs' chunk (a static argument: traced anew)
     and changes nothing but the chunking; its progress counts the prompts."""
-    chunks, bars = [], []
-    vmapped = layer_skip.sweep
-    monkeypatch.setattr(
-        layer_skip, "sweep", lambda fn, members, chunk: chunks.append(chunk) or vmapped(fn, members, chunk)
-    )
-
-    class Recorder:
-        def __init__(self, total, desc, initial=0):
-            self.total, self.done = total, 0
-            bars.append(self)
-
-        def update(self, n=1):
-            self.done += n
-
+    chunks = record_chunks(monkeypatch, layer_skip)
+    Recorder, bars = bar_recorder()
     two = batch.select([0, 1])
     full = layer_skip.layer_skip(params, two, CONFIG)
     chunked = layer_skip.layer_skip(params, two, CONFIG, execution=Execution(chunk_size=2, progress=Recorder))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, model_dir
+from progress_recorder import bar_recorder
 from jaxdepth.analyses.layer_structure import (
     Generation,
     Structure,
@@ -349,16 +350,7 @@ def test_progress_counts_every_chunk_and_names_the_programs_to_compile():
     programs the sweep compiles, and steps once per chunk: the teacher-forced scores of the
     single-layer orders in chunks of 4 and the parallel block's, then generation's chunks of
     drops, of swaps and of the middle blocks."""
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, desc, initial=0):
-            self.desc, self.total, self.done = desc, total, 0
-            bars.append(self)
-
-        def update(self, n=1):
-            self.done += n
-
+    Recorder, bars = bar_recorder()
     batch = make_batch([rng.integers(0, 97, n).tolist() for n in (9, 7)], [6, 5], pad_id=0)
     family = structure_family(L, 2)  # intact, 5 + 4 drops, 4 swaps, reverse and repeat: single-layer; 1 parallel
     structure_analysis(

@@ -51,8 +51,6 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution, in_chunks
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
-from jaxdepth.core.progress import track
-from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
 
 __all__ = [
@@ -125,15 +123,13 @@ def edge_effects(
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
     chunk = _chunk(config, pairs, P, len(edges), execution)
     # Sorted by their readers' layers, the edges run in chunks that start at their first
-    # reader's layer: the layers before it are the clean run's.
+    # reader's layer: the layers before it are the clean run's. The layer is data (one
+    # compiled program for every chunk).
     order = np.argsort([graph.reader_layer(r) for r in edges[:, 1]], kind="stable")
-    out = np.zeros((len(edges), len(pairs)), np.float32)
-    # not `in_chunks`: each chunk starts at its first reader's layer, a compiled program per layer
-    parts = np.array_split(order, -(-len(order) // chunk))
-    for part in track(parts, execution.progress, "exact edge patching (chunks)"):
-        padded = np.concatenate([part, np.repeat(part[-1:], chunk - len(part))])
-        w, r = (jnp.asarray(edges[padded, k], jnp.int32) for k in (0, 1))
-        at = np.ones((len(padded), T - P), bool) if positions is None else np.arange(P, T) == positions[padded, None]
+
+    def run(part):  # part: indices of edges, in `order`
+        w, r = (jnp.asarray(edges[part, k], jnp.int32) for k in (0, 1))
+        at = np.ones((len(part), T - P), bool) if positions is None else np.arange(P, T) == positions[part, None]
         layer = graph.reader_layer(edges[part[0], 1])
         h = clean.residuals[layer][:, P:]
         f = _single_edges(
@@ -148,7 +144,10 @@ def edge_effects(
             config=config,
             metric=metric,
         )
-        out[part] = to_host(f_clean[None] - f)[: len(part)]
+        return f_clean[None] - f
+
+    out = np.zeros((len(edges), len(pairs)), np.float32)
+    out[order] = in_chunks(run, order, chunk, execution, "exact edge patching (chunks)")
     return out
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from jaxdepth.analyses.edges.ablations import CORRUPT, Patching
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric, pair_reads
-from jaxdepth.analyses.metric_inputs import refuse_padding_reads
+from jaxdepth.analyses.metric_inputs import refuse_readout_padding
 from jaxdepth.analyses.metrics import Metric, readout
 from jaxdepth.analyses.edges.readers import (
     EdgeRun,
@@ -238,19 +238,8 @@ def with_clean_logits(
     if metric.reads == "all" and not isinstance(clean_final, jax.core.Tracer):
         clean = pair_readout(params, metric, clean_final, pairs, config)
         jax.eval_shape(lambda: metric(clean))  # its own refusals first (one floating value per pair)
-        refuse_padding_reads(_OnLogits(metric), clean.logits, clean.real, args=(clean,), analysis=analysis)
+        refuse_readout_padding(metric, clean.real, clean, analysis=analysis)
     return pairs
-
-
-@dataclasses.dataclass(frozen=True)
-class _OnLogits:
-    """`fn` (a `Metric`) as a function of the logits of a `Readout`, the rest of it given: what
-    the padding check replaces rows of (`refuse_padding_reads` names the metric by `fn`)."""
-
-    fn: Metric
-
-    def __call__(self, logits, given):
-        return self.fn(dataclasses.replace(given, logits=logits))
 
 
 @partial(jit, static_argnames=("config", "metric", "chunk"))

@@ -30,11 +30,11 @@ from jaxdepth.analyses.ig.checks import (
     check_site,
     check_tokens_array,
     clean_readout,
-    refuse_readout_padding,
     warn_if_zero_baseline_diverges,
 )
 from jaxdepth.analyses.ig.engine import Attribution, SiteIG, attribute, prompt_answers, prompt_reads
 from jaxdepth.analyses.ig.rules import AdaptiveRule, FixedRule
+from jaxdepth.analyses.metric_inputs import refuse_readout_padding
 from jaxdepth.analyses.metrics import Metric, as_metric
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution, refuse_loose_options
@@ -168,14 +168,14 @@ def integrated_gradients(
         rule.tolerances(len(layers))  # a tolerance per layer: as many as the layers
     warn_if_zero_baseline_diverges(attribution.baseline, attribution.site)
     reads = prompt_reads(metric, prompts)
-    if not np.all(np.asarray(reads.real)):  # the one more forward only where a position read is padding
-        refuse_readout_padding(
-            metric,
-            clean_readout(params, prompts, config, metric, reads, interventions),
-            prompts.valid,
-            analysis="integrated gradients",
-            hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
-        )
+    refuse_readout_padding(  # the one more forward only where a position read is padding
+        metric,
+        reads.real,
+        lambda: clean_readout(params, prompts, config, metric, reads, interventions),
+        analysis="integrated gradients",
+        lengths=np.asarray(prompts.valid).sum(axis=1),
+        hint="or read only real positions: reads='last' or 'answer' (its padding marked real=False)",
+    )
     return attribute(
         params,
         prompts,

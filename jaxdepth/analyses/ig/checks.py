@@ -4,7 +4,6 @@ values: one place for what every entry point (`jaxdepth.integrated_gradients`, t
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from functools import partial
 from typing import Optional
@@ -14,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdepth.analyses.ig.rules import AdaptiveRule, Rule
-from jaxdepth.analyses.metric_inputs import refuse_padding_reads
 from jaxdepth.analyses.metrics import Metric, Readout, Reads, readout
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.loops import run_layers
@@ -26,7 +24,6 @@ __all__ = [
     "NonFiniteAttributionError",
     "ig_baseline",
     "BASELINES",
-    "refuse_readout_padding",
     "clean_readout",
     "layer_baselines",
     "check_tokens_array",
@@ -209,37 +206,12 @@ def raise_or_warn(report: Optional[str], nonfinite: str) -> None:
 # ----------------------------------------------------------------------------- padding reads
 
 
-@dataclasses.dataclass(frozen=True)
-class _OnLogits:
-    """A `Metric` as a function of the readout's logits alone, the rest of the `Readout`
-    given: what `jaxdepth.analyses.metric_inputs.padding_reads` checks. Hashed as its metric
-    (static there: one compilation per metric)."""
-
-    metric: Metric
-
-    @property
-    def fn(self):  # the user's function names the metric in the refusal
-        return self.metric.fn
-
-    def __call__(self, logits, r: Readout):
-        return self.metric(dataclasses.replace(r, logits=logits))
-
-
-def refuse_readout_padding(m: Metric, r: Readout, valid, *, analysis: str, hint: str = "") -> None:
-    """Refuse `m` if it reads a padded position of the `Readout` `r` (`r.real` false: a padded
-    position of an 'all' metric, the padding of an answer span), by the rule of
-    `jaxdepth.analyses.metric_inputs`; `valid [B, T]` gives each prompt's real length for the
-    message. Nothing runs where every position read is real."""
-    lengths = np.asarray(valid).sum(axis=1)
-    refuse_padding_reads(_OnLogits(m), r.logits, r.real, analysis=analysis, args=(r,), lengths=lengths, hint=hint)
-
-
 @partial(jit, static_argnames=("config", "metric"))
 def clean_readout(params, prompts, config: ModelConfig, metric: Metric, reads: Reads, interventions=None) -> Readout:
     """The `Readout` of the run of `prompts` (`.tokens`, `.valid [B, T]`, `.labels` or None)
     under `interventions` at `reads`, for `metric` (its own logits as the clean ones where it
-    reads them): what `refuse_readout_padding` gives a metric, for an analysis that keeps no
-    readout of its own before it runs."""
+    reads them): what `jaxdepth.analyses.metric_inputs.refuse_readout_padding` checks a metric
+    on, for an analysis that keeps no readout of its own before it runs."""
     h0 = embed(params, prompts.tokens, config)
     h, _ = run_layers(params, h0, config, valid=prompts.valid, interventions=interventions)
     labels = getattr(prompts, "labels", None)
