@@ -66,9 +66,13 @@ def test_greedy_tokens_equal_transformers(tiny_model, variant):
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = tiny.model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0
+                torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0
             )[0, len(prompt) :].tolist()
-        assert np.asarray(got.tokens[i]).tolist() == expected, (variant, i)
+        # transformers stops at an end-of-sequence token, which it emits; decoding here goes on
+        assert np.asarray(got.tokens[i]).tolist()[: len(expected)] == expected, (variant, i)
+        ends = tiny.model.generation_config.eos_token_id
+        ends = {ends} if isinstance(ends, int) else set(ends or ())
+        assert len(expected) == NEW or expected[-1] in ends, (variant, i)
 
 
 def test_a_padded_batch_is_each_prompt_alone():

@@ -29,7 +29,7 @@ from jaxdepth.core.sharding import PARTITION_RULES
 
 ROWS = {row.name: row for row in PARAMETERS}
 # The parts a converter cuts a fused tensor into, and GPT-2's transposed `Conv1D` weights.
-FUSED_PARTS = {"q", "k", "v", "gate", "up", "T"}
+FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last"}
 # Params no checkpoint names: no family has LayerNorms after its sublayers.
 UNNAMED = {"attn_post_norm_bias", "mlp_post_norm_bias"}
 
@@ -71,6 +71,22 @@ def feature_configs():
             yield dataclasses.replace(BASE, **changes)
             if changes["mlp"] == "gated" and not changes["mlp_bias"]:  # its MLP a mixture of experts
                 yield dataclasses.replace(BASE, **changes, num_experts=4, experts_per_token=2)
+    # the mixtures' own features (GPT-OSS's biases and sinks, DeepSeek's latent attention, router
+    # correction and shared experts)
+    moe = dict(num_experts=4, experts_per_token=2)
+    yield dataclasses.replace(BASE, **moe, mlp="clamped", glu_alpha=1.7, glu_limit=7.0, mlp_bias=True, router_bias=True)
+    yield dataclasses.replace(BASE, **moe, attention_sinks=True, qkv_bias=True, o_bias=True)
+    latent = dict(kv_lora_rank=8, rotary_dim=2, rotary_last=True, value_head_dim=4, num_kv_heads=BASE.num_heads)
+    for q_lora_rank in (0, 5):
+        yield dataclasses.replace(
+            BASE,
+            **moe,
+            **latent,
+            q_lora_rank=q_lora_rank,
+            router="sigmoid",
+            router_correction=True,
+            shared_expert_size=6,
+        )
 
 
 def family_configs():
@@ -130,7 +146,8 @@ def test_transposed_params_are_the_projections():
     ranks = {name: len(shape) for config in feature_configs() for name, shape in flat(param_shapes(config)).items()}
     layer_ranks = {row.name: ranks[row.name] - row.per_layer for row in PARAMETERS}
     assert {name for name, rank in layer_ranks.items() if rank == 3} == {"expert_gate", "expert_up", "expert_down"}
-    assert transposed_params() == {name for name, rank in layer_ranks.items() if rank >= 2} - {"embed", "pos_embed"}
+    matrices = {name for name, rank in layer_ranks.items() if rank >= 2 and not name.endswith("_bias")}
+    assert transposed_params() == matrices - {"embed", "pos_embed"}
 
 
 @pytest.mark.parametrize("naming", [HF, GGUF], ids=["hf", "gguf"])
