@@ -92,7 +92,7 @@ def refuse_dense(config: ModelConfig, what: str = "the experts analysis") -> Non
     if not config.is_moe:
         raise ValueError(
             f"{what} reads a mixture of experts, and this {config.model_type!r} model has a dense MLP in every "
-            "layer (num_experts = 0): run it on a mixture of experts (Mixtral, Qwen3-MoE, OLMoE)"
+            "layer (num_experts = 0): run it on a mixture of experts (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3)"
         )
 
 

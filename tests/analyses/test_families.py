@@ -48,7 +48,11 @@ def family_config(name: str) -> ModelConfig:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     config = family_config(request.param)
-    return config, random_params(config, 1, scale=0.15)
+    yield config, random_params(config, 1, scale=0.15)
+    # A family's compiled programs dropped when the next family starts: this module compiles
+    # thousands, and past the kernel's memory maps per process XLA's next compilation crashes
+    # the worker (`conftest._release_compiled_programs`, which clears only at a module's end).
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,9 @@ def test_greedy_decoding_across_the_original_context_equals_transformers(tiny_mo
     got = generate(weights.params, jnp.asarray(tokens), weights.config, valid=jnp.asarray(valid), max_new_tokens=16)
     for b, p in enumerate(prompts):
         with torch.no_grad():
+            # an end-of-sequence id no vocabulary has: decoding here neither stops at the model's own
+            # end token nor masks it (min_new_tokens would, where the model's argmax is that token)
             expected = tiny.model.generate(
-                torch.tensor(p[None]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+                torch.tensor(p[None]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=10**9
             )[0, len(p) :].tolist()
         assert np.asarray(got.tokens[b]).tolist() == expected, b

@@ -194,11 +194,11 @@ def test_a_refused_model_leaves_no_folder_behind(tmp_path, capsys):
 
     folder = tmp_path / "unsupported"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "rwkv", "architectures": ["RwkvForCausalLM"]}))
     (folder / "model.safetensors").write_bytes(b"")
     out = tmp_path / "out"
     assert main(["run", "--model", str(folder), "--analyses", "contributions", "--out", str(out)]) == 2
-    assert "mixtral" in capsys.readouterr().err
+    assert "rwkv" in capsys.readouterr().err
     assert not out.exists(), sorted(str(p) for p in out.rglob("*"))
 
 
