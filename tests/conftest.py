@@ -834,6 +834,22 @@ def tiny_config(**changes):
     return ModelConfig(**{**base, **changes})
 
 
+def tiny_moe_config(**changes):
+    """A tiny Qwen3-MoE `ModelConfig`: `tiny_config`'s shapes, 6 experts of width 16, 2 per
+    token, q/k norms, untied, context 64, with `changes` applied."""
+    moe = dict(
+        model_type="qwen3_moe",
+        intermediate_size=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        num_experts=6,
+        experts_per_token=2,
+    )
+    return tiny_config(**{**moe, **changes})
+
+
 def save_tiny_checkpoint(folder, context, seed: int = 0, **changes):
     """A converted checkpoint folder of a tiny random llama with a BPE tokenizer trained on the
     embedded prompts: what `jaxdepth run --model FOLDER` runs on in the CLI tests (`seed` its

@@ -116,11 +116,21 @@ def chosen_weights(scores: Float[Array, "B T E"], chosen: Int[Array, "B T k"], c
     return weights * config.expert_scale if config.expert_scale != 1.0 else weights
 
 
+def _gated_mlp(x, weight, config: ModelConfig, biased: bool = False):
+    """A gated MLP on `x`, `weight(name)` its matrix (and its bias, `name_bias`, where `biased`)
+    of each of 'gate', 'up' and 'down': an expert's, or the shared experts'."""
+
+    def linear(inputs, name):
+        y = project(inputs, weight(name))
+        return y + weight(f"{name}_bias") if biased else y
+
+    return linear(gated_units(linear(x, "gate"), linear(x, "up"), config), "down")
+
+
 def shared_experts(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
     """The shared experts' output: one gated MLP of width `shared_expert_size` that every token
     runs (DeepSeek's `n_shared_experts` experts, fused)."""
-    hidden = gated_units(project(x, p["shared_gate"]), project(x, p["shared_up"]), config)
-    return project(hidden, p["shared_down"])
+    return _gated_mlp(x, lambda name: p[f"shared_{name}"], config)
 
 
 def dense_weights(weights: Float[Array, "B T k"], chosen: Int[Array, "B T k"], config: ModelConfig):
@@ -143,19 +153,21 @@ def block_rows(assignments: int, num_experts: int) -> int:
     return max(1, assignments // (2 * num_experts))
 
 
-def _block_count(assignments: int, num_experts: int, rows: int) -> int:
+def _blocks(assignments: int, num_experts: int) -> tuple[int, int]:
+    """`(b, blocks)`: the rows of a block (`block_rows`) and how many blocks `expert_outputs`
+    runs, bounded by the shapes alone."""
+    rows = block_rows(assignments, num_experts)
     # Each expert with c > 0 assignments takes ceil(c / b) <= (c + b - 1) / b blocks, and <= c.
     used = min(num_experts, assignments)
-    return max(1, min(assignments, (assignments + used * (rows - 1)) // rows))
+    return rows, max(1, min(assignments, (assignments + used * (rows - 1)) // rows))
 
 
 def executed_rows(tokens: int, config: ModelConfig) -> int:
     """The rows the experts of one layer multiply for `tokens` tokens (`expert_outputs`: every
     block, padding included, runs): between k * tokens and 1.5 k * tokens, where E experts on
     every token would be E * tokens."""
-    assignments = tokens * config.experts_per_token
-    rows = block_rows(assignments, config.num_experts)
-    return rows * _block_count(assignments, config.num_experts, rows)
+    rows, blocks = _blocks(tokens * config.experts_per_token, config.num_experts)
+    return rows * blocks
 
 
 def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig):
@@ -166,29 +178,25 @@ def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], con
     B, T, D = x.shape
     k, E = chosen.shape[-1], config.num_experts
     N, A = B * T, B * T * k
-    b = block_rows(A, E)
-    blocks = _block_count(A, E, b)
+    b, blocks = _blocks(A, E)
     expert = chosen.reshape(A)
     counts = jnp.bincount(expert, length=E)
     per_expert = (counts + b - 1) // b  # blocks of each expert
-    first_block = jnp.cumsum(per_expert) - per_expert
+    last_block = jnp.cumsum(per_expert)  # one past each expert's last block
     order = jnp.argsort(expert, stable=True)
-    rank = jnp.arange(A) - (jnp.cumsum(counts) - counts)[expert[order]]  # within its expert's group
-    row = jnp.zeros(A, jnp.int32).at[order].set((first_block[expert[order]] * b + rank).astype(jnp.int32))
+    sorted_expert = expert[order]
+    rank = jnp.arange(A) - (jnp.cumsum(counts) - counts)[sorted_expert]  # within its expert's group
+    first_row = (last_block - per_expert)[sorted_expert] * b
+    row = jnp.zeros(A, jnp.int32).at[order].set((first_row + rank).astype(jnp.int32))
     token = jnp.full(blocks * b, N, jnp.int32).at[row].set(jnp.arange(A, dtype=jnp.int32) // k)
     rows = jnp.concatenate([x.reshape(N, D), jnp.zeros((1, D), x.dtype)])[token].reshape(blocks, b, D)
     # a block past the last used one is all padding (token N, a zero row): its expert is any
-    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(blocks), side="right"), E - 1)
+    block_expert = jnp.minimum(jnp.searchsorted(last_block, jnp.arange(blocks), side="right"), E - 1)
 
     def one_block(block):
         xs, e = block
         of = partial(jax.lax.dynamic_index_in_dim, index=e, keepdims=False)
-
-        def linear(inputs, name):
-            y = project(inputs, of(p[name]))
-            return y + of(p[f"{name}_bias"]) if config.mlp_bias else y
-
-        return linear(gated_units(linear(xs, "expert_gate"), linear(xs, "expert_up"), config), "expert_down")
+        return _gated_mlp(xs, lambda name: of(p[f"expert_{name}"]), config, biased=config.mlp_bias)
 
     out = jax.lax.map(one_block, (rows, block_expert))
     return out.reshape(blocks * b, D)[row].reshape(B, T, k, D)

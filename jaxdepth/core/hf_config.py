@@ -69,6 +69,9 @@ _INERT_KEYS = {
     "summary_first_dropout",
     "n_ctx",
     "original_max_position_embeddings",  # checked where a rope scaling reads it
+    "output_router_logits",  # a mixture of experts' training: its router's auxiliary loss, jitter
+    "router_aux_loss_coef",
+    "router_jitter_noise",
 }
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -226,6 +229,11 @@ def _longrope(r: _Reader, key: str, params: Mapping) -> dict:
     )
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale of a context `factor` (transformers' `get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn(r: _Reader, key: str, params: Mapping) -> dict:
     """YaRN's rotary scaling, as transformers reads it: the original context (in the rope
     settings or at the top level), `factor` (by default the context over the original one),
@@ -239,13 +247,10 @@ def _yarn(r: _Reader, key: str, params: Mapping) -> dict:
     if factor is None:
         factor = r.need("max_position_embeddings") / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention = params.get("attention_factor")
     if attention is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
     return dict(
         rope_type="yarn",
         rope_factor=float(factor),
@@ -351,24 +356,26 @@ def _llama_like(r: _Reader) -> dict:
 
 
 # Per mixture-of-experts family: the keys of the experts' count and width (transformers saves
-# Qwen3-MoE's `num_experts` as `num_local_experts`, its attribute map's name for it).
+# Qwen3-MoE's `num_experts` as `num_local_experts`, its attribute map's name for it), and whether
+# the chosen experts' weights are renormalised: `norm_topk_prob`'s default, or None where the
+# family always renormalises (and has no such key).
 _EXPERT_KEYS = {
-    "mixtral": (("num_local_experts",), "intermediate_size"),
-    "qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size"),
-    "olmoe": (("num_experts", "num_local_experts"), "intermediate_size"),
+    "mixtral": (("num_local_experts",), "intermediate_size", None),
+    "qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size", False),
+    "olmoe": (("num_experts", "num_local_experts"), "intermediate_size", False),
+    "gpt_oss": (("num_local_experts",), "intermediate_size", None),
+    "deepseek_v3": (("n_routed_experts",), "moe_intermediate_size", True),
 }
 
 
 def _experts(r: _Reader) -> dict:
-    """The mixture-of-experts fields: E experts of width F, k per token by a softmax router,
-    renormalised where the family does (Mixtral always, the others by `norm_topk_prob`). The
-    training-only keys (the router's jitter noise, the auxiliary loss) are read as inert; a
-    dense layer among the sparse ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`
-    > 1) is refused by name."""
+    """The mixture-of-experts fields: E experts of width F, k per token, renormalised where the
+    family does (`_EXPERT_KEYS`); a dense layer among the sparse ones (Qwen3-MoE's
+    `mlp_only_layers`, `decoder_sparse_step` > 1) is refused by name."""
     model_type = r.hf["model_type"]
-    count_keys, width_key = _EXPERT_KEYS[model_type]
+    count_keys, width_key, normalized = _EXPERT_KEYS[model_type]
     count_key = next((k for k in count_keys if k in r), count_keys[0])
-    r.read.update({*count_keys, "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
+    r.read.update(count_keys)
     if model_type == "qwen3_moe":
         r.read.add("intermediate_size")  # the width of dense layers, which the checks below refuse
         if r.get("mlp_only_layers"):
@@ -379,7 +386,7 @@ def _experts(r: _Reader) -> dict:
         num_experts=int(r.need(count_key)),
         experts_per_token=int(r.need("num_experts_per_tok")),
         intermediate_size=int(r.need(width_key)),
-        normalize_expert_weights=model_type == "mixtral" or bool(r.get("norm_topk_prob", False)),
+        normalize_expert_weights=True if normalized is None else bool(r.get("norm_topk_prob", normalized)),
     )
 
 
@@ -462,7 +469,7 @@ def _gpt_oss(r: _Reader) -> dict:
     of experts with a biased router (softmax over the chosen experts' logits: their scores
     renormalised) and biased experts computing a clamped GLU."""
     shapes = _shapes(r)
-    r.read.update({"num_local_experts", "output_router_logits", "router_aux_loss_coef", "hidden_act"})
+    r.read.add("hidden_act")  # (the clamped GLU has its own activation)
     bias = bool(r.get("attention_bias", True))
     return dict(
         _common(r, shapes),
@@ -476,9 +483,7 @@ def _gpt_oss(r: _Reader) -> dict:
         mlp_bias=True,
         glu_alpha=float(r.get("swiglu_alpha", 1.702)),
         glu_limit=float(r.get("swiglu_limit", 7.0)),
-        num_experts=int(r.need("num_local_experts")),
-        experts_per_token=int(r.need("num_experts_per_tok")),
-        normalize_expert_weights=True,
+        **_experts(r),
         router_bias=True,
     )
 
@@ -494,7 +499,7 @@ def _deepseek_v3(r: _Reader) -> dict:
     H = shapes["num_heads"]
     nope, rope, value = (int(r.need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     r.read.update({"head_dim", "qk_head_dim", "num_nextn_predict_layers", "ep_size", "aux_loss_alpha", "seq_aux"})
-    r.read.update({"output_router_logits", "router_aux_loss_coef", "intermediate_size"})
+    r.read.add("intermediate_size")  # the width of dense layers, which `first_k_dense_replace` > 0 asks for
     if int(r.get("first_k_dense_replace", 0)):
         r.refuse("first_k_dense_replace", "dense layers among the sparse ones are not implemented yet")
     for key, allowed, why in (
@@ -511,9 +516,7 @@ def _deepseek_v3(r: _Reader) -> dict:
     scale = (nope + rope) ** -0.5
     m_all = rope_settings.get("mscale_all_dim")
     if rotary.get("rope_type", "default") != "default" and m_all:  # transformers' yarn_apply_mscale
-        factor = rope_settings["factor"]
-        m = 1.0 if factor <= 1 else 0.1 * m_all * math.log(factor) + 1.0
-        scale = scale * m * m
+        scale = scale * _yarn_mscale(rope_settings["factor"], m_all) ** 2
     common = _common(r, {**shapes, "num_kv_heads": H, "head_dim": nope + rope})
     return dict(
         common,
@@ -526,14 +529,11 @@ def _deepseek_v3(r: _Reader) -> dict:
         q_lora_rank=int(r.get("q_lora_rank") or 0),
         kv_lora_rank=int(r.need("kv_lora_rank")),
         value_head_dim=value,
-        num_experts=int(r.need("n_routed_experts")),
-        experts_per_token=int(r.need("num_experts_per_tok")),
-        intermediate_size=int(r.need("moe_intermediate_size")),
+        **_experts(r),
         router="sigmoid",
         router_correction=True,
         router_groups=int(r.get("n_group") or 1),
         router_groups_kept=int(r.get("topk_group") or 1),
-        normalize_expert_weights=bool(r.get("norm_topk_prob", True)),
         expert_scale=float(r.get("routed_scaling_factor", 1.0)),
         shared_expert_size=int(r.get("n_shared_experts") or 0) * int(r.need("moe_intermediate_size")),
     )

@@ -241,10 +241,15 @@ def _qk_norm(p: Params, name: str, x: Float[Array, "B T N Dh"], config: ModelCon
 LATENT_NORM_EPS = 1e-6
 
 
+def _query_latent(p: Params, x, config: ModelConfig):
+    """DeepSeek's normed query latent of `x` (`q_a`, then `q_a_norm`), which `q_b` expands."""
+    return norm(project(x, p["q_a"]), p["q_a_norm"], config, eps=LATENT_NORM_EPS)
+
+
 def _projected(p: Params, x, name: str, heads: int, config: ModelConfig):
     B, T, _ = x.shape
     if name == "q" and config.q_lora_rank:  # through the queries' normed latent
-        y = project(norm(project(x, p["q_a"]), p["q_a_norm"], config, eps=LATENT_NORM_EPS), p["q_b"])
+        y = project(_query_latent(p, x, config), p["q_b"])
     else:
         y = project(x, p[name])
     if config.qkv_bias:
@@ -256,25 +261,25 @@ def _rotated(x, cos, sin, config: ModelConfig):
     return apply_rotary(x, cos, sin, last=config.rotary_last)
 
 
-def _latent_key_values(p: Params, x: Float[Array, "*b D"], config: ModelConfig, heads):
+def _latent_key_values(p: Params, x: Float[Array, "*b D"], config: ModelConfig, per_head: bool = False):
     """Latent attention's keys and values `[*b, H, Dh]`, `[*b, H, Dv]` before the rotation, from
     the normed latent of `x` (`kv_a`, then `kv_a_norm` and each head's part of `kv_b`) and the
-    rotary key beside it (shared by the heads). `heads`: None, or a per-head `x` `[*b, H, D]`
-    (a split layer), each head expanding its own latent."""
+    rotary key beside it (shared by the heads). `per_head`: `x` is `[*b, H, D]`, an input per
+    head (a split layer), each head expanding its own latent."""
     a = project(x, p["kv_a"])
     rank, R, H = config.kv_lora_rank, config.rotated_dims, config.num_heads
     latent = norm(a[..., :rank], p["kv_a_norm"], config, eps=LATENT_NORM_EPS)
     kv_b = p["kv_b"].reshape(rank, H, -1)
-    kv = project(latent, kv_b, "...r,rhe->...he") if heads is None else project(latent, kv_b, "...hr,rhe->...he")
+    kv = project(latent, kv_b, "...hr,rhe->...he" if per_head else "...r,rhe->...he")
     nope = config.head_dim - R
-    k_rot = a[..., rank:] if heads is not None else jnp.broadcast_to(a[..., None, rank:], kv.shape[:-1] + (R,))
+    k_rot = a[..., rank:] if per_head else jnp.broadcast_to(a[..., None, rank:], kv.shape[:-1] + (R,))
     return jnp.concatenate([kv[..., :nope], k_rot.astype(kv.dtype)], axis=-1), kv[..., nope:]
 
 
 def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
     """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
     if config.kv_lora_rank:
-        k, v = _latent_key_values(p, x, config, None)
+        k, v = _latent_key_values(p, x, config)
         return _rotated(k, cos, sin, config), v
     K = config.num_kv_heads
     k = _qk_norm(p, "k_norm", _projected(p, x, "k", K, config), config)
@@ -507,12 +512,11 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
 
     if config.kv_lora_rank:  # each head's key and value from a latent of its own input
         if config.q_lora_rank:
-            latent = norm(project(xq, p["q_a"]), p["q_a_norm"], config, eps=LATENT_NORM_EPS)
-            q = project(latent, p["q_b"].reshape(-1, H, Dh), "bthr,rhe->bthe")
+            q = project(_query_latent(p, xq, config), p["q_b"].reshape(-1, H, Dh), "bthr,rhe->bthe")
         else:
             q = per_group(xq, "q", H)
-        k = _latent_key_values(p, xk, config, heads=True)[0]
-        v = _latent_key_values(p, xv, config, heads=True)[1]
+        k = _latent_key_values(p, xk, config, per_head=True)[0]
+        v = _latent_key_values(p, xv, config, per_head=True)[1]
         return _rotated(q, cos, sin, config), _rotated(k, cos, sin, config), v
     v = per_group(xv, "v", K)
     if config.qk_norm and config.qk_norm_scope == "projection":

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from conftest import tiny_moe_config
 from jaxdepth.analyses import expert_depth as X
 from jaxdepth.analyses.layer_skip import SkipMasks, member_masks, sample_split_positions
 from jaxdepth.analyses.suite import RunInputs
 from jaxdepth.core.batch import PromptArrays, make_batch
-from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.experts import drop_experts
 from jaxdepth.core.loops import run_layers
@@ -31,24 +31,7 @@ from jaxdepth.core.sweep import member_bytes
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
-CONFIG = ModelConfig(
-    model_type="qwen3_moe",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=16,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=1e4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    qkv_bias=False,
-    qk_norm=True,
-    num_experts=6,
-    experts_per_token=2,
-)
+CONFIG = tiny_moe_config()
 PARAMS = random_params(CONFIG, 0, scale=0.3)
 L, E, K = CONFIG.num_layers, CONFIG.num_experts, CONFIG.experts_per_token
 LENGTHS = (20, 17)  # one length bucket (24): every prompt shares each compiled sweep

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import tiny_moe_config
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.hf_config import UnsupportedConfigError
@@ -21,24 +22,7 @@ from jaxdepth.core.sites import InterventionError, skip, unchanged
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
-CONFIG = ModelConfig(
-    model_type="qwen3_moe",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=16,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=1e4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    qkv_bias=False,
-    qk_norm=True,
-    num_experts=6,
-    experts_per_token=2,
-)
+CONFIG = tiny_moe_config()
 PARAMS = random_params(CONFIG, 0, scale=0.3)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 20)))
 E, K, L = CONFIG.num_experts, CONFIG.experts_per_token, CONFIG.num_layers
