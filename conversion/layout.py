@@ -16,7 +16,7 @@ import numpy as np
 
 from conversion.errors import ConversionError
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.parameters import GGUF, param_shapes, transposed_params
+from jaxdepth.core.parameters import GGUF, PARAMETERS, param_shapes, row_layers, transposed_params
 
 __all__ = [
     "gguf_names",
@@ -125,8 +125,9 @@ def assemble_params(
         # one tensor per expert: stacked on the expert axis
         return np.stack([fetch(template.format(i=i, e=e), key, shape[1:], i) for e in range(shape[0])])
 
-    params["layers"] = {
-        key: np.stack([fetch_layer(names["layers"][key], key, shape[1:], i) for i in range(config.num_layers)])
+    rows = {row.name: row for row in PARAMETERS}
+    params["layers"] = {  # a kind's weights stacked over its own layers (`row_layers`)
+        key: np.stack([fetch_layer(names["layers"][key], key, shape[1:], i) for i in row_layers(rows[key], config)])
         for key, shape in shapes["layers"].items()
     }
     if config.tie_word_embeddings and names["lm_head"] in available:

@@ -270,6 +270,7 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=3,
         moe_intermediate_size=48,
         norm_topk_prob=False,
+        mlp_only_layers=[0],  # a dense layer first: layers of two kinds
     ),
     "olmoe_experts": dict(
         arch="olmoe",
@@ -322,7 +323,7 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
         topk_group=1,
         n_shared_experts=1,
         routed_scaling_factor=2.5,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,  # a dense layer first, as the released models have three
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 12345.0,
@@ -333,6 +334,17 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
         },
     ),
     "gpt2": dict(arch="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    # SmolLM3: no rotary positions on every no_rope_layer_interval-th layer (here layer 1 of 3)
+    "smollm3_nope": dict(
+        arch="smollm3",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layer_interval=2,
+        pad_token_id=0,  # its default (128004) is outside the tiny vocabulary
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "pythia_parallel": dict(
         arch="gpt_neox",
         num_hidden_layers=2,
@@ -373,6 +385,7 @@ TINY_VARIANTS["phi3_longrope"] = dict(
 TINY_VARIANTS["deepseek_v3_q_proj"] = dict(
     {k: v for k, v in FAMILY_VARIANTS["deepseek_v3_latent"].items() if k not in ("q_lora_rank", "rope_parameters")},
     q_lora_rank=None,
+    first_k_dense_replace=0,
     rope_interleave=False,
     rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
 )
@@ -392,6 +405,7 @@ _HF_CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }

@@ -3,8 +3,10 @@ evenly its tokens spread over the experts, how much of its update its best exper
 dropping one expert does to the later layers and to the output, and how far a skipped layer's
 effect travels through the routing of the layers after it.
 
-Per layer l (every layer of a mixture is one), over the prompts' valid tokens (N of them), with
-E experts of which the router picks k per token (`jaxdepth.core.experts`):
+Per sparse layer l, over the prompts' valid tokens (N of them), with E experts of which the
+router picks k per token (`jaxdepth.core.experts`); a dense layer among the sparse ones
+(`ModelConfig.dense_layers`) has no router and no experts, and every measure of it is NaN
+(its drops are not run; a skip of it is, and reroutes the sparse layers after it):
 
 - router entropy: the mean over tokens of H(router_probs) in bits, and its ratio to log2 E (1:
   the router scores every expert alike; 0: it puts all its mass on one);
@@ -269,7 +271,8 @@ class ExpertDepthResult(SavedResult):
     layer l), `routing_changed [M, L, L]` (per skipped layer s and later layer l, the tokens
     whose chosen experts changed, summed over the prompt's split members) and
     `routing_measured [M]` (the tokens measured, likewise summed); `split_positions [M, splits]`
-    the future mode's t_s (-1 where a prompt has fewer; None in the current mode). The
+    the future mode's t_s (-1 where a prompt has fewer; None in the current mode);
+    `dense_layers` the layers without experts, NaN in every per-layer measure. The
     properties pool them: token means and shares over every prompt, maxima over prompts.
     `settings`: the sweeps' (`ExpertSweeps`) and what the caller passed."""
 
@@ -286,6 +289,7 @@ class ExpertDepthResult(SavedResult):
     routing_changed: Optional[np.ndarray] = None
     routing_measured: Optional[np.ndarray] = None
     split_positions: Optional[np.ndarray] = None
+    dense_layers: list = dataclasses.field(default_factory=list)
 
     def _token_mean(self, per_prompt: np.ndarray) -> np.ndarray:
         n = np.asarray(self.lengths, np.float64)
@@ -305,7 +309,8 @@ class ExpertDepthResult(SavedResult):
     def shares(self) -> np.ndarray:
         """`[L, E]`: p_e, each expert's share of the layer's k N assignments over every prompt."""
         counts = np.asarray(self.expert_counts, np.float64).sum(axis=0)
-        return counts / counts.sum(axis=-1, keepdims=True)
+        total = counts.sum(axis=-1, keepdims=True)  # 0 in a dense layer: NaN there
+        return np.divide(counts, total, out=np.full_like(counts, np.nan), where=total > 0)
 
     @property
     def effective_experts(self) -> np.ndarray:
@@ -354,7 +359,9 @@ class ExpertDepthResult(SavedResult):
         if self.routing_changed is None:
             return None
         measured = float(np.sum(self.routing_measured))
-        return np.asarray(self.routing_changed, np.float64).sum(axis=0) / max(measured, 1.0)
+        travel = np.asarray(self.routing_changed, np.float64).sum(axis=0) / max(measured, 1.0)
+        travel[:, self.dense_layers] = np.nan  # no routing there to change
+        return travel
 
 
 def _refuse_loose(options: dict) -> None:
@@ -416,15 +423,18 @@ def expert_depth(
     lengths = np.asarray(batch.lengths)
     future = sweeps.mode == "future"
     K = sweeps.splits_per_prompt if future else 1
-    drop_later = np.zeros((M, L, E, L), np.float32) if sweeps.drop else None
-    drop_output = np.zeros((M, L, E), np.float32) if sweeps.drop else None
+    dense, sparse = list(config.dense_layers), np.asarray(config.expert_layers, np.int32)
+    entropy[:, dense] = top[:, dense] = np.nan
+    counts[:, dense] = 0  # a dense layer's record holds zeros, which read as expert 0
+    drop_later = np.full((M, L, E, L), np.nan, np.float32) if sweeps.drop else None
+    drop_output = np.full((M, L, E), np.nan, np.float32) if sweeps.drop else None
     changed = np.zeros((M, L, L), np.int64) if sweeps.skip else None
     measured = np.zeros(M, np.int64) if sweeps.skip else None
     splits = sample_split_positions(lengths[:M], seed=sweeps.seed, per_prompt=K) if sweeps.skip and future else None
     used = np.full((M, K), -1, np.int64) if splits is not None else None
     if sweeps.drop or sweeps.skip:
         execution = execution.replace(memory_budget=execution.budget())  # one budget, so one chunk size per length
-        layers = jax.device_put(np.arange(L, dtype=np.int32))
+        layers, dropped = jax.device_put(np.arange(L, dtype=np.int32)), jax.device_put(sparse)
         for i in track(range(M), execution.progress, "experts: drops and skips"):
             one = batch.single(i)
             T = one.tokens.shape[1]
@@ -432,8 +442,8 @@ def expert_depth(
             per_member = member_bytes(config, T)
             if sweeps.drop:
                 chunk = execution.chunk(E, per_member)
-                later, output = drop_expert_effects(params, prompt, layers, config, chunk_size=chunk)
-                drop_later[i], drop_output[i] = to_host(later), to_host(output)
+                later, output = drop_expert_effects(params, prompt, dropped, config, chunk_size=chunk)
+                drop_later[i, sparse], drop_output[i, sparse] = to_host(later), to_host(output)
             if sweeps.skip and not (future and not splits[i]):  # a prompt too short for a split: nothing
                 if future:
                     masks = _future_masks(int(lengths[i]), T, splits[i], K)
@@ -470,6 +480,7 @@ def expert_depth(
         routing_changed=changed,
         routing_measured=measured,
         split_positions=used,
+        dense_layers=dense,
     )
 
 
@@ -580,19 +591,19 @@ def _summary(result: ExpertDepthResult) -> list[str]:
     effects of the sweeps that ran."""
     E, k = result.num_experts, result.experts_per_token
     lines = [
-        f"router entropy {result.entropy_ratio.mean():.2f} of log2 E",
-        f"effective experts {result.effective_experts.mean():.1f} of {E} (k = {k})",
-        f"best expert {result.top_share.mean():.0%} of the update",
+        f"router entropy {np.nanmean(result.entropy_ratio):.2f} of log2 E",
+        f"effective experts {np.nanmean(result.effective_experts):.1f} of {E} (k = {k})",
+        f"best expert {np.nanmean(result.top_share):.0%} of the update",
     ]
     if result.drop_output is not None:
-        l, e = np.unravel_index(np.argmax(result.drop_output), result.drop_output.shape)
-        lines.append(
-            f"dropping one expert shifts the output by up to {result.drop_output.max():.3g} (layer {l}, expert {e})"
-        )
+        l, e = np.unravel_index(np.nanargmax(result.drop_output), result.drop_output.shape)
+        shift = np.nanmax(result.drop_output)
+        lines.append(f"dropping one expert shifts the output by up to {shift:.3g} (layer {l}, expert {e})")
     travel = result.routing_travel
     if travel is not None:
-        s, l = np.unravel_index(np.argmax(travel), travel.shape)
-        lines.append(f"a skipped layer reroutes up to {travel.max():.0%} of a later layer's tokens (layer {s} -> {l})")
+        s, l = np.unravel_index(np.nanargmax(travel), travel.shape)
+        most = np.nanmax(travel)
+        lines.append(f"a skipped layer reroutes up to {most:.0%} of a later layer's tokens (layer {s} -> {l})")
     return lines
 
 

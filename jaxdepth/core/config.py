@@ -113,6 +113,15 @@ class ModelConfig:
     (`router_correction`), among the experts of the `router_groups_kept` best of
     `router_groups` groups (a group's score the sum of its two best); `shared_expert_size` > 0
     adds an MLP of that width that every token runs. 0 experts: a dense MLP.
+
+    Layers without positions (`nope_layers`, SmolLM3's `no_rope_layers`): their queries and
+    keys are not rotated; the other layers rotate as the rotary fields say.
+
+    Dense layers among sparse ones (`dense_layers`: DeepSeek-V3's first `first_k_dense_replace`,
+    Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`): those layers have a dense gated
+    MLP of width `dense_size` instead of the mixture. The layers then come in two kinds, whose
+    MLP weights are stacked over their own layers only (`jaxdepth.core.parameters.row_layers`),
+    and each layer runs its own kind's MLP alone (`jaxdepth.core.layer.layer_step`).
     """
 
     model_type: str
@@ -178,9 +187,13 @@ class ModelConfig:
     router_groups_kept: int = 1
     expert_scale: float = 1.0
     shared_expert_size: int = 0
+    dense_layers: tuple = ()
+    dense_size: int = 0
+    nope_layers: tuple = ()
 
     def __post_init__(self):
-        for name in ("layer_types", "rope_short_factor", "rope_long_factor"):  # JSON gives lists
+        lists = ("layer_types", "rope_short_factor", "rope_long_factor", "dense_layers", "nope_layers")
+        for name in lists:  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedConfigError(
@@ -218,6 +231,31 @@ class ModelConfig:
                 f"a mixture of {self.num_experts} experts needs 0 < experts_per_token <= num_experts (got "
                 f"{self.experts_per_token}) and gated experts (mlp {self.mlp!r})"
             )
+        if self.dense_layers and not (
+            self.num_experts
+            and self.dense_size > 0
+            and list(self.dense_layers) == sorted(set(self.dense_layers))
+            and 0 <= self.dense_layers[0]
+            and self.dense_layers[-1] < self.num_layers
+            and len(self.dense_layers) < self.num_layers
+        ):
+            raise UnsupportedConfigError(
+                f"dense_layers name the dense layers of a mixture of experts, ascending and among its "
+                f"{self.num_layers} layers, some left sparse, with dense_size > 0; got {self.dense_layers} (dense_size "
+                f"{self.dense_size}, {self.num_experts} experts)"
+            )
+        if self.nope_layers and not (
+            self.positions == "rotary"
+            and list(self.nope_layers) == sorted(set(self.nope_layers))
+            and 0 <= self.nope_layers[0]
+            and self.nope_layers[-1] < self.num_layers
+        ):
+            raise UnsupportedConfigError(
+                f"nope_layers name layers of a rotary model without rotary positions, ascending and among its "
+                f"{self.num_layers} layers; got {self.nope_layers} (positions {self.positions!r})"
+            )
+        if self.dense_size and not self.dense_layers:
+            raise UnsupportedConfigError("dense_size is the width of dense_layers: give them, or 0")
         if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights or self.router_bias):
             raise UnsupportedConfigError("experts_per_token, normalize_expert_weights and router_bias need experts")
         if self.router_groups > 1 and not (
@@ -293,6 +331,29 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the layers' MLP is a mixture of experts (`num_experts` > 0)."""
         return self.num_experts > 0
+
+    @property
+    def dense_mlp_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is dense: every layer of a dense model, `dense_layers` of a
+        mixture of experts."""
+        return self.dense_layers if self.is_moe else tuple(range(self.num_layers))
+
+    @property
+    def expert_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none in a dense model)."""
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense) if self.is_moe else ()
+
+    @property
+    def dense_width(self) -> int:
+        """The width of the dense MLPs: `intermediate_size` in a dense model (an expert's width
+        in a mixture), `dense_size` among sparse layers."""
+        return self.dense_size if self.is_moe else self.intermediate_size
+
+    @property
+    def mixed_mlps(self) -> bool:
+        """Whether layers of both kinds, dense and sparse, make up the model."""
+        return bool(self.is_moe and self.dense_layers)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (this class's field names, not Hugging Face's keys)."""

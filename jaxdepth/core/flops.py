@@ -18,7 +18,8 @@ def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -
     """Matmul FLOPs of `layers` decoder layers over `queries` positions attending to `keys`: 2 x
     matmul parameters per position (q, k, v, o, and the MLP's gate, up and down, or up and down
     in a plain MLP; in a mixture of experts, the router and each expert on the rows it runs,
-    `jaxdepth.core.experts.executed_rows`) plus attention scores and values (4 queries keys H Dh, the full square as
+    `jaxdepth.core.experts.executed_rows`; among dense and sparse layers, their mean over the
+    model's layers) plus attention scores and values (4 queries keys H Dh, the full square as
     both implementations compute it)."""
     c = config
     attention_weights = (
@@ -29,6 +30,9 @@ def layer_flops(config: ModelConfig, queries: int, keys: int, layers: int = 1) -
     mlp_weights = (3 if c.mlp == "gated" else 2) * c.hidden_size * c.intermediate_size
     if c.is_moe:  # the router on every position, the experts on the rows they run
         mlp = 2.0 * (queries * c.hidden_size * c.num_experts + executed_rows(queries, c) * mlp_weights)
+        if c.mixed_mlps:  # the mean over the model's layers, its dense ones a gated MLP each
+            dense = 2.0 * queries * 3 * c.hidden_size * c.dense_width
+            mlp = (len(c.expert_layers) * mlp + len(c.dense_layers) * dense) / c.num_layers
     else:
         mlp = 2.0 * queries * mlp_weights
     return layers * (2.0 * queries * attention_weights + mlp + 4.0 * queries * keys * c.num_heads * c.head_dim)

@@ -305,7 +305,8 @@ def _common(r: _Reader, shapes: dict, *, eps: str = "rms_norm_eps") -> dict:
 
 
 def _llama_like(r: _Reader) -> dict:
-    """Qwen2 / 2.5, Qwen3, Llama (SmolLM2, Llama 3.x) and Mistral: the pre-norm SwiGLU decoder."""
+    """Qwen2 / 2.5, Qwen3, Llama (SmolLM2, Llama 3.x), Mistral and SmolLM3: the pre-norm SwiGLU
+    decoder (SmolLM3's layers without rotary positions, `_no_rope_layers`)."""
     model_type = r.hf["model_type"]
     shapes = _shapes(r)
     if r.get("pretraining_tp", 1) != 1:
@@ -323,7 +324,8 @@ def _llama_like(r: _Reader) -> dict:
         if r.get("layer_types") and set(r.get("layer_types")) != {"full_attention"}:
             r.refuse("layer_types", "Llama layers attend fully")
     qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
-    if qwen and not r.get("use_sliding_window", False):
+    switched = qwen or model_type == "smollm3"  # windows only where use_sliding_window turns them on
+    if switched and not r.get("use_sliding_window", False):
         r.read.update({"sliding_window", "layer_types"})  # a window size only use_sliding_window turns on
         windows = {}
         if any(t != "full_attention" for t in r.hf.get("layer_types") or ()):
@@ -352,7 +354,21 @@ def _llama_like(r: _Reader) -> dict:
         r.refuse("rope_parameters", "partial rotary embeddings are not implemented for this family")
     if model_type in _EXPERT_KEYS:
         fields.update(_experts(r))
+    if model_type == "smollm3":
+        fields["nope_layers"] = _no_rope_layers(r, shapes["num_layers"])
     return fields
+
+
+def _no_rope_layers(r: _Reader, L: int) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary positions: where `no_rope_layers` (a flag per layer, 1 a
+    layer that rotates) holds 0, or where none is given every `no_rope_layer_interval`-th
+    layer (4 where the config is silent), as transformers derives them."""
+    flags, interval = r.get("no_rope_layers"), int(r.get("no_rope_layer_interval", 4))
+    if flags is None:
+        flags = [int((i + 1) % interval != 0) for i in range(L)]
+    if len(flags) != L or any(f not in (0, 1) for f in flags):
+        r.refuse("no_rope_layers", f"it must hold a 0 or 1 for each of the {L} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 # Per mixture-of-experts family: the keys of the experts' count and width (transformers saves
@@ -370,24 +386,41 @@ _EXPERT_KEYS = {
 
 def _experts(r: _Reader) -> dict:
     """The mixture-of-experts fields: E experts of width F, k per token, renormalised where the
-    family does (`_EXPERT_KEYS`); a dense layer among the sparse ones (Qwen3-MoE's
-    `mlp_only_layers`, `decoder_sparse_step` > 1) is refused by name."""
+    family does (`_EXPERT_KEYS`), and the dense layers among the sparse ones (`_dense_layers`),
+    of width `intermediate_size`."""
     model_type = r.hf["model_type"]
     count_keys, width_key, normalized = _EXPERT_KEYS[model_type]
     count_key = next((k for k in count_keys if k in r), count_keys[0])
-    r.read.update(count_keys)
-    if model_type == "qwen3_moe":
-        r.read.add("intermediate_size")  # the width of dense layers, which the checks below refuse
-        if r.get("mlp_only_layers"):
-            r.refuse("mlp_only_layers", "dense layers among the sparse ones are not implemented yet")
-        if int(r.get("decoder_sparse_step", 1)) != 1:
-            r.refuse("decoder_sparse_step", "dense layers among the sparse ones are not implemented yet")
+    r.read.update({*count_keys, "intermediate_size"})  # the latter the dense layers' width, where any
+    L = int(r.need("num_hidden_layers"))
+    dense = _dense_layers(r, model_type, L)
+    if len(dense) == L:
+        r.refuse("mlp_only_layers" if model_type == "qwen3_moe" else "first_k_dense_replace", "every layer is dense")
     return dict(
         num_experts=int(r.need(count_key)),
         experts_per_token=int(r.need("num_experts_per_tok")),
         intermediate_size=int(r.need(width_key)),
         normalize_expert_weights=True if normalized is None else bool(r.get("norm_topk_prob", normalized)),
+        dense_layers=dense,
+        dense_size=int(r.need("intermediate_size")) if dense else 0,
     )
+
+
+def _dense_layers(r: _Reader, model_type: str, L: int) -> tuple[int, ...]:
+    """The layers with a dense MLP among a mixture's sparse ones, as transformers builds them:
+    Qwen3-MoE's `mlp_only_layers`, and where none are named every layer l with (l + 1) not a
+    multiple of `decoder_sparse_step`; DeepSeek-V3's first `first_k_dense_replace` (3 where the
+    config is silent, transformers' default). The other families have none."""
+    if model_type == "qwen3_moe":
+        only, step = list(r.get("mlp_only_layers") or []), int(r.get("decoder_sparse_step", 1))
+        if step < 1:
+            r.refuse("decoder_sparse_step", "it must be at least 1")
+        if any(not 0 <= int(i) < L for i in only):
+            r.refuse("mlp_only_layers", f"it names layers outside 0..{L - 1}")
+        return tuple(i for i in range(L) if i in only or (i + 1) % step)
+    if model_type == "deepseek_v3":
+        return tuple(range(min(int(r.get("first_k_dense_replace", 3)), L)))
+    return ()
 
 
 def _gemma(r: _Reader) -> dict:
@@ -493,15 +526,11 @@ def _deepseek_v3(r: _Reader) -> dict:
     rotary key shared by the heads, the rotated dims last), YaRN rotary whose scale also scales
     the attention scores, and a mixture of experts with a sigmoid router picking by its scores
     plus a learned correction among the best groups of experts, weights renormalised and
-    scaled, and shared experts. Dense layers among the sparse ones (`first_k_dense_replace`)
-    are refused by name until layers of several kinds are implemented."""
+    scaled, and shared experts; dense layers first (`first_k_dense_replace`)."""
     shapes = _shapes(r)
     H = shapes["num_heads"]
     nope, rope, value = (int(r.need(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     r.read.update({"head_dim", "qk_head_dim", "num_nextn_predict_layers", "ep_size", "aux_loss_alpha", "seq_aux"})
-    r.read.add("intermediate_size")  # the width of dense layers, which `first_k_dense_replace` > 0 asks for
-    if int(r.get("first_k_dense_replace", 0)):
-        r.refuse("first_k_dense_replace", "dense layers among the sparse ones are not implemented yet")
     for key, allowed, why in (
         ("num_key_value_heads", (H,), "latent attention expands keys and values for every head"),
         ("attention_bias", (False,), "biases in latent attention are not implemented"),
@@ -600,6 +629,7 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "qwen2": _llama_like,
     "qwen3": _llama_like,
     "llama": _llama_like,
+    "smollm3": _llama_like,
     "mistral": _llama_like,
     "mixtral": _llama_like,
     "qwen3_moe": _llama_like,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
     SITE_TABLE,
@@ -64,6 +65,10 @@ __all__ = [
     "check_layer_rows",
     "layer_row",
     "layer_params",
+    "every_layer_rows",
+    "layer_weights",
+    "LayerWeights",
+    "one_kind",
 ]
 
 
@@ -433,7 +438,10 @@ def mlp_output(p: Params, hidden: Float[Array, "B T F"], config: ModelConfig) ->
 
 def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
     """The MLP's output from its normed input: `mlp_output` of `mlp_hidden`, or the mixture of
-    experts' (`mixture`) where the family has one."""
+    experts' (`mixture`) where the family has one. Among layers of two kinds the layer's index
+    says which runs: refused (`layer_step` takes it)."""
+    if config.mixed_mlps:
+        raise ValueError("this model's layers have MLPs of two kinds, which the layer's index picks: run layer_step")
     if config.is_moe:
         return mixture(p, x, config, lambda site, value: value)[0]
     return mlp_output(p, mlp_hidden(p, x, config), config)
@@ -645,12 +653,27 @@ def layer_step(
         a = at("attn_out", attention_output(p, heads, config))
     mlp_in = at("mlp_in", h if config.parallel_residual else h + a)
     x = pre_norm(p, "mlp_norm", mlp_in, config)
-    moe, hidden = {}, None
-    if config.is_moe:
-        m, moe = mixture(p, x, config, at, edited_weights="expert_weights" in acting_sites(interventions))
-    else:
+    edited = "expert_weights" in acting_sites(interventions)
+
+    def sparse(x, states):
+        nonlocal carried
+        outer, carried = carried, states
+        m, parts = mixture(p, x, config, at, edited_weights=edited)
+        carried, states = outer, carried
+        return m, parts, states
+
+    def dense(x, states):
+        nonlocal carried
+        outer, carried = carried, states
         hidden = at("mlp_hidden", mlp_hidden(p, x, config))
         m = mlp_output(p, hidden, config)
+        carried, states = outer, carried
+        return m, {"mlp_hidden": hidden}, states
+
+    if config.mixed_mlps:  # each layer runs its own kind's MLP only
+        m, parts, carried = one_kind(_dense_layer(index, config), sparse, dense, x, carried)
+    else:
+        m, parts, carried = (sparse if config.is_moe else dense)(x, carried)
     m = at("mlp_out", m)
     out = at("resid_post", h + at("delta", a + m))
     return LayerRecord(
@@ -665,10 +688,9 @@ def layer_step(
         attn_probs=probs,
         head_out=heads,
         mlp_in=mlp_in,
-        mlp_hidden=hidden,
         states=carried,
         **split,
-        **moe,
+        **parts,
     )
 
 
@@ -700,17 +722,23 @@ def _context(rotary_of: Callable[[bool], Optional[tuple]], mask_of: Callable[[in
 
 def context_of_layer(context: LayerContext, index, config: ModelConfig):
     """`(cos, sin, mask)` of layer `index` (traced or not): the sliding layers' where the layer
-    slides (`ModelConfig.layer_types`), the full-attention layers' otherwise."""
+    slides (`ModelConfig.layer_types`), the full-attention layers' otherwise; the identity
+    rotation (cos 1, sin 0) in a layer without positions (`ModelConfig.nope_layers`)."""
     sliding = config.sliding_layers
     full = (None, None) if context.rotary is None else context.rotary
     local = full if context.local_rotary is None else context.local_rotary
     if not any(sliding):
-        return (*full, context.mask)
-    if all(sliding):
-        return (*local, context.local_mask)
-    slides = jnp.asarray(sliding)[index]
-    pick = lambda a, b: None if a is None else jnp.where(slides, a, b)  # noqa: E731
-    return pick(local[0], full[0]), pick(local[1], full[1]), pick(context.local_mask, context.mask)
+        cos, sin, mask = (*full, context.mask)
+    elif all(sliding):
+        cos, sin, mask = (*local, context.local_mask)
+    else:
+        slides = jnp.asarray(sliding)[index]
+        pick = lambda a, b: None if a is None else jnp.where(slides, a, b)  # noqa: E731
+        cos, sin, mask = pick(local[0], full[0]), pick(local[1], full[1]), pick(context.local_mask, context.mask)
+    if config.nope_layers:  # the identity rotation, exactly: x * 1 + rotate_half(x) * 0 = x
+        still = jnp.asarray(np.isin(np.arange(config.num_layers), config.nope_layers))[index]
+        cos, sin = jnp.where(still, jnp.ones_like(cos), cos), jnp.where(still, jnp.zeros_like(sin), sin)
+    return cos, sin, mask
 
 
 def layer_context(h, valid, config, offset: int = 0) -> LayerContext:
@@ -798,6 +826,88 @@ def layer_row(tree, i):
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
 
 
-def layer_params(params: Params, i) -> Params:
+def every_layer_rows(params: Params, config: ModelConfig) -> Params:
+    """The per-layer params with a row for every layer (what a scan over the layers slices):
+    all of them, but for the MLP weights of one kind among layers of two kinds."""
+    stacked = kind_slots(config)
+    return {name: w for name, w in params["layers"].items() if name not in stacked}
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerWeights(Mapping):
+    """One layer's weights among layers of two kinds (`ModelConfig.mixed_mlps`): the rows every
+    layer has, sliced to this layer, and the stacks of one kind's layers, sliced only where read.
+    Read in that kind's branch of the layer (`one_kind`), a stack is copied for its own layers
+    only: a dense layer never reads the experts' weights, nor a sparse one the dense MLP's."""
+
+    def __init__(self, rows: Params, stacks: Params, slots: Params):
+        self.rows, self.stacks, self.slots = rows, stacks, slots
+
+    def __getitem__(self, name: str):
+        if name in self.rows:
+            return self.rows[name]
+        if name in self.stacks:
+            return jax.lax.dynamic_index_in_dim(self.stacks[name], self.slots[name], keepdims=False)
+        raise KeyError(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.rows or name in self.stacks
+
+    def __iter__(self):
+        return iter([*self.rows, *self.stacks])
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.stacks)
+
+    def tree_flatten(self):
+        return (self.rows, self.stacks, self.slots), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def layer_weights(rows: Params, params: Params, i, config: ModelConfig) -> Params:
+    """Layer `i`'s weights (`i` traced or not) from its slice `rows` of `every_layer_rows` and,
+    among layers of two kinds, the kinds' stacks in `params` (a `LayerWeights`)."""
+    slots = kind_slots(config)
+    if not slots:
+        return rows
+    stacks = {name: w for name, w in params["layers"].items() if name in slots}
+    return LayerWeights(rows, stacks, {name: jnp.maximum(jnp.asarray(slots[name])[i], 0) for name in stacks})
+
+
+def layer_params(params: Params, i, config: ModelConfig) -> Params:
     """The weights of layer `i` (traced or not) from the layer-stacked params."""
-    return layer_row(params["layers"], i)
+    return layer_weights(layer_row(every_layer_rows(params, config), i), params, i, config)
+
+
+def _dense_layer(index, config: ModelConfig):
+    """Whether layer `index` (traced or not) has a dense MLP, among layers of two kinds."""
+    dense = np.isin(np.arange(config.num_layers), config.dense_layers)
+    return bool(dense[index]) if isinstance(index, (int, np.integer)) else jnp.asarray(dense)[index]
+
+
+def one_kind(second, first: Callable, second_fn: Callable, *operands):
+    """`second_fn(*operands)` where `second` (a traced or Python bool) holds, else
+    `first(*operands)`: one `lax.cond`, so a layer runs its own kind's computation only (under
+    `vmap` with a batched `second`, both run and one is selected). Both return a tuple whose
+    last-but-one element is a dict of record fields: a field only one of them computes is
+    zeros where the other runs, so every layer's record has the same fields."""
+    shapes = [jax.eval_shape(f, *operands)[-2] for f in (first, second_fn)]
+
+    def filled(f, other):
+        def run(*args):
+            *head, parts, tail = f(*args)
+            parts = dict(parts)
+            for name, shape in other.items():  # the union of both's fields, None where neither has it
+                if parts.get(name) is None:
+                    parts[name] = None if shape is None else jnp.zeros(shape.shape, shape.dtype)
+            return (*head, parts, tail)
+
+        return run
+
+    branches = (filled(first, shapes[1]), filled(second_fn, shapes[0]))
+    if isinstance(second, bool):
+        return branches[second](*operands)
+    return jax.lax.cond(second, branches[1], branches[0], *operands)

@@ -46,11 +46,13 @@ from jaxdepth.core.layer import (
     Tap,
     check_layer_rows,
     context_of_layer,
+    every_layer_rows,
     input_key_values,
     layer_context,
     layer_params,
     layer_row,
     layer_step,
+    layer_weights,
     piece_context,
 )
 from jaxdepth.core.sites import (
@@ -250,16 +252,16 @@ def run_layers(
 
         def layer(carry, xs):
             h, states = carry
-            p, index, tap_x, known = xs
-            r = record(p, index, h, states, known)
+            rows, index, tap_x, known = xs
+            r = record(layer_weights(rows, params, index, config), index, h, states, known)
             return (r.out, r.states), None if tap is None else tap(r, tap_x)
 
-        xs = (params["layers"], jnp.arange(L), tap_inputs, prefix)
+        xs = (every_layer_rows(params, config), jnp.arange(L), tap_inputs, prefix)
         (h_last, states), taps = jax.lax.scan(jax.checkpoint(layer) if run.remat else layer, (h, states), xs)
         return final_residual(h_last, config, ivs, states), taps
 
     def record_at(i, h, states):
-        return record(layer_params(params, i), i, h, states, None if prefix is None else layer_row(prefix, i))
+        return record(layer_params(params, i, config), i, h, states, None if prefix is None else layer_row(prefix, i))
 
     if tap is None:
 
@@ -298,7 +300,7 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
         (index, use), known = xs
         records = [
             layer_step(
-                layer_params(params, index[g]),
+                layer_params(params, index[g], config),
                 h,
                 index[g],
                 context,
@@ -388,7 +390,7 @@ def run_grouped_orders(
             known = None if prefix is None else prefix[n][j]
 
             def run(x, known, layer=layer):
-                r = layer_step(layer_params(params, layer), x, layer, context, config, ivs, known, ())
+                r = layer_step(layer_params(params, layer, config), x, layer, context, config, ivs, known, ())
                 return r.out, None if tap is None else tap(r, None)
 
             out, tapped = jax.vmap(run)(x, known)
@@ -437,7 +439,7 @@ def run_layer(
     (`jaxdepth.core.layer.piece_context`)."""
     ivs = check_layer_indices(interventions, config.num_layers)
     context = layer_context(h, valid, config) if context is None else context
-    return layer_step(layer_params(params, layer), h, layer, context, config, ivs, prefix, initial_states(ivs))
+    return layer_step(layer_params(params, layer, config), h, layer, context, config, ivs, prefix, initial_states(ivs))
 
 
 class Pieces(NamedTuple):
@@ -492,7 +494,7 @@ def run_layers_in_pieces(
     T = h.shape[1]
 
     def layer(i, h):
-        p = layer_params(params, i)
+        p = layer_params(params, i, config)
 
         def piece(j, carry):
             h, k_buf, v_buf = carry
@@ -524,7 +526,7 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
         cos, sin, _ = context_of_layer(context, i, config)
         return input_key_values(p, h, cos, sin, config)
 
-    return jax.vmap(key_values)(params["layers"], hs[:-1], jnp.arange(config.num_layers))
+    return jax.vmap(key_values)(every_layer_rows(params, config), hs[:-1], jnp.arange(config.num_layers))
 
 
 def suffix_value_and_grad(
@@ -546,7 +548,7 @@ def suffix_value_and_grad(
     k = stored_layers(backward, L)
     ivs = _without_state(check_layer_indices(interventions, L))
     context = layer_context(z, valid, config)
-    apply = lambda i, h: layer_step(layer_params(params, i), h, i, context, config, ivs).out
+    apply = lambda i, h: layer_step(layer_params(params, i, config), h, i, context, config, ivs).out
     layout = _PullbackLayout.of(params, z, context, config, ivs) if k else None
     first_stored = start if k == L else L if k == 0 else jnp.maximum(start, L - k)  # start..first_stored-1 recompute
     to_row = lambda i: i - (L - k)  # layer i's row in the stored buffers  # noqa: E731
@@ -571,7 +573,7 @@ def suffix_value_and_grad(
 
     def stored_back(n, g):
         i = L - 1 - n
-        return layout.pullback(params, i, kept, to_row(i))(g)[0]
+        return layout.pullback(params, i, kept, to_row(i), config)(g)[0]
 
     def recomputed_back(n, g):
         i = first_stored - 1 - n
@@ -619,7 +621,7 @@ class _PullbackLayout:
 
     @staticmethod
     def _linearize(params, i, h, context, config, ivs):
-        p = layer_params(params, i)
+        p = layer_params(params, i, config)
         # Keep the matmuls' outputs only; the elementwise work between them (norms, softmax, the
         # gate) is recomputed in the backward. Half the bytes of keeping everything, and faster
         # on CPU, where writing fresh memory costs more than that arithmetic (SmolLM2-135M's
@@ -664,9 +666,9 @@ class _PullbackLayout:
             for j, r in zip(self.from_weights, self.shapes)
         )
 
-    def pullback(self, params, i, kept, row):
+    def pullback(self, params, i, kept, row, config: ModelConfig):
         """Layer i's pullback, from its residuals stored at `row` of `kept` and its weights."""
-        weights = jax.tree_util.tree_leaves(layer_params(params, i))
+        weights = jax.tree_util.tree_leaves(layer_params(params, i, config))
         saved = [weights[j] if j is not None else k[row] for j, k in zip(self.from_weights, kept)]
         return jax.tree_util.tree_unflatten(self.treedef, saved)
 

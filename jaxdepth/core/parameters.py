@@ -22,8 +22,10 @@ None in a row says the family has no such tensor.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Optional
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxdepth.core.config import ModelConfig
@@ -32,6 +34,8 @@ __all__ = [
     "Parameter",
     "Naming",
     "param_shapes",
+    "row_layers",
+    "kind_slots",
     "partition_rules",
     "transposed_params",
     "MODEL",
@@ -53,7 +57,9 @@ class Parameter:
     """One param of the params pytree (see the module's docstring for the columns).
 
     `shape` and `spec` describe one layer's tensor for a per-layer param: the params stack it on a
-    leading layer axis, which is never split. `hf` and `gguf` map a naming family (`HF`, `GGUF`)
+    leading layer axis, which is never split. `kind` ('dense' or 'experts', None for every
+    layer) is the kind of MLP whose layers hold it: among layers of both kinds its stack has a
+    row for each layer of its kind only (`row_layers`). `hf` and `gguf` map a naming family (`HF`, `GGUF`)
     to the checkpoint's name; a plain string is the name in the root family (`llama`)."""
 
     name: str
@@ -63,6 +69,7 @@ class Parameter:
     transposed: bool = False
     hf: Names | str = dataclasses.field(default_factory=dict)
     gguf: Names | str = dataclasses.field(default_factory=dict)
+    kind: Optional[str] = None
 
     def __post_init__(self):
         for column in ("hf", "gguf"):
@@ -75,7 +82,7 @@ class Parameter:
         shape = self.shape(config)
         if shape is None:
             return None
-        return (config.num_layers, *shape) if self.per_layer else tuple(shape)
+        return (len(row_layers(self, config)), *shape) if self.per_layer else tuple(shape)
 
     @property
     def partition_spec(self) -> PartitionSpec:
@@ -155,19 +162,19 @@ def _post_norm(c: ModelConfig, bias: bool = False) -> Optional[Shape]:
 
 
 def _gated(c: ModelConfig) -> bool:
-    return c.mlp != "plain" and not c.is_moe
+    return c.mlp != "plain" and bool(c.dense_mlp_layers)
 
 
 def _dense(c: ModelConfig, *shape: int) -> Optional[Shape]:
-    return _when(not c.is_moe, *shape)
+    return _when(bool(c.dense_mlp_layers), *shape)
 
 
 def _experts(c: ModelConfig, *shape: int) -> Optional[Shape]:
     return _when(c.is_moe, c.num_experts, *shape)
 
 
-def _layer(name, shape, spec, transposed=False, hf=None, gguf=None) -> Parameter:
-    return Parameter(name, True, shape, spec, transposed, hf or {}, gguf or {})
+def _layer(name, shape, spec, transposed=False, hf=None, gguf=None, kind=None) -> Parameter:
+    return Parameter(name, True, shape, spec, transposed, hf or {}, gguf or {}, kind)
 
 
 def _top(name, shape, spec, transposed=False, hf=None, gguf=None) -> Parameter:
@@ -242,7 +249,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "up",
-        lambda c: _dense(c, c.hidden_size, c.intermediate_size),
+        lambda c: _dense(c, c.hidden_size, c.dense_width),
         _COLUMN,
         transposed=True,
         hf={
@@ -252,14 +259,16 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "mlp.c_fc.weight#T",
         },
         gguf={"llama": "ffn_up.weight", "phi3": "ffn_up.weight#up"},
+        kind="dense",
     ),
     _layer(
         "down",
-        lambda c: _dense(c, c.intermediate_size, c.hidden_size),
+        lambda c: _dense(c, c.dense_width, c.hidden_size),
         _ROW,
         transposed=True,
         hf={"llama": "mlp.down_proj.weight", "gpt_neox": "mlp.dense_4h_to_h.weight", "gpt2": "mlp.c_proj.weight#T"},
         gguf="ffn_down.weight",
+        kind="dense",
     ),
     # Norms. Gemma 2/3 name the norm after attention `post_attention_layernorm`, Llama's name for
     # the norm before the MLP; OLMo 2 has only the norms after the sublayers. llama.cpp names a
@@ -323,18 +332,20 @@ PARAMETERS: tuple[Parameter, ...] = (
     # The optional weights: the gated MLP's gate, the biases, the q/k norms.
     _layer(
         "gate",
-        lambda c: _when(_gated(c), c.hidden_size, c.intermediate_size),
+        lambda c: _when(_gated(c), c.hidden_size, c.dense_width),
         _COLUMN,
         transposed=True,
         hf={"llama": "mlp.gate_proj.weight", "phi3": "mlp.gate_up_proj.weight#gate"},
         gguf={"llama": "ffn_gate.weight", "phi3": "ffn_up.weight#gate"},
+        kind="dense",
     ),
     _layer(
         "up_bias",
-        lambda c: _dense(c, c.intermediate_size) if c.mlp_bias else None,
+        lambda c: _dense(c, c.dense_width) if c.mlp_bias else None,
         _SPLIT,
         hf={"llama": "mlp.up_proj.bias", "gpt_neox": "mlp.dense_h_to_4h.bias", "gpt2": "mlp.c_fc.bias"},
         gguf="ffn_up.bias",
+        kind="dense",
     ),
     _layer(
         "down_bias",
@@ -342,13 +353,15 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf={"llama": "mlp.down_proj.bias", "gpt_neox": "mlp.dense_4h_to_h.bias", "gpt2": "mlp.c_proj.bias"},
         gguf="ffn_down.bias",
+        kind="dense",
     ),
     _layer(
         "gate_bias",
-        lambda c: _when(c.mlp_bias and _gated(c), c.intermediate_size),
+        lambda c: _when(c.mlp_bias and _gated(c), c.dense_width),
         _SPLIT,
         hf="mlp.gate_proj.bias",
         gguf="ffn_gate.bias",
+        kind="dense",
     ),
     _layer(
         "q_bias",
@@ -452,6 +465,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_oss": "mlp.router.weight",
         },
         gguf="ffn_gate_inp.weight",
+        kind="experts",
     ),
     _layer(
         "router_correction",
@@ -459,6 +473,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (None,),
         hf={"deepseek": "mlp.gate.e_score_correction_bias"},
         gguf="exp_probs_b.bias",
+        kind="experts",
     ),
     _layer(
         "shared_gate",
@@ -467,6 +482,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "mlp.shared_experts.gate_proj.weight"},
         gguf="ffn_gate_shexp.weight",
+        kind="experts",
     ),
     _layer(
         "shared_up",
@@ -475,6 +491,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "mlp.shared_experts.up_proj.weight"},
         gguf="ffn_up_shexp.weight",
+        kind="experts",
     ),
     _layer(
         "shared_down",
@@ -483,6 +500,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "mlp.shared_experts.down_proj.weight"},
         gguf="ffn_down_shexp.weight",
+        kind="experts",
     ),
     _layer(
         "router_bias",
@@ -490,6 +508,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (None,),
         hf={"gpt_oss": "mlp.router.bias"},
         gguf="ffn_gate_inp.bias",
+        kind="experts",
     ),
     _layer(
         "expert_gate",
@@ -502,6 +521,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_oss": "mlp.experts.gate_up_proj#gate",
         },
         gguf="ffn_gate_exps.weight",
+        kind="experts",
     ),
     _layer(
         "expert_up",
@@ -514,6 +534,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_oss": "mlp.experts.gate_up_proj#up",
         },
         gguf="ffn_up_exps.weight",
+        kind="experts",
     ),
     _layer(
         "expert_down",
@@ -526,6 +547,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_oss": "mlp.experts.down_proj#T",
         },
         gguf="ffn_down_exps.weight",
+        kind="experts",
     ),
     # GPT-OSS's experts have biases (`mlp_bias` in a mixture)
     _layer(
@@ -534,6 +556,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (MODEL, None),
         hf={"gpt_oss": "mlp.experts.gate_up_proj_bias#gate"},
         gguf="ffn_gate_exps.bias",
+        kind="experts",
     ),
     _layer(
         "expert_up_bias",
@@ -541,6 +564,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (MODEL, None),
         hf={"gpt_oss": "mlp.experts.gate_up_proj_bias#up"},
         gguf="ffn_up_exps.bias",
+        kind="experts",
     ),
     _layer(
         "expert_down_bias",
@@ -548,6 +572,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (MODEL, None),
         hf={"gpt_oss": "mlp.experts.down_proj_bias"},
         gguf="ffn_down_exps.bias",
+        kind="experts",
     ),
     # GPT-OSS's attention sinks: a logit per head
     _layer(
@@ -659,6 +684,30 @@ GGUF = Naming(
         "gpt2": "gpt2",
     },
 )
+
+
+def row_layers(row: Parameter, config: ModelConfig) -> tuple[int, ...]:
+    """The layers whose weights per-layer param `row` holds, in its stack's order: every layer,
+    or those of its `kind` (the dense or the sparse layers of a mixture of experts)."""
+    if row.kind is None:
+        return tuple(range(config.num_layers))
+    return config.dense_mlp_layers if row.kind == "dense" else config.expert_layers
+
+
+@functools.lru_cache(maxsize=64)
+def kind_slots(config: ModelConfig) -> dict[str, np.ndarray]:
+    """For each per-layer param of `config` stacked over some layers only (layers of two
+    kinds), each layer's row in its stack `[L]` (int32; -1 where the layer has none): how a
+    traced layer index reads it (`jaxdepth.core.layer.layer_params`). Empty when every layer
+    has every param."""
+    slots = {}
+    for row in PARAMETERS:
+        layers = row_layers(row, config) if row.per_layer else ()
+        if row.per_layer and row.shape(config) is not None and len(layers) < config.num_layers:
+            table = np.full(config.num_layers, -1, np.int32)
+            table[list(layers)] = np.arange(len(layers), dtype=np.int32)
+            slots[row.name] = table
+    return slots
 
 
 def param_shapes(config: ModelConfig) -> dict:

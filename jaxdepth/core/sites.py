@@ -172,7 +172,7 @@ SITE_TABLE = (
     ),
     Site("attn_out", "attn", _width, role=Role("writes", "attention", post_norms=True)),
     Site("mlp_in", "mlp_in", _width, role=Role("reads", "mlp")),
-    Site("mlp_hidden", "mlp_hidden", lambda c: (c.intermediate_size,), present=lambda c: not c.is_moe),
+    Site("mlp_hidden", "mlp_hidden", lambda c: (c.dense_width,), present=lambda c: bool(c.dense_mlp_layers)),
     *(
         Site(name, name, lambda c: (c.num_experts,), present=lambda c: c.is_moe)
         for name in ("router_logits", "router_probs", "router_selection", "expert_weights")
@@ -436,7 +436,9 @@ def splits_layer(interventions: tuple[AnyIntervention, ...]) -> bool:
 
 def refuse_absent_sites(interventions: tuple[AnyIntervention, ...], config) -> None:
     """Refuse an intervention at a site the layers of `config` do not compute (a dense MLP's
-    `mlp_hidden` in a mixture of experts, a router in a dense model): it would edit nothing."""
+    `mlp_hidden` in a mixture of experts, a router in a dense model): it would edit nothing.
+    Among layers of two kinds (`ModelConfig.mixed_mlps`) each kind's sites are computed on its
+    own layers: there an intervention edits them only, and a tap reads zeros on the others."""
     for name in sorted(acting_sites(interventions)):
         site = _BY_NAME[name]
         if not site.present(config):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conversion.errors import ConversionError
+from jaxdepth.core.parameters import PARAMETERS, row_layers
 from jaxdepth.core.weights import ModelWeights
 from jaxdepth.lab.loaded_model import Model
 
@@ -164,14 +165,15 @@ _finite_leaves = jax.jit(
 )
 
 
-def _check_finite_params(params, source: str) -> None:
+def _check_finite_params(params, config, source: str) -> None:
     """A NaN or infinite weight makes every analysis meaningless: say which one (the layer too),
     up front. (The converters name a checkpoint's own tensor as they read it; this catches what
     a cast or a restored folder brings.)"""
     finite = jax.device_get(_finite_leaves(params))
+    stacked = {row.name: row_layers(row, config) for row in PARAMETERS if row.per_layer}
     for key, flags in finite["layers"].items():
-        if not flags.all():
-            layers = np.flatnonzero(~flags).tolist()
+        if not flags.all():  # a stack's rows are the layers of its kind (`row_layers`)
+            layers = [stacked[key][int(i)] for i in np.flatnonzero(~flags)]
             raise ValueError(
                 f"{source}: parameter ['layers'][{key!r}] contains NaN or infinite values at layer(s) {layers}"
             )
@@ -219,7 +221,7 @@ def load(source: str, *, dtype=None, mesh=None) -> Model:
     # arrays already placed (restored onto a mesh) stay where they are.
     on_device = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), converted.params)
     model = Model.of(dataclasses.replace(converted, params=on_device))
-    _check_finite_params(model.params, model.source)
+    _check_finite_params(model.params, model.config, model.source)
     if dtype == BF16_MATMULS:
         model = model.astype("float32").with_matmul_dtype("bfloat16")
     elif dtype is not None:

@@ -272,3 +272,33 @@ def test_the_analysis_runs_through_the_suite_and_writes_its_figure(result, tmp_p
         X.ExpertSettings(experts_skip_mode="past")
     assert X.ANALYSIS.identity(X.ExpertSettings(seed=4)) == X.ANALYSIS.identity(X.ExpertSettings(seed=5))
     assert X.ANALYSIS.identity(X.ExpertSettings(seed=4, experts_skip_mode="future"))["seed"] == 4
+
+
+def test_a_dense_layer_among_sparse_ones_is_nan_and_its_skip_reroutes_the_next():
+    """Layers sparse, dense, sparse: the dense layer has no router (NaN in every measure, its
+    drops not run); the sparse layers' drops equal forwards by hand; skipping the dense layer
+    changes the routing of the sparse layer after it."""
+    config = tiny_moe_config(dense_layers=(1,), dense_size=24)
+    params = random_params(config, 0, scale=0.3)
+    with jax.default_matmul_precision("highest"):
+        result = X.expert_depth(params, BATCH, config, X.ExpertSweeps(prompts=1), execution=Execution(chunk_size=CHUNK))
+    for per_layer in (result.entropy, result.top_share, result.effective_experts, result.largest_share):
+        assert np.isnan(per_layer[1]) and np.all(np.isfinite(per_layer[[0, 2]]))
+    assert np.all(np.isnan(result.drop_output[1])) and np.all(np.isnan(result.drop_later[1]))
+    assert np.all(np.isnan(result.routing_travel[:, 1])) and result.routing_travel[1, 2] > 0
+    assert np.all(result.expert_counts[:, 1] == 0)
+    tokens = jnp.asarray(_prompt(0))
+
+    @jax.jit
+    def probabilities(interventions=None):
+        final, _ = run_layers(params, embed(params, tokens, config), config, interventions=interventions)
+        return jax.nn.softmax(unembed(params, final, config), axis=-1)
+
+    clean = probabilities()
+    for layer in (0, 2):
+        for e in range(E):
+            shift = np.linalg.norm(np.asarray(probabilities(drop_experts(layer, np.eye(E)[e])) - clean)[0], axis=-1)
+            np.testing.assert_allclose(
+                result.drop_output_per_prompt[0, layer, e], shift.max(), rtol=1e-5, atol=ROUNDING
+            )
+    assert all(line and "nan" not in line for line in X._summary(result))

@@ -485,16 +485,24 @@ def test_a_non_finite_gguf_tensor_is_named_by_its_own_name(tiny_model, tmp_path)
 def test_a_non_finite_weight_after_loading_is_named_by_its_layer():
     """What a cast to a narrower dtype or a folder converted by an older version can bring: the
     check after loading names the parameter and the layers where it is not finite."""
-    from conftest import tiny_config
+    from conftest import tiny_config, tiny_moe_config
     from jaxdepth.core.model import random_params
     from jaxdepth.lab.sources import _check_finite_params
 
-    params = random_params(tiny_config(), 0)
+    config = tiny_config()
+    params = random_params(config, 0)
     down = np.array(params["layers"]["down"])
     down[2, 0, 0] = np.inf
     spoiled = {**params, "layers": {**params["layers"], "down": down}}
     with pytest.raises(
         ValueError, match=r"src: parameter \['layers'\]\['down'\] contains NaN or infinite values at layer\(s\) \[2\]"
     ):
-        _check_finite_params(spoiled, "src")
-    _check_finite_params(params, "src")  # finite: nothing said
+        _check_finite_params(spoiled, config, "src")
+    _check_finite_params(params, config, "src")  # finite: nothing said
+    # layers of two kinds: the dense MLP's stack holds layers 1 and 2 only, its row 1 is layer 2
+    mixed = tiny_moe_config(dense_layers=(1, 2), dense_size=24)
+    params = random_params(mixed, 0)
+    down = np.array(params["layers"]["down"])
+    down[1, 0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"\['down'\] contains NaN or infinite values at layer\(s\) \[2\]"):
+        _check_finite_params({**params, "layers": {**params["layers"], "down": down}}, mixed, "src")

@@ -66,12 +66,15 @@ def run(prompts=PROMPTS, params=PARAMS, config=CONFIG, **options):
         "mixtral_experts",
         "gpt_oss_sinks",
         "deepseek_v3_latent",
+        "qwen3_moe_experts",
+        "smollm3_nope",
     ],
 )
 def test_greedy_tokens_equal_transformers(tiny_model, variant):
     """Ragged prompts decoded together, each against transformers' greedy generate of that prompt
     alone (learned positions, a sliding window the decoding crosses, a parallel block, mixtures of
-    experts routing one token at a time, attention sinks, latent attention's cache)."""
+    experts routing one token at a time, attention sinks, latent attention's cache, dense layers
+    among sparse ones, layers without positions)."""
     torch = pytest.importorskip("torch")
     from conversion.hf import convert_hf_folder
 

@@ -14,7 +14,7 @@ from conftest import tiny_moe_config
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.hf_config import UnsupportedConfigError
-from jaxdepth.core.layer import norm
+from jaxdepth.core.layer import layer_context, layer_step, norm
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
 from jaxdepth.core.primitives import ACTIVATIONS
@@ -237,10 +237,120 @@ def test_the_configs_read_and_refuse():
     saved = _hf(num_local_experts=6)
     del saved["num_experts"]
     assert ModelConfig.from_hf(saved) == config  # transformers saves the count under this name
-    for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
-        with pytest.raises(UnsupportedConfigError, match=key):
-            ModelConfig.from_hf(_hf(**{key: value}))
+    with pytest.raises(UnsupportedConfigError, match="every layer is dense"):
+        ModelConfig.from_hf(_hf(mlp_only_layers=[0, 1]))
     with pytest.raises(UnsupportedConfigError, match="clip_qkv"):
         ModelConfig.from_hf(_hf(model_type="olmoe", clip_qkv=8.0, intermediate_size=16))
     with pytest.raises(UnsupportedConfigError, match="experts_per_token"):
         dataclasses.replace(CONFIG, experts_per_token=7)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(mlp_only_layers=[1]),
+        dict(mlp_only_layers=[0, 3]),
+        dict(decoder_sparse_step=2),
+        dict(decoder_sparse_step=3),
+        dict(decoder_sparse_step=2, mlp_only_layers=[3]),
+        dict(model_type="deepseek_v3", first_k_dense_replace=2),
+        dict(model_type="deepseek_v3"),  # transformers' default: the first 3 layers dense
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_dense_layers_are_those_transformers_builds(changes):
+    """Which layers have a dense MLP among the sparse ones: the layers transformers builds
+    without experts, from the same config (one without `first_k_dense_replace` included)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = _hf(num_hidden_layers=5, **changes)
+    if hf["model_type"] == "deepseek_v3":
+        hf = {k: v for k, v in hf.items() if k not in ("num_experts", "head_dim")} | dict(
+            n_routed_experts=6,
+            kv_lora_rank=8,
+            q_lora_rank=None,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            num_key_value_heads=4,
+            n_group=1,
+            topk_group=1,
+        )
+    config = ModelConfig.from_hf(hf)
+    classes = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}[hf["model_type"]]
+    hf_config = getattr(transformers, f"{classes}Config")(**{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = getattr(transformers, f"{classes}ForCausalLM")(hf_config)
+    built = tuple(i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts"))
+    assert config.dense_layers == built and 0 < len(built) < 5
+    assert config.expert_layers == tuple(i for i in range(5) if i not in built)
+    assert config.dense_size == hf["intermediate_size"] and config.intermediate_size == hf["moe_intermediate_size"]
+
+
+MIXED = tiny_moe_config(dense_layers=(1,), dense_size=24)  # sparse, dense, sparse
+MIXED_PARAMS = random_params(MIXED, 3, scale=0.3)
+
+
+def _own_kind(layer: int):
+    """Layer `layer` of `MIXED` as a model of one kind: the all-sparse or the all-dense config,
+    and that layer's weights from the kinds' stacks."""
+    dense = layer in MIXED.dense_layers
+    config = (
+        dataclasses.replace(
+            MIXED, num_experts=0, experts_per_token=0, intermediate_size=24, dense_layers=(), dense_size=0
+        )
+        if dense
+        else dataclasses.replace(MIXED, dense_layers=(), dense_size=0)
+    )
+    stacks = MIXED_PARAMS["layers"]
+    rows = MIXED.dense_layers if dense else MIXED.expert_layers
+    weights = {}
+    for name, w in stacks.items():
+        if w.shape[0] == L:
+            weights[name] = w[layer]
+        elif (name in ("up", "down", "gate")) == dense:
+            weights[name] = w[rows.index(layer)]
+    return config, weights
+
+
+def test_layers_of_two_kinds_each_run_their_own_kind():
+    """Qwen3-MoE's `mlp_only_layers`, DeepSeek-V3's first dense layers: the stacks hold each kind's
+    layers only, and each layer's output equals that layer run as a model of its own kind."""
+    assert MIXED.expert_layers == (0, 2) and MIXED.mixed_mlps
+    assert MIXED_PARAMS["layers"]["up"].shape == (1, 32, 24)
+    assert MIXED_PARAMS["layers"]["expert_up"].shape == (2, E, 32, 16)
+    assert MIXED_PARAMS["layers"]["q"].shape[0] == L
+    h = embed(MIXED_PARAMS, TOKENS, MIXED)
+    tap = lambda r, _: dict(out=r.out, hidden=r.mlp_hidden, probs=r.router_probs)  # noqa: E731
+    _, records = jax.jit(lambda h: run_layers(MIXED_PARAMS, h, MIXED, tap=tap))(h)
+    for layer in range(L):
+        config, weights = _own_kind(layer)
+        r = layer_step(weights, h, layer, layer_context(h, None, config), config)
+        # one jitted scan against the layer run op by op: float32 rounding of values up to 12
+        np.testing.assert_allclose(records["out"][layer], r.out, rtol=1e-5, atol=ROUNDING)
+        dense = layer in MIXED.dense_layers
+        # the other kind's sites read zeros there
+        assert np.all(np.asarray(records["probs"][layer]) == 0) == dense
+        assert np.all(np.asarray(records["hidden"][layer]) == 0) != dense
+        h = r.out
+
+
+def test_a_layer_of_one_kind_computes_nothing_of_the_other():
+    """The scan's body branches on the layer's kind (`lax.cond`): the dense branch multiplies by
+    the dense MLP's three matrices and nothing else, the sparse one never by those."""
+    jaxpr = jax.make_jaxpr(lambda p, h: run_layers(p, h, MIXED)[0])(MIXED_PARAMS, embed(MIXED_PARAMS, TOKENS, MIXED))
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from equations(sub)
+
+    conds = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    sparse, dense = conds[0].params["branches"]
+
+    def dots(branch):
+        return sum(e.primitive.name == "dot_general" for e in equations(branch.jaxpr))
+
+    assert dots(dense) == 3 and dots(sparse) > 3

@@ -68,11 +68,16 @@ def test_equal_types_are_the_plain_product(spec):
     np.testing.assert_array_equal(project(x, w, spec), plain)
 
 
-def test_with_matmul_dtype_stores_the_layers_matrices_in_bf16_and_nothing_else():
-    weights = ModelWeights(random_params(CONFIG, 0, scale=0.3), CONFIG, None, "tiny")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "experts"])
+def test_with_matmul_dtype_stores_the_layers_matrices_in_bf16_and_nothing_else(moe):
+    from conftest import tiny_moe_config
+
+    config = tiny_moe_config(dense_layers=(1,), dense_size=24) if moe else CONFIG
+    weights = ModelWeights(random_params(config, 0, scale=0.3), config, None, "tiny")
     mixed = weights.with_matmul_dtype("bfloat16")
-    for name, w in mixed.params["layers"].items():
-        assert w.dtype == (jnp.bfloat16 if w.ndim == 3 else jnp.float32), name
+    for name, w in mixed.params["layers"].items():  # [L, in, out], the experts' [L, E, in, out]
+        assert w.dtype == (jnp.bfloat16 if w.ndim >= 3 else jnp.float32), name
+    assert not moe or mixed.params["layers"]["expert_up"].dtype == jnp.bfloat16
     assert {k for k in mixed.params if k != "layers"} == {k for k in weights.params if k != "layers"}
     assert all(mixed.params[k].dtype == jnp.float32 for k in mixed.params if k != "layers")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(weights.params))  # the original is left as it is

@@ -335,6 +335,8 @@ FEATURE_MISTAKES = [
     ("pythia_parallel", "parallel block run in sequence", {"parallel_residual": False}),
     ("pythia_parallel", "partial rotary ignored", {"rotary_dim": 0}),
     ("neox_sequential", "sequential block run in parallel", {"parallel_residual": True}),
+    ("smollm3_nope", "rotary positions on every layer", {"nope_layers": ()}),
+    ("smollm3_nope", "rotary positions on no layer", {"nope_layers": (0, 1, 2)}),
 ]
 
 
