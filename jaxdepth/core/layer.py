@@ -827,18 +827,21 @@ def layer_row(tree, i):
 
 
 def every_layer_rows(params: Params, config: ModelConfig) -> Params:
-    """The per-layer params with a row for every layer (what a scan over the layers slices):
-    all of them, but for the MLP weights of one kind among layers of two kinds."""
+    """The per-layer params a scan over the layers slices: all of them but those read in place
+    (`jaxdepth.core.parameters.kind_slots`: the MLP weights of one kind among layers of two
+    kinds, and the experts')."""
     stacked = kind_slots(config)
     return {name: w for name, w in params["layers"].items() if name not in stacked}
 
 
 @jax.tree_util.register_pytree_node_class
 class LayerWeights(Mapping):
-    """One layer's weights among layers of two kinds (`ModelConfig.mixed_mlps`): the rows every
-    layer has, sliced to this layer, and the stacks of one kind's layers, sliced only where read.
-    Read in that kind's branch of the layer (`one_kind`), a stack is copied for its own layers
-    only: a dense layer never reads the experts' weights, nor a sparse one the dense MLP's."""
+    """One layer's weights where some are read in place (`jaxdepth.core.parameters.kind_slots`):
+    the rows a scan slices, this layer's, and the stacks read in place, indexed only where read.
+    Among layers of two kinds (`ModelConfig.mixed_mlps`) a stack is read in its kind's branch
+    of the layer (`one_kind`): a dense layer never reads the experts' weights, nor a sparse one
+    the dense MLP's. The experts' weights are read block by block, each block's one expert
+    (`jaxdepth.core.experts.expert_outputs`), never copied whole per layer."""
 
     def __init__(self, rows: Params, stacks: Params, slots: Params):
         self.rows, self.stacks, self.slots = rows, stacks, slots
@@ -868,8 +871,8 @@ class LayerWeights(Mapping):
 
 
 def layer_weights(rows: Params, params: Params, i, config: ModelConfig) -> Params:
-    """Layer `i`'s weights (`i` traced or not) from its slice `rows` of `every_layer_rows` and,
-    among layers of two kinds, the kinds' stacks in `params` (a `LayerWeights`)."""
+    """Layer `i`'s weights (`i` traced or not) from its slice `rows` of `every_layer_rows` and
+    the stacks in `params` it reads in place (a `LayerWeights`; `rows` alone in a dense model)."""
     slots = kind_slots(config)
     if not slots:
         return rows

@@ -696,14 +696,21 @@ def row_layers(row: Parameter, config: ModelConfig) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=64)
 def kind_slots(config: ModelConfig) -> dict[str, np.ndarray]:
-    """For each per-layer param of `config` stacked over some layers only (layers of two
-    kinds), each layer's row in its stack `[L]` (int32; -1 where the layer has none): how a
-    traced layer index reads it (`jaxdepth.core.layer.layer_params`). Empty when every layer
-    has every param."""
+    """The per-layer params of `config` that a layer reads in place from their stacks, with each
+    layer's row in its stack `[L]` (int32; -1 where the layer has none): how a traced layer
+    index reads them (`jaxdepth.core.layer.layer_params`). They are the params stacked over
+    some layers only (layers of two kinds), and the experts' weights of every mixture: a scan
+    over the stacks would copy a layer's E experts each layer (2.4 GB of float32 in a
+    Qwen3-30B-A3B layer), where read in place each block of rows reads its one expert's. Empty
+    for a dense model."""
     slots = {}
     for row in PARAMETERS:
         layers = row_layers(row, config) if row.per_layer else ()
-        if row.per_layer and row.shape(config) is not None and len(layers) < config.num_layers:
+        if (
+            row.per_layer
+            and row.shape(config) is not None
+            and (len(layers) < config.num_layers or row.kind == "experts")
+        ):
             table = np.full(config.num_layers, -1, np.int32)
             table[list(layers)] = np.arange(len(layers), dtype=np.int32)
             slots[row.name] = table

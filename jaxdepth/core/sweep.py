@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.experts import executed_rows
 from jaxdepth.core.sharding import DATA
 
 __all__ = [
@@ -178,7 +179,8 @@ def member_bytes(
 ) -> int:
     """Rough peak activation bytes of one sweep member (one forward at batch 1, `seq_len` tokens).
 
-    Counts the live layer activations (residual, q/k/v, MLP hidden, attention scores) and the
+    Counts the live layer activations (residual, q/k/v, MLP hidden or the experts' rows,
+    attention scores) and the
     float32 output distribution `[T, V]` that output statistics need. With `grad=True` the
     rematerialised backward also keeps one residual per layer; with `stored=True` instead, each
     layer's matmul outputs (`jaxdepth.core.loops.suffix_value_and_grad`'s 'stored'); with an
@@ -186,20 +188,37 @@ def member_bytes(
     """
     c = config
     per_layer = (
-        seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size)
+        seq_len * (4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        + _mlp_values(c, seq_len)
         + c.num_heads * seq_len * seq_len
     )
     out = 3 * seq_len * c.vocab_size
     total = per_layer + out
     if grad:
         matmul_outputs = (
-            seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.intermediate_size)
+            seq_len * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+            + _mlp_values(c, seq_len, matmuls=True)
             + c.num_heads * seq_len * seq_len
         )
         k = c.num_layers if stored is True else int(stored)  # layers keeping their matmul outputs
         kept = k * matmul_outputs + (c.num_layers - k) * seq_len * c.hidden_size + per_layer
         total += kept + out
     return total * bytes_per
+
+
+def _mlp_values(c: ModelConfig, seq_len: int, matmuls: bool = False) -> int:
+    """The values a layer's MLP holds live for `seq_len` tokens (`matmuls`: its matmul outputs
+    only), in its costliest layer: a dense MLP's hidden units and gate, or a mixture's expert
+    rows (`jaxdepth.core.experts.executed_rows`, each with its gathered input and output), its
+    router's scores, the chosen experts' outputs and the shared experts'."""
+    per_unit = 2 if matmuls else 3
+    dense = per_unit * seq_len * c.dense_width if c.dense_mlp_layers else 0
+    if not c.is_moe:
+        return dense
+    rows = executed_rows(seq_len, c)
+    experts = rows * (per_unit * c.intermediate_size + 2 * c.hidden_size)
+    routed = seq_len * (3 * c.num_experts + c.experts_per_token * c.hidden_size + per_unit * c.shared_expert_size)
+    return max(dense, experts + routed)
 
 
 def auto_chunk_size(

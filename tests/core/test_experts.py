@@ -354,3 +354,15 @@ def test_a_layer_of_one_kind_computes_nothing_of_the_other():
         return sum(e.primitive.name == "dot_general" for e in equations(branch.jaxpr))
 
     assert dots(dense) == 3 and dots(sparse) > 3
+
+
+def test_a_forward_never_copies_a_layers_experts():
+    """The experts' stacks are read in place, block by block (`LayerWeights`): the compiled
+    forward's temporary memory stays below one layer's expert weights, which a scan slicing
+    the stacks would copy every layer."""
+    config = tiny_moe_config(hidden_size=128, intermediate_size=64, num_experts=64, experts_per_token=4)
+    params = random_params(config, 0)
+    tokens = jnp.zeros((1, 16), jnp.int32)
+    compiled = jax.jit(lambda p, t: forward(p, t, config)).lower(params, tokens).compile()
+    one_layer = sum(params["layers"][name][0].nbytes for name in ("expert_gate", "expert_up", "expert_down"))
+    assert compiled.memory_analysis().temp_size_in_bytes < one_layer / 2

@@ -68,3 +68,30 @@ def test_only_a_cpu_holds_gradient_sweeps_below_their_memory_bound():
     assert bound(grad=False, platform="cpu") > 100  # forward sweeps keep the memory bound
     tight = auto_chunk_size(config, T, 256, grad=True, stored=True, memory_budget=room // 50, platform="cpu")
     assert tight == 2  # memory still bounds it where it is tighter
+
+
+@pytest.mark.parametrize("dense_layers", [(), (0,)], ids=["sparse", "dense-first"])
+def test_a_mixtures_member_bytes_bound_its_compiled_forward(dense_layers):
+    """A mixture's sweep members are sized by its experts' rows, router and outputs, not by a
+    dense MLP of the experts' width: the estimate bounds what the compiled forward (softmaxed,
+    as the output statistics read it) holds, and by no more than a few times."""
+    from conftest import tiny_moe_config
+    from jaxdepth.core.model import forward, random_params
+
+    config = tiny_moe_config(
+        hidden_size=256,
+        intermediate_size=128,
+        num_experts=64,
+        experts_per_token=8,
+        num_layers=4,
+        vocab_size=2000,
+        max_position_embeddings=1024,
+        dense_layers=dense_layers,
+        dense_size=1024 if dense_layers else 0,
+    )
+    params = random_params(config, 0)
+    for T in (64, 256):
+        tokens = jnp.zeros((1, T), jnp.int32)
+        compiled = jax.jit(lambda p, t: jax.nn.softmax(forward(p, t, config), -1)).lower(params, tokens).compile()
+        held = compiled.memory_analysis().temp_size_in_bytes + compiled.memory_analysis().output_size_in_bytes
+        assert held <= member_bytes(config, T) <= 4 * held, T
