@@ -104,6 +104,33 @@ _ARCHS = {
     "qwen2": _Arch("qwen2", _DECODER_KEYS, {"rope_theta": 1e4}, {**_HEAD_SIZES, **_ROTARY_WIDTH}),
     # Qwen3Config's head size is 128 (every Qwen3's), whatever the file's key_length says.
     "qwen3": _Arch("qwen3", _DECODER_KEYS, {"rope_theta": 1e4, "head_dim": 128}, {**_HEAD_SIZES, **_ROTARY_WIDTH}),
+    # Qwen3-MoE, every layer a mixture: llama.cpp's architecture has no dense MLP tensors, nor
+    # Qwen3MoeConfig dense layers by default. transformers reads the head size but not the
+    # experts' width, which stays Qwen3MoeConfig's 768 (Qwen3-30B-A3B's; 235B-A22B's 1536 is
+    # refused), and renormalises the chosen experts' weights (its loader's default for the
+    # architecture), as llama.cpp always does for it, whatever the model's own `norm_topk_prob`.
+    "qwen3moe": _Arch(
+        "qwen3_moe",
+        {
+            **_DECODER_KEYS,
+            "attention.key_length": "head_dim",
+            "expert_count": "num_experts",
+            "expert_used_count": "num_experts_per_tok",
+        },
+        {
+            "rope_theta": 1e4,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+        },
+        {
+            **_ROTARY_WIDTH,
+            "attention.value_length": "head_dim",
+            "expert_feed_forward_length": "intermediate_size",
+            "expert_weights_norm": "normalize_expert_weights",
+        },
+    ),
     # transformers reads neither Phi-3's window (llama.cpp writes 0 for none) nor its rotary
     # width: Phi3Config's defaults are no window and full rotary. Its original context matters
     # only to the long-context rope scaling, which is refused (its factor tensors, `_DROPPED`).

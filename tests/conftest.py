@@ -572,6 +572,7 @@ LLAMA_CPP_ARCH = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
     "gpt2": "gpt2",
     "gemma2": "gemma2",
@@ -629,6 +630,12 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
         calls.append(("rope_freq_base_swa", local["rope_theta"]))
     if head_dim is not None:
         calls += [("key_length", head_dim), ("value_length", head_dim)]
+    if arch == "qwen3moe":  # TextModel's experts, and the width Qwen2MoeModel adds
+        calls += [
+            ("expert_count", cfg.num_experts),
+            ("expert_used_count", cfg.num_experts_per_tok),
+            ("expert_feed_forward_length", cfg.moe_intermediate_size),
+        ]
     if arch == "llama":  # LlamaModel adds these
         calls += [
             ("vocab_size", cfg.vocab_size),
@@ -644,15 +651,28 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
 def _llama_cpp_tensors(model, arch: str):
     """`(GGUF name, float32 array)` for each tensor llama.cpp's converter writes: the names of
     gguf's own `TensorNameMap` (the converter's), q/k rows permuted for 'llama', Gemma's norm
-    weights stored as 1 + w, GPT-2's `Conv1D` weights transposed to `[out, in]`, and no LM head
-    when it is the embedding matrix."""
+    weights stored as 1 + w, GPT-2's `Conv1D` weights transposed to `[out, in]`, the experts'
+    fused gate and up projections `[E, 2F, D]` cut into a stack of each (Qwen2MoeModel's), and no
+    LM head when it is the embedding matrix."""
     gguf = pytest.importorskip("gguf")
 
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
+    # transformers holds an MoE layer's experts as two stacks without a '.weight' suffix; the
+    # converter names the stacks of gate, up and down projections as gguf's map knows them
+    tensors = {}
     for name, tensor in model.state_dict().items():
         w = tensor.detach().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = w.shape[-2] // 2
+            tensors[name[: -len("gate_up_proj")] + "gate_proj.weight"] = w[..., :half, :]
+            tensors[name[: -len("gate_up_proj")] + "up_proj.weight"] = w[..., half:, :]
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors[name + ".weight"] = w
+        else:
+            tensors[name] = w
+    for name, w in tensors.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -736,7 +756,8 @@ def write_tiny_gguf(tiny, path, *, arch=None, name=None, extra=None, tokenizer="
 # Tiny models that transformers' GGUF loader reads back whole, one per architecture it reads (and
 # jaxdepth has a family for): a `TINY_VARIANTS` entry, its changes, the `general.name` written. The
 # loader reads only some of llama.cpp's keys and takes the rest from its config classes' defaults,
-# so each feature it does not read is set to that default here: Qwen3's head_dim 128; Gemma's
+# so each feature it does not read is set to that default here: Qwen3's head_dim 128; Qwen3-MoE's
+# expert width 768, its chosen experts' weights renormalised and no dense layers; Gemma's
 # query_pre_attn_scalar 256, Gemma 2's soft-caps 50 and 30 and rotary base 10000 (llama.cpp writes
 # none), Gemma 3's layer pattern (5 sliding layers in 6), its local rotary base 10000 and no rope
 # scaling; no window and full rotary for Phi-3; GPT-2's 1024 positions. A Mistral model is a
@@ -746,6 +767,11 @@ GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "mistral": ("mistral_window", dict(sliding_window=None), "Mistral Tiny"),
     "qwen2": ("qwen2_gqa_untied", {}, None),
     "qwen3": ("qwen3_gqa", dict(head_dim=128), None),
+    "qwen3moe": (
+        "qwen3_moe_experts",
+        dict(moe_intermediate_size=768, norm_topk_prob=True, mlp_only_layers=[]),
+        None,
+    ),
     "phi3": (
         "phi3_partial_rotary",
         dict(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 12345.0}),

@@ -679,7 +679,7 @@ GGUF = Naming(
     layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2"), "blk.{i}."),
     base={"phi3": "llama", "gpt2": "llama"},
     family_of={
-        **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma2", "gemma3"), "llama"),
+        **dict.fromkeys(("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3"), "llama"),
         "phi3": "phi3",
         "gpt2": "gpt2",
     },

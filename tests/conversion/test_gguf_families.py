@@ -98,7 +98,8 @@ def test_gguf_conversion_equals_the_hf_folder_conversion(tiny_gguf, arch):
 
 # What each architecture's reading must get right and the file does not say, switched off: the
 # settings transformers takes from its config classes (Gemma's query_pre_attn_scalar 256, Gemma 2's
-# logit soft-cap 30, Gemma 3's local rotary base 10000 and layer pattern), and the changes
+# logit soft-cap 30, Gemma 3's local rotary base 10000 and layer pattern) or its GGUF loader
+# supplies (Qwen3-MoE's renormalised experts), and the changes
 # llama.cpp made to the tensors (`fix`: Llama's q/k rows, Gemma's norms stored as 1 + w).
 SWITCHED_OFF = [
     ("gemma2", dict(attn_scale=0.0)),
@@ -106,6 +107,7 @@ SWITCHED_OFF = [
     ("gemma3", dict(attn_scale=0.0)),
     ("gemma3", dict(local_rope_theta=0.0)),
     ("gemma3", dict(layer_types=("sliding",) * 6)),
+    ("qwen3moe", dict(normalize_expert_weights=False)),
     ("llama", "fix"),
     ("gemma2", "fix"),
     ("gemma3", "fix"),
@@ -136,14 +138,18 @@ def test_the_keys_read_are_those_transformers_reads(arch):
     """Each architecture's table reads exactly the metadata keys transformers' GGUF loader reads,
     under the same Hugging Face names; the keys it renames to nothing are among those checked
     against the model it builds (`unread`), as is GPT-2's MLP width, which it renames to a key that
-    GPT2Config does not have."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    GPT2Config does not have. The settings transformers' loader supplies for the architecture
+    (Qwen3-MoE's renormalised experts) are among the defaults."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     spec = conversion.gguf_file._ARCHS[arch]
-    theirs = GGUF_CONFIG_MAPPING[arch]
+    # transformers looks the keys up under its own name of the architecture
+    theirs_name = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    theirs = GGUF_CONFIG_MAPPING[theirs_name]
     unused = {("gpt2", "feed_forward_length")}
     assert spec.keys == {k: v for k, v in theirs.items() if v is not None and (arch, k) not in unused}
     assert {k for k, v in theirs.items() if v is None or (arch, k) in unused} <= set(spec.unread)
+    assert GGUF_CONFIG_DEFAULTS_MAPPING.get(theirs_name, {}).items() <= spec.defaults.items()
 
 
 # ----------------------------------------------------------------------------- refused
@@ -197,6 +203,8 @@ REFUSED = [
     ("phi3", lambda w: w.add_sliding_window(2047), "phi3.attention.sliding_window"),
     ("phi3", lambda w: w.add_rope_dimension_count(8), "phi3.rope.dimension_count"),
     ("qwen3_gqa", None, "qwen3.attention.key_length"),  # 24, where transformers uses 128
+    ("qwen3moe", lambda w: w.add_expert_weights_norm(False), "qwen3moe.expert_weights_norm"),
+    ("qwen3moe", lambda w: w.add_expert_shared_count(1), "qwen3moe.expert_shared_count"),  # read by neither
     ("gpt2", lambda w: w.add_feed_forward_length(100), "gpt2.feed_forward_length"),
     ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),  # read by neither
 ]
@@ -208,6 +216,25 @@ def test_a_key_transformers_would_misread_is_refused(tiny_gguf, tiny_model, tmp_
     path = write_tiny_gguf(model, str(tmp_path / "refused.gguf"), extra=extra)
     with pytest.raises(UnsupportedConfigError, match=key.replace(".", r"\.")):
         convert_gguf(path, load_tokenizer=False)
+
+
+@pytest.mark.parity
+def test_a_qwen3moe_file_of_another_expert_width_is_refused(tmp_path):
+    """transformers does not read `expert_feed_forward_length` and builds experts 768 wide
+    (Qwen3MoeConfig's), which Qwen3-235B-A22B's 1536 and this model's 48 are not: it then fails to
+    load the file's experts. jaxdepth refuses the file, naming the key."""
+    from conftest import TINY_VARIANTS, build_tiny_model
+
+    base, changes, _ = GGUF_VARIANTS["qwen3moe"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(TINY_VARIANTS, "qwen3moe_narrow", {**TINY_VARIANTS[base], **changes, "moe_intermediate_size": 48})
+        model = build_tiny_model("qwen3moe_narrow")
+    path = write_tiny_gguf(model, str(tmp_path / "narrow.gguf"))
+    refused = r"qwen3moe\.expert_feed_forward_length' = 48.*intermediate_size = 768"
+    with pytest.raises(UnsupportedConfigError, match=refused):
+        convert_gguf(path, load_tokenizer=False)
+    with pytest.raises(RuntimeError, match="mismatched_sizes"):
+        _transformers_gguf_model(path)
 
 
 @pytest.mark.parametrize("tensor", ["rope_freqs.weight", "rope_factors_long.weight"])
