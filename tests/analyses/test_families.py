@@ -362,12 +362,16 @@ def test_edges_give_the_clean_and_the_corrupt_run(family):
 
 def test_atp_star_runs_every_node_kind_of_every_family(family):
     """AtP* reads each family's attention as the layer computes it (GPT-OSS's sinks included:
-    `attend` refuses a call without them) and a mixture's output as one MLP node."""
+    `attend` refuses a call without them), a mixture's output as one MLP node and its experts'
+    hidden units as its neurons (refused by name among dense layers)."""
     config, params = family
-    kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.is_moe else ("neurons",))
+    kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.mixed_mlps else ("neurons",))
     scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
     for kind in kinds:
         assert np.all(np.isfinite(scores.of(kind))), kind
+    if config.mixed_mlps:
+        with pytest.raises(ValueError, match="dense layers among its mixtures"):
+            atp_star(params, _pairs(), config, logit_difference, kinds=("neurons",))
     # (queries may all be 0: under the 6-token window of these tests no later query sees the change)
     for kind in ("heads", "mlps", "keys", "values"):
         assert np.abs(scores.of(kind)).max() > 0, kind
