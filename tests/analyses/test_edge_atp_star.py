@@ -241,5 +241,26 @@ def test_a_mixtures_neurons_are_its_experts_units_exact_where_the_rest_is_linear
         tap=tap,
     )[1]
     np.testing.assert_array_equal(forced, clean)
-    with pytest.raises(ValueError, match="atp_star"):  # edge attribution's neurons are a dense MLP's
-        edge_attribution(model, pairs, config, logit_difference, Scoring(detail=["neurons"]))
+
+
+def test_a_mixtures_neuron_scores_in_edge_attribution_are_atps(pairs):  # noqa: F811
+    """Independent code: edge attribution's neuron scores of a mixture (its MLPs' out-edge
+    gradients through each expert's weight and down projection) equal AtP's (the gradient at
+    each expert's units)."""
+    from conftest import tiny_moe_config
+    from jaxdepth.analyses.edges.circuit import CircuitSearch, find_circuit
+    from jaxdepth.core.model import random_params
+
+    config = tiny_moe_config()
+    model = random_params(config, 4, scale=0.3)
+    atp = atp_star(model, pairs, config, logit_difference, kinds=("neurons",), method="AtP")
+    eap = edge_attribution(model, pairs, config, logit_difference, Scoring(detail=["neurons"]))
+    assert eap.neuron_scores.shape == (2, config.num_layers, config.num_experts, config.intermediate_size)
+    assert np.abs(atp.neurons).max() > 1e-3
+    np.testing.assert_allclose(eap.neuron_scores, atp.neurons, rtol=1e-4, atol=1e-5)
+    # unlike a dense MLP's, a layer's units do not sum to its MLP's node score: the corrupt
+    # prompt's MLP output also routes otherwise, which no unit carries
+    mlps = np.array([EdgeGraph.of(config).mlp_writer(layer) for layer in range(config.num_layers)])
+    assert np.abs(eap.neuron_scores.sum(axis=(-1, -2)) - eap.node_scores()[:, mlps]).max() > 1e-2
+    with pytest.raises(ValueError, match="circuit of neurons of a mixture"):
+        find_circuit(model, pairs, config, logit_difference, eap, CircuitSearch(size=4, level="neuron"))

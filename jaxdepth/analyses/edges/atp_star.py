@@ -54,12 +54,11 @@ import numpy as np
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import PromptPairs, edge_metric
 from jaxdepth.analyses.edges.readers import check_interventions, final_metric
-from jaxdepth.analyses.edges.scores import with_clean_logits
+from jaxdepth.analyses.edges.scores import expert_units_on, with_clean_logits
 from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
-from jaxdepth.core.experts import follow_routing
 from jaxdepth.core.layer import attend, context_of_layer, layer_context
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
@@ -76,7 +75,6 @@ __all__ = [
     "node_shape",
     "node_index",
     "refuse_mixed_neurons",
-    "expert_units_on",
     "missed_nodes",
 ]
 
@@ -263,16 +261,6 @@ def _node_values(params, tokens, valid, config: ModelConfig, interventions):
         params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap
     )
     return h, jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.float32), values)
-
-
-def expert_units_on(params, tokens, valid, choice, config: ModelConfig, interventions):
-    """`[L, B, T, k, F]` (float32): the experts' hidden units on `tokens` with the routing
-    `choice` `[L, B, T, k]` (another run's, slot by slot: `follow_routing`), where an expert
-    neuron's patch reads its corrupt value."""
-    tap = lambda r, _: r.expert_hidden  # noqa: E731
-    ivs = (*as_interventions(interventions), follow_routing(choice))
-    units = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=tap)[1]
-    return units.astype(jnp.float32)
 
 
 @partial(jit, static_argnames=("config", "metric", "kinds", "qk_fix", "chunk"))

@@ -229,6 +229,11 @@ def find_circuit(
             raise ValueError(
                 "a circuit of neurons ranks MLP hidden units by their scores: score with Scoring(detail=['neurons'])"
             )
+        if config.is_moe:  # its units patch at the MLP's hidden units, which a mixture routes per token
+            raise ValueError(
+                "a circuit of neurons of a mixture of experts is not implemented: its experts' units are scored "
+                "(Scoring(detail=['neurons']), atp_star) and patched one at a time (node_effects)"
+            )
         members = ranked_members(scores, by)
         total, first, unit = len(members), lambda n: _kept_members(members[:n], graph, config), "members"
         outside = lambda kept: graph.edge_mask & ~_out_edges(np.concatenate([kept[0], _mlp_writers(graph)]), graph)  # noqa: E731

@@ -44,12 +44,11 @@ from jaxdepth.analyses.edges.readers import (
 )
 from jaxdepth.analyses.edges.atp_star import (
     PATCH_SITE,
-    expert_units_on,
     node_index,
     node_shape,
     refuse_mixed_neurons,
 )
-from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
+from jaxdepth.analyses.edges.scores import expert_units_on, hidden_units, pair_runs, suffix_run, with_clean_logits
 from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core import sites
 from jaxdepth.core.compilation import jit

@@ -65,6 +65,7 @@ from jaxdepth.analyses.ig.integrator import Paths, adapt, integrate_final, integ
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
+from jaxdepth.core.experts import follow_routing
 from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
 from jaxdepth.core.model import embed
 from jaxdepth.core.progress import track
@@ -81,6 +82,9 @@ __all__ = [
     "edge_scores",
     "position_scores",
     "neuron_scores",
+    "expert_units_on",
+    "expert_unit_differences",
+    "expert_neuron_scores",
     "hidden_units",
     "input_paths",
     "node_paths",
@@ -139,7 +143,7 @@ class EdgeScores(SavedResult):
     post_norms: bool = False  # a layer's attention is one writer (`EdgeGraph.post_norms`)
     position_scores: Optional[np.ndarray] = None  # [B, W, R, T] with detail 'positions', else None
     ablation: str = "corrupt"  # what the clean run was measured against (`ablations.ABLATIONS`)
-    neuron_scores: Optional[np.ndarray] = None  # [B, L, F] with detail 'neurons', else None
+    neuron_scores: Optional[np.ndarray] = None  # [B, L, F] ([B, L, E, F] of experts) with 'neurons'
 
     @property
     def graph(self) -> EdgeGraph:
@@ -355,6 +359,55 @@ def hidden_units(params, tokens, valid, config: ModelConfig, interventions=None)
     ]
 
 
+def expert_units_on(params, tokens, valid, choice, config: ModelConfig, interventions):
+    """`[L, B, T, k, F]` (float32): the experts' hidden units on `tokens` with the routing
+    `choice` `[L, B, T, k]` (another run's, slot by slot: `follow_routing`), where an expert
+    neuron's patch reads its corrupt value."""
+    tap = lambda r, _: r.expert_hidden  # noqa: E731
+    ivs = (*as_interventions(interventions), follow_routing(choice))
+    units = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=tap)[1]
+    return units.astype(jnp.float32)
+
+
+@partial(jit, static_argnames="config")
+def expert_unit_differences(params, pairs: PromptPairs, config: ModelConfig, interventions=None):
+    """A mixture's neurons, clean minus corrupt: `(delta [L, B, T, k, F], choice [L, B, T, k],
+    weights [L, B, T, k])`, each chosen expert's hidden units on the clean prompt less its units
+    on the corrupt prompt under the clean routing (`expert_units_on`), and the clean run's
+    choice and weights, through which the units reach the MLP's output."""
+
+    def tap(r, _):
+        return r.expert_hidden, r.expert_choice, jnp.take_along_axis(r.expert_weights, r.expert_choice, axis=-1)
+
+    h0 = embed(params, pairs.clean, config)
+    hidden, choice, weights = run_layers(params, h0, config, valid=pairs.valid, interventions=interventions, tap=tap)[1]
+    corrupt = expert_units_on(params, pairs.corrupt, pairs.valid, choice, config, interventions)
+    return hidden.astype(jnp.float32) - corrupt, choice, weights.astype(jnp.float32)
+
+
+@partial(jit, static_argnames="num_experts")
+def expert_neuron_scores(differences, gradients: dict, down, num_experts: int):
+    """`[B, L, E, F]`: each expert's hidden unit's activation difference times F's gradient at
+    it, summed over the tokens routed to the expert (`differences` from
+    `expert_unit_differences`, its positions those the gradients have): the gradient at the
+    MLP's output (as `neuron_scores`) through the expert's down projection (`down [L, E, F, D]`)
+    and its weight. Unlike a dense MLP's, a layer's units need not sum to its MLP's node score:
+    the corrupt prompt's MLP output is also routed otherwise, which no unit carries."""
+    delta, choice, weights = differences
+    routed = jax.nn.one_hot(choice, num_experts, dtype=jnp.float32) * weights[..., None]  # [L, B, T, k, E]
+    per_expert = jnp.einsum("lbtkf,lbtke->lbtef", delta, routed)
+    return jnp.einsum("lbtef,lbtd,lefd->blef", per_expert, _gradient_after_mlps(gradients), down.astype(jnp.float32))
+
+
+def _gradient_after_mlps(gradients: dict):
+    """`[L, B, T, D]`: F's gradient at each layer's MLP output, the sum of the gradients at
+    every reader after it (the readers of layers l + 1.. and the logits)."""
+    per_layer = sum(gradients[k].astype(jnp.float32).sum(axis=3) for k in ("q", "k", "v"))
+    per_layer = per_layer + gradients["mlp"].astype(jnp.float32)  # [L, B, T, D]: each layer's readers
+    from_layer = jnp.cumsum(per_layer[::-1], axis=0)[::-1]  # [l]: the readers of layers l..
+    return jnp.concatenate([from_layer[1:], jnp.zeros_like(from_layer[:1])]) + gradients["logits"][None]
+
+
 @jit
 def neuron_scores(delta_hidden, gradients: dict, down):
     """`[B, L, F]`: each MLP hidden unit's activation difference (`delta_hidden [L, B, T, F]`)
@@ -362,11 +415,7 @@ def neuron_scores(delta_hidden, gradients: dict, down):
     of the gradients at every reader after it (the readers of layers l + 1.. and the logits),
     and through the down projection (`down [L, F, D]`) it is the gradient at the hidden units:
     a layer's units sum to its MLP's node score."""
-    per_layer = sum(gradients[k].astype(jnp.float32).sum(axis=3) for k in ("q", "k", "v"))
-    per_layer = per_layer + gradients["mlp"].astype(jnp.float32)  # [L, B, T, D]: each layer's readers
-    from_layer = jnp.cumsum(per_layer[::-1], axis=0)[::-1]  # [l]: the readers of layers l..
-    after = jnp.concatenate([from_layer[1:], jnp.zeros_like(from_layer[:1])]) + gradients["logits"][None]
-    at_hidden = jnp.einsum("lbtd,lfd->lbtf", after, down.astype(jnp.float32))
+    at_hidden = jnp.einsum("lbtd,lfd->lbtf", _gradient_after_mlps(gradients), down.astype(jnp.float32))
     return jnp.einsum("lbtf,lbtf->blf", delta_hidden.astype(jnp.float32), at_hidden)
 
 
@@ -557,7 +606,11 @@ def edge_attribution(
     detail = _edge_detail(scoring.detail, ablation, graph, config)
     positions = np.zeros(scores.shape + (T,), np.float32) if "positions" in detail else None
     neurons, delta_hidden = None, None
-    if "neurons" in detail:
+    if "neurons" in detail and config.is_moe:  # the experts' units, under the clean routing
+        differences = expert_unit_differences(params, pairs, config, interventions)
+        delta_hidden = jax.tree.map(lambda x: x[:, :, P:], differences)
+        neurons = np.zeros((B, config.num_layers, config.num_experts, config.intermediate_size), np.float32)
+    elif "neurons" in detail:
         hidden = lambda tokens: hidden_units(params, tokens, pairs.valid, config, interventions)
         delta_hidden = (hidden(pairs.clean) - hidden(pairs.corrupt))[:, :, P:]
         neurons = np.zeros((B, config.num_layers, delta_hidden.shape[-1]), np.float32)
@@ -569,7 +622,11 @@ def edge_attribution(
         if positions is not None:
             positions[batch, writers] = position_scores(part, grads, mask[writers], P)
         layers = np.flatnonzero(np.isin(mlp_writers, np.arange(graph.num_writers)[writers]))
-        if neurons is not None and len(layers):
+        if neurons is not None and len(layers) and config.is_moe:
+            part = jax.tree.map(lambda x: x[:, batch], delta_hidden)
+            units = to_host(expert_neuron_scores(part, grads, params["layers"]["expert_down"], config.num_experts))
+            neurons[batch, layers] = units[:, layers]
+        elif neurons is not None and len(layers):
             units = to_host(neuron_scores(delta_hidden[:, batch], grads, params["layers"]["down"]))
             neurons[batch, layers] = units[:, layers]
 
@@ -649,11 +706,11 @@ def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
 def _edge_detail(detail: tuple, ablation, graph: EdgeGraph, config: ModelConfig) -> tuple[str, ...]:
     """`detail` (names of `DETAILS`, `Scoring` checked them) checked against the ablation and
     the graph: 'neurons' needs the corrupt run's hidden units and an MLP output linear in them
-    (no norm after the MLP), and a dense MLP's units (a mixture's neurons are AtP's)."""
-    if "neurons" in detail and config.is_moe:
+    (no norm after the MLP), and units of one kind (a dense MLP's, or a mixture's experts')."""
+    if "neurons" in detail and config.mixed_mlps:
         raise ValueError(
-            "edge neuron scores read a dense MLP's hidden units; a mixture's neurons are its experts' hidden units, "
-            "which atp_star(..., kinds=['neurons']) scores and node_effects(..., 'neurons', ...) patches"
+            "neuron scores of a model with dense layers among its mixtures of experts are not implemented: the two "
+            "kinds' units have no one index"
         )
     if "neurons" in detail and (ablation.kind != "corrupt" or graph.post_norms):
         why = "under the corrupt ablation only" if ablation.kind != "corrupt" else "without a norm after the MLP"
