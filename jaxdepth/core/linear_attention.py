@@ -31,7 +31,6 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 from jaxtyping import Array, Bool, Float
 
 from jaxdepth.core.primitives import project
@@ -183,6 +182,21 @@ def _recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 2), state  # [B, Hv, T, Dv]
 
 
+def _unit_lower_inverse(system: Float[Array, "... C C"]) -> Float[Array, "... C C"]:
+    """(I + A)^-1 for A the strictly lower triangle of `system` (its diagonal and upper triangle
+    are not read): A is nilpotent (A^C = 0), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... up to
+    the power past C, 2 log2 C batched C x C products. On a CPU these run far faster than XLA's
+    triangular solve (16 systems of 64 x 64: 180 ms solved), which is a loop over rows."""
+    C = system.shape[-1]
+    eye = jnp.eye(C, dtype=system.dtype)
+    power = -jnp.tril(system, -1)
+    inverse = eye + power
+    for _ in range(max(0, (C - 1).bit_length() - 1)):  # powers 2, 4, .. below C
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
 def _chunked(q, k, v, g, beta, state, chunk: int):
     """The rule chunk by chunk (`torch_chunk_gated_delta_rule`), head-major float32 inputs.
 
@@ -210,10 +224,8 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
     ut_system = jnp.einsum("bhncd,bhnsd->bhncs", k_beta, k) * decay
     intra = jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-    # one solve for both right-hand sides (the diagonal is read as ones: the rule's identity)
-    solved = solve_triangular(
-        ut_system, jnp.concatenate([v_beta, decayed_k_beta], axis=-1), lower=True, unit_diagonal=True
-    )
+    # (I + A)^-1 for both right-hand sides (the diagonal is read as ones: the rule's identity)
+    solved = _unit_lower_inverse(ut_system) @ jnp.concatenate([v_beta, decayed_k_beta], axis=-1)
     new_values, k_cumdecay = solved[..., :Dv], solved[..., Dv:]
     # the decays applied once, outside the scan, as transformers does
     q = q * jnp.exp(cum)[..., None]
@@ -254,7 +266,7 @@ def gated_delta_rule(
 
     `chunk=None`: a scan over positions (transformers' recurrent form, what decoding one token at
     a time runs); `chunk=C`: the chunked form (transformers' prefill form, C = 64 there), a C x C
-    triangular solve per chunk and a scan over chunks: fewer, larger products. Both are linear in
+    triangular inverse per chunk (2 log2 C products) and a scan over chunks: fewer, larger products. Both are linear in
     T and equal to float32 rounding."""
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepared(q, k, v, g, beta, state)
