@@ -68,6 +68,7 @@ __all__ = [
     "force_experts",
     "drop_experts",
     "route",
+    "follow_routing",
 ]
 
 
@@ -116,21 +117,11 @@ def chosen_weights(scores: Float[Array, "B T E"], chosen: Int[Array, "B T k"], c
     return weights * config.expert_scale if config.expert_scale != 1.0 else weights
 
 
-def _gated_mlp(x, weight, config: ModelConfig, biased: bool = False):
-    """A gated MLP on `x`, `weight(name)` its matrix (and its bias, `name_bias`, where `biased`)
-    of each of 'gate', 'up' and 'down': an expert's, or the shared experts'."""
-
-    def linear(inputs, name):
-        y = project(inputs, weight(name))
-        return y + weight(f"{name}_bias") if biased else y
-
-    return linear(gated_units(linear(x, "gate"), linear(x, "up"), config), "down")
-
-
 def shared_experts(p, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array, "B T D"]:
     """The shared experts' output: one gated MLP of width `shared_expert_size` that every token
     runs (DeepSeek's `n_shared_experts` experts, fused)."""
-    return _gated_mlp(x, lambda name: p[f"shared_{name}"], config)
+    units = gated_units(project(x, p["shared_gate"]), project(x, p["shared_up"]), config)
+    return project(units, p["shared_down"])
 
 
 def dense_weights(weights: Float[Array, "B T k"], chosen: Int[Array, "B T k"], config: ModelConfig):
@@ -170,11 +161,17 @@ def executed_rows(tokens: int, config: ModelConfig) -> int:
     return rows * blocks
 
 
-def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig):
-    """`[B, T, k, D]`: the output of each chosen expert on its token's normed input `x`, the
-    experts' gated MLPs (`p['expert_gate']`, `['expert_up']` `[E, D, F]`, `['expert_down']`
-    `[E, F, D]`, and their biases where the family has them) run on the tokens that chose them
-    alone (module docstring)."""
+def expert_outputs(
+    p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], config: ModelConfig, at=None, edited: bool = False
+):
+    """`(outputs [B, T, k, D], hidden [B, T, k, F])`: the output of each chosen expert on its
+    token's normed input `x`, and its hidden activations (the gated units before the down
+    projection), the experts' gated MLPs (`p['expert_gate']`, `['expert_up']` `[E, D, F]`,
+    `['expert_down']` `[E, F, D]`, and their biases where the family has them) run on the tokens
+    that chose them alone (module docstring). `at(site, value)` applies the interventions at
+    `expert_hidden` where `edited` (one acts there): the edited units then enter the down
+    projection; otherwise the blocks' units enter it as computed, and `hidden` is only their
+    view in the tokens' order (dropped by XLA where nothing reads it)."""
     B, T, D = x.shape
     k, E = chosen.shape[-1], config.num_experts
     N, A = B * T, B * T * k
@@ -193,13 +190,23 @@ def expert_outputs(p, x: Float[Array, "B T D"], chosen: Int[Array, "B T k"], con
     # a block past the last used one is all padding (token N, a zero row): its expert is any
     block_expert = jnp.minimum(jnp.searchsorted(last_block, jnp.arange(blocks), side="right"), E - 1)
 
-    def one_block(block):
-        xs, e = block
-        of = partial(jax.lax.dynamic_index_in_dim, index=e, keepdims=False)
-        return _gated_mlp(xs, lambda name: of(p[f"expert_{name}"]), config, biased=config.mlp_bias)
+    def linear(block_expert, inputs, name):
+        weight = partial(jax.lax.dynamic_index_in_dim, index=block_expert, keepdims=False)
+        y = project(inputs, weight(p[f"expert_{name}"]))
+        return y + weight(p[f"expert_{name}_bias"]) if config.mlp_bias else y
 
-    out = jax.lax.map(one_block, (rows, block_expert))
-    return out.reshape(blocks * b, D)[row].reshape(B, T, k, D)
+    def units(block):
+        xs, e = block
+        return gated_units(linear(e, xs, "gate"), linear(e, xs, "up"), config)
+
+    hidden = jax.lax.map(units, (rows, block_expert))  # [blocks, b, F]
+    F = hidden.shape[-1]
+    in_order = hidden.reshape(blocks * b, F)[row].reshape(B, T, k, F)
+    if edited:
+        in_order = at("expert_hidden", in_order)
+        hidden = jnp.zeros((blocks * b, F), hidden.dtype).at[row].set(in_order.reshape(A, F)).reshape(blocks, b, F)
+    out = jax.lax.map(lambda block: linear(block[1], block[0], "down"), (hidden, block_expert))
+    return out.reshape(blocks * b, D)[row].reshape(B, T, k, D), in_order
 
 
 def combine_experts(outputs: Float[Array, "B T k D"], weights: Float[Array, "B T k"], too_many=None):
@@ -295,3 +302,22 @@ def route(layer, weights, config: ModelConfig) -> Intervention:
         raise InterventionError(f"the routing weights must be [E] or [B, T, E], got shape {weights.shape}")
     _counted(weights != 0, config.experts_per_token, "route")
     return Intervention("expert_weights", _route, (jnp.asarray(layer, jnp.int32), weights), layer_index=0)
+
+
+def _follow(value, layer, choice):
+    chosen = choice[layer]  # [B, T, k], best first
+    k = chosen.shape[-1]
+    # k, k-1, .., 1 at the chosen experts in their order, the others far below: the top k are
+    # these, so ordered. Finite (not -inf), so that a group holding one chosen expert still
+    # scores above the groups holding none where the router keeps the best groups (DeepSeek-V3)
+    rank = jnp.einsum("btke,k->bte", jax.nn.one_hot(chosen, value.shape[-1], dtype=jnp.float32), k - jnp.arange(k))
+    return jnp.where(rank > 0, rank, -1e30).astype(value.dtype)
+
+
+def follow_routing(choice: Int[Array, "L B T k"]) -> Intervention:
+    """Every layer l chooses the experts `choice[l]` (`[B, T, k]`, another run's
+    `expert_choice`, best first), in that order, whatever its own selection: so another input's
+    expert values line up slot by slot with that run's (the corrupt values of the clean run's
+    experts, as attribution patching of expert neurons reads them). Each chosen expert is
+    weighted by this run's own scores."""
+    return Intervention("router_selection", _follow, jnp.asarray(choice, jnp.int32), layer_data=True)

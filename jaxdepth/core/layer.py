@@ -447,13 +447,22 @@ def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array
     return mlp_output(p, mlp_hidden(p, x, config), config)
 
 
-def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edited_weights: bool = False):
+def mixture(
+    p: Params,
+    x: Float[Array, "B T D"],
+    config: ModelConfig,
+    at,
+    *,
+    edited_weights: bool = False,
+    edited_hidden: bool = False,
+):
     """A mixture of experts on its normed input `x` (`jaxdepth.core.experts`): `(m, parts)`, m
     what the residual receives (after the post-MLP norm where the family has one), `parts` the
     router's logits, scores, selection and weights, the chosen experts (`expert_choice`
     `[B, T, k]`, best first) and their outputs. `at(site, value)` applies the interventions at
     each site; `edited_weights`: one acts at `expert_weights`, so the experts that run are
-    those it leaves a weight."""
+    those it leaves a weight; `edited_hidden`: one acts at `expert_hidden`, the experts' hidden
+    units (`jaxdepth.core.experts.expert_outputs`)."""
     logits = at("router_logits", experts.router_logits(p, x, config))
     scores = at("router_probs", experts.router_scores(logits, config))
     selection = at("router_selection", experts.selection_of(p, scores, config))
@@ -463,7 +472,8 @@ def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edi
     too_many = None
     if edited_weights:
         chosen, too_many = experts.experts_of_weights(weights, config)
-    outputs = at("expert_out", experts.expert_outputs(p, x, chosen, config))
+    outputs, hidden = experts.expert_outputs(p, x, chosen, config, at, edited_hidden)
+    outputs = at("expert_out", outputs)
     m = experts.combine_experts(outputs, jnp.take_along_axis(weights, chosen, axis=-1), too_many)
     shared = None
     if config.shared_expert_size:
@@ -476,6 +486,7 @@ def mixture(p: Params, x: Float[Array, "B T D"], config: ModelConfig, at, *, edi
         router_selection=selection,
         expert_weights=weights,
         expert_choice=chosen,
+        expert_hidden=hidden,
         expert_out=outputs,
     )
     return _after_sublayer(p, "mlp_post_norm", m, config), parts
@@ -549,10 +560,11 @@ class LayerRecord:
     input `mlp_in` and `mlp_hidden` `[B,S,F]`, its output `out` (= h_{l+1}), the sites of a
     split layer (`q_in`, `k_in`, `v_in`, `head_result`; None in a layer that is not split), a
     mixture of experts' router and experts (`router_logits`, `router_probs`,
-    `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]` and
-    `expert_out` `[B,T,k,D]`, the shared experts' `shared_out`; None in a dense MLP, whose
-    `mlp_hidden` is None in a mixture),
-    and the carried `states` of stateful interventions after the layer. Only what a tap reads is
+    `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]`, their
+    hidden units `expert_hidden` `[B,T,k,F]` and outputs `expert_out` `[B,T,k,D]`, the shared
+    experts' `shared_out`; None in a dense MLP, whose `mlp_hidden` is None in a mixture; zeros
+    on the other kind's layers among layers of two kinds), and the carried `states` of stateful
+    interventions after the layer. Only what a tap reads is
     kept: XLA drops the rest."""
 
     index: Int[Array, ""]
@@ -576,6 +588,7 @@ class LayerRecord:
     router_selection: Optional[Array] = None
     expert_weights: Optional[Array] = None
     expert_choice: Optional[Array] = None
+    expert_hidden: Optional[Array] = None
     expert_out: Optional[Array] = None
     shared_out: Optional[Array] = None
     states: tuple = ()
@@ -653,12 +666,14 @@ def layer_step(
         a = at("attn_out", attention_output(p, heads, config))
     mlp_in = at("mlp_in", h if config.parallel_residual else h + a)
     x = pre_norm(p, "mlp_norm", mlp_in, config)
-    edited = "expert_weights" in acting_sites(interventions)
+    acting = acting_sites(interventions)
 
     def sparse(x, states):
         nonlocal carried
         outer, carried = carried, states
-        m, parts = mixture(p, x, config, at, edited_weights=edited)
+        m, parts = mixture(
+            p, x, config, at, edited_weights="expert_weights" in acting, edited_hidden="expert_hidden" in acting
+        )
         carried, states = outer, carried
         return m, parts, states
 

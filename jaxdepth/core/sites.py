@@ -16,6 +16,7 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     router_probs      the router's scores, softmax of the logits ‡     [B, T, E]
     router_selection  what the k experts are picked by ‡               [B, T, E]
     expert_weights    each expert's weight, 0 off the chosen k ‡       [B, T, E]
+    expert_hidden     each chosen expert's hidden activations ‡        [B, T, k, F]
     expert_out        each chosen expert's output, unweighted ‡        [B, T, k, D]
     shared_out        the shared experts' output (DeepSeek) ‡          [B, T, D]
     mlp_out     m_l, the MLP output (a mixture: the weighted sum)      [B, T, D]
@@ -176,6 +177,12 @@ SITE_TABLE = (
     *(
         Site(name, name, lambda c: (c.num_experts,), present=lambda c: c.is_moe)
         for name in ("router_logits", "router_probs", "router_selection", "expert_weights")
+    ),
+    Site(
+        "expert_hidden",
+        "expert_hidden",
+        lambda c: (c.experts_per_token, c.intermediate_size),
+        present=lambda c: c.is_moe,
     ),
     Site("expert_out", "expert_out", lambda c: (c.experts_per_token, c.hidden_size), present=lambda c: c.is_moe),
     Site("shared_out", "shared_out", _width, present=lambda c: c.shared_expert_size > 0),

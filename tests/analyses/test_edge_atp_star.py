@@ -203,3 +203,43 @@ def test_bad_requests_are_refused(params, pairs):
         scores.of("keys")
     with pytest.raises(ValueError, match="k must be in"):
         missed_nodes(scores.mlps[0], scores.mlps[0], 0)
+
+
+def test_a_mixtures_neurons_are_its_experts_units_exact_where_the_rest_is_linear(pairs, monkeypatch):  # noqa: F811
+    """A mixture's neurons are (layer, expert, unit): an expert's hidden unit wherever the clean
+    run routes to it, patched to its value on the corrupt input under the clean routing. With
+    the norms linear, everything after the last layer's expert units is linear (its routing is
+    computed before them), so AtP of those neurons is their exact patching effect."""
+    from conftest import tiny_moe_config
+    from jaxdepth.core import layer as core_layer, model as core_model
+    from jaxdepth.core.experts import follow_routing
+    from jaxdepth.core.model import random_params
+
+    config = tiny_moe_config(rms_norm_eps=0.25)  # a config of its own: fresh compilations
+    for module in (core_layer, core_model):
+        monkeypatch.setattr(module, "norm", lambda x, w, config, bias=None: x * w)
+    model = random_params(config, 4, scale=0.3)
+    E, F, last = config.num_experts, config.intermediate_size, config.num_layers - 1
+    scores = atp_star(model, pairs, config, logit_difference, kinds=("neurons",), method="AtP")
+    assert scores.neurons.shape == (2, config.num_layers, E, F) and np.all(np.isfinite(scores.neurons))
+    nodes = np.stack(np.unravel_index(np.arange(E * F), (E, F)), axis=1)
+    nodes = np.concatenate([np.full((E * F, 1), last), nodes], axis=1)[::3]
+    exact = node_effects(model, pairs, config, logit_difference, "neurons", nodes, execution=Execution(chunk_size=16)).T
+    estimated = scores.neurons[:, nodes[:, 0], nodes[:, 1], nodes[:, 2]]
+    assert np.max(np.abs(exact)) > 0.05
+    atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))
+    np.testing.assert_allclose(estimated, exact, rtol=1e-4, atol=atol)
+    # the clean run's choice, followed by the corrupt run: the same experts in the same slots
+    tap = lambda r, _: r.expert_choice  # noqa: E731
+    clean = run_layers(model, embed(model, pairs.clean, config), config, valid=pairs.valid, tap=tap)[1]
+    forced = run_layers(
+        model,
+        embed(model, pairs.corrupt, config),
+        config,
+        valid=pairs.valid,
+        interventions=follow_routing(clean),
+        tap=tap,
+    )[1]
+    np.testing.assert_array_equal(forced, clean)
+    with pytest.raises(ValueError, match="atp_star"):  # edge attribution's neurons are a dense MLP's
+        edge_attribution(model, pairs, config, logit_difference, Scoring(detail=["neurons"]))

@@ -1,6 +1,7 @@
 """Every analysis on a tiny random model of every family beside Qwen and Llama (whose own tests
 are in the other modules): each sweep equals the same interventions run one at a time, the lens
-at the last boundary is the model, the NNX module is the pure forward, and a sliding window is
+at the last boundary is the model, the NNX module is the pure forward, layer orders (dropped,
+swapped, repeated layers) are the reordered layers run by hand, and a sliding window is
 honoured by every path that runs attention (a window of 6 positions, shorter than the prompts).
 The configs are read from each family's Hugging Face config (`conftest.FAMILY_VARIANTS`)."""
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FAMILY_VARIANTS, tiny_hf_config
+from conftest import FAMILY_VARIANTS, assert_close, tiny_hf_config
 from jaxdepth.analyses import contributions, erasure, layer_skip, logit_lens
 from jaxdepth.analyses import integrated_gradients as ig
 from jaxdepth.analyses.edges.atp_star import atp_star
@@ -29,9 +30,19 @@ from jaxdepth.analyses.layer_skip import SUBLAYERS
 from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
+from jaxdepth.core.loops import LayerRun, clean_key_values, run_grouped_orders, run_layer, run_layers
 from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
 from jaxdepth.core.module import Decoder
+from jaxdepth.core.structure import (
+    LayerOrder,
+    describe_order,
+    drop_block,
+    group_orders,
+    identity_order,
+    repeat_block,
+    stack_orders,
+    swap_pair,
+)
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
@@ -272,6 +283,59 @@ def test_integrated_gradients_equal_one_at_a_time(family, batch):
         np.testing.assert_allclose(result.attributions[0, layer, : len(expected)], expected, atol=2e-6)
 
 
+def test_layer_orders_equal_the_reordered_layers_run_by_hand(family, batch):
+    """Orders run as data, a vmapped stack of them and layer-major (`run_grouped_orders`), are
+    each order's layers called one at a time by their original index, in every family: a swapped
+    layer keeps its own kind (Qwen3-MoE's and DeepSeek-V3's dense layer 0 among sparse ones), its
+    own window (Gemma's, GPT-OSS's sliding layers), its own rotary (SmolLM3's layer 1 without).
+    The by-hand layers read their index as a Python int (their kind, window and rotary chosen
+    while tracing), the vmapped stack as a traced one (chosen inside the program)."""
+    config, params = family
+    L = config.num_layers
+    orders = [identity_order(L), drop_block(L, 0, 1), swap_pair(L, 0), repeat_block(L, L - 1, 1)]
+    steps = [[int(i) for i in np.asarray(o.layers)[:, 0]] for o in orders]  # one layer per step
+    stacked = stack_orders(orders)
+    plan = group_orders(stacked, L)
+    tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+
+    @jax.jit
+    def as_data(params, order):  # one program: the plain forward and the orders run as data
+        h0 = embed(params, tokens, config)
+        plain = run_layers(params, h0, config, valid=valid)[0]
+        intact = run_layers(params, h0, config, valid=valid, run=LayerRun(order=identity_order(L)))[0]
+        stack = jax.vmap(lambda o: run_layers(params, h0, config, valid=valid, run=LayerRun(order=o))[0])(order)
+        return plain, intact, stack, run_grouped_orders(params, h0, config, plan, valid=valid)[0]
+
+    @jax.jit
+    def by_hand(params):
+        # one run_layer call per step; a prefix two orders share is run once (the repeat is the
+        # intact run and one more layer), which keeps the unrolled program small
+        runs = {(): embed(params, tokens, config)}
+        for layers in steps:
+            for n, i in enumerate(layers):
+                if tuple(layers[: n + 1]) not in runs:
+                    h = runs[tuple(layers[:n])]
+                    runs[tuple(layers[: n + 1])] = run_layer(params, i, h, config, valid=valid).out
+        return jnp.stack([runs[tuple(layers)] for layers in steps])
+
+    plain, intact, stack, grouped = map(np.asarray, as_data(params, LayerOrder(*map(jnp.asarray, stacked))))
+    expected = np.asarray(by_hand(params))
+    # (a scan over traced indices, vmapped, and a program of unrolled layers round float32 apart)
+    tol = 1e-6 * np.abs(expected).max()
+    for c, order in enumerate(orders):
+        what = describe_order(order)
+        assert_close(stack[c], expected[c], f"vmapped {what}", tol=tol)
+        assert_close(grouped[c], expected[c], f"layer-major {what}", tol=tol)
+    # A step of one layer is that layer's output, so the intact order alone is the plain forward
+    # bit for bit. A member of the vmapped stack is not: batched over the orders, it rounds apart
+    # from the order alone (by up to 5e-6 in the families with q/k norms: Gemma 3, OLMo 2, OLMoE,
+    # Qwen3-MoE, DeepSeek-V3's latents), which the tolerance above covers.
+    np.testing.assert_array_equal(intact, plain)
+    # the orders change the residual, so that agreeing with the hand-run layers says something
+    for c in range(1, len(orders)):
+        assert np.abs(expected[c] - expected[0]).max() > 1e-2, describe_order(orders[c])
+
+
 def _pairs():
     rng = np.random.default_rng(5)
     clean = rng.integers(3, 300, (2, 14))
@@ -298,12 +362,16 @@ def test_edges_give_the_clean_and_the_corrupt_run(family):
 
 def test_atp_star_runs_every_node_kind_of_every_family(family):
     """AtP* reads each family's attention as the layer computes it (GPT-OSS's sinks included:
-    `attend` refuses a call without them) and a mixture's output as one MLP node."""
+    `attend` refuses a call without them), a mixture's output as one MLP node and its experts'
+    hidden units as its neurons (refused by name among dense layers)."""
     config, params = family
-    kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.is_moe else ("neurons",))
+    kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.mixed_mlps else ("neurons",))
     scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
     for kind in kinds:
         assert np.all(np.isfinite(scores.of(kind))), kind
+    if config.mixed_mlps:
+        with pytest.raises(ValueError, match="dense layers among its mixtures"):
+            atp_star(params, _pairs(), config, logit_difference, kinds=("neurons",))
     # (queries may all be 0: under the 6-token window of these tests no later query sees the change)
     for kind in ("heads", "mlps", "keys", "values"):
         assert np.abs(scores.of(kind)).max() > 0, kind

@@ -18,7 +18,7 @@ from jaxdepth.core.layer import layer_context, layer_step, norm
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed, forward, random_params
 from jaxdepth.core.primitives import ACTIVATIONS
-from jaxdepth.core.sites import InterventionError, skip, unchanged
+from jaxdepth.core.sites import Intervention, InterventionError, skip, unchanged
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
@@ -49,11 +49,12 @@ def _records(interventions=None):
     return run_layers(PARAMS, embed(PARAMS, TOKENS, CONFIG), CONFIG, interventions=interventions, tap=_tap)[1]
 
 
-def _expert(layer: int, e: int, x):
-    """Expert e of `layer` on `x`, written out."""
+def _expert(layer: int, e: int, x, hidden: bool = False):
+    """Expert e of `layer` on `x`, written out (its hidden units where `hidden`)."""
     p = PARAMS["layers"]
     gate, up, down = (np.asarray(p[name][layer, e]) for name in ("expert_gate", "expert_up", "expert_down"))
-    return np.asarray(ACTIVATIONS["silu"](x @ gate)) * (x @ up) @ down
+    units = np.asarray(ACTIVATIONS["silu"](x @ gate)) * (x @ up)
+    return units if hidden else units @ down
 
 
 def _normed(records, layer: int):
@@ -64,7 +65,7 @@ def _normed(records, layer: int):
 @pytest.mark.parametrize("pattern", ["random", "one expert", "two experts"])
 def test_the_blocks_equal_every_expert_on_every_token(shape, pattern):
     """Whatever the choice (spread, or every token on the same experts: one block of padding
-    after another), each slot holds its expert's output on its token."""
+    after another), each slot holds its expert's output and hidden units on its token."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((*shape, CONFIG.hidden_size)).astype(np.float32)
     if pattern == "random":
@@ -74,10 +75,11 @@ def test_the_blocks_equal_every_expert_on_every_token(shape, pattern):
     else:
         chosen = np.where(rng.random((*shape, 1)) < 0.5, np.array([0, 5]), np.array([5, 0]))
     p = jax.tree.map(lambda w: w[1], PARAMS["layers"])
-    got = np.asarray(jax.jit(experts.expert_outputs, static_argnums=3)(p, x, jnp.asarray(chosen), CONFIG))
-    want = np.stack([[_expert(1, e, x[b, t]) for e in range(E)] for b, t in np.ndindex(shape)])
-    want = np.take_along_axis(want, chosen.reshape(-1, K)[:, :, None], axis=1).reshape(got.shape)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=ROUNDING)
+    got, hidden = jax.jit(experts.expert_outputs, static_argnums=3)(p, x, jnp.asarray(chosen), CONFIG)
+    for value, units in ((got, False), (hidden, True)):
+        want = np.stack([[_expert(1, e, x[b, t], units) for e in range(E)] for b, t in np.ndindex(shape)])
+        want = np.take_along_axis(want, chosen.reshape(-1, K)[:, :, None], axis=1).reshape(value.shape)
+        np.testing.assert_allclose(value, want, rtol=1e-5, atol=ROUNDING)
     tokens = shape[0] * shape[1]
     assert K * tokens <= experts.executed_rows(tokens, CONFIG) <= max(1.5 * K * tokens, K * tokens + 1)
 
@@ -366,3 +368,25 @@ def test_a_forward_never_copies_a_layers_experts():
     compiled = jax.jit(lambda p, t: forward(p, t, config)).lower(params, tokens).compile()
     one_layer = sum(params["layers"][name][0].nbytes for name in ("expert_gate", "expert_up", "expert_down"))
     assert compiled.memory_analysis().temp_size_in_bytes < one_layer / 2
+
+
+def test_an_edit_of_an_experts_hidden_unit_moves_its_output_by_its_down_row():
+    """Site `expert_hidden` (each chosen expert's gated units before its down projection): an
+    edit of one unit of the best expert's slot at layer 1 moves that layer's MLP output by the
+    weight times the change times that expert's down-projection row, and nothing before it."""
+
+    f = 5
+
+    def zero_unit(value, layer, _):
+        return jnp.where((layer == 1) & (jnp.arange(K) == 0)[:, None] & (jnp.arange(value.shape[-1]) == f), 0.0, value)
+
+    tap = lambda r, _: dict(mlp=r.mlp, hidden=r.expert_hidden, choice=r.expert_choice, weights=r.expert_weights)  # noqa: E731
+    run = jax.jit(lambda ivs: run_layers(PARAMS, embed(PARAMS, TOKENS, CONFIG), CONFIG, interventions=ivs, tap=tap)[1])
+    clean, edited = run(()), run(Intervention("expert_hidden", zero_unit))
+    np.testing.assert_array_equal(edited["mlp"][0], clean["mlp"][0])
+    best = np.asarray(clean["choice"][1, ..., 0])  # [B, T]
+    weight = np.take_along_axis(np.asarray(clean["weights"][1]), best[..., None], -1)[..., 0]
+    down = np.asarray(PARAMS["layers"]["expert_down"][1])[best, f]  # [B, T, D]
+    want = clean["mlp"][1] - (weight * np.asarray(clean["hidden"][1, ..., 0, f]))[..., None] * down
+    np.testing.assert_allclose(edited["mlp"][1], want, rtol=1e-5, atol=ROUNDING)
+    assert np.all(np.asarray(edited["hidden"][1, ..., 0, f]) == 0)

@@ -9,10 +9,15 @@ Nodes (`NODE_KINDS`; the index of a node in its score array, after the pair axis
     heads    a head's output at a position (before o_proj)                  (layer, head, position)
     mlps     an MLP's output at a position                                  (layer, position)
     neurons  an MLP hidden unit at every position                           (layer, unit)
+             a mixture's: an expert's hidden unit, wherever it runs         (layer, expert, unit)
 
 A node is patched when it takes its value in the corrupt run and everything after it is
-recomputed (`jaxdepth.analyses.edges.patching.node_effects` does so exactly). A key or value of a
-grouped-query model is one query head's reading of its group's key: patched for that head alone.
+recomputed (`jaxdepth.analyses.edges.patching.node_effects` does so exactly). A key or value of
+a grouped-query model is one query head's reading of its group's key: patched for that head
+alone. An expert's hidden unit runs on the tokens the clean run routes to its expert: its
+corrupt value there is the expert's unit on the corrupt input under the clean run's routing
+(`jaxdepth.core.experts.follow_routing`), since the corrupt run may route those tokens
+elsewhere.
 
 Definitions (per pair; F the user's metric, as edge attribution's; every estimate is of the
 drop F(clean) - F(clean with the node patched), the sign of EAP and of `node_effects`):
@@ -54,6 +59,7 @@ from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
+from jaxdepth.core.experts import follow_routing
 from jaxdepth.core.layer import attend, context_of_layer, layer_context
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
@@ -62,7 +68,17 @@ from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import Intervention, as_interventions, probe, site_shape
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 
-__all__ = ["NODE_KINDS", "ATP_METHODS", "NodeAttribution", "atp_star", "node_shape", "missed_nodes"]
+__all__ = [
+    "NODE_KINDS",
+    "ATP_METHODS",
+    "NodeAttribution",
+    "atp_star",
+    "node_shape",
+    "node_index",
+    "refuse_mixed_neurons",
+    "expert_units_on",
+    "missed_nodes",
+]
 
 NODE_KINDS = ("queries", "keys", "values", "heads", "mlps", "neurons")
 # The estimates `atp_star` computes, by name: (the QK fix, GradDrop).
@@ -77,7 +93,7 @@ PATCH_SITE = {
     "mlps": "mlp_out",
     "neurons": "mlp_hidden",
 }
-# What each axis of a node's index is (`node_shape`).
+# What each axis of a node's index is (`node_shape`; a mixture's neurons: `node_index`).
 NODE_INDEX = {kind: ("layer", "head", "position") for kind in ("queries", "keys", "values", "heads")} | {
     "mlps": ("layer", "position"),
     "neurons": ("layer", "unit"),
@@ -85,12 +101,30 @@ NODE_INDEX = {kind: ("layer", "head", "position") for kind in ("queries", "keys"
 _GRADIENT_SITE = {"heads": "head_out", "mlps": "mlp_out", "neurons": "mlp_hidden"}
 
 
+def node_index(kind: str, config: ModelConfig) -> tuple[str, ...]:
+    """What each axis of a node of `kind` is in `config`'s model (`NODE_INDEX`; a mixture's
+    neurons are (layer, expert, unit))."""
+    _check_kind(kind)
+    return ("layer", "expert", "unit") if kind == "neurons" and config.is_moe else NODE_INDEX[kind]
+
+
 def node_shape(kind: str, config: ModelConfig, seq_len: int) -> tuple:
     """The shape of one pair's scores of `kind`: the index of a node (module docstring)."""
     _check_kind(kind)
     L = config.num_layers
-    shapes = {"mlps": (L, seq_len), "neurons": (L, config.intermediate_size)}
+    neurons = (L, config.num_experts, config.intermediate_size) if config.is_moe else (L, config.intermediate_size)
+    shapes = {"mlps": (L, seq_len), "neurons": neurons}
     return shapes.get(kind, (L, config.num_heads, seq_len))
+
+
+def refuse_mixed_neurons(config: ModelConfig) -> None:
+    """Neurons of layers of two kinds (a dense MLP's units beside experts') have no one index:
+    refused by name."""
+    if config.mixed_mlps:
+        raise ValueError(
+            "node kind 'neurons' in a model with dense layers among its mixtures of experts "
+            f"(dense_layers {config.dense_layers}) is not implemented: the two kinds' units have no one index"
+        )
 
 
 def _check_kind(kind: str) -> None:
@@ -179,10 +213,8 @@ def atp_star(
         _check_kind(kind)
     if not kinds:
         raise ValueError(f"no node kinds given; kinds: {', '.join(NODE_KINDS)}")
-    if "neurons" in kinds and config.is_moe:
-        raise ValueError(
-            "node kind 'neurons' reads a dense MLP's hidden units; this model's MLPs are mixtures of experts"
-        )
+    if "neurons" in kinds:
+        refuse_mixed_neurons(config)
     pairs.check(config, metric)
     check_interventions(interventions, EdgeGraph.of(config))
     B, T = pairs.clean.shape
@@ -220,13 +252,27 @@ def _hold_delta(value, layer, dropped):
 
 
 def _node_values(params, tokens, valid, config: ModelConfig, interventions):
-    """Every layer's values the estimates read, `[L, B, T, ...]` each (float32), and the final
-    residual."""
-    tap = lambda r, _: dict(q=r.q, k=r.k, v=r.v, head_out=r.head_out, mlp_out=r.mlp, mlp_hidden=r.mlp_hidden)  # noqa: E731
+    """Every layer's values the estimates read, `[L, B, T, ...]` each (float32; a mixture's
+    expert hidden units and choice in place of `mlp_hidden`), and the final residual."""
+
+    def tap(r, _):
+        units = dict(expert_hidden=r.expert_hidden, choice=r.expert_choice) if config.is_moe else {}
+        return dict(q=r.q, k=r.k, v=r.v, head_out=r.head_out, mlp_out=r.mlp, mlp_hidden=r.mlp_hidden, **units)
+
     h, values = run_layers(
         params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap
     )
-    return h, jax.tree.map(lambda x: x.astype(jnp.float32), values)
+    return h, jax.tree.map(lambda x: x if x.dtype == jnp.int32 else x.astype(jnp.float32), values)
+
+
+def expert_units_on(params, tokens, valid, choice, config: ModelConfig, interventions):
+    """`[L, B, T, k, F]` (float32): the experts' hidden units on `tokens` with the routing
+    `choice` `[L, B, T, k]` (another run's, slot by slot: `follow_routing`), where an expert
+    neuron's patch reads its corrupt value."""
+    tap = lambda r, _: r.expert_hidden  # noqa: E731
+    ivs = (*as_interventions(interventions), follow_routing(choice))
+    units = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=tap)[1]
+    return units.astype(jnp.float32)
 
 
 @partial(jit, static_argnames=("config", "metric", "kinds", "qk_fix", "chunk"))
@@ -239,7 +285,12 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
     pairs = with_clean_logits(params, pairs, h_clean, config, metric)
     f_corrupt = final_metric(params, metric, h_corrupt, pairs, config)
     B, T = pairs.clean.shape
-    sites = sorted({_GRADIENT_SITE.get(kind, "head_out") for kind in kinds})
+    if "neurons" in kinds and config.is_moe:  # the clean run's experts on the corrupt input
+        corrupt["expert_hidden"] = expert_units_on(params, pairs.corrupt, pairs.valid, clean["choice"], config, ivs)
+    gradient_site = lambda kind: (
+        "expert_hidden" if kind == "neurons" and config.is_moe else _GRADIENT_SITE.get(kind, "head_out")
+    )  # noqa: E731
+    sites = sorted({gradient_site(kind) for kind in kinds})
     h0 = embed(params, pairs.clean, config)
 
     def per_drop(layer):
@@ -257,7 +308,7 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
 
         zeros = {s: jnp.zeros((config.num_layers,) + site_shape(s, config, B, T), jnp.float32) for s in sites}
         grads, f = jax.grad(value, has_aux=True)(zeros)
-        drops = _output_estimates(grads, clean, corrupt, kinds)
+        drops = _output_estimates(grads, clean, corrupt, kinds, config)
         if any(kind in ATTENTION_KINDS for kind in kinds):
             drops["head_out_gradient"] = grads["head_out"]
         return drops, f
@@ -272,15 +323,19 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
     return f[0], f_corrupt, drops
 
 
-def _output_estimates(grads: dict, clean: dict, corrupt: dict, kinds) -> dict:
-    """AtP of heads, MLPs and neurons from F's gradients at their sites: `[B, *node_shape]`."""
+def _output_estimates(grads: dict, clean: dict, corrupt: dict, kinds, config: ModelConfig) -> dict:
+    """AtP of heads, MLPs and neurons from F's gradients at their sites: `[B, *node_shape]` (an
+    expert's unit summed over the slots of the tokens routed to it)."""
     drop = lambda site: grads[site] * (clean[site] - corrupt[site])  # noqa: E731
     out = {}
     if "heads" in kinds:  # [L, B, T, H, Dh] -> [B, L, H, T]
         out["heads"] = jnp.einsum("lbthd->blht", drop("head_out"))
     if "mlps" in kinds:
         out["mlps"] = jnp.einsum("lbtd->blt", drop("mlp_out"))
-    if "neurons" in kinds:
+    if "neurons" in kinds and config.is_moe:
+        routed = jax.nn.one_hot(clean["choice"], config.num_experts, dtype=jnp.float32)  # [L, B, T, k, E]
+        out["neurons"] = jnp.einsum("lbtkf,lbtke->blef", drop("expert_hidden"), routed)
+    elif "neurons" in kinds:
         out["neurons"] = jnp.einsum("lbtf->blf", drop("mlp_hidden"))
     return out
 

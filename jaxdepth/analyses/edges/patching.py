@@ -42,7 +42,13 @@ from jaxdepth.analyses.edges.readers import (
     patched_sets,
     run_metric,
 )
-from jaxdepth.analyses.edges.atp_star import NODE_INDEX, PATCH_SITE, node_shape
+from jaxdepth.analyses.edges.atp_star import (
+    PATCH_SITE,
+    expert_units_on,
+    node_index,
+    node_shape,
+    refuse_mixed_neurons,
+)
 from jaxdepth.analyses.edges.scores import hidden_units, pair_runs, suffix_run, with_clean_logits
 from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core import sites
@@ -151,12 +157,15 @@ def edge_effects(
     return out
 
 
-def _node_where(kind: str, node, config: ModelConfig, seq_len: int):
+def _node_where(kind: str, node, config: ModelConfig, seq_len: int, choice=None):
     """Where `sites.patch` patches node `node` of `kind` (`atp_star.NODE_KINDS`): one row per
-    layer, true at the node alone."""
+    layer, true at the node alone (a mixture's neuron: in the slots of the tokens `choice`, the
+    clean run's `[L, B, T, k]`, routes to its expert)."""
     L, H, F = config.num_layers, config.num_heads, config.intermediate_size
     hot = lambda n, i: jnp.arange(n) == i  # noqa: E731
     layer = hot(L, node[0])
+    if kind == "neurons" and config.is_moe:  # [L, B, T, k, F]: the expert's unit wherever it runs
+        return layer[:, None, None, None, None] & (choice == node[1])[..., None] & hot(F, node[2])
     if kind == "neurons":  # [L, 1, 1, F]: the unit at every position
         return layer[:, None, None, None] & hot(F, node[1])[None, None, None, :]
     if kind == "mlps":  # [L, 1, T, 1]
@@ -170,29 +179,40 @@ def _node_where(kind: str, node, config: ModelConfig, seq_len: int):
 
 
 @partial(jit, static_argnames=("config", "metric", "kind"))
-def _node_runs(params, pairs: PromptPairs, nodes, cached, interventions, *, config, metric, kind):
+def _node_runs(params, pairs: PromptPairs, nodes, cached, choice, interventions, *, config, metric, kind):
     """F `[c, B]` with node `nodes[i]` of `kind` at its corrupt value (`cached`, every layer's
-    values at the kind's site in the corrupt run)."""
+    values at the kind's site in the corrupt run; `choice` the clean run's experts, or None)."""
     h0 = embed(params, pairs.clean, config)
+    site = "expert_hidden" if kind == "neurons" and config.is_moe else PATCH_SITE[kind]
 
     def one(node):
-        where = _node_where(kind, node, config, pairs.clean.shape[1])
-        ivs = (interventions, sites.patch(PATCH_SITE[kind], cached, where))
+        where = _node_where(kind, node, config, pairs.clean.shape[1], choice)
+        ivs = (interventions, sites.patch(site, cached, where))
         h, _ = run_layers(params, h0, config, valid=pairs.valid, interventions=ivs)
         return final_metric(params, metric, h, pairs, config)
 
     return jax.vmap(one)(nodes)
 
 
-def _corrupt_values(params, pairs: PromptPairs, config: ModelConfig, kind: str, interventions):
+def _corrupt_values(params, pairs: PromptPairs, config: ModelConfig, kind: str, interventions, choice=None):
     """`[L, B, T, ...]`: what `kind`'s site holds in the corrupt run (a head's query, key and
-    value inputs: the layer's input h_l, as each head reads it)."""
+    value inputs: the layer's input h_l, as each head reads it; a mixture's neurons: the
+    experts' units on the corrupt input under the clean routing `choice`)."""
+    if kind == "neurons" and config.is_moe:
+        return expert_units_on(params, pairs.corrupt, pairs.valid, choice, config, interventions)
     tap = {
         "heads": lambda r, _: r.head_out,
         "mlps": lambda r, _: r.mlp,
         "neurons": lambda r, _: r.mlp_hidden,
     }.get(kind, lambda r, _: jnp.broadcast_to(r.h[:, :, None], r.h.shape[:2] + (config.num_heads, r.h.shape[-1])))
     h0 = embed(params, pairs.corrupt, config)
+    return run_layers(params, h0, config, valid=pairs.valid, interventions=interventions, tap=tap)[1]
+
+
+def _clean_choice(params, pairs: PromptPairs, config: ModelConfig, interventions):
+    """`[L, B, T, k]`: the experts the clean run routes each token to, at every layer."""
+    tap = lambda r, _: r.expert_choice  # noqa: E731
+    h0 = embed(params, pairs.clean, config)
     return run_layers(params, h0, config, valid=pairs.valid, interventions=interventions, tap=tap)[1]
 
 
@@ -211,29 +231,42 @@ def node_effects(
     run), per pair: the exact effect that AtP (`atp_star`) estimates. Nodes as
     `jaxdepth.analyses.edges.atp_star` indexes them: (layer, head, position) for queries, keys,
     values and heads, (layer, position) for MLPs, (layer, unit) for neurons (a hidden unit at
-    every position). `interventions` act on every run; `execution.chunk_size` nodes are
-    vmapped at once (default what the memory allows)."""
+    every position; a mixture's: (layer, expert, unit), the expert's unit wherever the clean run
+    routes to it, at its value on the corrupt input under the clean routing). `interventions`
+    act on every run; `execution.chunk_size` nodes are vmapped at once (default what the memory
+    allows)."""
     graph = EdgeGraph.of(config)
     metric = edge_metric(metric, "node_effects", pairs)
     pairs.check(config, metric)
     check_interventions(interventions, graph)
+    if kind == "neurons":
+        refuse_mixed_neurons(config)
     shape = node_shape(kind, config, pairs.clean.shape[1])
     index = np.asarray(nodes, np.int64).reshape(-1, len(shape))
     if len(index) == 0:
         raise ValueError("no nodes given")
     bad = np.any((index < 0) | (index >= np.array(shape)), axis=1)
     if bad.any():
-        ranges = ", ".join(f"{name} in 0..{n - 1}" for name, n in zip(NODE_INDEX[kind], shape))
+        ranges = ", ".join(f"{name} in 0..{n - 1}" for name, n in zip(node_index(kind, config), shape))
         raise ValueError(f"a node of {kind} is ({ranges}); got {index[bad][0].tolist()}")
     clean, _ = pair_runs(params, pairs, config, interventions)
     pairs = with_clean_logits(params, pairs, clean.final, config, metric, "node_effects")
     f_clean = run_metric(params, metric, clean, pairs, config, clean=True)
-    cached = _corrupt_values(params, pairs, config, kind, interventions)
+    choice = _clean_choice(params, pairs, config, interventions) if kind == "neurons" and config.is_moe else None
+    cached = _corrupt_values(params, pairs, config, kind, interventions, choice)
     chunk = _chunk(config, pairs, 0, len(index), execution)
     run = lambda part: (
         f_clean[None]
         - _node_runs(
-            params, pairs, jnp.asarray(part, jnp.int32), cached, interventions, config=config, metric=metric, kind=kind
+            params,
+            pairs,
+            jnp.asarray(part, jnp.int32),
+            cached,
+            choice,
+            interventions,
+            config=config,
+            metric=metric,
+            kind=kind,
         )
     )
     return in_chunks(run, index, chunk, execution, f"exact patching of {kind} (chunks)")

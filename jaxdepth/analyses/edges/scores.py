@@ -554,7 +554,7 @@ def edge_attribution(
     mask = jnp.asarray(graph.edge_mask)
     bound, converged = np.full(B, np.nan), np.zeros(B, bool)
     scores = np.zeros((B, graph.num_writers, graph.num_readers), np.float32)
-    detail = _edge_detail(scoring.detail, ablation, graph)
+    detail = _edge_detail(scoring.detail, ablation, graph, config)
     positions = np.zeros(scores.shape + (T,), np.float32) if "positions" in detail else None
     neurons, delta_hidden = None, None
     if "neurons" in detail:
@@ -646,10 +646,15 @@ def _edge_rule(method: str, rule) -> Optional[rules.Rule]:
     return rule
 
 
-def _edge_detail(detail: tuple, ablation, graph: EdgeGraph) -> tuple[str, ...]:
+def _edge_detail(detail: tuple, ablation, graph: EdgeGraph, config: ModelConfig) -> tuple[str, ...]:
     """`detail` (names of `DETAILS`, `Scoring` checked them) checked against the ablation and
     the graph: 'neurons' needs the corrupt run's hidden units and an MLP output linear in them
-    (no norm after the MLP)."""
+    (no norm after the MLP), and a dense MLP's units (a mixture's neurons are AtP's)."""
+    if "neurons" in detail and config.is_moe:
+        raise ValueError(
+            "edge neuron scores read a dense MLP's hidden units; a mixture's neurons are its experts' hidden units, "
+            "which atp_star(..., kinds=['neurons']) scores and node_effects(..., 'neurons', ...) patches"
+        )
     if "neurons" in detail and (ablation.kind != "corrupt" or graph.post_norms):
         why = "under the corrupt ablation only" if ablation.kind != "corrupt" else "without a norm after the MLP"
         raise ValueError(
