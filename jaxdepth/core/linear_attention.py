@@ -108,6 +108,12 @@ class LinearState(NamedTuple):
 # ----------------------------------------------------------------------------- the convolution
 
 
+def _wide(dtype):
+    """The type the rule computes in: float32, or float64 for float64 inputs (a reference run
+    under `jax_enable_x64`)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def causal_conv(
     x: Float[Array, "B T C"], weight: Float[Array, "C K"], state: Optional[Float[Array, "B C Km1"]] = None
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B C Km1"]]:
@@ -128,8 +134,8 @@ def causal_conv(
     if state is None:
         state = jnp.zeros((B, C, K - 1), x.dtype)
     history = jnp.concatenate([jnp.swapaxes(state, 1, 2).astype(x.dtype), x], axis=1)  # [B, T+K-1, C]
-    read = history.astype(weight.dtype).astype(jnp.float32)
-    w = weight.astype(jnp.float32)
+    read = history.astype(weight.dtype).astype(_wide(history.dtype))
+    w = weight.astype(_wide(weight.dtype))
     acc = read[:, 0:T] * w[:, 0]
     for j in range(1, K):  # a static loop over the kernel's taps
         acc = acc + read[:, j : j + T] * w[:, j]
@@ -155,19 +161,20 @@ def _prepared(q, k, v, g, beta, state):
     Hv, Dv = v.shape[-2:]
     # repeat_interleave: key head i serves value heads i*G .. i*G+G-1
     q, k = (jnp.repeat(a, Hv // Hk, axis=2) for a in (q, k))
-    q, k, v = (jnp.swapaxes(a, 1, 2).astype(jnp.float32) for a in (q, k, v))
-    g, beta = (jnp.swapaxes(a, 1, 2).astype(jnp.float32) for a in (g, beta))
+    wide = _wide(q.dtype)
+    q, k, v = (jnp.swapaxes(a, 1, 2).astype(wide) for a in (q, k, v))
+    g, beta = (jnp.swapaxes(a, 1, 2).astype(wide) for a in (g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
     if state is None:
-        state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
-    return q, k, v, g, beta, state.astype(jnp.float32)
+        state = jnp.zeros((B, Hv, Dk, Dv), wide)
+    return q, k, v, g, beta, state.astype(wide)
 
 
 def _recurrent(q, k, v, g, beta, state):
     """The rule position by position (`torch_recurrent_gated_delta_rule`), head-major float32
     inputs; the state `[B, Hv, Dk, Dv]`. Elementwise products and sums as torch's, not matmuls,
     so each step is the same float32 arithmetic."""
-    q = q / jnp.float32(q.shape[-1] ** 0.5)  # this form divides (the chunked one multiplies)
+    q = q / jnp.asarray(q.shape[-1] ** 0.5, q.dtype)  # this form divides (the chunked one multiplies)
 
     def step(S, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs  # [B, Hv, Dk] [B, Hv, Dk] [B, Hv, Dv] [B, Hv] [B, Hv]
@@ -208,7 +215,7 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
     q, k, v, which leave the state and the real positions' outputs as they are."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
-    q = q * jnp.float32(Dk**-0.5)
+    q = q * jnp.asarray(Dk**-0.5, q.dtype)
     pad = -T % chunk
     q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
     g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
@@ -284,10 +291,10 @@ def gated_rms_norm(x: Float[Array, "... Dv"], gate: Float[Array, "... Dv"], weig
     """`Qwen3_5RMSNormGated`: RMSNorm of each value head's output `x` in float32, cast back to
     `x`'s type, times `weight` (type promotion as torch's), times `silu(gate)` taken in float32,
     and the product cast to `x`'s type. (The gate follows the norm: norm, then gate.)"""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(_wide(x.dtype))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = weight * x32.astype(x.dtype)
-    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    return (y * jax.nn.silu(gate.astype(_wide(gate.dtype)))).astype(x.dtype)
 
 
 def gated_delta_net(
@@ -329,8 +336,8 @@ def gated_delta_net(
     k = mixed[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
     v = mixed[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
     beta = jax.nn.sigmoid(b)
-    a32 = a.astype(jnp.float32) + p["linear_dt_bias"].astype(jnp.float32)
-    g = -jnp.exp(p["linear_A_log"].astype(jnp.float32)) * jax.nn.softplus(a32)
+    a32 = a.astype(_wide(a.dtype)) + p["linear_dt_bias"].astype(_wide(a.dtype))
+    g = -jnp.exp(p["linear_A_log"].astype(a32.dtype)) * jax.nn.softplus(a32)
     heads, recurrent = gated_delta_rule(
         q, k, v, g, beta, None if state is None else state.recurrent, chunk=chunk if T > 1 else None
     )
