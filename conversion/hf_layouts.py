@@ -83,6 +83,11 @@ def _view(fused: np.ndarray, part: str, config: ModelConfig) -> Callable[[], np.
 
     def cut():
         x = np.asarray(fused)
+        if part in ("gated_q", "gated_gate"):  # Qwen3.5's q_proj: rows per head [query_h | gate_h]
+            per_head = x.reshape((H, 2, Dh) + x.shape[1:])
+            return per_head[:, 0 if part == "gated_q" else 1].reshape((H * Dh,) + x.shape[1:])
+        if part == "conv":  # a depthwise Conv1d's [C, 1, K] -> [C, K]
+            return x[:, 0, :]
         if part == "T":  # [in, out] (per expert in a stack of them) -> [out, in]
             return np.swapaxes(x, -1, -2)
         if part in ("rope", "rope_last"):  # DeepSeek's rotated dims: pairs -> halves

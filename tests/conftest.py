@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import zlib
 import importlib.util
 import json
 import os
@@ -360,6 +361,24 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 TINY_VARIANTS.update(FAMILY_VARIANTS)
+# Qwen3.5: linear attention (the gated delta rule) on layers 0, 1 and 3, gated full attention with
+# partial rotary on layer 2 (its default pattern, every 4th full), grouped value heads.
+HYBRID_VARIANTS = ("qwen3_5_hybrid",)  # compared against a float64 reference (`tests/core/test_parity_hybrid.py`)
+TINY_VARIANTS["qwen3_5_hybrid"] = dict(
+    arch="qwen3_5",
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 12345.0, "partial_rotary_factor": 0.5},
+    tie_word_embeddings=False,
+)
 # Phi-3's long-context rotary scaling (the 128k and 3.5 models), its original context cut to 24
 # tokens so that a short prompt takes the short factors and a longer one the long factors.
 TINY_VARIANTS["phi3_longrope"] = dict(
@@ -406,6 +425,7 @@ _HF_CLASSES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }
@@ -451,6 +471,21 @@ def tiny_hf_config(name: str):
     return config_class(**kwargs), model_class
 
 
+# The seeds of the variants as they were first numbered (their sorted order then); a variant added
+# since takes a seed from its name, so that a new variant never reseeds the others.
+_FIRST_SEEDS = (
+    "deepseek_v3_latent deepseek_v3_q_proj gemma2_softcapped gemma3_local_rope gpt2 gpt_oss_sinks "
+    "llama31_rope_scaled llama_gqa_untied llama_mha_tied mistral_window mixtral_experts neox_sequential "
+    "olmo2_post_norm olmoe_experts phi3_longrope phi3_partial_rotary pythia_parallel qwen2_gqa_tied "
+    "qwen2_gqa_untied qwen2_mha_untied qwen3_gqa qwen3_moe_experts smollm3_nope"
+).split()
+
+
+def tiny_seed(name: str) -> int:
+    """The weights' seed of tiny variant `name`: stable when variants are added."""
+    return _FIRST_SEEDS.index(name) if name in _FIRST_SEEDS else zlib.crc32(name.encode()) % 2**31
+
+
 def build_tiny_model(name: str, seed: int = 0):
     """A tiny random transformers model of variant `name`, with biases and norm weights
     randomised (HF initialises them to 0 and 1, which would hide transposition / omission bugs)."""
@@ -481,7 +516,7 @@ def tiny_model(tmp_path_factory) -> Callable[[str], TinyModel]:
 
     def make(name: str) -> TinyModel:
         if name not in cache:
-            model = build_tiny_model(name, seed=sorted(TINY_VARIANTS).index(name))
+            model = build_tiny_model(name, seed=tiny_seed(name))
             folder = tmp_path_factory.mktemp(f"hf-{name}")
             model.save_pretrained(str(folder))  # safetensors, the default
             cache[name] = TinyModel(name=name, folder=str(folder), model=model, config=model.config)

@@ -117,6 +117,14 @@ class ModelConfig:
     Layers without positions (`nope_layers`, SmolLM3's `no_rope_layers`): their queries and
     keys are not rotated; the other layers rotate as the rotary fields say.
 
+    Linear attention (`linear_layers`, Qwen3.5's `linear_attention` layers): those layers mix
+    positions by the gated delta rule (`jaxdepth.core.linear_attention`) in place of attention,
+    `linear_key_heads` heads of keys `linear_key_dim` wide serving `linear_value_heads` of values
+    `linear_value_dim` wide, after a causal convolution of `linear_conv_kernel` positions; their
+    weights stack over those layers only, as the attention's over the others.
+    `attention_gate` (Qwen3.5's full attention): each head's output is multiplied by the sigmoid
+    of a gate projected from the attention's input, before the output projection.
+
     Dense layers among sparse ones (`dense_layers`: DeepSeek-V3's first `first_k_dense_replace`,
     Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`): those layers have a dense gated
     MLP of width `dense_size` instead of the mixture. The layers then come in two kinds, whose
@@ -190,9 +198,16 @@ class ModelConfig:
     dense_layers: tuple = ()
     dense_size: int = 0
     nope_layers: tuple = ()
+    linear_layers: tuple = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_gate: bool = False
 
     def __post_init__(self):
-        lists = ("layer_types", "rope_short_factor", "rope_long_factor", "dense_layers", "nope_layers")
+        lists = ("layer_types", "rope_short_factor", "rope_long_factor", "dense_layers", "nope_layers", "linear_layers")
         for name in lists:  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -253,6 +268,20 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"nope_layers name layers of a rotary model without rotary positions, ascending and among its "
                 f"{self.num_layers} layers; got {self.nope_layers} (positions {self.positions!r})"
+            )
+        if self.linear_layers and not (
+            list(self.linear_layers) == sorted(set(self.linear_layers))
+            and 0 <= self.linear_layers[0]
+            and self.linear_layers[-1] < self.num_layers
+            and min(self.linear_key_heads, self.linear_key_dim, self.linear_value_dim, self.linear_conv_kernel) > 0
+            and self.linear_value_heads % self.linear_key_heads == 0
+        ):
+            raise UnsupportedConfigError(
+                f"linear_layers name the layers of linear attention, ascending and among the {self.num_layers} layers, "
+                "with its key and value heads (value heads a multiple of key heads), their widths and its "
+                f"convolution's kernel > 0; got {self.linear_layers}, heads {self.linear_key_heads} / "
+                f"{self.linear_value_heads}, widths {self.linear_key_dim} / {self.linear_value_dim}, kernel "
+                f"{self.linear_conv_kernel}"
             )
         if self.dense_size and not self.dense_layers:
             raise UnsupportedConfigError("dense_size is the width of dense_layers: give them, or 0")
@@ -331,6 +360,17 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the layers' MLP is a mixture of experts (`num_experts` > 0)."""
         return self.num_experts > 0
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is attention: all of them but `linear_layers`."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def mixed_mixers(self) -> bool:
+        """Whether layers of linear attention and of attention make up the model."""
+        return bool(self.linear_layers)
 
     @property
     def dense_mlp_layers(self) -> tuple[int, ...]:

@@ -568,6 +568,47 @@ def _deepseek_v3(r: _Reader) -> dict:
     )
 
 
+def _qwen3_5(r: _Reader) -> dict:
+    """Qwen3.5 (the text model): three of every four layers linear attention (the gated delta
+    rule after a causal convolution, `jaxdepth.core.linear_attention`), the others full
+    attention with a sigmoid gate on each head's output, q/k norms over each head, partial
+    rotary (a quarter of each head where the config is silent, as transformers defaults it);
+    RMSNorms scaling by 1 + w in float32. The multimodal rotary's sections (`mrope_section`)
+    coincide for text, whose three position grids are one: read, and inert."""
+    shapes = _shapes(r)
+    L = shapes["num_layers"]
+    types = r.get("layer_types")
+    if types is None:
+        interval = int(r.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(L)]
+    r.read.update({"layer_types", "full_attention_interval"})
+    if len(types) != L or set(types) - {"linear_attention", "full_attention"}:
+        r.refuse("layer_types", f"Qwen3.5's layers are linear_attention or full_attention, one per layer; got {types}")
+    rope = dict(r.hf.get("rope_parameters") or {})
+    rope.setdefault("partial_rotary_factor", 0.25)
+    for inert in ("mrope_section", "mrope_interleaved"):
+        rope.pop(inert, None)
+    r.read.update({"rope_parameters", "rope_scaling"})
+    if r.get("attention_bias"):
+        r.refuse("attention_bias", "biases in Qwen3.5's attention are not implemented")
+    return dict(
+        _common(r, shapes),
+        **_rope(r, shapes["head_dim"], rope, "rope_parameters"),
+        activation=r.activation("hidden_act"),
+        qkv_bias=False,
+        qk_norm=True,
+        norm_offset=1.0,
+        norm_scale_in_float32=True,
+        attention_gate=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        linear_key_heads=int(r.need("linear_num_key_heads")),
+        linear_value_heads=int(r.need("linear_num_value_heads")),
+        linear_key_dim=int(r.need("linear_key_head_dim")),
+        linear_value_dim=int(r.need("linear_value_head_dim")),
+        linear_conv_kernel=int(r.need("linear_conv_kernel_dim")),
+    )
+
+
 def _phi3(r: _Reader) -> dict:
     """Phi-3: Llama's layer with fused q/k/v and gate/up projections and a sliding window."""
     shapes = _shapes(r)
@@ -636,6 +677,7 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
+    "qwen3_5_text": _qwen3_5,
     "gemma2": _gemma,
     "gemma3_text": _gemma,
     "olmo2": _olmo2,

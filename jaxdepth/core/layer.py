@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
+from jaxdepth.core.linear_attention import LinearAttentionShape, gated_delta_net
 from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
@@ -47,6 +48,7 @@ __all__ = [
     "KeyValueBuffer",
     "attention_heads",
     "attend",
+    "gated_heads",
     "attention_output",
     "attention",
     "mlp_hidden",
@@ -69,6 +71,8 @@ __all__ = [
     "layer_weights",
     "LayerWeights",
     "one_kind",
+    "linear_shape",
+    "refuse_linear_prefix",
 ]
 
 
@@ -337,11 +341,25 @@ def attention_heads(
         write = lambda buffer, new: buffer.at[rows, :, prefix.position].set(new[:, 0].astype(buffer.dtype))  # noqa: E731
         k, v = write(prefix.keys, k), write(prefix.values, v)
         probs, heads = attend(q, k, v, mask, config, head_major=True, sinks=p.get("sinks"))
-        return q, k, v, probs, heads
+        return q, k, v, probs, gated_heads(p, x, heads, config)
     if prefix is not None:
         k, v = jnp.concatenate([prefix[0], k], axis=1), jnp.concatenate([prefix[1], v], axis=1)
     probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
-    return q, k, v, probs, heads
+    return q, k, v, probs, gated_heads(p, x, heads, config)
+
+
+def gated_heads(p: Params, x, heads: Float[Array, "B S H Dh"], config: ModelConfig) -> Float[Array, "B S H Dh"]:
+    """The heads' outputs, each times the sigmoid of its gate projected from the attention's
+    normed input `x` (`[B, S, D]`, or `[B, S, H, D]` in a layer split per head: each head's own
+    query input) where the family gates them (Qwen3.5, `ModelConfig.attention_gate`)."""
+    if not config.attention_gate:
+        return heads
+    B, S, H, Dh = heads.shape
+    if x.ndim == 4:  # each head's gate from its own query input
+        gate = project(x, p["attn_gate"].reshape(-1, H, Dh), "bshd,dhe->bshe")
+    else:
+        gate = project(x, p["attn_gate"]).reshape(B, S, H, Dh)
+    return heads * jax.nn.sigmoid(gate)
 
 
 def attend(
@@ -641,6 +659,8 @@ def layer_step(
     refuse_absent_sites(interventions, config)
     h = at("resid_pre", h)
     split = {}
+    if splits_layer(interventions) and config.mixed_mixers:
+        raise ValueError("a layer split per head among linear-attention layers is not implemented yet")
     if splits_layer(interventions):
         B, S, D = h.shape
         H = config.num_heads
@@ -656,10 +676,36 @@ def layer_step(
             k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
             v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
         probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
-        heads = at("head_out", heads)
+        heads = at("head_out", gated_heads(p, pre_norm(p, "attn_norm", split["q_in"], config), heads, config))
         per_head_o = p["o"].reshape(H, config.v_head_dim, D)
         split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
         a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
+    elif config.mixed_mixers:  # each layer its own mixer only: attention or linear attention
+        if prefix is not None:
+            refuse_linear_prefix(config)
+
+        def attention_branch(h, states):
+            nonlocal carried
+            outer, carried = carried, states
+            q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config)
+            heads = at("head_out", heads)
+            a = at("attn_out", attention_output(p, heads, config))
+            carried, states = outer, carried
+            return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads), states
+
+        def linear_branch(h, states):
+            nonlocal carried
+            outer, carried = carried, states
+            x = pre_norm(p, "attn_norm", h, config)
+            out, _ = gated_delta_net(p, x, linear_shape(config), valid=context.valid)
+            a = at("attn_out", _after_sublayer(p, "attn_post_norm", out, config))
+            carried, states = outer, carried
+            return a, {}, states
+
+        a, mixed, carried = one_kind(
+            _in_layers(index, config.linear_layers, config), attention_branch, linear_branch, h, carried
+        )
+        q, k, v, probs, heads = (mixed[name] for name in ("q", "k", "v", "attn_probs", "head_out"))
     else:
         q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, prefix)
         heads = at("head_out", heads)
@@ -686,7 +732,7 @@ def layer_step(
         return m, {"mlp_hidden": hidden}, states
 
     if config.mixed_mlps:  # each layer runs its own kind's MLP only
-        m, parts, carried = one_kind(_dense_layer(index, config), sparse, dense, x, carried)
+        m, parts, carried = one_kind(_in_layers(index, config.dense_layers, config), sparse, dense, x, carried)
     else:
         m, parts, carried = (sparse if config.is_moe else dense)(x, carried)
     m = at("mlp_out", m)
@@ -720,6 +766,7 @@ class LayerContext(NamedTuple):
     mask: Optional[Array]
     local_rotary: Optional[tuple] = None
     local_mask: Optional[Array] = None
+    valid: Optional[Array] = None  # [B, T] of a run from position 0: what linear attention zeroes
 
 
 def _context(rotary_of: Callable[[bool], Optional[tuple]], mask_of: Callable[[int], Array], config: ModelConfig):
@@ -764,7 +811,8 @@ def layer_context(h, valid, config, offset: int = 0) -> LayerContext:
     valid = jnp.ones((B, T), bool) if valid is None else valid
     long = longrope_rows(valid, config)
     rotary_of = lambda local: tuple(t[..., offset:, :] for t in rotary_tables(T, config, local, long))  # noqa: E731
-    return _context(rotary_of, lambda window: attention_mask(valid, offset, window), config)
+    context = _context(rotary_of, lambda window: attention_mask(valid, offset, window), config)
+    return context._replace(valid=valid) if offset == 0 and config.mixed_mixers else context
 
 
 def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig) -> LayerContext:
@@ -900,10 +948,34 @@ def layer_params(params: Params, i, config: ModelConfig) -> Params:
     return layer_weights(layer_row(every_layer_rows(params, config), i), params, i, config)
 
 
-def _dense_layer(index, config: ModelConfig):
-    """Whether layer `index` (traced or not) has a dense MLP, among layers of two kinds."""
-    dense = np.isin(np.arange(config.num_layers), config.dense_layers)
-    return bool(dense[index]) if isinstance(index, (int, np.integer)) else jnp.asarray(dense)[index]
+def refuse_linear_prefix(config: ModelConfig) -> None:
+    """Refuse a run from keys and values of earlier positions in a model with linear-attention
+    layers, which carry a recurrent state instead."""
+    if config.mixed_mixers:
+        raise ValueError(
+            "linear attention carries a recurrent state, not keys and values: runs from a prefix of keys and "
+            "values (suffix runs, erasure's reuse of the clean prefix, decoding) are not implemented for a model "
+            "with linear-attention layers yet"
+        )
+
+
+def _in_layers(index, layers: tuple, config: ModelConfig):
+    """Whether layer `index` (traced or not) is one of `layers` (a kind's: the dense among
+    sparse ones, the linear-attention ones)."""
+    among = np.isin(np.arange(config.num_layers), layers)
+    return bool(among[index]) if isinstance(index, (int, np.integer)) else jnp.asarray(among)[index]
+
+
+def linear_shape(config: ModelConfig) -> LinearAttentionShape:
+    """The shapes of `config`'s linear-attention layers."""
+    return LinearAttentionShape(
+        key_heads=config.linear_key_heads,
+        value_heads=config.linear_value_heads,
+        key_dim=config.linear_key_dim,
+        value_dim=config.linear_value_dim,
+        conv_kernel=config.linear_conv_kernel,
+        eps=config.rms_norm_eps,
+    )
 
 
 def one_kind(second, first: Callable, second_fn: Callable, *operands):

@@ -54,6 +54,7 @@ from jaxdepth.core.layer import (
     layer_step,
     layer_weights,
     piece_context,
+    refuse_linear_prefix,
 )
 from jaxdepth.core.sites import (
     InterventionsLike,
@@ -520,6 +521,7 @@ def run_layers_in_pieces(
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
     the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
+    refuse_linear_prefix(config)
     context = layer_context(hs[0], valid, config)
 
     def key_values(p, h, i):

@@ -57,10 +57,11 @@ class Parameter:
     """One param of the params pytree (see the module's docstring for the columns).
 
     `shape` and `spec` describe one layer's tensor for a per-layer param: the params stack it on a
-    leading layer axis, which is never split. `kind` ('dense' or 'experts', None for every
-    layer) is the kind of MLP whose layers hold it: among layers of both kinds its stack has a
-    row for each layer of its kind only (`row_layers`). `hf` and `gguf` map a naming family (`HF`, `GGUF`)
-    to the checkpoint's name; a plain string is the name in the root family (`llama`)."""
+    leading layer axis, which is never split. `kind` ('dense' or 'experts', 'attention' or
+    'linear', None for every layer) is the kind of MLP or mixer whose layers hold it: among
+    layers of two kinds its stack has a row for each layer of its kind only (`row_layers`).
+    `hf` and `gguf` map a naming family (`HF`, `GGUF`) to the checkpoint's name; a plain string
+    is the name in the root family (`llama`)."""
 
     name: str
     per_layer: bool
@@ -144,6 +145,11 @@ def _kv_width(c: ModelConfig) -> int:
     return c.num_kv_heads * c.head_dim
 
 
+def _linear_channels(c: ModelConfig) -> int:
+    """The channels of linear attention's fused q/k/v projection and its convolution."""
+    return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
+
+
 def _latent(c: ModelConfig) -> bool:
     return c.kv_lora_rank > 0
 
@@ -210,8 +216,10 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_neox": "attention.query_key_value.weight#q",
             "gpt2": "attn.c_attn.weight#q",
             "deepseek": "self_attn.q_proj.weight#rope",
+            "qwen3_5": "self_attn.q_proj.weight#gated_q",
         },
         gguf={"llama": "attn_q.weight", "phi3": "attn_qkv.weight#q", "gpt2": "attn_qkv.weight#q"},
+        kind="attention",
     ),
     _layer(
         "k",
@@ -225,6 +233,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.weight#k",
         },
         gguf={"llama": "attn_k.weight", "phi3": "attn_qkv.weight#k", "gpt2": "attn_qkv.weight#k"},
+        kind="attention",
     ),
     _layer(
         "v",
@@ -238,6 +247,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.weight#v",
         },
         gguf={"llama": "attn_v.weight", "phi3": "attn_qkv.weight#v", "gpt2": "attn_qkv.weight#v"},
+        kind="attention",
     ),
     _layer(
         "o",
@@ -246,6 +256,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"llama": "self_attn.o_proj.weight", "gpt_neox": "attention.dense.weight", "gpt2": "attn.c_proj.weight#T"},
         gguf="attn_output.weight",
+        kind="attention",
     ),
     _layer(
         "up",
@@ -373,6 +384,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.bias#q",
         },
         gguf={"llama": "attn_q.bias", "phi3": "attn_qkv.bias#q", "gpt2": "attn_qkv.bias#q"},
+        kind="attention",
     ),
     _layer(
         "k_bias",
@@ -384,6 +396,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.bias#k",
         },
         gguf={"llama": "attn_k.bias", "phi3": "attn_qkv.bias#k", "gpt2": "attn_qkv.bias#k"},
+        kind="attention",
     ),
     _layer(
         "v_bias",
@@ -395,6 +408,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.bias#v",
         },
         gguf={"llama": "attn_v.bias", "phi3": "attn_qkv.bias#v", "gpt2": "attn_qkv.bias#v"},
+        kind="attention",
     ),
     _layer(
         "o_bias",
@@ -402,6 +416,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf={"llama": "self_attn.o_proj.bias", "gpt_neox": "attention.dense.bias", "gpt2": "attn.c_proj.bias"},
         gguf="attn_output.bias",
+        kind="attention",
     ),
     # Multi-head latent attention (DeepSeek-V3): the queries' latent and its norm, the keys' and
     # values' latent with the shared rotary key beside it, its norm, and the per-head expansion.
@@ -412,6 +427,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "self_attn.q_a_proj.weight"},
         gguf="attn_q_a.weight",
+        kind="attention",
     ),
     _layer(
         "q_a_norm",
@@ -419,6 +435,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf={"deepseek": "self_attn.q_a_layernorm.weight"},
         gguf="attn_q_a_norm.weight",
+        kind="attention",
     ),
     _layer(
         "q_b",
@@ -427,6 +444,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "self_attn.q_b_proj.weight#rope"},
         gguf="attn_q_b.weight",
+        kind="attention",
     ),
     _layer(
         "kv_a",
@@ -435,6 +453,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "self_attn.kv_a_proj_with_mqa.weight#rope_last"},
         gguf="attn_kv_a_mqa.weight",
+        kind="attention",
     ),
     _layer(
         "kv_a_norm",
@@ -442,6 +461,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf={"deepseek": "self_attn.kv_a_layernorm.weight"},
         gguf="attn_kv_a_norm.weight",
+        kind="attention",
     ),
     _layer(
         "kv_b",
@@ -450,6 +470,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         transposed=True,
         hf={"deepseek": "self_attn.kv_b_proj.weight"},
         gguf="attn_kv_b.weight",
+        kind="attention",
     ),
     # A mixture of experts in place of the MLP: the router's weights [D, E] (small: replicated)
     # and each expert's gated MLP, stacked on an expert axis that the mesh's model axis splits
@@ -581,6 +602,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _SPLIT,
         hf={"gpt_oss": "self_attn.sinks"},
         gguf="attn_sinks.weight",
+        kind="attention",
     ),
     _layer(
         "q_norm",
@@ -588,6 +610,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf="self_attn.q_norm.weight",
         gguf="attn_q_norm.weight",
+        kind="attention",
     ),
     _layer(
         "k_norm",
@@ -595,6 +618,87 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf="self_attn.k_norm.weight",
         gguf="attn_k_norm.weight",
+        kind="attention",
+    ),
+    # Qwen3.5's gate on each head's output, from the attention's input (cut from its q_proj)
+    _layer(
+        "attn_gate",
+        lambda c: _when(c.attention_gate, c.hidden_size, c.num_heads * c.head_dim),
+        _COLUMN,
+        transposed=True,
+        hf={"qwen3_5": "self_attn.q_proj.weight#gated_gate"},
+        kind="attention",
+    ),
+    # Linear attention (Qwen3.5's gated DeltaNet, `jaxdepth.core.linear_attention`): the fused
+    # q/k/v projection and its causal convolution, the output gate's, beta's and the decay's
+    # projections, the decay's bias and log rate, the gated norm and the output projection
+    _layer(
+        "linear_qkv",
+        lambda c: _when(c.mixed_mixers, c.hidden_size, _linear_channels(c)),
+        _COLUMN,
+        transposed=True,
+        hf={"qwen3_5": "linear_attn.in_proj_qkv.weight"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_conv",
+        lambda c: _when(c.mixed_mixers, _linear_channels(c), c.linear_conv_kernel),
+        (MODEL, None),
+        hf={"qwen3_5": "linear_attn.conv1d.weight#conv"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_z",
+        lambda c: _when(c.mixed_mixers, c.hidden_size, c.linear_value_heads * c.linear_value_dim),
+        _COLUMN,
+        transposed=True,
+        hf={"qwen3_5": "linear_attn.in_proj_z.weight"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_b",
+        lambda c: _when(c.mixed_mixers, c.hidden_size, c.linear_value_heads),
+        (None, None),
+        transposed=True,
+        hf={"qwen3_5": "linear_attn.in_proj_b.weight"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_a",
+        lambda c: _when(c.mixed_mixers, c.hidden_size, c.linear_value_heads),
+        (None, None),
+        transposed=True,
+        hf={"qwen3_5": "linear_attn.in_proj_a.weight"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_dt_bias",
+        lambda c: _when(c.mixed_mixers, c.linear_value_heads),
+        _WHOLE,
+        hf={"qwen3_5": "linear_attn.dt_bias"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_A_log",
+        lambda c: _when(c.mixed_mixers, c.linear_value_heads),
+        _WHOLE,
+        hf={"qwen3_5": "linear_attn.A_log"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_norm",
+        lambda c: _when(c.mixed_mixers, c.linear_value_dim),
+        _WHOLE,
+        hf={"qwen3_5": "linear_attn.norm.weight"},
+        kind="linear",
+    ),
+    _layer(
+        "linear_out",
+        lambda c: _when(c.mixed_mixers, c.linear_value_heads * c.linear_value_dim, c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"qwen3_5": "linear_attn.out_proj.weight"},
+        kind="linear",
     ),
     _top(
         "final_norm",
@@ -644,6 +748,7 @@ HF = Naming(
         "mixtral": _LLAMA_LAYERS,
         "gpt_oss": _LLAMA_LAYERS,
         "deepseek": _LLAMA_LAYERS,
+        "qwen3_5": _LLAMA_LAYERS,
         "phi3": _LLAMA_LAYERS,
         "gpt_neox": "gpt_neox.layers.{i}.",
         "gpt2": "transformer.h.{i}.",
@@ -654,6 +759,7 @@ HF = Naming(
         "mixtral": "llama",
         "gpt_oss": "llama",
         "deepseek": "llama",
+        "qwen3_5": "llama",
         "phi3": "llama",
     },
     family_of={
@@ -663,6 +769,7 @@ HF = Naming(
         "mixtral": "mixtral",
         "gpt_oss": "gpt_oss",
         "deepseek_v3": "deepseek",
+        "qwen3_5_text": "qwen3_5",
         "phi3": "phi3",
         "gpt2": "gpt2",
         "gpt_neox": "gpt_neox",
@@ -688,10 +795,16 @@ GGUF = Naming(
 
 def row_layers(row: Parameter, config: ModelConfig) -> tuple[int, ...]:
     """The layers whose weights per-layer param `row` holds, in its stack's order: every layer,
-    or those of its `kind` (the dense or the sparse layers of a mixture of experts)."""
-    if row.kind is None:
-        return tuple(range(config.num_layers))
-    return config.dense_mlp_layers if row.kind == "dense" else config.expert_layers
+    or those of its `kind` (the dense or the sparse layers of a mixture of experts, the layers of
+    attention or of linear attention)."""
+    kinds = {
+        None: tuple(range(config.num_layers)),
+        "dense": config.dense_mlp_layers,
+        "experts": config.expert_layers,
+        "attention": config.attention_layers,
+        "linear": config.linear_layers,
+    }
+    return kinds[row.kind]
 
 
 @functools.lru_cache(maxsize=64)

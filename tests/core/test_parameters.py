@@ -23,15 +23,18 @@ from jaxdepth.core.parameters import (
     Parameter,
     param_shapes,
     partition_rules,
+    row_layers,
     transposed_params,
 )
 from jaxdepth.core.sharding import PARTITION_RULES
 
 ROWS = {row.name: row for row in PARAMETERS}
 # The parts a converter cuts a fused tensor into, and GPT-2's transposed `Conv1D` weights.
-FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last"}
+FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last", "gated_q", "gated_gate", "conv"}
 # Params no checkpoint names: no family has LayerNorms after its sublayers.
 UNNAMED = {"attn_post_norm_bias", "mlp_post_norm_bias"}
+# Params GGUF files do not name: transformers' GGUF loader reads no Qwen3.5 (llama.cpp's qwen35).
+NOT_IN_GGUF = {row.name for row in PARAMETERS if row.name.startswith("linear_")} | {"attn_gate"}
 
 BASE = ModelConfig(
     model_type="llama",
@@ -87,6 +90,10 @@ def feature_configs():
             router_correction=True,
             shared_expert_size=6,
         )
+    # Qwen3.5's hybrid: linear attention beside gated attention, dense layers among sparse ones
+    linear = dict(linear_key_heads=2, linear_value_heads=4, linear_key_dim=4, linear_value_dim=3, linear_conv_kernel=4)
+    yield dataclasses.replace(BASE, **linear, linear_layers=(0,), attention_gate=True)
+    yield dataclasses.replace(BASE, **moe, dense_layers=(1,), dense_size=12)
 
 
 def family_configs():
@@ -127,7 +134,7 @@ def test_every_param_of_every_config_has_exactly_one_row():
             row = ROWS[name]
             assert row.per_layer == (name in shapes["layers"])
             assert shape == row.shape_in(config)
-            assert shape[: row.per_layer] == (config.num_layers,) * row.per_layer
+            assert shape[: row.per_layer] == (len(row_layers(row, config)),) * row.per_layer  # its kind's layers
             assert len(PARTITION_RULES[name]) == len(shape), name
 
 
@@ -147,7 +154,8 @@ def test_transposed_params_are_the_projections():
     layer_ranks = {row.name: ranks[row.name] - row.per_layer for row in PARAMETERS}
     assert {name for name, rank in layer_ranks.items() if rank == 3} == {"expert_gate", "expert_up", "expert_down"}
     matrices = {name for name, rank in layer_ranks.items() if rank >= 2 and not name.endswith("_bias")}
-    assert transposed_params() == matrices - {"embed", "pos_embed"}
+    # (linear attention's convolution kernel [channels, width] is no projection: stored as it is)
+    assert transposed_params() == matrices - {"embed", "pos_embed", "linear_conv"}
 
 
 @pytest.mark.parametrize("naming", [HF, GGUF], ids=["hf", "gguf"])
@@ -171,7 +179,7 @@ def test_every_family_names_every_param_it_has():
         for config in feature_configs():
             shapes = param_shapes(config)
             assert set(shapes) - {"layers"} <= set(table)
-            assert set(shapes["layers"]) - UNNAMED <= set(table["layers"])
+            assert set(shapes["layers"]) - UNNAMED - NOT_IN_GGUF <= set(table["layers"])
 
 
 def test_a_family_takes_its_base_names_where_a_row_names_none():

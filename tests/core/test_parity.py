@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_VARIANTS, shared_data_path, write_tiny_gguf
+from conftest import HYBRID_VARIANTS, TINY_VARIANTS, shared_data_path, write_tiny_gguf
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
 from jaxdepth.core.config import ModelConfig
@@ -29,6 +29,9 @@ TOL_TINY = 1e-4
 TOL_SMOLLM2 = 1e-3
 
 _forward = jax.jit(forward, static_argnames="config")
+# The hybrids' linear attention is compared with a float64 reference (`test_parity_hybrid.py`):
+# transformers' own float32 run of them is farther than TOL_TINY from its float64 one.
+FLOAT32_VARIANTS = sorted(set(TINY_VARIANTS) - set(HYBRID_VARIANTS))
 
 
 def jax_logits(params, tokens, config, valid=None) -> np.ndarray:
@@ -51,7 +54,7 @@ def converted(tiny):
     return jax.tree.map(jnp.asarray, c.params), c.config
 
 
-@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", FLOAT32_VARIANTS)
 def test_tiny_model_logits_match_hf(tiny_model, variant):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
@@ -72,7 +75,7 @@ def test_tiny_model_logits_match_hf(tiny_model, variant):
     )
 
 
-@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+@pytest.mark.parametrize("variant", FLOAT32_VARIANTS)
 def test_right_padded_batch_matches_each_prompt_alone(tiny_model, variant):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
