@@ -13,29 +13,22 @@ every number.
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 
-from jaxdepth.core.linear_attention import gated_delta_rule
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarking.machine import cpu_description  # noqa: E402
+from jaxdepth.core.linear_attention import gated_delta_rule  # noqa: E402
 
 SHAPES = {
     "qwen3.5": dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, lengths=(256, 1024, 4096)),
     "tiny": dict(key_heads=2, value_heads=4, key_dim=16, value_dim=16, lengths=(64, 256)),
 }
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def inputs(T: int, s: dict, seed: int = 0):
@@ -58,23 +51,25 @@ def median_seconds(run, repeats: int) -> float:
     return float(np.median(times))
 
 
-def main():
+def main(argv=None) -> list[dict]:
+    """Run the timings; returns one row per (T, method): seconds, seconds per 1k positions."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny shape, for a smoke test")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     s = SHAPES["tiny" if args.quick else "qwen3.5"]
     try:
         import torch
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
     except ImportError:
         torch = None
-    print(f"CPU: {cpu_name()}; jax {jax.__version__} on {jax.devices()[0].platform}")
+    print(f"CPU: {cpu_description()}; jax {jax.__version__} on {jax.devices()[0].platform}")
     print(f"shape: {s['key_heads']} key heads, {s['value_heads']} value heads, dims {s['key_dim']}/{s['value_dim']}")
     chunked = jax.jit(lambda *a: gated_delta_rule(*a, chunk=args.chunk))
     recurrent = jax.jit(lambda *a: gated_delta_rule(*a))
     print(f"{'T':>6} {'method':<26} {'seconds':>10} {'s per 1k positions':>20}")
+    rows = []
     for T in s["lengths"]:
         x = inputs(T, s)
         runs = {
@@ -92,6 +87,8 @@ def main():
         for name, run in runs.items():
             seconds = median_seconds(run, args.repeats)
             print(f"{T:>6} {name:<26} {seconds:>10.4f} {1000 * seconds / T:>20.4f}", flush=True)
+            rows.append(dict(T=T, method=name, seconds=seconds, per_1k=1000 * seconds / T))
+    return rows
 
 
 if __name__ == "__main__":
