@@ -926,10 +926,12 @@ class LayerWeights(Mapping):
         return len(self.rows) + len(self.stacks)
 
     def tree_flatten(self):
+        """The pytree's children: the sliced rows, the stacks and their slots."""
         return (self.rows, self.stacks, self.slots), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
+        """The weights again from `tree_flatten`'s children."""
         return cls(*children)
 
 
