@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchmarking.machine import cpu_description  # noqa: E402
+from benchmarking.on_device import time_jaxdepth  # noqa: E402
 from jaxdepth.core.linear_attention import gated_delta_rule  # noqa: E402
 
 SHAPES = {
@@ -39,16 +39,6 @@ def inputs(T: int, s: dict, seed: int = 0):
     g = -np.exp(rng.uniform(-5, 1, (1, T, s["value_heads"]))).astype(np.float32)
     beta = (1 / (1 + np.exp(-f(1, T, s["value_heads"])))).astype(np.float32)
     return q, k, v, g, beta
-
-
-def median_seconds(run, repeats: int) -> float:
-    run()  # compiles (jax) or warms up (torch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main(argv=None) -> list[dict]:
@@ -85,7 +75,7 @@ def main(argv=None) -> list[dict]:
 
             runs[f"transformers chunked ({args.chunk})"] = torch_run
         for name, run in runs.items():
-            seconds = median_seconds(run, args.repeats)
+            seconds = time_jaxdepth(run, args.repeats).median_s  # a first call compiles (or warms up)
             print(f"{T:>6} {name:<26} {seconds:>10.4f} {1000 * seconds / T:>20.4f}", flush=True)
             rows.append(dict(T=T, method=name, seconds=seconds, per_1k=1000 * seconds / T))
     return rows

@@ -37,6 +37,11 @@ QK_NORM_SCOPES = ("head", "projection")
 ROUTERS = ("softmax", "sigmoid")
 
 
+def _layer_indices(layers: tuple, num_layers: int) -> bool:
+    """Whether `layers` are layer indices, ascending, each once, among `num_layers` layers."""
+    return list(layers) == sorted(set(layers)) and all(0 <= i < num_layers for i in layers)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer: one layer body whose family features are
@@ -249,9 +254,7 @@ class ModelConfig:
         if self.dense_layers and not (
             self.num_experts
             and self.dense_size > 0
-            and list(self.dense_layers) == sorted(set(self.dense_layers))
-            and 0 <= self.dense_layers[0]
-            and self.dense_layers[-1] < self.num_layers
+            and _layer_indices(self.dense_layers, self.num_layers)
             and len(self.dense_layers) < self.num_layers
         ):
             raise UnsupportedConfigError(
@@ -259,20 +262,13 @@ class ModelConfig:
                 f"{self.num_layers} layers, some left sparse, with dense_size > 0; got {self.dense_layers} (dense_size "
                 f"{self.dense_size}, {self.num_experts} experts)"
             )
-        if self.nope_layers and not (
-            self.positions == "rotary"
-            and list(self.nope_layers) == sorted(set(self.nope_layers))
-            and 0 <= self.nope_layers[0]
-            and self.nope_layers[-1] < self.num_layers
-        ):
+        if self.nope_layers and not (self.positions == "rotary" and _layer_indices(self.nope_layers, self.num_layers)):
             raise UnsupportedConfigError(
                 f"nope_layers name layers of a rotary model without rotary positions, ascending and among its "
                 f"{self.num_layers} layers; got {self.nope_layers} (positions {self.positions!r})"
             )
         if self.linear_layers and not (
-            list(self.linear_layers) == sorted(set(self.linear_layers))
-            and 0 <= self.linear_layers[0]
-            and self.linear_layers[-1] < self.num_layers
+            _layer_indices(self.linear_layers, self.num_layers)
             and min(self.linear_key_heads, self.linear_key_dim, self.linear_value_dim, self.linear_conv_kernel) > 0
             and self.linear_value_heads % self.linear_key_heads == 0
         ):

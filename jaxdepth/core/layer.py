@@ -656,6 +656,21 @@ def layer_step(
         value, carried = apply_at(site, value, index, interventions, config.num_layers, carried)
         return value
 
+    def carrying(f):
+        """`f(x) -> (value, record fields)` as a branch of `one_kind`, `(x, states) -> (value,
+        fields, states)`: a branch is traced on its own, so the stateful interventions' states
+        go in and come out as values rather than through `carried`."""
+
+        def branch(x, states):
+            nonlocal carried
+            outer, carried = carried, states
+            try:
+                return (*f(x), carried)
+            finally:
+                carried = outer
+
+        return branch
+
     refuse_absent_sites(interventions, config)
     h = at("resid_pre", h)
     split = {}
@@ -684,23 +699,17 @@ def layer_step(
         if prefix is not None:
             refuse_linear_prefix(config)
 
-        def attention_branch(h, states):
-            nonlocal carried
-            outer, carried = carried, states
+        @carrying
+        def attention_branch(h):
             q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config)
             heads = at("head_out", heads)
             a = at("attn_out", attention_output(p, heads, config))
-            carried, states = outer, carried
-            return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads), states
+            return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads)
 
-        def linear_branch(h, states):
-            nonlocal carried
-            outer, carried = carried, states
-            x = pre_norm(p, "attn_norm", h, config)
-            out, _ = gated_delta_net(p, x, linear_shape(config), valid=context.valid)
-            a = at("attn_out", _after_sublayer(p, "attn_post_norm", out, config))
-            carried, states = outer, carried
-            return a, {}, states
+        @carrying
+        def linear_branch(h):
+            out, _ = gated_delta_net(p, pre_norm(p, "attn_norm", h, config), linear_shape(config), valid=context.valid)
+            return at("attn_out", _after_sublayer(p, "attn_post_norm", out, config)), {}
 
         a, mixed, carried = one_kind(
             _in_layers(index, config.linear_layers, config), attention_branch, linear_branch, h, carried
@@ -714,22 +723,16 @@ def layer_step(
     x = pre_norm(p, "mlp_norm", mlp_in, config)
     acting = acting_sites(interventions)
 
-    def sparse(x, states):
-        nonlocal carried
-        outer, carried = carried, states
-        m, parts = mixture(
+    @carrying
+    def sparse(x):
+        return mixture(
             p, x, config, at, edited_weights="expert_weights" in acting, edited_hidden="expert_hidden" in acting
         )
-        carried, states = outer, carried
-        return m, parts, states
 
-    def dense(x, states):
-        nonlocal carried
-        outer, carried = carried, states
+    @carrying
+    def dense(x):
         hidden = at("mlp_hidden", mlp_hidden(p, x, config))
-        m = mlp_output(p, hidden, config)
-        carried, states = outer, carried
-        return m, {"mlp_hidden": hidden}, states
+        return mlp_output(p, hidden, config), {"mlp_hidden": hidden}
 
     if config.mixed_mlps:  # each layer runs its own kind's MLP only
         m, parts, carried = one_kind(_in_layers(index, config.dense_layers, config), sparse, dense, x, carried)
@@ -798,7 +801,7 @@ def context_of_layer(context: LayerContext, index, config: ModelConfig):
         pick = lambda a, b: None if a is None else jnp.where(slides, a, b)  # noqa: E731
         cos, sin, mask = pick(local[0], full[0]), pick(local[1], full[1]), pick(context.local_mask, context.mask)
     if config.nope_layers:  # the identity rotation, exactly: x * 1 + rotate_half(x) * 0 = x
-        still = jnp.asarray(np.isin(np.arange(config.num_layers), config.nope_layers))[index]
+        still = _in_layers(index, config.nope_layers, config)
         cos, sin = jnp.where(still, jnp.ones_like(cos), cos), jnp.where(still, jnp.zeros_like(sin), sin)
     return cos, sin, mask
 
@@ -962,8 +965,8 @@ def refuse_linear_prefix(config: ModelConfig) -> None:
 
 
 def _in_layers(index, layers: tuple, config: ModelConfig):
-    """Whether layer `index` (traced or not) is one of `layers` (a kind's: the dense among
-    sparse ones, the linear-attention ones)."""
+    """Whether layer `index` (traced or not) is one of `layers` (the dense among sparse ones,
+    the linear-attention ones, those without positions)."""
     among = np.isin(np.arange(config.num_layers), layers)
     return bool(among[index]) if isinstance(index, (int, np.integer)) else jnp.asarray(among)[index]
 
