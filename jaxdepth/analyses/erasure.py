@@ -214,7 +214,9 @@ def _erased_final_residual(
 
     Each layer runs its pieces in order against a key/value buffer that starts as the clean
     run's (`clean_state = clean_run(...)`), each piece writing its own keys into it: erasing
-    position t changes nothing before t, so the prefix before `first_piece` is the clean one.
+    position t changes nothing before t, so the prefix before `first_piece` is the clean one. A
+    linear-attention layer starts its pieces from its state there, which the clean inputs of
+    the positions before give it (as they gave the buffer its keys), and carries it on.
     `boundary`, `first_piece` and `last_piece` may be traced, not batched (they are loop
     bounds); `position` and `value` may be batched. Forward only."""
     hs, keys, values, _ = clean_state
@@ -229,6 +231,7 @@ def _erased_final_residual(
         config,
         pieces=Pieces(first_piece, last_piece, width),
         interventions_of=lambda rows: (*interventions, erase_rows(rows)),
+        clean_inputs=hs,
     )
     return final_residual(h, config, (*interventions, erase_rows(jnp.arange(T))))
 

@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import refuse_fields, refuse_unknown
-from jaxdepth.core.layer import KeyValueBuffer, Params, step_context
+from jaxdepth.core.layer import KeyValueBuffer, MixerPrefix, Params, step_context
 from jaxdepth.core.loops import LayerRun, run_grouped_orders, run_layers
 from jaxdepth.core.model import embed, unembed
 from jaxdepth.core.sites import InterventionsLike, StatefulIntervention, check_layer_indices, splits_layer
@@ -131,11 +131,29 @@ def _pick(logits: Float[Array, "B V"], temperature: float, key) -> Int[Array, " 
 
 
 def _read_key_values(record, _):
+    if record.linear_state is not None:  # linear attention: its state after the prompt, too
+        return record.k, record.v, record.linear_state
     return record.k, record.v
 
 
 def _new_key_values(record, _):
+    if record.linear_state is not None:
+        return record.k[:, -1], record.v[:, -1], record.linear_state
     return record.k[:, -1], record.v[:, -1]  # keys are [buffer | the new token]
+
+
+def _cache(taps, extra: int):
+    """The decoding cache from the prefill's taps: the keys and values with room for `extra`
+    new tokens (a `MixerPrefix` with the linear-attention states in a hybrid model)."""
+    keys, values = _grow(taps[0], 3, extra), _grow(taps[1], 3, extra)
+    return (keys, values) if len(taps) == 2 else MixerPrefix(keys, values, taps[2])
+
+
+def _written(cache, new, rows, at):
+    """The cache after a step: its new keys and values written at positions `at`, and the
+    linear-attention layers' states replaced by the step's."""
+    keys, values = cache[0].at[:, :, rows, at].set(new[0]), cache[1].at[:, :, rows, at].set(new[1])
+    return (keys, values) if len(new) == 2 else MixerPrefix(keys, values, new[2])
 
 
 def generate(
@@ -169,16 +187,15 @@ def generate(
     rows = jnp.arange(B)
 
     def prefill(h0):
-        h, (keys, values) = run_layers(
+        h, taps = run_layers(
             params, h0, config, valid=valid, interventions=ivs, tap=_read_key_values, run=LayerRun(order=order)
         )
-        return h, (_grow(keys, 3, max_new_tokens), _grow(values, 3, max_new_tokens))
+        return h, _cache(taps, max_new_tokens)
 
     def step(x, context, cache, at):
         run = LayerRun(order=order, context=context, prefix=cache)
-        h, (k, v) = run_layers(params, x, config, interventions=ivs, tap=_new_key_values, run=run)
-        keys, values = cache
-        return h, (keys.at[:, :, rows, at].set(k), values.at[:, :, rows, at].set(v))
+        h, new = run_layers(params, x, config, interventions=ivs, tap=_new_key_values, run=run)
+        return h, _written(cache, new, rows, at)
 
     def refill_where_long_factors_begin(h, cache, at, seen, out):
         """The rows whose token at `at` is the first past longrope's original context: their
@@ -239,14 +256,34 @@ def generate_orders(
     if grouped.num_orders < 1:
         raise ValueError("no orders to decode")
 
+    per_group = lambda f, tree: tuple(tuple(f(member) for member in groups) for groups in tree)  # noqa: E731
+    rows = jnp.arange(tokens.shape[0])
+    if config.mixed_mixers:  # the keys and values concatenated at each step, the states replaced, as `generate`
+
+        def prefill(h0):
+            h, taps = run_grouped_orders(
+                params, h0, config, grouped, valid=valid, interventions=ivs, tap=_read_key_values
+            )
+            return h, per_group(
+                lambda t: MixerPrefix(_grow(t[0], 2, max_new_tokens), _grow(t[1], 2, max_new_tokens), t[2]), taps
+            )
+
+        def step(x, context, cache, at):
+            run = LayerRun(context=context, prefix=cache)
+            h, new = run_grouped_orders(params, x, config, grouped, interventions=ivs, tap=_new_key_values, run=run)
+            written = lambda old, new: MixerPrefix(  # noqa: E731
+                old.keys.at[:, rows, at].set(new[0]), old.values.at[:, rows, at].set(new[1]), new[2]
+            )
+            return h, tuple(tuple(map(written, olds, news)) for olds, news in zip(cache, new))
+
+        return _decode(params, tokens, config, valid, lengths, options, prefill, step, orders=grouped.num_orders)
+
     def prefill(h0):  # the buffers head-major, as KeyValueBuffer keeps them
         h, taps = run_grouped_orders(params, h0, config, grouped, valid=valid, interventions=ivs, tap=_read_key_values)
         return h, jax.tree.map(lambda a: _grow(jnp.swapaxes(a, 2, 3), 3, max_new_tokens), taps)
 
     def step(x, context, cache, at):
-        prefix = tuple(
-            tuple(KeyValueBuffer(k, v, jnp.broadcast_to(at, k.shape[:2])) for k, v in groups) for groups in cache
-        )
+        prefix = per_group(lambda kv: KeyValueBuffer(kv[0], kv[1], jnp.broadcast_to(at, kv[0].shape[:2])), cache)
         run = LayerRun(context=context, prefix=prefix)
         return run_grouped_orders(params, x, config, grouped, interventions=ivs, tap=_read_key_values, run=run)
 

@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.linear_attention import LinearAttentionShape, gated_delta_net
+from jaxdepth.core.linear_attention import LinearAttentionShape, LinearState, gated_delta_net
 from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
@@ -73,6 +73,9 @@ __all__ = [
     "one_kind",
     "linear_shape",
     "refuse_linear_prefix",
+    "MixerPrefix",
+    "check_mixer_prefix",
+    "in_layers",
 ]
 
 
@@ -581,8 +584,11 @@ class LayerRecord:
     `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]`, their
     hidden units `expert_hidden` `[B,T,k,F]` and outputs `expert_out` `[B,T,k,D]`, the shared
     experts' `shared_out`; None in a dense MLP, whose `mlp_hidden` is None in a mixture; zeros
-    on the other kind's layers among layers of two kinds), and the carried `states` of stateful
-    interventions after the layer. Only what a tap reads is
+    on the other kind's layers among layers of two kinds), a linear-attention layer's
+    `linear_state` after its last position (a `LinearState`: what a later run from there
+    continues from; None in a model without linear attention, zeros on its attention layers,
+    whose `q`, `k`, `v`, `attn_probs` and `head_out` are zeros on the linear-attention ones), and
+    the carried `states` of stateful interventions after the layer. Only what a tap reads is
     kept: XLA drops the rest."""
 
     index: Int[Array, ""]
@@ -609,6 +615,7 @@ class LayerRecord:
     expert_hidden: Optional[Array] = None
     expert_out: Optional[Array] = None
     shared_out: Optional[Array] = None
+    linear_state: Optional[LinearState] = None
     states: tuple = ()
 
     @property
@@ -645,9 +652,10 @@ def layer_step(
 
     `context` is a `LayerContext` (`layer_context`, `piece_context`); `index` the (traced)
     layer index; `prefix` the keys and values of earlier positions `[B, P, K, Dh]` each, as in
-    `attention_heads`; `states` what stateful interventions carry into the layer
-    (`jaxdepth.core.sites.initial_states`; () when none is stateful). The layer is split per
-    head when an intervention acts at a split site (`jaxdepth.core.sites.SPLIT_SITES`)."""
+    `attention_heads` (a `MixerPrefix` in a model with linear-attention layers); `states` what
+    stateful interventions carry into the layer (`jaxdepth.core.sites.initial_states`; () when
+    none is stateful). The layer is split per head when an intervention acts at a split site
+    (`jaxdepth.core.sites.SPLIT_SITES`)."""
     cos, sin, mask = context_of_layer(context, index, config)
     carried = states
 
@@ -673,7 +681,7 @@ def layer_step(
 
     refuse_absent_sites(interventions, config)
     h = at("resid_pre", h)
-    split = {}
+    split, linear_state = {}, None
     if splits_layer(interventions) and config.mixed_mixers:
         raise ValueError("a layer split per head among linear-attention layers is not implemented yet")
     if splits_layer(interventions):
@@ -696,25 +704,28 @@ def layer_step(
         split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
         a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
     elif config.mixed_mixers:  # each layer its own mixer only: attention or linear attention
-        if prefix is not None:
-            refuse_linear_prefix(config)
+        check_mixer_prefix(prefix, config)
 
         @carrying
         def attention_branch(h):
-            q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config)
+            kv = None if prefix is None else (prefix.keys, prefix.values)
+            q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, kv)
             heads = at("head_out", heads)
             a = at("attn_out", attention_output(p, heads, config))
             return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads)
 
         @carrying
         def linear_branch(h):
-            out, _ = gated_delta_net(p, pre_norm(p, "attn_norm", h, config), linear_shape(config), valid=context.valid)
-            return at("attn_out", _after_sublayer(p, "attn_post_norm", out, config)), {}
+            x = pre_norm(p, "attn_norm", h, config)
+            state = None if prefix is None else prefix.linear
+            out, state = gated_delta_net(p, x, linear_shape(config), valid=context.valid, state=state)
+            return at("attn_out", _after_sublayer(p, "attn_post_norm", out, config)), {"linear_state": state}
 
         a, mixed, carried = one_kind(
-            _in_layers(index, config.linear_layers, config), attention_branch, linear_branch, h, carried
+            in_layers(index, config.linear_layers, config), attention_branch, linear_branch, h, carried
         )
         q, k, v, probs, heads = (mixed[name] for name in ("q", "k", "v", "attn_probs", "head_out"))
+        linear_state = mixed["linear_state"]
     else:
         q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, prefix)
         heads = at("head_out", heads)
@@ -735,7 +746,7 @@ def layer_step(
         return mlp_output(p, hidden, config), {"mlp_hidden": hidden}
 
     if config.mixed_mlps:  # each layer runs its own kind's MLP only
-        m, parts, carried = one_kind(_in_layers(index, config.dense_layers, config), sparse, dense, x, carried)
+        m, parts, carried = one_kind(in_layers(index, config.dense_layers, config), sparse, dense, x, carried)
     else:
         m, parts, carried = (sparse if config.is_moe else dense)(x, carried)
     m = at("mlp_out", m)
@@ -752,6 +763,7 @@ def layer_step(
         attn_probs=probs,
         head_out=heads,
         mlp_in=mlp_in,
+        linear_state=linear_state,
         states=carried,
         **split,
         **parts,
@@ -801,7 +813,7 @@ def context_of_layer(context: LayerContext, index, config: ModelConfig):
         pick = lambda a, b: None if a is None else jnp.where(slides, a, b)  # noqa: E731
         cos, sin, mask = pick(local[0], full[0]), pick(local[1], full[1]), pick(context.local_mask, context.mask)
     if config.nope_layers:  # the identity rotation, exactly: x * 1 + rotate_half(x) * 0 = x
-        still = _in_layers(index, config.nope_layers, config)
+        still = in_layers(index, config.nope_layers, config)
         cos, sin = jnp.where(still, jnp.ones_like(cos), cos), jnp.where(still, jnp.zeros_like(sin), sin)
     return cos, sin, mask
 
@@ -953,18 +965,44 @@ def layer_params(params: Params, i, config: ModelConfig) -> Params:
     return layer_weights(layer_row(every_layer_rows(params, config), i), params, i, config)
 
 
-def refuse_linear_prefix(config: ModelConfig) -> None:
-    """Refuse a run from keys and values of earlier positions in a model with linear-attention
-    layers, which carry a recurrent state instead."""
-    if config.mixed_mixers:
+class MixerPrefix(NamedTuple):
+    """One layer's prefix (`layer_step`) in a model with linear-attention layers
+    (`ModelConfig.mixed_mixers`): the keys and values of the P earlier positions `[B, P, K, Dh]`,
+    which an attention layer attends to, and the `LinearState` at position P, from which a
+    linear-attention layer continues (its convolution's last inputs and the delta rule's state:
+    what the earlier positions leave it, a function of its inputs there alone). Stacked over
+    every layer (`[L, ...]` leaves, as a `(keys, values)` prefix); each layer reads its kind's
+    part, the other kind's rows are zeros. `prefix[0]` and `prefix[1]` are the keys and values,
+    as in a `(keys, values)` prefix."""
+
+    keys: Array
+    values: Array
+    linear: LinearState
+
+
+def check_mixer_prefix(prefix, config: ModelConfig) -> None:
+    """Refuse a prefix a model with linear-attention layers cannot run from: anything but a
+    `MixerPrefix` (a linear-attention layer continues from a recurrent state, which keys and
+    values do not hold; a `KeyValueBuffer` holds no state)."""
+    if prefix is not None and not isinstance(prefix, MixerPrefix):
         raise ValueError(
-            "linear attention carries a recurrent state, not keys and values: runs from a prefix of keys and "
-            "values (suffix runs, erasure's reuse of the clean prefix, decoding) are not implemented for a model "
-            "with linear-attention layers yet"
+            f"a model with linear-attention layers runs from a MixerPrefix (keys, values and each linear-attention "
+            f"layer's LinearState), not a {type(prefix).__name__}: linear attention carries a recurrent state, "
+            "which keys and values do not hold"
         )
 
 
-def _in_layers(index, layers: tuple, config: ModelConfig):
+def refuse_linear_prefix(config: ModelConfig, what: str) -> None:
+    """Refuse `what`, a run from keys and values of earlier positions that does not carry the
+    linear-attention layers' states yet, in a model with linear-attention layers."""
+    if config.mixed_mixers:
+        raise ValueError(
+            f"{what} is not implemented for a model with linear-attention layers yet: they carry a recurrent state "
+            "(a MixerPrefix), not keys and values"
+        )
+
+
+def in_layers(index, layers: tuple, config: ModelConfig):
     """Whether layer `index` (traced or not) is one of `layers` (the dense among sparse ones,
     the linear-attention ones, those without positions)."""
     among = np.isin(np.arange(config.num_layers), layers)
@@ -997,7 +1035,7 @@ def one_kind(second, first: Callable, second_fn: Callable, *operands):
             parts = dict(parts)
             for name, shape in other.items():  # the union of both's fields, None where neither has it
                 if parts.get(name) is None:
-                    parts[name] = None if shape is None else jnp.zeros(shape.shape, shape.dtype)
+                    parts[name] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
             return (*head, parts, tail)
 
         return run

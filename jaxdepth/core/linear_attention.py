@@ -31,7 +31,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.primitives import project
 
@@ -114,8 +114,20 @@ def _wide(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _ends(valid: Optional[Bool[Array, "B T"]]) -> Optional[Int[Array, " B"]]:
+    """Each row's end: the position after its last valid one (0 where none is); None for None."""
+    if valid is None:
+        return None
+    T = valid.shape[-1]
+    return jnp.max(jnp.where(valid, jnp.arange(1, T + 1), 0), axis=-1)
+
+
 def causal_conv(
-    x: Float[Array, "B T C"], weight: Float[Array, "C K"], state: Optional[Float[Array, "B C Km1"]] = None
+    x: Float[Array, "B T C"],
+    weight: Float[Array, "C K"],
+    state: Optional[Float[Array, "B C Km1"]] = None,
+    *,
+    ends: Optional[Int[Array, " B"]] = None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B C Km1"]]:
     """The depthwise causal convolution, then SiLU: `y[t, c] = silu(sum_j weight[c, j] x[t-K+1+j, c])`.
 
@@ -124,7 +136,9 @@ def causal_conv(
     as `causal_conv1d_fn`'s left padding; a returned state continues an earlier stretch, as
     `causal_conv1d_update` and the cache's conv state). Returns `y [B, T, C]` in `x`'s type and
     the new state `[B, C, K-1]`, the last K-1 inputs (of the state and `x` together, so a stretch
-    shorter than K-1 keeps part of the old state), which is what decoding carries.
+    shorter than K-1 keeps part of the old state), which is what decoding carries; or, where
+    `ends [B]` is given, the K-1 inputs before position `ends[b]` of each row (the state of a
+    row that ends there).
 
     As transformers, the inputs are read in the weight's type and the result is cast back to
     `x`'s; the K products per output are summed in float32 (torch's conv accumulates so), K
@@ -140,8 +154,11 @@ def causal_conv(
     for j in range(1, K):  # a static loop over the kernel's taps
         acc = acc + read[:, j : j + T] * w[:, j]
     y = jax.nn.silu(acc.astype(weight.dtype)).astype(x.dtype)
-    new_state = jnp.swapaxes(history[:, T:], 1, 2)  # the last K-1 of the K-1+T inputs
-    return y, new_state
+    if ends is None:
+        kept = history[:, T:]  # the last K-1 of the K-1+T inputs
+    else:  # history index j holds position j - (K-1): positions ends-K+1 .. ends-1
+        kept = jax.vmap(lambda row, end: jax.lax.dynamic_slice_in_dim(row, end, K - 1, axis=0))(history, ends)
+    return y, jnp.swapaxes(kept, 1, 2)
 
 
 # ----------------------------------------------------------------------------- the delta rule
@@ -314,8 +331,13 @@ def gated_delta_net(
     `linear_conv [C, K]`, `linear_dt_bias [Hv]`, `linear_A_log [Hv]`, `linear_norm [Dv]`,
     `linear_out [Hv*Dv, D]`. `valid [B, T]`: False at padding, whose inputs are zeroed first (as
     `apply_mask_to_padding_states`; a real position only reads earlier ones, so right padding
-    leaves a prompt's outputs as they are alone, but the returned state has run over the
-    padding). `state`: a `LinearState` to continue from (None: the sequence start). `chunk`:
+    leaves a prompt's outputs as they are alone). The returned state is each row's after its
+    last valid position, as if the row had ended there: the rule neither decays nor writes at a
+    position `valid` leaves out (g = beta = 0), and the convolution's state is the K-1 inputs
+    before the position after the row's last valid one. So a right-padded prompt's state is
+    the one it has alone (what decoding continues from), and a mask of the positions before P
+    gives the state at P (what a run from position P continues from). `state`: a
+    `LinearState` to continue from (None: the sequence start). `chunk`:
     the rule's chunk (None: the recurrent form; a single position always runs the recurrent
     form, as transformers' decoding step does, rather than padding it to a chunk).
 
@@ -331,13 +353,16 @@ def gated_delta_net(
     z = project(x, p["linear_z"]).reshape(B, T, Hv, Dv)
     b = project(x, p["linear_b"])
     a = project(x, p["linear_a"])
-    mixed, conv_state = causal_conv(mixed, p["linear_conv"], None if state is None else state.conv)
+    mixed, conv_state = causal_conv(mixed, p["linear_conv"], None if state is None else state.conv, ends=_ends(valid))
     q = mixed[..., : Hk * Dk].reshape(B, T, Hk, Dk)
     k = mixed[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
     v = mixed[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
     beta = jax.nn.sigmoid(b)
     a32 = a.astype(_wide(a.dtype)) + p["linear_dt_bias"].astype(_wide(a.dtype))
     g = -jnp.exp(p["linear_A_log"].astype(a32.dtype)) * jax.nn.softplus(a32)
+    if valid is not None:  # left out: the state passes unchanged (decay exp(0) = 1, no write)
+        g = jnp.where(valid[..., None], g, jnp.zeros((), g.dtype))
+        beta = jnp.where(valid[..., None], beta, jnp.zeros((), beta.dtype))
     heads, recurrent = gated_delta_rule(
         q, k, v, g, beta, None if state is None else state.recurrent, chunk=chunk if T > 1 else None
     )

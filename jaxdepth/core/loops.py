@@ -42,7 +42,9 @@ from jaxdepth.core.execution import refuse_fields, refuse_unknown
 from jaxdepth.core.layer import (
     KeyValueBuffer,
     LayerContext,
+    MixerPrefix,
     Params,
+    in_layers,
     Tap,
     check_layer_rows,
     context_of_layer,
@@ -53,9 +55,11 @@ from jaxdepth.core.layer import (
     layer_row,
     layer_step,
     layer_weights,
+    linear_shape,
     piece_context,
     refuse_linear_prefix,
 )
+from jaxdepth.core.linear_attention import LinearState
 from jaxdepth.core.sites import (
     InterventionsLike,
     StatefulIntervention,
@@ -463,6 +467,7 @@ def run_layers_in_pieces(
     *,
     pieces: Optional[Pieces] = None,
     interventions_of=None,
+    clean_inputs: Optional[Float[Array, "Lp1 B T D"]] = None,
     **loose,
 ) -> Float[Array, "B T D"]:
     """Layers start..L-1 on `h` `[B, T, D]` = h_start, each over the position pieces
@@ -478,7 +483,14 @@ def run_layers_in_pieces(
     refused. Exact when nothing before the first piece changes (causal attention): the buffer
     holds the clean keys there. `start` and the pieces' bounds may be traced, not batched
     (they are loop bounds). Forward only. The old `first_piece=`, `last_piece=` and `width=`
-    keywords are refused with the `Pieces` that says the same."""
+    keywords are refused with the `Pieces` that says the same.
+
+    In a model with linear-attention layers, `clean_inputs` (every layer's clean input `[L(+1),
+    B, T, D]`, the stream the buffers were read off) gives each such layer its state where the
+    first piece begins: the layer run on its clean input at the positions before it (with the
+    interventions of those positions), which nothing before the first piece changes, as the
+    buffer's keys. Its pieces then carry the state from one to the next, as its keys go into
+    the buffer."""
     if loose:
         old = {"first_piece": "first", "last_piece": "last", "width": "width"}
         named = [f"{old[k]}=..." for k in loose if k in old]
@@ -493,12 +505,28 @@ def run_layers_in_pieces(
     keys, values = key_value_buffers
     first_piece, last_piece, width = pieces
     T = h.shape[1]
+    if config.mixed_mixers and clean_inputs is None:
+        raise ValueError(
+            "a model with linear-attention layers runs in pieces from each layer's state where the first piece "
+            "begins: pass clean_inputs= (every layer's clean input, the stream the buffers were read off)"
+        )
+
+    def state_before_pieces(p, i):
+        """Layer i's linear-attention state at the first piece's first position (zeros on an
+        attention layer): the layer on its clean input with only the positions before it valid."""
+        before = valid & (jnp.arange(T) < first_piece * width)[None, :]
+        ivs = check_layer_indices(interventions_of(jnp.arange(T)), config.num_layers)
+        x = clean_inputs[i]
+        zeros = LinearState.zeros(x.shape[0], linear_shape(config), x.dtype)
+        run = lambda: layer_step(p, x, i, layer_context(x, before, config), config, ivs).linear_state  # noqa: E731
+        return jax.lax.cond(in_layers(i, config.linear_layers, config), run, lambda: zeros)
 
     def layer(i, h):
         p = layer_params(params, i, config)
+        state = state_before_pieces(p, i) if config.mixed_mixers else None
 
         def piece(j, carry):
-            h, k_buf, v_buf = carry
+            h, k_buf, v_buf, state = carry
             first = j * width
             ivs = check_layer_indices(interventions_of(first + jnp.arange(width)), config.num_layers)
             if any(isinstance(iv, StatefulIntervention) for iv in ivs):
@@ -509,11 +537,12 @@ def run_layers_in_pieces(
                     "key/value heads': run split sites without pieces"
                 )
             x = jax.lax.dynamic_slice_in_dim(h, first, width, axis=1)
-            r = layer_step(p, x, i, piece_context(valid, first, width, config), config, ivs, (k_buf, v_buf))
+            prefix = (k_buf, v_buf) if state is None else MixerPrefix(k_buf, v_buf, state)
+            r = layer_step(p, x, i, piece_context(valid, first, width, config), config, ivs, prefix)
             put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, first, axis=1)
-            return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:])
+            return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:]), r.linear_state
 
-        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i]))[0]
+        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i], state))[0]
 
     return jax.lax.fori_loop(start, config.num_layers, layer, h)
 
@@ -521,7 +550,7 @@ def run_layers_in_pieces(
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
     the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
-    refuse_linear_prefix(config)
+    refuse_linear_prefix(config, "clean_key_values (a suffix run's prefix)")
     context = layer_context(hs[0], valid, config)
 
     def key_values(p, h, i):

@@ -289,7 +289,29 @@ def test_mixer_equals_transformers(mixer, monkeypatch):
     check(out_p[0], ref[0], "padded batch, the full row", MIXER_TOL)
     check(out_p[1, :n], torch_mixer(module, x[1:, :n])[0], "padded batch, the padded row's prompt alone", MIXER_TOL)
     ref_masked = torch_mixer(module, padded, attention_mask=torch.from_numpy(valid.astype(np.int64)))
-    check(out_p, ref_masked, "padded batch against transformers' masked mixer, every position", MIXER_TOL)
+    check(out_p[:, :n], ref_masked[:, :n], "padded batch against transformers' masked mixer", MIXER_TOL)
+
+
+def test_state_is_each_rows_at_its_end(mixer):
+    """The state a masked run returns is each row's after its last valid position: a right-padded
+    row's equals its prompt run alone, and continuing from it equals the whole sequence; a mask
+    of the positions before P gives the state at P, whatever follows."""
+    _, _, p, shape = mixer
+    x = hidden(11, 90)
+    ends = np.array([90, 37])
+    valid = np.arange(90)[None, :] < ends[:, None]
+    padded = np.where(valid[..., None], x, 50 * hidden(12, 90))
+    _, state = net(p, padded, shape, valid=jnp.asarray(valid))
+    for b, n in enumerate(ends):
+        _, alone = net(p, x[b : b + 1, :n], shape)
+        check(state.conv[b], alone.conv[0], f"row {b} (ends at {n}), conv state", 0.0)
+        check(state.recurrent[b], alone.recurrent[0], f"row {b} (ends at {n}), recurrent state", STATE_TOL)
+    whole, _ = net(p, x, shape)
+    for P in (1, 2, 37, 64):  # within and past the conv's K-1, at and past a chunk's end
+        before = jnp.asarray(np.broadcast_to(np.arange(90) < P, (B, 90)))
+        _, at_p = net(p, x, shape, valid=before)
+        rest, _ = net(p, x[:, P:], shape, state=at_p)
+        check(rest, whole[:, P:], f"continued from the state at {P}", MIXER_TOL)
 
 
 def test_mixer_state_equals_transformers_cache(mixer):
@@ -328,7 +350,7 @@ def no_gate(x, gate, weight, eps):
     "mistake, replacement",
     [
         ("l2_normalize", lambda x, eps=1e-6: x),
-        ("causal_conv", lambda x, w, state=None: (jax.nn.silu(x), causal_conv(x, w, state)[1])),
+        ("causal_conv", lambda x, w, state=None, ends=None: (jax.nn.silu(x), causal_conv(x, w, state)[1])),
         ("gated_rms_norm", no_gate),
     ],
     ids=["no l2 norm", "no conv", "no gate"],

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -124,16 +125,112 @@ def test_parity_is_sensitive_to_each_feature(hybrid, mistake, changes):
     assert e > 100 * 1e-4, mistake
 
 
-def test_a_prefix_run_is_refused_by_name(hybrid):
-    """Suffix runs, erasure's clean prefix and decoding carry keys and values, which linear
-    attention does not have: refused until its state is carried instead."""
-    from jaxdepth.core.loops import clean_key_values, run_layers, LayerRun
+def test_a_prefix_of_keys_and_values_alone_is_refused_by_name(hybrid):
+    """A linear-attention layer continues from its state, which keys and values do not hold: a
+    run from a `(keys, values)` prefix is refused, naming the `MixerPrefix` it takes."""
+    from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
     from jaxdepth.core.model import embed
 
     _, params, config, tokens, _ = hybrid
     h = embed(params, jnp.asarray(tokens[:, :8]), config)
     prefix = tuple(jnp.zeros((config.num_layers, 2, 4, config.num_kv_heads, config.head_dim)) for _ in range(2))
-    with pytest.raises(ValueError, match="linear attention carries a recurrent state"):
+    with pytest.raises(ValueError, match="runs from a MixerPrefix"):
         run_layers(params, h, config, run=LayerRun(prefix=prefix))
-    with pytest.raises(ValueError, match="linear attention carries a recurrent state"):
+    with pytest.raises(ValueError, match="clean_key_values .* not implemented for a model with linear-attention"):
         clean_key_values(params, jnp.stack([h] * (config.num_layers + 1)), config)
+
+
+def test_decoding_with_the_recurrent_cache_is_rerunning_the_whole_sequence(hybrid):
+    """Greedy decoding carries each linear-attention layer's state (and the attention layer's keys
+    and values) from the prompt through every new token; each new token equals the argmax of a
+    forward on the whole sequence so far. Ragged prompts in one batch: a padded prompt's state is
+    its own, not the padding's."""
+    from jaxdepth.core.decoding import generate
+
+    _, params, config, tokens, _ = hybrid
+    lengths, new = (40, 23), 12
+    valid = np.arange(40)[None] < np.array(lengths)[:, None]
+    got = np.asarray(
+        generate(params, jnp.asarray(tokens[:, :40]), config, max_new_tokens=new, valid=jnp.asarray(valid)).tokens
+    )
+    width = max(lengths) + new  # one shape for every rerun, its mask marking the sequence so far
+    for b, n in enumerate(lengths):
+        sequence = np.zeros((1, width), np.int64)
+        sequence[0, :n] = tokens[b, :n]
+        for t in range(n, n + new):
+            logits = jax_logits(params, sequence, config, np.arange(width)[None] < t)
+            sequence[0, t] = logits[0, t - 1].argmax()
+        assert got[b].tolist() == sequence[0, n : n + new].tolist(), b
+
+
+def test_decoding_under_layer_orders_carries_each_steps_own_state(hybrid):
+    """Under a layer order each step keeps its own cache (a repeated linear-attention layer two
+    states): `generate_orders` (layer-major, each distinct layer of a step once) gives each order
+    what `generate(order=...)` gives it, and a dropped linear-attention layer decodes as that
+    layer skipped (its residual passed on unchanged, every token)."""
+    from jaxdepth.core import sites
+    from jaxdepth.core.decoding import generate, generate_orders
+    from jaxdepth.core.structure import (
+        drop_block,
+        group_orders,
+        identity_order,
+        parallel_block,
+        stack_orders,
+        swap_pair,
+    )
+
+    _, params, config, tokens, _ = hybrid
+    L, new = config.num_layers, 8
+    lengths = (30, 17)
+    prompt, valid = jnp.asarray(tokens[:, :30]), jnp.asarray(np.arange(30)[None] < np.array(lengths)[:, None])
+    orders = [identity_order(L), drop_block(L, 1, 1), swap_pair(L, 1), parallel_block(L, 0, 2)]
+    decode = jax.jit(generate, static_argnames=("config", "max_new_tokens"))
+    together = generate_orders(
+        params, prompt, config, group_orders(stack_orders(orders), L), valid=valid, max_new_tokens=new
+    )
+    for i, order in enumerate(orders):
+        alone = decode(params, prompt, config, max_new_tokens=new, valid=valid, order=order)
+        assert np.array_equal(together.tokens[i], alone.tokens), i
+    skipped = sites.replace("delta", 1, jnp.ones(1, bool), jnp.zeros(config.hidden_size))
+    as_skipped = decode(params, prompt, config, max_new_tokens=new, valid=valid, interventions=skipped)
+    assert np.array_equal(together.tokens[1], as_skipped.tokens)
+    assert not np.array_equal(together.tokens[1], together.tokens[0])  # the dropped layer matters
+
+
+@pytest.mark.parametrize("boundary", [0, 2, 3])
+def test_pieces_from_the_clean_prefix_are_the_whole_run(hybrid, boundary):
+    """Erasure's suffix runs: an edit at position t of boundary b, the layers after b run in
+    pieces from the piece holding t, each linear-attention layer from its state there (recomputed
+    from its clean inputs before the piece) and the attention layer against the clean keys; every
+    position from that piece on equals the whole run with the edit."""
+    from jaxdepth.analyses.erasure import clean_run
+    from jaxdepth.core.batch import PromptArrays
+    from jaxdepth.core import sites
+    from jaxdepth.core.loops import Pieces, final_residual, run_layers, run_layers_in_pieces
+    from jaxdepth.core.model import embed
+
+    _, params, config, tokens, _ = hybrid
+    T, width, position = 48, 8, 21
+    prompt = jnp.asarray(tokens[:1, :T])
+    valid = jnp.ones((1, T), bool)
+    arrays = PromptArrays(prompt, valid, jnp.asarray([T - 2]))
+    hs, keys, values, _ = clean_run(params, arrays, config)
+    value = jnp.asarray(np.random.default_rng(0).standard_normal(config.hidden_size), hs.dtype)
+    edit = lambda rows: sites.replace("resid_pre", boundary, rows == position, value)  # noqa: E731
+    first = position // width
+    got = run_layers_in_pieces(
+        params,
+        hs[boundary],
+        boundary,
+        (keys, values),
+        valid,
+        config,
+        pieces=Pieces(first, T // width - 1, width),
+        interventions_of=lambda rows: (edit(rows),),
+        clean_inputs=hs,
+    )
+    whole = run_layers(params, embed(params, prompt, config), config, valid=valid, interventions=edit(jnp.arange(T)))[0]
+    got, whole = np.asarray(final_residual(got, config, ())), np.asarray(whole)
+    start = first * width
+    np.testing.assert_allclose(got[:, start:], whole[:, start:], rtol=0, atol=1e-4 * np.abs(whole).max())
+    assert np.abs(whole[:, position:] - np.asarray(hs[-1][:, position:])).max() > 1e-2  # the edit matters
