@@ -161,7 +161,7 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
     inputs, keys, values, valid = prompt
     xs = inputs[:, position]  # [L, D]: the position's input to every layer
     L, D = xs.shape
-    step = lambda l, x: token_step(params, l, x, keys, values, valid, position, config)  # noqa: E731
+    step = lambda l, x: token_step(params, l, x, keys, values, valid, position, config, inputs=inputs)  # noqa: E731
     layers = jnp.arange(L)
 
     if exact:

@@ -781,7 +781,7 @@ class LayerContext(NamedTuple):
     mask: Optional[Array]
     local_rotary: Optional[tuple] = None
     local_mask: Optional[Array] = None
-    valid: Optional[Array] = None  # [B, T] of a run from position 0: what linear attention zeroes
+    valid: Optional[Array] = None  # [B, S]: which of the rows are real, what linear attention zeroes
 
 
 def _context(rotary_of: Callable[[bool], Optional[tuple]], mask_of: Callable[[int], Array], config: ModelConfig):
@@ -827,7 +827,7 @@ def layer_context(h, valid, config, offset: int = 0) -> LayerContext:
     long = longrope_rows(valid, config)
     rotary_of = lambda local: tuple(t[..., offset:, :] for t in rotary_tables(T, config, local, long))  # noqa: E731
     context = _context(rotary_of, lambda window: attention_mask(valid, offset, window), config)
-    return context._replace(valid=valid) if offset == 0 and config.mixed_mixers else context
+    return context._replace(valid=valid[:, offset:]) if config.mixed_mixers else context
 
 
 def piece_context(valid: Bool[Array, "B T"], start, width: int, config: ModelConfig) -> LayerContext:

@@ -14,8 +14,8 @@ after layer. Everything else (the forward, every analysis) calls these.
 - `suffix_value_and_grad`: a metric of the last boundary and its gradient with respect to a
   boundary, the backward walked layer by layer (each layer recomputed, or run from its stored
   matmul outputs);
-- `clean_key_values`: every layer's keys and values read off a residual stream (the prefix of a
-  suffix run);
+- `clean_key_values`: every layer's keys and values read off a residual stream; `clean_prefix`:
+  the prefix of a suffix run from it (with linear-attention layers' states: `linear_state_at`);
 - `final_residual`: boundary L, where `resid_pre` interventions with layer index L act;
 - `token_step`: one position's step through one layer against the clean run's keys and values
   (a layer as a function of one vector, what a Jacobian differentiates);
@@ -80,6 +80,8 @@ __all__ = [
     "Pieces",
     "run_layers_in_pieces",
     "clean_key_values",
+    "clean_prefix",
+    "linear_state_at",
     "suffix_value_and_grad",
     "stored_layers",
     "token_step",
@@ -511,19 +513,12 @@ def run_layers_in_pieces(
             "begins: pass clean_inputs= (every layer's clean input, the stream the buffers were read off)"
         )
 
-    def state_before_pieces(p, i):
-        """Layer i's linear-attention state at the first piece's first position (zeros on an
-        attention layer): the layer on its clean input with only the positions before it valid."""
-        before = valid & (jnp.arange(T) < first_piece * width)[None, :]
-        ivs = check_layer_indices(interventions_of(jnp.arange(T)), config.num_layers)
-        x = clean_inputs[i]
-        zeros = LinearState.zeros(x.shape[0], linear_shape(config), x.dtype)
-        run = lambda: layer_step(p, x, i, layer_context(x, before, config), config, ivs).linear_state  # noqa: E731
-        return jax.lax.cond(in_layers(i, config.linear_layers, config), run, lambda: zeros)
-
     def layer(i, h):
         p = layer_params(params, i, config)
-        state = state_before_pieces(p, i) if config.mixed_mixers else None
+        state = None
+        if config.mixed_mixers:  # the state where the first piece begins, from the clean inputs before it
+            ivs = check_layer_indices(interventions_of(jnp.arange(T)), config.num_layers)
+            state = linear_state_at(p, i, clean_inputs[i], valid, first_piece * width, config, ivs)
 
         def piece(j, carry):
             h, k_buf, v_buf, state = carry
@@ -545,6 +540,40 @@ def run_layers_in_pieces(
         return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i], state))[0]
 
     return jax.lax.fori_loop(start, config.num_layers, layer, h)
+
+
+def linear_state_at(p: Params, index, h: Float[Array, "B T D"], valid, position, config: ModelConfig, interventions=()):
+    """Layer `index`'s linear-attention state at `position` (traced or not) of its input `h`
+    (`p` its weights, `interventions` checked; zeros where the layer is attention's): the layer
+    run on `h` with only the positions before `position` valid (of `valid`, all by default),
+    whose state is then what they leave (`jaxdepth.core.linear_attention.gated_delta_net`)."""
+    B, T, _ = h.shape
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    before = valid & (jnp.arange(T) < position)[None, :]
+    zeros = LinearState.zeros(B, linear_shape(config), h.dtype)
+    run = lambda: layer_step(p, h, index, layer_context(h, before, config), config, interventions).linear_state  # noqa: E731
+    return jax.lax.cond(in_layers(index, config.linear_layers, config), run, lambda: zeros)
+
+
+def clean_prefix(params: Params, hs: Float[Array, "Lp1 B T D"], length: int, config: ModelConfig, *, valid=None):
+    """Every layer's prefix of the first `length` positions (static), read off the clean
+    residual stream `hs` (from `residual_stream`): what a suffix run from position `length`
+    takes (`LayerRun.prefix`). `(keys, values)` `[L, B, length, K, Dh]` (`clean_key_values`
+    there); in a model with linear-attention layers a `jaxdepth.core.layer.MixerPrefix`, each
+    linear layer's state at `length` beside the attention layers' keys and values."""
+    if not config.mixed_mixers:
+        keys, values = clean_key_values(params, hs, config, valid=valid)
+        return keys[:, :, :length], values[:, :, :length]
+    if config.rope_type == "longrope":  # its keys' factors depend on the prompt's whole length
+        raise ValueError("clean_prefix of a model with linear-attention layers and longrope is not implemented")
+    context = layer_context(hs[0], valid, config)
+
+    def one(i):
+        p = layer_params(params, i, config)
+        r = layer_step(p, hs[i], i, context, config)
+        return r.k[:, :length], r.v[:, :length], linear_state_at(p, i, hs[i], valid, length, config)
+
+    return MixerPrefix(*map_layers(one, config))
 
 
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
@@ -723,13 +752,23 @@ def token_step(
     valid: Bool[Array, " T"],
     position,
     config: ModelConfig,
+    *,
+    inputs: Optional[Float[Array, "L T D"]] = None,
 ) -> Float[Array, " D"]:
     """h_{l+1}[t] as a function of h_l[t] = `x` alone: layer `index` (l) run on one position
     (`position`, t; traced or not) of one prompt, which attends to the keys and values of its
     positions before t (`keys[l]`, `values[l]`, the clean run's) and to its own. At the clean
-    input it equals the full forward's output there."""
+    input it equals the full forward's output there. A linear-attention layer continues from
+    its state at t instead (`linear_state_at`), read off its clean `inputs` (every layer's
+    input h_l of the prompt, which a model with linear-attention layers needs)."""
     context = piece_context(valid[None], position, 1, config)
     prefix = (keys[index][None], values[index][None])
+    if config.mixed_mixers:
+        if inputs is None:
+            raise ValueError("token_step of a model with linear-attention layers needs inputs= (every layer's h_l)")
+        p = layer_params(params, index, config)
+        state = linear_state_at(p, index, inputs[index][None], valid[None], position, config)
+        prefix = MixerPrefix(*prefix, state)
     return run_layer(params, index, x[None, None], config, context=context, prefix=prefix).out[0, 0]
 
 

@@ -66,7 +66,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.experts import follow_routing
-from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
+from jaxdepth.core.loops import LayerRun, clean_prefix, run_layers
 from jaxdepth.core.model import embed
 from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
@@ -298,10 +298,7 @@ def _suffix_embeddings(params, pairs: PromptPairs, prefix, config: ModelConfig):
     return embed(params, pairs.clean[:, P:], config, offset=P), embed(params, pairs.corrupt[:, P:], config, offset=P)
 
 
-@partial(jit, static_argnames=("config", "length"))
-def _prefix_key_values(params, residuals, valid, config: ModelConfig, length: int):
-    keys, values = clean_key_values(params, residuals, config, valid=valid)
-    return keys[:, :, :length], values[:, :, :length]
+_prefix_key_values = jit(clean_prefix, static_argnames=("config", "length"))
 
 
 def suffix_run(
@@ -319,7 +316,7 @@ def suffix_run(
     P = 0 if whole else pairs.shared_prefix()
     if P == 0:
         return 0, None
-    return P, _prefix_key_values(params, clean.residuals, pairs.valid, config, P)
+    return P, _prefix_key_values(params, clean.residuals, P, config, valid=pairs.valid)
 
 
 @partial(jit, static_argnames=("config", "metric"))
