@@ -11,6 +11,18 @@ transformers does not read every key llama.cpp writes. A key it does not read is
 the file's value is the one transformers builds the model with anyway (llama.cpp writes Gemma 2's
 soft-caps, which are transformers' defaults) and refused otherwise, as every key no table names:
 jaxdepth never builds a model that differs from transformers', nor ignores what a file states.
+
+GPT-OSS ('gpt-oss') files are the exception: transformers (5.24) cannot load any that llama.cpp
+writes. Its loader reads the rope scaling, which llama.cpp always writes for GPT-OSS, from
+`parts[0]` of each `gpt-oss.rope.scaling.*` field, which is the key's length and not its value,
+and raises `TypeError: only 0-dimensional arrays can be converted to Python scalars`. With the
+values read instead, it would still leave the experts (`ffn_{gate,up,down}_exps` and their biases)
+and the attention sinks (`attn_sinks.weight`) unloaded and randomly initialised: its name map
+gives `down_proj` and `sinks` names without llama.cpp's '.weight' and the fused `gate_up_proj` and
+the biases none, and its `GptOssTensorProcessor` is registered as 'gpt_oss', which is not the
+architecture a file states. jaxdepth reads such a file as that loader means to (its keys,
+GptOssConfig's defaults, its rope scaling settings) and the tensors as llama.cpp's converter wrote
+them, which gives back the model that was converted.
 """
 
 from __future__ import annotations
@@ -83,13 +95,17 @@ class _Arch:
     to config keys. `defaults`: what its config class supplies where the file is silent (only
     where jaxdepth's reader of the family would assume otherwise, or needs the key). `unread`:
     keys llama.cpp writes that it does not read -> the `ModelConfig` field whose value the file's
-    must equal (None: no effect on the model). `fix`: its change to a tensor (GGUF name, array)."""
+    must equal (None: no effect on the model). `fix`: its change to a tensor (GGUF name, array).
+    `rope_scaling`: the `rope.scaling.*` keys its loader gathers for the architecture into the
+    rope settings that replace the config class's (`rope_scaling`), under the names it gives them;
+    it does so only where the file states the type."""
 
     model_type: str
     keys: Mapping[str, str]
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     unread: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     fix: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
+    rope_scaling: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 _ARCHS = {
@@ -197,6 +213,56 @@ _ARCHS = {
         },
         _gemma_norms,
     ),
+    # GPT-OSS as GptOssConfig has it where the file is silent: head size 64 (llama.cpp's
+    # key_length, which transformers does not read, must say so), a 128-token window on every
+    # other layer, the first sliding (llama.cpp's `attention.sliding_window` is not the
+    # `sliding_window` key transformers reads), base 150000 and YaRN rope scaling 32 over 4096
+    # positions, its correction range not truncated. A file's rope scaling (llama.cpp writes it)
+    # replaces those settings whole, as transformers' loader does: its type, factor and original
+    # context, the correction range then truncated (YaRN's default in transformers, and in
+    # llama.cpp, where the file cannot say otherwise); llama.cpp's `yarn_beta_fast`,
+    # `yarn_beta_slow` and `yarn_attn_factor` land there under names transformers' YaRN does not
+    # read, so they must be its defaults (32, 1, and 0.1 ln(factor) + 1). The experts' width is
+    # `feed_forward_length`, which llama.cpp writes again as `expert_feed_forward_length`.
+    "gpt-oss": _Arch(
+        "gpt_oss",
+        {
+            **_DECODER_KEYS,
+            "expert_count": "num_local_experts",
+            "expert_used_count": "num_experts_per_tok",
+            "sliding_window": "sliding_window",
+        },
+        {
+            "rope_theta": 150000.0,
+            "head_dim": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        {
+            **_HEAD_SIZES,
+            **_ROTARY_WIDTH,
+            "attention.sliding_window": "sliding_window",
+            "expert_feed_forward_length": "intermediate_size",
+            "rope.scaling.yarn_beta_fast": "rope_beta_fast",
+            "rope.scaling.yarn_beta_slow": "rope_beta_slow",
+            "rope.scaling.yarn_attn_factor": "rope_attention_factor",
+        },
+        rope_scaling={
+            "rope.scaling.type": "rope_type",
+            "rope.scaling.factor": "factor",
+            "rope.scaling.attention_factor": "attention_factor",
+            "rope.scaling.beta_fast": "beta_fast",
+            "rope.scaling.beta_slow": "beta_slow",
+            "rope.scaling.original_context_length": "original_max_position_embeddings",
+            "rope.scaling.original_max_position_embeddings": "original_max_position_embeddings",
+        },
+    ),
 }
 
 # Tensors llama.cpp writes that transformers' model has no place for: the rope scaling they hold
@@ -244,13 +310,15 @@ def gguf_config(reader) -> ModelConfig:
         )
     spec = _ARCHS[arch]
     hf = {"model_type": spec.model_type, **spec.defaults}
-    unread = {}
+    unread, rope = {}, {}
     for key in reader.fields:
         if not key.startswith(arch + "."):
             continue
         name, value = key[len(arch) + 1 :], _field(reader, key)
         if name in spec.keys:
             hf[spec.keys[name]] = value
+        elif name in spec.rope_scaling:
+            rope[key] = (spec.rope_scaling[name], value)
         elif name in spec.unread:
             unread[key] = (value, spec.unread[name])
         else:
@@ -258,6 +326,15 @@ def gguf_config(reader) -> ModelConfig:
                 f"GGUF key {key!r} = {value!r} is read neither by transformers' GGUF loader nor by jaxdepth; "
                 "refusing to ignore it"
             )
+    if rope and f"{arch}.rope.scaling.type" not in rope:
+        key, (_, value) = next(iter(rope.items()))
+        raise UnsupportedConfigError(
+            f"GGUF key {key!r} = {value!r}: transformers' GGUF loader reads the rope scaling only where the file "
+            f"states its type ('{arch}.rope.scaling.type'), and builds the model with its config class's without it; "
+            "refusing to build a model that differs from either"
+        )
+    if rope:
+        hf["rope_scaling"] = dict(rope.values())
     # As transformers: the vocabulary from the token list where the file does not state its size,
     # and the LM head tied to the embeddings where llama.cpp wrote no `output.weight`.
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -612,6 +612,7 @@ LLAMA_CPP_ARCH = {
     "gpt2": "gpt2",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
 }
 
 
@@ -660,6 +661,13 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
     if full.get("rope_type") == "linear":
         calls += [("rope_scaling_type", pytest.importorskip("gguf").RopeScalingType.LINEAR)]
         calls += [("rope_scaling_factor", full["factor"])]
+    if full.get("rope_type") == "yarn":  # and the YaRN settings the config states
+        calls += [("rope_scaling_type", pytest.importorskip("gguf").RopeScalingType.YARN)]
+        calls += [("rope_scaling_factor", full["factor"])]
+        calls += [("rope_scaling_orig_ctx_len", full["original_max_position_embeddings"])]
+        for name, key in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+            if full.get(name) is not None:
+                calls.append((f"rope_scaling_yarn_{key}", full[name]))
     calls.append(("rope_freq_base", full["rope_theta"]))
     if "rope_theta" in local:
         calls.append(("rope_freq_base_swa", local["rope_theta"]))
@@ -670,6 +678,13 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
             ("expert_count", cfg.num_experts),
             ("expert_used_count", cfg.num_experts_per_tok),
             ("expert_feed_forward_length", cfg.moe_intermediate_size),
+        ]
+    if arch == "gpt-oss":  # TextModel's experts, and the window and width GptOssModel adds
+        calls += [
+            ("expert_count", cfg.num_local_experts),
+            ("expert_used_count", cfg.num_experts_per_tok),
+            ("sliding_window", cfg.sliding_window),
+            ("expert_feed_forward_length", cfg.intermediate_size),
         ]
     if arch == "llama":  # LlamaModel adds these
         calls += [
@@ -688,7 +703,10 @@ def _llama_cpp_tensors(model, arch: str):
     gguf's own `TensorNameMap` (the converter's), q/k rows permuted for 'llama', Gemma's norm
     weights stored as 1 + w, GPT-2's `Conv1D` weights transposed to `[out, in]`, the experts'
     fused gate and up projections `[E, 2F, D]` cut into a stack of each (Qwen2MoeModel's), and no
-    LM head when it is the embedding matrix."""
+    LM head when it is the embedding matrix. GPT-OSS's experts (GptOssModel's): stored `[E, in,
+    out]`, their gate and up columns interleaved (gate, up, gate, ...), written as stacks `[E,
+    out, in]` of the gate, the up and the down projections, the biases split alike; its sinks
+    named as weights."""
     gguf = pytest.importorskip("gguf")
 
     cfg = model.config
@@ -699,7 +717,19 @@ def _llama_cpp_tensors(model, arch: str):
     tensors = {}
     for name, tensor in model.state_dict().items():
         w = tensor.detach().numpy()
-        if name.endswith("mlp.experts.gate_up_proj"):
+        experts = name[: name.rfind(".") + 1]
+        if arch == "gpt-oss" and name.endswith("mlp.experts.gate_up_proj"):
+            w = np.swapaxes(w, -1, -2)
+            tensors[experts + "gate_proj.weight"], tensors[experts + "up_proj.weight"] = w[:, 0::2], w[:, 1::2]
+        elif arch == "gpt-oss" and name.endswith("mlp.experts.gate_up_proj_bias"):
+            tensors[experts + "gate_proj.bias"], tensors[experts + "up_proj.bias"] = w[..., 0::2], w[..., 1::2]
+        elif arch == "gpt-oss" and name.endswith("mlp.experts.down_proj"):
+            tensors[name + ".weight"] = np.swapaxes(w, -1, -2)
+        elif arch == "gpt-oss" and name.endswith("mlp.experts.down_proj_bias"):
+            tensors[experts + "down_proj.bias"] = w
+        elif arch == "gpt-oss" and name.endswith("self_attn.sinks"):
+            tensors[name + ".weight"] = w
+        elif name.endswith("mlp.experts.gate_up_proj"):
             half = w.shape[-2] // 2
             tensors[name[: -len("gate_up_proj")] + "gate_proj.weight"] = w[..., :half, :]
             tensors[name[: -len("gate_up_proj")] + "up_proj.weight"] = w[..., half:, :]
@@ -795,8 +825,11 @@ def write_tiny_gguf(tiny, path, *, arch=None, name=None, extra=None, tokenizer="
 # expert width 768, its chosen experts' weights renormalised and no dense layers; Gemma's
 # query_pre_attn_scalar 256, Gemma 2's soft-caps 50 and 30 and rotary base 10000 (llama.cpp writes
 # none), Gemma 3's layer pattern (5 sliding layers in 6), its local rotary base 10000 and no rope
-# scaling; no window and full rotary for Phi-3; GPT-2's 1024 positions. A Mistral model is a
-# 'llama' file (llama.cpp writes no window for it), which transformers reads as Llama.
+# scaling; no window and full rotary for Phi-3; GPT-2's 1024 positions; GPT-OSS's head size 64,
+# window 128, GLU limit 7 and YaRN's defaults where a file's rope scaling replaces its config's
+# (beta_fast 32, beta_slow 1, the correction range truncated). A Mistral model is a 'llama' file
+# (llama.cpp writes no window for it), which transformers reads as Llama. transformers cannot load
+# the GPT-OSS file at all (`conversion.gguf_file`): it is checked against the model written.
 GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "llama": ("llama_gqa_untied", {}, None),
     "mistral": ("mistral_window", dict(sliding_window=None), "Mistral Tiny"),
@@ -813,6 +846,23 @@ GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         None,
     ),
     "gpt2": ("gpt2", dict(n_positions=1024), None),
+    "gpt-oss": (
+        "gpt_oss_sinks",
+        dict(
+            head_dim=64,
+            sliding_window=128,
+            swiglu_limit=7.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 12345.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        None,
+    ),
     "gemma2": (
         "gemma2_softcapped",
         dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=1e4),
@@ -834,6 +884,15 @@ GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
 }
 
 
+# As `_FIRST_SEEDS`, for the GGUF models: those of the first architectures by their sorted order then.
+_FIRST_GGUF_SEEDS = "gemma2 gemma3 gpt2 llama mistral phi3 qwen2 qwen3 qwen3moe".split()
+
+
+def gguf_seed(arch: str) -> int:
+    """The weights' seed of the GGUF model of `arch`: stable when architectures are added."""
+    return _FIRST_GGUF_SEEDS.index(arch) if arch in _FIRST_GGUF_SEEDS else zlib.crc32(arch.encode()) % 2**31
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> Callable[[str], tuple[TinyModel, str]]:
     """Factory: `tiny_gguf(arch)` builds (once per session) the tiny model `GGUF_VARIANTS[arch]`,
@@ -847,7 +906,7 @@ def tiny_gguf(tmp_path_factory) -> Callable[[str], tuple[TinyModel, str]]:
             variant = f"{base}__gguf"
             with pytest.MonkeyPatch.context() as patch:  # a variant of the tiny models, for this build only
                 patch.setitem(TINY_VARIANTS, variant, {**TINY_VARIANTS[base], **changes})
-                model = build_tiny_model(variant, seed=sorted(GGUF_VARIANTS).index(arch))
+                model = build_tiny_model(variant, seed=gguf_seed(arch))
             folder = tmp_path_factory.mktemp(f"hf-{arch}-gguf")
             model.save_pretrained(str(folder))
             path = str(tmp_path_factory.mktemp(f"gguf-{arch}") / f"{arch}.gguf")

@@ -314,7 +314,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt_neox": "post_attention_layernorm.weight",
             "gpt2": "ln_2.weight",
         },
-        gguf="ffn_norm.weight",
+        gguf={"llama": "ffn_norm.weight", "gpt_oss": "post_attention_norm.weight"},
     ),
     _layer(
         "mlp_norm_bias",
@@ -328,7 +328,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _post_norm,
         _WHOLE,
         hf={"gemma": "post_attention_layernorm.weight", "olmo2": "post_attention_layernorm.weight"},
-        gguf="post_attention_norm.weight",
+        gguf={"llama": "post_attention_norm.weight", "gpt_oss": None},
     ),
     # (no family has LayerNorms after its sublayers: no checkpoint names these two biases)
     _layer("attn_post_norm_bias", lambda c: _post_norm(c, bias=True), _WHOLE),
@@ -780,15 +780,17 @@ HF = Naming(
 # llama.cpp's names (gguf's `TensorNameMap`, which its converter writes them with): one naming
 # serves every architecture with separate projections; Phi-3 and GPT-2 keep their fused tensors
 # as the checkpoint has them, stacked by rows (GPT-2's `Conv1D` weights transposed to [out, in]
-# by the converter): q/k/v in `attn_qkv`, Phi-3's gate and up in `ffn_up`.
+# by the converter): q/k/v in `attn_qkv`, Phi-3's gate and up in `ffn_up`. GPT-OSS's norm before
+# the MLP is its `post_attention_norm` (the Hugging Face name), and it has no other.
 GGUF = Naming(
     column="gguf",
-    layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2"), "blk.{i}."),
-    base={"phi3": "llama", "gpt2": "llama"},
+    layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2", "gpt_oss"), "blk.{i}."),
+    base={"phi3": "llama", "gpt2": "llama", "gpt_oss": "llama"},
     family_of={
         **dict.fromkeys(("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3"), "llama"),
         "phi3": "phi3",
         "gpt2": "gpt2",
+        "gpt-oss": "gpt_oss",
     },
 )
 

@@ -5,7 +5,8 @@ file that transformers would read as another model than the one it states is ref
 
 The tiny models (`GGUF_VARIANTS`) have every feature transformers takes from its config classes
 set to those defaults, so that transformers reads each file back whole: the parity tests check
-jaxdepth against both transformers' model of the file and the model that was written.
+jaxdepth against both transformers' model of the file and the model that was written (against the
+latter alone for GPT-OSS, whose files transformers cannot load: `LOADER_FAILS`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import conversion.gguf_file
 from conftest import GGUF_VARIANTS, write_tiny_gguf
 from conversion.gguf_file import convert_gguf
 from conversion.hf import convert_hf_folder
-from jaxdepth.core.config import UnsupportedConfigError
+from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.model import forward
 
 TOL = 1e-4  # float32 logits, as every tiny parity test (tests/core/test_parity.py)
@@ -57,6 +58,10 @@ def _torch_logits(model, tokens) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- parity
 
+# The architectures whose files transformers' GGUF loader cannot load (its error): their parity is
+# checked against the model written alone (`test_transformers_cannot_load_a_gpt_oss_file`).
+LOADER_FAILS = {"gpt-oss": (TypeError, "only 0-dimensional arrays can be converted to Python scalars")}
+
 
 @pytest.mark.parity
 @pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
@@ -65,18 +70,69 @@ def test_gguf_matches_transformers_gguf_loader(tiny_gguf, arch):
     converted = convert_gguf(path, load_tokenizer=False)
     tokens = _tokens(converted.config)
     ours = jax_logits(converted.params, tokens, converted.config)
-    theirs = _torch_logits(_transformers_gguf_model(path), tokens)
     written = _torch_logits(tiny.model, tokens)
+    if arch in LOADER_FAILS:
+        theirs, against = written, "the model written (transformers' GGUF loader cannot load the file)"
+    else:
+        theirs, against = _torch_logits(_transformers_gguf_model(path), tokens), "transformers' GGUF loader"
     diff, diff_written = (float(np.abs(ours - x).max()) for x in (theirs, written))
     scale = float(np.abs(theirs).max())
     print(
-        f"\n[parity] {arch} GGUF, T=300: max |logit diff| vs transformers' GGUF loader = {diff:.3e}, "
+        f"\n[parity] {arch} GGUF, T=300: max |logit diff| vs {against} = {diff:.3e}, "
         f"vs the model written = {diff_written:.3e} (logit scale {scale:.2f})"
     )
     assert ours.shape == theirs.shape == (2, 300, converted.config.vocab_size)
     assert diff <= TOL and diff <= TOL * scale
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
     assert diff_written <= TOL, "transformers' model of the file is not the model written: the test model is wrong"
+
+
+@pytest.mark.parity
+def test_transformers_cannot_load_a_gpt_oss_file(tiny_gguf, monkeypatch):
+    """transformers 5.24's GGUF loader fails on every GPT-OSS file llama.cpp writes: reading the
+    rope scaling (`gpt-oss.rope.scaling.*`, which llama.cpp always writes for GPT-OSS) it takes
+    `parts[0]` of gguf's field, the key's length, for the value, and `float()` of that array
+    raises. With the values read instead, its config is jaxdepth's (its rope settings hold
+    llama.cpp's `yarn_beta_*` under names its YaRN does not read: inert), but its model leaves the
+    experts and the attention sinks of every layer unloaded, randomly initialised: its name map
+    has no name for the fused `gate_up_proj` nor the biases, and names `down_proj` and `sinks`
+    without the '.weight' llama.cpp writes; its `GptOssTensorProcessor` is registered under
+    'gpt_oss', which is not the architecture a file states ('gpt-oss'). Should transformers learn
+    to load such a file, `LOADER_FAILS` should lose it and the parity test compare with it."""
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, path = tiny_gguf("gpt-oss")
+    error, message = LOADER_FAILS["gpt-oss"]
+    with pytest.raises(error, match=message):
+        _transformers_gguf_model(path)
+
+    class ValuesRead(gguf.GGUFReader):
+        """gguf's reader whose rope scaling fields give their value where the loader reads parts[0]."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key, field in list(self.fields.items()):
+                if key.startswith("gpt-oss.rope.scaling."):
+                    value = field.contents()
+                    value = value.encode() if isinstance(value, str) else value
+                    self.fields[key] = field._replace(parts=[value, *field.parts[1:]])
+
+    monkeypatch.setattr(gguf, "GGUFReader", ValuesRead)
+    folder, name = os.path.split(path)
+    theirs = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    assert {k for k in theirs["rope_parameters"] if k.startswith("yarn_")} == {"yarn_beta_fast", "yarn_beta_slow"}
+    theirs["rope_parameters"] = {k: v for k, v in theirs["rope_parameters"].items() if not k.startswith("yarn_")}
+    assert ModelConfig.from_hf(theirs) == convert_gguf(path, load_tokenizer=False).config
+    _, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+    )
+    unloaded = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj")
+    unloaded += ("mlp.experts.down_proj_bias", "self_attn.sinks")
+    assert set(info["missing_keys"]) == {
+        f"model.layers.{i}.{t}" for i in range(theirs["num_hidden_layers"]) for t in unloaded
+    }
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
@@ -98,8 +154,9 @@ def test_gguf_conversion_equals_the_hf_folder_conversion(tiny_gguf, arch):
 
 # What each architecture's reading must get right and the file does not say, switched off: the
 # settings transformers takes from its config classes (Gemma's query_pre_attn_scalar 256, Gemma 2's
-# logit soft-cap 30, Gemma 3's local rotary base 10000 and layer pattern) or its GGUF loader
-# supplies (Qwen3-MoE's renormalised experts), and the changes
+# logit soft-cap 30, Gemma 3's local rotary base 10000 and layer pattern, GPT-OSS's alternating
+# layers and, its rope scaling replaced by the file's, YaRN's truncated correction range) or its
+# GGUF loader supplies (Qwen3-MoE's renormalised experts), and the changes
 # llama.cpp made to the tensors (`fix`: Llama's q/k rows, Gemma's norms stored as 1 + w).
 SWITCHED_OFF = [
     ("gemma2", dict(attn_scale=0.0)),
@@ -108,6 +165,8 @@ SWITCHED_OFF = [
     ("gemma3", dict(local_rope_theta=0.0)),
     ("gemma3", dict(layer_types=("sliding",) * 6)),
     ("qwen3moe", dict(normalize_expert_weights=False)),
+    ("gpt-oss", dict(layer_types=("full",) * 3)),
+    ("gpt-oss", dict(rope_truncate=False)),
     ("llama", "fix"),
     ("gemma2", "fix"),
     ("gemma3", "fix"),
@@ -144,7 +203,7 @@ def test_the_keys_read_are_those_transformers_reads(arch):
 
     spec = conversion.gguf_file._ARCHS[arch]
     # transformers looks the keys up under its own name of the architecture
-    theirs_name = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    theirs_name = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}.get(arch, arch)
     theirs = GGUF_CONFIG_MAPPING[theirs_name]
     unused = {("gpt2", "feed_forward_length")}
     assert spec.keys == {k: v for k, v in theirs.items() if v is not None and (arch, k) not in unused}
@@ -194,7 +253,7 @@ def test_a_llama_file_without_its_kv_head_count_is_refused(tiny_model, tmp_path)
 
 # A `GGUF_VARIANTS` model with `extra` metadata, or a `TINY_VARIANTS` one (its features away from
 # transformers' defaults: Gemma 2's soft-caps 3 and 5, Gemma 3's linear rope scaling, Qwen3's
-# head_dim 24).
+# head_dim 24, GPT-OSS's YaRN beta_fast 8).
 REFUSED = [
     ("gemma2_softcapped", None, "gemma2.attn_logit_softcapping"),  # 3, where transformers uses 50
     ("gemma3_local_rope", None, "gemma3.rope.scaling.type"),  # linear on the global layers
@@ -205,6 +264,11 @@ REFUSED = [
     ("qwen3_gqa", None, "qwen3.attention.key_length"),  # 24, where transformers uses 128
     ("qwen3moe", lambda w: w.add_expert_weights_norm(False), "qwen3moe.expert_weights_norm"),
     ("qwen3moe", lambda w: w.add_expert_shared_count(1), "qwen3moe.expert_shared_count"),  # read by neither
+    ("gpt_oss_sinks", None, "gpt-oss.rope.scaling.yarn_beta_fast"),  # 8, where transformers' YaRN uses 32
+    ("gpt-oss", lambda w: w.add_sliding_window(4096), "gpt-oss.attention.sliding_window"),  # 128 in transformers
+    ("gpt-oss", lambda w: w.add_expert_feed_forward_length(256), "gpt-oss.expert_feed_forward_length"),
+    # a rope scaling without its type, which transformers then does not read
+    ("gpt-oss", lambda w: w.kv_data[0].pop("gpt-oss.rope.scaling.type"), "gpt-oss.rope.scaling.factor"),
     ("gpt2", lambda w: w.add_feed_forward_length(100), "gpt2.feed_forward_length"),
     ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),  # read by neither
 ]
