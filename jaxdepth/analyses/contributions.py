@@ -20,7 +20,7 @@ from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.effective_depth import cosine_effective_depth
 from jaxdepth.analyses.stats import cosine, per_prompt_mean, relative_norm, token_mean
-from jaxdepth.analyses.suite import Analysis, DepthReading
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading
 from jaxdepth.analyses.uncertainty import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
@@ -208,12 +208,24 @@ def contributions_figure(
 
 
 def depth_reading(result: ContributionResult) -> DepthReading:
-    """The cosine effective depth of `result`, for the table and the comparison."""
+    """The cosine effective depth of `result`, for the table and the comparison, and its
+    per-layer curves at (l + 0.5) / L: the mean of the three cosines (what the effective depth
+    reads) and the three relative contributions."""
     depth = cosine_effective_depth(result.mean_cosine)
+    L = depth.num_layers
+    x = (np.arange(L) + 0.5) / L
+    norms = (
+        ("norm_attn", "attention's relative contribution", "||a_l|| / ||h_l||", result.norm_attn),
+        ("norm_mlp", "MLP's relative contribution", "||m_l|| / ||h_l + a_l||", result.norm_mlp),
+        ("norm_layer", "layer's relative contribution", "||a_l + m_l|| / ||h_l||", result.norm_layer),
+    )
+    curves = {"cosine": DepthCurve("residual cosine (mean of the three)", "cosine", x, np.asarray(result.mean_cosine))}
+    curves.update({name: DepthCurve(title, label, x, np.asarray(y), log=True) for name, title, label, y in norms})
     return DepthReading(
-        num_layers=depth.num_layers,
+        num_layers=L,
         effective_depths={"cosine": depth},
         ratios={"cosine": ("cosine ED", depth.ratio)},
+        curves=curves,
         per_prompt=result.tokens_per_prompt is not None,
     )
 

@@ -36,6 +36,7 @@ __all__ = [
     "ResultTypeError",
     "expect",
     "new_figure",
+    "panel_grid",
     "title_figure",
     "layer_axis",
     "TokenPanel",
@@ -69,6 +70,20 @@ def new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # render with Agg whatever backend pyplot may be using elsewhere
     return fig
+
+
+def panel_grid(count: int, width: float, height: float, *, columns: int = 4) -> tuple[Figure, list]:
+    """A figure of `count` panels, each `width` x `height` inches, in rows of at most `columns`
+    (the panels of a last row that is not full left out); returns it and its axes, row by row."""
+    if count < 1:
+        raise ValueError(f"panel_grid needs at least one panel, got {count}")
+    cols = min(count, columns)
+    rows = -(-count // cols)
+    fig = new_figure(width * cols, 0.9 + height * rows)
+    axes = list(np.atleast_1d(fig.subplots(rows, cols)).ravel())
+    for ax in axes[count:]:
+        ax.remove()
+    return fig, axes[:count]
 
 
 def expect(result, kind: type, what: str):

@@ -243,7 +243,12 @@ def geometry(
         sink_scores=scores,
         lengths=np.asarray(batch.lengths, np.int64),
         num_layers=L,
-        settings={**(settings or {}), "sink_threshold": float(sink_threshold)},
+        settings={
+            **(settings or {}),
+            "sink_threshold": float(sink_threshold),
+            # a linear-attention layer has no attention probabilities: its sink scores are zeros, not measured
+            **({"attention_layers": list(config.attention_layers)} if config.mixed_mixers else {}),
+        },
     )
 
 
@@ -252,17 +257,24 @@ def geometry(
 
 def geometry_figure(result: GeometryResult, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Figure:
     """Three panels over relative depth: the matrix entropy and the first token's norm ratio (log
-    axis) at each boundary l / L, and the sink rate of each layer at (l + 0.5) / L; each the
-    mean over prompts (faint: each prompt's) with a 95% bootstrap band over prompts."""
+    axis) at each boundary l / L, and the sink rate of each attention layer at (l + 0.5) / L;
+    each the mean over prompts (faint: each prompt's) with a 95% bootstrap band over prompts."""
     from jaxdepth.analyses import drawing as d
 
     d.expect(result, GeometryResult, "geometry_figure")
     L = result.num_layers
-    boundaries, layers = np.arange(L + 1) / L, (np.arange(L) + 0.5) / L
+    attention = np.asarray(result.settings.get("attention_layers", range(L)), int)  # no linear-attention layer
+    boundaries, layers = np.arange(L + 1) / L, (attention + 0.5) / L
     panels = [
         (result.entropy, boundaries, "matrix entropy (normalised)", "compression", "C0"),
         (result.first_norm_ratio, boundaries, r"$\|h_l[0]\|$ / median$_t \|h_l[t]\|$", "first-token norm", "C3"),
-        (result.sink_rate(), layers, "share of sink heads", f"attention sinks (alpha > {result.threshold:g})", "C2"),
+        (
+            result.sink_rate()[:, attention],
+            layers,
+            "share of sink heads",
+            f"attention sinks (alpha > {result.threshold:g})",
+            "C2",
+        ),
     ]
     fig = d.new_figure(14, 4.2)
     for ax, (per_prompt, x, ylabel, title, color) in zip(fig.subplots(1, 3), panels):
@@ -309,25 +321,27 @@ def _summary(result: GeometryResult) -> list[str]:
     with np.errstate(all="ignore"):
         entropy = np.nanmean(result.entropy, axis=0) if np.isfinite(result.entropy).any() else None
     ratio = result.first_norm_ratio.mean(axis=0)
-    sinks = result.sink_rate().mean(axis=0)
-    top = result.largest_activation()
     L = result.num_layers
+    attention = np.asarray(result.settings.get("attention_layers", range(L)), int)
+    sinks = result.sink_rate().mean(axis=0)[attention]
+    top = result.largest_activation()
     lines = []
     if entropy is not None:
         valley = int(np.nanargmin(entropy))
         lines.append(f"entropy valley {entropy[valley]:.2f} at boundary {valley}/{L}")
-    lines += [
-        f"first-token norm ratio up to {ratio.max():.1f}x at boundary {int(ratio.argmax())}/{L}",
-        f"sink rate peaks at {sinks.max():.0%} in layer {int(sinks.argmax())}",
-        f"largest |activation| {top['value']:.1f} (token {top['position']}, dim {top['dimension']})",
-    ]
+    lines.append(f"first-token norm ratio up to {ratio.max():.1f}x at boundary {int(ratio.argmax())}/{L}")
+    if attention.size:
+        lines.append(f"sink rate peaks at {sinks.max():.0%} in layer {int(attention[sinks.argmax()])}")
+    lines.append(f"largest |activation| {top['value']:.1f} (token {top['position']}, dim {top['dimension']})")
     return lines
 
 
 def depth_reading(result: GeometryResult) -> DepthReading:
-    """The matrix entropy at every boundary and the attention-sink rate of every layer, each the
-    mean over prompts, on the relative-depth axis."""
+    """The matrix entropy at every boundary and the attention-sink rate of every attention layer
+    (all but a hybrid model's linear-attention layers, `settings['attention_layers']`), each
+    the mean over prompts, on the relative-depth axis."""
     L = result.num_layers
+    attention = np.asarray(result.settings.get("attention_layers", range(L)), int)
     return DepthReading(
         num_layers=L,
         curves={
@@ -340,8 +354,8 @@ def depth_reading(result: GeometryResult) -> DepthReading:
             "sink_rate": DepthCurve(
                 "attention-sink rate",
                 "share of heads",
-                (np.arange(L) + 0.5) / L,
-                np.nanmean(result.sink_rate(), axis=0),
+                (attention + 0.5) / L,
+                np.nanmean(result.sink_rate(), axis=0)[attention],
             ),
         },
     )

@@ -49,8 +49,8 @@ from jaxdepth.analyses.metric_inputs import clean_readout, prompt_reads, refuse_
 from jaxdepth.analyses.stats import masked_max, norm, relative_norm
 from jaxdepth.core.sweep import auto_chunk_size, sweep
 from jaxdepth.core.sharding import to_host
-from jaxdepth.analyses.effective_depth import depth_score
-from jaxdepth.analyses.suite import Analysis, Settings, option
+from jaxdepth.analyses.effective_depth import depth_effects, depth_score
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, not with the analysis
     from matplotlib.figure import Figure
@@ -70,6 +70,7 @@ __all__ = [
     "ANALYSIS",
     "SkipMasks",
     "skipped_runs",
+    "depth_reading",
     "output_shifts",
     "metric_changes",
     "measured_rows",
@@ -769,6 +770,35 @@ def _skip_identity(s: LayerSkipSettings) -> dict:
     }
 
 
+_SKIPPED = {"layer": "the layer", "attn": "its attention", "mlp": "its MLP"}
+
+
+def depth_reading(result: LayerSkipBySublayer) -> DepthReading:
+    """Per skipped sublayer, two curves over the skipped layer s at (s + 0.5) / L: its mean
+    effect on the layers after it, e_s (what the depth score weighs,
+    `jaxdepth.analyses.effective_depth.depth_effects`), and its effect on the output
+    probabilities, `output[s]`. The last layer is left out where its value is fixed by
+    construction: of e_s always (no layer after it), of the output in the 'future' mode (the
+    positions it skips are read by no later layer)."""
+    curves = {}
+    future = result.settings.get("mode", "future") == "future"
+    for sublayer, part in result.parts().items():
+        L = len(part.output)
+        x = (np.arange(L) + 0.5) / L
+        output = np.asarray(part.output, np.float64)
+        skipped = _SKIPPED.get(sublayer, sublayer)
+        curves[f"skip_{sublayer}_later"] = DepthCurve(
+            f"skipping {skipped}: effect on later layers", "e_s", x[:-1], depth_effects(part.later)[:-1]
+        )
+        curves[f"skip_{sublayer}_output"] = DepthCurve(
+            f"skipping {skipped}: effect on the output",
+            "||y - y'||_2",
+            x[:-1] if future else x,
+            output[:-1] if future else output,
+        )
+    return DepthReading(num_layers=len(result.output[0]), curves=curves)
+
+
 ANALYSIS = Analysis(
     name="layer_skip",
     result_type=LayerSkipBySublayer,
@@ -784,4 +814,5 @@ ANALYSIS = Analysis(
     ),
     figures=lambda r, tokenizer, n: {"": layer_skip_figure(r.parts())},
     summary=lambda r: [f"depth score ({s} skipped) {depth_score(part.later):.2f}" for s, part in r.parts().items()],
+    depth=depth_reading,
 )

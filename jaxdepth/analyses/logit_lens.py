@@ -26,7 +26,7 @@ from jaxdepth.core.model import residual_stream, unembed
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.analyses.stats import per_prompt_mean, prompt_mean, token_mean
-from jaxdepth.analyses.suite import Analysis, DepthReading, Settings, option
+from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
 from jaxdepth.analyses.effective_depth import kl_effective_depth, overlap_effective_depth
 from jaxdepth.analyses.metrics import kl_divergence
 from jaxdepth.analyses.tuned_lens import translate
@@ -227,12 +227,24 @@ class LogitLensSettings(Settings):
 
 
 def depth_reading(result: LogitLensResult) -> DepthReading:
-    """The KL and top-5 overlap effective depths of `result`, for the table and the comparison."""
+    """The KL and top-5 overlap effective depths of `result`, for the table and the comparison,
+    and both curves at the boundaries l / L. The logit lens of h_L is the output itself (P_L = P:
+    KL 0, overlap 1), which closes each curve at 1, so that every layer's change of it is known;
+    a tuned lens's curves end at h_{L-1}, as read."""
     kl, overlap = kl_effective_depth(result.kl), overlap_effective_depth(result.overlap)
+    L = kl.num_layers
+    kl_curve, overlap_curve = np.asarray(result.kl, np.float64), np.asarray(result.overlap, np.float64)
+    if result.settings.get("lens", "logit") == "logit":
+        kl_curve, overlap_curve = np.append(kl_curve, 0.0), np.append(overlap_curve, 1.0)
+    x = np.arange(len(kl_curve)) / L
     return DepthReading(
-        num_layers=kl.num_layers,
+        num_layers=L,
         effective_depths={"kl": kl, "overlap": overlap},
         ratios={"kl": ("KL ED", kl.ratio), "overlap": ("top-5 overlap ED", overlap.ratio)},
+        curves={
+            "kl": DepthCurve("logit lens: KL(P_l || P)", "nats", x, kl_curve),
+            "overlap": DepthCurve("logit lens: top-5 overlap with P", "overlap", x, overlap_curve),
+        },
         per_prompt=result.tokens_per_prompt is not None,
     )
 

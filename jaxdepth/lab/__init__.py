@@ -10,9 +10,10 @@ or figures.
   (analyses from other packages: `jaxdepth run --plugin MODULE:OBJECT`, entry points of the
   group `jaxdepth.analyses`);
 - results on disk: `results` (`load_result`, with every built-in result type known;
-  `RESULT_FORMAT`);
+  `RESULT_FORMAT`; the model's config saved beside its results);
 - figures across results and tables: `plots`, `table` (the effective-depth table), `published` (the published
-  numbers beside ours);
+  numbers beside ours), `depth_comparison` (every depth measure on one relative-depth axis,
+  `jaxdepth compare`), `kind_comparison` (the measures of a model's layers of each kind);
 - prompt datasets: `prompts`;
 - loading models: `sources` (`load` from every model source, `convert_source`, the cache, the
   embedded models) and `loaded_model` (the `Model` type `load` returns);

@@ -379,15 +379,29 @@ def _table(args) -> int:
 def _compare(args) -> int:
     from jaxdepth.core.atomic import atomic_write
     from jaxdepth.lab.depth_comparison import depth_comparison_figure, depth_profiles, profiles_markdown
+    from jaxdepth.lab.kind_comparison import kind_comparisons, kind_figure, kinds_markdown
     from jaxdepth.lab.plots import save_figure
+    from jaxdepth.lab.study import slug
 
     profiles = depth_profiles(args.results)
+    by_kind, notes = kind_comparisons(profiles, args.split)  # refused before anything is written
     table = profiles_markdown(profiles)
     print(table, end="")
     png, pdf = save_figure(depth_comparison_figure(profiles), args.out)
     with atomic_write(f"{args.out}.md", "w") as f:
         f.write(table)
     print(f"wrote {png}, {pdf} and {args.out}.md")
+    for note in notes:
+        print(note, file=sys.stderr)
+    if by_kind:
+        kinds_table = kinds_markdown(by_kind)
+        print(kinds_table, end="")
+        written = []
+        for c in by_kind:
+            written.extend(save_figure(kind_figure(c), f"{args.out}_kinds_{slug(c.model)}_{slug(c.dataset)}"))
+        with atomic_write(f"{args.out}_kinds.md", "w") as f:
+            f.write(kinds_table)
+        print(f"wrote {', '.join(written)} and {args.out}_kinds.md")
     return 0
 
 
@@ -721,7 +735,21 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="every depth measure of saved results on one relative-depth axis (a figure and a table)"
     )
     compare.add_argument("results", nargs="+", help="results folders written by `jaxdepth run`")
-    compare.add_argument("--out", default="depth_comparison", help="output prefix for .png, .pdf and .md")
+    compare.add_argument(
+        "--out",
+        default="depth_comparison",
+        help="output prefix for .png, .pdf and .md; a model whose layers come in kinds (linear and full attention, "
+        "dense and sparse MLPs, sliding and full attention, layers without positions) adds its measures by kind: "
+        "OUT_kinds_<model>_<dataset>.png and .pdf, and OUT_kinds.md",
+    )
+    from jaxdepth.lab.kind_comparison import SPLITS
+
+    compare.add_argument(
+        "--split",
+        choices=list(SPLITS),
+        help="how to split the layers into kinds where a model's split more than one way (a hybrid mixture of "
+        "experts: mixer or mlp); default: the one way a model's layers split",
+    )
     compare.set_defaults(func=_compare)
     return parser
 

@@ -15,11 +15,11 @@ import dataclasses
 import os
 from typing import Iterable, Optional, Sequence
 
-import numpy as np
 from matplotlib.figure import Figure
 
 from jaxdepth.analyses import drawing as d
-from jaxdepth.lab.results import load_result
+from jaxdepth.core.config import ModelConfig
+from jaxdepth.lab.results import load_result, saved_model_config
 
 __all__ = ["DepthProfile", "depth_profiles", "depth_comparison_figure", "profiles_markdown"]
 
@@ -29,7 +29,9 @@ class DepthProfile:
     """One model on one dataset, as its results' declared readings say
     (`jaxdepth.analyses.suite.DepthReading`): `ratios` (name -> depth / L: the effective depths,
     the mean decision depth, ...; None where no layer qualifies) with their `labels`, and
-    `curves` (name -> `jaxdepth.analyses.suite.DepthCurve`, each the mean over prompts)."""
+    `curves` (name -> `jaxdepth.analyses.suite.DepthCurve`, each the mean over prompts), and
+    the model's `config` where its results folder holds it (None: saved before it was recorded),
+    which says the kinds of its layers (`jaxdepth.lab.kind_comparison`)."""
 
     model: str
     dataset: str
@@ -38,6 +40,7 @@ class DepthProfile:
     curves: dict
     fingerprint: Optional[str] = None  # the model's (`jaxdepth.lab.model_identity`); None if unrecorded
     labels: dict = dataclasses.field(default_factory=dict)
+    config: Optional[ModelConfig] = None  # saved beside the results (`jaxdepth.lab.results.saved_model_config`)
 
 
 def _readers() -> dict:
@@ -69,6 +72,7 @@ def _profile(folder: str, files: set) -> DepthProfile:
         curves=curves,
         fingerprint=identity["fingerprint"],
         labels=labels,
+        config=saved_model_config(folder),
     )
 
 
@@ -113,28 +117,33 @@ def _merged(profiles: list[DepthProfile]) -> list[DepthProfile]:
             ratios={**p.ratios, **first.ratios},
             curves={**p.curves, **first.curves},
             labels={**p.labels, **first.labels},
+            config=first.config or p.config,
         )
     named = lambda p: {"model": p.model, "fingerprint": p.fingerprint}
     return with_model_labels(list(merged.values()), named, lambda p, label: dataclasses.replace(p, model=label))
 
 
+_RATIO_MARKERS = "osD^vP"  # one per ratio (the effective depths, the decision and settling depths, ...)
+
+
 def depth_comparison_figure(profiles: Sequence[DepthProfile]) -> Figure:
-    """Left: each profile's effective depths and mean decision depth as ratios of its depth (one
+    """First: each profile's effective depths and mean decision depth as ratios of its depth (one
     row per profile, one marker per measure). Then one panel per curve any profile has, over
     relative depth, with each profile's KL effective depth (else its cosine one) as a dotted
-    line in its colour: where the studies' depth ends against where the geometry turns."""
+    line in its colour: where the studies' depth ends against where the geometry turns. The
+    panels go in rows of four."""
     if not profiles:
         raise ValueError("depth_comparison_figure needs at least one profile")
     names = list(dict.fromkeys(n for p in profiles for n in p.curves))  # in the order the readings give them
     ratio_labels = _ratio_labels(profiles)
-    fig = d.new_figure(4.6 * (len(names) + 1), 0.9 + max(3.3, 0.45 * len(profiles)))
-    axes = np.atleast_1d(fig.subplots(1, len(names) + 1))
+    fig, axes = d.panel_grid(len(names) + 1, 4.6, max(3.3, 0.45 * len(profiles)))
     labels = [f"{p.model} / {p.dataset} (L={p.num_layers})" for p in profiles]
     ax = axes[0]
     for k, (method, label) in enumerate(ratio_labels.items()):
         ys = [i for i, p in enumerate(profiles) if p.ratios.get(method) is not None]
         xs = [profiles[i].ratios[method] for i in ys]
-        ax.plot(xs, ys, "osD^"[k], linestyle="none", markersize=7, color=f"C{k}", label=label)
+        marker = _RATIO_MARKERS[k % len(_RATIO_MARKERS)]
+        ax.plot(xs, ys, marker, linestyle="none", markersize=7, color=f"C{k}", label=label)
     ax.set_yticks(range(len(profiles)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set(xlim=(0, 1.02), xlabel="depth / L", title="effective depths")

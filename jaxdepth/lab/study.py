@@ -28,7 +28,8 @@ from jaxdepth.core.progress import ProgressLike
 from jaxdepth.lab.loaded_model import Model
 from jaxdepth.analyses.suite import Analysis, RunInputs, Settings
 from jaxdepth.lab.registry import ANALYSES, analysis, default_analyses
-from jaxdepth.lab.results import RESULT_FORMAT
+from jaxdepth.core.sharding import is_writer
+from jaxdepth.lab.results import RESULT_FORMAT, save_model_config
 from jaxdepth.lab.runs import Step, batch_digest, hold_folders, produce
 
 __all__ = [
@@ -252,7 +253,8 @@ def run_study(
     computes and only process 0 saves. Results go to `result_folder(out_dir, key,
     prompts.dataset)`, the model's `key, fingerprint` given as `model_key` (a command computes
     them from its source before loading it) or else `model_results_key(model, model_name)`; the
-    fingerprint is part of every result's identity.
+    fingerprint is part of every result's identity. The model's config goes beside its results,
+    in the model's folder (`jaxdepth.lab.results.MODEL_CONFIG`), once a result is there.
 
     `prompts` (a `StudyPrompts`) holds the dataset's name, its prompts `[N, T]` and the erasure
     baseline's (None: the dataset's own prompts, `baseline_name` saying which in the erasure
@@ -309,6 +311,8 @@ def run_study(
             if len(failures.records) > failed_before:
                 error = failures.records[-1].error
                 log(f"{entry.name}: failed ({type(error).__name__}: {error}); going on with the others")
+        if results and is_writer():  # the model's config beside its results: its layers' kinds, for the shell
+            save_model_config(os.path.dirname(folder), model.config)
     return results
 
 

@@ -16,6 +16,7 @@ from jaxdepth.core.batch import make_batch
 from jaxdepth.core.model import random_params
 from jaxdepth.lab.cli import main
 from jaxdepth.lab.depth_comparison import depth_profiles
+from jaxdepth.lab.results import load_result
 from jaxdepth.lab.table import collect
 
 
@@ -58,7 +59,17 @@ def test_the_profiles_read_what_each_folder_holds(results):
     assert share[-1] == 1.0 and np.all(np.diff(share) >= 0) and x[-1] == 1.0
     x, distance = deep.curves["layer_distance"].x, deep.curves["layer_distance"].y
     assert np.allclose(x, (np.arange(4) + 0.5) / 4) and np.all(distance > 0)
-    assert "decision" not in profiles["shallow"].ratios and not profiles["shallow"].curves
+    shallow = profiles["shallow"]  # the studies' measures only: their curves
+    assert "decision" not in shallow.ratios
+    assert set(shallow.curves) == {"cosine", "norm_attn", "norm_mlp", "norm_layer", "kl", "overlap"}
+    contributions = load_result(str(results / "run" / "shallow" / "default" / "contributions.npz"))
+    lens = load_result(str(results / "run" / "shallow" / "default" / "logit_lens.npz"))
+    np.testing.assert_array_equal(shallow.curves["cosine"].y, contributions.mean_cosine)
+    np.testing.assert_array_equal(shallow.curves["norm_layer"].x, (np.arange(3) + 0.5) / 3)
+    # at the boundaries h_0..h_L, h_L's lens the output itself (KL 0, overlap 1)
+    np.testing.assert_array_equal(shallow.curves["kl"].x, np.arange(4) / 3)
+    np.testing.assert_array_equal(shallow.curves["kl"].y, np.append(lens.kl, 0.0))
+    np.testing.assert_array_equal(shallow.curves["overlap"].y, np.append(lens.overlap, 1.0))
 
 
 def test_a_plugin_that_declares_a_reading_joins_the_table_and_the_comparison(results, tmp_path, monkeypatch):

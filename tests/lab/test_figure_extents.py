@@ -198,3 +198,31 @@ def test_every_label_of_every_figure_is_inside_the_image(name, num_layers):
         assert not _texts_outside(fig), f"{name} {key or 'figure'} of {num_layers} layers: " + "; ".join(
             _texts_outside(fig)
         )
+
+
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
+def test_the_comparisons_of_depth_measures_keep_their_labels_inside_the_image(num_layers):
+    """`jaxdepth compare`'s figures, of every curve the suite's analyses declare: the comparison
+    of models, and the measures by layer kind of a hybrid (linear attention but every 4th and
+    the last layer)."""
+    from conftest import tiny_config
+    from jaxdepth.lab.depth_comparison import DepthProfile, depth_comparison_figure
+    from jaxdepth.lab.kind_comparison import kind_comparison, kind_figure
+
+    readings = [entry.depth(made_up_result(name, num_layers)) for name, entry in SUITE.items() if entry.depth]
+    linear = tuple(i for i in range(num_layers - 1) if i % 4 != 3)
+    shape = dict(linear_key_heads=2, linear_value_heads=2, linear_key_dim=8, linear_value_dim=8, linear_conv_kernel=4)
+    profile = DepthProfile(
+        model="made-up",
+        dataset="prompts",
+        num_layers=num_layers,
+        ratios={k: ratio for r in readings for k, (_, ratio) in r.ratios.items()},
+        labels={k: label for r in readings for k, (label, _) in r.ratios.items()},
+        curves={k: curve for r in readings for k, curve in r.curves.items()},
+        config=tiny_config(num_layers=num_layers, linear_layers=linear, **shape),
+    )
+    for what, fig in (
+        ("comparison", depth_comparison_figure([profile])),
+        ("by kind", kind_figure(kind_comparison(profile))),
+    ):
+        assert not _texts_outside(fig), f"the {what} of {num_layers} layers: " + "; ".join(_texts_outside(fig))
