@@ -742,14 +742,14 @@ PARAMETERS: tuple[Parameter, ...] = (
     ),
     _layer(
         "global_q_norm",
-        lambda c: _when(bool(c.global_layers), c.full_head_dim),
+        lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
         _WHOLE,
         hf={"gemma4": "self_attn.q_norm.weight"},
         kind="global",
     ),
     _layer(
         "global_k_norm",
-        lambda c: _when(bool(c.global_layers), c.full_head_dim),
+        lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
         _WHOLE,
         hf={"gemma4": "self_attn.k_norm.weight"},
         kind="global_keys",
