@@ -543,6 +543,42 @@ def _gemma4(r: _Reader) -> dict:
     )
 
 
+# The multimodal Gemma 4's keys beside its text model's: its vision and audio towers and the token
+# ids of their placeholders, which a text prompt does not use.
+_GEMMA4_MULTIMODAL_KEYS = {
+    "vision_config",
+    "audio_config",
+    "boi_token_id",
+    "eoi_token_id",
+    "image_token_id",
+    "video_token_id",
+    "boa_token_id",
+    "eoa_token_id",
+    "eoa_token_index",
+    "audio_token_id",
+    "vision_soft_tokens_per_image",
+}
+
+
+def _gemma4_multimodal(r: _Reader) -> dict:
+    """The multimodal Gemma 4 (`Gemma4ForConditionalGeneration`) as the text model it holds: its
+    `text_config`, read as `gemma4_text` (`_gemma4`); the vision and audio towers are not
+    converted. Text prompts only: an image, video or audio placeholder token in a prompt embeds
+    as a text token, where the multimodal model puts its towers' outputs."""
+    text = r.need("text_config")
+    inner = _Reader({**dict(text), "model_type": "gemma4_text"})
+    inner.read.add("model_type")
+    fields = _gemma4(inner)
+    left = inner.left_over()
+    if left:
+        inner.refuse(left[0], "this text_config key is not handled by jaxdepth; refusing to ignore it silently")
+    r.read.update(_GEMMA4_MULTIMODAL_KEYS)
+    tied = r.get("tie_word_embeddings", fields["tie_word_embeddings"])
+    if bool(tied) != fields["tie_word_embeddings"]:
+        r.refuse("tie_word_embeddings", "the text model's tie_word_embeddings says otherwise")
+    return fields
+
+
 def _gemma4_global_shapes(r: _Reader, full: list, Dh: int, K: int, k_eq_v: bool) -> dict:
     """The full-attention layers' head width and key/value heads, as transformers builds them:
     `per_layer_config`'s overrides where the config has one (transformers 5 writes it, each
@@ -824,6 +860,7 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "gemma2": _gemma,
     "gemma3_text": _gemma,
     "gemma4_text": _gemma4,
+    "gemma4": _gemma4_multimodal,
     "olmo2": _olmo2,
     "phi3": _phi3,
     "gpt2": _gpt2,

@@ -205,6 +205,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (MODEL, None),  # [V, D]: vocabulary split
         hf={
             "llama": "model.embed_tokens.weight",
+            "gemma4_multimodal": "model.language_model.embed_tokens.weight",
             "gpt_neox": "gpt_neox.embed_in.weight",
             "gpt2": "transformer.wte.weight",
         },
@@ -808,20 +809,29 @@ PARAMETERS: tuple[Parameter, ...] = (
         "ple_embed",
         lambda c: _when(c.per_layer_input_size > 0, c.vocab_size, c.num_layers * c.per_layer_input_size),
         (MODEL, None),  # [V, L P]: vocabulary split
-        hf={"gemma4": "model.embed_tokens_per_layer.weight"},
+        hf={
+            "gemma4": "model.embed_tokens_per_layer.weight",
+            "gemma4_multimodal": "model.language_model.embed_tokens_per_layer.weight",
+        },
     ),
     _top(
         "ple_model_proj",
         lambda c: _when(c.per_layer_input_size > 0, c.hidden_size, c.num_layers * c.per_layer_input_size),
         (None, None),
         transposed=True,
-        hf={"gemma4": "model.per_layer_model_projection.weight"},
+        hf={
+            "gemma4": "model.per_layer_model_projection.weight",
+            "gemma4_multimodal": "model.language_model.per_layer_model_projection.weight",
+        },
     ),
     _top(
         "ple_proj_norm",
         lambda c: _when(c.per_layer_input_size > 0, c.per_layer_input_size),
         _WHOLE,
-        hf={"gemma4": "model.per_layer_projection_norm.weight"},
+        hf={
+            "gemma4": "model.per_layer_projection_norm.weight",
+            "gemma4_multimodal": "model.language_model.per_layer_projection_norm.weight",
+        },
     ),
     _top(
         "final_norm",
@@ -829,6 +839,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf={
             "llama": "model.norm.weight",
+            "gemma4_multimodal": "model.language_model.norm.weight",
             "gpt_neox": "gpt_neox.final_layer_norm.weight",
             "gpt2": "transformer.ln_f.weight",
         },
@@ -868,6 +879,7 @@ HF = Naming(
         "llama": _LLAMA_LAYERS,
         "gemma": _LLAMA_LAYERS,
         "gemma4": _LLAMA_LAYERS,
+        "gemma4_multimodal": "model.language_model.layers.{i}.",
         "olmo2": _LLAMA_LAYERS,
         "mixtral": _LLAMA_LAYERS,
         "gpt_oss": _LLAMA_LAYERS,
@@ -880,6 +892,7 @@ HF = Naming(
     base={
         "gemma": "llama",
         "gemma4": "gemma",
+        "gemma4_multimodal": "gemma4",
         "olmo2": "llama",
         "mixtral": "llama",
         "gpt_oss": "llama",
@@ -891,6 +904,7 @@ HF = Naming(
         "gemma2": "gemma",
         "gemma3_text": "gemma",
         "gemma4_text": "gemma4",
+        "gemma4": "gemma4_multimodal",
         "olmo2": "olmo2",
         "mixtral": "mixtral",
         "gpt_oss": "gpt_oss",

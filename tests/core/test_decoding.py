@@ -68,13 +68,16 @@ def run(prompts=PROMPTS, params=PARAMS, config=CONFIG, **options):
         "deepseek_v3_latent",
         "qwen3_moe_experts",
         "smollm3_nope",
+        "gemma4_shared_kv",
+        "gemma4_plain",
     ],
 )
 def test_greedy_tokens_equal_transformers(tiny_model, variant):
     """Ragged prompts decoded together, each against transformers' greedy generate of that prompt
     alone (learned positions, a sliding window the decoding crosses, a parallel block, mixtures of
     experts routing one token at a time, attention sinks, latent attention's cache, dense layers
-    among sparse ones, layers without positions)."""
+    among sparse ones, layers without positions, Gemma 4's per-layer inputs and keys and values
+    shared among layers)."""
     torch = pytest.importorskip("torch")
     from conversion.hf import convert_hf_folder
 

@@ -342,6 +342,15 @@ FEATURE_MISTAKES = [
     ("neox_sequential", "sequential block run in parallel", {"parallel_residual": True}),
     ("smollm3_nope", "rotary positions on every layer", {"nope_layers": ()}),
     ("smollm3_nope", "rotary positions on no layer", {"nope_layers": (0, 1, 2)}),
+    ("gemma4_shared_kv", "proportional rotary's zero frequencies rotating", {"rotary_dim": 0}),
+    ("gemma4_shared_kv", "values not normed", {"value_norm": False}),
+    ("gemma4_shared_kv", "scores scaled by Dh**-0.5", {"attn_scale": 0.0}),
+    ("gemma4_shared_kv", "sliding layers at the full layers' rotary base", {"local_rope_theta": 12345.0}),
+    ("gemma4_shared_kv", "per-layer inputs ignored", {"per_layer_input_size": 0}),
+    ("gemma4_shared_kv", "logit soft-cap ignored", {"final_softcap": 0.0}),
+    ("gemma4_plain", "window ignored", {"sliding_window": 10**4}),
+    ("gemma4_plain", "layer scalars ignored", {"layer_scalar": False}),
+    ("gemma4_plain", "embeddings not scaled", {"embed_scale": 1.0}),
 ]
 
 
