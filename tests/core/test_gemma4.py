@@ -345,6 +345,20 @@ def test_runs_that_cannot_carry_the_shared_keys_are_refused(random_shared):
         generate_orders(params, tokens, config, orders, max_new_tokens=2)
 
 
+def test_a_layers_contribution_is_what_it_adds_to_the_residual(random_shared):
+    """The contributions' layer statistics read h_{l+1} - h_l, which the layer scalar and the
+    per-layer inputs make more than a_l + m_l."""
+    from jaxdepth.analyses.contributions import contribution_stats
+    from jaxdepth.analyses.stats import relative_norm
+
+    config, params, tokens = random_shared
+    valid = jnp.ones(tokens.shape, bool)
+    stats = contribution_stats(params, tokens, valid, config)
+    _, (h, out, a, m) = _run(params, tokens, config, tap=lambda r, _: (r.h, r.out, r.attn, r.mlp))
+    np.testing.assert_allclose(stats[..., 2], relative_norm(out - h, h), rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(stats[..., 2] - relative_norm(a + m, h))).max() > 1e-2
+
+
 def test_sites_of_every_layer_have_the_widest_layers_shape(random_shared):
     """Heads and hidden units as wide as the widest layer's, zero beyond a layer's own: an edit
     at `head_out` and `mlp_hidden` acts on each layer's own units."""
