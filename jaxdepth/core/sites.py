@@ -166,7 +166,7 @@ SITE_TABLE = (
     Site("q_in", "q_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="q")),
     Site("k_in", "k_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="k")),
     Site("v_in", "v_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="v")),
-    Site("head_out", "head_out", lambda c: (c.num_heads, max(c.v_head_dim, c.widest_head_dim))),
+    Site("head_out", "head_out", lambda c: (c.num_heads, c.widest_head_dim if c.global_layers else c.v_head_dim)),
     Site(
         "head_result",
         "head_result",

@@ -378,3 +378,23 @@ def test_sites_of_every_layer_have_the_widest_layers_shape(random_shared):
         plain, _ = tiny_hf_config("gemma4_plain")
         plain_config = ModelConfig.from_hf(plain.to_dict())
         forward(random_params(plain_config), tokens, plain_config, interventions=sites.unchanged("per_layer_out"))
+
+
+def test_a_loaded_model_runs_its_layers_with_their_per_layer_inputs(tiny_model):
+    """`jaxdepth.load` of the Hugging Face folder: its logits are transformers', and its layers
+    run by `run` read their per-layer inputs."""
+    import jaxdepth
+
+    tiny = tiny_model(SHARED)
+    model = jaxdepth.load(tiny.folder)
+    tokens = np.random.default_rng(6).integers(0, model.config.vocab_size, size=(1, 64))
+    with jax.default_matmul_precision("highest"):
+        logits = model.logits(tokens)
+        h_last, added = model.run(tokens, tap=_per_layer_tap)
+    assert float(np.abs(logits - _logits(tiny.model, tokens)).max()) <= 1e-4
+    assert added.shape == (model.config.num_layers, 1, 64, model.config.hidden_size)
+    assert bool((jnp.abs(added).max(axis=(1, 2, 3)) > 1e-3).all())  # every layer adds its own
+
+
+def _per_layer_tap(record, _):
+    return record.per_layer
