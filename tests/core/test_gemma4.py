@@ -398,3 +398,40 @@ def test_a_loaded_model_runs_its_layers_with_their_per_layer_inputs(tiny_model):
 
 def _per_layer_tap(record, _):
     return record.per_layer
+
+
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v):
+    """transformers' model of an E2B-sized config (and, with keys as values, a 31B-like one
+    without per-layer inputs), built without weights: each of its tensors is one param's row of
+    one layer, of the shape the params declare."""
+    torch = pytest.importorskip("torch")
+    from conversion.hf_layouts import hf_names
+    from jaxdepth.core.parameters import PARAMETERS, param_shapes, row_layers, transposed_params
+
+    sizes = dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, head_dim=256, global_head_dim=512)
+    sizes.update(vocab_size=262144, vocab_size_per_layer_input=262144, num_kv_shared_layers=20)
+    sizes.update(layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, hidden_size_per_layer_input=256)
+    if k_eq_v:
+        sizes.update(num_key_value_heads=4, num_global_key_value_heads=2, hidden_size_per_layer_input=0)
+        sizes.update(num_kv_shared_layers=0, use_double_wide_mlp=False)
+    hub = {**E2B_LIKE, **sizes, "attention_k_eq_v": k_eq_v}
+    _, hf_config = _transformers_layers(hub)
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(hf_config)
+    tensors = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tensors.pop("lm_head.weight")  # tied
+    config = ModelConfig.from_hf(hub)
+    names, shapes, rows = hf_names(config), param_shapes(config), {row.name: row for row in PARAMETERS}
+    used = []
+    for key, shape in {**{k: v for k, v in shapes.items() if k != "layers"}, **shapes["layers"]}.items():
+        row = rows[key]
+        layers = row_layers(row, config) if row.per_layer else [None]
+        one = shape[1:] if row.per_layer else shape
+        want = tuple(reversed(one)) if key in transposed_params() else one
+        for i in layers:
+            name = names["layers"][key].format(i=i) if row.per_layer else names[key]
+            assert tensors.get(name) == want, (key, i, name)
+            used.append(name)
+    assert len(used) == len(set(used)) and set(used) == set(tensors)
