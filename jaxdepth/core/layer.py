@@ -891,6 +891,13 @@ def context_of_layer(context: LayerContext, index, config: ModelConfig):
     sliding = config.sliding_layers
     full = (None, None) if context.rotary is None else context.rotary
     local = full if context.local_rotary is None else context.local_rotary
+    if full[0] is not None and local[0].shape[-1] != full[0].shape[-1]:
+        if not isinstance(index, (int, np.integer)):
+            raise ValueError(
+                "the sliding and the full-attention layers rotate heads of different widths (Gemma 4's full-attention "
+                "layers' own heads): a traced layer index cannot pick one table; layer_step picks each layer type's"
+            )
+        sliding = (sliding[index],) * config.num_layers  # the layer's own type's tables, picked here
     if not any(sliding):
         cos, sin, mask = (*full, context.mask)
     elif all(sliding):
