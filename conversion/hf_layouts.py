@@ -37,6 +37,9 @@ HF_NAMES = HF.table("llama")
 # rotary frequencies. jaxdepth computes them itself.
 _BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|\.attention\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
 
+# The multimodal Gemma 4's towers and their projections into the text model, set aside by prefix.
+_GEMMA4_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
 
 def hf_names(config: ModelConfig) -> dict:
     """The jaxdepth param -> HF tensor name table of `config`'s family ('{i}' the layer), from the
@@ -52,6 +55,8 @@ def hf_source(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> tuple[s
     if config.model_type == "gpt2" and not any(n.startswith("transformer.") for n in tensors):
         names = _strip_prefix(names, "transformer.")
     buffers = {n for n in tensors if _BUFFERS.search(n)}
+    if config.model_type == "gemma4":  # the multimodal Gemma 4's vision and audio towers: not its text model
+        buffers |= {n for n in tensors if n.startswith(_GEMMA4_TOWERS)}
     if config.model_type == "deepseek_v3":  # its multi-token prediction layers, past the model's own
         beyond = re.compile(r"^model\.layers\.(\d+)\.")
         buffers |= {n for n in tensors if (m := beyond.match(n)) and int(m.group(1)) >= config.num_layers}

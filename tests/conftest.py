@@ -409,6 +409,56 @@ TINY_VARIANTS["deepseek_v3_q_proj"] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
 )
 
+# Gemma 4: per-layer inputs, the last three layers reusing the keys and values of the last sliding
+# (2) and full (1) layer before them, with double-wide MLPs; full-attention layers with heads of
+# their own width and key/value heads whose values are their keys, 'proportional' rotary on a
+# quarter of their frequencies; a window shorter than the parity prompts, a logit soft-cap.
+TINY_VARIANTS["gemma4_shared_kv"] = dict(
+    arch="gemma4",
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=3,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=300,
+    sliding_window=40,
+    layer_types=[
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "full_attention",
+    ],
+    final_logit_softcapping=5.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 999.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 12345.0},
+    },
+)
+# Gemma 4 with none of its optional features: no per-layer inputs, no shared keys, one attention
+# shape for both layer types (plain rotary on the full-attention layers).
+TINY_VARIANTS["gemma4_plain"] = dict(
+    arch="gemma4",
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=16,
+    hidden_size_per_layer_input=0,
+    sliding_window=40,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 999.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 12345.0},
+    },
+)
+
 # transformers' config and model class of each `arch`.
 _HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -417,6 +467,7 @@ _HF_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -502,6 +553,8 @@ def build_tiny_model(name: str, seed: int = 0):
         for bname, b in model.named_buffers():  # DeepSeek's router correction is a saved buffer
             if "e_score_correction_bias" in bname:
                 b.copy_(0.1 * torch.randn_like(b))
+            elif "layer_scalar" in bname:  # Gemma 4's scalar per layer, saved
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
     model.eval()
     return model
 

@@ -14,7 +14,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord
 from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import embed
+from jaxdepth.core.model import embed, per_layer_inputs
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import as_interventions
 from jaxdepth.core.saved_result import SavedResult
@@ -71,10 +71,14 @@ def contribution_stats(params, tokens, valid, config: ModelConfig, interventions
     is the intervened run's, each site after its interventions: h_l (after those at `resid_pre`),
     a_l, m_l. The layer's contribution is a_l + m_l, or h_{l+1} - h_l where an intervention acts
     at `delta` or `resid_post` (after the sublayers: a whole-layer skip, say), so that it is what
-    the layer really added to the residual."""
+    the layer really added to the residual; h_{l+1} - h_l too where a layer adds more than its
+    sublayers' outputs (Gemma 4's per-layer inputs and its scalar per layer, which scales h_l)."""
     ivs = as_interventions(interventions)
-    tap = partial(_tap_contributions, layer_from_residual=any(iv.site in _AFTER_SUBLAYERS for iv in ivs))
-    _, stats = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=ivs, tap=tap)
+    more = bool(config.layer_scalar or config.per_layer_input_size)
+    tap = partial(_tap_contributions, layer_from_residual=more or any(iv.site in _AFTER_SUBLAYERS for iv in ivs))
+    h0 = embed(params, tokens, config)
+    extra = per_layer_inputs(params, tokens, h0, config)
+    _, stats = run_layers(params, h0, config, valid=valid, interventions=ivs, tap=tap, per_layer_inputs=extra)
     return stats
 
 

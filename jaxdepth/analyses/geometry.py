@@ -61,7 +61,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord, Params
 from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import embed
+from jaxdepth.core.model import embed, per_layer_inputs
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 
@@ -172,7 +172,9 @@ def geometry_stats(
     def tap(record: LayerRecord, _):
         return _boundary(record.h, valid), sink_scores(record.attn_probs, valid)
 
-    h_last, (stats, sinks) = run_layers(params, embed(params, tokens, config), config, valid=valid, tap=tap)
+    h0 = embed(params, tokens, config)
+    extra = per_layer_inputs(params, tokens, h0, config)
+    h_last, (stats, sinks) = run_layers(params, h0, config, valid=valid, tap=tap, per_layer_inputs=extra)
     last = _boundary(h_last, valid)
     return {k: jnp.concatenate([stats[k], last[k][None]], axis=0) for k in BOUNDARY_FIELDS}, sinks
 

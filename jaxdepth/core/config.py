@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn", "proportional")
 NORMS = ("rms", "layer")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 MLPS = ("gated", "plain", "clamped")
@@ -135,6 +135,29 @@ class ModelConfig:
     MLP of width `dense_size` instead of the mixture. The layers then come in two kinds, whose
     MLP weights are stacked over their own layers only (`jaxdepth.core.parameters.row_layers`),
     and each layer runs its own kind's MLP alone (`jaxdepth.core.layer.layer_step`).
+
+    Gemma 4's layers. Attention of two shapes: the full-attention layers' heads are
+    `global_head_dim` wide with `global_kv_heads` key/value heads (0: `head_dim`,
+    `num_kv_heads`), and their values are their keys' projection where `keys_as_values`
+    (before the keys' norm and rotation); where either differs from the sliding layers', the
+    full-attention layers' attention weights are rows of their own (`global_q`, ...,
+    `global_layers`). `value_norm`: values pass an RMSNorm without a weight. Rope type
+    'proportional' (the full-attention layers'): rotate-half over each head's whole width Dh,
+    the first `rotary_dim` / 2 frequencies base^(-2i / Dh) (`rope_factor` dividing them), the
+    others 0 (those dims pass through); the sliding layers rotate fully at base
+    `local_rope_theta`. Key/value sharing (`shared_kv_layers`): those layers compute no keys
+    and values of their own but attend to those of the last layer before them of the same
+    layer type that computes its own (`kv_source`); in a layer order
+    (`jaxdepth.core.structure`), to those of the last such layer run before them (none: such a
+    layer attends to nothing and its attention writes zeros). `wide_mlp_layers`: layers whose
+    MLP is twice `intermediate_size` wide (rows `wide_gate`, `wide_up`, `wide_down`).
+    Per-layer inputs (`per_layer_input_size` P > 0): each layer l receives a vector of P dims
+    per token, `(norm(h_0 W / sqrt(D))[l] + E[token][l] * sqrt(P)) / sqrt(2)` (`ple_embed`
+    E, the projection `ple_model_proj` W and its norm; `jaxdepth.core.model.per_layer_inputs`),
+    and after its MLP adds `norm(((act(x W_gate) * per-layer input) W_proj)` of its residual
+    x = h + a + m (site `per_layer_out`). `layer_scalar`: each layer's output is
+    `s_l (h + a + m + e)`, one learned `s_l` per layer (the site `delta` is then
+    `(s_l - 1) h + s_l (a + m + e)`, so that `resid_post` = h + `delta` still).
     """
 
     model_type: str
@@ -210,9 +233,26 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     attention_gate: bool = False
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    keys_as_values: bool = False
+    value_norm: bool = False
+    shared_kv_layers: tuple = ()
+    wide_mlp_layers: tuple = ()
+    per_layer_input_size: int = 0
+    layer_scalar: bool = False
 
     def __post_init__(self):
-        lists = ("layer_types", "rope_short_factor", "rope_long_factor", "dense_layers", "nope_layers", "linear_layers")
+        lists = (
+            "layer_types",
+            "rope_short_factor",
+            "rope_long_factor",
+            "dense_layers",
+            "nope_layers",
+            "linear_layers",
+            "shared_kv_layers",
+            "wide_mlp_layers",
+        )
         for name in lists:  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -223,9 +263,10 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
-        if self.positions == "rotary" and (self.rotated_dims % 2 or not 0 < self.rotated_dims <= self.head_dim):
+        widest = self.full_head_dim if self.rope_type == "proportional" else self.head_dim
+        if self.positions == "rotary" and (self.rotated_dims % 2 or not 0 < self.rotated_dims <= widest):
             raise UnsupportedConfigError(
-                f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim} (0: all of it)"
+                f"rotary_dim={self.rotary_dim} must be even and at most the head's {widest} dims (0: all of them)"
             )
         for field, allowed in (
             ("rope_type", ROPE_TYPES),
@@ -279,6 +320,7 @@ class ModelConfig:
                 f"{self.linear_value_heads}, widths {self.linear_key_dim} / {self.linear_value_dim}, kernel "
                 f"{self.linear_conv_kernel}"
             )
+        self._check_gemma4_features()
         if self.dense_size and not self.dense_layers:
             raise UnsupportedConfigError("dense_size is the width of dense_layers: give them, or 0")
         if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights or self.router_bias):
@@ -339,8 +381,92 @@ class ModelConfig:
 
     @property
     def rotated_dims(self) -> int:
-        """Dims of each head the rotary embedding rotates (the first ones)."""
-        return self.rotary_dim or self.head_dim
+        """Dims of each head the rotary embedding rotates (the first ones; under 'proportional',
+        those of the full-attention layers' frequencies that are not 0, two per frequency)."""
+        return self.rotary_dim or (self.full_head_dim if self.rope_type == "proportional" else self.head_dim)
+
+    @property
+    def full_head_dim(self) -> int:
+        """Each head's width in the full-attention layers (`global_head_dim`, or `head_dim`)."""
+        return self.global_head_dim or self.head_dim
+
+    @property
+    def full_kv_heads(self) -> int:
+        """Key/value heads of the full-attention layers (`global_kv_heads`, or `num_kv_heads`)."""
+        return self.global_kv_heads or self.num_kv_heads
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The full-attention layers whose attention weights are rows of their own (`global_q`,
+        ...): where their heads' width or key/value heads differ from the sliding layers', or
+        their values are their keys (`keys_as_values`); () otherwise."""
+        full = tuple(i for i, slides in enumerate(self.sliding_layers) if not slides and i in self.attention_layers)
+        own = (self.full_head_dim, self.full_kv_heads) != (self.head_dim, self.num_kv_heads) or self.keys_as_values
+        return full if own and any(self.sliding_layers) else ()
+
+    @property
+    def widest_head_dim(self) -> int:
+        """The widest head of any layer: the width of the per-head sites and records (`q`, `k`,
+        `v`, `head_out`), zero beyond a narrower layer's own heads."""
+        return max(self.head_dim, self.full_head_dim) if self.global_layers else self.head_dim
+
+    @property
+    def most_kv_heads(self) -> int:
+        """The most key/value heads of any layer: the records' (`k`, `v`), zero past a layer's own."""
+        return max(self.num_kv_heads, self.full_kv_heads) if self.global_layers else self.num_kv_heads
+
+    @property
+    def widest_mlp(self) -> int:
+        """The widest dense MLP of any layer: the width of `mlp_hidden`, zero beyond a narrower
+        layer's own hidden units."""
+        return 2 * self.intermediate_size if self.wide_mlp_layers else self.dense_width
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends to: itself, or for a layer of
+        `shared_kv_layers` the last layer before it of its layer type that computes its own."""
+        if layer not in self.shared_kv_layers:
+            return layer
+        slides = self.sliding_layers
+        own = [i for i in range(layer) if slides[i] == slides[layer] and i not in self.shared_kv_layers]
+        if not own:
+            raise UnsupportedConfigError(f"layer {layer} shares the keys and values of no earlier layer of its type")
+        return own[-1]
+
+    def _check_gemma4_features(self) -> None:
+        """Refuse impossible settings of Gemma 4's features (`__post_init__`)."""
+        attention = set(self.attention_layers)
+        if self.shared_kv_layers:
+            if not (_layer_indices(self.shared_kv_layers, self.num_layers) and set(self.shared_kv_layers) <= attention):
+                raise UnsupportedConfigError(
+                    f"shared_kv_layers name attention layers, ascending and among the {self.num_layers} layers; got "
+                    f"{self.shared_kv_layers}"
+                )
+            for layer in self.shared_kv_layers:
+                self.kv_source(layer)
+            if self.kv_lora_rank or self.attention_sinks or self.qkv_bias:
+                raise UnsupportedConfigError(
+                    "shared keys and values are implemented for attention without latents, sinks or q/k/v biases"
+                )
+        if self.wide_mlp_layers and not (
+            _layer_indices(self.wide_mlp_layers, self.num_layers) and not self.is_moe and self.mlp != "plain"
+        ):
+            raise UnsupportedConfigError(
+                f"wide_mlp_layers name layers of a dense gated MLP, ascending and among the {self.num_layers} layers; "
+                f"got {self.wide_mlp_layers}"
+            )
+        if self.global_layers and (self.kv_lora_rank or self.attention_sinks or self.qkv_bias or self.o_bias):
+            raise UnsupportedConfigError(
+                "full-attention layers of their own shapes are implemented without latents, sinks or biases"
+            )
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of the full-attention layers' "
+                f"{self.global_kv_heads} key/value heads"
+            )
+        if self.rope_type == "proportional" and (self.local_rope_theta == 0.0 and any(self.sliding_layers)):
+            raise UnsupportedConfigError("'proportional' rotary needs the sliding layers' own base (local_rope_theta)")
+        if self.per_layer_input_size < 0 or (self.per_layer_input_size and self.mixed_mixers):
+            raise UnsupportedConfigError("per-layer inputs are implemented in models of attention layers only")
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:

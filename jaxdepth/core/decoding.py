@@ -34,7 +34,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import refuse_fields, refuse_unknown
 from jaxdepth.core.layer import KeyValueBuffer, MixerPrefix, Params, step_context
 from jaxdepth.core.loops import LayerRun, run_grouped_orders, run_layers
-from jaxdepth.core.model import embed, unembed
+from jaxdepth.core.model import embed, per_layer_inputs, unembed
 from jaxdepth.core.sites import InterventionsLike, StatefulIntervention, check_layer_indices, splits_layer
 from jaxdepth.core.structure import GroupedSteps, LayerOrder, identity_order
 
@@ -188,7 +188,14 @@ def generate(
 
     def prefill(h0):
         h, taps = run_layers(
-            params, h0, config, valid=valid, interventions=ivs, tap=_read_key_values, run=LayerRun(order=order)
+            params,
+            h0,
+            config,
+            valid=valid,
+            interventions=ivs,
+            tap=_read_key_values,
+            run=LayerRun(order=order),
+            per_layer_inputs=per_layer_inputs(params, tokens, h0, config),
         )
         return h, _cache(taps, max_new_tokens)
 
@@ -251,6 +258,8 @@ def generate_orders(
     _refuse_decoding_keywords("generate_orders", loose)
     if config.rope_type == "longrope":
         raise ValueError("generate_orders does not refill longrope's long factors: vmap generate over the orders")
+    if config.per_layer_input_size:
+        raise ValueError("generate_orders takes no per-layer inputs (Gemma 4): vmap generate over the orders")
     options = _loop_options(max_new_tokens, decoding)
     ivs, valid, lengths = _prepared(tokens, config, valid, interventions, options)
     if grouped.num_orders < 1:
@@ -374,7 +383,10 @@ def _decode(
         at = lengths + n - 1  # the previous token's position
         seen = seen.at[rows, at].set(True)
         x = per_order(lambda t: embed(params, t[:, None], config, positions=at[:, None]))(token)
-        h, cache = step(x, step_context(seen, at, config, buffered=buffered), cache, at)
+        context = step_context(seen, at, config, buffered=buffered)
+        if orders is None and config.per_layer_input_size:  # the new token's own (Gemma 4)
+            context = context._replace(per_layer_inputs=per_layer_inputs(params, token[:, None], x, config))
+        h, cache = step(x, context, cache, at)
         if after_step is not None:
             h, cache = after_step(h, cache, at, seen, out)
         token = pick(h[..., 0, :], n)

@@ -469,6 +469,185 @@ def _gemma(r: _Reader) -> dict:
     )
 
 
+def _gemma4(r: _Reader) -> dict:
+    """Gemma 4 (the text model): Gemma 3's layer with weight-scaled RMSNorms (no 1 + w), an RMSNorm
+    without a weight on the values, scores unscaled (1), full-attention layers of their own head
+    width and key/value heads (`global_head_dim` and `num_global_key_value_heads`, or
+    transformers 5's `per_layer_config`) whose values may be their keys (`attention_k_eq_v`),
+    'proportional' rotary on them, the last `num_kv_shared_layers` layers reusing earlier layers'
+    keys and values, a double-wide MLP on those (`use_double_wide_mlp`), per-layer inputs
+    (`hidden_size_per_layer_input`) and a learned scalar per layer. Its mixture-of-experts block
+    and bidirectional attention are refused."""
+    shapes = _shapes(r)
+    L, Dh, K = shapes["num_layers"], shapes["head_dim"], shapes["num_kv_heads"]
+    for key, why in (
+        ("enable_moe_block", "Gemma 4's mixture-of-experts block is not implemented"),
+        ("attention_bias", "biases in Gemma 4's attention are not implemented"),
+    ):
+        if r.get(key):
+            r.refuse(key, why)
+    # 'vision': image tokens attend to each other both ways, text causally (all a text model sees)
+    if r.get("use_bidirectional_attention") not in (None, "vision"):
+        r.refuse("use_bidirectional_attention", "only causal attention is implemented")
+    r.read.update({"num_experts", "top_k_experts", "moe_intermediate_size"})  # the refused block's
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if r.get(key):
+            r.refuse(key, "Gemma 4's mixture-of-experts block is not implemented")
+    types = r.get("layer_types")
+    if types is None:  # transformers' default: five sliding layers in six
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(L)]
+    types = list(types)
+    if types and types[-1] != "full_attention":  # transformers forces the last layer to attend fully
+        types[-1] = "full_attention"
+    r.hf["layer_types"] = types
+    windows = _layer_types(r, L, default_window=512)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    k_eq_v = bool(r.get("attention_k_eq_v", False))
+    global_dims = _gemma4_global_shapes(r, full, Dh, K, k_eq_v)
+    rope = _gemma4_rope(r, types, Dh, global_dims["head_dim"])
+    if not windows:  # every layer attends fully: their shapes are the config's
+        shapes.update(head_dim=global_dims["head_dim"], num_kv_heads=global_dims["num_kv_heads"])
+        global_dims = dict(head_dim=0, num_kv_heads=0)
+    shared = int(r.get("num_kv_shared_layers", 0))
+    if not 0 <= shared < L:
+        r.refuse("num_kv_shared_layers", f"it must leave at least one of the {L} layers computing keys and values")
+    shared_layers = tuple(range(L - shared, L))
+    producing = {types[i] for i in range(L - shared)}
+    if set(types) - producing:  # transformers refuses it too
+        r.refuse("num_kv_shared_layers", "a layer type whose keys and values no earlier layer computes")
+    P = int(r.get("hidden_size_per_layer_input", 256))
+    r.read.add("vocab_size_per_layer_input")
+    if P and int(r.get("vocab_size_per_layer_input", 262144)) != shapes["vocab_size"]:
+        r.refuse("vocab_size_per_layer_input", "per-layer embeddings of another vocabulary than the tokens'")
+    r.read.add("hidden_act")
+    return dict(
+        _common(r, shapes),
+        **rope,
+        **windows,
+        activation=r.activation("hidden_activation" if "hidden_activation" in r else "hidden_act"),
+        qkv_bias=False,
+        qk_norm=True,
+        norm_scale_in_float32=True,
+        post_norms=True,
+        embed_scale=float(math.sqrt(shapes["hidden_size"])),
+        attn_scale=1.0,
+        final_softcap=float(r.get("final_logit_softcapping") or 0.0),
+        global_head_dim=global_dims["head_dim"] if global_dims["head_dim"] != shapes["head_dim"] else 0,
+        global_kv_heads=global_dims["num_kv_heads"] if global_dims["num_kv_heads"] != shapes["num_kv_heads"] else 0,
+        keys_as_values=k_eq_v,
+        value_norm=True,
+        shared_kv_layers=shared_layers,
+        wide_mlp_layers=shared_layers if r.get("use_double_wide_mlp", False) else (),
+        per_layer_input_size=P,
+        layer_scalar=True,
+    )
+
+
+# The multimodal Gemma 4's keys beside its text model's: its vision and audio towers and the token
+# ids of their placeholders, which a text prompt does not use.
+_GEMMA4_MULTIMODAL_KEYS = {
+    "vision_config",
+    "audio_config",
+    "boi_token_id",
+    "eoi_token_id",
+    "image_token_id",
+    "video_token_id",
+    "boa_token_id",
+    "eoa_token_id",
+    "eoa_token_index",
+    "audio_token_id",
+    "vision_soft_tokens_per_image",
+}
+
+
+def _gemma4_multimodal(r: _Reader) -> dict:
+    """The multimodal Gemma 4 (`Gemma4ForConditionalGeneration`) as the text model it holds: its
+    `text_config`, read as `gemma4_text` (`_gemma4`); the vision and audio towers are not
+    converted. Text prompts only: an image, video or audio placeholder token in a prompt embeds
+    as a text token, where the multimodal model puts its towers' outputs."""
+    text = r.need("text_config")
+    inner = _Reader({**dict(text), "model_type": "gemma4_text"})
+    inner.read.add("model_type")
+    fields = _gemma4(inner)
+    left = inner.left_over()
+    if left:
+        inner.refuse(left[0], "this text_config key is not handled by jaxdepth; refusing to ignore it silently")
+    r.read.update(_GEMMA4_MULTIMODAL_KEYS)
+    tied = r.get("tie_word_embeddings", fields["tie_word_embeddings"])
+    if bool(tied) != fields["tie_word_embeddings"]:
+        r.refuse("tie_word_embeddings", "the text model's tie_word_embeddings says otherwise")
+    return fields
+
+
+def _gemma4_global_shapes(r: _Reader, full: list, Dh: int, K: int, k_eq_v: bool) -> dict:
+    """The full-attention layers' head width and key/value heads, as transformers builds them:
+    `per_layer_config`'s overrides where the config has one (transformers 5 writes it, each
+    layer's entries that differ from the top level's), else `global_head_dim` (512 where the
+    config is silent) and, where `attention_k_eq_v`, `num_global_key_value_heads`. Overrides
+    of anything else, of a sliding layer, or differing among the full layers are refused."""
+    r.read.update({"per_layer_config", "global_head_dim", "num_global_key_value_heads"})
+    overrides = r.hf.get("per_layer_config")
+    if overrides is None:
+        kv = r.hf.get("num_global_key_value_heads") if k_eq_v else None
+        return dict(head_dim=int(r.get("global_head_dim", 512)), num_kv_heads=int(kv or K))
+    per_layer = {int(i): dict(v) for i, v in dict(overrides).items()}
+    if any(i not in full for i, v in per_layer.items() if v):
+        r.refuse("per_layer_config", "only the full-attention layers' head shapes may differ from the top level's")
+    unknown = {k for v in per_layer.values() for k in v} - {"head_dim", "num_key_value_heads"}
+    if unknown:
+        r.refuse("per_layer_config", f"per-layer overrides of {sorted(unknown)} are not implemented")
+    seen = {(v.get("head_dim", Dh), v.get("num_key_value_heads", K)) for v in (per_layer.get(i, {}) for i in full)}
+    if len(seen) > 1:
+        r.refuse("per_layer_config", "full-attention layers of different head shapes are not implemented")
+    head_dim, kv = seen.pop() if seen else (Dh, K)
+    return dict(head_dim=int(head_dim), num_kv_heads=int(kv))
+
+
+def _gemma4_rope(r: _Reader, types: list, Dh: int, global_dim: int) -> dict:
+    """Gemma 4's rotary settings per layer type: the full-attention layers' 'proportional' (or
+    'default') rotary over their whole heads, the sliding layers' plain rotary at a base of
+    their own (`local_rope_theta`)."""
+    r.read.update({"rope_parameters", "rope_scaling"})
+    per_type = r.hf.get("rope_parameters")
+    if per_type is None:  # transformers' defaults
+        per_type = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        }
+    if not isinstance(per_type, Mapping) or set(per_type) - {"full_attention", "sliding_attention"}:
+        r.refuse("rope_parameters", "Gemma 4's rope_parameters are per layer type (full_attention, sliding_attention)")
+    if r.hf.get("rope_scaling"):
+        r.refuse("rope_scaling", "Gemma 4 takes its rotary settings from rope_parameters")
+    full = dict(per_type.get("full_attention") or {})
+    sliding = dict(per_type.get("sliding_attention") or {})
+    if "sliding_attention" in types:
+        if sliding.get("rope_type", "default") != "default" or set(sliding) - {"rope_type", "rope_theta"}:
+            r.refuse("rope_parameters", "sliding layers take a plain rotary base (rope_type 'default') only")
+        if "rope_theta" not in sliding:
+            r.refuse("rope_parameters", "the sliding layers' rope_theta is missing")
+    rope_type = full.get("rope_type", "default")
+    if rope_type not in ("default", "proportional") or "rope_theta" not in full:
+        r.refuse("rope_parameters", "full-attention layers take 'default' or 'proportional' rotary with a rope_theta")
+    known = {"rope_type", "rope_theta"}
+    if rope_type == "proportional":
+        known |= {"partial_rotary_factor", "factor"}
+    if set(full) - known:
+        r.refuse("rope_parameters", f"full-attention rope settings {sorted(set(full) - known)} are not implemented")
+    fields = dict(rope_theta=float(full["rope_theta"]), rotary_dim=0)
+    if "sliding_attention" in types:
+        fields["local_rope_theta"] = float(sliding["rope_theta"])
+    if rope_type == "proportional":
+        angles = int(float(full.get("partial_rotary_factor", 1.0)) * global_dim // 2)
+        if angles < 1:
+            r.refuse("rope_parameters", "proportional rotary without a rotating frequency")
+        fields.update(
+            rope_type="proportional",
+            rope_factor=float(full.get("factor", 1.0)),
+            rotary_dim=0 if 2 * angles == global_dim else 2 * angles,
+        )
+    return fields
+
+
 def _olmo_layer(r: _Reader) -> dict:
     """What OLMo 2 and OLMoE share: Llama's shapes, q/k norms over the whole projection."""
     shapes = _shapes(r)
@@ -680,6 +859,8 @@ _FAMILIES: dict[str, Callable[[_Reader], dict]] = {  # each a setting of the one
     "qwen3_5_text": _qwen3_5,
     "gemma2": _gemma,
     "gemma3_text": _gemma,
+    "gemma4_text": _gemma4,
+    "gemma4": _gemma4_multimodal,
     "olmo2": _olmo2,
     "phi3": _phi3,
     "gpt2": _gpt2,

@@ -12,6 +12,7 @@ finite mask value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any, Callable, Mapping, NamedTuple, Optional
@@ -76,6 +77,12 @@ __all__ = [
     "MixerPrefix",
     "check_mixer_prefix",
     "in_layers",
+    "value_norm",
+    "refuse_typed_attention",
+    "refuse_shared_key_values",
+    "empty_shared_kv",
+    "attention_config",
+    "per_layer_output",
 ]
 
 
@@ -133,6 +140,8 @@ def rotary_frequencies(config: ModelConfig, local: bool = False, long: bool = Fa
     Dh = config.rotated_dims
     own_base = local and config.local_rope_theta
     theta = config.local_rope_theta if own_base else config.rope_theta
+    if config.rope_type == "proportional":
+        return _proportional_frequencies(config, float(theta), config.head_dim if own_base else 0)
     exponents = np.arange(0, Dh, 2).astype(f32) / f32(Dh)
     # torch casts the Python base to float32 and raises it to the float32 exponents
     power = (np.float64(f32(theta)) ** exponents.astype(np.float64)).astype(f32)
@@ -161,6 +170,22 @@ def rotary_frequencies(config: ModelConfig, local: bool = False, long: bool = Fa
     blended = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
     middle = ~(wavelength < high_edge) & ~(wavelength > low_edge)
     return np.where(middle, blended, scaled).astype(f32)
+
+
+def _proportional_frequencies(config: ModelConfig, theta: float, local_width: int) -> np.ndarray:
+    """Gemma 4's rotary frequencies as transformers computes them: a full-attention layer's
+    ('proportional') over half its head's width, base^(-2i / Dh) for the first `rotary_dim` / 2,
+    then zeros, all divided by `rope_factor`; a sliding layer's (`local_width`, its heads' width)
+    the plain ones over its whole heads."""
+    f32 = np.float32
+    width = local_width or config.full_head_dim
+    rotated = local_width or config.rotated_dims
+    exponents = np.arange(0, rotated, 2).astype(f32) / f32(width)
+    inv_freq = f32(1) / (np.float64(f32(theta)) ** exponents.astype(np.float64)).astype(f32)
+    if local_width:
+        return inv_freq
+    inv_freq = np.concatenate([inv_freq, np.zeros(width // 2 - len(inv_freq), f32)])
+    return (inv_freq / f32(config.rope_factor)).astype(f32)
 
 
 def _yarn_frequencies(config: ModelConfig, power: np.ndarray) -> np.ndarray:
@@ -288,14 +313,26 @@ def _latent_key_values(p: Params, x: Float[Array, "*b D"], config: ModelConfig, 
     return jnp.concatenate([kv[..., :nope], k_rot.astype(kv.dtype)], axis=-1), kv[..., nope:]
 
 
+def value_norm(v: Float[Array, "*b Dh"], config: ModelConfig) -> Float[Array, "*b Dh"]:
+    """Gemma 4's norm of each value head: an RMSNorm without a weight, in float32, cast back."""
+    v32 = v.astype(jnp.float32)
+    return (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + config.rms_norm_eps)).astype(v.dtype)
+
+
 def key_values(p: Params, x: Float[Array, "B T D"], cos, sin, config: ModelConfig):
-    """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x`."""
+    """Rotated keys and values `[B, T, K, Dh]` of one layer on its normed input `x` (the values
+    its keys' projection where `keys_as_values`, normed where `value_norm`). Refused where the
+    layers' attention comes in two shapes or shares keys and values (`refuse_typed_attention`):
+    there the layer's type says which weights and keys it reads (`layer_step`)."""
+    refuse_typed_attention(config, "keys and values of one layer")
     if config.kv_lora_rank:
         k, v = _latent_key_values(p, x, config)
         return _rotated(k, cos, sin, config), v
     K = config.num_kv_heads
-    k = _qk_norm(p, "k_norm", _projected(p, x, "k", K, config), config)
-    return _rotated(k, cos, sin, config), _projected(p, x, "v", K, config)
+    raw = _projected(p, x, "k", K, config)
+    k = _qk_norm(p, "k_norm", raw, config)
+    v = raw if config.keys_as_values else _projected(p, x, "v", K, config)
+    return _rotated(k, cos, sin, config), value_norm(v, config) if config.value_norm else v
 
 
 def input_key_values(p: Params, h: Float[Array, "B T D"], cos, sin, config: ModelConfig):
@@ -334,6 +371,7 @@ def attention_heads(
     A `KeyValueBuffer` prefix (one new token per row, S = 1) takes the token's key and value
     at its position instead; the keys and values returned are then the buffers `[B, K, T, Dh]`.
     """
+    refuse_typed_attention(config, "attention_heads")
     q = _qk_norm(p, "q_norm", _projected(p, x, "q", config.num_heads, config), config)
     q = _rotated(q, cos, sin, config)
     k, v = key_values(p, x, cos, sin, config)
@@ -461,7 +499,7 @@ def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array
     """The MLP's output from its normed input: `mlp_output` of `mlp_hidden`, or the mixture of
     experts' (`mixture`) where the family has one. Among layers of two kinds the layer's index
     says which runs: refused (`layer_step` takes it)."""
-    if config.mixed_mlps:
+    if config.mixed_mlps or config.wide_mlp_layers:
         raise ValueError("this model's layers have MLPs of two kinds, which the layer's index picks: run layer_step")
     if config.is_moe:
         return mixture(p, x, config, lambda site, value: value)[0]
@@ -558,7 +596,9 @@ def head_projections(p: Params, xq, xk, xv, cos, sin, config: ModelConfig):
         k = _latent_key_values(p, xk, config, per_head=True)[0]
         v = _latent_key_values(p, xv, config, per_head=True)[1]
         return _rotated(q, cos, sin, config), _rotated(k, cos, sin, config), v
-    v = per_group(xv, "v", K)
+    refuse_typed_attention(config, "a layer split per head")
+    v = per_group(xv, "k" if config.keys_as_values else "v", K)
+    v = value_norm(v, config) if config.value_norm else v
     if config.qk_norm and config.qk_norm_scope == "projection":
         q, k = normed_whole(xq, "q", H), normed_whole(xk, "k", K)
     else:
@@ -584,12 +624,19 @@ class LayerRecord:
     `router_selection`, `expert_weights` `[B,T,E]`, the chosen `expert_choice` `[B,T,k]`, their
     hidden units `expert_hidden` `[B,T,k,F]` and outputs `expert_out` `[B,T,k,D]`, the shared
     experts' `shared_out`; None in a dense MLP, whose `mlp_hidden` is None in a mixture; zeros
-    on the other kind's layers among layers of two kinds), a linear-attention layer's
+    on the other kind's layers among layers of two kinds), the per-layer inputs'
+    contribution `per_layer` `[B,T,D]` (Gemma 4, site `per_layer_out`; None elsewhere), a
+    linear-attention layer's
     `linear_state` after its last position (a `LinearState`: what a later run from there
     continues from; None in a model without linear attention, zeros on its attention layers,
     whose `q`, `k`, `v`, `attn_probs` and `head_out` are zeros on the linear-attention ones), and
-    the carried `states` of stateful interventions after the layer. Only what a tap reads is
-    kept: XLA drops the rest."""
+    the carried `states` of stateful interventions after the layer, and `shared_kv`, the keys and
+    values a layer type's later layers may share after this layer (Gemma 4's
+    `shared_kv_layers`: per layer type 'sliding' / 'full', `(keys, values)` `[B,T,K,Dh]` in that
+    type's own shapes; None in a model that shares none). Where layers' heads differ in width or
+    key/value heads (`ModelConfig.global_layers`), `q`, `k`, `v` and `head_out` are as wide as
+    the widest (`widest_head_dim`, `most_kv_heads`) and zero beyond a layer's own; `mlp_hidden`
+    likewise (`widest_mlp`). Only what a tap reads is kept: XLA drops the rest."""
 
     index: Int[Array, ""]
     h: Float[Array, "B T D"]
@@ -616,7 +663,9 @@ class LayerRecord:
     expert_out: Optional[Array] = None
     shared_out: Optional[Array] = None
     linear_state: Optional[LinearState] = None
+    per_layer: Optional[Array] = None
     states: tuple = ()
+    shared_kv: Any = None
 
     @property
     def delta(self) -> Float[Array, "B T D"]:
@@ -643,6 +692,7 @@ def layer_step(
     interventions: tuple[AnyIntervention, ...] = (),
     prefix=None,
     states: tuple = (),
+    shared_kv=None,
 ) -> LayerRecord:
     """One decoder layer (`p` holds its weights) with every intervention at its site:
     `a = Attn(norm(h))`, `m = MLP(norm(h + a))` (or `MLP(norm(h))` in a parallel block),
@@ -655,8 +705,14 @@ def layer_step(
     `attention_heads` (a `MixerPrefix` in a model with linear-attention layers); `states` what
     stateful interventions carry into the layer (`jaxdepth.core.sites.initial_states`; () when
     none is stateful). The layer is split per head when an intervention acts at a split site
-    (`jaxdepth.core.sites.SPLIT_SITES`)."""
-    cos, sin, mask = context_of_layer(context, index, config)
+    (`jaxdepth.core.sites.SPLIT_SITES`).
+
+    Gemma 4 (`ModelConfig`): a layer of `shared_kv_layers` attends to the keys and values in
+    `shared_kv` (`empty_shared_kv`, then each layer's record's `shared_kv`: a loop carries them
+    from layer to layer); without them, a layer that may reuse keys is refused. A layer with
+    per-layer inputs reads its own from `context.per_layer_inputs`."""
+    typed = bool(config.global_layers or config.shared_kv_layers)
+    cos, sin, mask = (None, None, None) if config.global_layers else context_of_layer(context, index, config)
     carried = states
 
     def at(site, value):
@@ -703,6 +759,31 @@ def layer_step(
         per_head_o = p["o"].reshape(H, config.v_head_dim, D)
         split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
         a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
+    elif typed:  # Gemma 4: each layer type's own attention shapes, keys shared among layers of a type
+        if isinstance(prefix, KeyValueBuffer):
+            raise ValueError(
+                "a model whose attention comes in two shapes or shares keys and values takes a (keys, values) "
+                "prefix, not a KeyValueBuffer: decode it with generate, not generate_orders"
+            )
+
+        def typed_branch(full: bool):
+            @carrying
+            def branch(operand):
+                x, shared = operand
+                w, tc, q, k, v, probs, heads, shared = _typed_heads(p, x, index, context, config, full, prefix, shared)
+                widest = at("head_out", _widened(heads, config.widest_head_dim))
+                a = at("attn_out", attention_output(w, widest[..., : tc.head_dim], tc))
+                K, Dh = config.most_kv_heads, config.widest_head_dim
+                fields = dict(q=_widened(q, Dh), k=_widened(k, Dh, K), v=_widened(v, Dh, K), attn_probs=probs)
+                return a, dict(fields, head_out=widest, shared_kv=shared)
+
+            return branch
+
+        x = pre_norm(p, "attn_norm", h, config)
+        full = _is_full(index, config)
+        a, mixed, carried = one_kind(full, typed_branch(False), typed_branch(True), (x, shared_kv), carried)
+        q, k, v, probs, heads = (mixed[name] for name in ("q", "k", "v", "attn_probs", "head_out"))
+        shared_kv = mixed["shared_kv"]
     elif config.mixed_mixers:  # each layer its own mixer only: attention or linear attention
         check_mixer_prefix(prefix, config)
 
@@ -740,17 +821,32 @@ def layer_step(
             p, x, config, at, edited_weights="expert_weights" in acting, edited_hidden="expert_hidden" in acting
         )
 
-    @carrying
-    def dense(x):
-        hidden = at("mlp_hidden", mlp_hidden(p, x, config))
-        return mlp_output(p, hidden, config), {"mlp_hidden": hidden}
+    def dense_of(w):
+        @carrying
+        def dense(x):
+            hidden = mlp_hidden(w, x, config)
+            widest = at("mlp_hidden", _widened(hidden, config.widest_mlp))
+            return mlp_output(w, widest[..., : hidden.shape[-1]], config), {"mlp_hidden": widest}
 
+        return dense
+
+    dense = dense_of(p)
     if config.mixed_mlps:  # each layer runs its own kind's MLP only
         m, parts, carried = one_kind(in_layers(index, config.dense_layers, config), sparse, dense, x, carried)
+    elif config.wide_mlp_layers:  # Gemma 4's double-wide MLPs beside the others
+        wide = dense_of(_Renamed(p, _WIDE))
+        m, parts, carried = one_kind(in_layers(index, config.wide_mlp_layers, config), dense, wide, x, carried)
     else:
         m, parts, carried = (sparse if config.is_moe else dense)(x, carried)
     m = at("mlp_out", m)
-    out = at("resid_post", h + at("delta", a + m))
+    added, per_layer = a + m, None
+    if config.per_layer_input_size:  # Gemma 4's per-layer inputs, read by the residual after the MLP
+        per_layer = at("per_layer_out", per_layer_output(p, h + a + m, index, context, config))
+        added = added + per_layer
+    if config.layer_scalar:  # out = s (h + a + m + e), as h + delta
+        scale = p["layer_scalar"]
+        added = (scale - 1) * h + scale * added
+    out = at("resid_post", h + at("delta", added))
     return LayerRecord(
         index=index,
         h=h,
@@ -764,7 +860,9 @@ def layer_step(
         head_out=heads,
         mlp_in=mlp_in,
         linear_state=linear_state,
+        per_layer=per_layer,
         states=carried,
+        shared_kv=shared_kv,
         **split,
         **parts,
     )
@@ -774,14 +872,16 @@ class LayerContext(NamedTuple):
     """What every layer of one run shares: rotary tables `(cos, sin)` `[S, R]` (None in a family
     without rotary embeddings) and the attention mask `[B, S, T]` of the full-attention layers,
     and those of the sliding layers (`local_rotary` None where they share the full layers'
-    tables; `mask` None where every layer slides, `local_mask` None where none does).
-    `context_of_layer` picks a layer's."""
+    tables; `mask` None where every layer slides, `local_mask` None where none does), and
+    Gemma 4's per-layer inputs of the rows (`jaxdepth.core.model.per_layer_inputs`; None in a
+    model without them). `context_of_layer` picks a layer's."""
 
     rotary: Optional[tuple]
     mask: Optional[Array]
     local_rotary: Optional[tuple] = None
     local_mask: Optional[Array] = None
     valid: Optional[Array] = None  # [B, S]: which of the rows are real, what linear attention zeroes
+    per_layer_inputs: Optional[Array] = None  # [B, S, L, P]: each row's per-layer inputs (Gemma 4)
 
 
 def _context(rotary_of: Callable[[bool], Optional[tuple]], mask_of: Callable[[int], Array], config: ModelConfig):
@@ -804,6 +904,13 @@ def context_of_layer(context: LayerContext, index, config: ModelConfig):
     sliding = config.sliding_layers
     full = (None, None) if context.rotary is None else context.rotary
     local = full if context.local_rotary is None else context.local_rotary
+    if full[0] is not None and local[0].shape[-1] != full[0].shape[-1]:
+        if not isinstance(index, (int, np.integer)):
+            raise ValueError(
+                "the sliding and the full-attention layers rotate heads of different widths (Gemma 4's full-attention "
+                "layers' own heads): a traced layer index cannot pick one table; layer_step picks each layer type's"
+            )
+        sliding = (sliding[index],) * config.num_layers  # the layer's own type's tables, picked here
     if not any(sliding):
         cos, sin, mask = (*full, context.mask)
     elif all(sliding):
@@ -1000,6 +1107,165 @@ def refuse_linear_prefix(config: ModelConfig, what: str) -> None:
             f"{what} is not implemented for a model with linear-attention layers yet: they carry a recurrent state "
             "(a MixerPrefix), not keys and values"
         )
+
+
+def refuse_typed_attention(config: ModelConfig, what: str) -> None:
+    """Refuse `what` (a computation of one layer's attention outside `layer_step`) where the
+    layers' attention comes in two shapes (`ModelConfig.global_layers`) or layers share keys
+    and values (`shared_kv_layers`): which weights and keys a layer reads depends on its type,
+    which `layer_step` picks."""
+    if config.global_layers or config.shared_kv_layers:
+        raise ValueError(
+            f"{what} is not implemented for a model whose full-attention layers have attention shapes of their own or "
+            "whose layers share keys and values (Gemma 4): run layer_step, which picks each layer's own"
+        )
+
+
+def refuse_shared_key_values(config: ModelConfig, what: str) -> None:
+    """Refuse `what` (a run that does not carry the shared keys and values from layer to layer)
+    in a model with `shared_kv_layers`."""
+    if config.shared_kv_layers:
+        raise ValueError(
+            f"{what} is not implemented for a model whose layers {list(config.shared_kv_layers)} reuse earlier "
+            "layers' keys and values (Gemma 4): run every layer from boundary 0, one layer per step"
+        )
+
+
+def empty_shared_kv(config: ModelConfig, batch: int, keys: int, dtype) -> Optional[dict]:
+    """The keys and values shared among layers before the first layer (`layer_step`'s
+    `shared_kv`): zeros `[batch, keys, K, Dh]` per layer type, in the type's shapes (a layer
+    that reads them before any layer of its type wrote its own attends to nothing: its
+    attention writes zeros). None in a model whose layers share none."""
+    if not config.shared_kv_layers:
+        return None
+    sliding = config.sliding_layers
+    types = {"sliding": False, "full": True}
+    slots = {}
+    for kind, full in types.items():
+        if any(s != full for s in sliding):
+            tc = attention_config(config, full)
+            slots[kind] = tuple(jnp.zeros((batch, keys, tc.num_kv_heads, tc.head_dim), dtype) for _ in range(2))
+    return slots
+
+
+@functools.lru_cache(maxsize=64)
+def attention_config(config: ModelConfig, full: bool) -> ModelConfig:
+    """The config of one layer type's attention (Gemma 4's full-attention layers, `full`, or
+    sliding ones): its head width and key/value heads, and whether its values are its keys;
+    `config` itself where the layers' attention has one shape."""
+    if not config.global_layers and not config.shared_kv_layers:
+        return config
+    common = dict(global_head_dim=0, global_kv_heads=0, layer_types=(), shared_kv_layers=(), wide_mlp_layers=())
+    if full:
+        return dataclasses.replace(config, head_dim=config.full_head_dim, num_kv_heads=config.full_kv_heads, **common)
+    own = config.keys_as_values and not config.global_layers  # every layer attends fully
+    return dataclasses.replace(config, keys_as_values=own, rope_type="default", rotary_dim=0, rope_factor=1.0, **common)
+
+
+class _Renamed(Mapping):
+    """A layer's weights read under other names: `names[name]` for those it lists (a
+    full-attention layer's own attention rows, `global_q`, ..., under the attention's names)."""
+
+    def __init__(self, p: Params, names: Mapping[str, str]):
+        self.p, self.names = p, names
+
+    def __getitem__(self, name: str):
+        return self.p[self.names.get(name, name)]
+
+    def __contains__(self, name) -> bool:
+        return self.names.get(name, name) in self.p
+
+    def __iter__(self):
+        return iter(self.p)
+
+    def __len__(self) -> int:
+        return len(self.p)
+
+
+_GLOBAL = {name: f"global_{name}" for name in ("q", "k", "v", "o", "q_norm", "k_norm")}
+_WIDE = {name: f"wide_{name}" for name in ("gate", "up", "down")}
+
+
+def _widened(x, width: int, heads: Optional[int] = None):
+    """`x` zero-padded to `width` on its last axis (and to `heads` on the one before)."""
+    pad = [(0, 0)] * x.ndim
+    pad[-1] = (0, width - x.shape[-1])
+    if heads is not None:
+        pad[-2] = (0, heads - x.shape[-2])
+    return x if all(p == (0, 0) for p in pad) else jnp.pad(x, pad)
+
+
+def _is_full(index, config: ModelConfig):
+    """Whether layer `index` (traced or not) attends fully (a Python bool where every layer's
+    type is the same)."""
+    full = tuple(i for i, slides in enumerate(config.sliding_layers) if not slides)
+    if len(full) in (0, config.num_layers):
+        return bool(full)
+    return in_layers(index, full, config)
+
+
+def _context_of_type(context: LayerContext, index, full: bool, config: ModelConfig):
+    """`(cos, sin, mask)` of a layer of one type (`full` or sliding): `context_of_layer` where
+    the type is known, so the tables may differ in width between the types."""
+    rotary = (None, None) if context.rotary is None else context.rotary
+    if full:
+        cos, sin, mask = (*rotary, context.mask)
+    else:
+        cos, sin = rotary if context.local_rotary is None else context.local_rotary
+        mask = context.local_mask
+    if config.nope_layers:
+        still = in_layers(index, config.nope_layers, config)
+        cos, sin = jnp.where(still, jnp.ones_like(cos), cos), jnp.where(still, jnp.zeros_like(sin), sin)
+    return cos, sin, mask
+
+
+def _typed_heads(p: Params, x, index, context: LayerContext, config: ModelConfig, full: bool, prefix, shared):
+    """One layer type's attention up to the heads' outputs (Gemma 4; `full` or sliding), in the
+    type's own shapes: `(weights, type config, q, k, v, probs, heads, shared)`. The layer's keys
+    and values are its own (the prefix's first, sliced to the type's shapes) or, in a layer of
+    `shared_kv_layers`, those its type's slot of `shared` holds; a layer that computes its own
+    writes them there."""
+    tc = attention_config(config, full)
+    w = _Renamed(p, _GLOBAL) if full and config.global_layers else p
+    cos, sin, mask = _context_of_type(context, index, full, config)
+    q = _rotated(_qk_norm(w, "q_norm", _projected(w, x, "q", config.num_heads, tc), tc), cos, sin, tc)
+    K, Dh = tc.num_kv_heads, tc.head_dim
+
+    def own():
+        k, v = key_values(w, x, cos, sin, tc)
+        if prefix is not None:
+            k = jnp.concatenate([prefix[0][..., :K, :Dh].astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([prefix[1][..., :K, :Dh].astype(v.dtype), v], axis=1)
+        return k, v
+
+    reuses = in_layers(index, config.shared_kv_layers, config)
+    if shared is None:
+        if config.shared_kv_layers and (not isinstance(reuses, bool) or reuses):
+            refuse_shared_key_values(config, "a run of a layer without the keys and values shared before it")
+        k, v = own()
+    else:
+        kind = "full" if full else "sliding"
+        if isinstance(reuses, bool):
+            k, v = shared[kind] if reuses else own()
+        else:
+            k, v = jax.lax.cond(reuses, lambda: tuple(shared[kind]), own)
+        shared = {**shared, kind: (k, v)}
+    probs, heads = attend(q, k, v, mask, tc)
+    return w, tc, q, k, v, probs, heads, shared
+
+
+def per_layer_output(p: Params, x: Float[Array, "B S D"], index, context: LayerContext, config: ModelConfig):
+    """What Gemma 4's per-layer input adds to the residual `x` (= h + a + m) of layer `index`:
+    `norm((act(x W_gate) * per-layer input) W_proj)`, the input the layer's own of
+    `context.per_layer_inputs`."""
+    if context.per_layer_inputs is None:
+        raise ValueError(
+            "this model's layers read per-layer inputs of the tokens (Gemma 4): give them to the run "
+            "(per_layer_inputs=jaxdepth.core.model.per_layer_inputs(params, tokens, h0, config))"
+        )
+    own = jax.lax.dynamic_index_in_dim(context.per_layer_inputs, index, axis=2, keepdims=False)
+    gated = ACTIVATIONS[config.activation](project(x, p["ple_gate"])) * own.astype(x.dtype)
+    return norm(project(gated, p["ple_proj"]), p["ple_norm"], config)
 
 
 def in_layers(index, layers: tuple, config: ModelConfig):

@@ -48,6 +48,7 @@ from jaxdepth.core.layer import (
     Tap,
     check_layer_rows,
     context_of_layer,
+    empty_shared_kv,
     every_layer_rows,
     input_key_values,
     layer_context,
@@ -58,6 +59,8 @@ from jaxdepth.core.layer import (
     linear_shape,
     piece_context,
     refuse_linear_prefix,
+    refuse_shared_key_values,
+    refuse_typed_attention,
 )
 from jaxdepth.core.linear_attention import LinearState
 from jaxdepth.core.sites import (
@@ -139,6 +142,8 @@ class LayerRun:
         L = config.num_layers
         if not self.from_zero and not isinstance(self.start, jax.core.Tracer) and not 0 <= int(self.start) <= L:
             raise ValueError(f"start must be a boundary in 0..{L}, got {self.start}")
+        if not self.from_zero:
+            refuse_shared_key_values(config, "a run from a boundary other than 0")
         if self.remat and not self.from_zero:
             raise ValueError("remat is for gradients through every layer: run from start 0")
         if self.order is None:
@@ -155,6 +160,8 @@ class LayerRun:
                 f"{jnp.shape(used)}: vmap over a stack of orders"
             )
         N, G = jnp.shape(layers)
+        if G > 1:
+            refuse_shared_key_values(config, "a layer order with parallel steps")
         if G > 1 and any(isinstance(iv, StatefulIntervention) for iv in ivs):
             raise ValueError("a stateful intervention's state has no order among the layers of a parallel step")
         for leaf in jax.tree.leaves(self.prefix):
@@ -198,6 +205,7 @@ def run_layers(
     tap: Optional[Tap] = None,
     tap_inputs: Any = None,
     run: LayerRun = LayerRun(),
+    per_layer_inputs: Optional[Array] = None,
     **loose,
 ):
     """Run decoder layers start..L-1 on the residual `h` `[B, S, D]` = h_start (`h_0` by
@@ -233,6 +241,11 @@ def run_layers(
     length: the rotary tables and masks of rows that are not consecutive positions, such as one
     new token per prompt at each prompt's own position (`jaxdepth.core.layer.step_context`).
 
+    `per_layer_inputs` `[B, S, L, P]`: Gemma 4's per-layer inputs of the rows
+    (`jaxdepth.core.model.per_layer_inputs`), which its layers read (placed in the context).
+    Its layers that share keys and values (`ModelConfig.shared_kv_layers`) read those the scan
+    carries from the layers before them (`jaxdepth.core.layer.empty_shared_kv`).
+
     The old keywords (`start=`, `prefix=`, `order=`, `context=`, `remat=`) are refused with the
     `LayerRun` that says the same. Returns `(h_L [B, S, D], taps)` where `h_L` is the last
     boundary (after any edit at boundary L).
@@ -243,28 +256,32 @@ def run_layers(
     run.check(config, ivs)
     check_layer_rows(tap_inputs, L, "tap_inputs")
     context = layer_context(h, valid, config, run.offset) if run.context is None else run.context
+    if per_layer_inputs is not None:
+        context = context._replace(per_layer_inputs=per_layer_inputs)
     states = initial_states(ivs)
+    shared = empty_shared_kv(config, h.shape[0], run.offset + h.shape[1], h.dtype)
     prefix = run.prefix
     if run.order is not None:
         body = _run_order(params, config, run.order, ivs, context, tap, tap_inputs)
-        (h_last, states), taps = jax.lax.scan(
-            jax.checkpoint(body) if run.remat else body, (h, states), (run.order, prefix)
+        (h_last, states, _), taps = jax.lax.scan(
+            jax.checkpoint(body) if run.remat else body, (h, states, shared), (run.order, prefix)
         )
         return final_residual(h_last, config, ivs, states), taps
 
-    def record(p, i, h, states, known):
-        return layer_step(p, h, i, context, config, ivs, known, states)
+    def record(p, i, h, states, known, shared=None):
+        return layer_step(p, h, i, context, config, ivs, known, states, shared)
 
     if run.from_zero:
 
         def layer(carry, xs):
-            h, states = carry
+            h, states, shared = carry
             rows, index, tap_x, known = xs
-            r = record(layer_weights(rows, params, index, config), index, h, states, known)
-            return (r.out, r.states), None if tap is None else tap(r, tap_x)
+            r = record(layer_weights(rows, params, index, config), index, h, states, known, shared)
+            return (r.out, r.states, r.shared_kv), None if tap is None else tap(r, tap_x)
 
         xs = (every_layer_rows(params, config), jnp.arange(L), tap_inputs, prefix)
-        (h_last, states), taps = jax.lax.scan(jax.checkpoint(layer) if run.remat else layer, (h, states), xs)
+        carry = (h, states, shared)
+        (h_last, states, _), taps = jax.lax.scan(jax.checkpoint(layer) if run.remat else layer, carry, xs)
         return final_residual(h_last, config, ivs, states), taps
 
     def record_at(i, h, states):
@@ -303,7 +320,7 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
     G = jnp.shape(order.layers)[1]
 
     def step(carry, xs):
-        h, states = carry
+        h, states, shared = carry
         (index, use), known = xs
         records = [
             layer_step(
@@ -315,12 +332,14 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
                 ivs,
                 None if known is None else layer_row(known, g),
                 states,
+                shared,
             )
             for g in range(G)
         ]
         if G == 1:
             new = jnp.where(use[0], records[0].out, h)
             states = jax.tree.map(lambda a, b: jnp.where(use[0], a, b), records[0].states, states)
+            shared = jax.tree.map(lambda a, b: jnp.where(use[0], a, b), records[0].shared_kv, shared)
         else:
             zero = jnp.zeros((), h.dtype)
             alone, added = zero, h
@@ -330,11 +349,11 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
             count = jnp.sum(use)
             new = jnp.where(count == 0, h, jnp.where(count == 1, alone, added))
         if tap is None:
-            return (new, states), None
+            return (new, states, shared), None
         tapped = [
             tap(r, None if tap_inputs is None else layer_row(tap_inputs, index[g])) for g, r in enumerate(records)
         ]
-        return (new, states), jax.tree.map(lambda *rows: jnp.stack(rows), *tapped)
+        return (new, states, shared), jax.tree.map(lambda *rows: jnp.stack(rows), *tapped)
 
     return step
 
@@ -580,6 +599,7 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
     the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
     refuse_linear_prefix(config, "clean_key_values (a suffix run's prefix)")
+    refuse_typed_attention(config, "clean_key_values")
     context = layer_context(hs[0], valid, config)
 
     def key_values(p, h, i):

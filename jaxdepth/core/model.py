@@ -31,6 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import LayerRecord, Params, norm
+from jaxdepth.core.primitives import project
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.parameters import param_shapes
 from jaxdepth.core.sites import InterventionsLike
@@ -40,6 +41,7 @@ __all__ = [
     "random_params",
     "check_tokens",
     "embed",
+    "per_layer_inputs",
     "unembed",
     "forward",
     "layer_inputs",
@@ -69,7 +71,7 @@ def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.05, dtype
     def draw(path, shape):
         x = rng.standard_normal(shape)
         # norm weights scale by about one (Gemma's by norm_offset + w, so w about 0)
-        is_norm = jax.tree_util.keystr(path).endswith("norm']")
+        is_norm = jax.tree_util.keystr(path).endswith(("norm']", "layer_scalar']"))
         return (1.0 - config.norm_offset + 0.1 * x if is_norm else scale * x).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(draw, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
@@ -107,6 +109,25 @@ def embed(
     return h
 
 
+def per_layer_inputs(
+    params: Params, tokens: Int[Array, "B T"], h0: Float[Array, "B T D"], config: ModelConfig
+) -> Optional[Float[Array, "B T L P"]]:
+    """Gemma 4's per-layer inputs of `tokens` (`ModelConfig.per_layer_input_size` P), from their
+    embeddings `h0` (`embed`'s, before any intervention): each layer's P dims per token,
+    `(norm(h0 W / sqrt(D)) + E[token] * sqrt(P)) / sqrt(2)` with the projection W
+    (`ple_model_proj`, its norm `ple_proj_norm`) and the per-layer embeddings E (`ple_embed`),
+    as transformers computes them. None in a model without them. A run takes them as its
+    `per_layer_inputs` (`jaxdepth.core.loops.run_layers`), the rows of its own positions."""
+    if not config.per_layer_input_size:
+        return None
+    L, P = config.num_layers, config.per_layer_input_size
+    lookup = jnp.asarray(params["ple_embed"])[tokens]
+    lookup = lookup * jnp.asarray(np.sqrt(P), lookup.dtype)
+    projected = project(h0, params["ple_model_proj"]) * jnp.asarray(config.hidden_size**-0.5, h0.dtype)
+    projected = norm(projected.reshape(h0.shape[:-1] + (L, P)), params["ple_proj_norm"], config)
+    return (projected + lookup.reshape(tokens.shape + (L, P)).astype(h0.dtype)) * jnp.asarray(2**-0.5, h0.dtype)
+
+
 def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Float[Array, "*b V"]:
     """The final norm then the LM head (and the family's logit soft-cap), as float32 logits (the
     logit lens applies it to any h_l)."""
@@ -129,7 +150,9 @@ def forward(
     interventions: InterventionsLike = None,
 ) -> Float[Array, "B T V"]:
     """Logits of the model on `tokens`, under `interventions` (none by default)."""
-    h, _ = run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=interventions)
+    h0 = embed(params, tokens, config)
+    extra = per_layer_inputs(params, tokens, h0, config)
+    h, _ = run_layers(params, h0, config, valid=valid, interventions=interventions, per_layer_inputs=extra)
     return unembed(params, h, config)
 
 
@@ -145,7 +168,10 @@ def layer_inputs(params, tokens, config: ModelConfig, *, valid=None, interventio
     interventions, `inputs` is the residual stream h_0..h_L."""
     h0 = embed(params, tokens, config)
     read = lambda r, x: (r.out, None if tap is None else tap(r, x))
-    final, (outs, taps) = run_layers(params, h0, config, valid=valid, interventions=interventions, tap=read)
+    extra = per_layer_inputs(params, tokens, h0, config)
+    final, (outs, taps) = run_layers(
+        params, h0, config, valid=valid, interventions=interventions, tap=read, per_layer_inputs=extra
+    )
     return jnp.concatenate([h0[None], outs], axis=0), final, taps
 
 
@@ -158,7 +184,14 @@ def residual_stream(
     params: Params, tokens: Int[Array, "B T"], config: ModelConfig, *, valid=None, interventions=None
 ) -> Float[Array, "Lp1 B T D"]:
     """All L+1 residual boundaries h_0..h_L, stacked on a leading axis."""
+    h0 = embed(params, tokens, config)
     h_last, hs = run_layers(
-        params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap_residual
+        params,
+        h0,
+        config,
+        valid=valid,
+        interventions=interventions,
+        tap=tap_residual,
+        per_layer_inputs=per_layer_inputs(params, tokens, h0, config),
     )
     return jnp.concatenate([hs, h_last[None]], axis=0)

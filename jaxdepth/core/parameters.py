@@ -57,9 +57,10 @@ class Parameter:
     """One param of the params pytree (see the module's docstring for the columns).
 
     `shape` and `spec` describe one layer's tensor for a per-layer param: the params stack it on a
-    leading layer axis, which is never split. `kind` ('dense' or 'experts', 'attention' or
-    'linear', None for every layer) is the kind of MLP or mixer whose layers hold it: among
-    layers of two kinds its stack has a row for each layer of its kind only (`row_layers`).
+    leading layer axis, which is never split. `kind` ('dense', 'wide' or 'experts', 'attention'
+    or 'linear', 'keys', 'global' or 'global_keys', None for every layer) is the kind of MLP or
+    mixer whose layers hold it: among layers of two kinds its stack has a row for each layer of
+    its kind only (`row_layers`).
     `hf` and `gguf` map a naming family (`HF`, `GGUF`) to the checkpoint's name; a plain string
     is the name in the root family (`llama`)."""
 
@@ -145,6 +146,10 @@ def _kv_width(c: ModelConfig) -> int:
     return c.num_kv_heads * c.head_dim
 
 
+def _full_kv_width(c: ModelConfig) -> int:
+    return c.full_kv_heads * c.full_head_dim
+
+
 def _linear_channels(c: ModelConfig) -> int:
     """The channels of linear attention's fused q/k/v projection and its convolution."""
     return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
@@ -200,6 +205,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (MODEL, None),  # [V, D]: vocabulary split
         hf={
             "llama": "model.embed_tokens.weight",
+            "gemma4_multimodal": "model.language_model.embed_tokens.weight",
             "gpt_neox": "gpt_neox.embed_in.weight",
             "gpt2": "transformer.wte.weight",
         },
@@ -233,11 +239,11 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.weight#k",
         },
         gguf={"llama": "attn_k.weight", "phi3": "attn_qkv.weight#k", "gpt2": "attn_qkv.weight#k"},
-        kind="attention",
+        kind="keys",
     ),
     _layer(
         "v",
-        lambda c: _when(not _latent(c), c.hidden_size, _kv_width(c)),
+        lambda c: _when(not _latent(c) and not (c.keys_as_values and not c.global_layers), c.hidden_size, _kv_width(c)),
         _COLUMN,
         transposed=True,
         hf={
@@ -247,7 +253,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.weight#v",
         },
         gguf={"llama": "attn_v.weight", "phi3": "attn_qkv.weight#v", "gpt2": "attn_qkv.weight#v"},
-        kind="attention",
+        kind="keys",
     ),
     _layer(
         "o",
@@ -396,7 +402,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.bias#k",
         },
         gguf={"llama": "attn_k.bias", "phi3": "attn_qkv.bias#k", "gpt2": "attn_qkv.bias#k"},
-        kind="attention",
+        kind="keys",
     ),
     _layer(
         "v_bias",
@@ -408,7 +414,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gpt2": "attn.c_attn.bias#v",
         },
         gguf={"llama": "attn_v.bias", "phi3": "attn_qkv.bias#v", "gpt2": "attn_qkv.bias#v"},
-        kind="attention",
+        kind="keys",
     ),
     _layer(
         "o_bias",
@@ -618,7 +624,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _WHOLE,
         hf="self_attn.k_norm.weight",
         gguf="attn_k_norm.weight",
-        kind="attention",
+        kind="keys",
     ),
     # Qwen3.5's gate on each head's output, from the attention's input (cut from its q_proj)
     _layer(
@@ -700,12 +706,140 @@ PARAMETERS: tuple[Parameter, ...] = (
         hf={"qwen3_5": "linear_attn.out_proj.weight"},
         kind="linear",
     ),
+    # Gemma 4's full-attention layers where their attention has shapes of its own
+    # (`ModelConfig.global_layers`): heads `full_head_dim` wide, `full_kv_heads` of keys and
+    # values, no value projection where the values are the keys'
+    _layer(
+        "global_q",
+        lambda c: _when(bool(c.global_layers), c.hidden_size, c.num_heads * c.full_head_dim),
+        _COLUMN,
+        transposed=True,
+        hf={"gemma4": "self_attn.q_proj.weight"},
+        kind="global",
+    ),
+    _layer(
+        "global_k",
+        lambda c: _when(bool(c.global_layers), c.hidden_size, _full_kv_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={"gemma4": "self_attn.k_proj.weight"},
+        kind="global_keys",
+    ),
+    _layer(
+        "global_v",
+        lambda c: _when(bool(c.global_layers and not c.keys_as_values), c.hidden_size, _full_kv_width(c)),
+        _COLUMN,
+        transposed=True,
+        hf={"gemma4": "self_attn.v_proj.weight"},
+        kind="global_keys",
+    ),
+    _layer(
+        "global_o",
+        lambda c: _when(bool(c.global_layers), c.num_heads * c.full_head_dim, c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"gemma4": "self_attn.o_proj.weight"},
+        kind="global",
+    ),
+    _layer(
+        "global_q_norm",
+        lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
+        _WHOLE,
+        hf={"gemma4": "self_attn.q_norm.weight"},
+        kind="global",
+    ),
+    _layer(
+        "global_k_norm",
+        lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
+        _WHOLE,
+        hf={"gemma4": "self_attn.k_norm.weight"},
+        kind="global_keys",
+    ),
+    # Gemma 4's double-wide MLPs (`ModelConfig.wide_mlp_layers`): 2 F hidden units
+    _layer(
+        "wide_gate",
+        lambda c: _when(bool(c.wide_mlp_layers), c.hidden_size, 2 * c.intermediate_size),
+        _COLUMN,
+        transposed=True,
+        hf={"gemma4": "mlp.gate_proj.weight"},
+        kind="wide",
+    ),
+    _layer(
+        "wide_up",
+        lambda c: _when(bool(c.wide_mlp_layers), c.hidden_size, 2 * c.intermediate_size),
+        _COLUMN,
+        transposed=True,
+        hf={"gemma4": "mlp.up_proj.weight"},
+        kind="wide",
+    ),
+    _layer(
+        "wide_down",
+        lambda c: _when(bool(c.wide_mlp_layers), 2 * c.intermediate_size, c.hidden_size),
+        _ROW,
+        transposed=True,
+        hf={"gemma4": "mlp.down_proj.weight"},
+        kind="wide",
+    ),
+    # Gemma 4's per-layer inputs (`ModelConfig.per_layer_input_size` P): each layer's gate from its
+    # residual [D, P], projection back [P, D] and norm; the per-layer embeddings of every layer
+    # [V, L P], the projection of the embeddings to them [D, L P] and its norm [P]; each layer's
+    # output scalar
+    _layer(
+        "ple_gate",
+        lambda c: _when(c.per_layer_input_size > 0, c.hidden_size, c.per_layer_input_size),
+        (None, None),
+        transposed=True,
+        hf={"gemma4": "per_layer_input_gate.weight"},
+    ),
+    _layer(
+        "ple_proj",
+        lambda c: _when(c.per_layer_input_size > 0, c.per_layer_input_size, c.hidden_size),
+        (None, None),
+        transposed=True,
+        hf={"gemma4": "per_layer_projection.weight"},
+    ),
+    _layer(
+        "ple_norm",
+        lambda c: _when(c.per_layer_input_size > 0, c.hidden_size),
+        _WHOLE,
+        hf={"gemma4": "post_per_layer_input_norm.weight"},
+    ),
+    _layer("layer_scalar", lambda c: _when(c.layer_scalar, 1), _WHOLE, hf={"gemma4": "layer_scalar"}),
+    _top(
+        "ple_embed",
+        lambda c: _when(c.per_layer_input_size > 0, c.vocab_size, c.num_layers * c.per_layer_input_size),
+        (MODEL, None),  # [V, L P]: vocabulary split
+        hf={
+            "gemma4": "model.embed_tokens_per_layer.weight",
+            "gemma4_multimodal": "model.language_model.embed_tokens_per_layer.weight",
+        },
+    ),
+    _top(
+        "ple_model_proj",
+        lambda c: _when(c.per_layer_input_size > 0, c.hidden_size, c.num_layers * c.per_layer_input_size),
+        (None, None),
+        transposed=True,
+        hf={
+            "gemma4": "model.per_layer_model_projection.weight",
+            "gemma4_multimodal": "model.language_model.per_layer_model_projection.weight",
+        },
+    ),
+    _top(
+        "ple_proj_norm",
+        lambda c: _when(c.per_layer_input_size > 0, c.per_layer_input_size),
+        _WHOLE,
+        hf={
+            "gemma4": "model.per_layer_projection_norm.weight",
+            "gemma4_multimodal": "model.language_model.per_layer_projection_norm.weight",
+        },
+    ),
     _top(
         "final_norm",
         lambda c: (c.hidden_size,),
         _WHOLE,
         hf={
             "llama": "model.norm.weight",
+            "gemma4_multimodal": "model.language_model.norm.weight",
             "gpt_neox": "gpt_neox.final_layer_norm.weight",
             "gpt2": "transformer.ln_f.weight",
         },
@@ -744,6 +878,8 @@ HF = Naming(
     layer_prefix={
         "llama": _LLAMA_LAYERS,
         "gemma": _LLAMA_LAYERS,
+        "gemma4": _LLAMA_LAYERS,
+        "gemma4_multimodal": "model.language_model.layers.{i}.",
         "olmo2": _LLAMA_LAYERS,
         "mixtral": _LLAMA_LAYERS,
         "gpt_oss": _LLAMA_LAYERS,
@@ -755,6 +891,8 @@ HF = Naming(
     },
     base={
         "gemma": "llama",
+        "gemma4": "gemma",
+        "gemma4_multimodal": "gemma4",
         "olmo2": "llama",
         "mixtral": "llama",
         "gpt_oss": "llama",
@@ -765,6 +903,8 @@ HF = Naming(
     family_of={
         "gemma2": "gemma",
         "gemma3_text": "gemma",
+        "gemma4_text": "gemma4",
+        "gemma4": "gemma4_multimodal",
         "olmo2": "olmo2",
         "mixtral": "mixtral",
         "gpt_oss": "gpt_oss",
@@ -797,13 +937,22 @@ GGUF = Naming(
 
 def row_layers(row: Parameter, config: ModelConfig) -> tuple[int, ...]:
     """The layers whose weights per-layer param `row` holds, in its stack's order: every layer,
-    or those of its `kind` (the dense or the sparse layers of a mixture of experts, the layers of
-    attention or of linear attention)."""
+    or those of its `kind`: the dense ('dense'; 'wide' those twice as wide, Gemma 4's) or the
+    sparse layers of a mixture of experts ('experts'), the layers of attention ('attention'; of
+    them those that compute their own keys and values, 'keys') or of linear attention
+    ('linear'), the full-attention layers of shapes of their own ('global'; 'global_keys' those
+    of them that compute their own keys and values)."""
+    own, shared = set(config.global_layers), set(config.shared_kv_layers)
+    attention = tuple(i for i in config.attention_layers if i not in own)
     kinds = {
         None: tuple(range(config.num_layers)),
-        "dense": config.dense_mlp_layers,
+        "dense": tuple(i for i in config.dense_mlp_layers if i not in config.wide_mlp_layers),
+        "wide": config.wide_mlp_layers,
         "experts": config.expert_layers,
-        "attention": config.attention_layers,
+        "attention": attention,
+        "keys": tuple(i for i in attention if i not in shared),
+        "global": config.global_layers,
+        "global_keys": tuple(i for i in config.global_layers if i not in shared),
         "linear": config.linear_layers,
     }
     return kinds[row.kind]

@@ -20,11 +20,14 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     expert_out        each chosen expert's output, unweighted ‡        [B, T, k, D]
     shared_out        the shared experts' output (DeepSeek) ‡          [B, T, D]
     mlp_out     m_l, the MLP output (a mixture: the weighted sum)      [B, T, D]
+    per_layer_out     the per-layer input's contribution (Gemma 4) §   [B, T, D]
     delta       the layer's contribution a_l + m_l                     [B, T, D]
     resid_post  h_{l+1}, the layer's output                            [B, T, D]
 
 Sites marked † exist in a dense MLP only, those marked ‡ in a mixture of experts only
-(`jaxdepth.core.experts`, which says what each means and what editing `expert_weights` runs);
+(`jaxdepth.core.experts`, which says what each means and what editing `expert_weights` runs),
+the one marked § in a model with per-layer inputs only (Gemma 4, whose `delta` adds it, scaled
+by the layer's scalar with the rest: `jaxdepth.core.config.ModelConfig`);
 an intervention at a site the model's layers do not have is an `InterventionError` at trace
 time (`refuse_absent_sites`), never an edit that silently does nothing.
 
@@ -163,7 +166,7 @@ SITE_TABLE = (
     Site("q_in", "q_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="q")),
     Site("k_in", "k_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="k")),
     Site("v_in", "v_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="v")),
-    Site("head_out", "head_out", lambda c: (c.num_heads, c.v_head_dim)),
+    Site("head_out", "head_out", lambda c: (c.num_heads, c.widest_head_dim if c.global_layers else c.v_head_dim)),
     Site(
         "head_result",
         "head_result",
@@ -173,7 +176,7 @@ SITE_TABLE = (
     ),
     Site("attn_out", "attn", _width, role=Role("writes", "attention", post_norms=True)),
     Site("mlp_in", "mlp_in", _width, role=Role("reads", "mlp")),
-    Site("mlp_hidden", "mlp_hidden", lambda c: (c.dense_width,), present=lambda c: bool(c.dense_mlp_layers)),
+    Site("mlp_hidden", "mlp_hidden", lambda c: (c.widest_mlp,), present=lambda c: bool(c.dense_mlp_layers)),
     *(
         Site(name, name, lambda c: (c.num_experts,), present=lambda c: c.is_moe)
         for name in ("router_logits", "router_probs", "router_selection", "expert_weights")
@@ -187,6 +190,7 @@ SITE_TABLE = (
     Site("expert_out", "expert_out", lambda c: (c.experts_per_token, c.hidden_size), present=lambda c: c.is_moe),
     Site("shared_out", "shared_out", _width, present=lambda c: c.shared_expert_size > 0),
     Site("mlp_out", "mlp", _width, role=Role("writes", "mlp")),
+    Site("per_layer_out", "per_layer", _width, present=lambda c: c.per_layer_input_size > 0),
     Site("delta", "delta", _width),
     Site("resid_post", "out", _width),
 )

@@ -21,7 +21,7 @@ from jaxdepth.core.batch import PromptArrays
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.decoding import Decoding, generate, generate_orders
 from jaxdepth.core.loops import run_layers
-from jaxdepth.core.model import check_tokens, embed, forward
+from jaxdepth.core.model import check_tokens, embed, forward, per_layer_inputs
 from jaxdepth.core.weights import ModelWeights
 
 __all__ = [
@@ -212,7 +212,9 @@ _jit_generate_orders = jit(generate_orders, static_argnames=("config", "grouped"
 
 @partial(jit, static_argnames=("config", "tap"))
 def _jit_run(params, tokens, config, valid, interventions, tap):
-    return run_layers(params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap)
+    h0 = embed(params, tokens, config)
+    extra = per_layer_inputs(params, tokens, h0, config)  # Gemma 4's, where it has them
+    return run_layers(params, h0, config, valid=valid, interventions=interventions, tap=tap, per_layer_inputs=extra)
 
 
 @partial(jit, static_argnames=("config", "metric", "sites"))

@@ -69,13 +69,16 @@ def run(prompts=PROMPTS, params=PARAMS, config=CONFIG, **options):
         "qwen3_moe_experts",
         "smollm3_nope",
         "qwen3_5_hybrid",
+        "gemma4_shared_kv",
+        "gemma4_plain",
     ],
 )
 def test_greedy_tokens_equal_transformers(tiny_model, variant):
     """Ragged prompts decoded together, each against transformers' greedy generate of that prompt
     alone (learned positions, a sliding window the decoding crosses, a parallel block, mixtures of
     experts routing one token at a time, attention sinks, latent attention's cache, dense layers
-    among sparse ones, layers without positions, linear attention's recurrent state)."""
+    among sparse ones, layers without positions, linear attention's recurrent state, Gemma 4's
+    per-layer inputs and keys and values shared among layers)."""
     torch = pytest.importorskip("torch")
     from conversion.hf import convert_hf_folder
 

@@ -34,7 +34,9 @@ FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last", "gated_q",
 # Params no checkpoint names: no family has LayerNorms after its sublayers.
 UNNAMED = {"attn_post_norm_bias", "mlp_post_norm_bias"}
 # Params GGUF files do not name: transformers' GGUF loader reads no Qwen3.5 (llama.cpp's qwen35).
+# Nor Gemma 4's own (the layers' of its two attention shapes, its wide MLPs, per-layer inputs, scalars).
 NOT_IN_GGUF = {row.name for row in PARAMETERS if row.name.startswith("linear_")} | {"attn_gate"}
+NOT_IN_GGUF |= {row.name for row in PARAMETERS if row.name.startswith(("global_", "wide_", "ple_"))} | {"layer_scalar"}
 
 BASE = ModelConfig(
     model_type="llama",
@@ -94,6 +96,24 @@ def feature_configs():
     linear = dict(linear_key_heads=2, linear_value_heads=4, linear_key_dim=4, linear_value_dim=3, linear_conv_kernel=4)
     yield dataclasses.replace(BASE, **linear, linear_layers=(0,), attention_gate=True)
     yield dataclasses.replace(BASE, **moe, dense_layers=(1,), dense_size=12)
+    # Gemma 4's: full-attention layers of their own shapes (values their keys, or not), a layer
+    # reusing an earlier one's keys and values with a double-wide MLP, per-layer inputs, scalars
+    gemma4 = dict(
+        layer_types=("sliding", "full", "full"),
+        sliding_window=4,
+        rope_type="proportional",
+        rotary_dim=4,
+        local_rope_theta=1e3,
+        global_head_dim=8,
+        global_kv_heads=1,
+        value_norm=True,
+        shared_kv_layers=(2,),
+        wide_mlp_layers=(2,),
+        per_layer_input_size=3,
+        layer_scalar=True,
+    )
+    for keys_as_values, qk_norm in itertools.product((True, False), repeat=2):
+        yield dataclasses.replace(BASE, **gemma4, keys_as_values=keys_as_values, qk_norm=qk_norm)
 
 
 def family_configs():
@@ -154,8 +174,14 @@ def test_transposed_params_are_the_projections():
     layer_ranks = {row.name: ranks[row.name] - row.per_layer for row in PARAMETERS}
     assert {name for name, rank in layer_ranks.items() if rank == 3} == {"expert_gate", "expert_up", "expert_down"}
     matrices = {name for name, rank in layer_ranks.items() if rank >= 2 and not name.endswith("_bias")}
-    # (linear attention's convolution kernel [channels, width] is no projection: stored as it is)
-    assert transposed_params() == matrices - {"embed", "pos_embed", "linear_conv"}
+    # (linear attention's convolution kernel [channels, width] is no projection: stored as it is;
+    # Gemma 4's per-layer embeddings are an embedding table)
+    assert transposed_params() == matrices - {"embed", "pos_embed", "linear_conv", "ple_embed"}
+
+
+# Kinds of layers no layer has two of: a checkpoint name may be the template of one row of each
+# (Gemma 4's full-attention layers' `q_proj` is `global_q` there, the sliding layers' `q`).
+DISJOINT_KINDS = ({"attention", "global"}, {"keys", "global_keys"}, {"dense", "wide"})
 
 
 @pytest.mark.parametrize("naming", [HF, GGUF], ids=["hf", "gguf"])
@@ -163,7 +189,9 @@ def test_each_tensor_of_a_naming_family_has_one_param(naming):
     for family in naming.layer_prefix:
         table = naming.table(family)
         names = [v for k, v in table.items() if k != "layers"] + list(table["layers"].values())
-        assert len(names) == len(set(names)), family
+        for name in set(names):  # a name twice: rows of disjoint kinds of layers
+            kinds = {ROWS[k].kind for k, v in table["layers"].items() if v == name}
+            assert names.count(name) == 1 or (names.count(name) == len(kinds) and kinds in DISJOINT_KINDS), name
         for name in names:
             assert name.count("#") <= 1 and (("#" not in name) or name.split("#")[1] in FUSED_PARTS), name
         assert all("{i}" in template for template in table["layers"].values())
@@ -181,7 +209,7 @@ def test_every_family_names_every_param_it_has():
     for arch, table in GGUF_NAMES.items():
         for config in feature_configs():
             shapes = param_shapes(config)
-            assert set(shapes) - {"layers"} <= set(table)
+            assert set(shapes) - {"layers"} - NOT_IN_GGUF <= set(table)
             assert set(shapes["layers"]) - UNNAMED - NOT_IN_GGUF - unnamed_in.get(arch, set()) <= set(table["layers"])
 
 

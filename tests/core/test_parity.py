@@ -59,7 +59,9 @@ def test_tiny_model_logits_match_hf(tiny_model, variant):
     tiny = tiny_model(variant)
     params, config = converted(tiny)
     assert config.rope_theta == (0.0 if config.positions == "learned" else 12345.0)
-    assert config.num_kv_heads == getattr(tiny.config, "num_key_value_heads", config.num_heads)
+    # (a config whose layers differ, Gemma 4's, answers per layer: its first layer's, a sliding one)
+    hf = tiny.config.per_layer_config[0] if getattr(tiny.config, "is_heterogeneous", False) else tiny.config
+    assert config.num_kv_heads == getattr(hf, "num_key_value_heads", config.num_heads)
     assert config.tie_word_embeddings == tiny.config.tie_word_embeddings
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 300))
     ours = jax_logits(params, tokens, config)
@@ -340,6 +342,15 @@ FEATURE_MISTAKES = [
     ("neox_sequential", "sequential block run in parallel", {"parallel_residual": True}),
     ("smollm3_nope", "rotary positions on every layer", {"nope_layers": ()}),
     ("smollm3_nope", "rotary positions on no layer", {"nope_layers": (0, 1, 2)}),
+    ("gemma4_shared_kv", "proportional rotary's zero frequencies rotating", {"rotary_dim": 0}),
+    ("gemma4_shared_kv", "values not normed", {"value_norm": False}),
+    ("gemma4_shared_kv", "scores scaled by Dh**-0.5", {"attn_scale": 0.0}),
+    ("gemma4_shared_kv", "sliding layers at the full layers' rotary base", {"local_rope_theta": 12345.0}),
+    ("gemma4_shared_kv", "per-layer inputs ignored", {"per_layer_input_size": 0}),
+    ("gemma4_shared_kv", "logit soft-cap ignored", {"final_softcap": 0.0}),
+    ("gemma4_plain", "window ignored", {"sliding_window": 10**4}),
+    ("gemma4_plain", "layer scalars ignored", {"layer_scalar": False}),
+    ("gemma4_plain", "embeddings not scaled", {"embed_scale": 1.0}),
 ]
 
 
