@@ -23,6 +23,18 @@ the biases none, and its `GptOssTensorProcessor` is registered as 'gpt_oss', whi
 architecture a file states. jaxdepth reads such a file as that loader means to (its keys,
 GptOssConfig's defaults, its rope scaling settings) and the tensors as llama.cpp's converter wrote
 them, which gives back the model that was converted.
+
+Nor can transformers (5.24) load a Gemma 4 ('gemma4') file whole. Its name map gives each layer's
+`layer_scalar` the name `blk.{i}.layer_output_scale`, without the '.weight' llama.cpp writes, so
+the scalars stay unloaded (initialised to 1) in every file; and it builds the per-layer embeddings
+Gemma4TextConfig's 262144 tokens tall whatever the file's vocabulary, so a file of another fails to
+load (`ignore_mismatched_sizes`). jaxdepth reads such a file as that loader means to: its keys
+(the full-attention layers' head width from `key_length`; neither rotary base), Gemma4TextConfig's
+defaults for the rest (sliding heads 256 wide, per-layer inputs 256 wide, five sliding layers in
+six, no shared keys and values, no soft-cap, 'proportional' rotary on a quarter of the full
+layers' frequencies at base 1e6 and base 1e4 on the sliding layers), llama.cpp's keys that
+transformers does not read accepted only at those values, the per-layer embeddings one row per
+token of the file's vocabulary, the scalars read.
 """
 
 from __future__ import annotations
@@ -94,8 +106,9 @@ class _Arch:
     `model_type`: the Hugging Face family it builds. `keys`: the metadata keys it reads, renamed
     to config keys. `defaults`: what its config class supplies where the file is silent (only
     where jaxdepth's reader of the family would assume otherwise, or needs the key). `unread`:
-    keys llama.cpp writes that it does not read -> the `ModelConfig` field whose value the file's
-    must equal (None: no effect on the model). `fix`: its change to a tensor (GGUF name, array).
+    keys llama.cpp writes that it does not read -> the `ModelConfig` field (or the function of
+    it) whose value the file's must equal (None: no effect on the model). `fix`: its change to a
+    tensor (GGUF name, array).
     `rope_scaling`: the `rope.scaling.*` keys its loader gathers for the architecture into the
     rope settings that replace the config class's (`rope_scaling`), under the names it gives them;
     it does so only where the file states the type."""
@@ -103,9 +116,19 @@ class _Arch:
     model_type: str
     keys: Mapping[str, str]
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    unread: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    unread: Mapping[str, str | Callable[[ModelConfig], Any] | None] = dataclasses.field(default_factory=dict)
     fix: Callable[[str, np.ndarray, ModelConfig], np.ndarray] | None = None
     rope_scaling: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def sliding_layers(config: ModelConfig) -> list:
+    """Which layers attend within a window, as llama.cpp's `sliding_window_pattern` says it."""
+    return [t == "sliding" for t in config.layer_types]
+
+
+def shared_kv_layer_count(config: ModelConfig) -> int:
+    """How many of the last layers reuse earlier layers' keys and values."""
+    return len(config.shared_kv_layers)
 
 
 _ARCHS = {
@@ -263,7 +286,38 @@ _ARCHS = {
             "rope.scaling.original_max_position_embeddings": "original_max_position_embeddings",
         },
     ),
+    # Gemma 4 as Gemma4TextConfig has it where the file is silent (`conversion.gguf_file` above):
+    # transformers reads the full-attention layers' head width from `key_length` and neither
+    # rotary base; everything llama.cpp writes of the sliding layers' heads, the layer pattern,
+    # the shared layers, the per-layer inputs and the soft-cap must be those defaults. Its norms
+    # are stored as they are (llama.cpp shifts no Gemma 4 norm, nor does transformers).
+    "gemma4": _Arch(
+        "gemma4_text",
+        {
+            **{k: v for k, v in _DECODER_KEYS.items() if k != "rope.freq_base"},
+            "attention.key_length": "global_head_dim",
+            "attention.sliding_window": "sliding_window",
+        },
+        {"head_dim": 256, "hidden_size_per_layer_input": 256, "hidden_activation": "gelu_pytorch_tanh"},
+        {
+            "attention.value_length": "full_head_dim",
+            "attention.key_length_swa": "head_dim",
+            "attention.value_length_swa": "head_dim",
+            "rope.dimension_count": "full_head_dim",  # llama.cpp's proportional rotary: `rope_freqs`
+            "rope.dimension_count_swa": "head_dim",
+            "rope.freq_base": "rope_theta",
+            "rope.freq_base_swa": "local_rope_theta",
+            "attention.sliding_window_pattern": sliding_layers,
+            "attention.shared_kv_layers": shared_kv_layer_count,
+            "embedding_length_per_layer_input": "per_layer_input_size",
+            "final_logit_softcapping": "final_softcap",
+        },
+    ),
 }
+
+# llama.cpp's per-layer lists of these Gemma 4 keys (its double-wide MLPs' widths, its full layers'
+# key/value heads) land in transformers' config as lists where Gemma4TextConfig takes one number.
+_PER_LAYER_LISTS = {"gemma4": ("feed_forward_length", "attention.head_count_kv")}
 
 # Tensors llama.cpp writes that transformers' model has no place for: the rope scaling they hold
 # would be lost, so the file is refused.
@@ -315,6 +369,11 @@ def gguf_config(reader) -> ModelConfig:
         if not key.startswith(arch + "."):
             continue
         name, value = key[len(arch) + 1 :], _field(reader, key)
+        if name in _PER_LAYER_LISTS.get(arch, ()) and isinstance(value, list):
+            raise UnsupportedConfigError(
+                f"GGUF key {key!r} = {value!r}: a value per layer, which transformers' GGUF loader puts where its "
+                f"config class takes one number; refusing to build a model that differs from either"
+            )
         if name in spec.keys:
             hf[spec.keys[name]] = value
         elif name in spec.rope_scaling:
@@ -340,14 +399,28 @@ def gguf_config(reader) -> ModelConfig:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     hf.setdefault("vocab_size", len(tokens) if tokens is not None else 0)
     hf["tie_word_embeddings"] = "output.weight" not in {t.name for t in reader.tensors}
+    if arch == "gemma4":  # the per-layer embeddings as the file holds them: one row per token
+        hf["vocab_size_per_layer_input"] = hf["vocab_size"]
     config = ModelConfig.from_hf(hf)
     for key, (value, field) in unread.items():
-        if field is not None and not _same(value, getattr(config, field)):
+        if field is None:
+            continue
+        expected = field(config) if callable(field) else getattr(config, field)
+        if not _same(value, expected):
             raise UnsupportedConfigError(
                 f"GGUF key {key!r} = {value!r}: transformers' GGUF loader does not read it and builds the model "
-                f"with {field} = {getattr(config, field)!r}; refusing to build a model that differs from either"
+                f"with {getattr(field, '__name__', field)} = {expected!r}; refusing to build a model that differs "
+                "from either"
             )
     return config
+
+
+def _gemma4_rope_freqs(config: ModelConfig) -> np.ndarray:
+    """llama.cpp's `rope_freqs.weight` of Gemma 4's full-attention layers as its converter writes it
+    for the config's 'proportional' rotary: 1 on each rotating frequency, 1e30 (none) on the rest."""
+    half = config.full_head_dim // 2
+    rotating = config.rotary_dim // 2 if config.rotary_dim else half
+    return np.array([1.0] * rotating + [1e30] * (half - rotating), np.float32)
 
 
 def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) -> ModelWeights:
@@ -363,6 +436,16 @@ def convert_gguf(path: str, *, dtype=np.float32, load_tokenizer: bool = True) ->
     config = gguf_config(reader)
     arch = _field(reader, "general.architecture")
     by_name = {t.name: t for t in reader.tensors}
+    if arch == "gemma4":  # transformers rotates as its config says, which this tensor must say too
+        t = by_name.pop("rope_freqs.weight", None)
+        factors = None if t is None else gguf.dequantize(t.data, t.tensor_type).reshape(-1)
+        if factors is None or not np.array_equal(factors, _gemma4_rope_freqs(config)):
+            raise UnsupportedConfigError(
+                "GGUF tensor 'rope_freqs.weight' (llama.cpp's rotary frequency factors of Gemma 4's full-attention "
+                f"layers) is {'missing' if t is None else factors.tolist()}: transformers does not read it and rotates "
+                f"{config.rotary_dim or config.full_head_dim} of those layers' {config.full_head_dim} dims at base "
+                f"{config.rope_theta:g}; refusing to build a model that differs from either"
+            )
     for name, what in _DROPPED.items():
         if name in by_name:
             raise UnsupportedConfigError(

@@ -666,6 +666,7 @@ LLAMA_CPP_ARCH = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
+    "gemma4_text": "gemma4",
 }
 
 
@@ -691,7 +692,7 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
         ("embedding_length", cfg.hidden_size),
         ("feed_forward_length", cfg.intermediate_size),
         ("head_count", cfg.num_attention_heads),
-        ("head_count_kv", cfg.num_key_value_heads),
+        ("head_count_kv", cfg.to_dict()["num_key_value_heads"]),  # (the top level's: Gemma 4's full layers may differ)
         ("layer_norm_rms_eps", cfg.rms_norm_eps),
     ]
     if arch == "phi3":  # Phi3MiniModel: its own keys, the window 0 when there is none
@@ -710,6 +711,8 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
             ("final_logit_softcapping", cfg.final_logit_softcapping),
             ("sliding_window", cfg.sliding_window),
         ]
+    if arch == "gemma4":
+        return shapes + _gemma4_metadata(cfg)
     calls = list(shapes)  # TextModel's keys
     if full.get("rope_type") == "linear":
         calls += [("rope_scaling_type", pytest.importorskip("gguf").RopeScalingType.LINEAR)]
@@ -751,6 +754,58 @@ def _llama_cpp_metadata(cfg, arch: str) -> list[tuple[str, Any]]:
     return calls
 
 
+def _gemma4_metadata(cfg) -> list[tuple[str, Any]]:
+    """What Gemma4Model (over Gemma3Model and TextModel) writes beside the shapes: the two rotary
+    bases (none of 'proportional' rotary's settings: `_gemma4_rope_freqs` holds them), the window
+    and soft-cap, the shared key/value layers, the per-layer input width (0 without), the layer
+    pattern, both head widths, the rotary widths (the full layers' whole heads), the double-wide
+    MLPs' widths and the full layers' key/value heads, per layer, where the model has them."""
+    rope, full, top = cfg.rope_parameters, _gemma4_full_shape(cfg), cfg.to_dict()  # top: the sliding layers'
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    calls = [
+        ("rope_freq_base", rope["full_attention"]["rope_theta"]),
+        ("rope_freq_base_swa", rope["sliding_attention"]["rope_theta"]),
+        ("sliding_window", cfg.sliding_window),
+        ("shared_kv_layers", cfg.num_kv_shared_layers),
+        ("embedding_length_per_layer_input", cfg.hidden_size_per_layer_input or 0),
+        ("sliding_window_pattern", swa),
+        ("key_length", full["head_dim"]),
+        ("value_length", full["head_dim"]),
+        ("key_length_swa", top["head_dim"]),
+        ("value_length_swa", top["head_dim"]),
+        ("rope_dimension_count", full["head_dim"]),
+        ("rope_dimension_count_swa", top["head_dim"]),
+    ]
+    if cfg.final_logit_softcapping:
+        calls.append(("final_logit_softcapping", cfg.final_logit_softcapping))
+    if cfg.use_double_wide_mlp:
+        first = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+        F = cfg.intermediate_size
+        calls.append(("feed_forward_length", [F if i < first else 2 * F for i in range(cfg.num_hidden_layers)]))
+    if "num_key_value_heads" in full:
+        K = top["num_key_value_heads"]
+        calls.append(("head_count_kv", [K if s else full["num_key_value_heads"] for s in swa]))
+    return calls
+
+
+def _gemma4_full_shape(cfg) -> dict:
+    """The full-attention layers' head width and (where they have their own) key/value heads:
+    the converter's `global_head_dim` and `num_global_key_value_heads`."""
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    top = cfg.to_dict()
+    return {"head_dim": top["head_dim"], **top["per_layer_config"].get(str(full[0]), {})}
+
+
+def _gemma4_rope_freqs(cfg) -> np.ndarray:
+    """Gemma4Model's `rope_freqs.weight`: 'proportional' rotary on the full layers as llama.cpp's
+    frequency factors, 1 on each rotating frequency and 1e30 (no rotation) on the rest."""
+    full = cfg.rope_parameters["full_attention"]
+    assert full["rope_type"] == "proportional"  # as the converter's
+    half = _gemma4_full_shape(cfg)["head_dim"] // 2
+    rotating = int(2 * half * full["partial_rotary_factor"] / 2)
+    return np.array([1.0] * rotating + [1e30] * (half - rotating), np.float32)
+
+
 def _llama_cpp_tensors(model, arch: str):
     """`(GGUF name, float32 array)` for each tensor llama.cpp's converter writes: the names of
     gguf's own `TensorNameMap` (the converter's), q/k rows permuted for 'llama', Gemma's norm
@@ -759,7 +814,8 @@ def _llama_cpp_tensors(model, arch: str):
     LM head when it is the embedding matrix. GPT-OSS's experts (GptOssModel's): stored `[E, in,
     out]`, their gate and up columns interleaved (gate, up, gate, ...), written as stacks `[E,
     out, in]` of the gate, the up and the down projections, the biases split alike; its sinks
-    named as weights."""
+    named as weights. Gemma 4's (Gemma4Model's): its norms as they are (no 1 + w), its layer
+    scalars named as weights, and `rope_freqs.weight` added (`_gemma4_rope_freqs`)."""
     gguf = pytest.importorskip("gguf")
 
     cfg = model.config
@@ -788,6 +844,8 @@ def _llama_cpp_tensors(model, arch: str):
             tensors[name[: -len("gate_up_proj")] + "up_proj.weight"] = w[..., half:, :]
         elif name.endswith("mlp.experts.down_proj"):
             tensors[name + ".weight"] = w
+        elif arch == "gemma4" and name.endswith("layer_scalar"):
+            tensors[name + ".weight"] = w
         else:
             tensors[name] = w
     for name, w in tensors.items():
@@ -797,7 +855,7 @@ def _llama_cpp_tensors(model, arch: str):
             w = _llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
-        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+        elif arch.startswith("gemma") and arch != "gemma4" and name.endswith("norm.weight"):
             w = w + 1
         elif arch == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             w = w.T
@@ -805,6 +863,8 @@ def _llama_cpp_tensors(model, arch: str):
         gname = names.get_name(base)
         assert gname is not None, f"gguf has no {arch} name for {name}"
         yield f"{gname}.{suffix}", np.ascontiguousarray(w, np.float32)
+    if arch == "gemma4":
+        yield "rope_freqs.weight", _gemma4_rope_freqs(cfg)
 
 
 def _byte_level_vocab(writer, vocab_size):
@@ -881,8 +941,11 @@ def write_tiny_gguf(tiny, path, *, arch=None, name=None, extra=None, tokenizer="
 # scaling; no window and full rotary for Phi-3; GPT-2's 1024 positions; GPT-OSS's head size 64,
 # window 128, GLU limit 7 and YaRN's defaults where a file's rope scaling replaces its config's
 # (beta_fast 32, beta_slow 1, the correction range truncated). A Mistral model is a 'llama' file
-# (llama.cpp writes no window for it), which transformers reads as Llama. transformers cannot load
-# the GPT-OSS file at all (`conversion.gguf_file`): it is checked against the model written.
+# (llama.cpp writes no window for it), which transformers reads as Llama. Gemma 4 as
+# Gemma4TextConfig has it (heads 256 wide on the sliding layers, per-layer inputs 256 wide, five
+# sliding layers in six, its rotary settings, no soft-cap), its full layers' heads 64 wide, the
+# per-layer embeddings one row per token. transformers cannot load the GPT-OSS nor the Gemma 4
+# file (`conversion.gguf_file`): they are checked against the model written.
 GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "llama": ("llama_gqa_untied", {}, None),
     "mistral": ("mistral_window", dict(sliding_window=None), "Mistral Tiny"),
@@ -921,6 +984,21 @@ GGUF_VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=1e4),
         None,
     ),
+    "gemma4": (
+        "gemma4_plain",
+        dict(
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=256,
+            global_head_dim=64,
+            hidden_size_per_layer_input=256,
+            vocab_size_per_layer_input=300,
+            layer_types=None,
+            rope_parameters=None,
+        ),
+        None,
+    ),
     "gemma3": (
         "gemma3_local_rope",
         dict(
@@ -946,6 +1024,19 @@ def gguf_seed(arch: str) -> int:
     return _FIRST_GGUF_SEEDS.index(arch) if arch in _FIRST_GGUF_SEEDS else zlib.crc32(arch.encode()) % 2**31
 
 
+def _narrow_gemma4_scores(model):
+    """Gemma 4's attention scores are unscaled and its sliding heads (as transformers' GGUF loader
+    builds them) 256 wide: with q/k norm weights near 1 the softmax is so sharp that float32 alone
+    moves the logits by 1e-3 (against float64). Those weights halved, the scores quartered spread as
+    a 16-wide head's do."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                p.mul_(0.5)
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> Callable[[str], tuple[TinyModel, str]]:
     """Factory: `tiny_gguf(arch)` builds (once per session) the tiny model `GGUF_VARIANTS[arch]`,
@@ -960,6 +1051,8 @@ def tiny_gguf(tmp_path_factory) -> Callable[[str], tuple[TinyModel, str]]:
             with pytest.MonkeyPatch.context() as patch:  # a variant of the tiny models, for this build only
                 patch.setitem(TINY_VARIANTS, variant, {**TINY_VARIANTS[base], **changes})
                 model = build_tiny_model(variant, seed=gguf_seed(arch))
+            if arch == "gemma4":
+                _narrow_gemma4_scores(model)
             folder = tmp_path_factory.mktemp(f"hf-{arch}-gguf")
             model.save_pretrained(str(folder))
             path = str(tmp_path_factory.mktemp(f"gguf-{arch}") / f"{arch}.gguf")

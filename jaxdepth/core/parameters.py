@@ -715,6 +715,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _COLUMN,
         transposed=True,
         hf={"gemma4": "self_attn.q_proj.weight"},
+        gguf={"gemma4": "attn_q.weight"},
         kind="global",
     ),
     _layer(
@@ -723,6 +724,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _COLUMN,
         transposed=True,
         hf={"gemma4": "self_attn.k_proj.weight"},
+        gguf={"gemma4": "attn_k.weight"},
         kind="global_keys",
     ),
     _layer(
@@ -731,6 +733,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _COLUMN,
         transposed=True,
         hf={"gemma4": "self_attn.v_proj.weight"},
+        gguf={"gemma4": "attn_v.weight"},
         kind="global_keys",
     ),
     _layer(
@@ -739,6 +742,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _ROW,
         transposed=True,
         hf={"gemma4": "self_attn.o_proj.weight"},
+        gguf={"gemma4": "attn_output.weight"},
         kind="global",
     ),
     _layer(
@@ -746,6 +750,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
         _WHOLE,
         hf={"gemma4": "self_attn.q_norm.weight"},
+        gguf={"gemma4": "attn_q_norm.weight"},
         kind="global",
     ),
     _layer(
@@ -753,6 +758,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda c: _when(bool(c.global_layers) and c.qk_norm, c.full_head_dim),
         _WHOLE,
         hf={"gemma4": "self_attn.k_norm.weight"},
+        gguf={"gemma4": "attn_k_norm.weight"},
         kind="global_keys",
     ),
     # Gemma 4's double-wide MLPs (`ModelConfig.wide_mlp_layers`): 2 F hidden units
@@ -762,6 +768,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _COLUMN,
         transposed=True,
         hf={"gemma4": "mlp.gate_proj.weight"},
+        gguf={"gemma4": "ffn_gate.weight"},
         kind="wide",
     ),
     _layer(
@@ -770,6 +777,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _COLUMN,
         transposed=True,
         hf={"gemma4": "mlp.up_proj.weight"},
+        gguf={"gemma4": "ffn_up.weight"},
         kind="wide",
     ),
     _layer(
@@ -778,6 +786,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         _ROW,
         transposed=True,
         hf={"gemma4": "mlp.down_proj.weight"},
+        gguf={"gemma4": "ffn_down.weight"},
         kind="wide",
     ),
     # Gemma 4's per-layer inputs (`ModelConfig.per_layer_input_size` P): each layer's gate from its
@@ -790,6 +799,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         (None, None),
         transposed=True,
         hf={"gemma4": "per_layer_input_gate.weight"},
+        gguf={"gemma4": "inp_gate.weight"},
     ),
     _layer(
         "ple_proj",
@@ -797,14 +807,22 @@ PARAMETERS: tuple[Parameter, ...] = (
         (None, None),
         transposed=True,
         hf={"gemma4": "per_layer_projection.weight"},
+        gguf={"gemma4": "proj.weight"},
     ),
     _layer(
         "ple_norm",
         lambda c: _when(c.per_layer_input_size > 0, c.hidden_size),
         _WHOLE,
         hf={"gemma4": "post_per_layer_input_norm.weight"},
+        gguf={"gemma4": "post_norm.weight"},
     ),
-    _layer("layer_scalar", lambda c: _when(c.layer_scalar, 1), _WHOLE, hf={"gemma4": "layer_scalar"}),
+    _layer(
+        "layer_scalar",
+        lambda c: _when(c.layer_scalar, 1),
+        _WHOLE,
+        hf={"gemma4": "layer_scalar"},
+        gguf={"gemma4": "layer_output_scale.weight"},
+    ),
     _top(
         "ple_embed",
         lambda c: _when(c.per_layer_input_size > 0, c.vocab_size, c.num_layers * c.per_layer_input_size),
@@ -813,6 +831,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gemma4": "model.embed_tokens_per_layer.weight",
             "gemma4_multimodal": "model.language_model.embed_tokens_per_layer.weight",
         },
+        gguf={"gemma4": "per_layer_token_embd.weight"},
     ),
     _top(
         "ple_model_proj",
@@ -823,6 +842,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gemma4": "model.per_layer_model_projection.weight",
             "gemma4_multimodal": "model.language_model.per_layer_model_projection.weight",
         },
+        gguf={"gemma4": "per_layer_model_proj.weight"},
     ),
     _top(
         "ple_proj_norm",
@@ -832,6 +852,7 @@ PARAMETERS: tuple[Parameter, ...] = (
             "gemma4": "model.per_layer_projection_norm.weight",
             "gemma4_multimodal": "model.language_model.per_layer_projection_norm.weight",
         },
+        gguf={"gemma4": "per_layer_proj_norm.weight"},
     ),
     _top(
         "final_norm",
@@ -921,16 +942,19 @@ HF = Naming(
 # serves every architecture with separate projections; Phi-3 and GPT-2 keep their fused tensors
 # as the checkpoint has them, stacked by rows (GPT-2's `Conv1D` weights transposed to [out, in]
 # by the converter): q/k/v in `attn_qkv`, Phi-3's gate and up in `ffn_up`. GPT-OSS's norm before
-# the MLP is its `post_attention_norm` (the Hugging Face name), and it has no other.
+# the MLP is its `post_attention_norm` (the Hugging Face name), and it has no other. Gemma 4's
+# own params (its full-attention layers' and wide MLPs' under the names of the layers' others, its
+# per-layer inputs, its layer scalars) are named in its table alone.
 GGUF = Naming(
     column="gguf",
-    layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2", "gpt_oss"), "blk.{i}."),
-    base={"phi3": "llama", "gpt2": "llama", "gpt_oss": "llama"},
+    layer_prefix=dict.fromkeys(("llama", "phi3", "gpt2", "gpt_oss", "gemma4"), "blk.{i}."),
+    base={"phi3": "llama", "gpt2": "llama", "gpt_oss": "llama", "gemma4": "llama"},
     family_of={
         **dict.fromkeys(("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3"), "llama"),
         "phi3": "phi3",
         "gpt2": "gpt2",
         "gpt-oss": "gpt_oss",
+        "gemma4": "gemma4",
     },
 )
 

@@ -6,7 +6,7 @@ file that transformers would read as another model than the one it states is ref
 The tiny models (`GGUF_VARIANTS`) have every feature transformers takes from its config classes
 set to those defaults, so that transformers reads each file back whole: the parity tests check
 jaxdepth against both transformers' model of the file and the model that was written (against the
-latter alone for GPT-OSS, whose files transformers cannot load: `LOADER_FAILS`).
+latter alone for GPT-OSS and Gemma 4, whose files transformers cannot load: `LOADER_FAILS`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ def _torch_logits(model, tokens) -> np.ndarray:
 # ----------------------------------------------------------------------------- parity
 
 # The architectures whose files transformers' GGUF loader cannot load (its error): their parity is
-# checked against the model written alone (`test_transformers_cannot_load_a_gpt_oss_file`).
-LOADER_FAILS = {"gpt-oss": (TypeError, "only 0-dimensional arrays can be converted to Python scalars")}
+# checked against the model written alone (`test_transformers_cannot_load_a_gpt_oss_file`,
+# `test_transformers_cannot_load_a_gemma4_file`).
+LOADER_FAILS = {
+    "gpt-oss": (TypeError, "only 0-dimensional arrays can be converted to Python scalars"),
+    "gemma4": (RuntimeError, "You set `ignore_mismatched_sizes` to `False`"),
+}
 
 
 @pytest.mark.parity
@@ -133,6 +137,37 @@ def test_transformers_cannot_load_a_gpt_oss_file(tiny_gguf, monkeypatch):
     assert set(info["missing_keys"]) == {
         f"model.layers.{i}.{t}" for i in range(theirs["num_hidden_layers"]) for t in unloaded
     }
+
+
+@pytest.mark.parity
+def test_transformers_cannot_load_a_gemma4_file(tiny_gguf):
+    """transformers 5.24's GGUF loader fails on a Gemma 4 file of any vocabulary but Gemma 4's own:
+    it builds the per-layer embeddings Gemma4TextConfig's 262144 tokens tall, whatever the file
+    says. Told to ignore that, its config is jaxdepth's (the per-layer embeddings one row per token
+    of the file's vocabulary), but its model leaves every layer's scalar unloaded, as it would in
+    any Gemma 4 file: its name map names `layer_scalar` without the '.weight' llama.cpp writes.
+    Should transformers learn to load such a file, `LOADER_FAILS` should lose it and the parity
+    test compare with it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny, path = tiny_gguf("gemma4")
+    error, message = LOADER_FAILS["gemma4"]
+    with pytest.raises(error, match=message):
+        _transformers_gguf_model(path)
+    folder, name = os.path.split(path)
+    theirs = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    assert theirs["vocab_size_per_layer_input"] == 262144 != theirs["vocab_size"]
+    theirs["vocab_size_per_layer_input"] = theirs["vocab_size"]
+    assert ModelConfig.from_hf(theirs) == convert_gguf(path, load_tokenizer=False).config
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
+    )
+    layers = range(theirs["num_hidden_layers"])
+    assert set(info["missing_keys"]) == {f"model.layers.{i}.layer_scalar" for i in layers}
+    assert {key for key, *_ in info["mismatched_keys"]} == {"model.embed_tokens_per_layer.weight"}
+    assert {float(layer.layer_scalar) for layer in model.model.layers} == {1.0}  # initialised, not read
+    assert {float(layer.layer_scalar) for layer in tiny.model.model.layers} != {1.0}  # the file's
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
@@ -269,6 +304,18 @@ REFUSED = [
     ("gpt-oss", lambda w: w.add_expert_feed_forward_length(256), "gpt-oss.expert_feed_forward_length"),
     # a rope scaling without its type, which transformers then does not read
     ("gpt-oss", lambda w: w.kv_data[0].pop("gpt-oss.rope.scaling.type"), "gpt-oss.rope.scaling.factor"),
+    # Gemma 4's: shared keys and values, a soft-cap, no per-layer inputs, another layer pattern,
+    # rotary base or sliding head width, than Gemma4TextConfig's; its per-layer lists (double-wide
+    # MLPs, the full layers' own key/value heads); `gemma4_shared_kv` has them all
+    ("gemma4", lambda w: w.add_shared_kv_layers(2), "gemma4.attention.shared_kv_layers"),
+    ("gemma4", lambda w: w.add_final_logit_softcapping(30.0), "gemma4.final_logit_softcapping"),
+    ("gemma4", lambda w: w.add_embedding_length_per_layer_input(0), "gemma4.embedding_length_per_layer_input"),
+    ("gemma4", lambda w: w.add_sliding_window_pattern([True, False] * 3), "gemma4.attention.sliding_window_pattern"),
+    ("gemma4", lambda w: w.add_rope_freq_base(12345.0), "gemma4.rope.freq_base"),
+    ("gemma4", lambda w: w.add_key_length_swa(128), "gemma4.attention.key_length_swa"),
+    ("gemma4", lambda w: w.add_feed_forward_length([128] * 3 + [256] * 3), "gemma4.feed_forward_length"),
+    ("gemma4", lambda w: w.add_head_count_kv([1] * 5 + [2]), "gemma4.attention.head_count_kv"),
+    ("gemma4_shared_kv", None, "gemma4.feed_forward_length"),
     ("gpt2", lambda w: w.add_feed_forward_length(100), "gpt2.feed_forward_length"),
     ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),  # read by neither
 ]
@@ -309,6 +356,31 @@ def test_a_tensor_transformers_drops_is_refused(tiny_gguf, tmp_path, tensor):
     extra = lambda w: w.add_tensor(tensor, np.ones(8, np.float32))  # noqa: E731
     path = write_tiny_gguf(tiny, str(tmp_path / "dropped.gguf"), extra=extra)
     with pytest.raises(UnsupportedConfigError, match=tensor):
+        convert_gguf(path, load_tokenizer=False)
+
+
+@pytest.mark.parametrize("factors", ["other", "missing"])
+def test_a_gemma4_file_rotating_otherwise_than_transformers_is_refused(tiny_gguf, tmp_path, monkeypatch, factors):
+    """llama.cpp's `rope_freqs.weight` says which of the full-attention layers' frequencies rotate
+    (a quarter of them in Gemma 4's 'proportional' rotary); transformers does not read it and
+    rotates those Gemma4TextConfig says. Factors of another share (a half), or none, are refused."""
+    import conftest
+
+    tiny, _ = tiny_gguf("gemma4")
+    freqs = conftest._gemma4_rope_freqs(tiny.config)
+    half = np.where(np.arange(freqs.size) < freqs.size // 2, np.float32(1), freqs)
+    original = conftest._llama_cpp_tensors
+
+    def tensors(model, arch):
+        for name, w in original(model, arch):
+            if name != "rope_freqs.weight":
+                yield name, w
+            elif factors == "other":
+                yield name, half
+
+    monkeypatch.setattr(conftest, "_llama_cpp_tensors", tensors)
+    path = write_tiny_gguf(tiny, str(tmp_path / "rotating.gguf"))
+    with pytest.raises(UnsupportedConfigError, match="'rope_freqs.weight'.*rotates 16 of those layers' 64 dims"):
         convert_gguf(path, load_tokenizer=False)
 
 

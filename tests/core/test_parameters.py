@@ -34,9 +34,10 @@ FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last", "gated_q",
 # Params no checkpoint names: no family has LayerNorms after its sublayers.
 UNNAMED = {"attn_post_norm_bias", "mlp_post_norm_bias"}
 # Params GGUF files do not name: transformers' GGUF loader reads no Qwen3.5 (llama.cpp's qwen35).
-# Nor Gemma 4's own (the layers' of its two attention shapes, its wide MLPs, per-layer inputs, scalars).
 NOT_IN_GGUF = {row.name for row in PARAMETERS if row.name.startswith("linear_")} | {"attn_gate"}
-NOT_IN_GGUF |= {row.name for row in PARAMETERS if row.name.startswith(("global_", "wide_", "ple_"))} | {"layer_scalar"}
+# Gemma 4's own (the layers' of its two attention shapes, its wide MLPs, per-layer inputs, scalars):
+# named in its table alone.
+GEMMA4_OWN = {row.name for row in PARAMETERS if row.name.startswith(("global_", "wide_", "ple_"))} | {"layer_scalar"}
 
 BASE = ModelConfig(
     model_type="llama",
@@ -207,10 +208,13 @@ def test_every_family_names_every_param_it_has():
     # after attention
     unnamed_in = {"gpt-oss": {"attn_post_norm"}}
     for arch, table in GGUF_NAMES.items():
+        unnamed = NOT_IN_GGUF | (set() if arch == "gemma4" else GEMMA4_OWN)
         for config in feature_configs():
             shapes = param_shapes(config)
-            assert set(shapes) - {"layers"} - NOT_IN_GGUF <= set(table)
-            assert set(shapes["layers"]) - UNNAMED - NOT_IN_GGUF - unnamed_in.get(arch, set()) <= set(table["layers"])
+            assert set(shapes) - {"layers"} - unnamed <= set(table)
+            assert set(shapes["layers"]) - UNNAMED - unnamed - unnamed_in.get(arch, set()) <= set(table["layers"])
+    assert GEMMA4_OWN <= set(GGUF_NAMES["gemma4"]) | set(GGUF_NAMES["gemma4"]["layers"])
+    assert not GEMMA4_OWN & (set(GGUF_NAMES["gemma3"]) | set(GGUF_NAMES["gemma3"]["layers"]))
 
 
 def test_a_family_takes_its_base_names_where_a_row_names_none():
