@@ -121,12 +121,12 @@ class _Arch:
     rope_scaling: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def sliding_layers(config: ModelConfig) -> list:
+def _sliding_layers(config: ModelConfig) -> list:
     """Which layers attend within a window, as llama.cpp's `sliding_window_pattern` says it."""
     return [t == "sliding" for t in config.layer_types]
 
 
-def shared_kv_layer_count(config: ModelConfig) -> int:
+def _shared_kv_layer_count(config: ModelConfig) -> int:
     """How many of the last layers reuse earlier layers' keys and values."""
     return len(config.shared_kv_layers)
 
@@ -307,8 +307,8 @@ _ARCHS = {
             "rope.dimension_count_swa": "head_dim",
             "rope.freq_base": "rope_theta",
             "rope.freq_base_swa": "local_rope_theta",
-            "attention.sliding_window_pattern": sliding_layers,
-            "attention.shared_kv_layers": shared_kv_layer_count,
+            "attention.sliding_window_pattern": _sliding_layers,
+            "attention.shared_kv_layers": _shared_kv_layer_count,
             "embedding_length_per_layer_input": "per_layer_input_size",
             "final_logit_softcapping": "final_softcap",
         },

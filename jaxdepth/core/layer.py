@@ -692,6 +692,7 @@ def layer_step(
     interventions: tuple[AnyIntervention, ...] = (),
     prefix=None,
     states: tuple = (),
+    *,
     shared_kv=None,
 ) -> LayerRecord:
     """One decoder layer (`p` holds its weights) with every intervention at its site:

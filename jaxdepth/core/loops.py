@@ -269,7 +269,7 @@ def run_layers(
         return final_residual(h_last, config, ivs, states), taps
 
     def record(p, i, h, states, known, shared=None):
-        return layer_step(p, h, i, context, config, ivs, known, states, shared)
+        return layer_step(p, h, i, context, config, ivs, known, states, shared_kv=shared)
 
     if run.from_zero:
 
@@ -332,7 +332,7 @@ def _run_order(params: Params, config: ModelConfig, order: LayerOrder, ivs, cont
                 ivs,
                 None if known is None else layer_row(known, g),
                 states,
-                shared,
+                shared_kv=shared,
             )
             for g in range(G)
         ]
