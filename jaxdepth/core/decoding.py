@@ -142,17 +142,20 @@ def _new_key_values(record, _):
     return record.k[:, -1], record.v[:, -1]  # keys are [buffer | the new token]
 
 
-def _cache(taps, extra: int):
-    """The decoding cache from the prefill's taps: the keys and values with room for `extra`
-    new tokens (a `MixerPrefix` with the linear-attention states in a hybrid model)."""
-    keys, values = _grow(taps[0], 3, extra), _grow(taps[1], 3, extra)
+def _cache(taps, extra: int, lead: int = 2):
+    """The decoding cache from the prefill's taps: the keys and values (`lead` axes before the
+    batch: a layer order's steps and groups, or a group's members) with room for `extra` new tokens (a
+    `MixerPrefix` with the linear-attention states in a hybrid model)."""
+    keys, values = _grow(taps[0], lead + 1, extra), _grow(taps[1], lead + 1, extra)
     return (keys, values) if len(taps) == 2 else MixerPrefix(keys, values, taps[2])
 
 
-def _written(cache, new, rows, at):
-    """The cache after a step: its new keys and values written at positions `at`, and the
-    linear-attention layers' states replaced by the step's."""
-    keys, values = cache[0].at[:, :, rows, at].set(new[0]), cache[1].at[:, :, rows, at].set(new[1])
+def _written(cache, new, rows, at, lead: int = 2):
+    """The cache after a step (`lead` axes before the batch, as `_cache`): its new keys and
+    values written at positions `at`, and the linear-attention layers' states replaced by the
+    step's."""
+    where = (slice(None),) * lead + (rows, at)
+    keys, values = cache[0].at[where].set(new[0]), cache[1].at[where].set(new[1])
     return (keys, values) if len(new) == 2 else MixerPrefix(keys, values, new[2])
 
 
@@ -273,16 +276,12 @@ def generate_orders(
             h, taps = run_grouped_orders(
                 params, h0, config, grouped, valid=valid, interventions=ivs, tap=_read_key_values
             )
-            return h, per_group(
-                lambda t: MixerPrefix(_grow(t[0], 2, max_new_tokens), _grow(t[1], 2, max_new_tokens), t[2]), taps
-            )
+            return h, per_group(lambda t: _cache(t, max_new_tokens, lead=1), taps)
 
         def step(x, context, cache, at):
             run = LayerRun(context=context, prefix=cache)
             h, new = run_grouped_orders(params, x, config, grouped, interventions=ivs, tap=_new_key_values, run=run)
-            written = lambda old, new: MixerPrefix(  # noqa: E731
-                old.keys.at[:, rows, at].set(new[0]), old.values.at[:, rows, at].set(new[1]), new[2]
-            )
+            written = lambda old, new: _written(old, new, rows, at, lead=1)  # noqa: E731
             return h, tuple(tuple(map(written, olds, news)) for olds, news in zip(cache, new))
 
         return _decode(params, tokens, config, valid, lengths, options, prefill, step, orders=grouped.num_orders)
