@@ -585,12 +585,15 @@ def clean_prefix(params: Params, hs: Float[Array, "Lp1 B T D"], length: int, con
         return keys[:, :, :length], values[:, :, :length]
     if config.rope_type == "longrope":  # its keys' factors depend on the prompt's whole length
         raise ValueError("clean_prefix of a model with linear-attention layers and longrope is not implemented")
-    context = layer_context(hs[0], valid, config)
+    B, T = hs.shape[1:3]
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    # one run of each layer with only the prefix valid: a linear layer's state is then the
+    # prefix's, and the keys, read off each position's input alone, are the whole run's
+    context = layer_context(hs[0], valid & (jnp.arange(T) < length)[None, :], config)
 
     def one(i):
-        p = layer_params(params, i, config)
-        r = layer_step(p, hs[i], i, context, config)
-        return r.k[:, :length], r.v[:, :length], linear_state_at(p, i, hs[i], valid, length, config)
+        r = layer_step(layer_params(params, i, config), hs[i], i, context, config)
+        return r.k[:, :length], r.v[:, :length], r.linear_state
 
     return MixerPrefix(*map_layers(one, config))
 
