@@ -4,12 +4,13 @@ The names are declared with the params (`jaxdepth.core.parameters`: each row's `
 `HF` its naming families); this module reads them.
 
 `hf_source(config, tensors)` gives `assemble_params` (`conversion.layout`) the checkpoint as one
-tensor per jaxdepth param, in the PyTorch `[out, in]` layout: Phi-3's fused q/k/v and gate/up
-projections, GPT-NeoX's per-head interleaved q/k/v and GPT-2's fused `c_attn` (stored `[in, out]`,
-as every GPT-2 `Conv1D`) and GPT-OSS's experts (stacked `[E, in, out]`, gate and up columns
-interleaved) are cut into named views, DeepSeek's interleaved rotary rows are reordered into
-halves (`#rope`, `#rope_last`), and the buffers some checkpoints store beside the weights
-(causal masks, rotary frequencies) are set aside by name, never silently.
+tensor per jaxdepth param, in the PyTorch `[out, in]` layout. Fused tensors are cut into named
+views: Phi-3's fused q/k/v and gate/up projections, GPT-NeoX's per-head interleaved q/k/v,
+GPT-2's fused `c_attn` (stored `[in, out]`, as every GPT-2 `Conv1D`), GPT-OSS's experts (stacked
+`[E, in, out]`, gate and up columns interleaved) and Gemma 4's (stacked `[E, 2F, D]`, gate rows
+then up rows). DeepSeek's interleaved rotary rows are reordered into halves (`#rope`,
+`#rope_last`), and the buffers some checkpoints store beside the weights (causal masks, rotary
+frequencies) are set aside by name, never silently.
 """
 
 from __future__ import annotations
@@ -101,10 +102,11 @@ def _view(fused: np.ndarray, part: str, config: ModelConfig) -> Callable[[], np.
         if config.model_type == "gpt_oss":  # columns of gate_up interleaved: gate, up, gate, up, ...
             own = x[..., 0::2] if part == "gate" else x[..., 1::2]
             return np.swapaxes(own, -1, -2) if own.ndim == 3 else own  # weights [E, in, out], biases [E, out]
-        if config.model_type == "phi3":  # rows [q | k | v] and [gate | up]
-            if part in ("gate", "up"):
-                half = x.shape[0] // 2
-                return x[:half] if part == "gate" else x[half:]
+        if part in ("gate", "up") and config.model_type in ("phi3", "gemma4_text", "gemma4"):
+            # rows [gate | up] (Phi-3's MLP; Gemma 4's experts, `[E, 2F, D]`, each its own)
+            half = x.shape[-2] // 2
+            return x[..., :half, :] if part == "gate" else x[..., half:, :]
+        if config.model_type == "phi3":  # rows [q | k | v]
             bounds = {"q": (0, H * Dh), "k": (H * Dh, (H + K) * Dh), "v": ((H + K) * Dh, (H + 2 * K) * Dh)}
             lo, hi = bounds[part]
             return x[lo:hi]

@@ -458,6 +458,16 @@ TINY_VARIANTS["gemma4_plain"] = dict(
         "full_attention": {"rope_type": "default", "rope_theta": 12345.0},
     },
 )
+# Gemma 4's mixture-of-experts block (26B-A4B's layer): 4 experts, 2 per token, beside each layer's
+# own MLP, which is twice as wide as an expert.
+TINY_VARIANTS["gemma4_moe"] = dict(
+    TINY_VARIANTS["gemma4_plain"],
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=24,
+    intermediate_size=48,
+)
 
 # transformers' config and model class of each `arch`.
 _HF_CLASSES = {
@@ -550,6 +560,8 @@ def build_tiny_model(name: str, seed: int = 0):
                 p.copy_(0.1 * torch.randn_like(p))
             elif "norm" in pname or "ln_" in pname:  # (GPT-2's LayerNorms are ln_1, ln_2, ln_f)
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's, initialised to 1
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
         for bname, b in model.named_buffers():  # DeepSeek's router correction is a saved buffer
             if "e_score_correction_bias" in bname:
                 b.copy_(0.1 * torch.randn_like(b))

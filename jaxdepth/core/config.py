@@ -118,6 +118,12 @@ class ModelConfig:
     (`router_correction`), among the experts of the `router_groups_kept` best of
     `router_groups` groups (a group's score the sum of its two best); `shared_expert_size` > 0
     adds an MLP of that width that every token runs. 0 experts: a dense MLP.
+    `expert_norms` (Gemma 4's mixture block, beside its dense MLP, which is the shared MLP
+    here): the experts read their own norm of the MLP's input (`expert_norm`), the router an
+    RMSNorm without weight of it times `router_scale` / sqrt(D); the shared MLP's output and
+    the experts' each pass a post-norm of their own (`shared_post_norm`, `expert_post_norm`)
+    before they are summed, and each chosen expert's weight is scaled by its own
+    `router_expert_scale` after the renormalisation.
 
     Layers without positions (`nope_layers`, SmolLM3's `no_rope_layers`): their queries and
     keys are not rotated; the other layers rotate as the rotary fields say.
@@ -223,6 +229,7 @@ class ModelConfig:
     router_groups_kept: int = 1
     expert_scale: float = 1.0
     shared_expert_size: int = 0
+    expert_norms: bool = False
     dense_layers: tuple = ()
     dense_size: int = 0
     nope_layers: tuple = ()
@@ -323,8 +330,19 @@ class ModelConfig:
         self._check_gemma4_features()
         if self.dense_size and not self.dense_layers:
             raise UnsupportedConfigError("dense_size is the width of dense_layers: give them, or 0")
-        if not self.num_experts and (self.experts_per_token or self.normalize_expert_weights or self.router_bias):
-            raise UnsupportedConfigError("experts_per_token, normalize_expert_weights and router_bias need experts")
+        if not self.num_experts and (
+            self.experts_per_token or self.normalize_expert_weights or self.router_bias or self.expert_norms
+        ):
+            raise UnsupportedConfigError(
+                "experts_per_token, normalize_expert_weights, router_bias and expert_norms need experts"
+            )
+        if self.expert_norms and not (self.shared_expert_size and self.pre_norms and self.post_norms):
+            raise UnsupportedConfigError(
+                "expert_norms (Gemma 4's mixture block) need the shared MLP beside the experts and norms before and "
+                "after the sublayers"
+            )
+        if self.is_moe and self.wide_mlp_layers:
+            raise UnsupportedConfigError("double-wide MLPs beside a mixture of experts are not implemented")
         if self.router_groups > 1 and not (
             self.num_experts % self.router_groups == 0
             and self.num_experts // self.router_groups >= 2

@@ -14,8 +14,10 @@ The pieces, in the order `jaxdepth.core.layer.layer_step` runs them (each a site
                       elsewhere
     expert_out        each chosen expert's output, before its weight          [B, T, k, D]
     shared_out        the shared experts' output (DeepSeek), every token's    [B, T, D]
+                      (Gemma 4: its dense MLP's, after that MLP's own post-norm)
     mlp_out           the weighted sum of the chosen experts' outputs (plus   [B, T, D]
-                      the shared experts')
+                      the shared experts'; Gemma 4: that sum after the
+                      experts' own post-norm), after the MLP's post-norm
 
 Interventions on the routing, as data (a layer index and an expert mask per constructor, so a
 stack of them vmaps over layers and experts): `forbid_experts` (never chosen: the next best

@@ -476,23 +476,17 @@ def _gemma4(r: _Reader) -> dict:
     transformers 5's `per_layer_config`) whose values may be their keys (`attention_k_eq_v`),
     'proportional' rotary on them, the last `num_kv_shared_layers` layers reusing earlier layers'
     keys and values, a double-wide MLP on those (`use_double_wide_mlp`), per-layer inputs
-    (`hidden_size_per_layer_input`) and a learned scalar per layer. Its mixture-of-experts block
-    and bidirectional attention are refused."""
+    (`hidden_size_per_layer_input`), a learned scalar per layer, and where `enable_moe_block`
+    a mixture of experts beside each layer's MLP (`_gemma4_experts`). Bidirectional attention is
+    refused."""
     shapes = _shapes(r)
     L, Dh, K = shapes["num_layers"], shapes["head_dim"], shapes["num_kv_heads"]
-    for key, why in (
-        ("enable_moe_block", "Gemma 4's mixture-of-experts block is not implemented"),
-        ("attention_bias", "biases in Gemma 4's attention are not implemented"),
-    ):
-        if r.get(key):
-            r.refuse(key, why)
+    if r.get("attention_bias"):
+        r.refuse("attention_bias", "biases in Gemma 4's attention are not implemented")
     # 'vision': image tokens attend to each other both ways, text causally (all a text model sees)
     if r.get("use_bidirectional_attention") not in (None, "vision"):
         r.refuse("use_bidirectional_attention", "only causal attention is implemented")
-    r.read.update({"num_experts", "top_k_experts", "moe_intermediate_size"})  # the refused block's
-    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
-        if r.get(key):
-            r.refuse(key, "Gemma 4's mixture-of-experts block is not implemented")
+    experts = _gemma4_experts(r)
     types = r.get("layer_types")
     if types is None:  # transformers' default: five sliding layers in six
         types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(L)]
@@ -540,6 +534,32 @@ def _gemma4(r: _Reader) -> dict:
         wide_mlp_layers=shared_layers if r.get("use_double_wide_mlp", False) else (),
         per_layer_input_size=P,
         layer_scalar=True,
+        **experts,
+    )
+
+
+def _gemma4_experts(r: _Reader) -> dict:
+    """Gemma 4's mixture-of-experts block (`enable_moe_block`, the 26B-A4B model): in every layer,
+    `num_experts` experts of width `moe_intermediate_size`, `top_k_experts` per token, their
+    weights renormalised, beside the layer's own MLP of width `intermediate_size`, which is
+    the mixture's shared MLP here (`ModelConfig.expert_norms`). Without the block, its keys
+    must switch nothing on."""
+    keys = ("num_experts", "top_k_experts", "moe_intermediate_size")
+    r.read.update(keys)
+    if not r.get("enable_moe_block"):
+        for key in keys:
+            if r.get(key):
+                r.refuse(key, "Gemma 4 has experts only where enable_moe_block is set")
+        return {}
+    if r.get("use_double_wide_mlp") and int(r.get("num_kv_shared_layers", 0)):
+        r.refuse("use_double_wide_mlp", "a double-wide MLP beside Gemma 4's experts is not implemented")
+    return dict(
+        num_experts=int(r.need("num_experts")),
+        experts_per_token=int(r.need("top_k_experts")),
+        intermediate_size=int(r.need("moe_intermediate_size")),
+        shared_expert_size=int(r.need("intermediate_size")),
+        normalize_expert_weights=True,
+        expert_norms=True,
     )
 
 

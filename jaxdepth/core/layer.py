@@ -314,7 +314,8 @@ def _latent_key_values(p: Params, x: Float[Array, "*b D"], config: ModelConfig, 
 
 
 def value_norm(v: Float[Array, "*b Dh"], config: ModelConfig) -> Float[Array, "*b Dh"]:
-    """Gemma 4's norm of each value head: an RMSNorm without a weight, in float32, cast back."""
+    """Gemma 4's norm of each value head (and of its router's input): an RMSNorm without a
+    weight, in float32, cast back."""
     v32 = v.astype(jnp.float32)
     return (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + config.rms_norm_eps)).astype(v.dtype)
 
@@ -501,6 +502,8 @@ def mlp(p: Params, x: Float[Array, "B T D"], config: ModelConfig) -> Float[Array
     says which runs: refused (`layer_step` takes it)."""
     if config.mixed_mlps or config.wide_mlp_layers:
         raise ValueError("this model's layers have MLPs of two kinds, which the layer's index picks: run layer_step")
+    if config.expert_norms:
+        raise ValueError("Gemma 4's router and experts read the MLP's input before its norm: run layer_step")
     if config.is_moe:
         return mixture(p, x, config, lambda site, value: value)[0]
     return mlp_output(p, mlp_hidden(p, x, config), config)
@@ -514,6 +517,7 @@ def mixture(
     *,
     edited_weights: bool = False,
     edited_hidden: bool = False,
+    residual: Optional[Array] = None,
 ):
     """A mixture of experts on its normed input `x` (`jaxdepth.core.experts`): `(m, parts)`, m
     what the residual receives (after the post-MLP norm where the family has one), `parts` the
@@ -521,22 +525,37 @@ def mixture(
     `[B, T, k]`, best first) and their outputs. `at(site, value)` applies the interventions at
     each site; `edited_weights`: one acts at `expert_weights`, so the experts that run are
     those it leaves a weight; `edited_hidden`: one acts at `expert_hidden`, the experts' hidden
-    units (`jaxdepth.core.experts.expert_outputs`)."""
-    logits = at("router_logits", experts.router_logits(p, x, config))
+    units (`jaxdepth.core.experts.expert_outputs`). Where `config.expert_norms` (Gemma 4) the
+    router and the experts read norms of their own of `residual`, the MLP's input before its
+    norm, and `x` is the shared MLP's input alone."""
+    router_in, experts_in = x, x
+    if config.expert_norms:
+        if residual is None:
+            raise ValueError("Gemma 4's router and experts read the MLP's input before its norm: give residual=")
+        scale = p["router_scale"] * config.hidden_size**-0.5
+        router_in = value_norm(residual, config) * scale.astype(residual.dtype)
+        experts_in = layer_norm_of(p, "expert_norm", residual, config)
+    logits = at("router_logits", experts.router_logits(p, router_in, config))
     scores = at("router_probs", experts.router_scores(logits, config))
     selection = at("router_selection", experts.selection_of(p, scores, config))
     chosen = experts.choose_experts(selection, config)
-    weights = experts.dense_weights(experts.chosen_weights(scores, chosen, config), chosen, config)
-    weights = at("expert_weights", weights)
+    weights = experts.chosen_weights(scores, chosen, config)
+    if config.expert_norms:  # each chosen expert's own scale, after the renormalisation
+        weights = weights * p["router_expert_scale"][chosen]
+    weights = at("expert_weights", experts.dense_weights(weights, chosen, config))
     too_many = None
     if edited_weights:
         chosen, too_many = experts.experts_of_weights(weights, config)
-    outputs, hidden = experts.expert_outputs(p, x, chosen, config, at, edited_hidden)
+    outputs, hidden = experts.expert_outputs(p, experts_in, chosen, config, at, edited_hidden)
     outputs = at("expert_out", outputs)
     m = experts.combine_experts(outputs, jnp.take_along_axis(weights, chosen, axis=-1), too_many)
     shared = None
     if config.shared_expert_size:
-        shared = at("shared_out", experts.shared_experts(p, x, config))
+        shared = experts.shared_experts(p, x, config)
+        if config.expert_norms:  # each part its own post-norm before they are summed
+            m = layer_norm_of(p, "expert_post_norm", m, config)
+            shared = layer_norm_of(p, "shared_post_norm", shared, config)
+        shared = at("shared_out", shared)
         m = m + shared
     parts = dict(
         shared_out=shared,
@@ -819,7 +838,13 @@ def layer_step(
     @carrying
     def sparse(x):
         return mixture(
-            p, x, config, at, edited_weights="expert_weights" in acting, edited_hidden="expert_hidden" in acting
+            p,
+            x,
+            config,
+            at,
+            edited_weights="expert_weights" in acting,
+            edited_hidden="expert_hidden" in acting,
+            residual=mlp_in,
         )
 
     def dense_of(w):

@@ -274,6 +274,25 @@ def test_the_analysis_runs_through_the_suite_and_writes_its_figure(result, tmp_p
     assert X.ANALYSIS.identity(X.ExpertSettings(seed=4, experts_skip_mode="future"))["seed"] == 4
 
 
+def _assert_drops_are_forwards_by_hand(result, params, config, layers) -> None:
+    """Each expert of each of `layers` dropped in a full forward of prompt 0 alone: the largest
+    shift of its output probabilities is the one `result` recorded."""
+    tokens = jnp.asarray(_prompt(0))
+
+    @jax.jit
+    def probabilities(interventions=None):
+        final, _ = run_layers(params, embed(params, tokens, config), config, interventions=interventions)
+        return jax.nn.softmax(unembed(params, final, config), axis=-1)
+
+    clean, E = probabilities(), config.num_experts
+    for layer in layers:
+        for e in range(E):
+            shift = np.linalg.norm(np.asarray(probabilities(drop_experts(layer, np.eye(E)[e])) - clean)[0], axis=-1)
+            np.testing.assert_allclose(
+                result.drop_output_per_prompt[0, layer, e], shift.max(), rtol=1e-5, atol=ROUNDING
+            )
+
+
 def test_a_dense_layer_among_sparse_ones_is_nan_and_its_skip_reroutes_the_next():
     """Layers sparse, dense, sparse: the dense layer has no router (NaN in every measure, its
     drops not run); the sparse layers' drops equal forwards by hand; skipping the dense layer
@@ -287,18 +306,21 @@ def test_a_dense_layer_among_sparse_ones_is_nan_and_its_skip_reroutes_the_next()
     assert np.all(np.isnan(result.drop_output[1])) and np.all(np.isnan(result.drop_later[1]))
     assert np.all(np.isnan(result.routing_travel[:, 1])) and result.routing_travel[1, 2] > 0
     assert np.all(result.expert_counts[:, 1] == 0)
-    tokens = jnp.asarray(_prompt(0))
-
-    @jax.jit
-    def probabilities(interventions=None):
-        final, _ = run_layers(params, embed(params, tokens, config), config, interventions=interventions)
-        return jax.nn.softmax(unembed(params, final, config), axis=-1)
-
-    clean = probabilities()
-    for layer in (0, 2):
-        for e in range(E):
-            shift = np.linalg.norm(np.asarray(probabilities(drop_experts(layer, np.eye(E)[e])) - clean)[0], axis=-1)
-            np.testing.assert_allclose(
-                result.drop_output_per_prompt[0, layer, e], shift.max(), rtol=1e-5, atol=ROUNDING
-            )
+    _assert_drops_are_forwards_by_hand(result, params, config, layers=(0, 2))
     assert all(line and "nan" not in line for line in X._summary(result))
+
+
+def test_gemma4s_experts_beside_its_mlp_drop_as_forwards_by_hand():
+    """Gemma 4's mixture (`gemma4_moe`: the experts beside the layer's MLP, each part its own
+    norms, a layer scalar): every layer is sparse, each drop equals a forward by hand, and
+    dropping an expert moves the output even though the MLP beside it runs on."""
+    from conftest import tiny_hf_config
+    from jaxdepth.core.config import ModelConfig
+
+    config = ModelConfig.from_hf(tiny_hf_config("gemma4_moe")[0].to_dict())
+    assert config.expert_norms and config.layer_scalar and not config.dense_layers
+    params = random_params(config, 0, scale=0.3)
+    with jax.default_matmul_precision("highest"):
+        result = X.expert_depth(params, BATCH, config, X.ExpertSweeps(prompts=1), execution=Execution(chunk_size=CHUNK))
+    _assert_drops_are_forwards_by_hand(result, params, config, layers=range(config.num_layers))
+    assert result.drop_output.min() > 1e-4 and np.all(np.isfinite(result.entropy))

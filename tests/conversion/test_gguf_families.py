@@ -316,6 +316,7 @@ REFUSED = [
     ("gemma4", lambda w: w.add_feed_forward_length([128] * 3 + [256] * 3), "gemma4.feed_forward_length"),
     ("gemma4", lambda w: w.add_head_count_kv([1] * 5 + [2]), "gemma4.attention.head_count_kv"),
     ("gemma4_shared_kv", None, "gemma4.feed_forward_length"),
+    ("gemma4", lambda w: w.add_expert_count(8), "gemma4.expert_count"),  # its experts: read by neither
     ("gpt2", lambda w: w.add_feed_forward_length(100), "gpt2.feed_forward_length"),
     ("llama", lambda w: w.add_expert_count(8), "llama.expert_count"),  # read by neither
 ]

@@ -71,6 +71,7 @@ def run(prompts=PROMPTS, params=PARAMS, config=CONFIG, **options):
         "qwen3_5_hybrid",
         "gemma4_shared_kv",
         "gemma4_plain",
+        "gemma4_moe",
     ],
 )
 def test_greedy_tokens_equal_transformers(tiny_model, variant):

@@ -139,14 +139,24 @@ def test_the_multimodal_config_is_its_text_model():
     config = ModelConfig.from_hf(multimodal)
     text = ModelConfig.from_hf(E2B_LIKE)
     assert config.model_type == "gemma4" and config.to_dict() == {**text.to_dict(), "model_type": "gemma4"}
-    with pytest.raises(UnsupportedConfigError, match="enable_moe_block"):
-        ModelConfig.from_hf({**multimodal, "text_config": {**E2B_LIKE, "enable_moe_block": True}})
+    moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
+    mixed = ModelConfig.from_hf({**multimodal, "text_config": {**E2B_LIKE, **moe, "use_double_wide_mlp": False}})
+    assert (mixed.num_experts, mixed.experts_per_token, mixed.intermediate_size) == (8, 2, 16) and mixed.expert_norms
+    assert mixed.shared_expert_size == E2B_LIKE["intermediate_size"]
 
 
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2}, "enable_moe_block"),
+        (
+            {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "use_double_wide_mlp": False},
+            "moe_intermediate_size",
+        ),
+        ({"num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16}, "num_experts"),
+        (
+            {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 16},
+            "use_double_wide_mlp",
+        ),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_kv_shared_layers": 10}, "num_kv_shared_layers"),
@@ -286,6 +296,42 @@ def test_the_multimodal_checkpoint_converts_to_its_text_model(tmp_path):
     assert e <= 1e-4
 
 
+def test_parity_fails_where_a_part_of_the_mixture_block_is_read_otherwise(tiny_model):
+    """Gemma 4's experts beside its MLP (`gemma4_moe`): each of the block's own pieces, read
+    otherwise, moves the logits far beyond the tolerance. (Not renormalising the chosen
+    experts' weights moves them by 1e-3 only: the experts' post-norm undoes a common scale of
+    the weights, so only their ratio, which the renormalisation keeps, is seen.)"""
+    import dataclasses
+
+    tiny = tiny_model("gemma4_moe")
+    params, config = _converted(tiny)
+    assert config.expert_norms and config.shared_expert_size == 2 * config.intermediate_size
+    tokens = np.random.default_rng(6).integers(0, config.vocab_size, size=(1, 300))
+    ref = _logits(tiny.model, tokens)
+    assert float(np.abs(_ours(params, tokens, config) - ref).max()) <= 1e-4
+    layers = params["layers"]
+    mistakes = {
+        "the per-expert scales taken as 1": (
+            _with(params, router_expert_scale=jnp.ones_like(layers["router_expert_scale"])),
+            config,
+        ),
+        "the router's scale taken as 1": (_with(params, router_scale=jnp.ones_like(layers["router_scale"])), config),
+        "the experts reading the MLP's norm": (_with(params, expert_norm=layers["mlp_norm"]), config),
+        "the two post-norms swapped": (
+            _with(params, expert_post_norm=layers["shared_post_norm"], shared_post_norm=layers["expert_post_norm"]),
+            config,
+        ),
+        "DeepSeek's shared experts (no norms of the block's own)": (
+            params,
+            dataclasses.replace(config, expert_norms=False),
+        ),
+    }
+    for name, (wrong, wrong_config) in mistakes.items():
+        e = float(np.abs(_ours(wrong, tokens, wrong_config) - ref).max())
+        print(f"\n[parity] sensitivity, gemma4_moe with {name}: max |logit diff| = {e:.3e}")
+        assert e > 100 * 1e-4, name
+
+
 # ----------------------------------------------------------------------------- shared keys in the loops
 
 
@@ -400,11 +446,11 @@ def _per_layer_tap(record, _):
     return record.per_layer
 
 
-@pytest.mark.parametrize("k_eq_v", [False, True])
-def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v):
+@pytest.mark.parametrize("k_eq_v, experts", [(False, False), (True, False), (True, True)])
+def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v, experts):
     """transformers' model of an E2B-sized config (and, with keys as values, a 31B-like one
-    without per-layer inputs), built without weights: each of its tensors is one param's row of
-    one layer, of the shape the params declare."""
+    without per-layer inputs; with experts, a 26B-A4B-like one), built without weights: each of
+    its tensors is one param's row of one layer, of the shape the params declare."""
     torch = pytest.importorskip("torch")
     from conversion.hf_layouts import hf_names
     from jaxdepth.core.parameters import PARAMETERS, param_shapes, row_layers, transposed_params
@@ -415,6 +461,10 @@ def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v):
     if k_eq_v:
         sizes.update(num_key_value_heads=4, num_global_key_value_heads=2, hidden_size_per_layer_input=0)
         sizes.update(num_kv_shared_layers=0, use_double_wide_mlp=False)
+    if experts:
+        sizes.update(num_hidden_layers=10, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2)
+        sizes.update(enable_moe_block=True, num_experts=16, top_k_experts=8, moe_intermediate_size=704)
+        sizes.update(intermediate_size=2112, hidden_size=2816)
     hub = {**E2B_LIKE, **sizes, "attention_k_eq_v": k_eq_v}
     _, hf_config = _transformers_layers(hub)
     transformers = pytest.importorskip("transformers")
@@ -424,14 +474,19 @@ def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v):
     tensors.pop("lm_head.weight")  # tied
     config = ModelConfig.from_hf(hub)
     names, shapes, rows = hf_names(config), param_shapes(config), {row.name: row for row in PARAMETERS}
-    used = []
+    used, fused = [], set()
     for key, shape in {**{k: v for k, v in shapes.items() if k != "layers"}, **shapes["layers"]}.items():
         row = rows[key]
         layers = row_layers(row, config) if row.per_layer else [None]
         one = shape[1:] if row.per_layer else shape
-        want = tuple(reversed(one)) if key in transposed_params() else one
+        want = (*one[:-2], one[-1], one[-2]) if key in transposed_params() else one  # [out, in] per expert
         for i in layers:
             name = names["layers"][key].format(i=i) if row.per_layer else names[key]
+            if "#" in name:  # the experts' gate and up: the halves of one `[E, 2F, D]` tensor
+                name, part = name.split("#")
+                assert part in ("gate", "up") and tensors.get(name) == (*want[:-2], 2 * want[-2], want[-1]), key
+                fused.add(name)
+                continue
             assert tensors.get(name) == want, (key, i, name)
             used.append(name)
-    assert len(used) == len(set(used)) and set(used) == set(tensors)
+    assert len(used) == len(set(used)) and set(used) | fused == set(tensors) and not fused & set(used)

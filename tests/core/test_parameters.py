@@ -33,8 +33,10 @@ ROWS = {row.name: row for row in PARAMETERS}
 FUSED_PARTS = {"q", "k", "v", "gate", "up", "T", "rope", "rope_last", "gated_q", "gated_gate", "conv"}
 # Params no checkpoint names: no family has LayerNorms after its sublayers.
 UNNAMED = {"attn_post_norm_bias", "mlp_post_norm_bias"}
-# Params GGUF files do not name: transformers' GGUF loader reads no Qwen3.5 (llama.cpp's qwen35).
-NOT_IN_GGUF = {row.name for row in PARAMETERS if row.name.startswith("linear_")} | {"attn_gate"}
+# Params GGUF files do not name: transformers' GGUF loader reads no Qwen3.5 (llama.cpp's qwen35),
+# nor Gemma 4's experts (a gemma4 file's expert keys are refused by name).
+GEMMA4_EXPERTS = {"router_scale", "router_expert_scale", "expert_norm", "expert_post_norm", "shared_post_norm"}
+NOT_IN_GGUF = {row.name for row in PARAMETERS if row.name.startswith("linear_")} | {"attn_gate"} | GEMMA4_EXPERTS
 # Gemma 4's own (the layers' of its two attention shapes, its wide MLPs, per-layer inputs, scalars):
 # named in its table alone.
 GEMMA4_OWN = {row.name for row in PARAMETERS if row.name.startswith(("global_", "wide_", "ple_"))} | {"layer_scalar"}
@@ -115,6 +117,10 @@ def feature_configs():
     )
     for keys_as_values, qk_norm in itertools.product((True, False), repeat=2):
         yield dataclasses.replace(BASE, **gemma4, keys_as_values=keys_as_values, qk_norm=qk_norm)
+    # ... and its experts beside the MLP (no double-wide MLP beside them)
+    yield dataclasses.replace(
+        BASE, **{**gemma4, "wide_mlp_layers": ()}, **moe, shared_expert_size=6, expert_norms=True, post_norms=True
+    )
 
 
 def family_configs():
@@ -181,8 +187,11 @@ def test_transposed_params_are_the_projections():
 
 
 # Kinds of layers no layer has two of: a checkpoint name may be the template of one row of each
-# (Gemma 4's full-attention layers' `q_proj` is `global_q` there, the sliding layers' `q`).
-DISJOINT_KINDS = ({"attention", "global"}, {"keys", "global_keys"}, {"dense", "wide"})
+# (Gemma 4's full-attention layers' `q_proj` is `global_q` there, the sliding layers' `q`;
+# Gemma 4's MLP `mlp.gate_proj` is a dense layer's `gate`, a double-wide one's `wide_gate`, or the
+# shared MLP beside its experts, `shared_gate`: a layer is dense or sparse, and no double-wide
+# MLP is beside experts).
+DISJOINT_KINDS = ({"attention", "global"}, {"keys", "global_keys"}, {"dense", "wide"}, {"dense", "wide", "experts"})
 
 
 @pytest.mark.parametrize("naming", [HF, GGUF], ids=["hf", "gguf"])
