@@ -152,7 +152,7 @@ def _width(config) -> tuple:
 
 
 def _per_head_width(config) -> tuple:
-    return (config.num_heads, config.hidden_size)
+    return (config.split_heads, config.hidden_size)
 
 
 # The one table of sites, in the order the layer computes them: a new site is one entry here

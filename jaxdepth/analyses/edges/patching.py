@@ -46,6 +46,7 @@ from jaxdepth.analyses.edges.atp_star import (
     PATCH_SITE,
     node_index,
     node_shape,
+    refuse_linear_heads,
     refuse_mixed_neurons,
 )
 from jaxdepth.analyses.edges.scores import expert_units_on, hidden_units, pair_runs, suffix_run, with_clean_logits
@@ -240,6 +241,7 @@ def node_effects(
     check_interventions(interventions, graph)
     if kind == "neurons":
         refuse_mixed_neurons(config)
+    refuse_linear_heads(config, (kind,))
     shape = node_shape(kind, config, pairs.clean.shape[1])
     index = np.asarray(nodes, np.int64).reshape(-1, len(shape))
     if len(index) == 0:
