@@ -57,8 +57,9 @@ def test_a_linear_layer_split_per_value_head_sums_to_its_output(model):
     tokens, valid = _tokens()
     split = sites.unchanged("head_result")
     tap = lambda r, _: (r.attn, r.head_result)  # noqa: E731
-    _, (a, results) = run_layers(params, embed(params, tokens, config), config, valid=valid, tap=tap, interventions=split)
-    _, plain_a = run_layers(params, embed(params, tokens, config), config, valid=valid, tap=lambda r, _: r.attn)
+    h0 = embed(params, tokens, config)
+    _, (a, results) = run_layers(params, h0, config, valid=valid, tap=tap, interventions=split)
+    _, plain_a = run_layers(params, h0, config, valid=valid, tap=lambda r, _: r.attn)
     assert results.shape[3] == max(config.num_heads, config.linear_value_heads)
     np.testing.assert_allclose(results.sum(axis=3), a, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(a, plain_a, rtol=1e-5, atol=1e-5)
@@ -66,7 +67,8 @@ def test_a_linear_layer_split_per_value_head_sums_to_its_output(model):
     for layer in config.linear_layers:  # every value head writes
         assert np.all(np.abs(results[layer]).max(axis=(0, 1, 3)) > 1e-3)
     plain = forward(params, tokens, config, valid=valid)
-    np.testing.assert_allclose(forward(params, tokens, config, valid=valid, interventions=split), plain, rtol=1e-5, atol=1e-5)
+    split_forward = forward(params, tokens, config, valid=valid, interventions=split)
+    np.testing.assert_allclose(split_forward, plain, rtol=1e-5, atol=1e-5)
 
 
 def _moved_results(params, config, site, head, position):
@@ -111,7 +113,8 @@ def test_the_graph_of_a_hybrid_names_a_linear_layers_heads_as_attentions(model):
     assert graph.uniform == (Hv == H)
     assert graph.writer_name(graph.head_writer(1, Hv - 1)) == f"a1.h{Hv - 1}"
     assert graph.reader_name(graph.head_reader(3, Hv - 1, "k")) == f"a3.h{Hv - 1}<k>"
-    assert graph.edge_index(f"a0.h{Hv - 1}->a2.h{H - 1}<v>") == (graph.head_writer(0, Hv - 1), graph.head_reader(2, H - 1, "v"))
+    edge = (graph.head_writer(0, Hv - 1), graph.head_reader(2, H - 1, "v"))
+    assert graph.edge_index(f"a0.h{Hv - 1}->a2.h{H - 1}<v>") == edge
     padded = graph.padded
     for w in range(graph.num_writers):
         assert padded.writer_name(graph.padded_writers[w]) == graph.writer_name(w)
@@ -161,7 +164,7 @@ def test_patching_an_edge_into_a_linear_layer_is_the_run_patched_by_hand(model, 
     run) against the forward moved by hand."""
     config, params = model
     Hv = config.linear_value_heads
-    edges = [f"a0.h{Hv - 1}->a1.h2<k>", "m0->a3.h0<q>", "input->a1.h1<v>", "m1->a3.h{}<v>".format(Hv - 1)]
+    edges = [f"a0.h{Hv - 1}->a1.h2<k>", "m0->a3.h0<q>", "input->a1.h1<v>", f"m1->a3.h{Hv - 1}<v>"]
     effects = edge_effects(params, pairs, config, logit_difference, edges)
     full = patched_metric(params, pairs, config, logit_difference, [[e] for e in edges])
     f_clean = edge_attribution(params, pairs, config, logit_difference).f_clean
