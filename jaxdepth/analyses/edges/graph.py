@@ -29,10 +29,21 @@ the layer's input beside its heads, so the heads of layer l do not feed it. The 
 of reader v is the sum of its writers' outputs, in both graphs, so a model is exactly the sum
 over its edges (`jaxdepth.analyses.edges.readers.edge_run`).
 
+A linear-attention layer (Qwen3.5's gated DeltaNet, `EdgeGraph.linear_layers`) has the same
+writers and readers, per value head (`linear_heads` of them): head h's output through its rows
+of the output projection (`a{l}.h{h}`), and its query, key and value inputs (`a{l}.h{h}<q>`,
+`<k>`, `<v>`): from the first it reads its key head's query channels and its output gate, from
+the second its key head's key channels, beta and the decay, from the third its value channels
+(`jaxdepth.core.linear_attention.gated_delta_net_heads`).
+
 Writers are numbered `0` (input), then per layer its A attention writers (A =
 `attention_writers`: the H heads, or the one output after the norm) and its MLP
 (`1 + l (A + 1) + h`, `1 + l (A + 1) + A`); readers per layer its H query, H key, H value
-readers and its MLP (`l (3H + 1) + ...`), and last the logits.
+readers and its MLP (`l (3H + 1) + ...`), and last the logits. Where layers have heads of
+different counts (a linear layer's value heads beside attention's query heads) each layer's
+writers and readers follow the layer before's (`first_writer`, `first_reader`); the runs then
+compute in the layout of a graph with the most heads in every layer (`EdgeGraph.padded`), where
+each writer and reader has its index `padded_writers`, `padded_readers`.
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ attention is one writer (`EdgeGraph.post_norms`), its output is `attn_out`, afte
 - `edge_run`: a run's logits at each pair's last position, every writer's output and every
   layer's input (`EdgeRun`), under any interventions.
 
+Where the graph's layers have heads of different counts (`EdgeGraph.uniform` False: a hybrid
+whose linear-attention layers have more or fewer value heads than attention's query heads), the
+runs compute in the graph's `padded` layout (the split sites' rows): the functions here take the
+graph's own writers, readers and masks and place them there (`padded_writers`, `padded_mask`),
+and `edge_run` returns the graph's own writers.
+
 With grouped-query attention a split layer projects the key and value inputs of the G query
 heads of a group with that group's weights (no per-head copy). With no change at any reader the
 runs equal `jaxdepth.core.model.forward` to float rounding (the per-head projections and the sum
