@@ -20,7 +20,8 @@ from jaxdepth.analyses.edges.circuit import CircuitSearch, find_circuit
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import edge_effects, node_effects, patched_metric
-from jaxdepth.analyses.edges.scores import EdgeScores, edge_attribution, ranked_edges
+from jaxdepth.analyses.edges.scores import EdgeScores, Scoring, edge_attribution, ranked_edges
+from jaxdepth.analyses.ig import FixedRule
 from jaxdepth.core import layer as core_layer, linear_attention, model as core_model, sites
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import run_layers
@@ -37,6 +38,12 @@ WIDE = dataclasses.replace(CONFIG, linear_value_heads=6)  # value heads in group
 def model(request):
     config = CONFIG if request.param == "hybrid" else WIDE
     return config, random_params(config, 1, scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """The variant whose graph has layers of different head counts (the padded layout's runs)."""
+    return WIDE, random_params(WIDE, 1, scale=0.15)
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +173,7 @@ def test_patching_an_edge_into_a_linear_layer_is_the_run_patched_by_hand(model, 
     Hv = config.linear_value_heads
     edges = [f"a0.h{Hv - 1}->a1.h2<k>", "m0->a3.h0<q>", "input->a1.h1<v>", f"m1->a3.h{Hv - 1}<v>"]
     effects = edge_effects(params, pairs, config, logit_difference, edges)
-    full = patched_metric(params, pairs, config, logit_difference, [[e] for e in edges])
-    f_clean = edge_attribution(params, pairs, config, logit_difference).f_clean
+    *full, f_clean = patched_metric(params, pairs, config, logit_difference, [[e] for e in edges] + [[]])
     for i, edge in enumerate(edges):
         hand = _by_hand(params, config, pairs, edge)
         assert np.abs(hand).max() > 1e-4, edge
@@ -189,14 +195,14 @@ def _linear_conv(x, weight, state=None, *, ends=None):
     return y, jnp.swapaxes(kept, 1, 2)
 
 
-def made_linear(params, monkeypatch):
+def made_linear(params, config, monkeypatch):
     """The hybrid made linear in every reader's input (for the test): no normalization (the
     layers', the final and each value head's gated one, whose gate goes too), a linear MLP and
     convolution, input-independent attention (zero query, key and gate weights) and
     input-independent linear attention queries, keys and gates (the l2-normalised q and k a
     constant direction, zero b and a weights): each linear layer's output is then linear in its
     value inputs."""
-    flat = dataclasses.replace(CONFIG, rms_norm_eps=0.25)  # a config of its own: fresh compilations
+    flat = dataclasses.replace(config, rms_norm_eps=0.25)  # a config of its own: fresh compilations
     for module in (core_layer, core_model):
         monkeypatch.setattr(module, "norm", lambda x, w, config, bias=None, eps=None: x * w)
     monkeypatch.setattr(core_layer, "mlp_hidden", lambda p, x, config: x @ p["up"])
@@ -210,10 +216,11 @@ def made_linear(params, monkeypatch):
     return dict(params, layers=layers), flat
 
 
-def test_on_the_hybrid_made_linear_eap_is_exact_patching(pairs, monkeypatch):
+def test_on_the_hybrid_made_linear_eap_is_exact_patching(wide, pairs, monkeypatch):
     """F linear in every reader's input: each edge's EAP score is its exact patching effect,
-    edges into the linear layers' value readers among them."""
-    flat, config = made_linear(random_params(CONFIG, 1, scale=0.15), monkeypatch)
+    edges into the linear layers' value readers among them; EAP-IG along each node's path is
+    EAP, and a linear layer's head's out-edges sum to patching the head."""
+    flat, config = made_linear(wide[1], wide[0], monkeypatch)
     graph = EdgeGraph.of(config)
     scores = edge_attribution(flat, pairs, config, logit_difference)
     edges = ranked_edges(scores.mean, graph)
@@ -224,14 +231,22 @@ def test_on_the_hybrid_made_linear_eap_is_exact_patching(pairs, monkeypatch):
     atol = 1e-5 * float(np.max(np.abs(scores.f_clean)))
     assert np.max(np.abs(exact[20:30])) > 1000 * atol  # the linear layers' value readers carry effects
     np.testing.assert_allclose(estimated, exact, rtol=1e-4, atol=atol)
+    along = edge_attribution(flat, pairs, config, logit_difference, Scoring("eap-ig-activations", FixedRule("left", 2)))
+    np.testing.assert_allclose(along.scores, scores.scores, rtol=1e-4, atol=atol)
+    head = graph.head_writer(1, config.linear_value_heads - 1)
+    patched = patched_metric(
+        flat, pairs, config, logit_difference, [graph.edge_mask & (np.arange(graph.num_writers) == head)[:, None]]
+    )
+    np.testing.assert_allclose(scores.f_clean - patched[0], scores.node_scores()[:, head], rtol=1e-4, atol=atol)
 
 
-def test_circuits_and_atp_star_run_on_a_hybrid(model, pairs, tmp_path):
+def test_circuits_and_atp_star_run_on_a_hybrid(wide, pairs, tmp_path):
     """A circuit of the hybrid's graph (the whole graph faithful, by construction), its scores
     saved and read back with the graph's linear layers, AtP* of the MLPs against their exact
     effects' signs, and its per-head kinds refused by name."""
-    config, params = model
-    scores = edge_attribution(params, pairs, config, logit_difference)
+    config, params = wide
+    scores = edge_attribution(params, pairs, config, logit_difference, Scoring("eap", detail=["positions"]))
+    np.testing.assert_allclose(scores.position_scores.sum(axis=-1), scores.scores, rtol=1e-5, atol=1e-7)
     path = scores.save(str(tmp_path / "scores.npz"))
     assert EdgeScores.load(path).graph == EdgeGraph.of(config)
     circuit = find_circuit(params, pairs, config, logit_difference, scores, CircuitSearch(size=30))
