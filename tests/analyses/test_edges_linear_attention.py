@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_hf_config
 from test_edge_scores import make_pairs
 from jaxdepth.analyses.edges.atp_star import atp_star
-from jaxdepth.analyses.edges.circuit import CircuitSearch, find_circuit
+from jaxdepth.analyses.edges.circuit import CircuitSearch, circuit_figure, find_circuit
 from jaxdepth.analyses.edges.graph import EdgeGraph
 from jaxdepth.analyses.edges.pairs import logit_difference, prompt_pairs
 from jaxdepth.analyses.edges.patching import edge_effects, node_effects, patched_metric
@@ -252,6 +252,8 @@ def test_circuits_and_atp_star_run_on_a_hybrid(wide, pairs, tmp_path):
     circuit = find_circuit(params, pairs, config, logit_difference, scores, CircuitSearch(size=30))
     assert len(circuit.edges) == 30 and np.isfinite(circuit.faithfulness)
     assert circuit.graph == EdgeGraph.of(config)
+    figure = circuit_figure(circuit)  # a row per head of the layer with the most (the linear ones' 6)
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()][-2:] == ["h5", "MLP"]
     star = atp_star(params, pairs, config, logit_difference, kinds=("mlps",), method="AtP")
     largest = star.top("mlps", 3)
     exact = node_effects(params, pairs, config, logit_difference, "mlps", largest).mean(axis=1)
