@@ -434,6 +434,13 @@ class ModelConfig:
         return max(self.num_kv_heads, self.full_kv_heads) if self.global_layers else self.num_kv_heads
 
     @property
+    def split_heads(self) -> int:
+        """The heads of a layer split per head (`jaxdepth.core.sites`): the query heads, or, among
+        linear-attention layers, the most of the query heads and the linear layers' value heads
+        (each split site holds this many rows, zero beyond a layer's own heads)."""
+        return max(self.num_heads, self.linear_value_heads) if self.mixed_mixers else self.num_heads
+
+    @property
     def widest_mlp(self) -> int:
         """The widest dense MLP of any layer: the width of `mlp_hidden`, zero beyond a narrower
         layer's own hidden units."""

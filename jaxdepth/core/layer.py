@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.linear_attention import LinearAttentionShape, LinearState, gated_delta_net
+from jaxdepth.core.linear_attention import LinearAttentionShape, LinearState, gated_delta_net, gated_delta_net_heads
 from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
@@ -758,27 +758,46 @@ def layer_step(
     refuse_absent_sites(interventions, config)
     h = at("resid_pre", h)
     split, linear_state = {}, None
-    if splits_layer(interventions) and config.mixed_mixers:
-        raise ValueError("a layer split per head among linear-attention layers is not implemented yet")
     if splits_layer(interventions):
-        B, S, D = h.shape
-        H = config.num_heads
-        per_head = jnp.broadcast_to(h[:, :, None, :], (B, S, H, D))
-        split = {name: at(name, per_head) for name in ("q_in", "k_in", "v_in")}
-        q, k, v = head_projections(
-            p, *(pre_norm(p, "attn_norm", split[name], config) for name in ("q_in", "k_in", "v_in")), cos, sin, config
-        )
         if isinstance(prefix, KeyValueBuffer):
             raise ValueError("a layer split per head takes a (keys, values) prefix, not a KeyValueBuffer")
-        if prefix is not None:  # each query head reads its group's keys and values
-            G = H // config.num_kv_heads
-            k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
-            v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
-        probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
-        heads = at("head_out", gated_heads(p, pre_norm(p, "attn_norm", split["q_in"], config), heads, config))
-        per_head_o = p["o"].reshape(H, config.v_head_dim, D)
-        split["head_result"] = at("head_result", project(heads, per_head_o, "bshe,hed->bshd"))
-        a = at("attn_out", _attention_written(p, jnp.sum(split["head_result"], axis=2), config))
+        B, S, D = h.shape
+        Hs = config.split_heads  # among linear-attention layers, rows past a layer's own heads are zeros
+        per_head = jnp.broadcast_to(h[:, :, None, :], (B, S, Hs, D))
+        split = {name: at(name, per_head) for name in ("q_in", "k_in", "v_in")}
+
+        def split_attention(split):
+            H = config.num_heads
+            xq, xk, xv = (pre_norm(p, "attn_norm", split[name][:, :, :H], config) for name in ("q_in", "k_in", "v_in"))
+            q, k, v = head_projections(p, xq, xk, xv, cos, sin, config)
+            if prefix is not None:  # each query head reads its group's keys and values
+                G = H // config.num_kv_heads
+                k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
+                v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
+            probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
+            heads = at("head_out", gated_heads(p, xq, heads, config))
+            per_head_o = p["o"].reshape(H, config.v_head_dim, D)
+            result = at("head_result", _widened(project(heads, per_head_o, "bshe,hed->bshd"), D, Hs))
+            a = at("attn_out", _attention_written(p, jnp.sum(result, axis=2), config))
+            return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads, head_result=result)
+
+        def split_linear(split):  # each value head's query, key and value inputs (gated_delta_net_heads)
+            Hv = config.linear_value_heads
+            xs = tuple(pre_norm(p, "attn_norm", split[name][:, :, :Hv], config) for name in ("q_in", "k_in", "v_in"))
+            state = None if prefix is None else prefix.linear
+            results, state = gated_delta_net_heads(p, xs, linear_shape(config), valid=context.valid, state=state)
+            result = at("head_result", _widened(results, D, Hs))
+            a = at("attn_out", _after_sublayer(p, "attn_post_norm", jnp.sum(result, axis=2), config))
+            return a, dict(head_result=result, linear_state=state)
+
+        if config.mixed_mixers:
+            check_mixer_prefix(prefix, config)
+            linear = in_layers(index, config.linear_layers, config)
+            a, mixed, carried = one_kind(linear, carrying(split_attention), carrying(split_linear), split, carried)
+        else:
+            a, mixed = split_attention(split)
+        q, k, v, probs, heads = (mixed[name] for name in ("q", "k", "v", "attn_probs", "head_out"))
+        split["head_result"], linear_state = mixed["head_result"], mixed.get("linear_state")
     elif typed:  # Gemma 4: each layer type's own attention shapes, keys shared among layers of a type
         if isinstance(prefix, KeyValueBuffer):
             raise ValueError(

@@ -43,6 +43,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_rms_norm",
     "gated_delta_net",
+    "gated_delta_net_heads",
 ]
 
 
@@ -357,6 +358,19 @@ def gated_delta_net(
     q = mixed[..., : Hk * Dk].reshape(B, T, Hk, Dk)
     k = mixed[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
     v = mixed[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
+    heads, recurrent = _gated_heads(p, (q, k, v, z, a, b), shape, valid, state, chunk)
+    out = project(heads.reshape(B, T, Hv * Dv), p["linear_out"])
+    return out, LinearState(conv=conv_state, recurrent=recurrent)
+
+
+def _gated_heads(p: Mapping[str, Array], inputs, shape: LinearAttentionShape, valid, state, chunk):
+    """From the convolved `q`, `k` (`[B, T, N, Dk]`, N the key heads, or the value heads where
+    each value head has its own), `v`, the gate `z` (`[B, T, Hv, Dv]`) and the gates' projections
+    `a`, `b` (`[B, T, Hv]`): beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) in float32
+    (in a narrower type exp(A_log) may overflow), the rule, and each value head's gated RMSNorm:
+    `(heads [B, T, Hv, Dv], recurrent state)`."""
+    q, k, v, z, a, b = inputs
+    T = q.shape[1]
     beta = jax.nn.sigmoid(b)
     a32 = a.astype(_wide(a.dtype)) + p["linear_dt_bias"].astype(_wide(a.dtype))
     g = -jnp.exp(p["linear_A_log"].astype(a32.dtype)) * jax.nn.softplus(a32)
@@ -366,6 +380,72 @@ def gated_delta_net(
     heads, recurrent = gated_delta_rule(
         q, k, v, g, beta, None if state is None else state.recurrent, chunk=chunk if T > 1 else None
     )
-    heads = gated_rms_norm(heads, z, p["linear_norm"], shape.eps)
-    out = project(heads.reshape(B, T, Hv * Dv), p["linear_out"])
-    return out, LinearState(conv=conv_state, recurrent=recurrent)
+    return gated_rms_norm(heads, z, p["linear_norm"], shape.eps), recurrent
+
+
+def gated_delta_net_heads(
+    p: Mapping[str, Array],
+    inputs: tuple[Float[Array, "B T Hv D"], Float[Array, "B T Hv D"], Float[Array, "B T Hv D"]],
+    shape: LinearAttentionShape,
+    *,
+    valid: Optional[Bool[Array, "B T"]] = None,
+    state: Optional[LinearState] = None,
+    chunk: Optional[int] = 64,
+) -> tuple[Float[Array, "B T Hv D"], LinearState]:
+    """`gated_delta_net` split per value head: `(results [B, T, Hv, D], new_state)`, each value
+    head's output through its rows of the output projection, which sum over the heads to the
+    mixer's output (to float rounding).
+
+    `inputs = (xq, xk, xv)`, the normed inputs `[B, T, Hv, D]` each value head reads its three
+    parts from (a layer split per head, `jaxdepth.core.sites`): from `xq` its key head's query
+    channels and its output gate z; from `xk` its key head's key channels and its two gates'
+    projections b (beta, the write strength) and a (the decay); from `xv` its value channels.
+    Every part of the mixer is per value head but the key heads' queries and keys, which the G
+    = Hv / Hk value heads of a group project with their key head's weights (never copied), and
+    the convolution, which mixes each channel's K positions: head j's query at position t reads
+    `xq[:, t-K+1..t, j]`. With every head's inputs the layer's one normed input, the channels of
+    a key head are the same for its G value heads and the results sum to `gated_delta_net`'s
+    output. `state`, `valid` and `chunk` as `gated_delta_net`'s; the returned state's
+    convolution inputs are, for a key head's channels, those of the first value head of its
+    group (the state the unsplit layer carries where the heads' inputs agree)."""
+    xq, xk, xv = inputs
+    B, T, Hv, D = xq.shape
+    Hk, Dk, Dv = shape.key_heads, shape.key_dim, shape.value_dim
+    G = Hv // Hk
+    if valid is not None:
+        xq, xk, xv = (jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype)) for x in (xq, xk, xv))
+    w = p["linear_qkv"]
+
+    def by_key_head(x, part):  # each value head's key head's channels, with that key head's weights
+        weight = w[:, part * Hk * Dk : (part + 1) * Hk * Dk].reshape(D, Hk, Dk)
+        return project(x.reshape(B, T, Hk, G, D), weight, "btkgd,dke->btkge").reshape(B, T, Hv * Dk)
+
+    per_value_head = lambda x, weight: project(x, weight.reshape(D, Hv, -1), "bthd,dhe->bthe")  # noqa: E731
+    v = per_value_head(xv, w[:, 2 * Hk * Dk :]).reshape(B, T, Hv * Dv)
+    z = per_value_head(xq, p["linear_z"])
+    b, a = (project(xk, p[name], "bthd,dh->bth") for name in ("linear_b", "linear_a"))
+    # The convolution per value head's channels: a key head's taps serve its G value heads.
+    conv = p["linear_conv"]
+    K = conv.shape[-1]
+    key_taps = lambda part: jnp.repeat(conv[part * Hk * Dk : (part + 1) * Hk * Dk].reshape(Hk, Dk, K), G, axis=0)  # noqa: E731
+    taps = jnp.concatenate([key_taps(0).reshape(-1, K), key_taps(1).reshape(-1, K), conv[2 * Hk * Dk :]])
+    before = None
+    if state is not None:  # the clean state's inputs of a key head's channels, for each of its value heads
+        old = state.conv
+        key_state = (
+            lambda part: jnp.repeat(  # noqa: E731
+                old[:, part * Hk * Dk : (part + 1) * Hk * Dk].reshape(B, Hk, Dk, K - 1), G, axis=1
+            ).reshape(B, Hv * Dk, K - 1)
+        )
+        before = jnp.concatenate([key_state(0), key_state(1), old[:, 2 * Hk * Dk :]], axis=1)
+    mixed = jnp.concatenate([by_key_head(xq, 0), by_key_head(xk, 1), v], axis=-1)
+    mixed, conv_state = causal_conv(mixed, taps, before, ends=_ends(valid))
+    q = mixed[..., : Hv * Dk].reshape(B, T, Hv, Dk)
+    k = mixed[..., Hv * Dk : 2 * Hv * Dk].reshape(B, T, Hv, Dk)
+    v = mixed[..., 2 * Hv * Dk :].reshape(B, T, Hv, Dv)
+    heads, recurrent = _gated_heads(p, (q, k, v, z, a, b), shape, valid, state, chunk)
+    results = project(heads, p["linear_out"].reshape(Hv, Dv, -1), "bthe,hed->bthd")
+    # the first value head of each group's channels of each key head, as the unsplit layer's state
+    first = lambda part: conv_state[:, part * Hv * Dk : (part + 1) * Hv * Dk].reshape(B, Hk, G, Dk, K - 1)[:, :, 0]  # noqa: E731
+    kept = jnp.concatenate([first(0).reshape(B, Hk * Dk, K - 1), first(1).reshape(B, Hk * Dk, K - 1)], axis=1)
+    return results, LinearState(conv=jnp.concatenate([kept, conv_state[:, 2 * Hv * Dk :]], axis=1), recurrent=recurrent)

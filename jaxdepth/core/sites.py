@@ -39,6 +39,13 @@ heads' `head_result`. A layer is split exactly when an intervention acts at one 
 (`SPLIT_SITES`); its keys and values (`LayerRecord.k`, `.v`) are then per query head, and its
 numbers equal the unsplit layer's to float rounding. Editing `mlp_in` changes what the MLP
 reads, not the residual: `resid_post` is still h_l + a_l + m_l.
+A linear-attention layer (`jaxdepth.core.config.ModelConfig.linear_layers`) splits per value
+head (`jaxdepth.core.linear_attention.gated_delta_net_heads`): each value head reads its key
+head's query channels and its output gate from its `q_in`, its key head's key channels, beta
+and the decay from its `k_in`, its value channels from its `v_in`, and `head_result` is its
+output through its rows of the output projection. Among layers of the two kinds the split
+sites hold `ModelConfig.split_heads` rows (the most of the query and the value heads), zeros
+past a layer's own heads.
 
 `resid_pre` at layer index L (one past the last layer) is the final residual h_L, the input of
 the final norm: an intervention there edits boundary L.
@@ -152,7 +159,7 @@ def _width(config) -> tuple:
 
 
 def _per_head_width(config) -> tuple:
-    return (config.num_heads, config.hidden_size)
+    return (config.split_heads, config.hidden_size)
 
 
 # The one table of sites, in the order the layer computes them: a new site is one entry here

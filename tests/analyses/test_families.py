@@ -144,10 +144,6 @@ def test_a_layer_split_per_head_is_the_layer(family, batch):
     OLMo 2's q/k norms over the whole projection included."""
     config, params = family
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
-    if config.mixed_mixers:  # linear attention's heads have no split sites yet: refused by name
-        with pytest.raises(ValueError, match="split per head among linear-attention layers is not implemented"):
-            forward(params, tokens, config, valid=valid, interventions=sites.unchanged("q_in"))
-        return
     plain = forward(params, tokens, config, valid=valid)
     for site in ("q_in", "k_in", "head_result"):
         split = forward(params, tokens, config, valid=valid, interventions=sites.unchanged(site))
@@ -358,10 +354,6 @@ def test_edges_give_the_clean_and_the_corrupt_run(family):
     output after the norm (`tests/analyses/test_edge_post_norms.py`)."""
     config, params = family
     pairs = _pairs()
-    if config.mixed_mixers:  # no writers and readers for linear attention's heads yet: refused by name
-        with pytest.raises(ValueError, match="edge graph of a model with linear-attention layers"):
-            edge_attribution(params, pairs, config, logit_difference)
-        return
     graph = EdgeGraph.of(config)
     assert graph.attention_writers == (1 if config.post_norms else config.num_heads)
     scores = edge_attribution(params, pairs, config, logit_difference)
@@ -378,10 +370,10 @@ def test_atp_star_runs_every_node_kind_of_every_family(family):
     hidden units as its neurons (refused by name among dense layers)."""
     config, params = family
     kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.mixed_mlps else ("neurons",))
-    if config.mixed_mixers:  # no nodes for linear attention's heads yet: refused by name
-        with pytest.raises(ValueError, match="edge graph of a model with linear-attention layers"):
+    if config.mixed_mixers:  # no per-head nodes for linear attention's value heads: refused by name
+        with pytest.raises(ValueError, match="linear-attention layers are not implemented"):
             atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
-        return
+        kinds = ("mlps", "neurons")
     scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
     for kind in kinds:
         assert np.all(np.isfinite(scores.of(kind))), kind
@@ -390,4 +382,4 @@ def test_atp_star_runs_every_node_kind_of_every_family(family):
             atp_star(params, _pairs(), config, logit_difference, kinds=("neurons",))
     # (queries may all be 0: under the 6-token window of these tests no later query sees the change)
     for kind in ("heads", "mlps", "keys", "values"):
-        assert np.abs(scores.of(kind)).max() > 0, kind
+        assert kind not in kinds or np.abs(scores.of(kind)).max() > 0, kind

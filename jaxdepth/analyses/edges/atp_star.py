@@ -75,6 +75,7 @@ __all__ = [
     "node_shape",
     "node_index",
     "refuse_mixed_neurons",
+    "refuse_linear_heads",
     "missed_nodes",
 ]
 
@@ -122,6 +123,19 @@ def refuse_mixed_neurons(config: ModelConfig) -> None:
         raise ValueError(
             "node kind 'neurons' in a model with dense layers among its mixtures of experts "
             f"(dense_layers {config.dense_layers}) is not implemented: the two kinds' units have no one index"
+        )
+
+
+def refuse_linear_heads(config: ModelConfig, kinds) -> None:
+    """The per-head node kinds (queries, keys, values, heads) of a model with linear-attention
+    layers are not implemented: a linear layer's value heads have no query, key and value
+    vectors as attention's (`attend` reads) nor outputs of attention's width; refused by name."""
+    heads = [kind for kind in kinds if kind in ATTENTION_KINDS + ("heads",)]
+    if config.mixed_mixers and heads:
+        raise ValueError(
+            f"AtP* node kinds {heads} of a model with linear-attention layers are not implemented: its linear "
+            "layers' value heads have no attention queries, keys and values; its kinds are 'mlps' and 'neurons' (the "
+            "heads' edges are in edge_attribution's graph)"
         )
 
 
@@ -213,6 +227,7 @@ def atp_star(
         raise ValueError(f"no node kinds given; kinds: {', '.join(NODE_KINDS)}")
     if "neurons" in kinds:
         refuse_mixed_neurons(config)
+    refuse_linear_heads(config, kinds)
     pairs.check(config, metric)
     check_interventions(interventions, EdgeGraph.of(config))
     B, T = pairs.clean.shape

@@ -85,6 +85,8 @@ class Circuit(SavedResult):
     reached: bool = True
     parallel: bool = False  # the graph's fields (`EdgeGraph.fields`): `graph` reads them
     post_norms: bool = False
+    linear_layers: tuple = ()  # the layers of linear attention (`EdgeGraph.linear_layers`)
+    linear_heads: int = 0  # their value heads (`EdgeGraph.linear_heads`)
     search: str = "top"
     live: Optional[np.ndarray] = None  # None in files saved before pruning was known: `live_mask` computes it
     live_sizes: Optional[np.ndarray] = None
@@ -393,7 +395,7 @@ def _node_of(
     in row H, and, where a layer's attention is one writer (`EdgeGraph.post_norms`), that writer
     in row H + 1 (its heads' inputs stay at their heads' rows); the input and the logits in the
     middle row. The label is what the circle holds: the column names the layer."""
-    H = graph.num_heads
+    H = graph.slots  # the most heads of any layer (a linear-attention layer's value heads may be more)
     name = graph.writer_name(writer) if writer is not None else graph.reader_name(reader).split("<")[0]
     if name in ("input", "logits"):
         return name, "in" if name == "input" else "out", -1 if name == "input" else graph.num_layers, (H - 1) / 2
@@ -469,7 +471,7 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     # A step (node to node) holds a circle and, on each side of the arrows' band in the gap
     # between two nodes, a radius and half a gap: no circle reaches an arrow that passes it.
     step = (diameter + NODE_GAP) / (1 - 2 * ROUTE_SPREAD)
-    rows = graph.num_heads + (2 if graph.post_norms else 1)
+    rows = graph.slots + (2 if graph.post_norms else 1)
     x_range, y_range = (-1.7, graph.num_layers + 0.7), (-0.7, rows - 0.3)
     width = (x_range[1] - x_range[0]) * step / 72
     height = (y_range[1] - y_range[0]) * step / 72
@@ -510,7 +512,7 @@ def circuit_figure(circuit: Circuit, *, title: Optional[str] = None, max_edges: 
     every = max(1, graph.num_layers // 15)
     layers = list(range(0, graph.num_layers, every))
     ax.set_xticks([-1] + layers + [graph.num_layers], ["input"] + [str(layer) for layer in layers] + ["logits"])
-    row_names = [f"h{h}" for h in range(graph.num_heads)] + ["MLP"] + (["attn"] if graph.post_norms else [])
+    row_names = [f"h{h}" for h in range(graph.slots)] + ["MLP"] + (["attn"] if graph.post_norms else [])
     ax.set_yticks(range(rows), row_names)
     ax.set_xlabel("layer")
     ax.set_ylabel("head, MLP" + (", attention (one writer)" if graph.post_norms else ""))

@@ -46,6 +46,7 @@ from jaxdepth.analyses.edges.atp_star import (
     PATCH_SITE,
     node_index,
     node_shape,
+    refuse_linear_heads,
     refuse_mixed_neurons,
 )
 from jaxdepth.analyses.edges.scores import expert_units_on, hidden_units, pair_runs, suffix_run, with_clean_logits
@@ -240,6 +241,7 @@ def node_effects(
     check_interventions(interventions, graph)
     if kind == "neurons":
         refuse_mixed_neurons(config)
+    refuse_linear_heads(config, (kind,))
     shape = node_shape(kind, config, pairs.clean.shape[1])
     index = np.asarray(nodes, np.int64).reshape(-1, len(shape))
     if len(index) == 0:
@@ -387,12 +389,12 @@ def _edge_indices(edges, graph: EdgeGraph) -> np.ndarray:
 
 def _chunk(config: ModelConfig, pairs: PromptPairs, prefix_length: int, n: int, execution: Execution, patch=False):
     """Runs of n to vmap at once: `execution.chunk_size`, or what fits in its memory budget
-    (`Execution.chunk`; a patched run also holds the `[W, B, T, D]` buffer of what each writer
+    (`Execution.chunk`; a patched run also holds the `[W, B, T, D]` buffer (in the padded layout) of what each writer
     lacks of its corrupt value), at most `MAX_CHUNK`."""
     B, T = pairs.clean.shape
     T -= prefix_length
     per = member_bytes(config, B * T)
     if patch:
-        per += 2 * EdgeGraph.of(config).num_writers * B * T * config.hidden_size * 4
+        per += 2 * EdgeGraph.of(config).padded.num_writers * B * T * config.hidden_size * 4
     chunk = execution.chunk(n, per)
     return chunk if execution.chunk_size is not None else min(chunk, MAX_CHUNK)

@@ -23,6 +23,12 @@ attention is one writer (`EdgeGraph.post_norms`), its output is `attn_out`, afte
 - `edge_run`: a run's logits at each pair's last position, every writer's output and every
   layer's input (`EdgeRun`), under any interventions.
 
+Where the graph's layers have heads of different counts (`EdgeGraph.uniform` False: a hybrid
+whose linear-attention layers have more or fewer value heads than attention's query heads), the
+runs compute in the graph's `padded` layout (the split sites' rows): the functions here take the
+graph's own writers, readers and masks and place them there (`padded_writers`, `padded_mask`),
+and `edge_run` returns the graph's own writers.
+
 With grouped-query attention a split layer projects the key and value inputs of the G query
 heads of a group with that group's weights (no per-head copy). With no change at any reader the
 runs equal `jaxdepth.core.model.forward` to float rounding (the per-head projections and the sum
@@ -66,6 +72,8 @@ __all__ = [
     "SPLIT_LAYERS",
     "HEAD_INPUTS",
     "attention_site",
+    "padded_writers",
+    "padded_mask",
 ]
 
 HEAD_INPUTS = ("q_in", "k_in", "v_in")  # the sites of a head's q, k and v readers, in the graph's order
@@ -88,10 +96,29 @@ def _attention_value(graph: EdgeGraph, rows):
     return rows[0] if graph.post_norms else jnp.moveaxis(rows, 0, 2)
 
 
+def padded_writers(graph: EdgeGraph, rows):
+    """Rows `[W, ...]` of the graph's writers as rows of its `padded` layout `[W', ...]` (zeros at
+    the heads beyond a layer's own); `rows` itself in a `uniform` graph."""
+    if graph.uniform:
+        return rows
+    padded = jnp.zeros((graph.padded.num_writers,) + rows.shape[1:], rows.dtype)
+    return padded.at[jnp.asarray(graph.padded_writers)].set(rows)
+
+
+def padded_mask(graph: EdgeGraph, mask):
+    """An edge mask `[W, R]` of the graph as one of its `padded` layout (`mask` itself in a
+    `uniform` graph)."""
+    if graph.uniform:
+        return mask
+    padded = jnp.zeros((graph.padded.num_writers, graph.padded.num_readers), mask.dtype)
+    return padded.at[graph.padded_writers[:, None], graph.padded_readers[None, :]].set(mask)
+
+
 def reader_probes(config: ModelConfig, batch: int, seq_len: int, dtype=jnp.float32) -> dict:
     """Zeros of the shape of every reader's input: `q`, `k`, `v` `[L, B, T, H, D]` (per query
-    head), `mlp` `[L, B, T, D]`, `logits` `[B, T, D]`."""
-    L, H, D = config.num_layers, config.num_heads, config.hidden_size
+    head; per head of the padded layout, `EdgeGraph.padded`, where layers have heads of different
+    counts), `mlp` `[L, B, T, D]`, `logits` `[B, T, D]`."""
+    L, H, D = config.num_layers, config.split_heads, config.hidden_size
     head = jnp.zeros((L, batch, seq_len, H, D), dtype)
     mlp = jnp.zeros((L, batch, seq_len, D), dtype)
     return {"q": head, "k": head, "v": head, "mlp": mlp, "logits": head[0, :, :, 0]}
@@ -123,8 +150,11 @@ class _MoveHeadInput:
 def move_reader(graph: EdgeGraph, reader, vector: Float[Array, "B T D"]) -> tuple:
     """Interventions moving the input of reader `reader` (an int, traced or not: one compilation
     for every reader) by `vector`, and no other reader's."""
-    H, R = graph.num_heads, graph.readers_per_layer
     reader = jnp.asarray(reader, jnp.int32)
+    if not graph.uniform:  # its index in the layout the run computes in
+        reader = jnp.asarray(graph.padded_readers, jnp.int32)[reader]
+    graph = graph.padded
+    H, R = graph.num_heads, graph.readers_per_layer
     move = _MoveHeadInput(graph)
     heads = tuple(sites.Intervention(site, move, (reader - k * H, vector)) for k, site in enumerate(HEAD_INPUTS))
     is_mlp = (reader % R == 3 * H).astype(vector.dtype)
@@ -163,7 +193,8 @@ def shift_node(graph: EdgeGraph, node, factor, delta: Float[Array, "W B T D"], d
     (no gradient reaches the readers before it through it)."""
     node = jnp.asarray(node, jnp.int32)
     on_input = jnp.where(node == 0, factor, 0)
-    data = (node, factor, delta, jnp.asarray(detach, bool))
+    data = (node, factor, padded_writers(graph, delta), jnp.asarray(detach, bool))
+    graph = graph.padded
     return (
         sites.add("resid_pre", 0, on_input * delta[0], 1.0),
         sites.Intervention(attention_site(graph), _ShiftNode(graph, mlp=False), data),
@@ -208,9 +239,12 @@ def patch_edges(graph: EdgeGraph, mask, corrupt_writers: Float[Array, "W B T D"]
     output `corrupt_writers` (the corrupt run's, `EdgeRun.writers`) and every other edge what
     its writer writes in this run, for a run from the embeddings `h0` (the input writer's
     output in this run). Vmap over stacks of masks to patch many edge sets at once."""
-    missing = corrupt_writers.astype(h0.dtype).at[0].add(-h0)
+    missing = padded_writers(graph, corrupt_writers.astype(h0.dtype)).at[0].add(-h0)
     return sites.StatefulIntervention(
-        ("resid_pre",) + HEAD_INPUTS + (attention_site(graph), "mlp_in", "mlp_out"), _PatchEdges(graph), mask, missing
+        ("resid_pre",) + HEAD_INPUTS + (attention_site(graph), "mlp_in", "mlp_out"),
+        _PatchEdges(graph.padded),
+        padded_mask(graph, mask),
+        missing,
     )
 
 
@@ -357,17 +391,20 @@ def edge_run(
     `interventions`, as an `EdgeRun`. `last [B]`: the position whose logits each row returns.
     `prefix = (keys, values)` as in `jaxdepth.core.loops.run_layers` (every `[.., B, T, D]`
     argument and result then holds the suffix rows; `valid` and `last` count all positions)."""
+    graph = EdgeGraph.of(config)
     h_last, (writers, outputs) = run_layers(
         params,
         h,
         config,
         valid=valid,
         interventions=(interventions, SPLIT_LAYERS),
-        tap=_WritersTap(EdgeGraph.of(config)),
+        tap=_WritersTap(graph.padded),
         run=LayerRun(start=start, prefix=prefix),
     )
     logits = logits_at(params, h_last, last, config, prefix)
     first_row = h if isinstance(start, int) and start == 0 else jnp.zeros_like(h)
     writers = jnp.concatenate([first_row[None], writers.reshape((-1,) + h.shape)])
+    if not graph.uniform:  # the padded layout's rows of the graph's writers
+        writers = writers[jnp.asarray(graph.padded_writers)]
     residuals = jnp.concatenate([jnp.zeros_like(h)[None], outputs]).at[start].set(h)
     return EdgeRun(logits, writers, residuals, h_last)

@@ -141,6 +141,8 @@ class EdgeScores(SavedResult):
     tolerance: Optional[float] = None
     parallel: bool = False  # the model's MLPs read their layer's input (`EdgeGraph.parallel`)
     post_norms: bool = False  # a layer's attention is one writer (`EdgeGraph.post_norms`)
+    linear_layers: tuple = ()  # the layers of linear attention (`EdgeGraph.linear_layers`)
+    linear_heads: int = 0  # their value heads (`EdgeGraph.linear_heads`)
     position_scores: Optional[np.ndarray] = None  # [B, W, R, T] with detail 'positions', else None
     ablation: str = "corrupt"  # what the clean run was measured against (`ablations.ABLATIONS`)
     neuron_scores: Optional[np.ndarray] = None  # [B, L, F] ([B, L, E, F] of experts) with 'neurons'
@@ -328,11 +330,13 @@ def clean_gradients(params, pairs: PromptPairs, prefix, config: ModelConfig, met
 
 
 @partial(jit, static_argnames="per_position")
-def edge_scores(delta, gradients: dict, edge_mask, per_position: bool = False):
+def edge_scores(delta, gradients: dict, edge_mask, per_position: bool = False, readers=None):
     """`[B, W, R]`: `delta[w] . gradients[r]` summed over positions and channels, for every
     writer w (`delta [W, B, T, D]`) and reader r (`gradients` as `reader_probes`; stacked in
     the graph's reader order), zero where `edge_mask` has no edge. With `per_position`,
-    `[B, W, R, T]`: the terms of each position apart (summed over channels only)."""
+    `[B, W, R, T]`: the terms of each position apart (summed over channels only). `readers`:
+    where layers have heads of different counts, each reader's index in the padded layout the
+    gradients are in (`EdgeGraph.padded_readers`); None where they are the graph's."""
     t = "t" if per_position else ""
     delta = delta.astype(jnp.float32)
     head = lambda g: jnp.einsum(f"wbtd,lbthd->bwlh{t}", delta, g.astype(jnp.float32))
@@ -344,6 +348,8 @@ def edge_scores(delta, gradients: dict, edge_mask, per_position: bool = False):
     B, W, positions = per_layer.shape[0], per_layer.shape[1], per_layer.shape[4:]
     logits = jnp.einsum(f"wbtd,btd->bw{t}", delta, gradients["logits"].astype(jnp.float32))
     scores = jnp.concatenate([per_layer.reshape(B, W, -1, *positions), logits[:, :, None]], axis=2)
+    if readers is not None:
+        scores = jnp.take(scores, readers, axis=2)
     return jnp.where(edge_mask[(...,) + (None,) * len(positions)], scores, 0.0)
 
 
@@ -416,12 +422,13 @@ def neuron_scores(delta_hidden, gradients: dict, down):
     return jnp.einsum("lbtf,lbtf->blf", delta_hidden.astype(jnp.float32), at_hidden)
 
 
-def position_scores(delta, gradients: dict, edge_mask, prefix_length: int = 0) -> np.ndarray:
+def position_scores(delta, gradients: dict, edge_mask, prefix_length: int = 0, readers=None) -> np.ndarray:
     """`[B, W, R, P + T]` on the host: `edge_scores(..., per_position=True)` of the positions
     after a shared prefix of `prefix_length` (P) positions (`delta` and `gradients` hold the T
     after it), with exact zeros at the prefix's, where no writer's output differs. Computed a
     block of positions at a time, each block's `[B, W, R, c]` within an eighth of the free
-    memory (a model of many heads has hundreds of thousands of edges per position)."""
+    memory (a model of many heads has hundreds of thousands of edges per position). `readers`
+    as `edge_scores`'."""
     W, B, T = delta.shape[:3]
     per_position = B * W * edge_mask.shape[-1] * 4 * 2  # the block and the einsums' partial products
     block = int(np.clip(available_memory_budget() // 8 // per_position, 1, T))
@@ -430,7 +437,7 @@ def position_scores(delta, gradients: dict, edge_mask, prefix_length: int = 0) -
         at = slice(start, start + block)
         part = {k: g[:, at] if k == "logits" else g[:, :, at] for k, g in gradients.items()}
         out[..., prefix_length + start : prefix_length + start + block] = to_host(
-            edge_scores(delta[:, :, at], part, edge_mask, per_position=True)
+            edge_scores(delta[:, :, at], part, edge_mask, per_position=True, readers=readers)
         )
     return out
 
@@ -612,12 +619,13 @@ def edge_attribution(
         delta_hidden = (hidden(pairs.clean) - hidden(pairs.corrupt))[:, :, P:]
         neurons = np.zeros((B, config.num_layers, delta_hidden.shape[-1]), np.float32)
     mlp_writers = np.array([graph.mlp_writer(layer) for layer in range(config.num_layers)])
+    readers = None if graph.uniform else jnp.asarray(graph.padded_readers)
 
     def score(writers, batch, grads):  # the scores of `writers` of the pairs `batch`, from the readers' gradients
         part = delta[writers][:, batch]
-        scores[batch, writers] = to_host(edge_scores(part, grads, mask[writers]))
+        scores[batch, writers] = to_host(edge_scores(part, grads, mask[writers], readers=readers))
         if positions is not None:
-            positions[batch, writers] = position_scores(part, grads, mask[writers], P)
+            positions[batch, writers] = position_scores(part, grads, mask[writers], P, readers)
         layers = np.flatnonzero(np.isin(mlp_writers, np.arange(graph.num_writers)[writers]))
         if neurons is not None and len(layers) and config.is_moe:
             part = jax.tree.map(lambda x: x[:, batch], delta_hidden)
@@ -741,5 +749,5 @@ def _logit_bytes(config: ModelConfig, tokens: int, metric: Metric) -> int:
 
 def _reader_bytes(config: ModelConfig, tokens: int) -> int:
     """What one path point holds beyond its layers' activations: every reader's input, its stored
-    copy and its gradient (`[L, tokens, 3H + 1, D]` each, float32)."""
-    return config.num_layers * tokens * (3 * config.num_heads + 1) * config.hidden_size * 4 * 3
+    copy and its gradient (`[L, tokens, 3H + 1, D]` each, float32; H the heads of a split layer)."""
+    return config.num_layers * tokens * (3 * config.split_heads + 1) * config.hidden_size * 4 * 3
