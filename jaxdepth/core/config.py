@@ -429,6 +429,15 @@ class ModelConfig:
         return max(self.head_dim, self.full_head_dim) if self.global_layers else self.head_dim
 
     @property
+    def head_out_shape(self) -> tuple[int, int]:
+        """Site `head_out`'s shape after the batch and position axes: (heads, width). Among
+        linear-attention layers it holds their value heads' outputs too (`split_heads` rows, the
+        widest of the attention's and the value heads' widths); zero beyond a layer's own."""
+        if self.mixed_mixers:
+            return self.split_heads, max(self.v_head_dim, self.linear_value_dim)
+        return self.num_heads, self.widest_head_dim if self.global_layers else self.v_head_dim
+
+    @property
     def most_kv_heads(self) -> int:
         """The most key/value heads of any layer: the records' (`k`, `v`), zero past a layer's own."""
         return max(self.num_kv_heads, self.full_kv_heads) if self.global_layers else self.num_kv_heads

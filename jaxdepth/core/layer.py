@@ -24,7 +24,13 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.core import experts
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.linear_attention import LinearAttentionShape, LinearState, gated_delta_net, gated_delta_net_heads
+from jaxdepth.core.linear_attention import (
+    LinearAttentionShape,
+    LinearState,
+    gated_delta_net,
+    gated_delta_net_heads,
+    linear_output,
+)
 from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.primitives import ACTIVATIONS, gated_units, project
 from jaxdepth.core.sites import (
@@ -648,7 +654,8 @@ class LayerRecord:
     linear-attention layer's
     `linear_state` after its last position (a `LinearState`: what a later run from there
     continues from; None in a model without linear attention, zeros on its attention layers,
-    whose `q`, `k`, `v`, `attn_probs` and `head_out` are zeros on the linear-attention ones), and
+    whose `q`, `k`, `v` and `attn_probs` are zeros on the linear-attention ones, where `head_out`
+    holds the value heads' gated, normed outputs, `ModelConfig.head_out_shape` wide), and
     the carried `states` of stateful interventions after the layer, and `shared_kv`, the keys and
     values a layer type's later layers may share after this layer (Gemma 4's
     `shared_kv_layers`: per layer type 'sliding' / 'full', `(keys, values)` `[B,T,K,Dh]` in that
@@ -775,9 +782,10 @@ def layer_step(
                 k = jnp.concatenate([jnp.repeat(prefix[0], G, axis=2).astype(k.dtype), k], axis=1)
                 v = jnp.concatenate([jnp.repeat(prefix[1], G, axis=2).astype(v.dtype), v], axis=1)
             probs, heads = attend(q, k, v, mask, config, sinks=p.get("sinks"))
-            heads = at("head_out", gated_heads(p, xq, heads, config))
+            heads = at("head_out", _as_head_out(gated_heads(p, xq, heads, config), config))
             per_head_o = p["o"].reshape(H, config.v_head_dim, D)
-            result = at("head_result", _widened(project(heads, per_head_o, "bshe,hed->bshd"), D, Hs))
+            own = heads[:, :, :H, : config.v_head_dim]
+            result = at("head_result", _widened(project(own, per_head_o, "bshe,hed->bshd"), D, Hs))
             a = at("attn_out", _attention_written(p, jnp.sum(result, axis=2), config))
             return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads, head_result=result)
 
@@ -785,10 +793,13 @@ def layer_step(
             Hv = config.linear_value_heads
             xs = tuple(pre_norm(p, "attn_norm", split[name][:, :, :Hv], config) for name in ("q_in", "k_in", "v_in"))
             state = None if prefix is None else prefix.linear
-            results, state = gated_delta_net_heads(p, xs, linear_shape(config), valid=context.valid, state=state)
+            shape = linear_shape(config)
+            heads, state = gated_delta_net_heads(p, xs, shape, valid=context.valid, state=state, heads_only=True)
+            heads = at("head_out", _as_head_out(heads, config))
+            results = linear_output(p, heads[:, :, :Hv, : shape.value_dim], per_head=True)
             result = at("head_result", _widened(results, D, Hs))
             a = at("attn_out", _after_sublayer(p, "attn_post_norm", jnp.sum(result, axis=2), config))
-            return a, dict(head_result=result, linear_state=state)
+            return a, dict(head_out=heads, head_result=result, linear_state=state)
 
         if config.mixed_mixers:
             check_mixer_prefix(prefix, config)
@@ -830,16 +841,20 @@ def layer_step(
         def attention_branch(h):
             kv = None if prefix is None else (prefix.keys, prefix.values)
             q, k, v, probs, heads = attention_heads(p, pre_norm(p, "attn_norm", h, config), cos, sin, mask, config, kv)
-            heads = at("head_out", heads)
-            a = at("attn_out", attention_output(p, heads, config))
+            heads = at("head_out", _as_head_out(heads, config))
+            a = at("attn_out", attention_output(p, heads[:, :, : config.num_heads, : config.v_head_dim], config))
             return a, dict(q=q, k=k, v=v, attn_probs=probs, head_out=heads)
 
         @carrying
         def linear_branch(h):
             x = pre_norm(p, "attn_norm", h, config)
             state = None if prefix is None else prefix.linear
-            out, state = gated_delta_net(p, x, linear_shape(config), valid=context.valid, state=state)
-            return at("attn_out", _after_sublayer(p, "attn_post_norm", out, config)), {"linear_state": state}
+            shape = linear_shape(config)
+            heads, state = gated_delta_net(p, x, shape, valid=context.valid, state=state, heads_only=True)
+            heads = at("head_out", _as_head_out(heads, config))
+            out = linear_output(p, heads[:, :, : shape.value_heads, : shape.value_dim])
+            a = at("attn_out", _after_sublayer(p, "attn_post_norm", out, config))
+            return a, {"linear_state": state, "head_out": heads}
 
         a, mixed, carried = one_kind(
             in_layers(index, config.linear_layers, config), attention_branch, linear_branch, h, carried
@@ -1229,6 +1244,16 @@ class _Renamed(Mapping):
 
 _GLOBAL = {name: f"global_{name}" for name in ("q", "k", "v", "o", "q_norm", "k_norm")}
 _WIDE = {name: f"wide_{name}" for name in ("gate", "up", "down")}
+
+
+def _as_head_out(heads, config: ModelConfig):
+    """A layer's heads' outputs `[B, S, H, Dh]` (a linear-attention layer's value heads') in site
+    `head_out`'s shape among layers of the two mixers (`ModelConfig.head_out_shape`),
+    zero-padded past the layer's own; unchanged in every other model."""
+    if not config.mixed_mixers:
+        return heads
+    rows, width = config.head_out_shape
+    return _widened(heads, width, rows)
 
 
 def _widened(x, width: int, heads: Optional[int] = None):

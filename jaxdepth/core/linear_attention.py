@@ -44,6 +44,7 @@ __all__ = [
     "gated_rms_norm",
     "gated_delta_net",
     "gated_delta_net_heads",
+    "linear_output",
 ]
 
 
@@ -323,6 +324,7 @@ def gated_delta_net(
     valid: Optional[Bool[Array, "B T"]] = None,
     state: Optional[LinearState] = None,
     chunk: Optional[int] = 64,
+    heads_only: bool = False,
 ) -> tuple[Float[Array, "B T D"], LinearState]:
     """The whole gated DeltaNet mixer (`Qwen3_5GatedDeltaNet.forward`) on its normed input
     `x [B, T, D]`: `(out [B, T, D], new_state)`.
@@ -341,6 +343,8 @@ def gated_delta_net(
     `LinearState` to continue from (None: the sequence start). `chunk`:
     the rule's chunk (None: the recurrent form; a single position always runs the recurrent
     form, as transformers' decoding step does, rather than padding it to a chunk).
+    `heads_only`: return each value head's gated, normed output `[B, T, Hv, Dv]` in place of
+    `out` (what the output projection reads: `linear_output` of it is `out`).
 
     The steps, as transformers: projections qkv, z, b, a; the causal convolution and SiLU on
     qkv, split into q, k, v; beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias) in float32
@@ -359,8 +363,17 @@ def gated_delta_net(
     k = mixed[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk)
     v = mixed[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dv)
     heads, recurrent = _gated_heads(p, (q, k, v, z, a, b), shape, valid, state, chunk)
-    out = project(heads.reshape(B, T, Hv * Dv), p["linear_out"])
-    return out, LinearState(conv=conv_state, recurrent=recurrent)
+    state = LinearState(conv=conv_state, recurrent=recurrent)
+    return (heads if heads_only else linear_output(p, heads)), state
+
+
+def linear_output(p: Mapping[str, Array], heads: Float[Array, "B T Hv Dv"], *, per_head: bool = False):
+    """The output projection of the value heads' gated, normed outputs `heads`: the mixer's
+    output `[B, T, D]`, or (`per_head`) each head's through its rows of it, `[B, T, Hv, D]`."""
+    B, T, Hv, Dv = heads.shape
+    if per_head:
+        return project(heads, p["linear_out"].reshape(Hv, Dv, -1), "bthe,hed->bthd")
+    return project(heads.reshape(B, T, Hv * Dv), p["linear_out"])
 
 
 def _gated_heads(p: Mapping[str, Array], inputs, shape: LinearAttentionShape, valid, state, chunk):
@@ -391,6 +404,7 @@ def gated_delta_net_heads(
     valid: Optional[Bool[Array, "B T"]] = None,
     state: Optional[LinearState] = None,
     chunk: Optional[int] = 64,
+    heads_only: bool = False,
 ) -> tuple[Float[Array, "B T Hv D"], LinearState]:
     """`gated_delta_net` split per value head: `(results [B, T, Hv, D], new_state)`, each value
     head's output through its rows of the output projection, which sum over the heads to the
@@ -407,7 +421,9 @@ def gated_delta_net_heads(
     a key head are the same for its G value heads and the results sum to `gated_delta_net`'s
     output. `state`, `valid` and `chunk` as `gated_delta_net`'s; the returned state's
     convolution inputs are, for a key head's channels, those of the first value head of its
-    group (the state the unsplit layer carries where the heads' inputs agree)."""
+    group (the state the unsplit layer carries where the heads' inputs agree). `heads_only`:
+    return each value head's gated, normed output `[B, T, Hv, Dv]` in place of its result
+    (`linear_output(p, heads, per_head=True)` of it is the results)."""
     xq, xk, xv = inputs
     B, T, Hv, D = xq.shape
     Hk, Dk, Dv = shape.key_heads, shape.key_dim, shape.value_dim
@@ -444,8 +460,8 @@ def gated_delta_net_heads(
     k = mixed[..., Hv * Dk : 2 * Hv * Dk].reshape(B, T, Hv, Dk)
     v = mixed[..., 2 * Hv * Dk :].reshape(B, T, Hv, Dv)
     heads, recurrent = _gated_heads(p, (q, k, v, z, a, b), shape, valid, state, chunk)
-    results = project(heads, p["linear_out"].reshape(Hv, Dv, -1), "bthe,hed->bthd")
     # the first value head of each group's channels of each key head, as the unsplit layer's state
     first = lambda part: conv_state[:, part * Hv * Dk : (part + 1) * Hv * Dk].reshape(B, Hk, G, Dk, K - 1)[:, :, 0]  # noqa: E731
     kept = jnp.concatenate([first(0).reshape(B, Hk * Dk, K - 1), first(1).reshape(B, Hk * Dk, K - 1)], axis=1)
-    return results, LinearState(conv=jnp.concatenate([kept, conv_state[:, 2 * Hv * Dk :]], axis=1), recurrent=recurrent)
+    state = LinearState(conv=jnp.concatenate([kept, conv_state[:, 2 * Hv * Dk :]], axis=1), recurrent=recurrent)
+    return (heads if heads_only else linear_output(p, heads, per_head=True)), state

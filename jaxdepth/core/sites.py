@@ -7,7 +7,7 @@ TransformerLens, shapes in the glossary of `jaxdepth.core.model`):
     q_in        each query head's query input, before the norm *     [B, T, H, D]
     k_in        each query head's key input, before the norm *       [B, T, H, D]
     v_in        each query head's value input, before the norm *     [B, T, H, D]
-    head_out    each attention head's output, before o_proj            [B, T, H, Dh]
+    head_out    each attention head's output, before o_proj ¶          [B, T, H, Dh]
     head_result each head's output through its slice of o_proj *      [B, T, H, D]
     attn_out    a_l, the attention output after o_proj                 [B, T, D]
     mlp_in      h_l + a_l, the MLP's input before its norm             [B, T, D]
@@ -46,6 +46,11 @@ and the decay from its `k_in`, its value channels from its `v_in`, and `head_res
 output through its rows of the output projection. Among layers of the two kinds the split
 sites hold `ModelConfig.split_heads` rows (the most of the query and the value heads), zeros
 past a layer's own heads.
+
+¶ In a linear-attention layer, each value head's gated, normed output before the output
+projection (`jaxdepth.core.linear_attention.gated_delta_net`'s `heads_only`); among layers of
+the two kinds the site holds `ModelConfig.head_out_shape` (the most heads, the widest width),
+zeros past a layer's own heads and width.
 
 `resid_pre` at layer index L (one past the last layer) is the final residual h_L, the input of
 the final norm: an intervention there edits boundary L.
@@ -173,7 +178,7 @@ SITE_TABLE = (
     Site("q_in", "q_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="q")),
     Site("k_in", "k_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="k")),
     Site("v_in", "v_in", _per_head_width, split=True, role=Role("reads", "attention", per_head=True, tag="v")),
-    Site("head_out", "head_out", lambda c: (c.num_heads, c.widest_head_dim if c.global_layers else c.v_head_dim)),
+    Site("head_out", "head_out", lambda c: c.head_out_shape),
     Site(
         "head_result",
         "head_result",

@@ -242,8 +242,8 @@ def test_on_the_hybrid_made_linear_eap_is_exact_patching(wide, pairs, monkeypatc
 
 def test_circuits_and_atp_star_run_on_a_hybrid(wide, pairs, tmp_path):
     """A circuit of the hybrid's graph (the whole graph faithful, by construction), its scores
-    saved and read back with the graph's linear layers, AtP* of the MLPs against their exact
-    effects' signs, and its per-head kinds refused by name."""
+    saved and read back with the graph's linear layers, and AtP* of the MLPs against their exact
+    effects' signs (its per-head kinds: `test_atp_star_linear_attention`)."""
     config, params = wide
     scores = edge_attribution(params, pairs, config, logit_difference, Scoring("eap", detail=["positions"]))
     np.testing.assert_allclose(scores.position_scores.sum(axis=-1), scores.scores, rtol=1e-5, atol=1e-7)
@@ -259,6 +259,3 @@ def test_circuits_and_atp_star_run_on_a_hybrid(wide, pairs, tmp_path):
     exact = node_effects(params, pairs, config, logit_difference, "mlps", largest).mean(axis=1)
     estimate = star.mlps.mean(axis=0)[largest[:, 0], largest[:, 1]]
     assert np.abs(exact).max() > 1e-3 and np.all(np.sign(estimate) == np.sign(exact))
-    for kind in ("queries", "heads"):
-        with pytest.raises(ValueError, match="linear-attention layers are not implemented"):
-            atp_star(params, pairs, config, logit_difference, kinds=(kind,))

@@ -370,13 +370,12 @@ def test_atp_star_runs_every_node_kind_of_every_family(family):
     hidden units as its neurons (refused by name among dense layers)."""
     config, params = family
     kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.mixed_mlps else ("neurons",))
-    if config.mixed_mixers:  # no per-head nodes for linear attention's value heads: refused by name
-        with pytest.raises(ValueError, match="linear-attention layers are not implemented"):
-            atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
-        kinds = ("mlps", "neurons")
     scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
     for kind in kinds:
         assert np.all(np.isfinite(scores.of(kind))), kind
+    for layer in config.linear_layers:  # a linear layer's value heads: their outputs and inputs
+        for kind in ("heads", "keys", "values"):
+            assert np.abs(scores.of(kind)[:, layer, : config.linear_value_heads]).max() > 0, (kind, layer)
     if config.mixed_mlps:
         with pytest.raises(ValueError, match="dense layers among its mixtures"):
             atp_star(params, _pairs(), config, logit_difference, kinds=("neurons",))

@@ -11,6 +11,16 @@ Nodes (`NODE_KINDS`; the index of a node in its score array, after the pair axis
     neurons  an MLP hidden unit at every position                           (layer, unit)
              a mixture's: an expert's hidden unit, wherever it runs         (layer, expert, unit)
 
+In a model with linear-attention layers (Qwen3.5) a linear layer's heads are its value heads
+(`a{l}.h{h}`, as the edge graph names them; head axes `ModelConfig.split_heads` long, zeros past
+a layer's own heads): a head's output is its gated, normed output before the output projection
+(site `head_out`), and its query, key and value are its inputs, the layer's input h_l at the
+position as the value head reads it for its query channels and output gate, its key channels
+and two gates (beta, the decay), and its value channels (sites `q_in`, `k_in`, `v_in`; through
+the convolution the input at s reaches positions s..s+K-1). No softmax reads them: their
+estimate is AtP under every method (the QK fix is attention's). A gated attention head's query
+moves its output gate too, and the estimates of its query include the gate's.
+
 A node is patched when it takes its value in the corrupt run and everything after it is
 recomputed (`jaxdepth.analyses.edges.patching.node_effects` does so exactly). A key or value of
 a grouped-query model is one query head's reading of its group's key: patched for that head
@@ -59,9 +69,10 @@ from jaxdepth.analyses.metrics import Metric
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import Execution
-from jaxdepth.core.layer import attend, context_of_layer, layer_context
+from jaxdepth.core.layer import attend, context_of_layer, gated_heads, layer_context, pre_norm
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.model import embed
+from jaxdepth.core.parameters import kind_slots
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sites import Intervention, as_interventions, probe, site_shape
@@ -75,7 +86,6 @@ __all__ = [
     "node_shape",
     "node_index",
     "refuse_mixed_neurons",
-    "refuse_linear_heads",
     "missed_nodes",
 ]
 
@@ -113,7 +123,7 @@ def node_shape(kind: str, config: ModelConfig, seq_len: int) -> tuple:
     L = config.num_layers
     neurons = (L, config.num_experts, config.intermediate_size) if config.is_moe else (L, config.intermediate_size)
     shapes = {"mlps": (L, seq_len), "neurons": neurons}
-    return shapes.get(kind, (L, config.num_heads, seq_len))
+    return shapes.get(kind, (L, config.split_heads, seq_len))
 
 
 def refuse_mixed_neurons(config: ModelConfig) -> None:
@@ -123,19 +133,6 @@ def refuse_mixed_neurons(config: ModelConfig) -> None:
         raise ValueError(
             "node kind 'neurons' in a model with dense layers among its mixtures of experts "
             f"(dense_layers {config.dense_layers}) is not implemented: the two kinds' units have no one index"
-        )
-
-
-def refuse_linear_heads(config: ModelConfig, kinds) -> None:
-    """The per-head node kinds (queries, keys, values, heads) of a model with linear-attention
-    layers are not implemented: a linear layer's value heads have no query, key and value
-    vectors as attention's (`attend` reads) nor outputs of attention's width; refused by name."""
-    heads = [kind for kind in kinds if kind in ATTENTION_KINDS + ("heads",)]
-    if config.mixed_mixers and heads:
-        raise ValueError(
-            f"AtP* node kinds {heads} of a model with linear-attention layers are not implemented: its linear "
-            "layers' value heads have no attention queries, keys and values; its kinds are 'mlps' and 'neurons' (the "
-            "heads' edges are in edge_attribution's graph)"
         )
 
 
@@ -227,7 +224,6 @@ def atp_star(
         raise ValueError(f"no node kinds given; kinds: {', '.join(NODE_KINDS)}")
     if "neurons" in kinds:
         refuse_mixed_neurons(config)
-    refuse_linear_heads(config, kinds)
     pairs.check(config, metric)
     check_interventions(interventions, EdgeGraph.of(config))
     B, T = pairs.clean.shape
@@ -270,7 +266,7 @@ def _node_values(params, tokens, valid, config: ModelConfig, interventions):
 
     def tap(r, _):
         units = dict(expert_hidden=r.expert_hidden, choice=r.expert_choice) if config.is_moe else {}
-        return dict(q=r.q, k=r.k, v=r.v, head_out=r.head_out, mlp_out=r.mlp, mlp_hidden=r.mlp_hidden, **units)
+        return dict(h=r.h, q=r.q, k=r.k, v=r.v, head_out=r.head_out, mlp_out=r.mlp, mlp_hidden=r.mlp_hidden, **units)
 
     h, values = run_layers(
         params, embed(params, tokens, config), config, valid=valid, interventions=interventions, tap=tap
@@ -293,7 +289,9 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
     gradient_site = lambda kind: (
         "expert_hidden" if kind == "neurons" and config.is_moe else _GRADIENT_SITE.get(kind, "head_out")
     )  # noqa: E731
-    sites = sorted({gradient_site(kind) for kind in kinds})
+    # a linear layer's queries, keys and values: F's gradient at the value heads' inputs
+    inputs = {kind: PATCH_SITE[kind] for kind in kinds if kind in ATTENTION_KINDS and config.mixed_mixers}
+    sites = sorted({gradient_site(kind) for kind in kinds} | set(inputs.values()))
     h0 = embed(params, pairs.clean, config)
 
     def per_drop(layer):
@@ -312,6 +310,8 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
         zeros = {s: jnp.zeros((config.num_layers,) + site_shape(s, config, B, T), jnp.float32) for s in sites}
         grads, f = jax.grad(value, has_aux=True)(zeros)
         drops = _output_estimates(grads, clean, corrupt, kinds, config)
+        for kind, site in inputs.items():  # [L, B, T, Hs, D] . [L, B, T, D] -> [B, L, Hs, T]
+            drops[f"linear {kind}"] = jnp.einsum("lbthd,lbtd->blht", grads[site], clean["h"] - corrupt["h"])
         if any(kind in ATTENTION_KINDS for kind in kinds):
             drops["head_out_gradient"] = grads["head_out"]
         return drops, f
@@ -319,10 +319,13 @@ def _estimates(params, pairs: PromptPairs, dropped, interventions, *, config, me
     drops, f = sweep(per_drop, dropped, chunk)
     g_o = drops.pop("head_out_gradient", None)
     if g_o is not None:
-        sinks = params["layers"].get("sinks")
-        drops.update(
-            _attention_estimates(g_o, clean, corrupt, pairs.valid, h0, config, kinds, qk_fix=qk_fix, sinks=sinks)
-        )
+        attention = _attention_estimates(g_o, clean, corrupt, pairs.valid, h0, params, config, kinds, qk_fix=qk_fix)
+        linear = jnp.asarray(np.isin(np.arange(config.num_layers), config.linear_layers))[:, None, None]
+        for kind, value in attention.items():  # [G, B, L, H, T]; a linear layer's rows from its inputs
+            if kind in inputs:
+                value = jnp.pad(value, ((0, 0),) * 3 + ((0, config.split_heads - value.shape[3]), (0, 0)))
+                value = jnp.where(linear, drops.pop(f"linear {kind}"), value)
+            drops[kind] = value
     return f[0], f_corrupt, drops
 
 
@@ -343,26 +346,55 @@ def _output_estimates(grads: dict, clean: dict, corrupt: dict, kinds, config: Mo
     return out
 
 
+def _gate_weights(params, config: ModelConfig):
+    """What a gated head's gate reads (Qwen3.5): the attention's norm and gate weights, one row
+    per layer `[L, ...]` (a linear layer's the first attention layer's, which it never reads);
+    None where heads are not gated."""
+    if not config.attention_gate:
+        return None
+    slots = kind_slots(config)
+    names = [name for name in params["layers"] if name == "attn_gate" or name.startswith("attn_norm")]
+    rows = lambda name: params["layers"][name][np.maximum(slots[name], 0)] if name in slots else params["layers"][name]  # noqa: E731
+    return {name: rows(name) for name in names}
+
+
+def _per_head_input(weights, h, num_heads: int, config: ModelConfig):
+    """The attention's normed input `[B, T, H, D]` as each of the H heads reads it (its gate's
+    input) from the layer's input `h [B, T, D]`."""
+    x = pre_norm(weights, "attn_norm", h, config).astype(jnp.float32)
+    return jnp.broadcast_to(x[:, :, None], x.shape[:2] + (num_heads, x.shape[-1]))
+
+
 def _per_query_head(x, num_heads: int):
     """Keys or values `[B, T, K, Dh]` as each of the H query heads reads them, `[B, T, H, Dh]`."""
     return jnp.repeat(x, num_heads // x.shape[2], axis=2)
 
 
 def _attention_estimates(
-    g_o, clean: dict, corrupt: dict, valid, h0, config: ModelConfig, kinds, *, qk_fix: bool, sinks=None
+    g_o, clean: dict, corrupt: dict, valid, h0, params, config: ModelConfig, kinds, *, qk_fix: bool
 ) -> dict:
     """Queries', keys' and values' estimates `[G, B, L, H, T]` from F's gradients at every head's
-    output `g_o [G, L, B, T, H, Dh]` (one per dropped layer), layer by layer."""
+    output `g_o [G, L, B, T, H, Dh]` (one per dropped layer), layer by layer. A gated head's
+    output (Qwen3.5) is its attention times its gate, which its query input moves too."""
     context = layer_context(h0, valid, config)
-    H = config.num_heads
+    H, Dh = config.num_heads, config.v_head_dim
+    sinks = params["layers"].get("sinks")
 
     def one_layer(xs):
-        layer, g, q, k, v, q2, k2, v2 = xs  # g [G, B, T, H, Dh]; q.. [B, T, H|K, Dh]
+        layer, weights, g, q, k, v, q2, k2, v2, h, h2 = xs  # g [G, B, T, H, Dh]; q.. [B, T, H|K, Dh]
+        if config.mixed_mixers:  # head_out is as wide as the linear layers' value heads too
+            g = g[..., :H, :Dh]
         k, v, k2, v2 = (_per_query_head(x, H) for x in (k, v, k2, v2))
         _, _, mask = context_of_layer(context, layer, config)
         own_sinks = None if sinks is None else sinks[layer]  # (GPT-OSS: each head's sink logit)
-        heads = lambda q, k, v: attend(q, k, v, mask, config, sinks=own_sinks)[1].astype(jnp.float32)  # noqa: E731
-        o, pull = jax.vjp(heads, q, k, v)
+        # each head's gate input: its query input, normed (None without gates)
+        x, x2 = (None if weights is None else _per_head_input(weights, r, H, config) for r in (h, h2))
+
+        def heads(q, k, v, x):
+            o = attend(q, k, v, mask, config, sinks=own_sinks)[1]
+            return (o if x is None else gated_heads(weights, x, o, config)).astype(jnp.float32)
+
+        o, pull = jax.vjp(heads, q, k, v, x)
         # the linear estimates: -(gradient at the query, key or value) . (corrupt - clean)
         linear = jax.vmap(pull)(g)
         drop_of = lambda grad, x, x2: jnp.einsum("gbthd,bthd->gbht", grad, x - x2)  # noqa: E731
@@ -371,14 +403,15 @@ def _attention_estimates(
             out["values"] = drop_of(linear[2], v, v2)
         if "queries" in kinds:
             # a query's row of the pattern: every row at its corrupt query at once (rows are independent)
-            out["queries"] = (
-                jnp.einsum("gbshd,bshd->gbhs", g, o - heads(q2, k, v)) if qk_fix else drop_of(linear[0], q, q2)
-            )
+            if qk_fix:
+                out["queries"] = jnp.einsum("gbshd,bshd->gbhs", g, o - heads(q2, k, v, x2))
+            else:
+                out["queries"] = drop_of(linear[0], q, q2) + (0 if x is None else drop_of(linear[3], x, x2))
         if "keys" in kinds:
             if qk_fix:  # a key's column of the pattern: one recomputation per key position
 
                 def key_at(t):
-                    patched = heads(q, k.at[:, t].set(k2[:, t]), v)
+                    patched = heads(q, k.at[:, t].set(k2[:, t]), v, x)
                     return jnp.einsum("gbshd,bshd->gbh", g, o - patched)
 
                 out["keys"] = jnp.moveaxis(jax.lax.map(key_at, jnp.arange(q.shape[1]), batch_size=8), 0, -1)
@@ -391,6 +424,7 @@ def _attention_estimates(
         one_layer,
         (
             jnp.arange(L),
+            _gate_weights(params, config),
             jnp.moveaxis(g_o, 1, 0),
             clean["q"],
             clean["k"],
@@ -398,6 +432,8 @@ def _attention_estimates(
             corrupt["q"],
             corrupt["k"],
             corrupt["v"],
+            clean["h"],
+            corrupt["h"],
         ),
     )
     return {kind: jnp.moveaxis(value, 0, 2) for kind, value in per_layer.items()}  # [L, G, B, H, T] -> [G, B, L, H, T]

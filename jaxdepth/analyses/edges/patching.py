@@ -46,7 +46,6 @@ from jaxdepth.analyses.edges.atp_star import (
     PATCH_SITE,
     node_index,
     node_shape,
-    refuse_linear_heads,
     refuse_mixed_neurons,
 )
 from jaxdepth.analyses.edges.scores import expert_units_on, hidden_units, pair_runs, suffix_run, with_clean_logits
@@ -161,7 +160,7 @@ def _node_where(kind: str, node, config: ModelConfig, seq_len: int, choice=None)
     """Where `sites.patch` patches node `node` of `kind` (`atp_star.NODE_KINDS`): one row per
     layer, true at the node alone (a mixture's neuron: in the slots of the tokens `choice`, the
     clean run's `[L, B, T, k]`, routes to its expert)."""
-    L, H, F = config.num_layers, config.num_heads, config.intermediate_size
+    L, H, F = config.num_layers, config.split_heads, config.intermediate_size
     hot = lambda n, i: jnp.arange(n) == i  # noqa: E731
     layer = hot(L, node[0])
     if kind == "neurons" and config.is_moe:  # [L, B, T, k, F]: the expert's unit wherever it runs
@@ -204,7 +203,7 @@ def _corrupt_values(params, pairs: PromptPairs, config: ModelConfig, kind: str, 
         "heads": lambda r, _: r.head_out,
         "mlps": lambda r, _: r.mlp,
         "neurons": lambda r, _: r.mlp_hidden,
-    }.get(kind, lambda r, _: jnp.broadcast_to(r.h[:, :, None], r.h.shape[:2] + (config.num_heads, r.h.shape[-1])))
+    }.get(kind, lambda r, _: jnp.broadcast_to(r.h[:, :, None], r.h.shape[:2] + (config.split_heads, r.h.shape[-1])))
     h0 = embed(params, pairs.corrupt, config)
     return run_layers(params, h0, config, valid=pairs.valid, interventions=interventions, tap=tap)[1]
 
@@ -241,7 +240,6 @@ def node_effects(
     check_interventions(interventions, graph)
     if kind == "neurons":
         refuse_mixed_neurons(config)
-    refuse_linear_heads(config, (kind,))
     shape = node_shape(kind, config, pairs.clean.shape[1])
     index = np.asarray(nodes, np.int64).reshape(-1, len(shape))
     if len(index) == 0:
