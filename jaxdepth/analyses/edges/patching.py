@@ -231,9 +231,10 @@ def node_effects(
     `jaxdepth.analyses.edges.atp_star` indexes them: (layer, head, position) for queries, keys,
     values and heads, (layer, position) for MLPs, (layer, unit) for neurons (a hidden unit at
     every position; a mixture's: (layer, expert, unit), the expert's unit wherever the clean run
-    routes to it, at its value on the corrupt input under the clean routing). `interventions`
-    act on every run; `execution.chunk_size` nodes are vmapped at once (default what the memory
-    allows)."""
+    routes to it, at its value on the corrupt input under the clean routing). In a model with
+    linear-attention layers a linear layer's heads are its value heads, its queries, keys and
+    values their inputs (`atp_star`'s module docstring). `interventions` act on every run;
+    `execution.chunk_size` nodes are vmapped at once (default what the memory allows)."""
     graph = EdgeGraph.of(config)
     metric = edge_metric(metric, "node_effects", pairs)
     pairs.check(config, metric)
