@@ -457,3 +457,19 @@ def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v):
             assert tensors.get(name) == want, (key, i, name)
             used.append(name)
     assert len(used) == len(set(used)) and set(used) == set(tensors)
+
+
+def test_the_plain_model_runs_from_a_later_boundary_and_its_delta_is_the_scaled_layer():
+    """`gemma4_plain` (the layer scalar alone: no per-layer inputs, no shared keys, one attention
+    shape; the family tests run `gemma4_shared_kv`): a run from a later boundary needs no shared
+    keys and is the forward's rest, and `delta` = (s - 1) h + s (a + m)."""
+    hf_config, _ = tiny_hf_config("gemma4_plain")
+    config = ModelConfig.from_hf(hf_config.to_dict())
+    params = jax.tree.map(jnp.asarray, random_params(config, 3, scale=0.15))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, config.vocab_size, size=(2, 20)), jnp.int32)
+    hs = residual_stream(params, tokens, config)
+    h, _ = run_layers(params, hs[1], config, run=LayerRun(start=1))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(hs[-1]), rtol=1e-5, atol=1e-5)
+    _, (x, a, m, delta) = run_layers(params, hs[0], config, tap=lambda r, _: (r.h, r.attn, r.mlp, r.delta))
+    s = params["layers"]["layer_scalar"].reshape(-1, 1, 1, 1)
+    np.testing.assert_allclose(np.asarray(delta), np.asarray((s - 1) * x + s * (a + m)), rtol=1e-6, atol=1e-6)
