@@ -32,7 +32,7 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import LayerRun, run_layers
 from jaxdepth.core.execution import Execution, refuse_loose_options
-from jaxdepth.core.model import embed
+from jaxdepth.core.model import embed, token_per_layer_inputs
 from jaxdepth.core.sites import as_interventions, probe, site_shape
 from jaxdepth.core.sharding import to_host
 from jaxdepth.core.sweep import member_bytes
@@ -169,6 +169,10 @@ def site_gradients(
     def read(record, x):
         return {s: getattr(record, s) for s in sites}, None if tap is None else tap(record, x)
 
+    # the tokens' per-layer inputs (Gemma 4) are an input of the layers: a probe at h_0 moves the
+    # residual, not them (`token_per_layer_inputs`)
+    extra = token_per_layer_inputs(params, tokens, config)
+
     def value(probes):
         ivs = base + tuple(probe(s, probes[s]) for s in sites)
         h, (values, taps) = run_layers(
@@ -179,6 +183,7 @@ def site_gradients(
             interventions=ivs,
             tap=read,
             run=LayerRun(remat=remat),
+            per_layer_inputs=extra,
         )
         if "resid_pre" in values:  # boundary L, the final residual, after its interventions
             values["resid_pre"] = jnp.concatenate([values["resid_pre"], h[None]], axis=0)

@@ -38,7 +38,7 @@ from jaxdepth.core.execution import Execution, refuse_fields, refuse_loose_optio
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import Pieces, final_residual, run_layers_in_pieces
-from jaxdepth.core.model import layer_inputs, residual_stream, unembed
+from jaxdepth.core.model import layer_inputs, residual_stream, token_per_layer_inputs, unembed
 from jaxdepth.core import sites
 from jaxdepth.core.sites import check_layer_indices
 from jaxdepth.core.saved_result import SavedResult
@@ -206,6 +206,7 @@ def _erased_final_residual(
     width: int,
     config: ModelConfig,
     interventions=(),
+    per_layer_inputs=None,
 ):
     """The final residual `[1, T, D]` of the run in which h_boundary[position] is `value`, under
     `interventions` (checked; applied first, the replacement after them), computed for the
@@ -218,7 +219,13 @@ def _erased_final_residual(
     linear-attention layer starts its pieces from its state there, which the clean inputs of
     the positions before give it (as they gave the buffer its keys), and carries it on.
     `boundary`, `first_piece` and `last_piece` may be traced, not batched (they are loop
-    bounds); `position` and `value` may be batched. Forward only."""
+    bounds); `position` and `value` may be batched. Forward only.
+
+    Gemma 4: the layers read the tokens' per-layer inputs (`per_layer_inputs`, of the clean
+    embeddings, `jaxdepth.core.model.token_per_layer_inputs`: erasing h_0[t] replaces the
+    residual, not the layers' inputs), and the keys and values shared among layers start as the
+    clean run's at the boundary (the layers before it ran on clean inputs), each later layer
+    that computes its own writing them, as in the full forward."""
     hs, keys, values, _ = clean_state
     T = hs.shape[2]
     erase_rows = lambda rows: sites.replace("resid_pre", boundary, rows == position, value)
@@ -232,6 +239,7 @@ def _erased_final_residual(
         pieces=Pieces(first_piece, last_piece, width),
         interventions_of=lambda rows: (*interventions, erase_rows(rows)),
         clean_inputs=hs,
+        per_layer_inputs=per_layer_inputs,
     )
     return final_residual(h, config, (*interventions, erase_rows(jnp.arange(T))))
 
@@ -281,6 +289,7 @@ def _erasure_sweep(
         clean_r = clean_readout(params, final_residual(hs[-1], config, ivs), prompt, config, metric)
         clean_metric = metric(clean_r)[0]
     last_piece = last // width
+    per_layer = token_per_layer_inputs(params, prompt.tokens, config)
 
     def piece_effects(k, out):
         def boundary_effects(boundary):
@@ -297,6 +306,7 @@ def _erasure_sweep(
                     width=width,
                     config=config,
                     interventions=ivs,
+                    per_layer_inputs=per_layer,
                 )
                 # Causality: an erasure at t changes no position before t, and at the last boundary
                 # (after every layer) it changes position t alone. Masking the rest gives exact zeros.

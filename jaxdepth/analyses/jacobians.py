@@ -9,6 +9,12 @@ from earlier positions through attention), are left out; s > t contribute nothin
 attention). The token's own block of the map from h_l to the final residual h_L is then exactly
 the product J_{l->L}(t) = J_{L-1}(t) ... J_l(t): a change of h_l[t] reaches only positions >= t,
 and h_L[t] reads only positions <= t, so every path from h_l[t] to h_L[t] stays at t.
+Where layers reuse an earlier layer's keys and values (Gemma 4's `shared_kv_layers`), a path
+also runs from a layer that computes keys, through its key and value at t, to a later layer that
+reuses them: J_l(t) holds those it reads fixed (the clean run's), and the suffix's is the product
+of the Jacobians of the state (h[t], the shared keys' and values' row at t)
+(`jaxdepth.core.loops.token_chain_step`), the row clean at boundary l; exact measures only (the
+estimates are refused by name). The layers read the tokens' per-layer inputs (Gemma 4).
 
 Each J_l(t) is the derivative of one token's step through layer l against the clean run's keys
 and values of the positions before it (`jaxdepth.core.layer.piece_context`, as decoding and
@@ -46,6 +52,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxdepth.analyses.suite import Analysis, DepthCurve, DepthReading, Settings, option
@@ -54,8 +61,8 @@ from jaxdepth.core.batch import PromptBatch
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.layer import Params
-from jaxdepth.core.loops import map_layers, run_layers, scan_layers, token_step
-from jaxdepth.core.model import embed
+from jaxdepth.core.loops import map_layers, run_layers, scan_layers, shared_row_at, token_chain_step, token_step
+from jaxdepth.core.model import embed, token_per_layer_inputs
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.sharding import to_host
 
@@ -92,8 +99,9 @@ def clean_layer_states(params: Params, tokens: Int[Array, "B T"], valid: Bool[Ar
     """The clean run's `(inputs [L, B, T, D], keys, values [L, B, T, K, Dh])`: every layer's
     input h_l and its rotated keys and values, what a token's step through layer l reads.
     Pure: `jit` it with `config` static."""
+    extra = token_per_layer_inputs(params, tokens, config)
     _, (inputs, keys, values) = run_layers(
-        params, embed(params, tokens, config), config, valid=valid, tap=_read_layer_state
+        params, embed(params, tokens, config), config, valid=valid, tap=_read_layer_state, per_layer_inputs=extra
     )
     return inputs, keys, values
 
@@ -136,16 +144,20 @@ def _hutchinson(sq: Float[Array, "... P"]) -> tuple[Array, Array]:
     return sq.mean(-1), sq.std(-1, ddof=1) / np.sqrt(P) if P > 1 else jnp.zeros(sq.shape[:-1])
 
 
-def _exact_measures(J: Float[Array, "L D D"]) -> dict[str, Array]:
-    """Both measures of every layer and every suffix from the formed Jacobians."""
+def _exact_measures(J: Float[Array, "L D D"], chain: Optional[Array] = None) -> dict[str, Array]:
+    """Both measures of every layer and every suffix from the formed Jacobians; a suffix's from
+    the product of `chain`'s (the Jacobians of a state of which h is the first D entries, the
+    others starting clean at every boundary; J itself by default)."""
     L, D, _ = J.shape
-    eye = jnp.eye(D, dtype=J.dtype)
+    chain = J if chain is None else chain
 
     def down(product, Jl):  # product = J_{l+1 -> L}; J_{l -> L} = J_{l+1 -> L} J_l
         product = product @ Jl
         return product, product
 
-    _, suffix = jax.lax.scan(down, eye, J, reverse=True)
+    _, suffix = jax.lax.scan(down, jnp.eye(chain.shape[-1], dtype=J.dtype), chain, reverse=True)
+    suffix = suffix[:, :D, :D]
+    eye = jnp.eye(D, dtype=J.dtype)
     measures = {}
     for name, M in (("layer", J), ("suffix", suffix)):
         A = M - eye
@@ -157,12 +169,28 @@ def _exact_measures(J: Float[Array, "L D D"]) -> dict[str, Array]:
 
 def _position_measures(params, prompt, position, key, config: ModelConfig, *, probes, iterations, exact):
     """Every measure `[L]` at one position of one prompt, whose clean run is `prompt = (inputs
-    [L, T, D], keys, values [L, T, K, Dh], valid [T])`."""
-    inputs, keys, values, valid = prompt
+    [L, T, D], keys, values [L, T, K, Dh], valid [T], per-layer inputs [T, L, P] or None)`."""
+    inputs, keys, values, valid, per_layer = prompt
     xs = inputs[:, position]  # [L, D]: the position's input to every layer
     L, D = xs.shape
-    step = lambda l, x: token_step(params, l, x, keys, values, valid, position, config, inputs=inputs)  # noqa: E731
+    options = dict(inputs=inputs, per_layer_inputs=per_layer)
+    step = lambda l, x: token_step(params, l, x, keys, values, valid, position, config, **options)  # noqa: E731
     layers = jnp.arange(L)
+
+    if config.shared_kv_layers:
+        if not exact:
+            raise ValueError(
+                "estimated Jacobians (probes and Lanczos steps) of a model whose layers share keys and values are not "
+                "implemented: a suffix's chain runs through the shared keys; measure exactly (Estimate(exact_width=D))"
+            )
+
+        def augmented(l):  # the Jacobian of (h_l[t], shared row at t) -> (h_{l+1}[t], shared row after layer l)
+            flat, unravel = ravel_pytree((xs[l], shared_row_at(keys, values, l, position, config)))
+            chain = lambda v: token_chain_step(params, l, unravel(v), keys, values, valid, position, config, **options)  # noqa: E731
+            return jax.jacfwd(lambda v: ravel_pytree(chain(v))[0])(flat)
+
+        A = map_layers(augmented, config)
+        return _exact_measures(A[:, :D, :D], A)
 
     if exact:
         J = map_layers(lambda l: jax.jacfwd(partial(step, l))(xs[l]), config)
@@ -224,13 +252,14 @@ def _position_measures(params, prompt, position, key, config: ModelConfig, *, pr
 def _group_measures(params, tokens, valid, positions, key, config: ModelConfig, *, probes: int, iterations: int, exact):
     """Every measure `[B, M, L]` at `positions [B, M]` of a group of prompts."""
     inputs, keys, values = clean_layer_states(params, tokens, valid, config)
+    per_layer = token_per_layer_inputs(params, tokens, config)
     options = dict(probes=probes, iterations=iterations, exact=exact)
     # prompt b's states [L, T, ...]; the inner vmap shares them among its positions
     per_prompt = lambda prompt, where, key: jax.vmap(  # noqa: E731
         lambda t, key: _position_measures(params, prompt, t, key, config, **options)
     )(where, jax.random.split(key, where.shape[0]))
     moved = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731  [L, B, ...] -> [B, L, ...]
-    prompts = (moved(inputs), moved(keys), moved(values), valid)
+    prompts = (moved(inputs), moved(keys), moved(values), valid, per_layer)
     return jax.vmap(per_prompt)(prompts, positions, jax.random.split(key, tokens.shape[0]))
 
 

@@ -48,7 +48,7 @@ from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.decoding import Decoding
 from jaxdepth.core.execution import Execution
 from jaxdepth.core.loops import LayerRun, run_layers
-from jaxdepth.core.model import embed, unembed
+from jaxdepth.core.model import embed, token_per_layer_inputs, unembed
 from jaxdepth.core.progress import track
 from jaxdepth.core.saved_result import SavedResult
 from jaxdepth.core.structure import LayerOrder
@@ -145,6 +145,7 @@ def _likelihoods(params, tokens, valid, positions, real, orders, config: ModelCo
             config,
             valid=val[None],
             run=LayerRun(order=LayerOrder(layers, used)),
+            per_layer_inputs=token_per_layer_inputs(params, tok[None], config),
         )
         logp = jax.nn.log_softmax(unembed(params, h[0, pos], config).astype(jnp.float32), axis=-1)
         targets = tok[jnp.minimum(pos + 1, tok.shape[0] - 1)]

@@ -39,9 +39,9 @@ from jaxdepth.core.batch import PromptArrays, PromptBatch
 from jaxdepth.core.execution import Execution, refuse_fields, refuse_loose_options
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.layer import LayerRecord
+from jaxdepth.core.layer import LayerRecord, shared_kv_at
 from jaxdepth.core.loops import LayerRun, run_layers
-from jaxdepth.core.model import layer_inputs, unembed
+from jaxdepth.core.model import layer_inputs, token_per_layer_inputs, unembed
 from jaxdepth.analyses.metrics import Metric, as_metric, readout
 from jaxdepth.core.sites import as_interventions, skip as skip_at
 from jaxdepth.core.saved_result import SavedResult
@@ -203,14 +203,28 @@ def skipped_runs(
     one (Δ_j its layers' h_{j+1} - h_j, the clean h_L after the interventions at the final
     residual), and a member starts from layer s's input before layer s's own interventions
     (`jaxdepth.core.model.layer_inputs`), so they act once, as in a full forward.
+
+    Gemma 4: every member's layers read the tokens' per-layer inputs
+    (`jaxdepth.core.model.token_per_layer_inputs`), and start from the keys and values shared
+    at boundary s in the clean run (`jaxdepth.core.layer.shared_kv_at`). A skip replaces what
+    layer s writes to the residual, not what it computes: a skipped layer that computes keys
+    for later layers still computes them (from its clean input), and the later layers that
+    reuse them read them, as in the full forward under the skip.
     """
     L, tokens, valid = config.num_layers, prompt.tokens, prompt.valid
     sublayer, mode = skip.sublayer, skip.mode
     ivs = as_interventions(interventions)
     # Without interventions, each layer's input is h_l of the residual stream and Δ_j = h_{j+1} - h_j.
-    starts, clean_final, clean_deltas = layer_inputs(
-        params, tokens, config, valid=valid, interventions=ivs, tap=lambda r, _: r.delta
+    shares = bool(config.shared_kv_layers)
+    starts, clean_final, (clean_deltas, clean_kv) = layer_inputs(
+        params,
+        tokens,
+        config,
+        valid=valid,
+        interventions=ivs,
+        tap=lambda r, _: (r.delta, (r.k, r.v) if shares else None),
     )
+    per_layer = token_per_layer_inputs(params, tokens, config)
 
     def runs_of_layer(layer):
         def member(m):
@@ -223,7 +237,8 @@ def skipped_runs(
                 interventions=(*ivs, skip_at(SUBLAYERS[sublayer], layer, keep)),
                 tap=_tap_relative_change(measure[None] & valid),
                 tap_inputs=clean_deltas,
-                run=LayerRun(start=layer),
+                run=LayerRun(start=layer, shared_kv=shared_kv_at(clean_kv, layer, config)),
+                per_layer_inputs=per_layer,
             )
             first_changed = layer if mode == "current" else layer + 1
             later = jnp.where(jnp.arange(L) >= first_changed, later[:, 0], 0.0)  # exact zeros by construction

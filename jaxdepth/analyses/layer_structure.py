@@ -41,7 +41,7 @@ from jaxdepth.core.decoding import Decoding, generate
 from jaxdepth.core.execution import Execution, refuse_loose_options
 from jaxdepth.core.layer import Params
 from jaxdepth.core.loops import LayerRun, run_layers
-from jaxdepth.core.model import embed, residual_stream, unembed
+from jaxdepth.core.model import embed, residual_stream, token_per_layer_inputs, unembed
 from jaxdepth.core.structure import (
     LayerOrder,
     drop_block,
@@ -190,10 +190,10 @@ def structure_scores(
 
 @partial(jit, static_argnames=("config", "chunk_size"))
 def _scored(params, tokens, valid, starts, orders, config, chunk_size):
-    h0 = embed(params, tokens, config)
+    h0, extra = embed(params, tokens, config), token_per_layer_inputs(params, tokens, config)
 
     def one(order):
-        h, _ = run_layers(params, h0, config, valid=valid, run=LayerRun(order=order))
+        h, _ = run_layers(params, h0, config, valid=valid, run=LayerRun(order=order), per_layer_inputs=extra)
         return _answer_scores(unembed(params, h, config), tokens, valid, starts)
 
     return sweep(one, orders, chunk_size)

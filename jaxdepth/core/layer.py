@@ -87,6 +87,10 @@ __all__ = [
     "refuse_typed_attention",
     "refuse_shared_key_values",
     "empty_shared_kv",
+    "shared_kv_at",
+    "piece_shared_kv",
+    "written_shared_kv",
+    "layer_key_values",
     "attention_config",
     "per_layer_output",
 ]
@@ -1206,6 +1210,93 @@ def empty_shared_kv(config: ModelConfig, batch: int, keys: int, dtype) -> Option
             tc = attention_config(config, full)
             slots[kind] = tuple(jnp.zeros((batch, keys, tc.num_kv_heads, tc.head_dim), dtype) for _ in range(2))
     return slots
+
+
+def _layer_types(config: ModelConfig):
+    """Gemma 4's layer types that some layer has: `(kind, full, layers of it that compute their
+    own keys and values)`, as `empty_shared_kv` keys its slots."""
+    sliding = config.sliding_layers
+    for kind, full in (("sliding", False), ("full", True)):
+        if any(s != full for s in sliding):
+            own = tuple(i for i, s in enumerate(sliding) if s != full and i not in config.shared_kv_layers)
+            yield kind, full, own
+
+
+def shared_kv_at(key_values: tuple[Array, Array], boundary, config: ModelConfig) -> Optional[dict]:
+    """The keys and values shared among layers as they stand at `boundary` (0..L, traced or not)
+    of a run whose layers' keys and values are `key_values = (keys, values)`, `[L, B, T, K, Dh]`
+    each as its records hold them (`LayerRecord.k`, `v`; `jaxdepth.core.loops.clean_key_values`
+    of a clean run): per layer type, those of the last layer of that type before the boundary
+    that computes its own, in the type's shapes, or zeros where none does (`empty_shared_kv`).
+    What a run from that boundary starts from (`jaxdepth.core.loops.LayerRun.shared_kv`), as a
+    suffix run's prefix holds the keys of earlier positions. None in a model that shares none."""
+    if not config.shared_kv_layers:
+        return None
+    keys, values = key_values
+    slots = {}
+    for kind, full, own in _layer_types(config):
+        tc = attention_config(config, full)
+        last = np.array([max((i for i in own if i < b), default=-1) for b in range(config.num_layers + 1)])
+        source = jnp.asarray(last)[boundary]
+
+        def pick(a, source=source, tc=tc):
+            row = layer_row(a, jnp.maximum(source, 0))[..., : tc.num_kv_heads, : tc.head_dim]
+            return jnp.where(source >= 0, row, jnp.zeros_like(row))
+
+        slots[kind] = (pick(keys), pick(values))
+    return slots
+
+
+def piece_shared_kv(shared: Optional[dict], start, width: int) -> Optional[dict]:
+    """The shared keys and values `shared` (each `[B, T, K, Dh]`, a buffer of every position) laid
+    out as a piece of `width` rows from position `start` (traced or not) attends to them
+    (`piece_context`: keys `[buffer T | piece width]`): the buffer, then its own rows of the
+    piece, which the layer that wrote them computed at the piece's positions."""
+    if shared is None:
+        return None
+    piece = lambda a: jnp.concatenate([a, jax.lax.dynamic_slice_in_dim(a, start, width, axis=1)], axis=1)  # noqa: E731
+    return {kind: tuple(piece(a) for a in kv) for kind, kv in shared.items()}
+
+
+def written_shared_kv(shared: Optional[dict], index, key_values: tuple[Array, Array], config: ModelConfig):
+    """`shared` (as `empty_shared_kv`) after layer `index` (traced or not) wrote its keys and
+    values `key_values` (`[B, T, K, Dh]` each, as its record holds them, as wide as the widest
+    layer's) into its type's slot, where it computes its own; unchanged elsewhere. What a loop
+    that runs a layer over all its positions in pieces carries to the next layer."""
+    if shared is None:
+        return None
+    out = dict(shared)
+    for kind, full, own in _layer_types(config):
+        tc = attention_config(config, full)
+        writes = in_layers(index, own, config)
+        new = tuple(a[..., : tc.num_kv_heads, : tc.head_dim].astype(s.dtype) for a, s in zip(key_values, shared[kind]))
+        out[kind] = tuple(jnp.where(writes, n, s) for n, s in zip(new, shared[kind]))
+    return out
+
+
+def layer_key_values(p: Params, h: Float[Array, "B T D"], index, context: LayerContext, config: ModelConfig):
+    """Layer `index`'s own rotated keys and values `[B, T, K, Dh]` of its input `h` (`p` its
+    weights, `index` traced or not), with its type's weights and rotary tables where the layers'
+    attention comes in two shapes (Gemma 4), as wide as the widest layer's
+    (`ModelConfig.most_kv_heads`, `widest_head_dim`; the records' shapes). A layer of
+    `shared_kv_layers` reads other keys than these (`layer_step`)."""
+    x = pre_norm(p, "attn_norm", h, config)
+    if not (config.global_layers or config.shared_kv_layers):
+        cos, sin, _ = context_of_layer(context, index, config)
+        return key_values(p, x, cos, sin, config)
+    K, Dh = config.most_kv_heads, config.widest_head_dim
+
+    def of_type(full: bool):
+        def run(x):
+            tc = attention_config(config, full)
+            w = _Renamed(p, _GLOBAL) if full and config.global_layers else p
+            cos, sin, _ = _context_of_type(context, index, full, config)
+            return tuple(_widened(a, Dh, K) for a in key_values(w, x, cos, sin, tc))
+
+        return run
+
+    full = _is_full(index, config)
+    return of_type(full)(x) if isinstance(full, bool) else jax.lax.cond(full, of_type(True), of_type(False), x)
 
 
 @functools.lru_cache(maxsize=64)

@@ -51,6 +51,7 @@ from jaxdepth.core.layer import (
     empty_shared_kv,
     every_layer_rows,
     input_key_values,
+    layer_key_values,
     layer_context,
     layer_params,
     layer_row,
@@ -58,9 +59,11 @@ from jaxdepth.core.layer import (
     layer_weights,
     linear_shape,
     piece_context,
+    piece_shared_kv,
     refuse_linear_prefix,
     refuse_shared_key_values,
-    refuse_typed_attention,
+    shared_kv_at,
+    written_shared_kv,
 )
 from jaxdepth.core.linear_attention import LinearState
 from jaxdepth.core.sites import (
@@ -88,6 +91,8 @@ __all__ = [
     "suffix_value_and_grad",
     "stored_layers",
     "token_step",
+    "token_chain_step",
+    "shared_row_at",
     "map_layers",
     "scan_layers",
 ]
@@ -117,13 +122,19 @@ class LayerRun:
     context: a `LayerContext` replacing the one built from `valid` and the prefix's length
         (rows that are not consecutive positions, `jaxdepth.core.layer.step_context`).
     remat: wrap each layer in `jax.checkpoint` (from boundary 0 only): a gradient through
-        the stack keeps one residual per layer."""
+        the stack keeps one residual per layer.
+    shared_kv: the keys and values shared among layers as they stand at `start` (Gemma 4's
+        `shared_kv_layers`; `jaxdepth.core.layer.shared_kv_at` of the clean run's keys and
+        values, every position's): what the layers from `start` on that reuse the keys of a
+        layer before it read, as the prefix holds the keys of earlier positions. Required
+        from a boundary other than 0 in such a model; None: none computed yet (boundary 0)."""
 
     start: Any = 0
     prefix: Optional[Any] = None
     order: Optional[LayerOrder] = None
     context: Optional[LayerContext] = None
     remat: bool = False
+    shared_kv: Optional[dict] = None
 
     @property
     def from_zero(self) -> bool:
@@ -142,8 +153,12 @@ class LayerRun:
         L = config.num_layers
         if not self.from_zero and not isinstance(self.start, jax.core.Tracer) and not 0 <= int(self.start) <= L:
             raise ValueError(f"start must be a boundary in 0..{L}, got {self.start}")
-        if not self.from_zero:
-            refuse_shared_key_values(config, "a run from a boundary other than 0")
+        if not self.from_zero and self.shared_kv is None:
+            refuse_shared_key_values(
+                config,
+                "a run from a boundary other than 0 without the keys and values shared at it "
+                "(LayerRun(shared_kv=jaxdepth.core.layer.shared_kv_at(...)))",
+            )
         if self.remat and not self.from_zero:
             raise ValueError("remat is for gradients through every layer: run from start 0")
         if self.order is None:
@@ -242,9 +257,12 @@ def run_layers(
     new token per prompt at each prompt's own position (`jaxdepth.core.layer.step_context`).
 
     `per_layer_inputs` `[B, S, L, P]`: Gemma 4's per-layer inputs of the rows
-    (`jaxdepth.core.model.per_layer_inputs`), which its layers read (placed in the context).
-    Its layers that share keys and values (`ModelConfig.shared_kv_layers`) read those the scan
-    carries from the layers before them (`jaxdepth.core.layer.empty_shared_kv`).
+    (`jaxdepth.core.model.token_per_layer_inputs`: of the tokens' clean embeddings, whatever
+    the run does to its residual), which its layers read (placed in the context). Its layers
+    that share keys and values (`ModelConfig.shared_kv_layers`) read those the loop carries
+    from the layers before them: from `run.shared_kv` (the clean run's at `run.start`), which
+    each later layer that computes its own overwrites (`jaxdepth.core.layer.empty_shared_kv`
+    from boundary 0).
 
     The old keywords (`start=`, `prefix=`, `order=`, `context=`, `remat=`) are refused with the
     `LayerRun` that says the same. Returns `(h_L [B, S, D], taps)` where `h_L` is the last
@@ -259,7 +277,9 @@ def run_layers(
     if per_layer_inputs is not None:
         context = context._replace(per_layer_inputs=per_layer_inputs)
     states = initial_states(ivs)
-    shared = empty_shared_kv(config, h.shape[0], run.offset + h.shape[1], h.dtype)
+    shared = run.shared_kv
+    if shared is None:
+        shared = empty_shared_kv(config, h.shape[0], run.offset + h.shape[1], h.dtype)
     prefix = run.prefix
     if run.order is not None:
         body = _run_order(params, config, run.order, ivs, context, tap, tap_inputs)
@@ -284,30 +304,31 @@ def run_layers(
         (h_last, states, _), taps = jax.lax.scan(jax.checkpoint(layer) if run.remat else layer, carry, xs)
         return final_residual(h_last, config, ivs, states), taps
 
-    def record_at(i, h, states):
-        return record(layer_params(params, i, config), i, h, states, None if prefix is None else layer_row(prefix, i))
+    def record_at(i, h, states, shared):
+        known = None if prefix is None else layer_row(prefix, i)
+        return record(layer_params(params, i, config), i, h, states, known, shared)
 
     if tap is None:
 
         def step(i, carry):
             r = record_at(i, *carry)
-            return r.out, r.states
+            return r.out, r.states, r.shared_kv
 
-        h_last, states = jax.lax.fori_loop(run.start, L, step, (h, states))
+        h_last, states, _ = jax.lax.fori_loop(run.start, L, step, (h, states, shared))
         return final_residual(h_last, config, ivs, states), None
 
     def tapped(i, r):
         return tap(r, None if tap_inputs is None else layer_row(tap_inputs, i))
 
-    shapes = jax.eval_shape(lambda h, states: tapped(0, record_at(0, h, states)), h, states)
+    shapes = jax.eval_shape(lambda h, states, shared: tapped(0, record_at(0, h, states, shared)), h, states, shared)
     buffers = jax.tree.map(lambda s: jnp.zeros((L,) + s.shape, s.dtype), shapes)
 
     def body(i, carry):
-        h, states, bufs = carry
-        r = record_at(i, h, states)
-        return r.out, r.states, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
+        h, states, shared, bufs = carry
+        r = record_at(i, h, states, shared)
+        return r.out, r.states, r.shared_kv, jax.tree.map(lambda b, y: b.at[i].set(y), bufs, tapped(i, r))
 
-    h_last, states, taps = jax.lax.fori_loop(run.start, L, body, (h, states, buffers))
+    h_last, states, _, taps = jax.lax.fori_loop(run.start, L, body, (h, states, shared, buffers))
     return final_residual(h_last, config, ivs, states), taps
 
 
@@ -457,15 +478,24 @@ def run_layer(
     interventions=None,
     context: Optional[LayerContext] = None,
     prefix: Optional[tuple[Array, Array]] = None,
+    per_layer_inputs: Optional[Array] = None,
+    shared_kv: Optional[dict] = None,
 ):
     """The `LayerRecord` of layer `layer` (traced or not) run on its input `h` under
     `interventions` (stateful ones start from their initial state). `context` and `prefix` as
     in `jaxdepth.core.layer.layer_step` (this layer's keys and values `[B, P, K, Dh]`), for rows
     that are not a prompt's first positions: one position against a key/value buffer
-    (`jaxdepth.core.layer.piece_context`)."""
+    (`jaxdepth.core.layer.piece_context`). `per_layer_inputs` `[B, S, L, P]` and `shared_kv`
+    as in `run_layers` (`LayerRun.shared_kv`: the keys and values shared at the layer's own
+    boundary, which a layer that reuses an earlier layer's reads; in the piece layout,
+    `jaxdepth.core.layer.piece_shared_kv`, with a piece context); the record's `shared_kv`
+    is then the slot after the layer."""
     ivs = check_layer_indices(interventions, config.num_layers)
     context = layer_context(h, valid, config) if context is None else context
-    return layer_step(layer_params(params, layer, config), h, layer, context, config, ivs, prefix, initial_states(ivs))
+    if per_layer_inputs is not None:
+        context = context._replace(per_layer_inputs=per_layer_inputs)
+    p = layer_params(params, layer, config)
+    return layer_step(p, h, layer, context, config, ivs, prefix, initial_states(ivs), shared_kv=shared_kv)
 
 
 class Pieces(NamedTuple):
@@ -489,6 +519,7 @@ def run_layers_in_pieces(
     pieces: Optional[Pieces] = None,
     interventions_of=None,
     clean_inputs: Optional[Float[Array, "Lp1 B T D"]] = None,
+    per_layer_inputs: Optional[Array] = None,
     **loose,
 ) -> Float[Array, "B T D"]:
     """Layers start..L-1 on `h` `[B, T, D]` = h_start, each over the position pieces
@@ -511,7 +542,13 @@ def run_layers_in_pieces(
     first piece begins: the layer run on its clean input at the positions before it (with the
     interventions of those positions), which nothing before the first piece changes, as the
     buffer's keys. Its pieces then carry the state from one to the next, as its keys go into
-    the buffer."""
+    the buffer.
+
+    `per_layer_inputs` `[B, T, L, P]` (Gemma 4's, every position's; each piece reads its own
+    rows). In a model whose layers share keys and values, the slot at `start` is the one the
+    buffers give (`jaxdepth.core.layer.shared_kv_at`: the clean run's); a layer that computes
+    its own keys writes its whole buffer into its type's slot once its pieces have run, and a
+    later layer that reuses them reads that buffer (`piece_shared_kv`), as in the full forward."""
     if loose:
         old = {"first_piece": "first", "last_piece": "last", "width": "width"}
         named = [f"{old[k]}=..." for k in loose if k in old]
@@ -532,7 +569,8 @@ def run_layers_in_pieces(
             "begins: pass clean_inputs= (every layer's clean input, the stream the buffers were read off)"
         )
 
-    def layer(i, h):
+    def layer(i, carry):
+        h, shared = carry
         p = layer_params(params, i, config)
         state = None
         if config.mixed_mixers:  # the state where the first piece begins, from the clean inputs before it
@@ -552,13 +590,20 @@ def run_layers_in_pieces(
                 )
             x = jax.lax.dynamic_slice_in_dim(h, first, width, axis=1)
             prefix = (k_buf, v_buf) if state is None else MixerPrefix(k_buf, v_buf, state)
-            r = layer_step(p, x, i, piece_context(valid, first, width, config), config, ivs, prefix)
+            context = piece_context(valid, first, width, config)
+            if per_layer_inputs is not None:
+                rows = jax.lax.dynamic_slice_in_dim(per_layer_inputs, first, width, axis=1)
+                context = context._replace(per_layer_inputs=rows)
+            shared_kv = piece_shared_kv(shared, first, width)
+            r = layer_step(p, x, i, context, config, ivs, prefix, shared_kv=shared_kv)
             put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, first, axis=1)
             return put(h, r.out), put(k_buf, r.k[:, T:]), put(v_buf, r.v[:, T:]), r.linear_state
 
-        return jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i], state))[0]
+        h, k_buf, v_buf, _ = jax.lax.fori_loop(first_piece, last_piece + 1, piece, (h, keys[i], values[i], state))
+        return h, written_shared_kv(shared, i, (k_buf, v_buf), config)
 
-    return jax.lax.fori_loop(start, config.num_layers, layer, h)
+    shared = shared_kv_at((keys, values), start, config)
+    return jax.lax.fori_loop(start, config.num_layers, layer, (h, shared))[0]
 
 
 def linear_state_at(p: Params, index, h: Float[Array, "B T D"], valid, position, config: ModelConfig, interventions=()):
@@ -600,10 +645,19 @@ def clean_prefix(params: Params, hs: Float[Array, "Lp1 B T D"], length: int, con
 
 def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: ModelConfig, *, valid=None):
     """Every layer's rotated keys and values, `([L, B, T, K, Dh], [L, B, T, K, Dh])`, read off
-    the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run."""
+    the clean residual stream `hs` (from `residual_stream`): the `prefix` of a suffix run.
+
+    Where the layers' attention comes in two shapes or shares keys and values (Gemma 4), as the
+    records hold them (`jaxdepth.core.layer.LayerRecord.k`): as wide as the widest layer's,
+    and a layer of `shared_kv_layers` has the row of the layer whose keys it reads
+    (`ModelConfig.kv_source`); `jaxdepth.core.layer.shared_kv_at` reads the slot at a boundary
+    off them."""
     refuse_linear_prefix(config, "clean_key_values (a suffix run's prefix)")
-    refuse_typed_attention(config, "clean_key_values")
     context = layer_context(hs[0], valid, config)
+    if config.global_layers or config.shared_kv_layers:
+        own = map_layers(lambda i: layer_key_values(layer_params(params, i, config), hs[i], i, context, config), config)
+        source = np.array([config.kv_source(i) for i in range(config.num_layers)])
+        return tuple(a[source] for a in own)
 
     def key_values(p, h, i):
         cos, sin, _ = context_of_layer(context, i, config)
@@ -613,7 +667,17 @@ def clean_key_values(params: Params, hs: Float[Array, "Lp1 B T D"], config: Mode
 
 
 def suffix_value_and_grad(
-    params, z, start, config: ModelConfig, head, *, valid=None, interventions=None, backward: Backward = "recompute"
+    params,
+    z,
+    start,
+    config: ModelConfig,
+    head,
+    *,
+    valid=None,
+    interventions=None,
+    backward: Backward = "recompute",
+    per_layer_inputs=None,
+    shared_kv=None,
 ):
     """`head(h_L)` when h_start = z, and its gradient with respect to z, running only layers
     start..L-1 (`layer_step`, with `interventions` at their sites, as every loop).
@@ -626,11 +690,22 @@ def suffix_value_and_grad(
     the activations of a forward per layer, `jaxdepth.core.sweep.member_bytes(stored=True)`);
     an int k: the last k layers stored, the others recomputed (`stored_layers`), where memory
     holds some layers' matmul outputs but not all. `start` may be traced but not batched.
+
+    `per_layer_inputs` `[B, T, L, P]` and `shared_kv` (the slot at `start`) as in `run_layers`.
+    In a model whose layers share keys and values the gradient also flows from a layer that
+    reuses keys to the input of the layer that computed them: there the layers run as one
+    differentiable scan carrying the slot (those before `start` passed by, `lax.cond`), each
+    layer rematerialised ('recompute') or keeping its matmul outputs ('stored'); a backward
+    that stores some layers only is refused.
     """
     L = config.num_layers
     k = stored_layers(backward, L)
     ivs = _without_state(check_layer_indices(interventions, L))
     context = layer_context(z, valid, config)
+    if per_layer_inputs is not None:
+        context = context._replace(per_layer_inputs=per_layer_inputs)
+    if config.shared_kv_layers:
+        return _shared_value_and_grad(params, z, start, config, head, context, ivs, shared=shared_kv, stored=k)
     apply = lambda i, h: layer_step(layer_params(params, i, config), h, i, context, config, ivs).out
     layout = _PullbackLayout.of(params, z, context, config, ivs) if k else None
     first_stored = start if k == L else L if k == 0 else jnp.maximum(start, L - k)  # start..first_stored-1 recompute
@@ -668,6 +743,36 @@ def suffix_value_and_grad(
     if k < L:
         grad = jax.lax.fori_loop(0, first_stored - start, recomputed_back, grad)
     return value, grad
+
+
+def _shared_value_and_grad(params, z, start, config: ModelConfig, head, context, ivs, *, shared, stored: int):
+    """`suffix_value_and_grad` where layers share keys and values: one scan over every layer
+    carrying `(h, slot)`, layers before `start` skipped, differentiated whole."""
+    L = config.num_layers
+    if stored not in (0, L):
+        raise ValueError(
+            f"a backward that stores {stored} of {L} layers is not implemented for a model whose layers share keys "
+            "and values: take 'recompute' or 'stored'"
+        )
+    if shared is None:
+        raise ValueError(
+            "a suffix gradient of a model whose layers share keys and values starts from the slot at its boundary: "
+            "pass shared_kv=jaxdepth.core.layer.shared_kv_at(clean keys and values, start, config)"
+        )
+    policy = jax.checkpoint_policies.dots_saveable if stored == L else None
+
+    def body(carry, i):
+        def apply(carry):
+            r = layer_step(layer_params(params, i, config), carry[0], i, context, config, ivs, shared_kv=carry[1])
+            return r.out, r.shared_kv
+
+        return jax.lax.cond(i >= start, apply, lambda carry: carry, carry), None
+
+    def value(z):
+        (h, _), _ = jax.lax.scan(jax.checkpoint(body, policy=policy), (z, shared), jnp.arange(L))
+        return head(final_residual(h, config, ivs))
+
+    return jax.value_and_grad(value)(z)
 
 
 # What a suffix gradient keeps for its backward: 'recompute', 'stored', or the number of layers
@@ -777,14 +882,37 @@ def token_step(
     config: ModelConfig,
     *,
     inputs: Optional[Float[Array, "L T D"]] = None,
+    per_layer_inputs: Optional[Float[Array, "T L P"]] = None,
 ) -> Float[Array, " D"]:
     """h_{l+1}[t] as a function of h_l[t] = `x` alone: layer `index` (l) run on one position
     (`position`, t; traced or not) of one prompt, which attends to the keys and values of its
     positions before t (`keys[l]`, `values[l]`, the clean run's) and to its own. At the clean
     input it equals the full forward's output there. A linear-attention layer continues from
     its state at t instead (`linear_state_at`), read off its clean `inputs` (every layer's
-    input h_l of the prompt, which a model with linear-attention layers needs)."""
+    input h_l of the prompt, which a model with linear-attention layers needs).
+
+    Gemma 4: `per_layer_inputs` (the prompt's `[T, L, P]`) give the position its own; a layer
+    that reuses an earlier layer's keys and values reads those of the clean run (`keys`, as
+    the records hold them: `jaxdepth.core.layer.shared_kv_at`), the position's own included,
+    which its input does not move."""
+    clean = (keys, values, valid, position, inputs, per_layer_inputs)
+    return _token_record(params, index, x, clean, config, None).out[0, 0]
+
+
+def _token_record(params: Params, index, x, clean, config: ModelConfig, shared_row):
+    """The record of `token_step` (`clean` its keys, values, valid, position, inputs and
+    per-layer inputs), the shared keys' row at the position `shared_row` where given."""
+    keys, values, valid, position, inputs, per_layer_inputs = clean
     context = piece_context(valid[None], position, 1, config)
+    if per_layer_inputs is not None:
+        rows = jax.lax.dynamic_slice_in_dim(per_layer_inputs[None], position, 1, axis=1)
+        context = context._replace(per_layer_inputs=rows)
+    shared = piece_shared_kv(shared_kv_at((keys[:, None], values[:, None]), index, config), position, 1)
+    if shared_row is not None:
+        shared = {
+            kind: tuple(jnp.concatenate([a[:, :-1], r[None, None]], axis=1) for a, r in zip(kv, shared_row[kind]))
+            for kind, kv in shared.items()
+        }
     prefix = (keys[index][None], values[index][None])
     if config.mixed_mixers:
         if inputs is None:
@@ -792,7 +920,46 @@ def token_step(
         p = layer_params(params, index, config)
         state = linear_state_at(p, index, inputs[index][None], valid[None], position, config)
         prefix = MixerPrefix(*prefix, state)
-    return run_layer(params, index, x[None, None], config, context=context, prefix=prefix).out[0, 0]
+    return run_layer(params, index, x[None, None], config, context=context, prefix=prefix, shared_kv=shared)
+
+
+def shared_row_at(keys: Float[Array, "L T K Dh"], values, boundary, position, config: ModelConfig) -> Optional[dict]:
+    """The row at `position` of the keys and values shared among layers at `boundary` of the
+    clean run of one prompt (`keys`, `values` as its records hold them;
+    `jaxdepth.core.layer.shared_kv_at`): `{kind: (k [K, Dh], v [K, Dh])}`, what a chain of
+    `token_chain_step`s starts from at that boundary. None in a model that shares none."""
+    shared = shared_kv_at((keys[:, None], values[:, None]), boundary, config)
+    if shared is None:
+        return None
+    return {
+        kind: tuple(jax.lax.dynamic_index_in_dim(a[0], position, keepdims=False) for a in kv)
+        for kind, kv in shared.items()
+    }
+
+
+def token_chain_step(
+    params: Params,
+    index,
+    state: tuple,
+    keys: Float[Array, "L T K Dh"],
+    values: Float[Array, "L T K Dh"],
+    valid: Bool[Array, " T"],
+    position,
+    config: ModelConfig,
+    *,
+    inputs: Optional[Float[Array, "L T D"]] = None,
+    per_layer_inputs: Optional[Float[Array, "T L P"]] = None,
+) -> tuple:
+    """`token_step` of a position whose input moves at every layer of a chain, in a model whose
+    layers share keys and values: `state = (x [D], row)`, the position's input and the shared
+    keys' and values' row at the position (`shared_row_at`: the clean run's at the chain's first
+    boundary), to `(h_{l+1}[t], row after the layer)`. A layer that reuses keys reads the row,
+    one that computes its own writes it: h_L[t] as a function of h_l[t] runs through the keys a
+    later layer reuses, which `token_step` (each layer against the clean run's) holds fixed."""
+    x, row = state
+    clean = (keys, values, valid, position, inputs, per_layer_inputs)
+    r = _token_record(params, index, x, clean, config, row)
+    return r.out[0, 0], {kind: tuple(a[0, -1] for a in kv) for kind, kv in r.shared_kv.items()}
 
 
 def map_layers(fn, config: ModelConfig):

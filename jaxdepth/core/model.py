@@ -42,6 +42,7 @@ __all__ = [
     "check_tokens",
     "embed",
     "per_layer_inputs",
+    "token_per_layer_inputs",
     "unembed",
     "forward",
     "layer_inputs",
@@ -126,6 +127,20 @@ def per_layer_inputs(
     projected = project(h0, params["ple_model_proj"]) * jnp.asarray(config.hidden_size**-0.5, h0.dtype)
     projected = norm(projected.reshape(h0.shape[:-1] + (L, P)), params["ple_proj_norm"], config)
     return (projected + lookup.reshape(tokens.shape + (L, P)).astype(h0.dtype)) * jnp.asarray(2**-0.5, h0.dtype)
+
+
+def token_per_layer_inputs(
+    params: Params, tokens: Int[Array, "B T"], config: ModelConfig
+) -> Optional[Float[Array, "B T L P"]]:
+    """The per-layer inputs of `tokens` (`per_layer_inputs`) from their clean embeddings
+    (`embed`): what every run of those tokens gives its layers, whatever it does to the
+    residual stream. An intervention at h_0, an interpolated or replaced residual at a later
+    boundary (integrated gradients, erasure), a run from a later boundary: the layers still
+    read these, an input of the layers, not of the residual stream, as they read the tokens'
+    positions. None in a model without them."""
+    if not config.per_layer_input_size:
+        return None
+    return per_layer_inputs(params, tokens, embed(params, tokens, config), config)
 
 
 def unembed(params: Params, h: Float[Array, "*b D"], config: ModelConfig) -> Float[Array, "*b V"]:

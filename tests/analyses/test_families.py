@@ -31,7 +31,8 @@ from jaxdepth.core import sites
 from jaxdepth.core.batch import make_batch
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.loops import LayerRun, clean_key_values, clean_prefix, run_grouped_orders, run_layer, run_layers
-from jaxdepth.core.model import embed, forward, random_params, residual_stream, unembed
+from jaxdepth.core.layer import empty_shared_kv, shared_kv_at
+from jaxdepth.core.model import embed, forward, random_params, residual_stream, token_per_layer_inputs, unembed
 from jaxdepth.core.module import Decoder
 from jaxdepth.core.structure import (
     LayerOrder,
@@ -46,9 +47,9 @@ from jaxdepth.core.structure import (
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
-FAMILIES = sorted(
-    [*FAMILY_VARIANTS, "phi3_longrope", "qwen3_5_hybrid"]
-)  # longrope: the two prompts straddle its original context
+# longrope: the two prompts straddle its original context; Gemma 4 with per-layer inputs, layers
+# reusing earlier layers' keys and values, full-attention layers of their own shapes
+FAMILIES = sorted([*FAMILY_VARIANTS, "phi3_longrope", "qwen3_5_hybrid", "gemma4_shared_kv"])
 WINDOW = 6
 
 
@@ -58,10 +59,22 @@ def family_config(name: str) -> ModelConfig:
     return dataclasses.replace(config, sliding_window=WINDOW) if any(config.sliding_layers) else config
 
 
+def family_params(config: ModelConfig):
+    """The family's random weights. Gemma 4's attention scores are unscaled (`attn_scale` 1):
+    with q/k norm weights near 1 its softmax is so sharp that float32 alone moves a suffix run's
+    h_L by 6e-5; those weights halved (as `conftest._narrow_gemma4_scores` does for its GGUF
+    model), the scores quartered."""
+    params = random_params(config, 1, scale=0.15)
+    if config.model_type.startswith("gemma4"):
+        scale = lambda name: 0.5 if name.endswith(("q_norm", "k_norm")) else 1.0  # noqa: E731
+        params["layers"] = {name: w * scale(name) for name, w in params["layers"].items()}
+    return params
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     config = family_config(request.param)
-    yield config, random_params(config, 1, scale=0.15)
+    yield config, family_params(config)
     # A family's compiled programs dropped when the next family starts: this module compiles
     # thousands, and past the kernel's memory maps per process XLA's next compilation crashes
     # the worker (`conftest._release_compiled_programs`, which clears only at a module's end).
@@ -81,8 +94,9 @@ def _jit_probs(params, config, tokens, valid, interventions):
 
 @partial(jax.jit, static_argnums=1)
 def _jit_deltas(params, config, tokens, valid, interventions):
-    h0 = embed(params, tokens, config)
-    return run_layers(params, h0, config, valid=valid, interventions=interventions, tap=lambda r, _: r.delta)[1]
+    h0, extra = embed(params, tokens, config), token_per_layer_inputs(params, tokens, config)
+    tap = lambda r, _: r.delta  # noqa: E731
+    return run_layers(params, h0, config, valid=valid, interventions=interventions, tap=tap, per_layer_inputs=extra)[1]
 
 
 def _probs(params, config, tokens, valid, interventions=None):
@@ -122,10 +136,18 @@ def test_the_sites_mean_what_they_mean_in_every_family(family, batch):
     the contributions are read from them."""
     config, params = family
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
-    tap = lambda r, _: (r.h, r.attn, r.mlp, r.delta, r.mlp_in, r.out)  # noqa: E731
-    h, a, m, delta, mlp_in, out = run_layers(params, embed(params, tokens, config), config, valid=valid, tap=tap)[1]
+    tap = lambda r, _: (r.h, r.attn, r.mlp, r.delta, r.mlp_in, r.out, r.per_layer)  # noqa: E731
+    extra = token_per_layer_inputs(params, tokens, config)
+    h0 = embed(params, tokens, config)
+    h, a, m, delta, mlp_in, out, e = run_layers(params, h0, config, valid=valid, tap=tap, per_layer_inputs=extra)[1]
     # (equal up to float32 rounding: XLA may fuse the sums of the layer and of the test apart)
-    np.testing.assert_allclose(delta, a + m, rtol=1e-6, atol=1e-6)
+    if config.layer_scalar:  # Gemma 4: out = s (h + a + m + e), e what the per-layer inputs add
+        s = np.asarray(params["layers"]["layer_scalar"]).reshape(-1, 1, 1, 1)
+        added = a + m + (0 if e is None else e)
+        np.testing.assert_allclose(delta, (s - 1) * h + s * added, rtol=1e-6, atol=1e-6)
+        assert np.abs(s - 1).max() > 1e-2 and np.abs(np.asarray(delta - (a + m))).max() > 1e-2  # the check has teeth
+    else:
+        np.testing.assert_allclose(delta, a + m, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out, h + delta, rtol=1e-6, atol=1e-6)
     if config.parallel_residual:
         np.testing.assert_array_equal(mlp_in, h)  # the MLP reads the layer's input itself
@@ -144,6 +166,10 @@ def test_a_layer_split_per_head_is_the_layer(family, batch):
     OLMo 2's q/k norms over the whole projection included."""
     config, params = family
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+    if config.shared_kv_layers:  # Gemma 4's heads of two shapes and shared keys: refused by name
+        with pytest.raises(ValueError, match="split per head is not implemented.*Gemma 4"):
+            forward(params, tokens, config, valid=valid, interventions=sites.unchanged("q_in"))
+        return
     plain = forward(params, tokens, config, valid=valid)
     for site in ("q_in", "k_in", "head_result"):
         split = forward(params, tokens, config, valid=valid, interventions=sites.unchanged(site))
@@ -158,12 +184,20 @@ def test_a_suffix_run_from_clean_keys_and_values_equals_the_full_forward(family,
     hs = residual_stream(params, tokens, config, valid=valid)
     P = 11
     prefix = clean_prefix(params, hs, P, config, valid=valid)
+    extra = token_per_layer_inputs(params, tokens, config)
+    rows = lambda first: None if extra is None else extra[:, first:]  # noqa: E731  (the run's rows' own)
     if not config.mixed_mixers:  # the keys and values of every position, cut at P
         keys, values = clean_key_values(params, hs, config, valid=valid)
         np.testing.assert_array_equal(prefix[0], keys[:, :, :P])
         np.testing.assert_array_equal(prefix[1], values[:, :, :P])
-    h, _ = run_layers(params, hs[0][:, P:], config, valid=valid, run=LayerRun(prefix=prefix))
+    h, _ = run_layers(params, hs[0][:, P:], config, valid=valid, run=LayerRun(prefix=prefix), per_layer_inputs=rows(P))
     np.testing.assert_allclose(h, hs[-1][:, P:], rtol=1e-5, atol=1e-5)
+    if config.shared_kv_layers:  # from a later boundary too: the layers after it read the clean run's shared keys
+        l = 2
+        shared = shared_kv_at((keys, values), l, config)
+        later = LayerRun(start=l, prefix=prefix, shared_kv=shared)
+        h, _ = run_layers(params, hs[l][:, P:], config, valid=valid, run=later, per_layer_inputs=rows(P))
+        np.testing.assert_allclose(h, hs[-1][:, P:], rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
@@ -172,7 +206,9 @@ def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
     Jacobians of one layer and of the suffix to h_L equal the full run's derivatives."""
     config, params = family
     valid = jnp.asarray(batch.valid)
-    inputs, _, _ = clean_layer_states(params, jnp.asarray(batch.tokens), valid, config)
+    tokens = jnp.asarray(batch.tokens)
+    inputs, keys, values = clean_layer_states(params, tokens, valid, config)
+    extra = token_per_layer_inputs(params, tokens, config)
     result = layer_jacobians(
         params, batch, config, positions=[[12], [22]], estimate=Estimate(exact_width=config.hidden_size)
     )
@@ -181,9 +217,14 @@ def test_a_layer_jacobian_is_the_own_block_of_the_full_run(family, batch):
     def own_blocks(l, b, t):  # one compilation: the layer, prompt and position traced
         row = lambda a: jax.lax.dynamic_slice_in_dim(a, b, 1)  # noqa: E731
 
+        # Gemma 4: the prompt's per-layer inputs, the keys shared at boundary l in the clean run
+        kv = tuple(jax.lax.dynamic_slice_in_dim(a, b, 1, axis=1) for a in (keys, values))
+        run = LayerRun(start=l, shared_kv=shared_kv_at(kv, l, config))
+        options = dict(valid=row(valid), run=run, per_layer_inputs=None if extra is None else row(extra))
+
         def from_l(x):
             h = row(inputs[l]).at[0, t].set(x)
-            final, outs = run_layers(params, h, config, valid=row(valid), tap=lambda r, _: r.out, run=LayerRun(start=l))
+            final, outs = run_layers(params, h, config, tap=lambda r, _: r.out, **options)
             return outs[l, 0, t], final[0, t]
 
         return jax.jacfwd(from_l)(inputs[l, b, t])
@@ -302,34 +343,51 @@ def test_layer_orders_equal_the_reordered_layers_run_by_hand(family, batch):
     plan = group_orders(stacked, L)
     tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
 
+    extra = dict(valid=valid, per_layer_inputs=token_per_layer_inputs(params, tokens, config))
+    if config.shared_kv_layers:
+        # layer-major orders take no per-layer inputs nor shared keys: refused by name
+        with pytest.raises(ValueError, match="per-layer inputs"):
+            run_grouped_orders(params, embed(params, tokens, config), config, plan, valid=valid)
+        plan = None
+
     @jax.jit
     def as_data(params, order):  # one program: the plain forward and the orders run as data
         h0 = embed(params, tokens, config)
-        plain = run_layers(params, h0, config, valid=valid)[0]
-        intact = run_layers(params, h0, config, valid=valid, run=LayerRun(order=identity_order(L)))[0]
-        stack = jax.vmap(lambda o: run_layers(params, h0, config, valid=valid, run=LayerRun(order=o))[0])(order)
-        return plain, intact, stack, run_grouped_orders(params, h0, config, plan, valid=valid)[0]
+        plain = run_layers(params, h0, config, **extra)[0]
+        intact = run_layers(params, h0, config, run=LayerRun(order=identity_order(L)), **extra)[0]
+        stack = jax.vmap(lambda o: run_layers(params, h0, config, run=LayerRun(order=o), **extra)[0])(order)
+        grouped = None if plan is None else run_grouped_orders(params, h0, config, plan, valid=valid)[0]
+        return plain, intact, stack, grouped
 
     @jax.jit
     def by_hand(params):
         # one run_layer call per step; a prefix two orders share is run once (the repeat is the
         # intact run and one more layer), which keeps the unrolled program small
-        runs = {(): embed(params, tokens, config)}
+        # Gemma 4: each layer reads the keys shared by the layers before it in the order (the
+        # record's slot after it, as the scan carries it)
+        h0 = embed(params, tokens, config)
+        runs = {(): (h0, empty_shared_kv(config, *h0.shape[:2], h0.dtype))}
         for layers in steps:
             for n, i in enumerate(layers):
                 if tuple(layers[: n + 1]) not in runs:
-                    h = runs[tuple(layers[:n])]
-                    runs[tuple(layers[: n + 1])] = run_layer(params, i, h, config, valid=valid).out
-        return jnp.stack([runs[tuple(layers)] for layers in steps])
+                    h, shared = runs[tuple(layers[:n])]
+                    r = run_layer(params, i, h, config, shared_kv=shared, **extra)
+                    runs[tuple(layers[: n + 1])] = (r.out, r.shared_kv)
+        return jnp.stack([runs[tuple(layers)][0] for layers in steps])
 
-    plain, intact, stack, grouped = map(np.asarray, as_data(params, LayerOrder(*map(jnp.asarray, stacked))))
+    plain, intact, stack, grouped = as_data(params, LayerOrder(*map(jnp.asarray, stacked)))
+    plain, intact, stack = map(np.asarray, (plain, intact, stack))
     expected = np.asarray(by_hand(params))
-    # (a scan over traced indices, vmapped, and a program of unrolled layers round float32 apart)
-    tol = 1e-6 * np.abs(expected).max()
+    # A scan over traced indices, vmapped, and a program of unrolled layers round float32 apart:
+    # by 1e-6 of the residual, or (Gemma 4, its per-layer inputs gating an un-normed residual) as
+    # far as twice the identity order's own vmapped member is from its layers run by hand: the
+    # same layers, so only the rounding of the batched program moves that one
+    tol = max(1e-6 * np.abs(expected).max(), 2 * float(np.abs(stack[0] - expected[0]).max()))
     for c, order in enumerate(orders):
         what = describe_order(order)
         assert_close(stack[c], expected[c], f"vmapped {what}", tol=tol)
-        assert_close(grouped[c], expected[c], f"layer-major {what}", tol=tol)
+        if grouped is not None:
+            assert_close(np.asarray(grouped[c]), expected[c], f"layer-major {what}", tol=tol)
     # A step of one layer is that layer's output, so the intact order alone is the plain forward
     # bit for bit. A member of the vmapped stack is not: batched over the orders, it rounds apart
     # from the order alone (by up to 5e-6 in the families with q/k norms: Gemma 3, OLMo 2, OLMoE,
@@ -354,6 +412,10 @@ def test_edges_give_the_clean_and_the_corrupt_run(family):
     output after the norm (`tests/analyses/test_edge_post_norms.py`)."""
     config, params = family
     pairs = _pairs()
+    if config.shared_kv_layers:  # no writers and readers for Gemma 4's features: refused by name
+        with pytest.raises(ValueError, match="edge graph of a model with Gemma 4's per_layer_inputs"):
+            edge_attribution(params, pairs, config, logit_difference)
+        return
     graph = EdgeGraph.of(config)
     assert graph.attention_writers == (1 if config.post_norms else config.num_heads)
     scores = edge_attribution(params, pairs, config, logit_difference)
@@ -370,6 +432,10 @@ def test_atp_star_runs_every_node_kind_of_every_family(family):
     hidden units as its neurons (refused by name among dense layers)."""
     config, params = family
     kinds = ("queries", "keys", "values", "heads", "mlps") + (() if config.mixed_mlps else ("neurons",))
+    if config.shared_kv_layers:  # no nodes for Gemma 4's features: refused by name
+        with pytest.raises(ValueError, match="edge graph of a model with Gemma 4's per_layer_inputs"):
+            atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
+        return
     scores = atp_star(params, _pairs(), config, logit_difference, kinds=kinds, method="AtP*")
     for kind in kinds:
         assert np.all(np.isfinite(scores.of(kind))), kind

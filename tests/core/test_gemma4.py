@@ -17,7 +17,7 @@ from conftest import tiny_hf_config
 from jaxdepth.core import sites
 from jaxdepth.core.config import ModelConfig, UnsupportedConfigError
 from jaxdepth.core.decoding import generate_orders
-from jaxdepth.core.layer import rotary_frequencies
+from jaxdepth.core.layer import rotary_frequencies, shared_kv_at
 from jaxdepth.core.loops import LayerRun, clean_key_values, run_layers
 from jaxdepth.core.model import embed, forward, per_layer_inputs, random_params, residual_stream
 from jaxdepth.core.structure import group_orders, identity_order, layer_order, stack_orders
@@ -382,13 +382,35 @@ def test_runs_that_cannot_carry_the_shared_keys_are_refused(random_shared):
         _run(params, tokens, config, run=LayerRun(order=layer_order(config.num_layers, [0, (1, 2), 3])))
     with pytest.raises(ValueError, match="per-layer inputs"):
         run_layers(params, h0, config)
-    with pytest.raises(ValueError, match="clean_key_values"):
-        clean_key_values(params, residual_stream(params, tokens, config), config)
+    with pytest.raises(ValueError, match="without the keys and values shared at it"):
+        _run(params, tokens, config, run=LayerRun(start=2, shared_kv=None))
     with pytest.raises(ValueError, match="split per head"):
         forward(params, tokens, config, interventions=sites.unchanged("q_in"))
     orders = group_orders(stack_orders([identity_order(config.num_layers)]), config.num_layers)
     with pytest.raises(ValueError, match="per-layer inputs"):
         generate_orders(params, tokens, config, orders, max_new_tokens=2)
+
+
+def test_a_run_from_a_later_boundary_reads_the_clean_runs_shared_keys(random_shared):
+    """`clean_key_values` holds every layer's keys as its record does (a reusing layer the row of
+    the layer it reads), and a run from boundary l given the slot they hold at l
+    (`shared_kv_at`) is the forward's rest; the slot at l is the last producer's of each type."""
+    config, params, tokens = random_shared
+    hs = residual_stream(params, tokens, config)
+    _, (k, v) = _run(params, tokens, config, tap=lambda r, _: (r.k, r.v))
+    keys, values = clean_key_values(params, hs, config)
+    np.testing.assert_allclose(np.asarray(keys), np.asarray(k), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(values), np.asarray(v), rtol=1e-6, atol=1e-6)
+    slot = shared_kv_at((keys, values), 3, config)  # layers 0, 2 sliding and 1 full before layer 3
+    np.testing.assert_array_equal(np.asarray(slot["sliding"][0]), np.asarray(keys[2, ..., :2, :16]))
+    np.testing.assert_array_equal(np.asarray(slot["full"][1]), np.asarray(values[1, ..., :1, :32]))
+    assert float(jnp.abs(shared_kv_at((keys, values), 1, config)["full"][0]).max()) == 0.0  # none yet
+    for l in (2, 4):
+        h0 = embed(params, tokens, config)
+        extra = per_layer_inputs(params, tokens, h0, config)
+        run = LayerRun(start=l, shared_kv=shared_kv_at((keys, values), l, config))
+        h, _ = run_layers(params, hs[l], config, run=run, per_layer_inputs=extra)
+        np.testing.assert_allclose(np.asarray(h), np.asarray(hs[-1]), rtol=1e-5, atol=1e-5)
 
 
 def test_a_layers_contribution_is_what_it_adds_to_the_residual(random_shared):
@@ -490,3 +512,19 @@ def test_every_tensor_of_a_full_size_model_has_its_param(k_eq_v, experts):
             assert tensors.get(name) == want, (key, i, name)
             used.append(name)
     assert len(used) == len(set(used)) and set(used) | fused == set(tensors) and not fused & set(used)
+
+
+def test_the_plain_model_runs_from_a_later_boundary_and_its_delta_is_the_scaled_layer():
+    """`gemma4_plain` (the layer scalar alone: no per-layer inputs, no shared keys, one attention
+    shape; the family tests run `gemma4_shared_kv`): a run from a later boundary needs no shared
+    keys and is the forward's rest, and `delta` = (s - 1) h + s (a + m)."""
+    hf_config, _ = tiny_hf_config("gemma4_plain")
+    config = ModelConfig.from_hf(hf_config.to_dict())
+    params = jax.tree.map(jnp.asarray, random_params(config, 3, scale=0.15))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, config.vocab_size, size=(2, 20)), jnp.int32)
+    hs = residual_stream(params, tokens, config)
+    h, _ = run_layers(params, hs[1], config, run=LayerRun(start=1))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(hs[-1]), rtol=1e-5, atol=1e-5)
+    _, (x, a, m, delta) = run_layers(params, hs[0], config, tap=lambda r, _: (r.h, r.attn, r.mlp, r.delta))
+    s = params["layers"]["layer_scalar"].reshape(-1, 1, 1, 1)
+    np.testing.assert_allclose(np.asarray(delta), np.asarray((s - 1) * x + s * (a + m)), rtol=1e-6, atol=1e-6)

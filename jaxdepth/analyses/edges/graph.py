@@ -104,6 +104,25 @@ READER_KINDS = tuple(
 )
 
 
+def _refuse_gemma4_edges(config: ModelConfig) -> None:
+    """Refuse the edge graph of a model with Gemma 4's features: per-layer inputs (a third writer
+    of each layer), a layer scalar (a layer's output is not h + a + m), keys and values shared
+    among layers (a key reader of one layer read by another), full-attention layers of their
+    own head shapes; the graph's writers and readers do not model them (edge attribution,
+    circuits, AtP*)."""
+    features = dict(
+        per_layer_inputs=config.per_layer_input_size,
+        layer_scalar=config.layer_scalar,
+        shared_kv_layers=config.shared_kv_layers,
+        global_layers=config.global_layers,
+    )
+    if any(features.values()):
+        raise ValueError(
+            f"the edge graph of a model with Gemma 4's {', '.join(k for k, v in features.items() if v)} is not "
+            "implemented (edge attribution, circuits, AtP*): its writers and readers do not model them"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EdgeGraph:
     """The writers, readers and edges of a decoder of `num_layers` layers with `num_heads`
@@ -130,7 +149,8 @@ class EdgeGraph:
 
     @classmethod
     def of(cls, config: ModelConfig) -> "EdgeGraph":
-        """The graph of a model of `config`."""
+        """The graph of a model of `config`; refused for Gemma 4's features (`_refuse_gemma4_edges`)."""
+        _refuse_gemma4_edges(config)
         linear = (config.linear_layers, config.linear_value_heads) if config.mixed_mixers else ((), 0)
         return cls(config.num_layers, config.num_heads, config.parallel_residual, config.post_norms, *linear)
 

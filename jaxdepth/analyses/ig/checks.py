@@ -17,7 +17,7 @@ from jaxdepth.analyses.metrics import Metric, Readout, Reads, readout
 from jaxdepth.core.compilation import jit
 from jaxdepth.core.loops import run_layers
 from jaxdepth.core.config import ModelConfig
-from jaxdepth.core.model import check_tokens, embed
+from jaxdepth.core.model import check_tokens, embed, token_per_layer_inputs
 from jaxdepth.core.sites import SITES
 
 __all__ = [
@@ -212,7 +212,7 @@ def clean_readout(params, prompts, config: ModelConfig, metric: Metric, reads: R
     under `interventions` at `reads`, for `metric` (its own logits as the clean ones where it
     reads them): what `jaxdepth.analyses.metric_inputs.refuse_readout_padding` checks a metric
     on, for an analysis that keeps no readout of its own before it runs."""
-    h0 = embed(params, prompts.tokens, config)
-    h, _ = run_layers(params, h0, config, valid=prompts.valid, interventions=interventions)
+    h0, extra = embed(params, prompts.tokens, config), token_per_layer_inputs(params, prompts.tokens, config)
+    h, _ = run_layers(params, h0, config, valid=prompts.valid, interventions=interventions, per_layer_inputs=extra)
     labels = getattr(prompts, "labels", None)
     return readout(params, h, config, reads, clean_final=h if metric.clean else None, labels=labels)

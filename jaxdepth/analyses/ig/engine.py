@@ -32,6 +32,7 @@ from jaxdepth.analyses.ig.path import (
     attribution_of,
     choose_backward,
     clean_run,
+    layer_run_inputs,
     path_points,
     weighted_gradient,
 )
@@ -164,6 +165,7 @@ def attribute(
         site, attribution.metric, prompt_reads(attribution.metric, prompts), labels=getattr(prompts, "labels", None)
     )
     x, inputs, f_input, objective = clean_run(params, tokens, valid, config, objective, interventions=interventions)
+    per_layer, key_values = layer_run_inputs(params, tokens, valid, config, interventions=interventions)
     f_input = to_host(f_input)
     report = lambda layer_list, per_position, f_baseline: nonfinite_report(
         layer_list, per_position, f_input, f_baseline, baseline=attribution.baseline, site=site, prompts=label
@@ -177,7 +179,7 @@ def attribute(
         p = _layer_path(x, b, inputs, layer, np.int32(i), with_inputs=site != "resid_post")
         # the layer and the mask as given, not as a program's outputs: the path functions' calls
         # keep one signature (one compilation) with the experiments' own paths
-        return dataclasses.replace(p, layer=layer, valid=valid)
+        return dataclasses.replace(p, layer=layer, valid=valid, per_layer_inputs=per_layer, key_values=key_values)
 
     def weighted(i, alphas, weights, chunk, *, channels_too: bool):
         """Layer i's IG with the rule (alphas, weights): (per_position [B, T], per channel or None, F(b))."""

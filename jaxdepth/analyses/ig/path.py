@@ -27,8 +27,9 @@ from jaxdepth.core.compilation import jit
 from jaxdepth.core.config import ModelConfig
 from jaxdepth.core.execution import BACKWARDS, Execution
 from jaxdepth.core.flops import layer_flops
+from jaxdepth.core.layer import shared_kv_at
 from jaxdepth.core.loops import Backward, LayerRun, run_layer, run_layers, stored_layers, suffix_value_and_grad
-from jaxdepth.core.model import layer_inputs
+from jaxdepth.core.model import layer_inputs, token_per_layer_inputs
 from jaxdepth.core.padding import DeviceSpeed
 from jaxdepth.core.sites import SPLIT_SITES, Intervention, unchanged
 from jaxdepth.core.sweep import available_memory_budget, member_bytes, sweep, weighted_sum
@@ -38,6 +39,7 @@ __all__ = [
     "Objective",
     "clean_values",
     "clean_run",
+    "layer_run_inputs",
     "weighted_gradient",
     "path_points",
     "attribution_of",
@@ -57,13 +59,28 @@ class LayerPath:
     ...]`, b broadcastable to x), for prompts whose real tokens are `valid [B, T]`: `layer`
     (an int32 scalar, traced: every layer reuses one compilation) and the layer's input
     `h_in [B, T, D]`, from which a site inside the layer recomputes it (None for
-    `resid_post`). A pytree."""
+    `resid_post`). A pytree.
+
+    Gemma 4: `per_layer_inputs` `[B, T, L, P]`, the tokens' own (of their clean embeddings,
+    `jaxdepth.core.model.token_per_layer_inputs`), which every run along the path gives its
+    layers: the path moves a residual (or a site's value), not the layers' inputs; and
+    `key_values`, the clean run's keys and values `[L, B, T, K, Dh]` (as its records hold
+    them, `clean_key_values`), from which the runs along the path take the keys shared
+    among layers at their boundary (`jaxdepth.core.layer.shared_kv_at`): the layers before
+    the path's site ran on clean inputs. None in a model without them."""
 
     x: jax.Array
     b: jax.Array
     layer: jax.Array
     valid: jax.Array
     h_in: Optional[jax.Array] = None
+    per_layer_inputs: Optional[jax.Array] = None
+    key_values: Optional[tuple] = None
+
+    def shared_kv(self, boundary, config: ModelConfig):
+        """The keys and values shared among layers at `boundary` in the clean run (None in a
+        model that shares none)."""
+        return None if self.key_values is None else shared_kv_at(self.key_values, boundary, config)
 
     def at(self, alpha):
         """b + α(x - b)."""
@@ -134,6 +151,21 @@ clean_run = jit(clean_values, static_argnames="config")
 clean_run.__doc__ = "`clean_values`, jitted."
 
 
+@partial(jit, static_argnames="config")
+def layer_run_inputs(params, tokens, valid, config: ModelConfig, *, interventions=None):
+    """What a path's runs give their layers besides the residual (`LayerPath`): `(per_layer_inputs
+    [B, T, L, P], key_values)`, the tokens' per-layer inputs and the keys and values of every
+    layer of the clean run under `interventions` (as its records hold them), each None in a
+    model without per-layer inputs or without layers that share keys and values."""
+    per_layer = token_per_layer_inputs(params, tokens, config)
+    if not config.shared_kv_layers:
+        return per_layer, None
+    _, _, kv = layer_inputs(
+        params, tokens, config, valid=valid, interventions=interventions, tap=lambda r, _: (r.k, r.v)
+    )
+    return per_layer, kv
+
+
 # Integrated gradients' share of the free memory when no budget is given (the other sweeps take
 # `jaxdepth.core.sweep.MEMORY_FRACTION`, a quarter). The published code holds a block of 16
 # steps at once, each with what torch's autograd keeps of the later layers for the backward: at
@@ -165,7 +197,8 @@ def choose_backward(backward, config: ModelConfig, seq_len: int, memory_budget: 
     fits = lambda k: member_bytes(config, seq_len, grad=True, stored=k) <= budget  # noqa: E731
     if fits(True):
         return "stored"
-    k = max((k for k in range(config.num_layers) if fits(k)), default=0)
+    # (layers that share keys and values run their suffix as one scan: all stored or none)
+    k = 0 if config.shared_kv_layers else max((k for k in range(config.num_layers) if fits(k)), default=0)
     return k if k > 0 else "recompute"
 
 
@@ -189,16 +222,39 @@ def _set_value(value, layer, data):
     return jnp.where(layer == at, z.astype(value.dtype), value)
 
 
-def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, interventions):
+def site_entry(
+    params, layer, h_in, valid, config: ModelConfig, site: str, interventions, *, per_layer_inputs=None, shared_kv=None
+):
     """z -> h_{layer+1}: the layer's output as a function of its value z at `site` (the
     identity for `resid_post`); otherwise layer `layer` runs from its input `h_in` `[B, T, D]`
-    with the site's value set to z after the site's own interventions."""
+    with the site's value set to z after the site's own interventions (with `per_layer_inputs`
+    and the keys and values shared at its boundary, `shared_kv`, as `run_layer` takes them).
+
+    Where layers share keys and values, the later layers read the keys of a layer that computes
+    its own as its clean run computed them: a site the layer's keys are computed from
+    (`resid_pre`) is refused there (its keys would move along the path)."""
     if site == "resid_post":
         return lambda z: z
+    if site == "resid_pre" and config.shared_kv_layers:
+        raise ValueError(
+            "integrated gradients at resid_pre of a model whose layers share keys and values is not implemented: the "
+            "layer's keys, which later layers reuse, move with it; attribute at resid_post of the layer before"
+        )
 
     def entry(z):
         set_site = Intervention(site, _set_value, (layer, z))
-        return run_layer(params, layer, h_in, config, valid=valid, interventions=(interventions, set_site)).out
+        ivs = (interventions, set_site)
+        r = run_layer(
+            params,
+            layer,
+            h_in,
+            config,
+            valid=valid,
+            interventions=ivs,
+            per_layer_inputs=per_layer_inputs,
+            shared_kv=shared_kv,
+        )
+        return r.out
 
     return entry
 
@@ -206,7 +262,14 @@ def site_entry(params, layer, h_in, valid, config: ModelConfig, site: str, inter
 def _entry(params, path: LayerPath, config, site, interventions):
     dtype = params["embed"].dtype
     h_in = None if path.h_in is None else path.h_in.astype(dtype)
-    return site_entry(params, path.layer, h_in, path.valid, config, site, interventions)
+    options = dict(per_layer_inputs=path.per_layer_inputs, shared_kv=path.shared_kv(path.layer, config))
+    return site_entry(params, path.layer, h_in, path.valid, config, site, interventions, **options)
+
+
+def _suffix(path: LayerPath, config: ModelConfig) -> dict:
+    """What the runs from boundary layer+1 of `path` take besides the residual: the tokens'
+    per-layer inputs and the keys and values shared at that boundary (`LayerPath`)."""
+    return dict(per_layer_inputs=path.per_layer_inputs, shared_kv=path.shared_kv(path.layer + 1, config))
 
 
 @partial(jit, static_argnames=("config", "chunk_size", "backward"))
@@ -239,17 +302,27 @@ def weighted_gradient(
     def gradient(alpha):
         h_next, pullback = jax.vjp(entry, path.at(alpha).astype(dtype))
         _, g = suffix_value_and_grad(
-            params, h_next, layer + 1, config, total, valid=valid, interventions=interventions, backward=backward
+            params,
+            h_next,
+            layer + 1,
+            config,
+            total,
+            valid=valid,
+            interventions=interventions,
+            backward=backward,
+            **_suffix(path, config),
         )
         return pullback(g)[0].astype(jnp.float32)
 
+    suffix = _suffix(path, config)
     h_base, _ = run_layers(
         params,
         entry(path.b.astype(dtype)),
         config,
         valid=valid,
         interventions=interventions,
-        run=LayerRun(start=layer + 1),
+        run=LayerRun(start=layer + 1, shared_kv=suffix["shared_kv"]),
+        per_layer_inputs=suffix["per_layer_inputs"],
     )
     alphas, weights = nodes
     return weighted_sum(gradient, alphas, weights, chunk_size), head(h_base)
@@ -284,14 +357,30 @@ def path_points(
 
     def member(alpha):
         z = path.at(alpha).astype(dtype)
+        suffix = _suffix(path, config)
         if backward is None:
+            run = LayerRun(start=layer + 1, shared_kv=suffix["shared_kv"])
             h_last, _ = run_layers(
-                params, entry(z), config, valid=valid, interventions=interventions, run=LayerRun(start=layer + 1)
+                params,
+                entry(z),
+                config,
+                valid=valid,
+                interventions=interventions,
+                run=run,
+                per_layer_inputs=suffix["per_layer_inputs"],
             )
             return value_of(h_last), jnp.zeros(T, jnp.float32)
         h_next, pullback = jax.vjp(entry, z)
         value, g = suffix_value_and_grad(
-            params, h_next, layer + 1, config, value_of, valid=valid, interventions=interventions, backward=backward
+            params,
+            h_next,
+            layer + 1,
+            config,
+            value_of,
+            valid=valid,
+            interventions=interventions,
+            backward=backward,
+            **suffix,
         )
         g = pullback(g)[0]
         return value, jnp.sum((path.x - path.b) * g.astype(jnp.float32), axis=channels)[0] * valid[0]
